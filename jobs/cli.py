@@ -1,0 +1,177 @@
+"""The `shardline` command: parse, call, report. No logic of its own."""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import contextmanager
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from pipelines.errors import ShardlineError
+
+from .config import ShardlineConfig, load_config
+
+console = Console(stderr=True, highlight=False)
+
+_set_option = click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="SECTION.FIELD=VALUE",
+    help="Override any config field, e.g. --set training.epochs=3 (repeatable).",
+)
+
+
+@contextmanager
+def stage(title: str):
+    """One line when a stage starts and one when it ends, with its wall time."""
+    console.print(f"[bold]→[/] {title} …")
+    start = time.perf_counter()
+    yield
+    console.print(f"[green]✓[/] {title} [dim]({time.perf_counter() - start:.1f} s)[/]")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="shardline")
+def cli():
+    """shardline: raw data to a trained, tracked PyTorch model and scored outputs,
+    on Spark (and Dask)."""
+
+
+@cli.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+@_set_option
+def run(config, overrides):
+    """Generate/prepare data, train with DDP on a Spark barrier stage, register, score."""
+    cfg = load_config(config, list(overrides))
+    spark = _spark(cfg)
+    manifest = _prepare(cfg, spark)
+    result = _train(cfg, spark)
+    score = _score(cfg, spark, result.model_uri, result.tracking_uri)
+
+    table = Table(title="shardline run", show_header=False, title_justify="left")
+    for split, info in manifest.splits.items():
+        table.add_row(f"rows {split}", f"{info.rows:,} in {len(info.shards)} shards")
+    if "val_accuracy" in result.metrics:
+        table.add_row("val accuracy", f"{result.metrics['val_accuracy']:.4f}")
+    table.add_row("MLflow run", result.run_id)
+    table.add_row("MLflow store", result.tracking_uri)
+    table.add_row("model", f"{result.model_uri}")
+    table.add_row("dataset", cfg.pipelines.dataset_dir)
+    table.add_row("scores", f"{score.output_dir} ({score.rows:,} rows)")
+    table.add_row("open the UI", f"mlflow ui --backend-store-uri {result.tracking_uri}")
+    Console().print(table)
+
+
+@cli.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+@_set_option
+@click.option("--engine", type=click.Choice(["spark"]), default="spark", show_default=True)
+def prepare(config, overrides, engine):
+    """Validate, split, transform and shard raw data into a prepared dataset."""
+    cfg = load_config(config, list(overrides))
+    manifest = _prepare(cfg, _spark(cfg))
+    for split, info in manifest.splits.items():
+        console.print(f"  {split}: {info.rows:,} rows in {len(info.shards)} shards")
+
+
+@cli.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+@_set_option
+@click.option("--launcher", type=click.Choice(["spark", "local"]), help="Overrides training.launcher.")
+@click.option("--world-size", type=int, help="Overrides training.world_size.")
+def train(config, overrides, launcher, world_size):
+    """Train on a prepared dataset; track in MLflow; register the model."""
+    extra = [f"training.launcher='{launcher}'"] if launcher else []
+    extra += [f"training.world_size={world_size}"] if world_size else []
+    cfg = load_config(config, list(overrides) + extra)
+    spark = _spark(cfg) if cfg.training.launcher == "spark" else None
+    result = _train(cfg, spark)
+    console.print(f"  run {result.run_id}; model {result.model_uri}")
+    for k in ("val_loss", "val_accuracy"):
+        if k in result.metrics:
+            console.print(f"  {k} {result.metrics[k]:.4f}")
+
+
+@cli.command()
+@click.argument("config", type=click.Path(dir_okay=False), required=False)
+@_set_option
+@click.option("--model", "model_uri", help="MLflow model URI; overrides serving.model_uri.")
+@click.option("--input", "input_dir", help="Prepared dataset directory to score.")
+@click.option("--split", help="Split to score; overrides serving.split.")
+@click.option("--output", "output_dir", help="Output directory; overrides serving.output_dir.")
+def score(config, overrides, model_uri, input_dir, split, output_dir):
+    """Batch-score a prepared dataset's split with a registered model on Spark."""
+    cfg = load_config(config, list(overrides))
+    serving = cfg.serving.model_copy(
+        update={
+            k: v
+            for k, v in {"model_uri": model_uri, "split": split, "output_dir": output_dir}.items()
+            if v
+        }
+    )
+    if input_dir:
+        cfg.pipelines.dataset_dir = input_dir
+    if not serving.model_uri:
+        raise click.UsageError("no model: pass --model or set serving.model_uri")
+    cfg.serving = serving
+    result = _score(cfg, _spark(cfg), serving.model_uri, cfg.tracking.resolved_uri())
+    console.print(f"  {result.rows:,} rows → {result.output_dir}")
+
+
+def _spark(cfg: ShardlineConfig):
+    from pipelines.engines import spark_session
+
+    with stage(f"Starting Spark ({cfg.spark.master})"):
+        return spark_session(cfg.spark)
+
+
+def _prepare(cfg: ShardlineConfig, spark):
+    from pipelines.prepare_spark import generate_raw_spark, prepare_spark
+
+    src = cfg.pipelines.source
+    if src.format == "synthetic":
+        with stage(f"Generating {src.synthetic.rows:,} synthetic rows into {src.path}"):
+            generate_raw_spark(spark, src, cfg.pipelines)
+    with stage(f"Preparing {cfg.pipelines.dataset_dir} with Spark"):
+        return prepare_spark(spark, cfg.pipelines)
+
+
+def _train(cfg: ShardlineConfig, spark):
+    from training.job import run_training
+
+    t = cfg.training
+    title = f"Training {t.model} with {t.strategy} on {t.world_size} {t.launcher} ranks"
+    with stage(title):
+        return run_training(t, cfg.tracking, cfg.pipelines.dataset_dir, spark=spark)
+
+
+def _score(cfg: ShardlineConfig, spark, model_uri: str, tracking_uri: str):
+    from serving.score_spark import score_spark
+
+    s = cfg.serving
+    with stage(f"Scoring split '{s.split}' with {model_uri}"):
+        return score_spark(
+            spark, model_uri, tracking_uri, cfg.pipelines.dataset_dir, s.split, s.output_dir, s.batch_size
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="shardline", standalone_mode=False)
+    except click.exceptions.Abort:
+        console.print("aborted")
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except ShardlineError as e:
+        console.print(f"[red]error:[/] {e}", soft_wrap=True)
+        sys.exit(e.exit_code)
+
+
+if __name__ == "__main__":
+    main()

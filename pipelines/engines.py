@@ -1,0 +1,50 @@
+"""Engine session factories: embedded local engines by default, a cluster by address."""
+
+from __future__ import annotations
+
+import os
+import sys
+from importlib import resources
+
+from .config import SparkConfig
+
+
+def spark_session(cfg: SparkConfig):
+    """Return the active SparkSession, or start one from `cfg`.
+
+    Under spark-submit the session (and its master) already exists: we reuse it
+    rather than override what the user submitted with.
+    """
+    # Workers must run the interpreter (and so the packages) of this process.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    if cfg.master.startswith("local"):
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        return active
+
+    log4j = resources.files("pipelines") / "log4j2.properties"
+    builder = SparkSession.builder.appName(cfg.app_name)
+    # spark-submit starts the JVM first and hands us its gateway: its --master wins.
+    if "PYSPARK_GATEWAY_PORT" not in os.environ:
+        builder = builder.master(cfg.master)
+    settings = {
+        "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{log4j}",
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.sql.shuffle.partitions": str(cfg.shuffle_partitions),
+        "spark.sql.execution.arrow.pyspark.enabled": "true",
+        # Per-worker model caches (serving) live only as long as the Python worker.
+        "spark.python.worker.reuse": "true",
+        **cfg.conf,
+    }
+    for k, v in settings.items():
+        builder = builder.config(k, v)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+

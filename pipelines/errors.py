@@ -1,0 +1,17 @@
+"""User-facing errors. The CLI prints these as one line; anything else is a bug."""
+
+
+class ShardlineError(Exception):
+    """A mistake in the user's input, config or environment (exit code 1)."""
+
+    exit_code = 1
+
+
+class ConfigError(ShardlineError):
+    """A config file that is missing, unparsable or invalid (exit code 2)."""
+
+    exit_code = 2
+
+
+class DataError(ShardlineError):
+    """Raw data or a prepared dataset that cannot be used as it is."""

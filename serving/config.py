@@ -1,0 +1,18 @@
+"""Config owned by `serving`: batch scoring."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from pipelines.config import Section
+
+
+class ServingConfig(Section):
+    model_uri: str | None = Field(
+        None,
+        description="MLflow model URI (models:/name/3, models:/name@alias, runs:/id/model); "
+        "`shardline run` scores the model it just registered.",
+    )
+    split: str = Field("test", description="Split of the prepared dataset to score.")
+    output_dir: str = Field("shardline-data/scores", description="Scored Parquet output.")
+    batch_size: int = Field(4096, ge=1, description="Rows per model call.")

@@ -1,0 +1,76 @@
+"""Real engines, started once per session: one SparkSession, one MLflow store."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipelines.config import PipelineConfig, SparkConfig
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def spark():
+    from pipelines.engines import spark_session
+
+    # Spark's Python workers must import `tests.dist_helpers` too (the JVM passes
+    # its PYTHONPATH on to them).
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p
+    )
+    session = spark_session(SparkConfig(master="local[2]", shuffle_partitions=2))
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tracking_uri(tmp_path_factory) -> str:
+    """A real MLflow store (SQLite) shared by the session's in-process tests.
+
+    The session runs in a scratch directory: a SQLite store puts artifacts in
+    ./mlruns, and Spark may leave files in the working directory.
+    """
+    root = tmp_path_factory.mktemp("session")
+    os.chdir(root)
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    return uri
+
+
+def small_pipeline(tmp: Path, rows: int = 4000, **layout) -> PipelineConfig:
+    return PipelineConfig.model_validate(
+        {
+            "dataset_dir": str(tmp / "dataset"),
+            "source": {"path": str(tmp / "raw"), "synthetic": {"rows": rows, "partitions": 2}},
+            "layout": {"world_size": 2, **layout},
+        }
+    )
+
+
+@pytest.fixture(scope="session")
+def prepared(spark, tmp_path_factory) -> PipelineConfig:
+    """A small synthetic dataset prepared once with Spark; tests must not modify it."""
+    from pipelines.prepare_spark import generate_raw_spark, prepare_spark
+
+    cfg = small_pipeline(tmp_path_factory.mktemp("prepared"), rows=6000)
+    generate_raw_spark(spark, cfg.source, cfg)
+    prepare_spark(spark, cfg)
+    return cfg
+
+
+def shardline(*args: str, cwd: Path, env: dict | None = None, timeout: int = 600):
+    """Run the real CLI in a subprocess, as a user would: default store is cwd/mlflow.db."""
+    base = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    return subprocess.run(
+        [sys.executable, "-m", "jobs.cli", *args],
+        cwd=cwd,
+        env={**base, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

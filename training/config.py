@@ -1,0 +1,59 @@
+"""Config owned by `training`: the trainer, its launcher and MLflow tracking."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from pipelines.config import Section
+
+
+class TrainingConfig(Section):
+    launcher: Literal["spark", "local"] = Field(
+        "spark", description="spark: a barrier stage; local: processes on this machine."
+    )
+    world_size: int = Field(2, ge=1, description="Ranks (processes) that train together.")
+    strategy: str = Field("ddp", description="Parallel strategy, by name (training.strategies).")
+    model: str = Field("mlp", description="Model, by name (training.models).")
+    hidden: list[int] = Field(default_factory=lambda: [128, 64], description="MLP hidden widths.")
+    embedding_dim: int = Field(8, ge=1, description="Width of each categorical embedding.")
+    epochs: int = Field(5, ge=1, description="Passes over the train split.")
+    batch_size: int = Field(
+        512,
+        ge=1,
+        description="Global batch size, split evenly over ranks; the learning rate below "
+        "is for this global batch, so changing world_size does not change the optimisation.",
+    )
+    lr: float = Field(3e-3, gt=0, description="Adam learning rate for `batch_size`.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    seed: int = Field(0, description="Seeds weights, shuffling and dropout.")
+    threads_per_rank: int = Field(
+        1, ge=1, description="torch intra-op threads per rank; ranks x threads <= cores."
+    )
+    log_every_steps: int = Field(50, ge=1, description="Per-step metrics every N steps.")
+    timeout_s: int = Field(
+        300, ge=10, description="Process-group timeout: a stalled peer fails the job after it."
+    )
+
+
+class TrackingConfig(Section):
+    tracking_uri: str | None = Field(
+        None,
+        description="MLflow tracking URI; default $MLFLOW_TRACKING_URI, else "
+        "sqlite:///<cwd>/mlflow.db.",
+    )
+    experiment: str = Field("shardline", description="MLflow experiment name.")
+    registered_model: str = Field(
+        "shardline-model", description="Model Registry name the final model is registered as."
+    )
+
+    def resolved_uri(self) -> str:
+        import os
+        from pathlib import Path
+
+        if self.tracking_uri:
+            return self.tracking_uri
+        if os.environ.get("MLFLOW_TRACKING_URI"):
+            return os.environ["MLFLOW_TRACKING_URI"]
+        return f"sqlite:///{Path.cwd() / 'mlflow.db'}"

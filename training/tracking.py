@@ -1,0 +1,67 @@
+"""MLflow tracking: the driver opens and closes the run, rank 0 reports into it."""
+
+from __future__ import annotations
+
+import time
+
+from pipelines.errors import ShardlineError
+
+
+class MetricsReporter:
+    """Rank 0's handle on the job's one MLflow run (opened by the driver)."""
+
+    def __init__(self, tracking_uri: str | None, run_id: str | None):
+        self.run_id = run_id
+        self.client = None
+        if tracking_uri and run_id:
+            from mlflow.tracking import MlflowClient
+
+            self.client = MlflowClient(tracking_uri)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.client is None:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        self.client.log_batch(self.run_id, metrics=batch, synchronous=True)
+
+
+def open_experiment(tracking_uri: str, experiment: str) -> str:
+    """Point MLflow at `tracking_uri` and make sure it answers, before any work starts."""
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri)
+    try:
+        return mlflow.set_experiment(experiment).experiment_id
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ShardlineError(
+            f"tracking.tracking_uri: MLflow at {tracking_uri} is not usable ({first[:200]})"
+        ) from None
+
+
+def log_curves(run_id: str, keys: list[str]) -> None:
+    """A loss/accuracy/throughput-per-epoch figure, as an artifact of the run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    groups = [[k for k in keys if k.endswith(suffix)] for suffix in ("loss", "accuracy")]
+    groups.append(["samples_per_s"])
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 3.5))
+    for ax, group in zip(axes, groups):
+        for key in group:
+            hist = sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)
+            if hist:
+                ax.plot([m.step + 1 for m in hist], [m.value for m in hist], marker="o", label=key)
+        ax.set_xlabel("epoch")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    client.log_figure(run_id, fig, "curves.png")
+    plt.close(fig)

@@ -1,0 +1,129 @@
+"""The one worker function every launcher calls, once per rank, inside the process group."""
+
+from __future__ import annotations
+
+import io
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from pipelines.manifest import load_manifest
+
+from .config import TrainingConfig
+from .loader import RankBatches
+from .models import build_model
+from .strategies import get_strategy
+from .tracking import MetricsReporter
+
+
+_SHOWN = ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "samples_per_s")
+
+
+@dataclass
+class TrainJob:
+    """Everything a rank needs; pickled to Spark tasks, Dask workers and processes."""
+
+    cfg: TrainingConfig
+    dataset_dir: str
+    tracking_uri: str | None = None
+    run_id: str | None = None
+
+
+def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
+    """The rank function of a training job (see training.launchers)."""
+    cfg = job.cfg
+    torch.set_num_threads(cfg.threads_per_rank)
+    device = (
+        torch.device("cuda", rank % torch.cuda.device_count())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    manifest = load_manifest(job.dataset_dir)
+    local_batch = cfg.batch_size // world_size
+    train = RankBatches.open(
+        manifest, job.dataset_dir, "train", rank, world_size, local_batch, cfg.seed
+    )
+    val_shards = manifest.splits["val"].shards if "val" in manifest.splits else []
+    val = (
+        RankBatches.open(manifest, job.dataset_dir, "val", rank, world_size, local_batch, cfg.seed)
+        if len(val_shards) >= world_size
+        else None
+    )
+
+    model = build_model(manifest, cfg).to(device)
+    strategy = get_strategy(cfg.strategy)
+    wrapped = strategy.wrap(model)
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    reporter = MetricsReporter(job.tracking_uri, job.run_id) if rank == 0 else None
+
+    step = 0
+    metrics: dict[str, float] = {}
+    for epoch in range(cfg.epochs):
+        wrapped.train()
+        loss_sum = correct = seen = waited = 0.0
+        start = time.perf_counter()
+        batches = train.epoch(epoch)
+        while True:
+            t = time.perf_counter()
+            batch = next(batches, None)
+            waited += time.perf_counter() - t
+            if batch is None:
+                break
+            x, y = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
+            logits = wrapped(x)
+            loss = F.cross_entropy(logits, y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            step += 1
+            loss_sum += loss.item() * len(y)
+            correct += (logits.argmax(1) == y).sum().item()
+            seen += len(y)
+            if reporter and step % cfg.log_every_steps == 0:
+                reporter.log({"train_loss_step": loss.item()}, step)
+        elapsed = time.perf_counter() - start
+
+        # Per-rank figures go to rank 0 through one all-reduce of a [world, k] table.
+        per_rank = torch.zeros(world_size, 2)
+        per_rank[rank] = torch.tensor([seen / elapsed, waited / elapsed])
+        totals = torch.tensor([loss_sum, correct, seen])
+        dist.all_reduce(per_rank)
+        dist.all_reduce(totals)
+        metrics = {
+            "train_loss": totals[0].item() / totals[2].item(),
+            "train_accuracy": totals[1].item() / totals[2].item(),
+            "samples_per_s": per_rank[:, 0].sum().item(),
+            "data_wait_fraction": per_rank[:, 1].max().item(),
+        }
+        for r in range(world_size):
+            metrics[f"rank{r}_samples_per_s"] = per_rank[r, 0].item()
+            metrics[f"rank{r}_data_wait_fraction"] = per_rank[r, 1].item()
+        if val is not None:
+            metrics.update(_evaluate(model, val, device))
+        if reporter:
+            reporter.log(metrics, epoch)
+            shown = ", ".join(f"{k} {metrics[k]:.4g}" for k in _SHOWN if k in metrics)
+            print(f"[shardline] epoch {epoch + 1}/{cfg.epochs}: {shown}", file=sys.stderr, flush=True)
+
+    if rank != 0:
+        return None
+    buf = io.BytesIO()
+    torch.save({k: v.cpu() for k, v in strategy.unwrap(wrapped).state_dict().items()}, buf)
+    return {"state_dict": buf.getvalue(), "metrics": metrics}
+
+
+@torch.no_grad()
+def _evaluate(model, val: RankBatches, device) -> dict[str, float]:
+    model.eval()
+    sums = torch.zeros(3)
+    for x, y in val.all_batches(4096):
+        logits = model(x.to(device))
+        y = y.to(device)
+        loss = F.cross_entropy(logits, y, reduction="sum").item()
+        sums += torch.tensor([loss, (logits.argmax(1) == y).sum().item(), len(y)])
+    dist.all_reduce(sums)
+    return {"val_loss": (sums[0] / sums[2]).item(), "val_accuracy": (sums[1] / sums[2]).item()}
