@@ -32,6 +32,8 @@ def open_experiment(tracking_uri: str, experiment: str) -> str:
     """Point MLflow at `tracking_uri` and make sure it answers, before any work starts."""
     import mlflow
 
+    if tracking_uri.startswith(("http://", "https://")):
+        _probe(tracking_uri)
     mlflow.set_tracking_uri(tracking_uri)
     try:
         return mlflow.set_experiment(experiment).experiment_id
@@ -39,6 +41,23 @@ def open_experiment(tracking_uri: str, experiment: str) -> str:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ShardlineError(
             f"tracking.tracking_uri: MLflow at {tracking_uri} is not usable ({first[:200]})"
+        ) from None
+
+
+def _probe(tracking_uri: str, timeout_s: float = 5.0) -> None:
+    # MLflow's client retries a dead server with backoff for minutes; one short
+    # probe tells the user at once.
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(f"{tracking_uri.rstrip('/')}/health", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        pass  # it answered: a server without /health, or behind auth; MLflow decides
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise ShardlineError(
+            f"tracking.tracking_uri: MLflow at {tracking_uri} is not reachable ({reason})"
         ) from None
 
 

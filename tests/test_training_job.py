@@ -1,0 +1,51 @@
+"""The training job: preflight errors before any process starts; a real tracked run."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipelines.errors import ConfigError, DataError, ShardlineError
+from training.config import TrackingConfig, TrainingConfig
+from training.job import run_training
+
+
+def test_local_launcher_trains_tracks_and_registers(prepared, tracking_uri):
+    from mlflow.tracking import MlflowClient
+
+    cfg = TrainingConfig(launcher="local", world_size=2, epochs=2, batch_size=128)
+    tracking = TrackingConfig(experiment="job-test", registered_model="job-test-model")
+    result = run_training(cfg, tracking, prepared.dataset_dir)
+    client = MlflowClient(tracking_uri)
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(result.run_id, "val_accuracy")] == [0, 1]
+    assert {"rank0_samples_per_s", "rank1_samples_per_s", "data_wait_fraction"} <= set(run.data.metrics)
+    assert result.metrics["val_accuracy"] > 0.6
+    assert client.get_model_version("job-test-model", result.model_version).run_id == result.run_id
+
+
+@pytest.mark.parametrize(
+    "update, error, message",
+    [
+        ({"model": "resnet"}, ConfigError, r"unknown model 'resnet' \(valid: mlp\)"),
+        ({"strategy": "zero"}, ConfigError, r"unknown strategy 'zero'"),
+        ({"world_size": 8, "batch_size": 64}, DataError, r"world size 8 is greater than the 2 shard"),
+        ({"batch_size": 101}, ConfigError, r"batch_size 101 must be a multiple"),
+    ],
+)
+def test_preflight_errors(prepared, update, error, message):
+    cfg = TrainingConfig(launcher="local", **update)
+    with pytest.raises(error, match=message):
+        run_training(cfg, TrackingConfig(), prepared.dataset_dir)
+
+
+def test_unreachable_tracking_uri_fails_before_training(prepared):
+    cfg = TrainingConfig(launcher="local")
+    tracking = TrackingConfig(tracking_uri="http://127.0.0.1:9")
+    with pytest.raises(ShardlineError, match=r"tracking.tracking_uri: MLflow at http://127.0.0.1:9 is not reachable"):
+        run_training(cfg, tracking, prepared.dataset_dir)
+
+
+def test_no_train_split(tmp_path):
+    with pytest.raises(DataError, match="no manifest"):
+        run_training(TrainingConfig(), TrackingConfig(), str(tmp_path))
