@@ -48,7 +48,9 @@ def run(config, overrides):
     """Generate/prepare data, train with DDP on a Spark barrier stage, register, score."""
     cfg = load_config(config, list(overrides))
     spark = _spark(cfg)
-    manifest = _prepare(cfg, spark)
+    from pipelines.engine_spark import SparkEngine
+
+    manifest = _prepare(cfg, SparkEngine(spark))
     result = _train(cfg, spark)
     score = _score(cfg, spark, result.model_uri, result.tracking_uri)
 
@@ -69,13 +71,25 @@ def run(config, overrides):
 @cli.command()
 @click.argument("config", type=click.Path(dir_okay=False))
 @_set_option
-@click.option("--engine", type=click.Choice(["spark"]), default="spark", show_default=True)
-def prepare(config, overrides, engine):
+@click.option("--engine", type=click.Choice(["spark", "dask"]), help="Overrides pipelines.engine.")
+@click.option("--append", is_flag=True, help="Add the source as new shards; statistics stay frozen.")
+@click.option(
+    "--refit",
+    is_flag=True,
+    help="With --append: re-prepare all sources of the dataset plus this one with new statistics.",
+)
+def prepare(config, overrides, engine, append, refit):
     """Validate, split, transform and shard raw data into a prepared dataset."""
-    cfg = load_config(config, list(overrides))
-    manifest = _prepare(cfg, _spark(cfg))
+    extra = [f"pipelines.engine='{engine}'"] if engine else []
+    cfg = load_config(config, list(overrides) + extra)
+    if refit and not append:
+        raise click.UsageError("--refit goes with --append")
+    with _prepare_engine(cfg) as eng:
+        manifest = _prepare(cfg, eng, append=append, refit=refit)
     for split, info in manifest.splits.items():
         console.print(f"  {split}: {info.rows:,} rows in {len(info.shards)} shards")
+    if manifest.dropped_rows:
+        console.print(f"  dropped {manifest.dropped_rows:,} row(s) that did not parse")
 
 
 @cli.command()
@@ -129,15 +143,35 @@ def _spark(cfg: ShardlineConfig):
         return spark_session(cfg.spark)
 
 
-def _prepare(cfg: ShardlineConfig, spark):
-    from pipelines.prepare_spark import generate_raw_spark, prepare_spark
+@contextmanager
+def _prepare_engine(cfg: ShardlineConfig):
+    if cfg.pipelines.engine == "spark":
+        from pipelines.engine_spark import SparkEngine
+
+        yield SparkEngine(_spark(cfg))
+        return
+    from pipelines.engine_dask import DaskEngine
+    from pipelines.engines import dask_client
+
+    where = cfg.dask.address or f"LocalCluster of {cfg.dask.n_workers} workers"
+    with stage(f"Starting Dask ({where})"):
+        client = dask_client(cfg.dask)
+    cluster = None if cfg.dask.address else client.cluster
+    try:
+        yield DaskEngine(client)
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+def _prepare(cfg: ShardlineConfig, engine, append: bool = False, refit: bool = False):
+    from pipelines.prepare import prepare
 
     src = cfg.pipelines.source
-    if src.format == "synthetic":
-        with stage(f"Generating {src.synthetic.rows:,} synthetic rows into {src.path}"):
-            generate_raw_spark(spark, src, cfg.pipelines)
-    with stage(f"Preparing {cfg.pipelines.dataset_dir} with Spark"):
-        return prepare_spark(spark, cfg.pipelines)
+    what = f"{src.synthetic.rows:,} synthetic rows" if src.format == "synthetic" else src.path
+    with stage(f"Preparing {what} into {cfg.pipelines.dataset_dir} with {engine.name}"):
+        return prepare(engine, cfg.pipelines, append=append, refit=refit)
 
 
 def _train(cfg: ShardlineConfig, spark):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import Field, ValidationError
 
-from pipelines.config import PipelineConfig, Section, SparkConfig
+from pipelines.config import DaskConfig, PipelineConfig, Section, SparkConfig
 from pipelines.errors import ConfigError
 from serving.config import ServingConfig
 from training.config import TrackingConfig, TrainingConfig
@@ -15,6 +15,7 @@ from training.config import TrackingConfig, TrainingConfig
 
 class ShardlineConfig(Section):
     spark: SparkConfig = Field(default_factory=SparkConfig)
+    dask: DaskConfig = Field(default_factory=DaskConfig)
     pipelines: PipelineConfig = Field(default_factory=PipelineConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)

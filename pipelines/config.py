@@ -31,6 +31,16 @@ class SparkConfig(Section):
     )
 
 
+class DaskConfig(Section):
+    address: str | None = Field(
+        None,
+        description="Scheduler address (tcp://host:8786); none starts an embedded LocalCluster.",
+    )
+    n_workers: int = Field(2, ge=1, description="Workers of the embedded LocalCluster.")
+    threads_per_worker: int = Field(1, ge=1, description="Threads per embedded worker.")
+    memory_limit: str = Field("4GiB", description="Memory limit per embedded worker.")
+
+
 class SyntheticSource(Section):
     """A deterministic classification dataset: each row is a pure function of its key."""
 
@@ -44,11 +54,22 @@ class SyntheticSource(Section):
 
 
 class SourceConfig(Section):
-    format: Literal["synthetic", "parquet"] = Field(
+    format: Literal["synthetic", "parquet", "csv", "json"] = Field(
         "synthetic",
-        description="synthetic: generate raw Parquet at `path` first, then prepare it.",
+        description="synthetic: generate raw Parquet at `path` first, then prepare it. "
+        "json is JSON lines.",
     )
-    path: str = Field("shardline-data/raw", description="Raw input directory or file.")
+    path: str = Field(
+        "shardline-data/raw",
+        description="Raw input: a file, a directory of files, or a glob; a local path or "
+        "any URL fsspec understands (file://, memory://, s3:// with its package).",
+    )
+    on_bad_rows: Literal["fail", "drop"] = Field(
+        "fail",
+        description="A value that does not parse as its column's type (CSV/JSON): fail "
+        "naming file, key and column, or drop the row and report the count.",
+    )
+    csv_delimiter: str = Field(",", min_length=1, max_length=1, description="CSV delimiter.")
     synthetic: SyntheticSource = Field(default_factory=SyntheticSource)
 
 
@@ -63,15 +84,38 @@ class FeatureSpec(Section):
         default_factory=lambda: ["color"],
         description="Categorical columns, indexed by train-split frequency; 0 is unknown.",
     )
+    categorical_encoding: Literal["index", "hash"] = Field(
+        "index",
+        description="index: vocabulary fitted on train, unseen values -> 0; "
+        "hash: a stable hash into `hash_buckets` (no vocabulary; for huge cardinality).",
+    )
+    hash_buckets: int = Field(1024, ge=1, description="Buckets of the hash encoding.")
+    vectors: dict[str, int] = Field(
+        default_factory=dict,
+        description="Fixed-length float vector columns and their lengths (list<float>); "
+        "passed through unscaled.",
+    )
+    task: Literal["classification", "regression"] = Field(
+        "classification",
+        description="classification: integer labels 0..K-1; regression: a float label.",
+    )
+    on_invalid_features: Literal["fail", "impute"] = Field(
+        "fail",
+        description="NaN, inf or null in a numeric/vector feature: fail naming file, key "
+        "and column, or impute the train mean (0 after standardisation).",
+    )
 
     @model_validator(mode="after")
     def _distinct(self) -> FeatureSpec:
-        cols = [self.key, self.label, *self.numeric, *self.categorical]
+        cols = [self.key, self.label, *self.numeric, *self.categorical, *self.vectors]
         dup = sorted({c for c in cols if cols.count(c) > 1})
         if dup:
             raise ValueError(f"column(s) used twice in the feature spec: {', '.join(dup)}")
-        if not self.numeric and not self.categorical:
-            raise ValueError("the feature spec names no numeric or categorical column")
+        if not (self.numeric or self.categorical or self.vectors):
+            raise ValueError("the feature spec names no feature column")
+        bad = [c for c, n in self.vectors.items() if n < 1]
+        if bad:
+            raise ValueError(f"vector column '{bad[0]}' needs a length >= 1")
         return self
 
 
@@ -101,6 +145,7 @@ class LayoutConfig(Section):
 
 
 class PipelineConfig(Section):
+    engine: Literal["spark", "dask"] = Field("spark", description="Engine of the prepare stage.")
     dataset_dir: str = Field(
         "shardline-data/dataset", description="Prepared dataset: shards + manifest.json."
     )

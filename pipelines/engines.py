@@ -6,7 +6,7 @@ import os
 import sys
 from importlib import resources
 
-from .config import SparkConfig
+from .config import DaskConfig, SparkConfig
 
 
 def spark_session(cfg: SparkConfig):
@@ -48,3 +48,23 @@ def spark_session(cfg: SparkConfig):
     spark.sparkContext.setLogLevel("ERROR")
     return spark
 
+
+
+def dask_client(cfg: DaskConfig):
+    """A Dask client: on the scheduler at `cfg.address`, or on an embedded LocalCluster."""
+    import logging
+
+    from distributed import Client, LocalCluster
+
+    # The P2P shuffle logs every shuffle's start and end as a warning.
+    logging.getLogger("distributed.shuffle").setLevel(logging.ERROR)
+    if cfg.address:
+        return Client(cfg.address, timeout="30s")
+    cluster = LocalCluster(
+        n_workers=cfg.n_workers,
+        threads_per_worker=cfg.threads_per_worker,
+        processes=True,
+        memory_limit=cfg.memory_limit,
+        dashboard_address=None,
+    )
+    return Client(cluster)

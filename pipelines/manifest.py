@@ -55,9 +55,13 @@ class FittedStatistics(_Model):
 
     numeric: dict[str, NumericStats]
     categorical: dict[str, list[str]] = Field(
-        description="Vocabulary per column, most frequent first; index i+1, 0 is unknown."
+        description="Vocabulary per column, most frequent first; index i+1, 0 is unknown "
+        "(empty with the hash encoding)."
     )
-    num_classes: int
+    cardinality: dict[str, int] = Field(
+        description="Distinct indices per categorical column, the unknown/null 0 excluded."
+    )
+    num_classes: int = Field(description="Classes (classification); 1 for regression.")
 
 
 class TensorSpec(_Model):
@@ -81,16 +85,20 @@ class ShardManifest(_Model):
     version_id: str
     created_at: str
     engine: dict[str, str] = Field(description="name and version of the engine that wrote it")
-    source: dict[str, str | int]
+    sources: list[dict[str, str | int]] = Field(
+        description="Every raw input prepared into this dataset, oldest first (append adds one)."
+    )
     arrow_schema: list[dict[str, str]]
     feature_spec: FeatureSpec
     tensors: dict[str, TensorSpec] = Field(
-        description="Model inputs: `features` (float32 [n_numeric + n_categorical]) and `label`."
+        description="Model inputs: `features` (float32: standardised numerics, vector "
+        "elements, then categorical indices) and `label`."
     )
     statistics: FittedStatistics
     layout: LayoutConfig
     splits: dict[str, SplitInfo]
     plan: BandwidthPlan | None = None
+    dropped_rows: int = Field(0, description="Rows dropped as unparseable (on_bad_rows = drop).")
 
     def split(self, name: str) -> SplitInfo:
         if name not in self.splits or not self.splits[name].shards:

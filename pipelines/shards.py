@@ -1,24 +1,27 @@
 """The shard writer: engine-neutral, runs inside Spark or Dask tasks.
 
-The engine delivers transformed rows tagged with `_split` and `_shard`, every
-row of one (split, shard) in the same partition. The writer sorts each group by
-key (so a shard's bytes do not depend on the engine or partitioning) and writes
-it with pyarrow under a deterministic name: a retried task rewrites the same file.
+The engine delivers parsed rows tagged with `_split` and `_shard`, every row of
+one (split, shard) in the same partition. The writer applies the feature
+transform, sorts each group by key (so a shard's bytes do not depend on the
+engine or partitioning) and writes it with pyarrow under a deterministic name:
+a retried task rewrites the same file.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-SPLIT_COL = "_split"
-SHARD_COL = "_shard"
+from .config import FeatureSpec
+from .manifest import FittedStatistics
+from .rows import SHARD_COL, SPLIT_COL
+from .transform import model_table
 
 SHARD_META_SCHEMA = pa.schema(
     [
@@ -38,17 +41,20 @@ def shard_relpath(version_dir_name: str, split: str, shard: int) -> str:
 
 
 def write_shard_groups(
-    batches: Iterable[pa.RecordBatch],
+    table: pa.Table,
     dataset_dir: str,
     version_dir_name: str,
-    key: str,
+    spec: FeatureSpec,
+    stats: FittedStatistics,
     rows_per_row_group: int,
+    shard_offsets: dict[str, int],
 ) -> Iterator[pa.RecordBatch]:
-    """Write every (split, shard) group found in `batches`; yield one metadata row each."""
-    batches = [b for b in batches if b.num_rows]
-    if not batches:
+    """Write every (split, shard) group of `table`; yield one metadata row each.
+
+    `shard_offsets` numbers an append's new shards after the existing ones.
+    """
+    if not table.num_rows:
         return
-    table = pa.Table.from_batches(batches)
     groups = table.group_by([SPLIT_COL, SHARD_COL]).aggregate([])
     for split, shard in zip(
         groups.column(SPLIT_COL).to_pylist(), groups.column(SHARD_COL).to_pylist()
@@ -56,12 +62,13 @@ def write_shard_groups(
         mask = pc.and_(
             pc.equal(table.column(SPLIT_COL), split), pc.equal(table.column(SHARD_COL), shard)
         )
-        part = table.filter(mask).drop_columns([SPLIT_COL, SHARD_COL])
-        part = part.sort_by([(key, "ascending")])
-        rel = shard_relpath(version_dir_name, split, int(shard))
+        part = table.filter(mask).sort_by([(spec.key, "ascending")])
+        part = model_table(part, spec, stats, impute=spec.on_invalid_features == "impute")
+        shard = int(shard) + shard_offsets.get(split, 0)
+        rel = shard_relpath(version_dir_name, split, shard)
         meta = _write_one(part, Path(dataset_dir) / rel, rows_per_row_group)
         yield pa.RecordBatch.from_pylist(
-            [{"split": split, "shard": int(shard), "path": rel, **meta}],
+            [{"split": split, "shard": shard, "path": rel, **meta}],
             schema=SHARD_META_SCHEMA,
         )
 

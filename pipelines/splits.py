@@ -6,7 +6,8 @@ from .config import SplitConfig
 
 SPLITS = ("train", "val", "test")
 BUCKETS = 10_000
-# Shard assignment hashes the key with this seed, independent of the split hash.
+# Split and shard hash the key with different salts, so they are independent.
+SPLIT_SALT = 42
 SHARD_SALT = 1_234_567
 
 

@@ -55,12 +55,32 @@ def small_pipeline(tmp: Path, rows: int = 4000, **layout) -> PipelineConfig:
 @pytest.fixture(scope="session")
 def prepared(spark, tmp_path_factory) -> PipelineConfig:
     """A small synthetic dataset prepared once with Spark; tests must not modify it."""
-    from pipelines.prepare_spark import generate_raw_spark, prepare_spark
+    from pipelines.engine_spark import SparkEngine
+    from pipelines.prepare import prepare
 
     cfg = small_pipeline(tmp_path_factory.mktemp("prepared"), rows=6000)
-    generate_raw_spark(spark, cfg.source, cfg)
-    prepare_spark(spark, cfg)
+    prepare(SparkEngine(spark), cfg)
     return cfg
+
+
+@pytest.fixture(scope="session")
+def dask_client():
+    from pipelines.config import DaskConfig
+    from pipelines.engines import dask_client as make_client
+
+    client = make_client(DaskConfig(n_workers=2, memory_limit="3GiB"))
+    yield client
+    cluster = client.cluster
+    client.close()
+    cluster.close()
+
+
+@pytest.fixture(scope="session")
+def engines(spark, dask_client):
+    from pipelines.engine_dask import DaskEngine
+    from pipelines.engine_spark import SparkEngine
+
+    return {"spark": SparkEngine(spark), "dask": DaskEngine(dask_client)}
 
 
 def shardline(*args: str, cwd: Path, env: dict | None = None, timeout: int = 600):

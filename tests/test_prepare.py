@@ -12,7 +12,7 @@ import pytest
 
 from pipelines.errors import DataError
 from pipelines.manifest import load_manifest
-from pipelines.prepare_spark import generate_raw_spark, prepare_spark
+from pipelines.prepare import prepare
 
 from .conftest import small_pipeline
 
@@ -73,11 +73,11 @@ def test_shards_are_sorted_by_key_and_rank_balanced(prepared):
     assert max(rows) / min(rows) < 1.15  # hash-balanced; tighter bound needs more rows
 
 
-def test_prepare_is_deterministic_and_replaces_the_previous_version(spark, tmp_path):
+@pytest.mark.parametrize("engine", ["spark", "dask"])
+def test_prepare_is_deterministic_and_replaces_the_previous_version(engines, engine, tmp_path):
     cfg = small_pipeline(tmp_path, rows=1500)
-    generate_raw_spark(spark, cfg.source, cfg)
-    first = prepare_spark(spark, cfg)
-    second = prepare_spark(spark, cfg)
+    first = prepare(engines[engine], cfg)
+    second = prepare(engines[engine], cfg)
     assert first.version_id != second.version_id
     assert [s.sha256 for s in first.splits["train"].shards] == [
         s.sha256 for s in second.splits["train"].shards
@@ -89,28 +89,13 @@ def test_prepare_is_deterministic_and_replaces_the_previous_version(spark, tmp_p
     ]
 
 
-def test_missing_column_is_named_and_nothing_is_written(spark, tmp_path):
+@pytest.mark.parametrize("engine", ["spark", "dask"])
+def test_refuses_to_write_into_a_foreign_directory(engines, engine, tmp_path):
     cfg = small_pipeline(tmp_path, rows=500)
-    generate_raw_spark(spark, cfg.source, cfg)
-    bad = cfg.model_copy(update={"features": cfg.features.model_copy(update={"label": "target"})})
-    with pytest.raises(DataError, match=r"column 'target' not found"):
-        prepare_spark(spark, bad)
-    assert not Path(cfg.dataset_dir).exists()
-
-
-def test_missing_input_is_named(spark, tmp_path):
-    cfg = small_pipeline(tmp_path)
-    with pytest.raises(DataError, match=r"raw: input not found"):
-        prepare_spark(spark, cfg)
-
-
-def test_refuses_to_write_into_a_foreign_directory(spark, tmp_path):
-    cfg = small_pipeline(tmp_path, rows=500)
-    generate_raw_spark(spark, cfg.source, cfg)
     Path(cfg.dataset_dir).mkdir()
     (Path(cfg.dataset_dir) / "notes.txt").write_text("mine")
     with pytest.raises(DataError, match="not a shardline dataset"):
-        prepare_spark(spark, cfg)
+        prepare(engines[engine], cfg)
     assert [p.name for p in Path(cfg.dataset_dir).iterdir()] == ["notes.txt"]
 
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from pipelines.errors import ConfigError
 from pipelines.manifest import ShardManifest
+from pipelines.transform import continuous_width
 
 from .config import TrainingConfig
 
@@ -49,9 +50,10 @@ class TabularMLP(nn.Module):
 
 def _mlp(manifest: ShardManifest, cfg: TrainingConfig) -> nn.Module:
     stats = manifest.statistics
+    spec = manifest.feature_spec
     return TabularMLP(
-        n_numeric=len(manifest.feature_spec.numeric),
-        cardinalities=[len(stats.categorical[c]) for c in manifest.feature_spec.categorical],
+        n_numeric=continuous_width(spec),
+        cardinalities=[stats.cardinality[c] for c in spec.categorical],
         hidden=cfg.hidden,
         n_classes=stats.num_classes,
         embedding_dim=cfg.embedding_dim,

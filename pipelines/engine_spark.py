@@ -1,0 +1,115 @@
+"""The prepare engine on Spark: mapInPandas/mapInArrow over the shared row code."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+
+from .config import PipelineConfig
+from .rows import FILE_COL, SHARD_COL, SPLIT_COL
+from .shards import SHARD_META_SCHEMA
+from .synthetic import generate_rows, key_ranges
+
+_SPARK_TYPES = {
+    pa.int64(): "bigint",
+    pa.int32(): "int",
+    pa.float64(): "double",
+    pa.string(): "string",
+    pa.list_(pa.float64()): "array<double>",
+}
+
+
+def spark_ddl(schema: pa.Schema) -> str:
+    return ", ".join(f"`{f.name}` {_SPARK_TYPES[f.type]}" for f in schema)
+
+
+class SparkEngine:
+    name = "spark"
+
+    def __init__(self, spark):
+        self.spark = spark
+        self.version = spark.version
+
+    def generate(self, cfg: PipelineConfig) -> None:
+        src, spec = cfg.source.synthetic, cfg.features
+        out = Path(cfg.source.path)
+        tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
+        ranges = key_ranges(src)
+        schema = pa.Schema.from_pandas(generate_rows(0, 1, src, spec), preserve_index=False)
+
+        def rows(batches):
+            for b in batches:
+                for start, stop in zip(b["start"], b["stop"]):
+                    # Chunks keep a partition's memory flat whatever its size.
+                    for a in range(start, stop, 100_000):
+                        yield generate_rows(a, min(a + 100_000, stop), src, spec)
+
+        ranges_df = self.spark.createDataFrame(ranges, "start bigint, stop bigint").repartition(len(ranges))
+        ranges_df.mapInPandas(rows, spark_ddl(schema)).write.parquet(str(tmp.resolve()))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+
+    def read(self, files: list[str], cfg: PipelineConfig):
+        from pyspark.sql import functions as F
+
+        reader = self.spark.read
+        fmt = cfg.source.format
+        if fmt in ("parquet", "synthetic"):
+            df = reader.parquet(*files)
+        elif fmt == "csv":
+            # Every column as text: the shared parser decides what parses.
+            df = reader.options(header=True, sep=cfg.source.csv_delimiter, inferSchema=False).csv(files)
+        else:
+            df = reader.json(files, primitivesAsString=False)
+        return df.withColumn(FILE_COL, F.input_file_name())
+
+    def columns(self, frame) -> list[str]:
+        return frame.columns
+
+    def reports(self, frame, fn) -> list[dict]:
+        def each(batches):
+            import pandas as pd
+
+            for b in batches:
+                yield pd.DataFrame({"report": [json.dumps(fn(b))]})
+
+        return [json.loads(r["report"]) for r in frame.mapInPandas(each, "report string").collect()]
+
+    def parsed(self, frame, fn, schema):
+        def each(batches):
+            for b in batches:
+                yield fn(b)
+
+        return frame.mapInPandas(each, spark_ddl(schema))
+
+    def duplicate_key(self, parsed, key: str, existing: list[str]):
+        from pyspark.sql import functions as F
+
+        keys = parsed.select(key, FILE_COL)
+        if existing:
+            old = self.spark.read.parquet(*existing).select(key).withColumn(FILE_COL, F.input_file_name())
+            keys = keys.unionByName(old)
+        row = (
+            keys.groupBy(key)
+            .agg(F.count("*").alias("n"), F.collect_set(FILE_COL).alias("files"))
+            .where("n > 1")
+            .limit(1)
+            .collect()
+        )
+        return (row[0][key], sorted(row[0]["files"])) if row else None
+
+    def write(self, parsed, partitions: int, writer) -> list[dict]:
+        def each(batches):
+            batches = [b for b in batches if b.num_rows]
+            if batches:
+                yield from writer(pa.Table.from_batches(batches))
+
+        out = parsed.repartition(partitions, SPLIT_COL, SHARD_COL).mapInArrow(
+            each, spark_ddl(SHARD_META_SCHEMA)
+        )
+        return [r.asDict() for r in out.collect()]

@@ -1,0 +1,258 @@
+"""The prepare stage, engine-neutral: validate, fit, split, shard, commit.
+
+An engine (engine_spark, engine_dask) only reads files, maps partitions, finds
+duplicate keys and repartitions by (split, shard); parsing, statistics, the
+transform and the shard files are the same code on both (rows, transform, shards).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import shutil
+from functools import partial
+from pathlib import Path
+from typing import Any, Protocol
+
+import pyarrow.parquet as pq
+
+from .config import PipelineConfig
+from .errors import DataError
+from .manifest import (
+    FittedStatistics,
+    NumericStats,
+    ShardInfo,
+    ShardManifest,
+    SplitInfo,
+    TensorSpec,
+    commit_manifest,
+    load_manifest,
+    manifest_path,
+    new_version_dir,
+)
+from .rows import BAD_KINDS, Parsed, merge_reports, typed_schema
+from .shards import write_shard_groups
+from .sources import check_readable, display, list_files
+from .splits import SPLITS
+from .transform import feature_width
+
+
+class PrepareEngine(Protocol):
+    name: str
+    version: str
+
+    def generate(self, cfg: PipelineConfig) -> None:
+        """Write the synthetic source as raw Parquet files at cfg.source.path."""
+
+    def read(self, files: list[str], cfg: PipelineConfig) -> Any:
+        """A lazy frame of the raw columns plus `_file`."""
+
+    def columns(self, frame) -> list[str]: ...
+
+    def reports(self, frame, fn) -> list[dict]:
+        """fn(pandas batch) -> dict, over every batch; the dicts come back to the driver."""
+
+    def parsed(self, frame, fn, schema) -> Any:
+        """A lazy frame of fn(pandas batch) -> pandas, with the given Arrow schema."""
+
+    def duplicate_key(self, parsed, key: str, existing: list[str]) -> tuple[int, list[str]] | None:
+        """One key seen twice (in `parsed` or also in the `existing` shard files)."""
+
+    def write(self, parsed, partitions: int, writer) -> list[dict]:
+        """Repartition by (_split, _shard); writer(pa.Table) yields metadata rows."""
+
+
+def prepare(
+    engine: PrepareEngine, cfg: PipelineConfig, append: bool = False, refit: bool = False
+) -> ShardManifest:
+    """Prepare `cfg.source` into `cfg.dataset_dir` and commit; returns the manifest.
+
+    append: add the source as new shards beside the existing ones, statistics
+    frozen from the dataset's first version. append + refit: re-prepare every
+    source of the dataset plus this one, statistics fitted anew, all shards new.
+    """
+    spec = cfg.features
+    root = Path(cfg.dataset_dir).resolve()
+    previous = load_manifest(root) if manifest_path(root).exists() else None
+    if append:
+        if previous is None:
+            raise DataError(f"{root}: --append needs an existing dataset; run prepare first")
+        if previous.feature_spec != spec:
+            raise DataError(
+                f"{root}: pipelines.features differ from the dataset's; append needs the same spec"
+            )
+    if cfg.source.format == "synthetic":
+        engine.generate(cfg)
+
+    files = list_files(cfg.source)
+    check_readable(files, cfg.source.format)
+    sources = [
+        {"format": cfg.source.format, "path": display(f)} for f in files
+    ]
+    if append and refit:
+        files = [_url(s["path"]) for s in previous.sources] + files
+        sources = previous.sources + sources
+
+    frame = engine.read(files, cfg)
+    have = engine.columns(frame)
+    for col in [spec.key, spec.label, *spec.numeric, *spec.categorical, *spec.vectors]:
+        if col not in have:
+            raise DataError(
+                f"{display(cfg.source.path)}: column '{col}' not found "
+                f"(have: {', '.join(c for c in have if not c.startswith('_'))})"
+            )
+
+    drop = cfg.source.on_bad_rows == "drop"
+    report = merge_reports(
+        engine.reports(frame, partial(_report_batch, cfg=cfg, drop=drop))
+    )
+    _check(report, cfg)
+
+    existing = (
+        [str(root / s.path) for info in previous.splits.values() for s in info.shards]
+        if append and not refit
+        else []
+    )
+    parse = partial(_parse_batch, cfg=cfg, shards=None, drop=drop)
+    dup = engine.duplicate_key(engine.parsed(frame, parse, typed_schema(spec, False)), spec.key, existing)
+    if dup:
+        key, where = dup
+        raise DataError(
+            f"{', '.join(display(w) for w in where[:3])}: duplicate key {key} in column '{spec.key}'"
+        )
+
+    frozen = append and not refit
+    stats = previous.statistics if frozen else _fit(report, cfg)
+    row_bytes = 4 * feature_width(spec) + 16
+    shards = {s: _shard_count(report["rows"][s], row_bytes, cfg) for s in SPLITS}
+    offsets = {s: len(previous.splits[s].shards) for s in SPLITS} if frozen else {}
+
+    version_id, version_dir = new_version_dir(root)
+    try:
+        parse = partial(_parse_batch, cfg=cfg, shards=shards, drop=drop)
+        writer = partial(
+            write_shard_groups,
+            dataset_dir=str(root),
+            version_dir_name=version_dir.name,
+            spec=spec,
+            stats=stats,
+            rows_per_row_group=cfg.layout.rows_per_row_group,
+            shard_offsets=offsets,
+        )
+        metas = engine.write(
+            engine.parsed(frame, parse, typed_schema(spec, True)), sum(shards.values()), writer
+        )
+        if not metas:
+            raise DataError(f"{display(cfg.source.path)}: no rows left to write")
+        splits = {s: _split_info(metas, s) for s in SPLITS}
+        if frozen:
+            splits = {
+                s: SplitInfo(
+                    rows=previous.splits[s].rows + splits[s].rows,
+                    shards=previous.splits[s].shards + splits[s].shards,
+                )
+                for s in SPLITS
+            }
+        manifest = ShardManifest(
+            version_id=version_id,
+            created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            engine={"name": engine.name, "version": engine.version},
+            sources=(previous.sources if frozen else []) + sources,
+            arrow_schema=[
+                {"name": f.name, "type": str(f.type)} for f in pq.read_schema(root / metas[0]["path"])
+            ],
+            feature_spec=spec,
+            tensors={
+                "features": TensorSpec(column="features", dtype="float32", shape=[feature_width(spec)]),
+                "label": TensorSpec(
+                    column=spec.label,
+                    dtype="int64" if spec.task == "classification" else "float32",
+                    shape=[],
+                ),
+            },
+            statistics=stats,
+            layout=cfg.layout,
+            splits=splits,
+            dropped_rows=report["dropped"],
+        )
+        commit_manifest(root, manifest)
+    except BaseException:
+        shutil.rmtree(version_dir, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _report_batch(batch, cfg: PipelineConfig, drop: bool) -> dict:
+    parsed = Parsed(batch, cfg.features)
+    return parsed.report(cfg.split, cfg.features.categorical_encoding, drop)
+
+
+def _parse_batch(batch, cfg: PipelineConfig, shards, drop: bool):
+    return Parsed(batch, cfg.features).frame(cfg.split, shards, drop_bad=drop)
+
+
+_WHAT = {
+    "bad": "value does not parse as the column's type (pipelines.source.on_bad_rows = 'drop' skips such rows)",
+    "null_key": "key is null",
+    "null_label": "label is null",
+    "negative_label": "class label is negative (classes are 0..K-1)",
+    "invalid": "feature is NaN, inf or null (pipelines.features.on_invalid_features = 'impute' fills it)",
+}
+
+
+def _check(report: dict, cfg: PipelineConfig) -> None:
+    kinds = [k for k in BAD_KINDS if cfg.source.on_bad_rows == "fail"]
+    if cfg.features.on_invalid_features == "fail":
+        kinds.append("invalid")
+    for kind in kinds:
+        for col, p in report["problems"].get(kind, {}).items():
+            raise DataError(
+                f"{display(p['file'])}: column '{col}', key {p['key']!r}: value {p['value']!r}: "
+                f"{_WHAT[kind]} ({p['count']} row(s) like this)"
+            )
+    total = sum(report["rows"].values())
+    if total == 0:
+        extra = f" after dropping {report['dropped']} bad row(s)" if report["dropped"] else ""
+        raise DataError(f"{display(cfg.source.path)}: input has no rows{extra}")
+    if report["rows"]["train"] == 0:
+        raise DataError(f"{display(cfg.source.path)}: no row falls in the train split")
+
+
+def _fit(report: dict, cfg: PipelineConfig) -> FittedStatistics:
+    spec = cfg.features
+    numeric = {}
+    for c in spec.numeric:
+        n, mean, m2 = report["moments"].get(c, (0, 0.0, 0.0))
+        std = math.sqrt(m2 / n) if n else 0.0
+        # A constant column carries no signal; std 1 keeps it finite instead of NaN.
+        numeric[c] = NumericStats(mean=mean, std=std if std > 0 else 1.0)
+    categorical, cardinality = {}, {}
+    for c in spec.categorical:
+        if spec.categorical_encoding == "hash":
+            categorical[c], cardinality[c] = [], spec.hash_buckets
+        else:
+            counts = report["categories"].get(c, {})
+            categorical[c] = [v for v, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+            cardinality[c] = len(categorical[c])
+    classes = int(report.get("label_max", 0)) + 1 if spec.task == "classification" else 1
+    return FittedStatistics(
+        numeric=numeric, categorical=categorical, cardinality=cardinality, num_classes=classes
+    )
+
+
+def _shard_count(rows: int, row_bytes: int, cfg: PipelineConfig) -> int:
+    if rows == 0:
+        return 0
+    w = cfg.layout.world_size
+    wanted = max(1, math.ceil(rows * row_bytes / cfg.layout.target_shard_bytes))
+    return w * math.ceil(wanted / w)
+
+
+def _split_info(metas: list[dict], split: str) -> SplitInfo:
+    mine = sorted((m for m in metas if m["split"] == split), key=lambda m: m["shard"])
+    shards = [ShardInfo(**{k: m[k] for k in ("path", "rows", "bytes", "row_groups", "sha256")}) for m in mine]
+    return SplitInfo(rows=sum(s.rows for s in shards), shards=shards)
+
+
+def _url(path: str) -> str:
+    return path if "://" in path else f"file://{path}"
