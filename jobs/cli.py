@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from contextlib import contextmanager
@@ -134,6 +135,31 @@ def score(config, overrides, model_uri, input_dir, split, output_dir):
     cfg.serving = serving
     result = _score(cfg, _spark(cfg), serving.model_uri, cfg.tracking.resolved_uri())
     console.print(f"  {result.rows:,} rows → {result.output_dir}")
+
+
+@cli.group()
+def bench():
+    """Benchmarks: each prints its figure and a baseline measured in the same run."""
+
+
+@bench.command("prepare")
+@click.option("--rows", type=int, default=1_000_000, show_default=True, help="Synthetic rows.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
+def bench_prepare(rows, as_json):
+    """Prepare MB/s on Spark and on Dask vs a single-process pyarrow rewrite."""
+    from benchmarks.prepare import run as run_bench
+
+    result = run_bench(rows, progress=lambda msg: console.print(f"[dim]… {msg}[/]"))
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    table = Table(title=f"prepare, {rows:,} rows, {result['input_mb']} MB raw Parquet, {result['cores']} cores")
+    for col in ("", "seconds", "MB/s", "× pyarrow"):
+        table.add_column(col, justify="right")
+    for k in ("pyarrow", "spark", "dask"):
+        ratio = result["ratio_vs_pyarrow"].get(k, 1.0)
+        table.add_row(k, f"{result['seconds'][k]:.2f}", f"{result['mb_per_s'][k]:.1f}", f"{ratio:.2f}")
+    Console().print(table)
 
 
 def _spark(cfg: ShardlineConfig):

@@ -1,0 +1,1 @@
+"""Benchmarks: each prints its figure beside a baseline measured in the same run."""
