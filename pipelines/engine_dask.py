@@ -15,7 +15,7 @@ import pandas as pd
 import pyarrow as pa
 
 from .config import PipelineConfig
-from .rows import FILE_COL, SHARD_COL, SPLIT_COL
+from .rows import FILE_COL, HASH_COL, SHARD_COL, SPLIT_COL, shard_of
 from .shards import SHARD_META_SCHEMA
 from .synthetic import generate_rows, key_ranges
 
@@ -112,6 +112,9 @@ class DaskEngine:
         meta = schema.empty_table().to_pandas()
         return frame.map_partitions(fn, meta=meta, enforce_metadata=False)
 
+    def release(self, parsed) -> None:
+        pass  # nothing cached: Dask recomputes the parse for each use
+
     def duplicate_key(self, parsed, key: str, existing: list[str]):
         import dask.dataframe as dd
 
@@ -127,15 +130,20 @@ class DaskEngine:
             return None
         return int(found[key].iat[0]), found["files"].iat[0]
 
-    def write(self, parsed, partitions: int, writer) -> list[dict]:
+    def write(self, parsed, shards: dict[str, int], writer) -> list[dict]:
         def each(df):
             rows = list(writer(pa.Table.from_pandas(df, preserve_index=False))) if len(df) else []
             table = pa.Table.from_batches(rows, SHARD_META_SCHEMA) if rows else SHARD_META_SCHEMA.empty_table()
             return table.to_pandas()
 
         meta = SHARD_META_SCHEMA.empty_table().to_pandas()
-        shuffled = parsed.shuffle(on=[SPLIT_COL, SHARD_COL], npartitions=partitions)
+        tagged = parsed.map_partitions(_with_shard, shards, meta={**parsed.dtypes.to_dict(), SHARD_COL: "int32"})
+        shuffled = tagged.shuffle(on=[SPLIT_COL, SHARD_COL], npartitions=sum(shards.values()))
         return shuffled.map_partitions(each, meta=meta).compute().to_dict("records")
+
+
+def _with_shard(df: pd.DataFrame, shards: dict[str, int]) -> pd.DataFrame:
+    return df.assign(**{SHARD_COL: shard_of(df[HASH_COL].to_numpy(), df[SPLIT_COL].to_numpy(), shards)})
 
 
 def _shard_keys(path: str, key: str) -> pd.DataFrame:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from .config import PipelineConfig
-from .rows import FILE_COL, SHARD_COL, SPLIT_COL
+from .rows import FILE_COL, HASH_COL, SHARD_COL, SPLIT_COL
 from .shards import SHARD_META_SCHEMA
 from .synthetic import generate_rows, key_ranges
 
@@ -85,7 +85,13 @@ class SparkEngine:
             for b in batches:
                 yield fn(b)
 
-        return frame.mapInPandas(each, spark_ddl(schema))
+        from pyspark import StorageLevel
+
+        # Parsed once, read by the duplicate check and the write.
+        return frame.mapInPandas(each, spark_ddl(schema)).persist(StorageLevel.MEMORY_AND_DISK)
+
+    def release(self, parsed) -> None:
+        parsed.unpersist()
 
     def duplicate_key(self, parsed, key: str, existing: list[str]):
         from pyspark.sql import functions as F
@@ -94,22 +100,28 @@ class SparkEngine:
         if existing:
             old = self.spark.read.parquet(*existing).select(key).withColumn(FILE_COL, F.input_file_name())
             keys = keys.unionByName(old)
-        row = (
-            keys.groupBy(key)
-            .agg(F.count("*").alias("n"), F.collect_set(FILE_COL).alias("files"))
-            .where("n > 1")
-            .limit(1)
-            .collect()
-        )
-        return (row[0][key], sorted(row[0]["files"])) if row else None
+        dup = keys.groupBy(key).count().where("count > 1").limit(1).collect()
+        if not dup:
+            return None
+        k = dup[0][key]
+        files = keys.where(F.col(key) == k).select(FILE_COL).distinct().collect()
+        return k, sorted(r[FILE_COL] for r in files)
 
-    def write(self, parsed, partitions: int, writer) -> list[dict]:
+    def write(self, parsed, shards: dict[str, int], writer) -> list[dict]:
+        from pyspark.sql import functions as F
+
+        shard = F.lit(0)
+        for split, n in shards.items():
+            if n:
+                shard = F.when(F.col(SPLIT_COL) == split, F.pmod(F.col(HASH_COL), F.lit(n))).otherwise(shard)
+
         def each(batches):
             batches = [b for b in batches if b.num_rows]
             if batches:
                 yield from writer(pa.Table.from_batches(batches))
 
-        out = parsed.repartition(partitions, SPLIT_COL, SHARD_COL).mapInArrow(
+        tagged = parsed.withColumn(SHARD_COL, shard.cast("int"))
+        out = tagged.repartition(sum(shards.values()), SPLIT_COL, SHARD_COL).mapInArrow(
             each, spark_ddl(SHARD_META_SCHEMA)
         )
         return [r.asDict() for r in out.collect()]

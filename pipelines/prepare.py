@@ -53,13 +53,19 @@ class PrepareEngine(Protocol):
         """fn(pandas batch) -> dict, over every batch; the dicts come back to the driver."""
 
     def parsed(self, frame, fn, schema) -> Any:
-        """A lazy frame of fn(pandas batch) -> pandas, with the given Arrow schema."""
+        """A frame of fn(pandas batch) -> pandas, with the given Arrow schema.
+
+        Read twice (duplicate check, write): an engine may cache it."""
+
+    def release(self, parsed) -> None:
+        """Drop what `parsed` cached."""
 
     def duplicate_key(self, parsed, key: str, existing: list[str]) -> tuple[int, list[str]] | None:
         """One key seen twice (in `parsed` or also in the `existing` shard files)."""
 
-    def write(self, parsed, partitions: int, writer) -> list[dict]:
-        """Repartition by (_split, _shard); writer(pa.Table) yields metadata rows."""
+    def write(self, parsed, shards: dict[str, int], writer) -> list[dict]:
+        """Add _shard = _h mod shards[_split], repartition by (_split, _shard), and run
+        writer(pa.Table) on each partition; it yields metadata rows."""
 
 
 def prepare(
@@ -113,15 +119,27 @@ def prepare(
         if append and not refit
         else []
     )
-    parse = partial(_parse_batch, cfg=cfg, shards=None, drop=drop)
-    dup = engine.duplicate_key(engine.parsed(frame, parse, typed_schema(spec, False)), spec.key, existing)
+    parsed = engine.parsed(frame, partial(_parse_batch, cfg=cfg, drop=drop), typed_schema(spec))
+    try:
+        return _check_and_write(
+            engine, cfg, parsed, report, previous, existing, sources, frozen=append and not refit
+        )
+    finally:
+        engine.release(parsed)
+
+
+def _check_and_write(
+    engine, cfg, parsed, report, previous, existing, sources, frozen: bool
+) -> ShardManifest:
+    spec = cfg.features
+    root = Path(cfg.dataset_dir).resolve()
+    dup = engine.duplicate_key(parsed, spec.key, existing)
     if dup:
         key, where = dup
         raise DataError(
             f"{', '.join(display(w) for w in where[:3])}: duplicate key {key} in column '{spec.key}'"
         )
 
-    frozen = append and not refit
     stats = previous.statistics if frozen else _fit(report, cfg)
     row_bytes = 4 * feature_width(spec) + 16
     shards = {s: _shard_count(report["rows"][s], row_bytes, cfg) for s in SPLITS}
@@ -129,7 +147,6 @@ def prepare(
 
     version_id, version_dir = new_version_dir(root)
     try:
-        parse = partial(_parse_batch, cfg=cfg, shards=shards, drop=drop)
         writer = partial(
             write_shard_groups,
             dataset_dir=str(root),
@@ -139,9 +156,7 @@ def prepare(
             rows_per_row_group=cfg.layout.rows_per_row_group,
             shard_offsets=offsets,
         )
-        metas = engine.write(
-            engine.parsed(frame, parse, typed_schema(spec, True)), sum(shards.values()), writer
-        )
+        metas = engine.write(parsed, shards, writer)
         if not metas:
             raise DataError(f"{display(cfg.source.path)}: no rows left to write")
         splits = {s: _split_info(metas, s) for s in SPLITS}
@@ -187,8 +202,8 @@ def _report_batch(batch, cfg: PipelineConfig, drop: bool) -> dict:
     return parsed.report(cfg.split, cfg.features.categorical_encoding, drop)
 
 
-def _parse_batch(batch, cfg: PipelineConfig, shards, drop: bool):
-    return Parsed(batch, cfg.features).frame(cfg.split, shards, drop_bad=drop)
+def _parse_batch(batch, cfg: PipelineConfig, drop: bool):
+    return Parsed(batch, cfg.features).frame(cfg.split, drop_bad=drop)
 
 
 _WHAT = {

@@ -15,7 +15,7 @@ import pandas as pd
 import pyarrow as pa
 
 from .config import FeatureSpec, SplitConfig
-from .hashing import bucket
+from .hashing import bucket, hash64
 from .splits import BUCKETS, SHARD_SALT, SPLIT_SALT, split_thresholds
 
 # Problems that make a row unusable (fail, or dropped with on_bad_rows = "drop");
@@ -25,9 +25,13 @@ BAD_KINDS = ("bad", "null_key", "null_label", "negative_label")
 FILE_COL = "_file"
 SPLIT_COL = "_split"
 SHARD_COL = "_shard"
+# The key's shard hash, non-negative int64: shard = _h mod (the split's shard count).
+# Parsed rows carry it, so an engine computes shards once counts are known,
+# without parsing again (Spark: pmod, natively).
+HASH_COL = "_h"
 
 
-def typed_schema(spec: FeatureSpec, with_shard: bool) -> pa.Schema:
+def typed_schema(spec: FeatureSpec) -> pa.Schema:
     """Columns of a parsed row, as both engines carry them to the shard writer."""
     label = pa.int64() if spec.task == "classification" else pa.float64()
     fields = [pa.field(spec.key, pa.int64()), pa.field(spec.label, label)]
@@ -35,8 +39,7 @@ def typed_schema(spec: FeatureSpec, with_shard: bool) -> pa.Schema:
     fields += [pa.field(c, pa.string()) for c in spec.categorical]
     fields += [pa.field(c, pa.list_(pa.float64())) for c in spec.vectors]
     fields += [pa.field(FILE_COL, pa.string()), pa.field(SPLIT_COL, pa.string())]
-    if with_shard:
-        fields.append(pa.field(SHARD_COL, pa.int32()))
+    fields.append(pa.field(HASH_COL, pa.int64()))
     return pa.schema(fields)
 
 
@@ -133,13 +136,12 @@ class Parsed:
         by_col["_any"] = by_col["_any"] | mask if "_any" in by_col else mask.copy()
 
     # -- results -------------------------------------------------------------
-    def frame(self, split: SplitConfig, shards: Mapping[str, int] | None, drop_bad: bool) -> pd.DataFrame:
-        """Typed rows tagged with split (and shard); bad rows dropped when asked."""
+    def frame(self, split: SplitConfig, drop_bad: bool) -> pd.DataFrame:
+        """Typed rows tagged with split and shard hash; bad rows dropped when asked."""
         df = pd.DataFrame(self.cols)
         df[FILE_COL] = self.raw[FILE_COL].to_numpy() if FILE_COL in self.raw else ""
         df[SPLIT_COL] = split_of(df[self.spec.key].to_numpy(), split)
-        if shards is not None:
-            df[SHARD_COL] = shard_of(df[self.spec.key].to_numpy(), df[SPLIT_COL].to_numpy(), shards)
+        df[HASH_COL] = shard_hash(df[self.spec.key].to_numpy())
         if drop_bad:
             df = df[~self.bad]
         return df
@@ -147,7 +149,7 @@ class Parsed:
     def report(self, split: SplitConfig, encoding: str, drop_bad: bool) -> dict:
         """Counts, first examples and train-split statistics of this batch (JSON-able)."""
         spec = self.spec
-        df = self.frame(split, None, drop_bad=False)
+        df = self.frame(split, drop_bad=False)
         keep = ~self.bad if drop_bad else np.ones(len(df), bool)
         splits = df[SPLIT_COL].to_numpy()
         rep: dict = {
@@ -214,12 +216,17 @@ def split_of(keys: np.ndarray, split: SplitConfig) -> np.ndarray:
     return np.where(b < t_train, "train", np.where(b < t_val, "val", "test")).astype(object)
 
 
-def shard_of(keys: np.ndarray, splits: np.ndarray, shards: Mapping[str, int]) -> np.ndarray:
-    out = np.zeros(len(keys), np.int32)
+def shard_hash(keys: np.ndarray) -> np.ndarray:
+    return (hash64(keys, SHARD_SALT) >> np.uint64(1)).astype(np.int64)
+
+
+def shard_of(hashes: np.ndarray, splits: np.ndarray, shards: Mapping[str, int]) -> np.ndarray:
+    """Shard per row from its HASH_COL value and split (the Dask side; Spark uses pmod)."""
+    out = np.zeros(len(hashes), np.int32)
     for s, n in shards.items():
         mask = splits == s
         if mask.any():
-            out[mask] = bucket(keys[mask], SHARD_SALT, n)
+            out[mask] = hashes[mask] % n
     return out
 
 

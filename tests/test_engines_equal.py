@@ -76,7 +76,7 @@ def test_append_adds_shards_and_keeps_splits_and_statistics(engines, engine, tmp
     assert sum(len(v) for v in after.values()) == 900
 
     # Same keys again: refused, naming the key; the dataset stays as it was.
-    with pytest.raises(DataError, match=r"duplicate key 6\d\d in column 'id'"):
+    with pytest.raises(DataError, match=r"duplicate key [6-8]\d\d in column 'id'"):
         prepare(engines[engine], cfg, append=True)
     assert load_manifest(cfg.dataset_dir) == second
 

@@ -109,11 +109,11 @@ def test_shard_assignment_is_balanced_where_a_split_has_enough_rows():
     import numpy as np
 
     from pipelines.config import SplitConfig
-    from pipelines.rows import shard_of, split_of
+    from pipelines.rows import shard_hash, shard_of, split_of
 
     keys = np.arange(1_000_000, 1_200_000)
     splits = split_of(keys, SplitConfig())
     for n in (2, 4, 6):
-        shard = shard_of(keys, splits, {"train": n, "val": 2, "test": 2})
+        shard = shard_of(shard_hash(keys), splits, {"train": n, "val": 2, "test": 2})
         counts = np.bincount(shard[splits == "train"], minlength=n)
         assert counts.max() / counts.min() <= 1.05, (n, counts)
