@@ -96,15 +96,18 @@ def prepare(config, overrides, engine, append, refit):
 @cli.command()
 @click.argument("config", type=click.Path(dir_okay=False))
 @_set_option
-@click.option("--launcher", type=click.Choice(["spark", "local"]), help="Overrides training.launcher.")
+@click.option("--launcher", type=click.Choice(["spark", "dask", "local"]), help="Overrides training.launcher.")
 @click.option("--world-size", type=int, help="Overrides training.world_size.")
 def train(config, overrides, launcher, world_size):
     """Train on a prepared dataset; track in MLflow; register the model."""
     extra = [f"training.launcher='{launcher}'"] if launcher else []
     extra += [f"training.world_size={world_size}"] if world_size else []
     cfg = load_config(config, list(overrides) + extra)
-    spark = _spark(cfg) if cfg.training.launcher == "spark" else None
-    result = _train(cfg, spark)
+    if cfg.training.launcher == "dask":
+        with _dask(cfg) as client:
+            result = _train(cfg, None, client)
+    else:
+        result = _train(cfg, _spark(cfg) if cfg.training.launcher == "spark" else None)
     console.print(f"  run {result.run_id}; model {result.model_uri}")
     for k in ("val_loss", "val_accuracy"):
         if k in result.metrics:
@@ -177,6 +180,13 @@ def _prepare_engine(cfg: ShardlineConfig):
         yield SparkEngine(_spark(cfg))
         return
     from pipelines.engine_dask import DaskEngine
+
+    with _dask(cfg) as client:
+        yield DaskEngine(client)
+
+
+@contextmanager
+def _dask(cfg: ShardlineConfig):
     from pipelines.engines import dask_client
 
     where = cfg.dask.address or f"LocalCluster of {cfg.dask.n_workers} workers"
@@ -184,7 +194,7 @@ def _prepare_engine(cfg: ShardlineConfig):
         client = dask_client(cfg.dask)
     cluster = None if cfg.dask.address else client.cluster
     try:
-        yield DaskEngine(client)
+        yield client
     finally:
         client.close()
         if cluster is not None:
@@ -200,13 +210,15 @@ def _prepare(cfg: ShardlineConfig, engine, append: bool = False, refit: bool = F
         return prepare(engine, cfg.pipelines, append=append, refit=refit)
 
 
-def _train(cfg: ShardlineConfig, spark):
+def _train(cfg: ShardlineConfig, spark, dask_client=None):
     from training.job import run_training
 
     t = cfg.training
     title = f"Training {t.model} with {t.strategy} on {t.world_size} {t.launcher} ranks"
     with stage(title):
-        return run_training(t, cfg.tracking, cfg.pipelines.dataset_dir, spark=spark)
+        return run_training(
+            t, cfg.tracking, cfg.pipelines.dataset_dir, spark=spark, dask_client=dask_client
+        )
 
 
 def _score(cfg: ShardlineConfig, spark, model_uri: str, tracking_uri: str):

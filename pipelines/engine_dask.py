@@ -20,28 +20,41 @@ from .shards import SHARD_META_SCHEMA
 from .synthetic import generate_rows, key_ranges
 
 
-def read_raw_file(url: str, fmt: str, delimiter: str) -> pd.DataFrame:
-    """One raw file as pandas, with `_file`; CSV as text, as Spark reads it."""
+def read_raw_file(url: str, fmt: str, delimiter: str, head: int | None = None) -> pd.DataFrame:
+    """One raw file as pandas, with `_file`; CSV as text, as Spark reads it.
+
+    `head`: only the first rows (for Dask's meta on the client: never a whole file there).
+    """
     import fsspec
     import pyarrow.csv as pcsv
     import pyarrow.parquet as pq
 
     with fsspec.open(url, "rb", compression="infer") as f:
         if fmt in ("parquet", "synthetic"):
-            df = pq.read_table(f).to_pandas()
+            if head:
+                pf = pq.ParquetFile(f)
+                batch = next(pf.iter_batches(batch_size=head), None)
+                df = (pa.Table.from_batches([batch]) if batch else pf.schema_arrow.empty_table()).to_pandas()
+            else:
+                df = pq.read_table(f).to_pandas()
         elif fmt == "csv":
             names = f.readline().decode().rstrip("\r\n").split(delimiter)
             f.seek(0)
-            table = pcsv.read_csv(
-                f,
+            opts = dict(
                 parse_options=pcsv.ParseOptions(delimiter=delimiter),
                 convert_options=pcsv.ConvertOptions(
                     column_types={n: pa.string() for n in names}, strings_can_be_null=True
                 ),
             )
+            if head:
+                reader = pcsv.open_csv(f, **opts)
+                batch = next(iter(reader), None)
+                table = pa.Table.from_batches([batch]) if batch else reader.schema.empty_table()
+            else:
+                table = pcsv.read_csv(f, **opts)
             df = table.to_pandas()
         else:
-            df = pd.read_json(f, lines=True, dtype=False)
+            df = pd.read_json(f, lines=True, dtype=False, nrows=head)
     df[FILE_COL] = url
     return df
 
@@ -93,7 +106,7 @@ class DaskEngine:
 
         fmt, delim = cfg.source.format, cfg.source.csv_delimiter
         # meta from the head of the first file only; partitions keep their own dtypes.
-        meta = read_raw_file(files[0], fmt, delim).iloc[:0]
+        meta = read_raw_file(files[0], fmt, delim, head=100).iloc[:0]
         return dd.from_map(
             read_raw_file, files, fmt=fmt, delimiter=delim, meta=meta, enforce_metadata=False
         )

@@ -41,6 +41,14 @@ def test_ddp_on_spark_barrier_stage_matches_single_process(spark):
     _assert_close(ranks[0], _single_process())
 
 
+def test_ddp_on_dask_workers_matches_single_process(dask_client):
+    from training.launchers.dask import launch_dask
+
+    ranks = launch_dask(dask_client, train_steps, ARGS, world_size=2, timeout_s=120)
+    _assert_close(ranks[0], _single_process())
+    _assert_close(ranks[1], _single_process())
+
+
 def test_unknown_strategy_lists_the_valid_ones():
     with pytest.raises(ConfigError, match=r"unknown strategy 'nope' \(valid: ddp\)"):
         get_strategy("nope")

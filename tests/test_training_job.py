@@ -49,3 +49,21 @@ def test_unreachable_tracking_uri_fails_before_training(prepared):
 def test_no_train_split(tmp_path):
     with pytest.raises(DataError, match="no manifest"):
         run_training(TrainingConfig(), TrackingConfig(), str(tmp_path))
+
+
+def test_dask_launcher_trains_one_rank_per_worker(prepared, dask_client, tracking_uri):
+    from mlflow.tracking import MlflowClient
+
+    cfg = TrainingConfig(launcher="dask", world_size=2, epochs=1, batch_size=128)
+    tracking = TrackingConfig(experiment="job-test-dask", registered_model="job-test-dask")
+    result = run_training(cfg, tracking, prepared.dataset_dir, dask_client=dask_client)
+    run = MlflowClient(tracking_uri).get_run(result.run_id)
+    assert run.info.status == "FINISHED" and run.data.params["launcher"] == "dask"
+    assert result.metrics["val_accuracy"] > 0.5
+
+
+def test_more_ranks_than_dask_workers_is_refused(prepared, dask_client):
+    from training.launchers.dask import launch_dask
+
+    with pytest.raises(ShardlineError, match=r"world_size 3 is greater than the 2 Dask workers"):
+        launch_dask(dask_client, print, None, world_size=3)

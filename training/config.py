@@ -10,8 +10,10 @@ from pipelines.config import Section
 
 
 class TrainingConfig(Section):
-    launcher: Literal["spark", "local"] = Field(
-        "spark", description="spark: a barrier stage; local: processes on this machine."
+    launcher: Literal["spark", "dask", "local"] = Field(
+        "spark",
+        description="spark: a barrier stage; dask: one rank per Dask worker; "
+        "local: processes on this machine.",
     )
     world_size: int = Field(2, ge=1, description="Ranks (processes) that train together.")
     strategy: str = Field("ddp", description="Parallel strategy, by name (training.strategies).")

@@ -49,7 +49,7 @@ def preflight(cfg: TrainingConfig, dataset_dir: str) -> ShardManifest:
 
 
 def run_training(
-    cfg: TrainingConfig, tracking: TrackingConfig, dataset_dir: str, spark=None
+    cfg: TrainingConfig, tracking: TrackingConfig, dataset_dir: str, spark=None, dask_client=None
 ) -> TrainResult:
     import mlflow
 
@@ -75,6 +75,12 @@ def run_training(
             if spark is None:
                 raise ConfigError("training.launcher = 'spark' needs a Spark session")
             results = launch_spark_barrier(spark, train_rank, job, cfg.world_size, cfg.timeout_s)
+        elif cfg.launcher == "dask":
+            from .launchers.dask import launch_dask
+
+            if dask_client is None:
+                raise ConfigError("training.launcher = 'dask' needs a Dask client")
+            results = launch_dask(dask_client, train_rank, job, cfg.world_size, cfg.timeout_s)
         else:
             from .launchers.local import launch_local
 

@@ -1,0 +1,43 @@
+"""One rank per Dask worker: tasks pinned to worker addresses, port picked on rank 0's host."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipelines.errors import ShardlineError
+
+from . import RankFn, TrainingFailed, free_port, run_in_group
+
+
+def _rendezvous_address() -> str:
+    # Runs on rank 0's worker: the port must be free where the store will bind it.
+    from distributed import get_worker
+
+    host = get_worker().address.split("://", 1)[-1].rsplit(":", 1)[0]
+    return f"tcp://{host}:{free_port(host)}"
+
+
+def launch_dask(client, fn: RankFn, payload: Any, world_size: int, timeout_s: float = 300) -> list[Any]:
+    """Run `fn` on `world_size` Dask workers, one rank each; return the results by rank."""
+    workers = sorted(client.scheduler_info()["workers"])
+    if world_size > len(workers):
+        raise ShardlineError(
+            f"training.world_size {world_size} is greater than the {len(workers)} Dask workers "
+            f"of {client.scheduler.address}"
+        )
+    chosen = workers[:world_size]
+    init = client.submit(_rendezvous_address, workers=[chosen[0]], allow_other_workers=False, pure=False)
+    init_method = init.result()
+    futures = [
+        client.submit(
+            run_in_group, fn, rank, world_size, init_method, payload, timeout_s,
+            workers=[addr], allow_other_workers=False, pure=False, key=f"shardline-rank-{rank}-{init.key}",
+        )
+        for rank, addr in enumerate(chosen)
+    ]
+    try:
+        return client.gather(futures)
+    except Exception as e:
+        for f in futures:
+            f.cancel()
+        raise TrainingFailed(f"Dask training failed: {type(e).__name__}: {e}") from e
