@@ -53,7 +53,11 @@ def run(config, overrides):
 
     manifest = _prepare(cfg, SparkEngine(spark))
     result = _train(cfg, spark)
-    score = _score(cfg, spark, result.model_uri, result.tracking_uri)
+    # force: each run trains a new model version and re-scores its own output with it.
+    score = _score(
+        cfg, "spark", spark, result.model_uri, result.tracking_uri, cfg.pipelines.dataset_dir,
+        force=True,
+    )
 
     table = Table(title="shardline run", show_header=False, title_justify="left")
     for split, info in manifest.splits.items():
@@ -118,26 +122,36 @@ def train(config, overrides, launcher, world_size):
 @click.argument("config", type=click.Path(dir_okay=False), required=False)
 @_set_option
 @click.option("--model", "model_uri", help="MLflow model URI; overrides serving.model_uri.")
-@click.option("--input", "input_dir", help="Prepared dataset directory to score.")
-@click.option("--split", help="Split to score; overrides serving.split.")
+@click.option(
+    "--input",
+    "input_path",
+    help="Prepared dataset dir (its --split is scored) or raw Parquet file/dir/glob; "
+    "default pipelines.dataset_dir.",
+)
+@click.option("--split", help="Split of a prepared dataset; overrides serving.split.")
 @click.option("--output", "output_dir", help="Output directory; overrides serving.output_dir.")
-def score(config, overrides, model_uri, input_dir, split, output_dir):
-    """Batch-score a prepared dataset's split with a registered model on Spark."""
+@click.option("--engine", type=click.Choice(["spark", "dask"]), help="Overrides serving.engine.")
+@click.option("--incremental", is_flag=True, help="Score only input files the output's ledger lacks.")
+@click.option("--force", is_flag=True, help="Discard the output's scores (any model); score all.")
+def score(config, overrides, model_uri, input_path, split, output_dir, engine, incremental, force):
+    """Batch-score with a registered model on Spark or Dask, exactly once per input file."""
     cfg = load_config(config, list(overrides))
-    serving = cfg.serving.model_copy(
-        update={
-            k: v
-            for k, v in {"model_uri": model_uri, "split": split, "output_dir": output_dir}.items()
-            if v
-        }
-    )
-    if input_dir:
-        cfg.pipelines.dataset_dir = input_dir
-    if not serving.model_uri:
+    update = {"model_uri": model_uri, "split": split, "output_dir": output_dir, "engine": engine}
+    update = {k: v for k, v in update.items() if v}
+    if incremental:
+        update["incremental"] = True
+    cfg.serving = s = cfg.serving.model_copy(update=update)
+    if not s.model_uri:
         raise click.UsageError("no model: pass --model or set serving.model_uri")
-    cfg.serving = serving
-    result = _score(cfg, _spark(cfg), serving.model_uri, cfg.tracking.resolved_uri())
-    console.print(f"  {result.rows:,} rows → {result.output_dir}")
+    with _engine_handle(cfg, s.engine) as handle:
+        r = _score(
+            cfg, s.engine, handle, s.model_uri, cfg.tracking.resolved_uri(),
+            input_path or cfg.pipelines.dataset_dir, force=force,
+        )
+    console.print(
+        f"  {r.rows:,} rows from {r.files_scored} file(s) → {r.output_dir}; "
+        f"{r.files_skipped} already scored"
+    )
 
 
 @cli.group()
@@ -173,16 +187,23 @@ def _spark(cfg: ShardlineConfig):
 
 
 @contextmanager
-def _prepare_engine(cfg: ShardlineConfig):
-    if cfg.pipelines.engine == "spark":
-        from pipelines.engine_spark import SparkEngine
-
-        yield SparkEngine(_spark(cfg))
+def _engine_handle(cfg: ShardlineConfig, engine: str):
+    """The SparkSession, or a Dask client (closed, with its embedded cluster, after)."""
+    if engine == "spark":
+        yield _spark(cfg)
         return
-    from pipelines.engine_dask import DaskEngine
-
     with _dask(cfg) as client:
-        yield DaskEngine(client)
+        yield client
+
+
+@contextmanager
+def _prepare_engine(cfg: ShardlineConfig):
+    from pipelines.engine_dask import DaskEngine
+    from pipelines.engine_spark import SparkEngine
+
+    wrap = SparkEngine if cfg.pipelines.engine == "spark" else DaskEngine
+    with _engine_handle(cfg, cfg.pipelines.engine) as handle:
+        yield wrap(handle)
 
 
 @contextmanager
@@ -221,13 +242,14 @@ def _train(cfg: ShardlineConfig, spark, dask_client=None):
         )
 
 
-def _score(cfg: ShardlineConfig, spark, model_uri: str, tracking_uri: str):
-    from serving.score_spark import score_spark
+def _score(cfg, engine: str, handle, model_uri: str, tracking_uri: str, input_path: str, force=False):
+    from serving.score import score as score_input
 
     s = cfg.serving
-    with stage(f"Scoring split '{s.split}' with {model_uri}"):
-        return score_spark(
-            spark, model_uri, tracking_uri, cfg.pipelines.dataset_dir, s.split, s.output_dir, s.batch_size
+    with stage(f"Scoring {input_path} with {model_uri} on {engine}"):
+        return score_input(
+            engine, handle, model_uri, tracking_uri, input_path, s.output_dir,
+            split=s.split, incremental=s.incremental, force=force, batch_size=s.batch_size,
         )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from pipelines.config import Section
@@ -16,3 +18,9 @@ class ServingConfig(Section):
     split: str = Field("test", description="Split of the prepared dataset to score.")
     output_dir: str = Field("shardline-data/scores", description="Scored Parquet output.")
     batch_size: int = Field(4096, ge=1, description="Rows per model call.")
+    engine: Literal["spark", "dask"] = Field("spark", description="Engine that runs the scoring tasks.")
+    incremental: bool = Field(
+        False,
+        description="Score only input files the output's ledger does not hold yet, adding to "
+        "an output that holds other inputs' scores (for scheduled runs).",
+    )

@@ -43,3 +43,32 @@ def resolve_version(model_uri: str, tracking_uri: str) -> tuple[str, str]:
         return name, str(client.get_model_version(name, version).version)
     except MlflowException:
         raise ShardlineError(f"model {model_uri} not found in MLflow at {tracking_uri}") from None
+
+
+class ResolvedModel:
+    """A model URI pinned to one version, so workers cannot load another (an alias may move)."""
+
+    def __init__(self, uri: str, pinned_uri: str, name: str, version: str, run_id: str | None):
+        self.uri, self.pinned_uri, self.name, self.version, self.run_id = (
+            uri, pinned_uri, name, version, run_id
+        )
+
+
+def resolve_model(model_uri: str, tracking_uri: str) -> ResolvedModel:
+    """Check the model exists (its MLmodel file only, no weights) and pin its version."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    from pipelines.errors import ShardlineError
+
+    name, version = resolve_version(model_uri, tracking_uri)
+    pinned = f"models:/{name}/{version}" if model_uri.startswith("models:/") else model_uri
+    mlflow.set_tracking_uri(tracking_uri)
+    try:
+        info = mlflow.models.get_model_info(pinned)
+    except (MlflowException, OSError):
+        raise ShardlineError(f"model {model_uri} not found in MLflow at {tracking_uri}") from None
+    if not version and info.run_id:
+        # runs:/ and path URIs have no registry version; the run id identifies them.
+        version = f"run-{info.run_id}"
+    return ResolvedModel(model_uri, pinned, name, version, info.run_id)

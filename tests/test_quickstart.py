@@ -31,7 +31,9 @@ def test_quickstart_end_to_end(tmp_path):
 
     # Scores: the test split, once each, with the contract's columns.
     scores = pq.read_table(tmp_path / "shardline-data/quickstart/scores")
-    assert scores.column_names == ["key", "prediction", "probabilities", "model_version"]
+    assert scores.column_names == [
+        "key", "prediction", "probabilities", "model_name", "model_version", "scored_at"
+    ]
     test_keys = np.concatenate(
         [
             pq.read_table(tmp_path / "shardline-data/quickstart/dataset" / s.path).column("key")

@@ -37,6 +37,19 @@ class TrainingConfig(Section):
     timeout_s: int = Field(
         300, ge=10, description="Process-group timeout: a stalled peer fails the job after it."
     )
+    checkpoint_dir: str = Field(
+        "shardline-data/checkpoints", description="Where checkpoints go (one job per directory)."
+    )
+    checkpoint_every_steps: int = Field(
+        0, ge=0, description="Also checkpoint every N optimizer steps; 0: only at epoch ends."
+    )
+    keep_checkpoints: int = Field(3, ge=1, description="Newest checkpoints kept on disk.")
+    resume: bool = Field(
+        False, description="Continue from the latest checkpoint in checkpoint_dir (--resume)."
+    )
+    max_restarts: int = Field(
+        2, ge=0, description="Relaunches after a rank fails; each resumes from the latest checkpoint."
+    )
 
 
 class TrackingConfig(Section):

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import io
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pipelines.errors import ConfigError
+from pipelines.errors import ConfigError, DataError
 from pipelines.manifest import ShardManifest, load_manifest
 
+from . import checkpoints
 from .config import TrackingConfig, TrainingConfig
+from .launchers import TrainingFailed
 from .loader import check_world_size
 from .models import build_model
 from .strategies import get_strategy
@@ -27,6 +30,7 @@ class TrainResult:
     model_name: str
     model_version: str
     metrics: dict[str, float]
+    weights: dict[str, torch.Tensor]  # the final plain-model state dict
 
     @property
     def model_uri(self) -> str:
@@ -55,43 +59,103 @@ def run_training(
 
     dataset_dir = str(Path(dataset_dir).resolve())
     manifest = preflight(cfg, dataset_dir)
+    fp = checkpoints.fingerprint(cfg, manifest.version_id)
+    resume_from, run_id = None, None
+    if cfg.resume:
+        resume_from = checkpoints.latest(cfg.checkpoint_dir)
+        if resume_from is None:
+            raise DataError(f"{cfg.checkpoint_dir}: no checkpoint to resume from")
+        run_id = checkpoints.load(resume_from, fp)["run_id"] or None
+    else:
+        # A new job starts over: stale checkpoints would be resumed by its restarts.
+        for old in checkpoints.checkpoint_paths(cfg.checkpoint_dir):
+            old.unlink()
     uri = tracking.resolved_uri()
     open_experiment(uri, tracking.experiment)
+    if run_id:
+        run_id = _continue_run(run_id)
 
-    with mlflow.start_run() as run:
+    with mlflow.start_run(run_id=run_id) as run:
         run_id = run.info.run_id
-        mlflow.log_params(_flat(cfg.model_dump()))
-        mlflow.log_params(
-            {
-                "dataset_dir": dataset_dir,
-                "dataset_version": manifest.version_id,
-                **{f"rows_{s}": info.rows for s, info in manifest.splits.items()},
-            }
+        if not cfg.resume:
+            mlflow.log_params(_flat(cfg.model_dump()))
+            mlflow.log_params(
+                {
+                    "dataset_dir": dataset_dir,
+                    "dataset_version": manifest.version_id,
+                    **{f"rows_{s}": info.rows for s, info in manifest.splits.items()},
+                }
+            )
+        job = TrainJob(
+            cfg=cfg,
+            dataset_dir=dataset_dir,
+            tracking_uri=uri,
+            run_id=run_id,
+            fingerprint=fp,
+            resume_from=str(resume_from) if resume_from else None,
         )
-        job = TrainJob(cfg=cfg, dataset_dir=dataset_dir, tracking_uri=uri, run_id=run_id)
-        if cfg.launcher == "spark":
-            from .launchers.spark import launch_spark_barrier
-
-            if spark is None:
-                raise ConfigError("training.launcher = 'spark' needs a Spark session")
-            results = launch_spark_barrier(spark, train_rank, job, cfg.world_size, cfg.timeout_s)
-        elif cfg.launcher == "dask":
-            from .launchers.dask import launch_dask
-
-            if dask_client is None:
-                raise ConfigError("training.launcher = 'dask' needs a Dask client")
-            results = launch_dask(dask_client, train_rank, job, cfg.world_size, cfg.timeout_s)
-        else:
-            from .launchers.local import launch_local
-
-            results = launch_local(train_rank, job, cfg.world_size, cfg.timeout_s)
-        result = results[0]
+        result = _launch_with_restarts(cfg, job, spark, dask_client)
 
         model = build_model(manifest, cfg)
         model.load_state_dict(torch.load(io.BytesIO(result["state_dict"]), weights_only=True))
         log_curves(run_id, [k for k in result["metrics"] if not k.startswith("rank")])
         version = log_model(model, manifest, tracking.registered_model)
-    return TrainResult(run_id, uri, tracking.registered_model, version, result["metrics"])
+    return TrainResult(
+        run_id, uri, tracking.registered_model, version, result["metrics"], model.state_dict()
+    )
+
+
+def _continue_run(run_id: str) -> str | None:
+    """Resume into the checkpoint's own run (and experiment), if this store has it."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = mlflow.get_run(run_id)
+    except MlflowException:
+        return None  # another tracking store: the resumed job gets a new run
+    mlflow.set_experiment(experiment_id=run.info.experiment_id)
+    return run_id
+
+
+def _launch_with_restarts(cfg: TrainingConfig, job: TrainJob, spark, dask_client) -> dict:
+    """Launch; when a rank fails, relaunch from the latest checkpoint, max_restarts times.
+
+    The launcher owns restarts: Spark does not retry a failed barrier result stage,
+    and a Dask task on a killed worker is never resolved (FACTS.md).
+    """
+    import mlflow
+
+    for attempt in range(cfg.max_restarts + 1):
+        try:
+            return _launch(cfg, job, spark, dask_client)[0]
+        except TrainingFailed as e:
+            if attempt == cfg.max_restarts:
+                raise
+            latest = checkpoints.latest(cfg.checkpoint_dir)
+            job.resume_from = str(latest) if latest else None
+            mlflow.log_metric("restarts", attempt + 1)
+            where = latest.name if latest else "the start"
+            print(f"[shardline] {e}; restarting from {where}", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
+def _launch(cfg: TrainingConfig, job: TrainJob, spark, dask_client) -> list:
+    if cfg.launcher == "spark":
+        from .launchers.spark import launch_spark_barrier
+
+        if spark is None:
+            raise ConfigError("training.launcher = 'spark' needs a Spark session")
+        return launch_spark_barrier(spark, train_rank, job, cfg.world_size, cfg.timeout_s)
+    if cfg.launcher == "dask":
+        from .launchers.dask import launch_dask
+
+        if dask_client is None:
+            raise ConfigError("training.launcher = 'dask' needs a Dask client")
+        return launch_dask(dask_client, train_rank, job, cfg.world_size, cfg.timeout_s)
+    from .launchers.local import launch_local
+
+    return launch_local(train_rank, job, cfg.world_size, cfg.timeout_s)
 
 
 def log_model(model: torch.nn.Module, manifest: ShardManifest, registered_name: str) -> str:

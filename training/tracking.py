@@ -28,6 +28,16 @@ class MetricsReporter:
         self.client.log_batch(self.run_id, metrics=batch, synchronous=True)
 
 
+    def checkpoint(self, path, step: int, artifact: bool) -> None:
+        """Record a checkpoint: always by reference (a tag), as an artifact when asked."""
+        if self.client is None:
+            return
+        self.client.set_tag(self.run_id, "checkpoint_latest", str(path))
+        self.log({"checkpoint_step": step}, step)
+        if artifact:
+            self.client.log_artifact(self.run_id, str(path), "checkpoints")
+
+
 def open_experiment(tracking_uri: str, experiment: str) -> str:
     """Point MLflow at `tracking_uri` and make sure it answers, before any work starts."""
     import mlflow

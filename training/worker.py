@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import io
+import json
+import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -13,6 +17,7 @@ import torch.nn.functional as F
 
 from pipelines.manifest import load_manifest
 
+from . import checkpoints
 from .config import TrainingConfig
 from .loader import RankBatches
 from .models import build_model
@@ -31,6 +36,8 @@ class TrainJob:
     dataset_dir: str
     tracking_uri: str | None = None
     run_id: str | None = None
+    fingerprint: dict | None = None
+    resume_from: str | None = None  # a checkpoint path; None starts from scratch
 
 
 def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
@@ -59,14 +66,47 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
     wrapped = strategy.wrap(model)
     optimizer = torch.optim.AdamW(wrapped.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     reporter = MetricsReporter(job.tracking_uri, job.run_id) if rank == 0 else None
+    _announce(cfg.checkpoint_dir, rank)
 
-    step = 0
+    step = start_epoch = skip = 0
+    if job.resume_from:
+        state = checkpoints.load(Path(job.resume_from), job.fingerprint)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"][rank])
+        step, start_epoch, skip = state["global_step"], state["epoch"], state["step_in_epoch"]
+
+    def checkpoint(epoch: int, step_in_epoch: int, artifact: bool) -> None:
+        # Every rank's RNG state, so each resumes its own stream; rank 0 writes.
+        rng = [torch.empty_like(torch.get_rng_state()) for _ in range(world_size)]
+        dist.all_gather(rng, torch.get_rng_state())
+        if rank != 0:
+            return
+        state = {
+            "model": strategy.unwrap(wrapped).state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "global_step": step,
+            "epoch": epoch,
+            "step_in_epoch": step_in_epoch,
+            "rng": rng,
+            "fingerprint": job.fingerprint or {},
+            "run_id": job.run_id or "",
+        }
+        path = checkpoints.save(cfg.checkpoint_dir, step, state, cfg.keep_checkpoints)
+        if reporter:
+            reporter.checkpoint(path, step, artifact)
+
     metrics: dict[str, float] = {}
-    for epoch in range(cfg.epochs):
+    for epoch in range(start_epoch, cfg.epochs):
         wrapped.train()
         loss_sum = correct = seen = waited = 0.0
         start = time.perf_counter()
         batches = train.epoch(epoch)
+        # Resuming mid-epoch: the epoch's order is a function of (seed, epoch, rank),
+        # so skipping the batches already done yields exactly the rest.
+        step_in_epoch = skip if epoch == start_epoch else 0
+        for _ in range(step_in_epoch):
+            next(batches)
         while True:
             t = time.perf_counter()
             batch = next(batches, None)
@@ -80,17 +120,20 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
             loss.backward()
             optimizer.step()
             step += 1
+            step_in_epoch += 1
             loss_sum += loss.item() * len(y)
             correct += (logits.argmax(1) == y).sum().item()
             seen += len(y)
             if reporter and step % cfg.log_every_steps == 0:
                 reporter.log({"train_loss_step": loss.item()}, step)
+            if cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0:
+                checkpoint(epoch, step_in_epoch, artifact=False)
         elapsed = time.perf_counter() - start
 
         # Per-rank figures go to rank 0 through one all-reduce of a [world, k] table.
         per_rank = torch.zeros(world_size, 2)
         per_rank[rank] = torch.tensor([seen / elapsed, waited / elapsed])
-        totals = torch.tensor([loss_sum, correct, seen])
+        totals = torch.tensor([loss_sum, correct, max(seen, 1.0)])
         dist.all_reduce(per_rank)
         dist.all_reduce(totals)
         metrics = {
@@ -108,6 +151,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
             reporter.log(metrics, epoch)
             shown = ", ".join(f"{k} {metrics[k]:.4g}" for k in _SHOWN if k in metrics)
             print(f"[shardline] epoch {epoch + 1}/{cfg.epochs}: {shown}", file=sys.stderr, flush=True)
+        checkpoint(epoch + 1, 0, artifact=True)
 
     if rank != 0:
         return None
@@ -127,3 +171,13 @@ def _evaluate(model, val: RankBatches, device) -> dict[str, float]:
         sums += torch.tensor([loss, (logits.argmax(1) == y).sum().item(), len(y)])
     dist.all_reduce(sums)
     return {"val_loss": (sums[0] / sums[2]).item(), "val_accuracy": (sums[1] / sums[2]).item()}
+
+
+def _announce(checkpoint_dir: str, rank: int) -> None:
+    """ranks/rank-N.json: which host and process is rank N (to watch or signal it)."""
+    d = Path(checkpoint_dir) / "ranks"
+    d.mkdir(parents=True, exist_ok=True)
+    info = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid()}
+    tmp = d / f".rank-{rank}.json.tmp"
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, d / f"rank-{rank}.json")

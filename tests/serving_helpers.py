@@ -1,0 +1,88 @@
+"""Shared by the serving tests: one trained model per session, raw input files, a flaky model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+_TRAINED: dict[str, object] = {}
+
+
+def trained_model(prepared) -> object:
+    """A model registered as `serving-test`, trained once per session (1 rank, 1 epoch)."""
+    if "result" not in _TRAINED:
+        from training.config import TrackingConfig, TrainingConfig
+        from training.job import run_training
+
+        _TRAINED["result"] = run_training(
+            TrainingConfig(launcher="local", world_size=1, epochs=1, batch_size=256),
+            TrackingConfig(experiment="serving-test", registered_model="serving-test"),
+            prepared.dataset_dir,
+        )
+    return _TRAINED["result"]
+
+
+def raw_table(prepared) -> pa.Table:
+    files = sorted(Path(prepared.source.path).rglob("*.parquet"))
+    return pa.concat_tables(pq.read_table(f) for f in files).sort_by("key")
+
+
+def write_raw(table: pa.Table, directory: Path, files: int, start: int = 0) -> list[Path]:
+    """`table` cut into `files` Parquet files named part-<start+i>.parquet."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, idx in enumerate(np.array_split(np.arange(table.num_rows), files)):
+        p = directory / f"part-{start + i:04d}.parquet"
+        pq.write_table(table.take(pa.array(idx)), p)
+        paths.append(p)
+    return paths
+
+
+def read_scores(output_dir) -> pa.Table:
+    from serving.ledger import committed_files
+
+    return pa.concat_tables(pq.read_table(f) for f in committed_files(output_dir))
+
+
+class FlakyModel(torch.nn.Module):
+    """Fails its first call in the whole test (a marker file records it), then works.
+
+    It stands in for any fault in a task (a lost executor, an OOM) without
+    mocking the engine: the task really fails and the engine really retries.
+    """
+
+    def __init__(self, inner: torch.nn.Module, marker: str):
+        super().__init__()
+        self.inner = inner
+        self.marker = marker
+
+    def forward(self, x):
+        try:
+            fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return self.inner(x)
+        os.close(fd)
+        raise RuntimeError("injected failure: first call of FlakyModel")
+
+
+def register_flaky(prepared, tracking_uri: str, marker: Path, name: str) -> str:
+    """Register FlakyModel(trained model) in the training run, so raw input finds its dataset."""
+    import mlflow
+
+    base = trained_model(prepared)
+    mlflow.set_tracking_uri(tracking_uri)
+    inner = mlflow.pytorch.load_model(base.model_uri)
+    with mlflow.start_run(run_id=base.run_id):
+        info = mlflow.pytorch.log_model(
+            FlakyModel(inner, str(marker)),
+            name=f"flaky-{name}",
+            pip_requirements=["torch"],
+            serialization_format="pickle",
+            registered_model_name=name,
+        )
+    return f"models:/{name}/{info.registered_model_version}"

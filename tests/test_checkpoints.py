@@ -1,0 +1,112 @@
+"""Checkpoints resume exactly; a rank killed from outside is relaunched and ends on the same weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipelines.errors import DataError
+from training import checkpoints
+from training.config import TrackingConfig, TrainingConfig
+from training.job import run_training
+
+
+def _cfg(tmp: Path, **kw) -> TrainingConfig:
+    base = dict(
+        launcher="local", world_size=2, epochs=4, batch_size=128, hidden=[64, 32],
+        checkpoint_dir=str(tmp / "ckpt"), checkpoint_every_steps=10, keep_checkpoints=100,
+        max_restarts=2, timeout_s=60,
+    )
+    return TrainingConfig(**{**base, **kw})
+
+
+def _tracking(name: str) -> TrackingConfig:
+    return TrackingConfig(experiment=f"ckpt-{name}", registered_model=f"ckpt-{name}")
+
+
+def _equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def reference(prepared, tmp_path_factory):
+    """An uninterrupted local run, and every checkpoint it wrote."""
+    tmp = tmp_path_factory.mktemp("ref")
+    result = run_training(_cfg(tmp), _tracking("ref"), prepared.dataset_dir)
+    return result, checkpoints.checkpoint_paths(tmp / "ckpt")
+
+
+def test_checkpoints_are_plain_tensors_and_numbers(reference):
+    _, paths = reference
+    assert len(paths) > 5
+    state = torch.load(paths[0], weights_only=True)  # no arbitrary unpickling
+    assert {"model", "optimizer", "global_step", "epoch", "step_in_epoch", "rng"} <= state.keys()
+
+
+def test_resume_from_mid_epoch_checkpoint_gives_the_same_weights(prepared, reference, tmp_path):
+    result, paths = reference
+    mid = next(p for p in paths if torch.load(p, weights_only=True)["step_in_epoch"] not in (0,))
+    (tmp_path / "ckpt").mkdir()
+    shutil.copy(mid, tmp_path / "ckpt" / mid.name)
+    resumed = run_training(_cfg(tmp_path, resume=True), _tracking("resume"), prepared.dataset_dir)
+    _equal(resumed.weights, result.weights)
+    # The resumed job continued the checkpoint's MLflow run.
+    assert resumed.run_id == result.run_id
+
+
+def test_checkpoint_of_another_config_says_what_differs(prepared, reference, tmp_path):
+    _, paths = reference
+    (tmp_path / "ckpt").mkdir()
+    shutil.copy(paths[-1], tmp_path / "ckpt" / paths[-1].name)
+    with pytest.raises(DataError, match=r"different run: hidden='\[64, 32\]' \(config has '\[32\]'\)"):
+        run_training(_cfg(tmp_path, resume=True, hidden=[32]), _tracking("other"), prepared.dataset_dir)
+
+
+def _kill_rank_after_first_checkpoint(ckpt_dir: Path, rank: int, done: threading.Event, killed: list):
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not done.is_set():
+        info = ckpt_dir / "ranks" / f"rank-{rank}.json"
+        if checkpoints.checkpoint_paths(ckpt_dir) and info.exists():
+            pid = json.loads(info.read_text())["pid"]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            return
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("launcher", ["local", "spark", "dask"])
+def test_killed_rank_is_relaunched_and_ends_on_the_same_weights(
+    prepared, reference, tmp_path, launcher, request
+):
+    from mlflow.tracking import MlflowClient
+
+    handles = {}
+    if launcher == "spark":
+        handles["spark"] = request.getfixturevalue("spark")
+    if launcher == "dask":
+        handles["dask_client"] = request.getfixturevalue("dask_client")
+    cfg = _cfg(tmp_path, launcher=launcher)
+    done, killed = threading.Event(), []
+    watcher = threading.Thread(
+        target=_kill_rank_after_first_checkpoint, args=(tmp_path / "ckpt", 1, done, killed)
+    )
+    watcher.start()
+    try:
+        result = run_training(cfg, _tracking(f"kill-{launcher}"), prepared.dataset_dir, **handles)
+    finally:
+        done.set()
+        watcher.join()
+    assert killed, "the rank was never killed"
+    run = MlflowClient().get_run(result.run_id)
+    assert run.data.metrics.get("restarts") == 1, "the kill did not land mid-training"
+    _equal(result.weights, reference[0].weights)
