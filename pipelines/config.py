@@ -75,6 +75,12 @@ class SourceConfig(Section):
 
 class FeatureSpec(Section):
     key: str = Field("key", description="Stable integer key; the split is a hash of it.")
+    generate_key: bool = Field(
+        False,
+        description="The input has no key: make `key` a 63-bit hash of the row's parsed "
+        "values (label and features). Stable across re-runs, engines and appends; two "
+        "identical rows get one key and are refused as duplicates.",
+    )
     label: str = Field("label", description="Integer class label 0..K-1.")
     numeric: list[str] = Field(
         default_factory=lambda: [f"x{i}" for i in range(8)],

@@ -101,7 +101,8 @@ def prepare(
 
     frame = engine.read(files, cfg)
     have = engine.columns(frame)
-    for col in [spec.key, spec.label, *spec.numeric, *spec.categorical, *spec.vectors]:
+    required = [spec.label, *spec.numeric, *spec.categorical, *spec.vectors]
+    for col in required if spec.generate_key else [spec.key, *required]:
         if col not in have:
             raise DataError(
                 f"{display(cfg.source.path)}: column '{col}' not found "

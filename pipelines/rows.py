@@ -54,12 +54,7 @@ class Parsed:
         self.problems: dict[str, dict[str, np.ndarray]] = {}
         self.cols: dict[str, object] = {}
 
-        key = self._number(spec.key)
-        key_ok = np.isfinite(key) & (key == np.floor(key)) & (np.abs(key) < 2**62)
-        self._note("bad", spec.key, ~key_ok & ~self._null(spec.key))
-        self._note("null_key", spec.key, self._null(spec.key))
-        self.cols[spec.key] = np.where(key_ok, key, 0).astype(np.int64)
-
+        self.cols[spec.key] = None  # first column; filled below, once the values are parsed
         label = self._number(spec.label)
         self._note("null_label", spec.label, self._null(spec.label))
         if spec.task == "classification":
@@ -80,6 +75,15 @@ class Parsed:
             self.cols[c] = np.where(col.isna(), None, col.astype(str)).astype(object)
         for c, length in spec.vectors.items():
             self.cols[c] = self._vector(c, length)
+        if spec.generate_key:
+            self.cols[spec.key] = content_key(self.cols, spec)
+            self.raw[spec.key] = self.cols[spec.key]  # problem reports name rows by it
+        else:
+            key = self._number(spec.key)
+            key_ok = np.isfinite(key) & (key == np.floor(key)) & (np.abs(key) < 2**62)
+            self._note("bad", spec.key, ~key_ok & ~self._null(spec.key))
+            self._note("null_key", spec.key, self._null(spec.key))
+            self.cols[spec.key] = np.where(key_ok, key, 0).astype(np.int64)
         for kind in BAD_KINDS:
             self.bad |= self.problems.get(kind, {}).get("_any", np.zeros(n, bool))
 
@@ -187,6 +191,15 @@ class Parsed:
                 vals = df[c][train].dropna()
                 rep["categories"][c] = {str(k): int(v) for k, v in vals.value_counts().items()}
         return rep
+
+
+def content_key(cols: dict, spec: FeatureSpec) -> np.ndarray:
+    """A non-negative int64 per row from its parsed values (pandas' stable hashing)."""
+    parts = {c: cols[c] for c in (spec.label, *spec.numeric, *spec.categorical)}
+    for c in spec.vectors:
+        parts[c] = np.array([v.tobytes() for v in cols[c]], dtype=object)
+    h = pd.util.hash_pandas_object(pd.DataFrame(parts), index=False).to_numpy()
+    return (h >> np.uint64(1)).astype(np.int64)
 
 
 def _is_nan_text(v) -> bool:

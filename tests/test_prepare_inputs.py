@@ -210,3 +210,22 @@ def test_json_wrong_type_is_named(engines, tmp_path):
     rows[4]["a"] = "oops"
     (tmp_path / "raw" / "r.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     _fails(engines, "spark", config(tmp_path, "json"), r"r\.jsonl: column 'a', key 4: value 'oops'")
+
+
+def test_generated_keys_are_stable_and_the_same_on_both_engines(engines, tmp_path):
+    df = raw_frame(500).drop(columns=["id"])
+    write_raw(df, tmp_path / "raw", "csv")
+    got = {}
+    for name in ENGINES:
+        cfg = config(tmp_path, "csv", generate_key=True)
+        cfg.dataset_dir = str(tmp_path / f"ds-{name}")
+        prepare(engines[name], cfg)
+        got[name] = {s: t["id"].tolist() for s, t in rows_by_split(cfg).items()}
+    assert got["spark"] == got["dask"]
+    keys = [k for ks in got["spark"].values() for k in ks]
+    assert len(set(keys)) == 500 and min(keys) >= 0
+    # A duplicated row gets the same key, and is refused as a duplicate.
+    write_raw(pd.concat([df, df.iloc[[3]]]), tmp_path / "raw", "csv")
+    cfg = config(tmp_path, "csv", generate_key=True)
+    cfg.dataset_dir = str(tmp_path / "ds-dup")
+    _fails(engines, "dask", cfg, r"duplicate key \d+ in column 'id'")

@@ -128,7 +128,7 @@ def _launch_with_restarts(cfg: TrainingConfig, job: TrainJob, spark, dask_client
 
     for attempt in range(cfg.max_restarts + 1):
         try:
-            return _launch(cfg, job, spark, dask_client)[0]
+            return _launch(cfg, job, spark, dask_client, relaunch=attempt > 0)[0]
         except TrainingFailed as e:
             if attempt == cfg.max_restarts:
                 raise
@@ -140,7 +140,7 @@ def _launch_with_restarts(cfg: TrainingConfig, job: TrainJob, spark, dask_client
     raise AssertionError("unreachable")
 
 
-def _launch(cfg: TrainingConfig, job: TrainJob, spark, dask_client) -> list:
+def _launch(cfg: TrainingConfig, job: TrainJob, spark, dask_client, relaunch: bool) -> list:
     if cfg.launcher == "spark":
         from .launchers.spark import launch_spark_barrier
 
@@ -152,7 +152,8 @@ def _launch(cfg: TrainingConfig, job: TrainJob, spark, dask_client) -> list:
 
         if dask_client is None:
             raise ConfigError("training.launcher = 'dask' needs a Dask client")
-        return launch_dask(dask_client, train_rank, job, cfg.world_size, cfg.timeout_s)
+        wait = 60 if relaunch else 0
+        return launch_dask(dask_client, train_rank, job, cfg.world_size, cfg.timeout_s, wait)
     from .launchers.local import launch_local
 
     return launch_local(train_rank, job, cfg.world_size, cfg.timeout_s)

@@ -17,13 +17,19 @@ def _rendezvous_address() -> str:
     return f"tcp://{host}:{free_port(host)}"
 
 
-def launch_dask(client, fn: RankFn, payload: Any, world_size: int, timeout_s: float = 300) -> list[Any]:
-    """Run `fn` on `world_size` Dask workers, one rank each; return the results by rank."""
-    try:
-        # After a killed worker, its nanny brings a new one up under a new address.
-        client.wait_for_workers(world_size, timeout=60)
-    except Exception:
-        pass  # too few workers: refused just below with a clear message
+def launch_dask(
+    client, fn: RankFn, payload: Any, world_size: int, timeout_s: float = 300, wait_s: float = 0
+) -> list[Any]:
+    """Run `fn` on `world_size` Dask workers, one rank each; return the results by rank.
+
+    wait_s: how long to wait for enough workers (a relaunch after a killed worker
+    waits for its nanny to bring a new one up, under a new address).
+    """
+    if wait_s:
+        try:
+            client.wait_for_workers(world_size, timeout=wait_s)
+        except Exception:
+            pass  # still too few: refused just below with a clear message
     workers = sorted(client.scheduler_info()["workers"])
     if world_size > len(workers):
         raise ShardlineError(
