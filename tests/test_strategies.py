@@ -49,6 +49,33 @@ def test_ddp_on_dask_workers_matches_single_process(dask_client):
     _assert_close(ranks[1], _single_process())
 
 
+@pytest.mark.parametrize(
+    "variant, atol",
+    [
+        ({"model": "transformer"}, 1e-5),
+        ({"model": "cnn"}, 1e-5),
+        ({"cfg": {"activation_checkpointing": True}}, 1e-5),
+        ({"model": "transformer", "cfg": {"activation_checkpointing": True}}, 1e-5),
+        # bf16 forward and fp16 gradients round differently on a half and a whole batch.
+        ({"cfg": {"precision": "bf16"}}, 2e-2),
+        ({"cfg": {"grad_compression": "fp16"}}, 2e-3),
+    ],
+)
+def test_ddp_switches_and_models_match_single_process(variant, atol):
+    args = {**ARGS, **variant}
+    ranks = launch_local(train_steps, args, world_size=2, timeout_s=120)
+    reference = train_steps(0, 1, args)
+    _assert_close(ranks[0], reference, atol=atol)
+    # The rounding switches really act: their results are not bit-equal to fp32.
+    exact = train_steps(0, 1, {**args, "cfg": {}})
+    differs = lambda a: any(not torch.equal(a[k], exact[k]) for k in exact)  # noqa: E731
+    cfg = variant.get("cfg", {})
+    if cfg.get("precision") == "bf16":
+        assert differs(reference)
+    if cfg.get("grad_compression") == "fp16":
+        assert differs(ranks[0])
+
+
 def test_unknown_strategy_lists_the_valid_ones():
     with pytest.raises(ConfigError, match=r"unknown strategy 'nope' \(valid: ddp\)"):
         get_strategy("nope")

@@ -67,3 +67,24 @@ def test_more_ranks_than_dask_workers_is_refused(prepared, dask_client):
 
     with pytest.raises(ShardlineError, match=r"world_size 3 is greater than the 2 Dask workers"):
         launch_dask(dask_client, print, None, world_size=3)
+
+
+def test_every_switch_together_trains_the_transformer(prepared, tracking_uri, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    cfg = TrainingConfig(
+        launcher="local", world_size=2, epochs=2, batch_size=128, model="transformer",
+        hidden=[16, 16], heads=4, precision="bf16", activation_checkpointing=True,
+        grad_compression="fp16", lr_schedule="cosine", warmup_steps=20, log_every_steps=5,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+    )
+    result = run_training(cfg, TrackingConfig(experiment="switches", registered_model="switches"), prepared.dataset_dir)
+    lrs = [m.value for m in MlflowClient(tracking_uri).get_metric_history(result.run_id, "lr")]
+    assert lrs[0] < lrs[1] < lrs[2] and lrs[-1] < max(lrs) / 2  # warmup, then cosine decay
+    assert result.metrics["val_accuracy"] > 0.45
+
+
+def test_transformer_heads_must_divide_width(prepared):
+    cfg = TrainingConfig(launcher="local", model="transformer", hidden=[30], heads=4)
+    with pytest.raises(ConfigError, match=r"d_model 30\) must be divisible by training.heads 4"):
+        run_training(cfg, TrackingConfig(), prepared.dataset_dir)

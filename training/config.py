@@ -18,7 +18,12 @@ class TrainingConfig(Section):
     world_size: int = Field(2, ge=1, description="Ranks (processes) that train together.")
     strategy: str = Field("ddp", description="Parallel strategy, by name (training.strategies).")
     model: str = Field("mlp", description="Model, by name (training.models).")
-    hidden: list[int] = Field(default_factory=lambda: [128, 64], description="MLP hidden widths.")
+    hidden: list[int] = Field(
+        default_factory=lambda: [128, 64],
+        description="mlp: hidden widths; cnn: hidden[0] channels; transformer: hidden[0] is "
+        "d_model and len(hidden) the layers.",
+    )
+    heads: int = Field(4, ge=1, description="Attention heads (transformer).")
     embedding_dim: int = Field(8, ge=1, description="Width of each categorical embedding.")
     epochs: int = Field(5, ge=1, description="Passes over the train split.")
     batch_size: int = Field(
@@ -29,6 +34,20 @@ class TrainingConfig(Section):
     )
     lr: float = Field(3e-3, gt=0, description="Adam learning rate for `batch_size`.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    lr_schedule: Literal["constant", "cosine", "step"] = Field(
+        "constant",
+        description="After warmup: constant, cosine decay to 0 over the run, or x0.1 every third of it.",
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 over this many steps.")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="bf16: forward and loss under torch.autocast (weights stay fp32)."
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each block's activations in backward to save memory."
+    )
+    grad_compression: Literal["none", "fp16"] = Field(
+        "none", description="fp16: DDP all-reduces gradients in fp16 (half the bytes)."
+    )
     seed: int = Field(0, description="Seeds weights, shuffling and dropout.")
     threads_per_rank: int = Field(
         1, ge=1, description="torch intra-op threads per rank; ranks x threads <= cores."

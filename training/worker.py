@@ -20,7 +20,7 @@ from pipelines.manifest import load_manifest
 from . import checkpoints
 from .config import TrainingConfig
 from .loader import RankBatches
-from .models import build_model
+from .models import apply_activation_checkpointing, build_model
 from .strategies import get_strategy
 from .tracking import MetricsReporter
 
@@ -62,9 +62,13 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
     )
 
     model = build_model(manifest, cfg).to(device)
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(model)
     strategy = get_strategy(cfg.strategy)
-    wrapped = strategy.wrap(model)
+    wrapped = strategy.wrap(model, cfg)
     optimizer = torch.optim.AdamW(wrapped.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = lr_scheduler(optimizer, cfg, cfg.epochs * train.steps_per_epoch())
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
     reporter = MetricsReporter(job.tracking_uri, job.run_id) if rank == 0 else None
     _announce(cfg.checkpoint_dir, rank)
 
@@ -73,6 +77,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         state = checkpoints.load(Path(job.resume_from), job.fingerprint)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"][rank])
         step, start_epoch, skip = state["global_step"], state["epoch"], state["step_in_epoch"]
 
@@ -85,6 +90,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         state = {
             "model": strategy.unwrap(wrapped).state_dict(),
             "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
             "global_step": step,
             "epoch": epoch,
             "step_in_epoch": step_in_epoch,
@@ -114,18 +120,20 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
             if batch is None:
                 break
             x, y = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
-            logits = wrapped(x)
-            loss = F.cross_entropy(logits, y)
+            with autocast:
+                logits = wrapped(x)
+                loss = F.cross_entropy(logits, y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
+            scheduler.step()
             step += 1
             step_in_epoch += 1
             loss_sum += loss.item() * len(y)
             correct += (logits.argmax(1) == y).sum().item()
             seen += len(y)
             if reporter and step % cfg.log_every_steps == 0:
-                reporter.log({"train_loss_step": loss.item()}, step)
+                reporter.log({"train_loss_step": loss.item(), "lr": scheduler.get_last_lr()[0]}, step)
             if cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0:
                 checkpoint(epoch, step_in_epoch, artifact=False)
         elapsed = time.perf_counter() - start
@@ -181,3 +189,20 @@ def _announce(checkpoint_dir: str, rank: int) -> None:
     tmp = d / f".rank-{rank}.json.tmp"
     tmp.write_text(json.dumps(info))
     os.replace(tmp, d / f"rank-{rank}.json")
+
+
+def lr_scheduler(optimizer, cfg: TrainingConfig, total_steps: int):
+    """Linear warmup, then constant, cosine to 0, or x0.1 at each third of the run."""
+    import math
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        if cfg.lr_schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        if cfg.lr_schedule == "step":
+            return 0.1 ** min(int(progress * 3), 2)
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
