@@ -48,7 +48,34 @@ def spark_session(cfg: SparkConfig):
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
+    if not spark.sparkContext.master.startswith("local"):
+        # Executors on other hosts import our packages from this zip (a driver-side
+        # module they cannot import aborts the barrier stage: FACTS.md).
+        spark.sparkContext.addPyFile(package_zip())
     return spark
+
+
+def package_zip() -> str:
+    """pipelines, training and serving as one zip, for executors and Dask workers."""
+    global _ZIP
+    if _ZIP is None:
+        import tempfile
+        import zipfile
+        from pathlib import Path
+
+        here = Path(__file__).resolve().parent.parent
+        fd, path = tempfile.mkstemp(prefix="shardline-", suffix=".zip")
+        os.close(fd)
+        with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+            for pkg in ("pipelines", "training", "serving"):
+                for f in sorted((here / pkg).rglob("*")):
+                    if f.is_file() and "__pycache__" not in f.parts:
+                        z.write(f, f.relative_to(here))
+        _ZIP = path
+    return _ZIP
+
+
+_ZIP: str | None = None
 
 
 
@@ -61,7 +88,10 @@ def dask_client(cfg: DaskConfig):
     # The P2P shuffle logs every shuffle's start and end as a warning.
     logging.getLogger("distributed.shuffle").setLevel(logging.ERROR)
     if cfg.address:
-        return Client(cfg.address, timeout="30s")
+        client = Client(cfg.address, timeout="30s")
+        # Workers started elsewhere import our packages from this zip.
+        client.upload_file(package_zip())
+        return client
     cluster = LocalCluster(
         n_workers=cfg.n_workers,
         threads_per_worker=cfg.threads_per_worker,

@@ -63,10 +63,15 @@ def test_dask_launcher_trains_one_rank_per_worker(prepared, dask_client, trackin
 
 
 def test_more_ranks_than_dask_workers_is_refused(prepared, dask_client):
-    from training.launchers.dask import launch_dask
-
+    cfg = TrainingConfig(launcher="dask", world_size=3, batch_size=129)
     with pytest.raises(ShardlineError, match=r"world_size 3 is greater than the 2 Dask workers"):
-        launch_dask(dask_client, print, None, world_size=3)
+        run_training(cfg, TrackingConfig(), prepared.dataset_dir, dask_client=dask_client)
+
+
+def test_more_ranks_than_spark_slots_is_refused(prepared, spark):
+    cfg = TrainingConfig(launcher="spark", world_size=3, batch_size=129)
+    with pytest.raises(ShardlineError, match=r"world_size 3 is greater than the 2 task slots"):
+        run_training(cfg, TrackingConfig(), prepared.dataset_dir, spark=spark)
 
 
 def test_every_switch_together_trains_the_transformer(prepared, tracking_uri, tmp_path):

@@ -58,6 +58,7 @@ def run_training(
     import mlflow
 
     dataset_dir = str(Path(dataset_dir).resolve())
+    _check_capacity(cfg, spark, dask_client)
     manifest = preflight(cfg, dataset_dir)
     fp = checkpoints.fingerprint(cfg, manifest.version_id)
     resume_from, run_id = None, None
@@ -103,6 +104,18 @@ def run_training(
     return TrainResult(
         run_id, uri, tracking.registered_model, version, result["metrics"], model.state_dict()
     )
+
+
+def _check_capacity(cfg: TrainingConfig, spark, dask_client) -> None:
+    """Enough task slots or workers for every rank, before anything starts."""
+    if cfg.launcher == "spark" and spark is not None:
+        from .launchers.spark import check_spark_slots
+
+        check_spark_slots(spark, cfg.world_size)
+    if cfg.launcher == "dask" and dask_client is not None:
+        from .launchers.dask import check_dask_workers
+
+        check_dask_workers(dask_client, cfg.world_size)
 
 
 def _continue_run(run_id: str) -> str | None:

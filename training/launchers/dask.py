@@ -17,6 +17,16 @@ def _rendezvous_address() -> str:
     return f"tcp://{host}:{free_port(host)}"
 
 
+def check_dask_workers(client, world_size: int) -> list[str]:
+    workers = sorted(client.scheduler_info()["workers"])
+    if world_size > len(workers):
+        raise ShardlineError(
+            f"training.world_size {world_size} is greater than the {len(workers)} Dask workers "
+            f"of {client.scheduler.address}"
+        )
+    return workers
+
+
 def launch_dask(
     client, fn: RankFn, payload: Any, world_size: int, timeout_s: float = 300, wait_s: float = 0
 ) -> list[Any]:
@@ -30,13 +40,7 @@ def launch_dask(
             client.wait_for_workers(world_size, timeout=wait_s)
         except Exception:
             pass  # still too few: refused just below with a clear message
-    workers = sorted(client.scheduler_info()["workers"])
-    if world_size > len(workers):
-        raise ShardlineError(
-            f"training.world_size {world_size} is greater than the {len(workers)} Dask workers "
-            f"of {client.scheduler.address}"
-        )
-    chosen = workers[:world_size]
+    chosen = check_dask_workers(client, world_size)[:world_size]
     init = client.submit(_rendezvous_address, workers=[chosen[0]], allow_other_workers=False, pure=False)
     init_method = init.result()
     futures = [

@@ -14,16 +14,20 @@ def spark_task_slots(spark) -> int:
     return spark.sparkContext.defaultParallelism
 
 
-def launch_spark_barrier(
-    spark, fn: RankFn, payload: Any, world_size: int, timeout_s: float = 300
-) -> list[Any]:
-    """Run `fn` on `world_size` ranks as one barrier stage; return the results by rank."""
+def check_spark_slots(spark, world_size: int) -> None:
     slots = spark_task_slots(spark)
     if world_size > slots:
         raise ShardlineError(
             f"training.world_size {world_size} is greater than the {slots} task slots of "
             f"Spark master {spark.sparkContext.master}: a barrier stage needs them all at once"
         )
+
+
+def launch_spark_barrier(
+    spark, fn: RankFn, payload: Any, world_size: int, timeout_s: float = 300
+) -> list[Any]:
+    """Run `fn` on `world_size` ranks as one barrier stage; return the results by rank."""
+    check_spark_slots(spark, world_size)
 
     def rank_task(_):
         from pyspark import BarrierTaskContext
