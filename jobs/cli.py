@@ -182,8 +182,11 @@ def bench_prepare(rows, as_json):
 def _spark(cfg: ShardlineConfig):
     from pipelines.engines import spark_session
 
-    with stage(f"Starting Spark ({cfg.spark.master})"):
-        return spark_session(cfg.spark)
+    with stage("Starting Spark"):
+        spark = spark_session(cfg.spark)
+    # Under spark-submit its --master wins over the config's: say which one runs.
+    console.print(f"  Spark master {spark.sparkContext.master}")
+    return spark
 
 
 @contextmanager

@@ -133,3 +133,21 @@ def test_dask_cli_cluster_runs_one_rank_per_worker(prepared, tmp_path):
     finally:
         _stop(procs)
 
+
+
+def test_spark_submit_master_wins_over_the_config(prepared, tmp_path):
+    # The config says local[2]; spark-submit says local[1]: one slot, so two ranks are refused.
+    env = {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+    proc = subprocess.run(
+        [str(BIN / "spark-submit"), "--master", "local[1]", str(REPO / "jobs" / "spark_submit.py"),
+         "train", str(QUICKSTART), *_train_args(prepared, tmp_path)],
+        cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    # spark-submit merges the Python driver's stderr into its stdout.
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
+    assert errors == [
+        "error: training.world_size 2 is greater than the 1 task slots of Spark master "
+        "local[1]: a barrier stage needs them all at once"
+    ], proc.stdout[-1500:]
+    assert "Spark master local[1]" in proc.stdout
