@@ -85,13 +85,13 @@ class SparkEngine:
             for b in batches:
                 yield fn(b)
 
-        from pyspark import StorageLevel
-
-        # Parsed once, read by the duplicate check and the write.
-        return frame.mapInPandas(each, spark_ddl(schema)).persist(StorageLevel.MEMORY_AND_DISK)
+        # Not cached: Spark's in-memory cache of a whole partition ran the 1g driver
+        # JVM (local mode hosts the executors) out of heap at 10M rows. Parsing again
+        # for the write costs one more pass of Python over the rows.
+        return frame.mapInPandas(each, spark_ddl(schema))
 
     def release(self, parsed) -> None:
-        parsed.unpersist()
+        pass
 
     def duplicate_key(self, parsed, key: str, existing: list[str]):
         from pyspark.sql import functions as F
