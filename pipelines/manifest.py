@@ -168,7 +168,7 @@ def commit_manifest(dataset_dir: str | os.PathLike, manifest: ShardManifest) -> 
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     remove_unreferenced(root, manifest)
     return final
 
@@ -194,7 +194,8 @@ def _ours(p: Path) -> bool:
     )
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename in `path` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

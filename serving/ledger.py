@@ -22,6 +22,7 @@ import uuid
 from pathlib import Path
 
 from pipelines.errors import DataError, ShardlineError
+from pipelines.manifest import fsync_dir
 
 LEDGER = "_ledger"
 LOCK = "_lock"
@@ -126,10 +127,3 @@ class OutputLock:
         # The kernel drops the lock when the process dies, so a crash never leaves it held.
         os.close(self.fd)
 
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

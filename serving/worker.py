@@ -17,9 +17,10 @@ import numpy as np
 import pyarrow as pa
 
 from pipelines.errors import ShardlineError
+from pipelines.manifest import fsync_dir
 
 from .inputs import Transform, Unit
-from .ledger import commit, fsync_dir
+from .ledger import commit
 from .models import cached_model
 
 
