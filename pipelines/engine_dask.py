@@ -125,9 +125,6 @@ class DaskEngine:
         meta = schema.empty_table().to_pandas()
         return frame.map_partitions(fn, meta=meta, enforce_metadata=False)
 
-    def release(self, parsed) -> None:
-        pass  # nothing cached: Dask recomputes the parse for each use
-
     def duplicate_key(self, parsed, key: str, existing: list[str]):
         import dask.dataframe as dd
 

@@ -90,9 +90,6 @@ class SparkEngine:
         # for the write costs one more pass of Python over the rows.
         return frame.mapInPandas(each, spark_ddl(schema))
 
-    def release(self, parsed) -> None:
-        pass
-
     def duplicate_key(self, parsed, key: str, existing: list[str]):
         from pyspark.sql import functions as F
 

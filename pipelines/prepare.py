@@ -53,12 +53,7 @@ class PrepareEngine(Protocol):
         """fn(pandas batch) -> dict, over every batch; the dicts come back to the driver."""
 
     def parsed(self, frame, fn, schema) -> Any:
-        """A frame of fn(pandas batch) -> pandas, with the given Arrow schema.
-
-        Read twice (duplicate check, write): an engine may cache it."""
-
-    def release(self, parsed) -> None:
-        """Drop what `parsed` cached."""
+        """A lazy frame of fn(pandas batch) -> pandas, with the given Arrow schema."""
 
     def duplicate_key(self, parsed, key: str, existing: list[str]) -> tuple[int, list[str]] | None:
         """One key seen twice (in `parsed` or also in the `existing` shard files)."""
@@ -115,25 +110,13 @@ def prepare(
     )
     _check(report, cfg)
 
+    frozen = append and not refit  # statistics and existing shards stay as they are
     existing = (
         [str(root / s.path) for info in previous.splits.values() for s in info.shards]
-        if append and not refit
+        if frozen
         else []
     )
     parsed = engine.parsed(frame, partial(_parse_batch, cfg=cfg, drop=drop), typed_schema(spec))
-    try:
-        return _check_and_write(
-            engine, cfg, parsed, report, previous, existing, sources, frozen=append and not refit
-        )
-    finally:
-        engine.release(parsed)
-
-
-def _check_and_write(
-    engine, cfg, parsed, report, previous, existing, sources, frozen: bool
-) -> ShardManifest:
-    spec = cfg.features
-    root = Path(cfg.dataset_dir).resolve()
     dup = engine.duplicate_key(parsed, spec.key, existing)
     if dup:
         key, where = dup
