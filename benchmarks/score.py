@@ -1,0 +1,250 @@
+"""`shardline bench score`: batch-scoring rows/s on Spark and Dask vs the limit and predict_batch_udf.
+
+One run, one dataset, one model, the train split of a prepared synthetic dataset:
+
+- spark, dask: `serving.score.score` (the whole job: checks, ledger, lock, tasks).
+- limit: one process, no engine (pyarrow read of the same shard files -> numpy ->
+  torch in inference_mode -> softmax/argmax -> Parquet with the same columns), one
+  torch thread, its rows/s multiplied by the cores this process may use.
+- predict_batch_udf: `pyspark.ml.functions.predict_batch_udf` on the same Spark
+  session over the same shards, the model loaded with mlflow.pytorch.load_model,
+  written as Parquet with the same columns.
+
+Engine start-up and the first model load are excluded where possible: each method
+first scores the val split (Python workers start, models land in their caches);
+the limit loads its model before its clock starts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipelines.config import DaskConfig, PipelineConfig, SparkConfig
+
+TARGET_VS_LIMIT = 0.9
+TARGET_VS_PREDICT_BATCH_UDF = 1.5
+BATCH_SIZE = 4096  # serving.score's default; every method infers in batches of this size
+
+
+def limit_loop(model, shard_paths: list[str], out: Path, width: int, model_name: str,
+               model_version: str) -> int:
+    """The single-process loop; `model` is already loaded. Returns rows scored."""
+    import torch
+
+    from serving.worker import output_schema
+
+    schema = output_schema(classification=True)
+    out.mkdir(parents=True)
+    rows = 0
+    scored_at = datetime.now(timezone.utc)
+    for i, path in enumerate(shard_paths):
+        table = pq.read_table(path, columns=["key", "features"], use_threads=False)
+        n = table.num_rows
+        keys = table.column("key").combine_chunks().cast(pa.int64())
+        x = (
+            table.column("features").combine_chunks().flatten()
+            .to_numpy(zero_copy_only=False).astype(np.float32).reshape(n, width)
+        )
+        with pq.ParquetWriter(out / f"part-{i:05d}.parquet", schema) as writer:
+            for lo in range(0, n, BATCH_SIZE):
+                hi = min(lo + BATCH_SIZE, n)
+                with torch.inference_mode():
+                    p = torch.softmax(model(torch.from_numpy(x[lo:hi])), 1).numpy()
+                m, k = p.shape
+                offsets = pa.array(np.arange(0, m * k + 1, k, dtype=np.int32))
+                writer.write_batch(pa.RecordBatch.from_arrays(
+                    [
+                        keys.slice(lo, m),
+                        pa.array(p.argmax(1), pa.int64()),
+                        pa.ListArray.from_arrays(offsets, pa.array(p.reshape(-1), pa.float32())),
+                        pa.array([model_name] * m, pa.string()),
+                        pa.array([model_version] * m, pa.string()),
+                        pa.array([scored_at] * m, pa.timestamp("us", tz="UTC")),
+                    ],
+                    schema=schema,
+                ))
+        rows += n
+    return rows
+
+
+def predict_batch_udf_job(spark, model_uri: str, tracking_uri: str, width: int):
+    """(the udf, a function that scores shard files into a directory); one udf, so its
+    per-worker model cache survives from the warm-up to the measured run."""
+    from pyspark.ml.functions import predict_batch_udf
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import ArrayType, FloatType, LongType, StructField, StructType
+
+    def make_predict_fn():
+        import mlflow
+        import torch
+
+        mlflow.set_tracking_uri(tracking_uri)
+        model = mlflow.pytorch.load_model(model_uri, map_location="cpu").eval()
+
+        def predict(x: np.ndarray) -> dict:
+            with torch.inference_mode():
+                p = torch.softmax(model(torch.from_numpy(x.astype(np.float32, copy=False))), 1).numpy()
+            return {"prediction": p.argmax(1).astype(np.int64), "probabilities": p}
+
+        return predict
+
+    udf = predict_batch_udf(
+        make_predict_fn,
+        return_type=StructType([
+            StructField("prediction", LongType()),
+            StructField("probabilities", ArrayType(FloatType())),
+        ]),
+        batch_size=BATCH_SIZE,
+        input_tensor_shapes=[[width]],
+    )
+
+    def run(paths: list[str], out: Path, model_name: str, model_version: str) -> None:
+        scored_at = datetime.now(timezone.utc)
+        p = F.col("p")
+        (
+            spark.read.parquet(*paths)
+            .select(F.col("key").cast("long").alias("key"), udf("features").alias("p"))
+            .select(
+                "key",
+                p["prediction"].alias("prediction"),
+                p["probabilities"].alias("probabilities"),
+                F.lit(model_name).alias("model_name"),
+                F.lit(model_version).alias("model_version"),
+                F.lit(scored_at).alias("scored_at"),
+            )
+            .write.mode("overwrite").parquet(str(out))
+        )
+
+    return run
+
+
+def run(rows: int, workdir: str | None = None, progress=print) -> dict:
+    import mlflow
+    import torch
+
+    from pipelines.engine_dask import DaskEngine
+    from pipelines.engines import dask_client, spark_session
+    from pipelines.manifest import load_manifest
+    from pipelines.prepare import prepare
+    from serving.score import score
+    from training.config import TrackingConfig, TrainingConfig
+    from training.job import run_training
+
+    root = Path(tempfile.mkdtemp(prefix="shardline-bench-score-", dir=workdir))
+    previous_uri = mlflow.get_tracking_uri()
+    client = None
+    try:
+        cfg = PipelineConfig.model_validate(
+            {
+                "dataset_dir": str(root / "dataset"),
+                "source": {"format": "synthetic", "path": str(root / "raw"),
+                           "synthetic": {"rows": rows, "partitions": 4}},
+                "layout": {"world_size": 2},
+            }
+        )
+        client = dask_client(DaskConfig())
+        dask = DaskEngine(client)
+        progress(f"generating and preparing {rows:,} rows (Dask)")
+        prepare(dask, cfg)
+        manifest = load_manifest(cfg.dataset_dir)
+        dataset = Path(cfg.dataset_dir).resolve()
+        train_paths = [str(dataset / s.path) for s in manifest.split("train").shards]
+        val_paths = [str(dataset / s.path) for s in manifest.split("val").shards]
+        n_train = manifest.splits["train"].rows
+        width = manifest.tensors["features"].shape[0]
+
+        progress("training a small model (1 epoch, local)")
+        tracking_uri = f"sqlite:///{root / 'mlflow.db'}"
+        trained = run_training(
+            TrainingConfig(launcher="local", world_size=1, epochs=1, batch_size=1024,
+                           checkpoint_dir=str(root / "ckpt")),
+            TrackingConfig(tracking_uri=tracking_uri, experiment="bench", registered_model="bench-score"),
+            cfg.dataset_dir,
+        )
+        model_uri = trained.model_uri
+        model_name, model_version = trained.model_name, trained.model_version
+        progress("starting Spark")
+        spark = spark_session(SparkConfig())
+
+        seconds: dict[str, float] = {}
+        scored: dict[str, int] = {}
+        for name, handle in (("spark", spark), ("dask", client)):
+            progress(f"{name}: warm-up on val, then score train")
+            score(name, handle, model_uri, tracking_uri, cfg.dataset_dir, str(root / f"warm-{name}"),
+                  split="val", force=True, batch_size=BATCH_SIZE)
+            start = time.perf_counter()
+            r = score(name, handle, model_uri, tracking_uri, cfg.dataset_dir, str(root / f"out-{name}"),
+                      split="train", force=True, batch_size=BATCH_SIZE)
+            seconds[name] = time.perf_counter() - start
+            scored[name] = r.rows
+
+        progress("predict_batch_udf: warm-up on val, then score train")
+        pbu = predict_batch_udf_job(spark, model_uri, tracking_uri, width)
+        pbu(val_paths, root / "warm-pbu", model_name, model_version)
+        start = time.perf_counter()
+        pbu(train_paths, root / "out-pbu", model_name, model_version)
+        seconds["predict_batch_udf"] = time.perf_counter() - start
+        scored["predict_batch_udf"] = pq.ParquetDataset(str(root / "out-pbu")).read(columns=["key"]).num_rows
+
+        progress("limit: single-process torch loop, one thread")
+        mlflow.set_tracking_uri(tracking_uri)
+        model = mlflow.pytorch.load_model(model_uri, map_location="cpu").eval()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            start = time.perf_counter()
+            scored["limit"] = limit_loop(model, train_paths, root / "out-limit", width,
+                                         model_name, model_version)
+            seconds["limit_single_process"] = time.perf_counter() - start
+        finally:
+            torch.set_num_threads(threads)
+    finally:
+        if client is not None:
+            cluster = client.cluster
+            client.close()
+            cluster.close()
+        mlflow.set_tracking_uri(previous_uri)
+        shutil.rmtree(root, ignore_errors=True)
+
+    for name, n in scored.items():
+        if n != n_train:
+            raise RuntimeError(f"bench score: {name} scored {n} rows, the train split has {n_train}")
+    cores = len(os.sched_getaffinity(0))
+    rps = {k: n_train / v for k, v in seconds.items()}
+    rps["limit"] = rps["limit_single_process"] * cores
+    vs_limit = {k: rps[k] / rps["limit"] for k in ("spark", "dask")}
+    vs_pbu = {k: rps[k] / rps["predict_batch_udf"] for k in ("spark", "dask")}
+    return {
+        "benchmark": "score",
+        "rows": rows,
+        "rows_scored": n_train,
+        "split": "train",
+        "cores": cores,
+        "batch_size": BATCH_SIZE,
+        "seconds": {k: round(v, 3) for k, v in seconds.items()},
+        "rows_per_s": {k: round(v, 1) for k, v in rps.items()},
+        "ratio_vs_limit": {k: round(v, 3) for k, v in vs_limit.items()},
+        "ratio_vs_predict_batch_udf": {k: round(v, 3) for k, v in vs_pbu.items()},
+        "targets": {"vs_limit": TARGET_VS_LIMIT, "vs_predict_batch_udf": TARGET_VS_PREDICT_BATCH_UDF},
+        "met": {
+            k: {"vs_limit": vs_limit[k] >= TARGET_VS_LIMIT,
+                "vs_predict_batch_udf": vs_pbu[k] >= TARGET_VS_PREDICT_BATCH_UDF}
+            for k in ("spark", "dask")
+        },
+    }
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import json
+    import sys
+
+    print(json.dumps(run(int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000)))
