@@ -13,16 +13,16 @@ from pipelines.config import PipelineConfig, SparkConfig
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Spark's Python workers and Dask's worker processes must import `tests.*` helpers
+# too; both inherit PYTHONPATH from this process. Set here, at import, because any
+# test may be the one that starts the JVM (a fixture would be too late for some).
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+
 
 @pytest.fixture(scope="session")
 def spark():
     from pipelines.engines import spark_session
 
-    # Spark's Python workers must import `tests.dist_helpers` too (the JVM passes
-    # its PYTHONPATH on to them).
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p
-    )
     session = spark_session(SparkConfig(master="local[2]", shuffle_partitions=2))
     yield session
     session.stop()

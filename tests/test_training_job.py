@@ -27,7 +27,7 @@ def test_local_launcher_trains_tracks_and_registers(prepared, tracking_uri):
 @pytest.mark.parametrize(
     "update, error, message",
     [
-        ({"model": "resnet"}, ConfigError, r"unknown model 'resnet' \(valid: mlp\)"),
+        ({"model": "resnet"}, ConfigError, r"unknown model 'resnet' \(valid: cnn, mlp, transformer\)"),
         ({"strategy": "zero"}, ConfigError, r"unknown strategy 'zero'"),
         ({"world_size": 8, "batch_size": 64}, DataError, r"world size 8 is greater than the 2 shard"),
         ({"batch_size": 101}, ConfigError, r"batch_size 101 must be a multiple"),
