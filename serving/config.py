@@ -18,6 +18,13 @@ class ServingConfig(Section):
     split: str = Field("test", description="Split of the prepared dataset to score.")
     output_dir: str = Field("shardline-data/scores", description="Scored Parquet output.")
     batch_size: int = Field(4096, ge=1, description="Rows per model call.")
+    threads_per_task: int = Field(
+        1,
+        ge=1,
+        description="torch threads per scoring task. Spark runs one task per core "
+        "(spark.task.cpus = 1) and a Dask worker one per thread, so 1 keeps the cores "
+        "from being oversubscribed; raise it with spark.task.cpus.",
+    )
     engine: Literal["spark", "dask"] = Field("spark", description="Engine that runs the scoring tasks.")
     incremental: bool = Field(
         False,

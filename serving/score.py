@@ -50,6 +50,7 @@ def score(
     incremental: bool = False,
     force: bool = False,
     batch_size: int = 4096,
+    threads_per_task: int = 1,
 ) -> ScoreResult:
     """Score `input_path` (a prepared dataset's `split`, or raw Parquet) into `output_dir`.
 
@@ -95,6 +96,7 @@ def score(
                 model_version=model.version,
                 transform=transform,
                 batch_size=batch_size,
+                threads=threads_per_task,
             )
             for u in todo
         ]

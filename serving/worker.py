@@ -35,6 +35,7 @@ class UnitTask:
     model_version: str
     transform: Transform
     batch_size: int
+    threads: int = 1  # torch intra-op threads while this unit is scored
 
 
 def output_schema(classification: bool) -> pa.Schema:
@@ -65,11 +66,15 @@ def score_unit(task: UnitTask) -> dict:
 
 def _score_unit(task: UnitTask) -> dict:
     import pyarrow.parquet as pq
+    import torch
 
     spec = task.transform.spec
     classification = spec.task == "classification"
     schema = output_schema(classification)
     model = cached_model(task.model_uri, task.tracking_uri)
+    # torch defaults to one thread per core in every worker process: with one task
+    # per core that oversubscribes the machine.
+    torch.set_num_threads(task.threads)
     out = Path(task.output_dir)
     final = out / task.output_name
     tmp = out / f".{task.output_name}.{uuid.uuid4().hex[:8]}.tmp"
