@@ -50,7 +50,11 @@ def test_checkpoints_are_plain_tensors_and_numbers(reference):
     _, paths = reference
     assert len(paths) > 5
     state = torch.load(paths[0], weights_only=True)  # no arbitrary unpickling
-    assert {"model", "optimizer", "global_step", "epoch", "step_in_epoch", "rng"} <= state.keys()
+    assert {"model", "optimizer", "global_step", "epoch", "step_in_epoch", "rng", "loader"} <= state.keys()
+    # The loader's position is the checkpoint's: epoch and batches delivered in it.
+    for p in paths:
+        s = torch.load(p, weights_only=True)
+        assert (s["loader"]["epoch"], s["loader"]["batches"]) == (s["epoch"], s["step_in_epoch"])
 
 
 def test_resume_from_mid_epoch_checkpoint_gives_the_same_weights(prepared, reference, tmp_path):

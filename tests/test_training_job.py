@@ -9,19 +9,25 @@ from training.config import TrackingConfig, TrainingConfig
 from training.job import run_training
 
 
-def test_local_launcher_trains_tracks_and_registers(prepared, tracking_uri):
+def test_local_launcher_trains_tracks_and_registers(prepared, tracking_uri, capfd):
     from mlflow.tracking import MlflowClient
 
-    cfg = TrainingConfig(launcher="local", world_size=2, epochs=2, batch_size=128)
+    # A zero threshold: any wait at all warns, and only once per job.
+    cfg = TrainingConfig(launcher="local", world_size=2, epochs=2, batch_size=128, data_wait_warning=0.0)
     tracking = TrackingConfig(experiment="job-test", registered_model="job-test-model")
     result = run_training(cfg, tracking, prepared.dataset_dir)
     client = MlflowClient(tracking_uri)
     run = client.get_run(result.run_id)
     assert run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(result.run_id, "val_accuracy")] == [0, 1]
-    assert {"rank0_samples_per_s", "rank1_samples_per_s", "data_wait_fraction"} <= set(run.data.metrics)
+    assert {"rank0_samples_per_s", "rank1_samples_per_s", "data_wait_fraction",
+            "rank0_loader_samples_per_s", "rank1_loader_samples_per_s"} <= set(run.data.metrics)
+    assert 0 <= run.data.metrics["data_wait_fraction"] <= 1  # wait / step time
+    assert run.data.metrics["rank1_loader_samples_per_s"] > 0
     assert result.metrics["val_accuracy"] > 0.6
     assert client.get_model_version("job-test-model", result.model_version).run_id == result.run_id
+    warnings = [ln for ln in capfd.readouterr().err.splitlines() if "waited for data" in ln]
+    assert len(warnings) == 1 and "epoch 1: rank " in warnings[0] and "(over 0%)" in warnings[0], warnings
 
 
 @pytest.mark.parametrize(

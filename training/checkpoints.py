@@ -23,6 +23,7 @@ _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
 # weights, the optimizer state or the order of batches.
 FINGERPRINT_FIELDS = (
     "model", "hidden", "embedding_dim", "strategy", "world_size", "batch_size", "seed", "epochs",
+    "shuffle_buffer_rows", "remainder",
 )
 
 

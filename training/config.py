@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from pipelines.config import Section
+from pipelines.manifest import BandwidthPlan
 
 
 class TrainingConfig(Section):
@@ -49,6 +50,32 @@ class TrainingConfig(Section):
         "none", description="fp16: DDP all-reduces gradients in fp16 (half the bytes)."
     )
     seed: int = Field(0, description="Seeds weights, shuffling and dropout.")
+    loader_workers: int | None = Field(
+        None, ge=0, description="Threads per rank decoding row groups ahead of training; 0 reads "
+        "inline in the training thread; unset: the dataset's bandwidth plan's "
+        "(`shardline plan`), else 1. Never changes the sample order.",
+    )
+    prefetch_depth: int = Field(
+        2, ge=1, description="Batches queued ahead of the training step (and row groups decoded "
+        "ahead per loader worker). Never changes the sample order.",
+    )
+    shuffle_buffer_rows: int = Field(
+        65_536, ge=0, description="Rows mixed across row groups by the shuffle buffer (per rank; "
+        "memory = rows x features x 4 bytes). Shard and row-group order are shuffled too.",
+    )
+    remainder: Literal["drop", "pad"] = Field(
+        "drop", description="Ranks with unequal rows: drop runs every rank for the smallest "
+        "rank's whole batches (leaving out other rows, freshly drawn each epoch); pad runs the "
+        "largest rank's (rounded up to a whole batch) and repeats rows on the others.",
+    )
+    verify_shards: bool = Field(
+        False, description="Check every shard's sha256 against the manifest before training "
+        "(reads each shard once more).",
+    )
+    data_wait_warning: float = Field(
+        0.05, ge=0, le=1, description="Rank 0 warns (once per job) when a rank waits for data "
+        "longer than this share of its step time.",
+    )
     threads_per_rank: int = Field(
         1, ge=1, description="torch intra-op threads per rank; ranks x threads <= cores."
     )
@@ -69,6 +96,19 @@ class TrainingConfig(Section):
     max_restarts: int = Field(
         2, ge=0, description="Relaunches after a rank fails; each resumes from the latest checkpoint."
     )
+
+
+    def loader_workers_for(self, plan: BandwidthPlan | None) -> int:
+        """loader_workers if set, else the plan's workers per rank, else 1.
+
+        The plan's figure is used whatever world size it was made for: workers only
+        change throughput, never the sample order, so a stale plan cannot change results.
+        """
+        if self.loader_workers is not None:
+            return self.loader_workers
+        if plan is not None and plan.loader_workers_per_rank:
+            return plan.loader_workers_per_rank
+        return 1
 
 
 class TrackingConfig(Section):

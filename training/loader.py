@@ -1,26 +1,65 @@
-"""Rank-local batches from a prepared dataset.
+"""Streaming, shuffled, exactly resumable batches from a prepared dataset's shards.
 
-Rank r of w reads shards r, r+w, r+2w, ... of a split: a disjoint, complete
-cover. Every rank runs the same number of steps (DDP would hang otherwise), so
-each epoch takes the same number of rows on every rank: `drop` leaves out the
-rows past the smallest rank's count, freshly chosen by each epoch's shuffle.
+Sharding: rank r of w reads shards r, r+w, r+2w, ... of a split, a disjoint and
+complete cover; nothing else is opened.
 
-This first loader reads the rank's shards into memory once; the streaming,
-prefetching loader with exact mid-epoch resume replaces it (issue 5).
+Equal samples per rank: every rank must run the same number of steps (DDP would
+hang otherwise), so every rank yields the same number of samples per epoch, set
+by `remainder`:
+- `drop` (default): steps = (fewest rows on any rank) // local_batch. A rank with
+  more rows stops early; the rows it leaves out are the tail of its epoch's
+  shuffled stream, so different rows each epoch. No row repeats within an epoch.
+- `pad`: steps = ceil((most rows on any rank) / local_batch). A rank that runs out
+  starts its epoch's stream again from the beginning, so every row is seen at
+  least once per epoch and some rows twice.
+
+Order: one numpy generator per (seed, epoch, rank) shuffles the shard order, the
+row-group order inside each shard, and drives a shuffle buffer of
+`shuffle_buffer_rows` rows across row groups: after each row group is added the
+buffer emits a uniformly drawn set of rows that brings it back to capacity, and
+at the end it emits the rest in random order. Every draw depends on row counts
+only (manifest and Parquet metadata), never on values, timing or threads: the
+same seed gives the same order on every run, with any `workers`/`prefetch`, and
+on data prepared by Spark or by Dask (they write the same rows and row groups).
+
+Resume: `state_dict()` is the position (epoch, batches delivered), which is the
+same on every rank, plus the settings that shape the order. After
+`load_state_dict`, `epoch(e)` replays the count-only draws up to the position
+without decoding anything, reads just the row groups that still have rows in the
+buffer, and yields exactly the remaining batches, mid-row-group included.
+
+Prefetch: with `workers` >= 1 a producer thread assembles batches into a queue of
+`prefetch` batches, and `workers` threads decode up to workers x prefetch row
+groups ahead of it (pyarrow releases the GIL); they are consumed in plan order,
+so threads never change the order. `workers=0` does everything inline. Arrow's float list becomes numpy
+without a copy; rows are copied once into the shuffle buffer and once out of it
+into batches. With CUDA present, batches come in pinned memory so the trainer's
+`.to(device, non_blocking=True)` is asynchronous.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import math
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from pipelines.errors import DataError
+from pipelines.errors import ConfigError, DataError
 from pipelines.manifest import ShardInfo, ShardManifest
+
+REMAINDER_POLICIES = ("drop", "pad")
+_STATE_VERSION = 1
+# Settings that shape the sample order: a state saved under others cannot resume.
+_ORDER_KEYS = ("seed", "world_size", "local_batch", "shuffle_buffer_rows", "remainder", "steps")
 
 
 def rank_shards(shards: list[ShardInfo], rank: int, world_size: int) -> list[ShardInfo]:
@@ -36,44 +75,11 @@ def check_world_size(manifest: ShardManifest, split: str, world_size: int) -> No
         )
 
 
-def read_shards(dataset_dir: str | Path, shards: list[ShardInfo], label: str) -> tuple[
-    torch.Tensor, torch.Tensor
-]:
-    """Features (float32 [n, d]) and labels (int64 [n]) of `shards`, in order."""
-    if not shards:
-        return torch.empty(0, 0), torch.empty(0, dtype=torch.int64)
-    tables = []
-    for s in shards:
-        path = Path(dataset_dir) / s.path
-        if not path.is_file():
-            raise DataError(f"{path}: shard named by the manifest is missing")
-        t = pq.read_table(path, columns=["features", label])
-        if t.num_rows != s.rows:
-            raise DataError(f"{path}: {t.num_rows} rows, the manifest says {s.rows}")
-        tables.append(t)
-    table = pa.concat_tables(tables)
-    feats = table.column("features").combine_chunks()
-    width = len(feats[0]) if len(feats) else 0
-    # .flatten(), not .values: on a sliced list array .values is the whole parent.
-    x = np.array(feats.flatten().to_numpy(zero_copy_only=False), dtype=np.float32)
-    y = table.column(label).to_numpy()
-    return torch.from_numpy(x.reshape(-1, width)), torch.from_numpy(y.astype(np.int64))
+class ShardLoader:
+    """Local batches `(x float32 [local_batch, d], y [local_batch])` of one rank for one split."""
 
-
-@dataclass
-class RankBatches:
-    """Shuffled local batches of one rank for one split."""
-
-    features: torch.Tensor
-    labels: torch.Tensor
-    rows_per_epoch: int  # the same on every rank
-    local_batch: int
-    seed: int
-    rank: int
-
-    @classmethod
-    def open(
-        cls,
+    def __init__(
+        self,
         manifest: ShardManifest,
         dataset_dir: str | Path,
         split: str,
@@ -81,27 +87,418 @@ class RankBatches:
         world_size: int,
         local_batch: int,
         seed: int,
-    ) -> RankBatches:
+        *,
+        remainder: str = "drop",
+        shuffle_buffer_rows: int = 65_536,
+        workers: int = 1,
+        prefetch: int = 2,
+        pin_memory: bool | None = None,
+        verify: bool = False,
+    ):
+        if remainder not in REMAINDER_POLICIES:
+            raise ConfigError(f"training.remainder {remainder!r} is not one of: drop, pad")
+        for name, value, low in (
+            ("local batch", local_batch, 1), ("training.shuffle_buffer_rows", shuffle_buffer_rows, 0),
+            ("training.loader_workers", workers, 0), ("training.prefetch_depth", prefetch, 1),
+        ):
+            if value < low:
+                raise ConfigError(f"{name} is {value}; it must be at least {low}")
         check_world_size(manifest, split, world_size)
+        self.rank, self.world_size, self.local_batch, self.seed = rank, world_size, local_batch, seed
+        self.remainder, self.shuffle_buffer_rows = remainder, shuffle_buffer_rows
+        self.workers, self.prefetch = workers, prefetch
+        # Pinning needs CUDA; without it there is no device copy to speed up.
+        self.pin_memory = torch.cuda.is_available() and pin_memory is not False
+        self._label = manifest.tensors["label"].column
+        self._y_dtype = np.dtype(manifest.tensors["label"].dtype)
+        self._width = manifest.tensors["features"].shape[0]
+
         shards = manifest.split(split).shards
         mine = rank_shards(shards, rank, world_size)
-        x, y = read_shards(dataset_dir, mine, manifest.feature_spec.label)
-        rows = min(
-            sum(s.rows for s in rank_shards(shards, r, world_size)) for r in range(world_size)
-        )
-        return cls(x, y, rows, local_batch, seed, rank)
+        self._paths = [Path(dataset_dir) / s.path for s in mine]
+        self._meta = [self._open(path, s, verify) for path, s in zip(self._paths, mine)]
+        # Open files per decoding thread: opening one per row group costs ~10% of an epoch.
+        self._files = threading.local()
+        # Rows per row group, per shard, from the Parquet footers.
+        self._groups = [[m.row_group(g).num_rows for g in range(m.num_row_groups)] for m in self._meta]
+        self.rows = sum(s.rows for s in mine)
+        per_rank = [sum(s.rows for s in rank_shards(shards, r, world_size)) for r in range(world_size)]
+        if remainder == "drop":
+            self._steps = min(per_rank) // local_batch
+        else:
+            self._steps = math.ceil(max(per_rank) / local_batch)
+        self._position = (0, 0)  # (epoch, batches delivered in it)
+        self._produced, self._busy = 0, 0.0
+
+    @staticmethod
+    def _open(path: Path, shard: ShardInfo, verify: bool):
+        if not path.is_file():
+            raise DataError(f"{path}: shard named by the manifest is missing")
+        if verify:
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(chunk)
+            if digest.hexdigest() != shard.sha256:
+                raise DataError(
+                    f"{path}: sha256 {digest.hexdigest()[:12]}... differs from the manifest's "
+                    f"{shard.sha256[:12]}...: the shard changed after prepare; re-prepare the dataset"
+                )
+        try:
+            meta = pq.ParquetFile(path).metadata
+        except Exception as e:  # pyarrow raises several types for a damaged file
+            raise DataError(f"{path}: not a readable Parquet shard ({e})") from None
+        if meta.num_rows != shard.rows:
+            raise DataError(f"{path}: {meta.num_rows} rows, the manifest says {shard.rows}")
+        if meta.num_row_groups != shard.row_groups:
+            raise DataError(
+                f"{path}: {meta.num_row_groups} row groups, the manifest says {shard.row_groups}"
+            )
+        return meta
+
+    # -- the public surface --------------------------------------------------
 
     def steps_per_epoch(self) -> int:
-        return self.rows_per_epoch // self.local_batch
+        return self._steps
 
-    def epoch(self, epoch: int):
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch * 1009 + self.rank)
-        order = torch.randperm(len(self.labels), generator=g)[: self.rows_per_epoch]
-        for step in range(self.steps_per_epoch()):
-            idx = order[step * self.local_batch : (step + 1) * self.local_batch]
-            yield self.features[idx], self.labels[idx]
+    def state_dict(self) -> dict:
+        """The position (the same on every rank) and the settings that shape the order."""
+        epoch, batches = self._position
+        return {
+            "version": _STATE_VERSION, "epoch": epoch, "batches": batches, "seed": self.seed,
+            "world_size": self.world_size, "local_batch": self.local_batch,
+            "shuffle_buffer_rows": self.shuffle_buffer_rows, "remainder": self.remainder,
+            "steps": self._steps,
+        }
 
-    def all_batches(self, batch_size: int):
-        """Every row once, in order (evaluation)."""
-        for i in range(0, len(self.labels), batch_size):
-            yield self.features[i : i + batch_size], self.labels[i : i + batch_size]
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != _STATE_VERSION:
+            raise DataError(
+                f"loader state of version {state.get('version')!r}; this loader reads {_STATE_VERSION}"
+            )
+        mine = self.state_dict()
+        diff = [
+            f"{k}={state.get(k)!r} (this loader has {mine[k]!r})"
+            for k in _ORDER_KEYS
+            if state.get(k) != mine[k]
+        ]
+        if diff:
+            raise DataError("loader state is from a different sample order: " + ", ".join(diff))
+        if not 0 <= state["batches"] <= self._steps:
+            raise DataError(f"loader state is at batch {state['batches']} of an epoch of {self._steps}")
+        self._position = (int(state["epoch"]), int(state["batches"]))
+
+    def epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The batches of `epoch`; after load_state_dict at that epoch, only those not yet delivered."""
+        start = self._position[1] if self._position[0] == epoch else 0
+        self._position = (epoch, start)
+        self._produced, self._busy = 0, 0.0
+        if self.workers == 0:
+            batches = self._torch_batches(epoch, start, None)
+            try:
+                while True:
+                    t = time.perf_counter()
+                    batch = next(batches, None)
+                    self._busy += time.perf_counter() - t
+                    if batch is None:
+                        break
+                    self._produced += len(batch[1])
+                    self._position = (epoch, self._position[1] + 1)
+                    yield batch
+            finally:
+                batches.close()
+        else:
+            yield from self._from_producer(epoch, start)
+        self._position = (epoch + 1, 0)
+
+    def epoch_stats(self) -> dict[str, float]:
+        """Of the current or last epoch: samples produced and the seconds spent producing them
+        (not counting time blocked on a full queue), so samples_per_s is the loader's capacity."""
+        return {
+            "samples": self._produced, "busy_s": self._busy,
+            "samples_per_s": self._produced / self._busy if self._busy > 0 else 0.0,
+        }
+
+    def all_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Every row of the rank once, in shard and row-group order (evaluation)."""
+        units = [(si, g, n) for si, groups in enumerate(self._groups) for g, n in enumerate(groups)]
+        pool = ThreadPoolExecutor(self.workers) if self.workers else None
+        try:
+            chunks = self._decoded(units, pool)
+            for x, y in _cut(chunks, batch_size, self.rows, partial=True):
+                # A view of decoded Arrow memory is read-only; torch wants writable arrays.
+                if not x.flags.writeable:
+                    x = x.copy()
+                if not y.flags.writeable:
+                    y = y.copy()
+                yield self._to_torch(x, y)
+        finally:
+            if pool:
+                pool.shutdown(cancel_futures=True)
+
+    # -- the plan --------------------------------------------------------------
+
+    def _plan(self, epoch: int) -> tuple[np.random.Generator, list[tuple[int, int, int]]]:
+        """The epoch's generator and its row groups in reading order: (shard, group, rows)."""
+        rng = np.random.default_rng([self.seed % 2**64, epoch, self.rank])
+        units = []
+        for si in rng.permutation(len(self._groups)):
+            for g in rng.permutation(len(self._groups[si])):
+                units.append((int(si), int(g), self._groups[si][g]))
+        return rng, units
+
+    def _torch_batches(self, epoch: int, start: int, pool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        limit = (self._steps - start) * self.local_batch
+        chunks = self._chunks(epoch, start * self.local_batch, pool)
+        try:
+            for x, y in _cut(chunks, self.local_batch, limit, partial=False):
+                yield self._to_torch(x, y)
+        finally:
+            chunks.close()
+
+    def _chunks(self, epoch: int, skip: int, pool) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The epoch's sample stream from row `skip` on: the shuffled pass, repeated for `pad`."""
+        if self.rows == 0:
+            return
+        skip %= self.rows  # whole passes skipped (pad) replay identically
+        while True:
+            yield from self._pass(epoch, skip, pool)
+            if self.remainder == "drop":
+                return
+            skip = 0
+
+    def _pass(self, epoch: int, skip: int, pool) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """One shuffled pass over the rank's rows, from row `skip` on."""
+        rng, units = self._plan(epoch)
+        offsets = np.cumsum([0] + [n for _, _, n in units])
+        largest = max(n for _, _, n in units)
+        # It never holds more than capacity + one row group, nor more than the pass.
+        slots = min(self.shuffle_buffer_rows + largest, self.rows)
+        buf = _ShuffleBuffer(self.shuffle_buffer_rows, slots, self._width, self._y_dtype)
+        first = 0  # the first row group to decode live
+        if skip:
+            # Replay the draws on row ids alone until the stream passes `skip`.
+            emitted, pending = 0, None
+            for p, (_, _, n) in enumerate(units):
+                buf.add(offsets[p], n)
+                take = buf.draw(rng)
+                if take is not None:
+                    ids, _ = buf.emit(take, data=False)
+                    if emitted + len(ids) >= skip:
+                        pending, first = ids[skip - emitted :], p + 1
+                        break
+                    emitted += len(ids)
+            else:
+                ids, _ = buf.emit(buf.draw(rng, final=True), data=False)
+                pending, first = ids[skip - emitted :], len(units)
+            yield from self._materialise(buf, pending, units, offsets, pool)
+        for p, (x, y) in enumerate(self._decoded(units[first:], pool), start=first):
+            buf.add(offsets[p], len(y), x, y)
+            take = buf.draw(rng)
+            if take is not None:
+                yield buf.emit(take, data=True)[1]
+        if buf.n:
+            yield buf.emit(buf.draw(rng, final=True), data=True)[1]
+
+    def _materialise(self, buf: _ShuffleBuffer, pending: np.ndarray, units, offsets, pool):
+        """Fill the buffer's slots and the rows `pending` (ids) with their data; yield the latter."""
+        need = np.concatenate([buf.ids[: buf.n], pending])
+        which = np.searchsorted(offsets, need, side="right") - 1
+        wanted = np.unique(which)
+        px = np.empty((len(pending), buf.x.shape[1]), np.float32)
+        py = np.empty(len(pending), buf.y.dtype)
+        for p, (x, y) in zip(wanted, self._decoded([units[p] for p in wanted], pool)):
+            slots = np.flatnonzero(which[: buf.n] == p)
+            rows = buf.ids[slots] - offsets[p]
+            buf.x[slots], buf.y[slots] = x[rows], y[rows]
+            rest = np.flatnonzero(which[buf.n :] == p)
+            rows = pending[rest] - offsets[p]
+            px[rest], py[rest] = x[rows], y[rows]
+        if len(pending):
+            yield px, py
+
+    # -- reading -----------------------------------------------------------------
+
+    def _decoded(self, units, pool) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(x, y) of each row group, in the order given; `pool` decodes ahead in threads."""
+        if pool is None:
+            for u in units:
+                yield self._decode(u)
+            return
+        window: deque = deque()
+        ahead = self.workers * self.prefetch
+        try:
+            for u in units:
+                window.append(pool.submit(self._decode, u))
+                if len(window) > ahead:
+                    yield window.popleft().result()
+            while window:
+                yield window.popleft().result()
+        finally:
+            for f in window:
+                f.cancel()
+
+    def _decode(self, unit: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray]:
+        si, g, rows = unit
+        path = self._paths[si]
+        try:
+            table = self._file(si).read_row_group(g, columns=["features", self._label], use_threads=False)
+        except Exception as e:
+            raise DataError(f"{path}: row group {g} cannot be read ({e})") from None
+        feats = table.column("features").combine_chunks()
+        # .flatten(), not .values: on a sliced list array .values is the whole parent.
+        x = np.asarray(feats.flatten().to_numpy(zero_copy_only=False), dtype=np.float32)
+        labels = table.column(self._label).combine_chunks()
+        y = np.asarray(labels.to_numpy(zero_copy_only=False), dtype=self._y_dtype)
+        if len(y) != rows or len(x) != rows * self._width:
+            raise DataError(
+                f"{path}: row group {g} holds {len(y)} rows and {len(x)} feature values; "
+                f"the manifest says {rows} rows of {self._width} features"
+            )
+        return x.reshape(rows, self._width), y
+
+    def _file(self, si: int) -> pq.ParquetFile:
+        files = self._files.__dict__.setdefault("by_shard", {})
+        if si not in files:
+            files[si] = pq.ParquetFile(self._paths[si], metadata=self._meta[si])
+        return files[si]
+
+    def _to_torch(self, x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+        if self.pin_memory:  # page-locked, so the host-to-GPU copy can be non-blocking
+            tx, ty = tx.pin_memory(), ty.pin_memory()
+        return tx, ty
+
+    # -- the background producer -------------------------------------------------
+
+    def _from_producer(self, epoch: int, start: int):
+        q: queue.Queue = queue.Queue(self.prefetch)
+        stop = threading.Event()
+        thread = threading.Thread(target=self._produce, args=(epoch, start, q, stop), daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = q.get()
+                if item is _DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                self._position = (epoch, self._position[1] + 1)
+                yield item
+        finally:
+            stop.set()
+            thread.join()
+
+    def _produce(self, epoch: int, start: int, q: queue.Queue, stop: threading.Event) -> None:
+        def put(item) -> bool:
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.05)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        pool = ThreadPoolExecutor(self.workers, thread_name_prefix="shardline-decode")
+        batches = self._torch_batches(epoch, start, pool)
+        try:
+            while True:
+                t = time.perf_counter()
+                batch = next(batches, _DONE)
+                self._busy += time.perf_counter() - t
+                if batch is not _DONE:
+                    self._produced += len(batch[1])
+                if not put(batch) or batch is _DONE:
+                    return
+        except BaseException as e:  # handed to the consumer, raised in its thread
+            put(e)
+        finally:
+            batches.close()
+            pool.shutdown(cancel_futures=True)
+
+
+_DONE = object()
+
+
+class _ShuffleBuffer:
+    """Row slots [0, n) holding row ids and, once live, their data.
+
+    `draw` decides from counts alone which slots leave next; `emit` hands them out
+    and fills the holes below the new size with the kept rows above it.
+    """
+
+    def __init__(self, capacity: int, slots: int, width: int, y_dtype):
+        self.capacity, self.n = capacity, 0
+        self.ids = np.empty(slots, np.int64)
+        self.x = np.empty((slots, width), np.float32)
+        self.y = np.empty(slots, y_dtype)
+        # Rows as single items: scattering them is several times faster than 2-D fancy indexing.
+        self._rows = self.x.view(np.dtype((np.void, 4 * width))).reshape(slots)
+
+    def add(self, first_id: int, rows: int, x=None, y=None) -> None:
+        a, b = self.n, self.n + rows
+        self.ids[a:b] = np.arange(first_id, first_id + rows)
+        if x is not None:
+            self.x[a:b], self.y[a:b] = x, y
+        self.n = b
+
+    def draw(self, rng: np.random.Generator, final: bool = False) -> np.ndarray | None:
+        if final:
+            return rng.permutation(self.n)
+        over = self.n - self.capacity
+        return rng.choice(self.n, size=over, replace=False) if over > 0 else None
+
+    def emit(self, take: np.ndarray, data: bool):
+        ids = self.ids[take]
+        out = (np.take(self.x, take, axis=0), self.y[take]) if data else None
+        keep = self.n - len(take)
+        gone = np.zeros(self.n, bool)
+        gone[take] = True
+        holes = np.flatnonzero(gone[:keep])
+        movers = keep + np.flatnonzero(~gone[keep:])
+        self.ids[holes] = self.ids[movers]
+        if data:
+            self._rows[holes], self.y[holes] = self._rows[movers], self.y[movers]
+        self.n = keep
+        return ids, out
+
+
+def _cut(chunks, batch: int, limit: int, partial: bool):
+    """Re-cut (x, y) chunks into batches of `batch` rows, `limit` rows in all.
+
+    Whole batches inside a chunk are views of it; only a batch that straddles
+    two chunks is copied.
+    """
+    carry_x: list = []
+    carry_y: list = []
+    have = 0
+    try:
+        if limit <= 0:
+            return
+        for x, y in chunks:
+            if len(y) > limit:
+                x, y = x[:limit], y[:limit]
+            limit -= len(y)
+            i = 0
+            if have:
+                i = min(batch - have, len(y))
+                carry_x.append(x[:i])
+                carry_y.append(y[:i])
+                have += i
+                if have < batch:
+                    if limit == 0:
+                        break
+                    continue
+                yield np.concatenate(carry_x), np.concatenate(carry_y)
+                carry_x, carry_y, have = [], [], 0
+            while i + batch <= len(y):
+                yield x[i : i + batch], y[i : i + batch]
+                i += batch
+            if i < len(y):
+                carry_x, carry_y, have = [x[i:]], [y[i:]], len(y) - i
+            if limit == 0:
+                break  # before asking for another chunk: it may start a whole new pass
+        if have and partial:
+            yield np.concatenate(carry_x), np.concatenate(carry_y)
+    finally:
+        chunks.close()

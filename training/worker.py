@@ -8,6 +8,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from pipelines.manifest import load_manifest
 
 from . import checkpoints
 from .config import TrainingConfig
-from .loader import RankBatches
+from .loader import ShardLoader
 from .models import apply_activation_checkpointing, build_model
 from .strategies import get_strategy
 from .tracking import MetricsReporter
@@ -38,25 +39,31 @@ class TrainJob:
     run_id: str | None = None
     fingerprint: dict | None = None
     resume_from: str | None = None  # a checkpoint path; None starts from scratch
+    # Rank 0 calls it after each epoch with (epoch, metrics); True stops every rank
+    # after that epoch (a sweep's pruner). Must pickle, like the rest of the job.
+    epoch_hook: Callable[[int, dict[str, float]], bool] | None = None
 
 
 def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
     """The rank function of a training job (see training.launchers)."""
     cfg = job.cfg
     torch.set_num_threads(cfg.threads_per_rank)
-    device = (
-        torch.device("cuda", rank % torch.cuda.device_count())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    device = _device(rank)
     manifest = load_manifest(job.dataset_dir)
     local_batch = cfg.batch_size // world_size
-    train = RankBatches.open(
-        manifest, job.dataset_dir, "train", rank, world_size, local_batch, cfg.seed
+    loader_settings = dict(
+        remainder=cfg.remainder, shuffle_buffer_rows=cfg.shuffle_buffer_rows,
+        workers=cfg.loader_workers_for(manifest.plan), prefetch=cfg.prefetch_depth,
+        verify=cfg.verify_shards,
+    )
+    train = ShardLoader(
+        manifest, job.dataset_dir, "train", rank, world_size, local_batch, cfg.seed, **loader_settings
     )
     val_shards = manifest.splits["val"].shards if "val" in manifest.splits else []
     val = (
-        RankBatches.open(manifest, job.dataset_dir, "val", rank, world_size, local_batch, cfg.seed)
+        ShardLoader(
+            manifest, job.dataset_dir, "val", rank, world_size, local_batch, cfg.seed, **loader_settings
+        )
         if len(val_shards) >= world_size
         else None
     )
@@ -72,14 +79,16 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
     reporter = MetricsReporter(job.tracking_uri, job.run_id) if rank == 0 else None
     _announce(cfg.checkpoint_dir, rank)
 
-    step = start_epoch = skip = 0
+    step = start_epoch = 0
     if job.resume_from:
         state = checkpoints.load(Path(job.resume_from), job.fingerprint)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"][rank])
-        step, start_epoch, skip = state["global_step"], state["epoch"], state["step_in_epoch"]
+        step, start_epoch = state["global_step"], state["epoch"]
+        # The loader's position is the same on every rank; rank 0's stands for all.
+        train.load_state_dict(state["loader"])
 
     def checkpoint(epoch: int, step_in_epoch: int, artifact: bool) -> None:
         # Every rank's RNG state, so each resumes its own stream; rank 0 writes.
@@ -94,6 +103,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
             "global_step": step,
             "epoch": epoch,
             "step_in_epoch": step_in_epoch,
+            "loader": train.state_dict(),
             "rng": rng,
             "fingerprint": job.fingerprint or {},
             "run_id": job.run_id or "",
@@ -103,16 +113,14 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
             reporter.checkpoint(path, step, artifact)
 
     metrics: dict[str, float] = {}
+    stopped_early = warned = False
     for epoch in range(start_epoch, cfg.epochs):
         wrapped.train()
-        loss_sum = correct = seen = waited = 0.0
+        loss_sum = correct = seen = waited = stepping = 0.0
         start = time.perf_counter()
+        # Resuming mid-epoch, the loader (its state loaded) yields exactly the rest.
+        step_in_epoch = train.state_dict()["batches"] if train.state_dict()["epoch"] == epoch else 0
         batches = train.epoch(epoch)
-        # Resuming mid-epoch: the epoch's order is a function of (seed, epoch, rank),
-        # so skipping the batches already done yields exactly the rest.
-        step_in_epoch = skip if epoch == start_epoch else 0
-        for _ in range(step_in_epoch):
-            next(batches)
         while True:
             t = time.perf_counter()
             batch = next(batches, None)
@@ -127,6 +135,8 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
             loss.backward()
             optimizer.step()
             scheduler.step()
+            # A step's time: waiting for its batch plus computing on it (not logging or checkpoints).
+            stepping += time.perf_counter() - t
             step += 1
             step_in_epoch += 1
             loss_sum += loss.item() * len(y)
@@ -139,8 +149,10 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         elapsed = time.perf_counter() - start
 
         # Per-rank figures go to rank 0 through one all-reduce of a [world, k] table.
-        per_rank = torch.zeros(world_size, 2)
-        per_rank[rank] = torch.tensor([seen / elapsed, waited / elapsed])
+        per_rank = torch.zeros(world_size, 3)
+        per_rank[rank] = torch.tensor(
+            [seen / elapsed, waited / max(stepping, 1e-9), train.epoch_stats()["samples_per_s"]]
+        )
         totals = torch.tensor([loss_sum, correct, max(seen, 1.0)])
         dist.all_reduce(per_rank)
         dist.all_reduce(totals)
@@ -153,23 +165,60 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         for r in range(world_size):
             metrics[f"rank{r}_samples_per_s"] = per_rank[r, 0].item()
             metrics[f"rank{r}_data_wait_fraction"] = per_rank[r, 1].item()
+            metrics[f"rank{r}_loader_samples_per_s"] = per_rank[r, 2].item()
         if val is not None:
             metrics.update(_evaluate(model, val, device))
         if reporter:
             reporter.log(metrics, epoch)
             shown = ", ".join(f"{k} {metrics[k]:.4g}" for k in _SHOWN if k in metrics)
             print(f"[shardline] epoch {epoch + 1}/{cfg.epochs}: {shown}", file=sys.stderr, flush=True)
+            if metrics["data_wait_fraction"] > cfg.data_wait_warning and not warned:
+                # Once per job: later epochs' figures are in MLflow (rank*_data_wait_fraction).
+                _warn_data_wait(epoch, cfg, per_rank[:, 1], loader_settings["workers"])
+                warned = True
         checkpoint(epoch + 1, 0, artifact=True)
+        if job.epoch_hook is not None and _stop_requested(job.epoch_hook, rank, epoch, metrics):
+            # After the last epoch a stop changes nothing: the job simply completed.
+            stopped_early = epoch + 1 < cfg.epochs
+            break
 
     if rank != 0:
         return None
     buf = io.BytesIO()
     torch.save({k: v.cpu() for k, v in strategy.unwrap(wrapped).state_dict().items()}, buf)
-    return {"state_dict": buf.getvalue(), "metrics": metrics}
+    return {"state_dict": buf.getvalue(), "metrics": metrics, "stopped_early": stopped_early}
+
+
+def _device(rank: int) -> torch.device:
+    """The rank's device: the GPU its Spark task was given, else one GPU per local rank."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    given = os.environ.get("SHARDLINE_CUDA_DEVICE")
+    index = int(given) if given else rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _warn_data_wait(epoch: int, cfg: TrainingConfig, wait: torch.Tensor, workers: int) -> None:
+    worst = int(wait.argmax())
+    print(
+        f"[shardline] warning: epoch {epoch + 1}: rank {worst} waited for data "
+        f"{wait[worst].item():.0%} of its step time (over {cfg.data_wait_warning:.0%}): raise "
+        f"training.loader_workers (now {workers}) or training.prefetch_depth "
+        f"(now {cfg.prefetch_depth}), or re-prepare with larger pipelines.layout.rows_per_row_group",
+        file=sys.stderr, flush=True,
+    )
+
+
+def _stop_requested(hook, rank: int, epoch: int, metrics: dict[str, float]) -> bool:
+    """Rank 0 asks the hook; every rank gets its answer, so all stop after the same epoch."""
+    flag = torch.tensor([1.0 if rank == 0 and hook(epoch, metrics) else 0.0])
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
 
 
 @torch.no_grad()
-def _evaluate(model, val: RankBatches, device) -> dict[str, float]:
+def _evaluate(model, val: ShardLoader, device) -> dict[str, float]:
     model.eval()
     sums = torch.zeros(3)
     for x, y in val.all_batches(4096):
