@@ -11,6 +11,7 @@ from pipelines.config import DaskConfig, PipelineConfig, Section, SparkConfig
 from pipelines.errors import ConfigError
 from serving.config import ServingConfig
 from training.config import TrackingConfig, TrainingConfig
+from training.sweep_config import SweepConfig
 
 
 class ShardlineConfig(Section):
@@ -20,6 +21,7 @@ class ShardlineConfig(Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)
+    sweep: SweepConfig = Field(default_factory=SweepConfig)
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> ShardlineConfig:

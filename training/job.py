@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,9 +32,12 @@ class TrainResult:
     model_version: str
     metrics: dict[str, float]
     weights: dict[str, torch.Tensor]  # the final plain-model state dict
+    stopped_early: bool = False  # the epoch hook stopped it before training.epochs
 
     @property
     def model_uri(self) -> str:
+        if not self.model_version:  # logged, not registered
+            return f"runs:/{self.run_id}/model"
         return f"models:/{self.model_name}/{self.model_version}"
 
 
@@ -53,15 +57,31 @@ def preflight(cfg: TrainingConfig, dataset_dir: str) -> ShardManifest:
 
 
 def run_training(
-    cfg: TrainingConfig, tracking: TrackingConfig, dataset_dir: str, spark=None, dask_client=None
+    cfg: TrainingConfig,
+    tracking: TrackingConfig,
+    dataset_dir: str,
+    spark=None,
+    dask_client=None,
+    *,
+    into_run: str | None = None,
+    register: bool = True,
+    epoch_hook: Callable[[int, dict[str, float]], bool] | None = None,
+    dask_workers: list[str] | None = None,
 ) -> TrainResult:
+    """Train, track and log the model. The keywords are for sweeps (training.sweep):
+
+    into_run: report into this existing MLflow run (a child run) instead of a new one.
+    register: False logs the model without registering it (its URI is runs:/<id>/model).
+    epoch_hook: see TrainJob.epoch_hook.
+    dask_workers: the Dask workers the ranks run on (default: the first world_size).
+    """
     import mlflow
 
     dataset_dir = str(Path(dataset_dir).resolve())
     _check_capacity(cfg, spark, dask_client)
     manifest = preflight(cfg, dataset_dir)
     fp = checkpoints.fingerprint(cfg, manifest.version_id)
-    resume_from, run_id = None, None
+    resume_from, run_id = None, into_run
     if cfg.resume:
         resume_from = checkpoints.latest(cfg.checkpoint_dir)
         if resume_from is None:
@@ -94,15 +114,17 @@ def run_training(
             run_id=run_id,
             fingerprint=fp,
             resume_from=str(resume_from) if resume_from else None,
+            epoch_hook=epoch_hook,
         )
-        result = _launch_with_restarts(cfg, job, spark, dask_client)
+        result = _launch_with_restarts(cfg, job, spark, dask_client, dask_workers)
 
         model = build_model(manifest, cfg)
         model.load_state_dict(torch.load(io.BytesIO(result["state_dict"]), weights_only=True))
         log_curves(run_id, [k for k in result["metrics"] if not k.startswith("rank")])
-        version = log_model(model, manifest, tracking.registered_model)
+        version = log_model(model, manifest, tracking.registered_model if register else None)
     return TrainResult(
-        run_id, uri, tracking.registered_model, version, result["metrics"], model.state_dict()
+        run_id, uri, tracking.registered_model, version, result["metrics"], model.state_dict(),
+        stopped_early=result.get("stopped_early", False),
     )
 
 
@@ -131,7 +153,9 @@ def _continue_run(run_id: str) -> str | None:
     return run_id
 
 
-def _launch_with_restarts(cfg: TrainingConfig, job: TrainJob, spark, dask_client) -> dict:
+def _launch_with_restarts(
+    cfg: TrainingConfig, job: TrainJob, spark, dask_client, dask_workers=None
+) -> dict:
     """Launch; when a rank fails, relaunch from the latest checkpoint, max_restarts times.
 
     The launcher owns restarts: Spark does not retry a failed barrier result stage,
@@ -141,7 +165,7 @@ def _launch_with_restarts(cfg: TrainingConfig, job: TrainJob, spark, dask_client
 
     for attempt in range(cfg.max_restarts + 1):
         try:
-            return _launch(cfg, job, spark, dask_client, relaunch=attempt > 0)[0]
+            return _launch(cfg, job, spark, dask_client, attempt > 0, dask_workers)[0]
         except TrainingFailed as e:
             if attempt == cfg.max_restarts:
                 raise
@@ -153,7 +177,9 @@ def _launch_with_restarts(cfg: TrainingConfig, job: TrainJob, spark, dask_client
     raise AssertionError("unreachable")
 
 
-def _launch(cfg: TrainingConfig, job: TrainJob, spark, dask_client, relaunch: bool) -> list:
+def _launch(
+    cfg: TrainingConfig, job: TrainJob, spark, dask_client, relaunch: bool, dask_workers=None
+) -> list:
     if cfg.launcher == "spark":
         from .launchers.spark import launch_spark_barrier
 
@@ -166,14 +192,19 @@ def _launch(cfg: TrainingConfig, job: TrainJob, spark, dask_client, relaunch: bo
         if dask_client is None:
             raise ConfigError("training.launcher = 'dask' needs a Dask client")
         wait = 60 if relaunch else 0
-        return launch_dask(dask_client, train_rank, job, cfg.world_size, cfg.timeout_s, wait)
+        return launch_dask(
+            dask_client, train_rank, job, cfg.world_size, cfg.timeout_s, wait, workers=dask_workers
+        )
     from .launchers.local import launch_local
 
     return launch_local(train_rank, job, cfg.world_size, cfg.timeout_s)
 
 
-def log_model(model: torch.nn.Module, manifest: ShardManifest, registered_name: str) -> str:
-    """Log the plain model (torch + pyfunc flavors) with signature; register it."""
+def log_model(model: torch.nn.Module, manifest: ShardManifest, registered_name: str | None) -> str:
+    """Log the plain model (torch + pyfunc flavors) with signature; register it if named.
+
+    Returns the registered version, or "" when not registered.
+    """
     import mlflow
     from mlflow.models import infer_signature
 
@@ -200,7 +231,7 @@ def log_model(model: torch.nn.Module, manifest: ShardManifest, registered_name: 
         serialization_format="pickle",
         registered_model_name=registered_name,
     )
-    return str(info.registered_model_version)
+    return str(info.registered_model_version) if registered_name else ""
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -28,19 +28,31 @@ def check_dask_workers(client, world_size: int) -> list[str]:
 
 
 def launch_dask(
-    client, fn: RankFn, payload: Any, world_size: int, timeout_s: float = 300, wait_s: float = 0
+    client,
+    fn: RankFn,
+    payload: Any,
+    world_size: int,
+    timeout_s: float = 300,
+    wait_s: float = 0,
+    workers: list[str] | None = None,
 ) -> list[Any]:
     """Run `fn` on `world_size` Dask workers, one rank each; return the results by rank.
 
     wait_s: how long to wait for enough workers (a relaunch after a killed worker
-    waits for its nanny to bring a new one up, under a new address).
+    waits for its nanny to bring a new one up, under a new address). workers: the
+    workers to use (a sweep gives each concurrent trial its own); default the first ones.
     """
     if wait_s:
         try:
             client.wait_for_workers(world_size, timeout=wait_s)
         except Exception:
             pass  # still too few: refused just below with a clear message
-    chosen = check_dask_workers(client, world_size)[:world_size]
+    live = check_dask_workers(client, world_size)
+    chosen = [w for w in workers or [] if w in live][:world_size]
+    if len(chosen) < world_size:
+        # None given, or one is gone (a nanny restarts a killed worker under a new
+        # address): a task pinned to a gone worker would wait forever.
+        chosen = live[:world_size]
     init = client.submit(_rendezvous_address, workers=[chosen[0]], allow_other_workers=False, pure=False)
     init_method = init.result()
     futures = [
