@@ -34,6 +34,7 @@ def launch_spark_barrier(
 
         ctx = BarrierTaskContext.get()
         rank = ctx.partitionId()
+        _use_task_gpu(ctx)
         host = ctx.getTaskInfos()[0].address.rsplit(":", 1)[0]
         # Rank 0 picks the port on its own host, where the store will bind it.
         mine = f"{rank}:{free_port(host) if rank == 0 else 0}"
@@ -48,6 +49,22 @@ def launch_spark_barrier(
         raise TrainingFailed(f"Spark barrier stage failed: {_root_cause(e)}") from e
     results = dict(pickle.loads(b) for b in out)
     return [results[r] for r in range(world_size)]
+
+
+def _use_task_gpu(ctx) -> None:
+    """With GPU scheduling (spark.task.resource.gpu.amount), use the GPU Spark gave this task.
+
+    An index, not CUDA_VISIBLE_DEVICES: Spark reuses Python workers, and CUDA may
+    already be initialised in this one. training.worker reads it; NCCL ranks then
+    never share a GPU.
+    """
+    import os
+
+    gpu = ctx.resources().get("gpu")
+    if gpu is not None and gpu.addresses:
+        os.environ["SHARDLINE_CUDA_DEVICE"] = gpu.addresses[0]
+    else:
+        os.environ.pop("SHARDLINE_CUDA_DEVICE", None)
 
 
 def _root_cause(e: Exception) -> str:
