@@ -71,13 +71,36 @@ class TensorSpec(_Model):
 
 
 class BandwidthPlan(_Model):
-    """Filled by the planner (training); prepare lays shards out by it."""
+    """Filled by the planner (`shardline plan`, training.plan); `prepare --plan` lays
+    shards out by it and training takes its loader workers. Every field is optional
+    so manifests written before a field existed still load."""
 
-    train_samples_per_s: float | None = None
-    loader_samples_per_s_per_worker: float | None = None
-    loader_workers_per_rank: int | None = None
-    shards_per_rank: int | None = None
-    rows_per_row_group: int | None = None
+    train_samples_per_s: float | None = Field(
+        None, description="Measured per-rank training samples/s (compute only: an upper bound)."
+    )
+    loader_samples_per_s_per_worker: float | None = Field(
+        None, description="Measured loader samples/s of one loader worker on the real shards."
+    )
+    loader_workers_per_rank: int | None = Field(None, description="Chosen loader workers per rank.")
+    shards_per_rank: int | None = Field(None, description="Chosen train shards per rank.")
+    rows_per_row_group: int | None = Field(None, description="Chosen Parquet row group size.")
+    world_size: int | None = Field(None, description="Ranks the plan is for.")
+    local_batch: int | None = Field(None, description="Per-rank batch the training was measured at.")
+    headroom: float | None = Field(None, description="Target: loading >= headroom x training.")
+    required_loader_workers: int | None = Field(
+        None, description="Workers the target needs, before the cap of cores per rank."
+    )
+    max_loader_workers_per_rank: int | None = Field(None, description="The cap: cores per rank.")
+    loading_samples_per_s: float | None = Field(
+        None, description="Predicted per-rank loading samples/s: workers x per-worker figure."
+    )
+    target_met: bool | None = Field(None, description="loading_samples_per_s >= headroom x training.")
+    predicted_data_wait: float | None = Field(
+        None, description="Predicted share of step time waiting for data: max(0, 1 - loading/training)."
+    )
+    device: str | None = Field(None, description="Device the training figure was measured on.")
+    model: str | None = Field(None, description="Model, strategy and precision measured.")
+    measured_at: str | None = Field(None, description="UTC time of the measurement.")
 
 
 class ShardManifest(_Model):
@@ -161,15 +184,44 @@ def new_version_dir(dataset_dir: str | os.PathLike) -> tuple[str, Path]:
 def commit_manifest(dataset_dir: str | os.PathLike, manifest: ShardManifest) -> Path:
     """Make `manifest` the dataset: one atomic rename, then drop unreferenced versions."""
     root = Path(dataset_dir)
+    final = _write_manifest(root, manifest)
+    remove_unreferenced(root, manifest)
+    return final
+
+
+def store_plan(dataset_dir: str | os.PathLike, version_id: str, plan: BandwidthPlan) -> ShardManifest:
+    """Replace the plan of dataset version `version_id`, nothing else, atomically.
+
+    The version check refuses to bring back a version a prepare replaced while the
+    plan was being measured. No cleanup of unreferenced versions: a prepare running
+    now owns its not yet committed version directory.
+    """
+    root = Path(dataset_dir)
+    current = load_manifest(root)
+    if current.version_id != version_id:
+        raise DataError(
+            f"{root}: the dataset changed while planning (version {version_id} is now "
+            f"{current.version_id}); run `shardline plan` again"
+        )
+    updated = current.model_copy(update={"plan": plan})
+    _write_manifest(root, updated)
+    return updated
+
+
+def _write_manifest(root: Path, manifest: ShardManifest) -> Path:
+    """Temp file, fsync, rename over manifest.json, fsync the directory: all or nothing."""
     final = root / MANIFEST_NAME
     tmp = root / f".{MANIFEST_NAME}.{uuid.uuid4().hex[:8]}.tmp"
-    with open(tmp, "w") as f:
-        f.write(manifest.model_dump_json(indent=2))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    try:
+        with open(tmp, "w") as f:
+            f.write(manifest.model_dump_json(indent=2))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(root)
-    remove_unreferenced(root, manifest)
     return final
 
 

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 from .config import PipelineConfig
 from .errors import DataError
 from .manifest import (
+    BandwidthPlan,
     FittedStatistics,
     NumericStats,
     ShardInfo,
@@ -64,17 +65,27 @@ class PrepareEngine(Protocol):
 
 
 def prepare(
-    engine: PrepareEngine, cfg: PipelineConfig, append: bool = False, refit: bool = False
+    engine: PrepareEngine,
+    cfg: PipelineConfig,
+    append: bool = False,
+    refit: bool = False,
+    by_plan: bool = False,
 ) -> ShardManifest:
     """Prepare `cfg.source` into `cfg.dataset_dir` and commit; returns the manifest.
 
     append: add the source as new shards beside the existing ones, statistics
     frozen from the dataset's first version. append + refit: re-prepare every
     source of the dataset plus this one, statistics fitted anew, all shards new.
+    by_plan: lay the shards out by the bandwidth plan in the existing dataset's
+    manifest (`shardline plan`): train gets shards_per_rank x world_size shards,
+    every split gets the plan's rows per row group; the new manifest keeps the plan.
     """
     spec = cfg.features
     root = Path(cfg.dataset_dir).resolve()
     previous = load_manifest(root) if manifest_path(root).exists() else None
+    plan = _usable_plan(previous, cfg, root) if by_plan else None
+    if plan is not None and append and not refit:
+        raise DataError(f"{root}: a plan lays every shard out anew; use it with --append --refit")
     if append:
         if previous is None:
             raise DataError(f"{root}: --append needs an existing dataset; run prepare first")
@@ -127,6 +138,12 @@ def prepare(
     stats = previous.statistics if frozen else _fit(report, cfg)
     row_bytes = 4 * feature_width(spec) + 16
     shards = {s: _shard_count(report["rows"][s], row_bytes, cfg) for s in SPLITS}
+    layout = cfg.layout
+    if plan is not None:
+        # Only train is laid out for loading bandwidth: val and test are read once per
+        # epoch for evaluation, so they keep the size rule (and get the row groups).
+        shards["train"] = _planned_train_shards(report["rows"]["train"], plan, cfg)
+        layout = layout.model_copy(update={"rows_per_row_group": plan.rows_per_row_group})
     offsets = {s: len(previous.splits[s].shards) for s in SPLITS} if frozen else {}
 
     version_id, version_dir = new_version_dir(root)
@@ -137,7 +154,7 @@ def prepare(
             version_dir_name=version_dir.name,
             spec=spec,
             stats=stats,
-            rows_per_row_group=cfg.layout.rows_per_row_group,
+            rows_per_row_group=layout.rows_per_row_group,
             shard_offsets=offsets,
         )
         metas = engine.write(parsed, shards, writer)
@@ -170,8 +187,10 @@ def prepare(
                 ),
             },
             statistics=stats,
-            layout=cfg.layout,
+            layout=layout,
             splits=splits,
+            # A plain append keeps the existing shards, so their plan still describes them.
+            plan=plan if plan is not None else (previous.plan if frozen else None),
             dropped_rows=report["dropped"],
         )
         commit_manifest(root, manifest)
@@ -245,6 +264,37 @@ def _shard_count(rows: int, row_bytes: int, cfg: PipelineConfig) -> int:
     w = cfg.layout.world_size
     wanted = max(1, math.ceil(rows * row_bytes / cfg.layout.target_shard_bytes))
     return w * math.ceil(wanted / w)
+
+
+def check_plan(cfg: PipelineConfig) -> BandwidthPlan:
+    """The plan `prepare(..., by_plan=True)` would use, or its DataError (before an engine starts)."""
+    root = Path(cfg.dataset_dir).resolve()
+    return _usable_plan(load_manifest(root) if manifest_path(root).exists() else None, cfg, root)
+
+
+def _usable_plan(previous: ShardManifest | None, cfg: PipelineConfig, root: Path) -> BandwidthPlan:
+    if previous is None or previous.plan is None:
+        raise DataError(f"{root}: no bandwidth plan to lay shards out by; run `shardline plan` first")
+    plan = previous.plan
+    if not (plan.shards_per_rank and plan.rows_per_row_group and plan.world_size):
+        raise DataError(f"{root}: the manifest's plan is incomplete; run `shardline plan` again")
+    if plan.world_size != cfg.layout.world_size:
+        raise DataError(
+            f"{root}: the plan is for {plan.world_size} ranks but pipelines.layout.world_size "
+            f"is {cfg.layout.world_size}; set training.world_size to match and run `shardline plan` again"
+        )
+    return plan
+
+
+def _planned_train_shards(rows: int, plan: BandwidthPlan, cfg: PipelineConfig) -> int:
+    wanted = plan.shards_per_rank * cfg.layout.world_size
+    if rows < wanted:
+        # Hash assignment would leave shards empty and the count off a multiple of world size.
+        raise DataError(
+            f"{display(cfg.source.path)}: the plan wants {wanted} train shards but the train "
+            f"split has {rows} rows; run `shardline plan` on this data again"
+        )
+    return wanted
 
 
 def _split_info(metas: list[dict], split: str) -> SplitInfo:

@@ -1,0 +1,260 @@
+"""The bandwidth planner (`shardline plan`): measure, then choose a layout that feeds the model.
+
+Two measurements, each bounded to about a second:
+- training samples/s per rank (`measure_training`): the configured model on
+  synthetic batches of the dataset's shape, on the device training would use;
+- loader samples/s of one loader worker (`measure_loader`): rank 0's real train shards.
+
+Then a pure rule (`choose_layout`) turns the two figures into loader workers per
+rank, train shards per rank and rows per row group, so that loading bandwidth is
+at least HEADROOM x training bandwidth, and predicts the data-wait fraction.
+`pipelines.prepare(..., by_plan=True)` lays shards out by the plan and training
+takes its loader workers (TrainingConfig.loader_workers_for).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pipelines.errors import DataError
+from pipelines.manifest import BandwidthPlan, ShardManifest, load_manifest
+from pipelines.transform import continuous_width
+
+from .config import TrainingConfig
+from .job import preflight
+from .loader import ShardLoader
+from .models import apply_activation_checkpointing, build_model
+
+HEADROOM = 1.2  # loading >= 1.2 x training: measurement noise and imperfect worker scaling
+# Hash assignment keeps a split's shards within 5% of each other's rows from about
+# this many rows per shard (measured over 2-16 shards), so shards are never smaller.
+MIN_SHARD_ROWS = 10_000
+ROW_GROUP_BATCHES = 16  # local batches per row group
+ROW_GROUP_ROUND = 1024
+# Below ~16k rows a row group's fixed cost shows: on the quickstart shards 4,096-row
+# groups load ~25% slower than 16,384, while 16,384 and 65,536 load alike.
+MIN_ROW_GROUP, MAX_ROW_GROUP = 16_384, 65_536
+
+
+def choose_layout(
+    train_samples_per_s: float,
+    loader_samples_per_s_per_worker: float,
+    *,
+    world_size: int,
+    local_batch: int,
+    train_rows: int,
+    max_workers_per_rank: int,
+    min_shards_per_rank: int = 1,
+    headroom: float = HEADROOM,
+) -> BandwidthPlan:
+    """The layout for the measured figures (per rank). Pure: same numbers, same plan.
+
+    - loader workers per rank: the fewest n with n x per-worker >= headroom x training,
+      at most `max_workers_per_rank` (the cores of a rank); when the cap cannot meet
+      the target, `target_met` is False and `required_loader_workers` says what it needed.
+      Assumes loading grows linearly with workers; the headroom absorbs part of the shortfall.
+    - rows per row group: ROW_GROUP_BATCHES local batches, rounded up to 1,024 and
+      clamped to 16,384..65,536: from 16,384 rows a row group's fixed cost (Parquet
+      headers, a loader round-trip) no longer shows, up to 65,536 the row groups in
+      flight per worker stay small and the default 65,536-row shuffle buffer still mixes
+      several; then at most a rank's rows / workers, so every worker has one to decode.
+      The per-worker figure was measured on the current row groups: re-run the planner
+      after `prepare --plan` to confirm the plan on the new layout.
+    - shards per rank: at least the workers, so each worker can stream its own file, and
+      at least `min_shards_per_rank` (the dataset's size rule, pipelines.layout.target_shard_bytes);
+      at most a rank's rows / MIN_SHARD_ROWS (hash balance), and at least 1.
+    - predicted data-wait: with prefetch, loading overlaps compute, so a step takes
+      max(b/training, b/loading) for a local batch b; the wait is the difference, as a
+      share of the step: max(0, 1 - loading/training).
+    """
+    if train_samples_per_s <= 0 or loader_samples_per_s_per_worker <= 0:
+        raise DataError("the planner measured no throughput (0 samples/s); nothing to plan from")
+    cap = max(1, max_workers_per_rank)
+    needed = headroom * train_samples_per_s
+    required = max(1, math.ceil(needed / loader_samples_per_s_per_worker))
+    workers = min(required, cap)
+    loading = workers * loader_samples_per_s_per_worker
+
+    rows_per_rank = max(1, train_rows // world_size)
+    group = ROW_GROUP_ROUND * math.ceil(ROW_GROUP_BATCHES * local_batch / ROW_GROUP_ROUND)
+    group = min(max(group, MIN_ROW_GROUP), MAX_ROW_GROUP)
+    group = max(1, min(group, rows_per_rank // workers))
+
+    shards = max(workers, min_shards_per_rank)
+    shards = max(1, min(shards, rows_per_rank // MIN_SHARD_ROWS))
+
+    return BandwidthPlan(
+        train_samples_per_s=train_samples_per_s,
+        loader_samples_per_s_per_worker=loader_samples_per_s_per_worker,
+        loader_workers_per_rank=workers,
+        shards_per_rank=shards,
+        rows_per_row_group=group,
+        world_size=world_size,
+        local_batch=local_batch,
+        headroom=headroom,
+        required_loader_workers=required,
+        max_loader_workers_per_rank=cap,
+        loading_samples_per_s=loading,
+        target_met=loading >= needed,
+        predicted_data_wait=max(0.0, 1.0 - loading / train_samples_per_s),
+    )
+
+
+def plan_dataset(
+    cfg: TrainingConfig,
+    dataset_dir: str | os.PathLike,
+    *,
+    cores: int | None = None,
+    budget_s: float = 1.0,
+) -> tuple[ShardManifest, BandwidthPlan]:
+    """Measure on the dataset and choose its layout; the manifest measured comes back
+    too, so the caller stores the plan only into that version (pipelines.manifest.store_plan)."""
+    dataset_dir = str(Path(dataset_dir).resolve())
+    manifest = preflight(cfg, dataset_dir)  # the errors training itself would raise
+    device = training_device()
+    train = measure_training(manifest, cfg, device, budget_s=budget_s)
+    loader = measure_loader(manifest, dataset_dir, cfg, budget_s=budget_s)
+    train_split = manifest.split("train")
+    by_size = math.ceil(
+        sum(s.bytes for s in train_split.shards) / manifest.layout.target_shard_bytes / cfg.world_size
+    )
+    plan = choose_layout(
+        train, loader,
+        world_size=cfg.world_size,
+        local_batch=cfg.batch_size // cfg.world_size,
+        train_rows=train_split.rows,
+        # A rank's loader threads share its cores with its training threads; more
+        # threads than cores only contend, so the cores per rank cap the workers.
+        max_workers_per_rank=(cores or available_cores()) // cfg.world_size,
+        min_shards_per_rank=by_size,
+    )
+    ckpt = " activation-checkpointed" if cfg.activation_checkpointing else ""
+    what = f"{cfg.model} {cfg.hidden} {cfg.strategy} {cfg.precision}{ckpt}, {cfg.threads_per_rank} thread(s)/rank"
+    plan = plan.model_copy(update={
+        "device": str(device), "model": what,
+        "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    })
+    return manifest, plan
+
+
+def measure_training(
+    manifest: ShardManifest, cfg: TrainingConfig, device: torch.device, *, budget_s: float = 1.0
+) -> float:
+    """Per-rank training samples/s: the model's steps on synthetic local batches.
+
+    This is the compute bandwidth, an upper bound on a rank's training throughput:
+    one process, no all-reduce (the strategy's communication is left out, it needs a
+    process group). A faster figure asks for more loading, so the plan errs towards
+    more loader capacity. Steps as in training.worker: host-to-device copy, forward,
+    loss, backward, optimizer step, loss.item(); 2 warm-up steps, then at least 2
+    timed steps and until `budget_s` has passed.
+    """
+    local_batch = cfg.batch_size // cfg.world_size
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads_per_rank)  # as a rank runs; restored below
+    try:
+        model = build_model(manifest, cfg).to(device)
+        if cfg.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
+        # A few distinct batches, cycled: realistic inputs without generating one per step.
+        batches = [_synthetic_batch(manifest, local_batch, seed) for seed in range(4)]
+        if device.type == "cuda":
+            batches = [(x.pin_memory(), y.pin_memory()) for x, y in batches]
+
+        def step(i: int) -> None:
+            x, y = batches[i % len(batches)]
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with autocast:
+                loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            loss.item()  # the worker reads the loss every step, which also syncs a GPU
+
+        for i in range(2):
+            step(i)
+        steps, start = 0, time.perf_counter()
+        while steps < 2 or time.perf_counter() - start < budget_s:
+            step(steps)
+            steps += 1
+        return steps * local_batch / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def measure_loader(
+    manifest: ShardManifest, dataset_dir: str, cfg: TrainingConfig, *, budget_s: float = 1.0
+) -> float:
+    """Samples/s one loader worker delivers from rank 0's real train shards, drained
+    as fast as they come (no training), with training's shuffle buffer and prefetch.
+
+    Whole epochs count from their start, so the shuffle buffer's fill is paid as in
+    training. An epoch cut short by the budget counts only from its first batch on:
+    before it the buffer fills without emitting, after it every decoded row group
+    yields as many rows, so that window is the steady rate.
+    """
+    local_batch = cfg.batch_size // cfg.world_size
+    loader = ShardLoader(
+        manifest, dataset_dir, "train", 0, cfg.world_size, local_batch, cfg.seed,
+        remainder=cfg.remainder, shuffle_buffer_rows=cfg.shuffle_buffer_rows,
+        workers=1, prefetch=cfg.prefetch_depth,
+    )
+    if loader.steps_per_epoch() == 0:
+        raise DataError(
+            f"{dataset_dir}: rank 0 of {cfg.world_size} has fewer train rows than one local "
+            f"batch ({local_batch}); nothing to measure"
+        )
+    samples, seconds = 0, 0.0
+    start = time.perf_counter()
+    for epoch in itertools.count():
+        epoch_start, first, n, cut = time.perf_counter(), None, 0, False
+        for _, y in loader.epoch(epoch):
+            now = time.perf_counter()
+            n += len(y)
+            if first is None:
+                first = (now, n)
+            elif now - start >= budget_s and n - first[1] >= 2 * local_batch:
+                cut = True
+                break
+        if cut:
+            samples, seconds = samples + n - first[1], seconds + now - first[0]
+            break
+        samples, seconds = samples + n, seconds + time.perf_counter() - epoch_start
+        if time.perf_counter() - start >= budget_s:
+            break
+    return samples / seconds
+
+
+def training_device() -> torch.device:
+    """The device a rank trains on (training.worker): a GPU when there is one."""
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def available_cores() -> int:
+    """Cores this process may run on (a container's or taskset's limit, not the host's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _synthetic_batch(manifest: ShardManifest, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random rows of the dataset's shape: standard-normal continuous features, valid
+    category indices (0 is unknown) and labels; values never change a step's cost."""
+    g = torch.Generator().manual_seed(seed)
+    spec, stats = manifest.feature_spec, manifest.statistics
+    n = continuous_width(spec)
+    x = torch.empty(rows, manifest.tensors["features"].shape[0])
+    x[:, :n] = torch.randn(rows, n, generator=g)
+    for i, col in enumerate(spec.categorical):
+        x[:, n + i] = torch.randint(0, stats.cardinality[col] + 1, (rows,), generator=g)
+    y = torch.randint(0, max(1, stats.num_classes), (rows,), generator=g)
+    return x, y
