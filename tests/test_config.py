@@ -80,3 +80,14 @@ def test_help_lists_the_commands(tmp_path):
     assert proc.returncode == 0
     for command in ("run", "prepare", "train", "score"):
         assert f"  {command} " in proc.stdout
+
+
+def test_error_text_in_brackets_is_printed_verbatim(tmp_path):
+    # rich would read "[v1]" as markup and drop it from the message.
+    proc = shardline(
+        "train", str(QUICKSTART), "--launcher", "local", "--set", 'pipelines.dataset_dir="data[v1]"',
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 1
+    assert f"error: {tmp_path}/data[v1]/manifest.json: no manifest" in proc.stderr
+    assert not (tmp_path / "data[v1]").exists()
