@@ -289,10 +289,12 @@ def test_killed_sweep_resumes_without_rerunning_completed_trials_and_best_scores
     db = tmp_path / "mlflow-optuna.db"  # beside the default tracking store, ./mlflow.db
     cmd = [sys.executable, "-m", "jobs.cli", "sweep", str(cfg), "--trials", "2", "--parallel", "1", "--name", "resume"]
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=env, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    log = tmp_path / "sweep.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=tmp_path, env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    states: list[str] = []
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and proc.poll() is None:
@@ -300,10 +302,15 @@ def test_killed_sweep_resumes_without_rerunning_completed_trials_and_best_scores
             if states == ["COMPLETE", "RUNNING"]:
                 break
             time.sleep(0.5)
-        assert states == ["COMPLETE", "RUNNING"], f"sweep never reached its second trial: {states}"
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the sweep and its trial's processes
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the sweep and its trial's processes
+        except ProcessLookupError:  # it ended by itself: the assertion below says how
+            pass
         proc.wait()
+    assert states == ["COMPLETE", "RUNNING"], (
+        f"sweep never reached its second trial: {states}, exit {proc.returncode}\n{log.read_text()[-2000:]}"
+    )
     before = study_trials(db, "resume")
 
     done = shardline(*cmd[3:], cwd=tmp_path)
