@@ -49,6 +49,9 @@ def cli():
 def run(config, overrides):
     """Generate/prepare data, train with DDP on a Spark barrier stage, register, score."""
     cfg = load_config(config, list(overrides))
+    from training.job import check_settings
+
+    check_settings(cfg.training)  # a misspelt model or strategy: one line, before Spark starts
     spark = _spark(cfg)
     from pipelines.engine_spark import SparkEngine
 
@@ -122,6 +125,9 @@ def train(config, overrides, launcher, world_size):
     extra = [f"training.launcher='{launcher}'"] if launcher else []
     extra += [f"training.world_size={world_size}"] if world_size else []
     cfg = load_config(config, list(overrides) + extra)
+    from training.job import preflight
+
+    preflight(cfg.training, cfg.pipelines.dataset_dir)  # one line, before an engine starts
     if cfg.training.launcher == "dask":
         with _dask(cfg) as client:
             result = _train(cfg, None, client)

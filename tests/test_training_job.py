@@ -8,6 +8,8 @@ from pipelines.errors import ConfigError, DataError, ShardlineError
 from training.config import TrackingConfig, TrainingConfig
 from training.job import run_training
 
+from .conftest import REPO, shardline
+
 
 def test_local_launcher_trains_tracks_and_registers(prepared, tracking_uri, capfd):
     from mlflow.tracking import MlflowClient
@@ -99,3 +101,22 @@ def test_transformer_heads_must_divide_width(prepared):
     cfg = TrainingConfig(launcher="local", model="transformer", hidden=[30], heads=4)
     with pytest.raises(ConfigError, match=r"d_model 30\) must be divisible by training.heads 4"):
         run_training(cfg, TrackingConfig(), prepared.dataset_dir)
+
+
+@pytest.mark.parametrize(
+    "command, setting, message",
+    [
+        ("train", "training.strategy=zero", "unknown strategy 'zero' (valid: ddp)"),
+        ("train", "training.model=resnet", "unknown model 'resnet' (valid: cnn, mlp, transformer)"),
+        ("run", "training.strategy=zero", "unknown strategy 'zero' (valid: ddp)"),
+    ],
+)
+def test_cli_refuses_a_bad_name_before_spark_starts(prepared, tmp_path, command, setting, message):
+    config = REPO / "jobs" / "configs" / "quickstart.toml"
+    where = f"pipelines.dataset_dir='{prepared.dataset_dir}'"
+    proc = shardline(command, str(config), "--set", setting, "--set", where, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr  # a setting at fault, as for any bad config
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert "Starting Spark" not in proc.stdout + proc.stderr  # no engine was started
+    assert list(tmp_path.iterdir()) == []  # nothing written: no store, no data

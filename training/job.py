@@ -18,7 +18,7 @@ from . import checkpoints
 from .config import TrackingConfig, TrainingConfig
 from .launchers import TrainingFailed
 from .loader import check_world_size
-from .models import build_model
+from .models import build_model, check_model_name
 from .strategies import get_strategy
 from .tracking import log_curves, open_experiment
 from .worker import TrainJob, train_rank
@@ -41,17 +41,24 @@ class TrainResult:
         return f"models:/{self.model_name}/{self.model_version}"
 
 
-def preflight(cfg: TrainingConfig, dataset_dir: str) -> ShardManifest:
-    """Every check that can fail before a process starts."""
-    manifest = load_manifest(dataset_dir)
-    manifest.split("train")
-    check_world_size(manifest, "train", cfg.world_size)
+def check_settings(cfg: TrainingConfig) -> None:
+    """The checks that need no dataset: run before an engine starts (`shardline run`
+    prepares the dataset first, so its preflight comes only after Spark is up)."""
     if cfg.batch_size % cfg.world_size:
         raise ConfigError(
             f"training.batch_size {cfg.batch_size} must be a multiple of "
             f"training.world_size {cfg.world_size}"
         )
     get_strategy(cfg.strategy)
+    check_model_name(cfg.model)
+
+
+def preflight(cfg: TrainingConfig, dataset_dir: str) -> ShardManifest:
+    """Every check that can fail before a process starts."""
+    check_settings(cfg)
+    manifest = load_manifest(dataset_dir)
+    manifest.split("train")
+    check_world_size(manifest, "train", cfg.world_size)
     build_model(manifest, cfg)
     return manifest
 

@@ -127,12 +127,14 @@ MODELS: dict[str, Callable[[ShardManifest, TrainingConfig], nn.Module]] = {
 }
 
 
+def check_model_name(name: str) -> None:
+    if name not in MODELS:
+        raise ConfigError(f"training.model: unknown model '{name}' (valid: {', '.join(sorted(MODELS))})")
+
+
 def build_model(manifest: ShardManifest, cfg: TrainingConfig) -> nn.Module:
     """Build `cfg.model` for the dataset's shape, seeded so every rank starts equal."""
-    if cfg.model not in MODELS:
-        raise ConfigError(
-            f"training.model: unknown model '{cfg.model}' (valid: {', '.join(sorted(MODELS))})"
-        )
+    check_model_name(cfg.model)
     torch.manual_seed(cfg.seed)
     return MODELS[cfg.model](manifest, cfg)
 
