@@ -125,9 +125,11 @@ def train(config, overrides, launcher, world_size):
     extra = [f"training.launcher='{launcher}'"] if launcher else []
     extra += [f"training.world_size={world_size}"] if world_size else []
     cfg = load_config(config, list(overrides) + extra)
-    from training.job import preflight
+    from training.job import check_settings
 
-    preflight(cfg.training, cfg.pipelines.dataset_dir)  # one line, before an engine starts
+    # Names and batch: one line before an engine starts. The dataset is checked after,
+    # with the cluster's free slots first: too few slots is the error to fix first.
+    check_settings(cfg.training)
     if cfg.training.launcher == "dask":
         with _dask(cfg) as client:
             result = _train(cfg, None, client)
@@ -273,6 +275,15 @@ def bench():
     """Benchmarks: each prints its figure and a baseline measured in the same run."""
 
 
+def _bench(run_bench, as_json: bool, **kwargs) -> dict | None:
+    """Run a benchmark with progress lines; with --json print its one object and return None."""
+    result = run_bench(progress=lambda msg: console.print(f"[dim]… {msg}[/]"), **kwargs)
+    if as_json:
+        click.echo(json.dumps(result))
+        return None
+    return result
+
+
 @bench.command("prepare")
 @click.option("--rows", type=int, default=1_000_000, show_default=True, help="Synthetic rows.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
@@ -280,9 +291,8 @@ def bench_prepare(rows, as_json):
     """Prepare MB/s on Spark and on Dask vs a single-process pyarrow rewrite."""
     from benchmarks.prepare import run as run_bench
 
-    result = run_bench(rows, progress=lambda msg: console.print(f"[dim]… {msg}[/]"))
-    if as_json:
-        click.echo(json.dumps(result))
+    result = _bench(run_bench, as_json, rows=rows)
+    if result is None:
         return
     table = Table(title=f"prepare, {rows:,} rows, {result['input_mb']} MB raw Parquet, {result['cores']} cores")
     for col in ("", "seconds", "MB/s", "× pyarrow"):
@@ -300,9 +310,8 @@ def bench_score(rows, as_json):
     """Scoring rows/s on Spark and Dask vs the limit (1 process x cores) and predict_batch_udf."""
     from benchmarks.score import run as run_bench
 
-    result = run_bench(rows, progress=lambda msg: console.print(f"[dim]… {msg}[/]"))
-    if as_json:
-        click.echo(json.dumps(result))
+    result = _bench(run_bench, as_json, rows=rows)
+    if result is None:
         return
     table = Table(title=f"score, {result['rows_scored']:,} train rows, {result['cores']} cores")
     for col in ("", "seconds", "rows/s", "× limit", "× processes", "× pbu"):
@@ -347,7 +356,7 @@ def bench_train(rows, steps, rounds, as_json):
     with redirect_stdout(sys.stderr):
         result = run_bench(rows, progress=lambda msg: console.print(f"[dim]… {msg}[/]"),
                            steps=steps, warmup=min(20, steps // 2), rounds=rounds)
-    if as_json:
+    if as_json:  # outside the redirect: the object goes to stdout
         click.echo(json.dumps(result))
         return
     m = result["model"]
@@ -377,9 +386,8 @@ def bench_loader(rows, as_json):
     """Loader samples/s: ours vs raw pyarrow (the limit), petastorm (own venv) and a naive Dataset."""
     from benchmarks.loader import run as run_bench
 
-    result = run_bench(rows, progress=lambda msg: console.print(f"[dim]… {msg}[/]"))
-    if as_json:
-        click.echo(json.dumps(result))
+    result = _bench(run_bench, as_json, rows=rows)
+    if result is None:
         return
     table = Table(title=f"loader, {result['train_rows']:,} train rows × {result['feature_width']} "
                         f"features, batch {result['batch_size']}, 1 process")
