@@ -1,1 +1,17 @@
 """Benchmarks: each prints its figure beside a baseline measured in the same run."""
+
+from pathlib import Path
+
+from pipelines.config import PipelineConfig
+
+
+def synthetic_pipeline(root: Path, rows: int, partitions: int = 4, world_size: int = 2) -> PipelineConfig:
+    """The pipeline section a benchmark prepares its data with: `rows` synthetic rows under `root`."""
+    return PipelineConfig.model_validate(
+        {
+            "dataset_dir": str(root / "dataset"),
+            "source": {"format": "synthetic", "path": str(root / "raw"),
+                       "synthetic": {"rows": rows, "partitions": partitions}},
+            "layout": {"world_size": world_size},
+        }
+    )

@@ -37,7 +37,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from pipelines.config import DaskConfig, PipelineConfig
+from benchmarks import synthetic_pipeline
+from pipelines.config import DaskConfig
 
 TARGET_VS_RAW = 0.85
 TARGET_VS_PETASTORM = 3.0
@@ -230,14 +231,7 @@ def run(rows: int, workdir: str | None = None, progress=print, petastorm: bool =
     root = Path(tempfile.mkdtemp(prefix="shardline-bench-loader-", dir=workdir))
     threads = torch.get_num_threads()
     try:
-        cfg = PipelineConfig.model_validate(
-            {
-                "dataset_dir": str(root / "dataset"),
-                "source": {"format": "synthetic", "path": str(root / "raw"),
-                           "synthetic": {"rows": rows, "partitions": 4}},
-                "layout": {"world_size": 2},
-            }
-        )
+        cfg = synthetic_pipeline(root, rows)
         client = dask_client(DaskConfig())
         try:
             progress(f"generating and preparing {rows:,} rows (Dask)")

@@ -35,7 +35,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipelines.config import DaskConfig, PipelineConfig, SparkConfig
+from benchmarks import synthetic_pipeline
+from pipelines.config import DaskConfig, SparkConfig
 
 TARGET_VS_LIMIT = 0.9
 TARGET_VS_PREDICT_BATCH_UDF = 1.5
@@ -187,14 +188,7 @@ def run(rows: int, workdir: str | None = None, progress=print) -> dict:
     previous_uri = mlflow.get_tracking_uri()
     client = None
     try:
-        cfg = PipelineConfig.model_validate(
-            {
-                "dataset_dir": str(root / "dataset"),
-                "source": {"format": "synthetic", "path": str(root / "raw"),
-                           "synthetic": {"rows": rows, "partitions": 4}},
-                "layout": {"world_size": 2},
-            }
-        )
+        cfg = synthetic_pipeline(root, rows)
         client = dask_client(DaskConfig())
         dask = DaskEngine(client)
         progress(f"generating and preparing {rows:,} rows (Dask)")

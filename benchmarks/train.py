@@ -266,7 +266,8 @@ def run(rows: int = 100_000, workdir: str | None = None, progress=print, *, step
         warmup: int = WARMUP, allreduce_iters: int = ALLREDUCE_ITERS,
         hidden: list[int] | None = None, rounds: int = ROUNDS, dataset_dir: str | None = None) -> dict:
     """Run every leg once per round; `dataset_dir` (prepared for 2 ranks) skips preparing `rows`."""
-    from pipelines.config import PipelineConfig, SparkConfig
+    from benchmarks import synthetic_pipeline
+    from pipelines.config import SparkConfig
     from pipelines.engine_spark import SparkEngine
     from pipelines.engines import spark_session
     from pipelines.manifest import load_manifest
@@ -276,14 +277,7 @@ def run(rows: int = 100_000, workdir: str | None = None, progress=print, *, step
     threads = max(1, len(os.sched_getaffinity(0)) // world_size)
     root = Path(tempfile.mkdtemp(prefix="shardline-bench-train-", dir=workdir))
     try:
-        cfg = PipelineConfig.model_validate(
-            {
-                "dataset_dir": str(root / "dataset"),
-                "source": {"format": "synthetic", "path": str(root / "raw"),
-                           "synthetic": {"rows": rows, "partitions": 2}},
-                "layout": {"world_size": world_size},
-            }
-        )
+        cfg = synthetic_pipeline(root, rows, partitions=2, world_size=world_size)
         progress("starting Spark")
         spark = spark_session(SparkConfig())
         if dataset_dir is None:
