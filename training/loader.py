@@ -196,13 +196,7 @@ class ShardLoader:
         if self.workers == 0:
             batches = self._torch_batches(epoch, start, None)
             try:
-                while True:
-                    t = time.perf_counter()
-                    batch = next(batches, None)
-                    self._busy += time.perf_counter() - t
-                    if batch is None:
-                        break
-                    self._produced += len(batch[1])
+                for batch in self._timed(batches):
                     self._position = (epoch, self._position[1] + 1)
                     yield batch
             finally:
@@ -210,6 +204,18 @@ class ShardLoader:
         else:
             yield from self._from_producer(epoch, start)
         self._position = (epoch + 1, 0)
+
+    def _timed(self, batches: Iterator) -> Iterator:
+        """`batches`, counting the samples and the seconds spent producing them (not the
+        time the caller holds each batch): what epoch_stats reports."""
+        while True:
+            t = time.perf_counter()
+            batch = next(batches, None)
+            self._busy += time.perf_counter() - t
+            if batch is None:
+                return
+            self._produced += len(batch[1])
+            yield batch
 
     def epoch_stats(self) -> dict[str, float]:
         """Of the current or last epoch: samples produced and the seconds spent producing them
@@ -405,14 +411,10 @@ class ShardLoader:
         pool = ThreadPoolExecutor(self.workers, thread_name_prefix="shardline-decode")
         batches = self._torch_batches(epoch, start, pool)
         try:
-            while True:
-                t = time.perf_counter()
-                batch = next(batches, _DONE)
-                self._busy += time.perf_counter() - t
-                if batch is not _DONE:
-                    self._produced += len(batch[1])
-                if not put(batch) or batch is _DONE:
+            for batch in self._timed(batches):
+                if not put(batch):
                     return
+            put(_DONE)
         except BaseException as e:  # handed to the consumer, raised in its thread
             put(e)
         finally:
