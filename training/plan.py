@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from pipelines.errors import DataError
 from pipelines.manifest import BandwidthPlan, ShardManifest, load_manifest
@@ -31,7 +30,7 @@ from pipelines.transform import continuous_width
 from .config import TrainingConfig
 from .job import preflight
 from .loader import ShardLoader
-from .models import apply_activation_checkpointing, build_model
+from .worker import autocast_for, make_optimizer, train_step, trainable_model
 
 HEADROOM = 1.2  # loading >= 1.2 x training: measurement noise and imperfect worker scaling
 # Hash assignment keeps a split's shards within 5% of each other's rows from about
@@ -153,20 +152,18 @@ def measure_training(
     This is the compute bandwidth, an upper bound on a rank's training throughput:
     one process, no all-reduce (the strategy's communication is left out, it needs a
     process group). A faster figure asks for more loading, so the plan errs towards
-    more loader capacity. Steps as in training.worker: host-to-device copy, forward,
-    loss, backward, optimizer step, loss.item(); 2 warm-up steps, then at least 2
+    more loader capacity. Steps are training.worker's train_step, with its
+    host-to-device copy and loss.item() around it; 2 warm-up steps, then at least 2
     timed steps and until `budget_s` has passed.
     """
     local_batch = cfg.batch_size // cfg.world_size
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads_per_rank)  # as a rank runs; restored below
     try:
-        model = build_model(manifest, cfg).to(device)
-        if cfg.activation_checkpointing:
-            apply_activation_checkpointing(model)
+        model = trainable_model(manifest, cfg, device)
         model.train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
+        optimizer = make_optimizer(model, cfg)
+        autocast = autocast_for(device, cfg)
         # A few distinct batches, cycled: realistic inputs without generating one per step.
         batches = [_synthetic_batch(manifest, local_batch, seed) for seed in range(4)]
         if device.type == "cuda":
@@ -175,11 +172,7 @@ def measure_training(
         def step(i: int) -> None:
             x, y = batches[i % len(batches)]
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with autocast:
-                loss = F.cross_entropy(model(x), y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            _, loss = train_step(model, optimizer, autocast, x, y)
             loss.item()  # the worker reads the loss every step, which also syncs a GPU
 
         for i in range(2):

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pipelines.manifest import load_manifest
+from pipelines.manifest import ShardManifest, load_manifest
 
 from . import checkpoints
 from .config import TrainingConfig
@@ -68,14 +68,12 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         else None
     )
 
-    model = build_model(manifest, cfg).to(device)
-    if cfg.activation_checkpointing:
-        apply_activation_checkpointing(model)
+    model = trainable_model(manifest, cfg, device)
     strategy = get_strategy(cfg.strategy)
     wrapped = strategy.wrap(model, cfg)
-    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(wrapped, cfg)
     scheduler = lr_scheduler(optimizer, cfg, cfg.epochs * train.steps_per_epoch())
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
+    autocast = autocast_for(device, cfg)
     reporter = MetricsReporter(job.tracking_uri, job.run_id) if rank == 0 else None
     _announce(cfg.checkpoint_dir, rank)
 
@@ -128,12 +126,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
             if batch is None:
                 break
             x, y = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
-            with autocast:
-                logits = wrapped(x)
-                loss = F.cross_entropy(logits, y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            logits, loss = train_step(wrapped, optimizer, autocast, x, y)
             scheduler.step()
             # A step's time: waiting for its batch plus computing on it (not logging or checkpoints).
             stepping += time.perf_counter() - t
@@ -187,6 +180,37 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
     buf = io.BytesIO()
     torch.save({k: v.cpu() for k, v in strategy.unwrap(wrapped).state_dict().items()}, buf)
     return {"state_dict": buf.getvalue(), "metrics": metrics, "stopped_early": stopped_early}
+
+
+# The pieces of a step, shared with the bandwidth planner (training.plan) so that it
+# measures the step training runs.
+
+
+def trainable_model(manifest: ShardManifest, cfg: TrainingConfig, device: torch.device) -> torch.nn.Module:
+    """The plain model on `device`, recomputing activations if configured; a strategy wraps it."""
+    model = build_model(manifest, cfg).to(device)
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    return model
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainingConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def autocast_for(device: torch.device, cfg: TrainingConfig) -> torch.autocast:
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
+
+
+def train_step(model, optimizer, autocast, x: torch.Tensor, y: torch.Tensor):
+    """Forward, loss, backward, optimizer step; returns (logits, loss)."""
+    with autocast:
+        logits = model(x)
+        loss = F.cross_entropy(logits, y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return logits, loss
 
 
 def _device(rank: int) -> torch.device:
