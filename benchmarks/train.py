@@ -122,8 +122,11 @@ def _measure(rank: int, world_size: int, p: dict) -> dict:
     torch.set_num_threads(p["threads"])
     manifest, x, y = _rank_data(p, rank, world_size)
     cfg = TrainingConfig(hidden=p["hidden"], world_size=world_size, batch_size=p["global_batch"])
-    model = get_strategy("ddp").wrap(build_model(manifest, cfg), cfg)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    parallel = get_strategy("ddp").setup(
+        build_model(manifest, cfg), cfg, rank, world_size, torch.device("cpu"),
+        lambda params: torch.optim.Adam(params, lr=cfg.lr),
+    )
+    model, opt = parallel.ddp, parallel.optimizer
     local = p["global_batch"] // world_size
     n = len(y) - len(y) % local  # every rank takes the same number of steps, whatever its rows
     if n == 0:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from training.config import TrainingConfig
 from training.models import FeatureCNN, FeatureTransformer, TabularMLP, apply_activation_checkpointing
@@ -25,29 +24,37 @@ def global_batches(steps: int, batch: int, n_numeric: int = 5, card: int = 4, se
 
 
 def train_steps(rank: int, world_size: int, args: dict) -> dict:
-    """`steps` optimizer steps; rank r takes slice r of every global batch.
+    """`steps` optimizer steps of `strategy` over `world_size` ranks; the rank reads
+    slice data_rank of every global batch. world_size 1 is single-process training.
 
     args: strategy, steps, batch, and optionally model and cfg (TrainingConfig fields:
-    precision, activation_checkpointing, grad_compression).
+    precision, activation_checkpointing, grad_compression, dp/tp/pp, ps_*, micro_batches ...).
+    Returns the plain model's weights after training (every rank: full_state_dict()).
     """
-    cfg = TrainingConfig(**args.get("cfg", {}))
+    strategy = args["strategy"] if world_size > 1 else "ddp"
+    settings = args.get("cfg", {}) if world_size > 1 else _numerics(args.get("cfg", {}))
+    cfg = TrainingConfig(world_size=world_size, strategy=strategy, batch_size=args["batch"], **settings)
     torch.manual_seed(0)
     model = MODELS[args.get("model", "mlp")]()
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
-    strategy = get_strategy(args["strategy"]) if world_size > 1 else None
-    wrapped = strategy.wrap(model, cfg) if strategy else model
+    get_strategy(strategy).check(cfg, model)
     # SGD, not Adam: Adam divides by sqrt(v), which blows rounding noise in gradients
     # that are zero in exact arithmetic (attention's key bias) up to whole steps.
-    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
-    local = args["batch"] // world_size
+    parallel = get_strategy(strategy).setup(
+        model, cfg, rank, world_size, torch.device("cpu"), lambda p: torch.optim.SGD(p, lr=0.1)
+    )
     for x, y in global_batches(args["steps"], args["batch"]):
-        x, y = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
-        with autocast:
-            loss = F.cross_entropy(wrapped(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    plain = strategy.unwrap(wrapped) if strategy else model
-    return {k: v.detach().clone() for k, v in plain.state_dict().items()}
+        if parallel.data_rank is None:
+            parallel.step(None, None)
+            continue
+        local = args["batch"] // parallel.data_world
+        part = slice(parallel.data_rank * local, (parallel.data_rank + 1) * local)
+        parallel.step(x[part], y[part])
+    return {k: v.detach().clone() for k, v in parallel.full_state_dict().items()}
+
+
+def _numerics(cfg: dict) -> dict:
+    """The settings that change single-process arithmetic (the reference keeps them)."""
+    keep = ("precision", "activation_checkpointing")
+    return {k: v for k, v in cfg.items() if k in keep}

@@ -50,7 +50,9 @@ def test_checkpoints_are_plain_tensors_and_numbers(reference):
     _, paths = reference
     assert len(paths) > 5
     state = torch.load(paths[0], weights_only=True)  # no arbitrary unpickling
-    assert {"model", "optimizer", "global_step", "epoch", "step_in_epoch", "rng", "loader"} <= state.keys()
+    assert {"model", "ranks", "global_step", "epoch", "step_in_epoch", "loader"} <= state.keys()
+    # Each rank's own resume state: its strategy's (optimizer), schedule and RNG.
+    assert [set(r) for r in state["ranks"]] == [{"parallel", "scheduler", "rng"}] * 2
     # The loader's position is the checkpoint's: epoch and batches delivered in it.
     for p in paths:
         s = torch.load(p, weights_only=True)

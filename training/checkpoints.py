@@ -23,7 +23,8 @@ _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
 # weights, the optimizer state or the order of batches.
 FINGERPRINT_FIELDS = (
     "model", "hidden", "embedding_dim", "strategy", "world_size", "batch_size", "seed", "epochs",
-    "shuffle_buffer_rows", "remainder",
+    "shuffle_buffer_rows", "remainder", "dp", "tp", "pp", "ps_servers", "ps_mode",
+    "micro_batches", "pipeline_boundaries",
 )
 
 

@@ -17,7 +17,44 @@ class TrainingConfig(Section):
         "local: processes on this machine.",
     )
     world_size: int = Field(2, ge=1, description="Ranks (processes) that train together.")
-    strategy: str = Field("ddp", description="Parallel strategy, by name (training.strategies).")
+    strategy: str = Field(
+        "ddp", description="Parallel strategy: ddp (all-reduce), ps (parameter server), "
+        "pipeline, tensor (training.strategies).",
+    )
+    dp: int | None = Field(
+        None, ge=1, description="Data-parallel degree of the mesh; unset: what world_size leaves "
+        "after tp or pp (dp x tp, or dp x pp, must equal world_size).",
+    )
+    tp: int | None = Field(
+        None, ge=1, description="strategy tensor: ranks each layer is split over (Megatron); "
+        "unset: world_size / dp.",
+    )
+    pp: int | None = Field(
+        None, ge=1, description="strategy pipeline: pipeline stages; unset: world_size / dp.",
+    )
+    pipeline_schedule: Literal["gpipe", "1f1b"] = Field(
+        "1f1b", description="pipeline: gpipe runs all micro-batches forward, then all backward; "
+        "1f1b interleaves them (same bubble, at most pp micro-batches' activations held).",
+    )
+    micro_batches: int = Field(
+        4, ge=1, description="pipeline: micro-batches per rank's batch (bubble (pp-1)/(m+pp-1)).",
+    )
+    pipeline_boundaries: list[int] | None = Field(
+        None, description="pipeline: index of the first layer of each stage after the first "
+        "(pp-1 increasing numbers); unset: stages balanced by parameter count.",
+    )
+    ps_servers: int = Field(
+        1, ge=1, description="strategy ps: ranks that hold the parameters (the last ones); "
+        "the others are workers.",
+    )
+    ps_mode: Literal["sync", "async"] = Field(
+        "sync", description="ps: sync averages every worker's gradient into one update per "
+        "step (= single-process SGD on the global batch); async applies each push at once.",
+    )
+    ps_staleness: int = Field(
+        2, ge=0, description="ps async: a worker may run at most this many steps ahead of the "
+        "slowest worker (stale synchronous parallel); 0 is lockstep.",
+    )
     model: str = Field("mlp", description="Model, by name (training.models).")
     hidden: list[int] = Field(
         default_factory=lambda: [128, 64],

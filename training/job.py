@@ -44,23 +44,27 @@ class TrainResult:
 def check_settings(cfg: TrainingConfig) -> None:
     """The checks that need no dataset: run before an engine starts (`shardline run`
     prepares the dataset first, so its preflight comes only after Spark is up)."""
-    if cfg.batch_size % cfg.world_size:
-        raise ConfigError(
-            f"training.batch_size {cfg.batch_size} must be a multiple of "
-            f"training.world_size {cfg.world_size}"
-        )
     get_strategy(cfg.strategy)
     check_model_name(cfg.model)
 
 
 def preflight(cfg: TrainingConfig, dataset_dir: str) -> ShardManifest:
-    """Every check that can fail before a process starts."""
+    """Every check that can fail before a process starts: the strategy's (mesh, batch
+    split, model split) need the model, so the dataset's shape."""
     check_settings(cfg)
     manifest = load_manifest(dataset_dir)
     manifest.split("train")
-    check_world_size(manifest, "train", cfg.world_size)
-    build_model(manifest, cfg)
+    strategy = get_strategy(cfg.strategy)
+    strategy.check(cfg, build_model(manifest, cfg))
+    check_world_size(manifest, "train", strategy.data_world(cfg))
     return manifest
+
+
+def describe(cfg: TrainingConfig, manifest: ShardManifest) -> str:
+    """What the strategy will do, for the log at start ("" when it has nothing to say)."""
+    strategy = get_strategy(cfg.strategy)
+    text = getattr(strategy, "describe", None)
+    return text(cfg, build_model(manifest, cfg)) if text else ""
 
 
 def run_training(
@@ -103,8 +107,13 @@ def run_training(
     if run_id:
         run_id = _continue_run(run_id)
 
+    plan = describe(cfg, manifest)
+    if plan:
+        print(plan, file=sys.stderr, flush=True)
     with mlflow.start_run(run_id=run_id) as run:
         run_id = run.info.run_id
+        if plan:
+            mlflow.log_text(plan, f"strategy-{cfg.strategy}.txt")
         if not cfg.resume:
             mlflow.log_params(_flat(cfg.model_dump()))
             mlflow.log_params(

@@ -1,4 +1,9 @@
-"""Models by name. A model never knows how it is parallelised."""
+"""Models by name. A model never knows how it is parallelised.
+
+Every model is an `nn.Sequential` of layers, the input layer first: that order is
+all a pipeline needs to cut it into stages, and the layers' own submodule names
+(`linear`, `attn.qkv`, `ff1` ...) are all a tensor-parallel plan needs.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pipelines.errors import ConfigError
@@ -15,11 +21,40 @@ from pipelines.transform import continuous_width
 from .config import TrainingConfig
 
 
-class TabularMLP(nn.Module):
-    """MLP over one float tensor: standardised numerics, then categorical indices.
+class FeatureInput(nn.Module):
+    """The feature tensor (standardised numerics, then categorical indices) as numbers:
+    numerics as they are, each category through its embedding; concatenated.
 
     One input tensor (not a tuple) keeps the MLflow signature and pyfunc simple.
     """
+
+    def __init__(self, n_numeric: int, cardinalities: list[int], embedding_dim: int):
+        super().__init__()
+        self.n_numeric = n_numeric
+        # +1: index 0 is the unknown bucket.
+        self.embeddings = nn.ModuleList(nn.Embedding(c + 1, embedding_dim) for c in cardinalities)
+        self.width = n_numeric + embedding_dim * len(cardinalities)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = [x[:, : self.n_numeric]]
+        for i, emb in enumerate(self.embeddings):
+            parts.append(emb(x[:, self.n_numeric + i].long().clamp(0, emb.num_embeddings - 1)))
+        return torch.cat(parts, dim=1)
+
+
+class Dense(nn.Module):
+    """Linear, then ReLU."""
+
+    def __init__(self, width: int, out: int):
+        super().__init__()
+        self.linear = nn.Linear(width, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.linear(x))
+
+
+class TabularMLP(nn.Sequential):
+    """Feature input, one Dense layer per hidden width, a linear head."""
 
     def __init__(
         self,
@@ -29,81 +64,139 @@ class TabularMLP(nn.Module):
         n_classes: int,
         embedding_dim: int = 8,
     ):
-        super().__init__()
-        self.n_numeric = n_numeric
-        # +1: index 0 is the unknown bucket.
-        self.embeddings = nn.ModuleList(nn.Embedding(c + 1, embedding_dim) for c in cardinalities)
-        width = n_numeric + embedding_dim * len(cardinalities)
-        layers: list[nn.Module] = []
+        features = FeatureInput(n_numeric, cardinalities, embedding_dim)
+        layers: list[nn.Module] = [features]
+        width = features.width
         for h in hidden:
-            layers += [nn.Linear(width, h), nn.ReLU()]
+            layers.append(Dense(width, h))
             width = h
         layers.append(nn.Linear(width, n_classes))
-        self.mlp = nn.Sequential(*layers)
+        super().__init__(*layers)
+
+
+class Channels(nn.Module):
+    """[batch, features] -> [batch, 1, features]: the feature vector as a 1-channel signal."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts = [x[:, : self.n_numeric]]
-        for i, emb in enumerate(self.embeddings):
-            idx = x[:, self.n_numeric + i].long().clamp(0, emb.num_embeddings - 1)
-            parts.append(emb(idx))
-        return self.mlp(torch.cat(parts, dim=1))
+        return x.unsqueeze(1)
 
 
-def _mlp(manifest: ShardManifest, cfg: TrainingConfig) -> nn.Module:
-    n, cards, k = _shape(manifest)
-    return TabularMLP(n, cards, cfg.hidden, k, embedding_dim=cfg.embedding_dim)
+class ConvBlock(nn.Module):
+    def __init__(self, channels_in: int, channels_out: int):
+        super().__init__()
+        self.conv = nn.Conv1d(channels_in, channels_out, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.conv(x))
 
 
-class FeatureCNN(nn.Module):
+class PoolHead(nn.Module):
+    def __init__(self, channels: int, n_classes: int):
+        super().__init__()
+        self.pool = nn.AdaptiveAvgPool1d(4)
+        self.linear = nn.Linear(4 * channels, n_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.pool(x).flatten(1))
+
+
+class FeatureCNN(nn.Sequential):
     """A small 1-D CNN over the feature vector (numerics, then embedded categories)."""
 
     def __init__(self, n_numeric: int, cardinalities: list[int], channels: int, n_classes: int):
-        super().__init__()
-        self.n_numeric = n_numeric
-        self.embeddings = nn.ModuleList(nn.Embedding(c + 1, 1) for c in cardinalities)
-        self.blocks = nn.Sequential(
-            nn.Conv1d(1, channels, 3, padding=1), nn.ReLU(),
-            nn.Conv1d(channels, channels, 3, padding=1), nn.ReLU(),
-            nn.AdaptiveAvgPool1d(4), nn.Flatten(),
+        super().__init__(
+            FeatureInput(n_numeric, cardinalities, 1),
+            Channels(),
+            ConvBlock(1, channels),
+            ConvBlock(channels, channels),
+            PoolHead(channels, n_classes),
         )
-        self.head = nn.Linear(4 * channels, n_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts = [x[:, : self.n_numeric]]
-        for i, emb in enumerate(self.embeddings):
-            parts.append(emb(x[:, self.n_numeric + i].long().clamp(0, emb.num_embeddings - 1)))
-        return self.head(self.blocks(torch.cat(parts, 1).unsqueeze(1)))
 
 
-class FeatureTransformer(nn.Module):
-    """Each feature is a token (value x learned vector + its position); a small encoder."""
+class Tokens(nn.Module):
+    """Each feature is a token: a numeric's value x its learned vector, a category's
+    embedding; plus a learned position per feature."""
 
-    def __init__(
-        self, n_numeric: int, cardinalities: list[int], d_model: int, heads: int, layers: int,
-        n_classes: int,
-    ):
+    def __init__(self, n_numeric: int, cardinalities: list[int], d_model: int):
         super().__init__()
         self.n_numeric = n_numeric
         self.value = nn.Parameter(torch.randn(n_numeric, d_model) * 0.02)
         self.position = nn.Parameter(torch.randn(n_numeric + len(cardinalities), d_model) * 0.02)
         self.embeddings = nn.ModuleList(nn.Embedding(c + 1, d_model) for c in cardinalities)
-        layer = nn.TransformerEncoderLayer(
-            d_model, heads, dim_feedforward=2 * d_model, dropout=0.0, batch_first=True
-        )
-        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(d_model, n_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = [x[:, : self.n_numeric, None] * self.value]
         for i, emb in enumerate(self.embeddings):
             tokens.append(emb(x[:, self.n_numeric + i].long().clamp(0, emb.num_embeddings - 1))[:, None])
-        h = self.encoder(torch.cat(tokens, 1) + self.position)
-        return self.head(h.mean(1))
+        return torch.cat(tokens, 1) + self.position
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention: one fused q/k/v projection laid out [q | k | v], each
+    head-major, then an output projection. `heads` is the heads this module computes
+    (a tensor-parallel plan gives each rank its share of them)."""
+
+    def __init__(self, d_model: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.head_dim = d_model // heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        h = F.scaled_dot_product_attention(q, k, v)
+        return self.out(h.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class Block(nn.Module):
+    """A post-norm transformer encoder layer (as nn.TransformerEncoderLayer, no dropout)."""
+
+    def __init__(self, d_model: int, heads: int):
+        super().__init__()
+        self.attn = Attention(d_model, heads)
+        self.norm1 = nn.LayerNorm(d_model)
+        self.ff1 = nn.Linear(d_model, 2 * d_model)
+        self.ff2 = nn.Linear(2 * d_model, d_model)
+        self.norm2 = nn.LayerNorm(d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm1(x + self.attn(x))
+        return self.norm2(x + self.ff2(F.relu(self.ff1(x))))
+
+
+class MeanHead(nn.Module):
+    def __init__(self, d_model: int, n_classes: int):
+        super().__init__()
+        self.linear = nn.Linear(d_model, n_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.mean(1))
+
+
+class FeatureTransformer(nn.Sequential):
+    """Feature tokens, `layers` encoder blocks, mean-pooled linear head."""
+
+    def __init__(
+        self, n_numeric: int, cardinalities: list[int], d_model: int, heads: int, layers: int,
+        n_classes: int,
+    ):
+        super().__init__(
+            Tokens(n_numeric, cardinalities, d_model),
+            *(Block(d_model, heads) for _ in range(layers)),
+            MeanHead(d_model, n_classes),
+        )
 
 
 def _shape(manifest: ShardManifest) -> tuple[int, list[int], int]:
     spec, stats = manifest.feature_spec, manifest.statistics
     return continuous_width(spec), [stats.cardinality[c] for c in spec.categorical], stats.num_classes
+
+
+def _mlp(manifest: ShardManifest, cfg: TrainingConfig) -> nn.Module:
+    n, cards, k = _shape(manifest)
+    return TabularMLP(n, cards, cfg.hidden, k, embedding_dim=cfg.embedding_dim)
 
 
 def _cnn(manifest: ShardManifest, cfg: TrainingConfig) -> nn.Module:
@@ -139,16 +232,20 @@ def build_model(manifest: ShardManifest, cfg: TrainingConfig) -> nn.Module:
     return MODELS[cfg.model](manifest, cfg)
 
 
-def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
-    """Recompute the activations of each top-level block in backward instead of storing them.
+# Layers worth recomputing: the rest (inputs, reshapes, heads) hold little activation.
+_RECOMPUTED = (Dense, ConvBlock, Block)
 
-    The block's forward is replaced on the instance, so parameter names (and so
+
+def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
+    """Recompute the activations of each hidden layer in backward instead of storing them.
+
+    The layer's forward is replaced on the instance, so parameter names (and so
     checkpoints and the logged model) do not change. use_reentrant=False: the
     reentrant variant drops gradients when inputs do not require grad (FACTS.md).
     """
     from torch.utils.checkpoint import checkpoint
 
-    for child in model.children():
-        if isinstance(child, (nn.Sequential, nn.TransformerEncoder)):
-            child.forward = partial(checkpoint, type(child).forward.__get__(child), use_reentrant=False)
+    for layer in model.modules():
+        if isinstance(layer, _RECOMPUTED):
+            layer.forward = partial(checkpoint, type(layer).forward.__get__(layer), use_reentrant=False)
     return model

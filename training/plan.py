@@ -30,7 +30,8 @@ from pipelines.transform import continuous_width
 from .config import TrainingConfig
 from .job import preflight
 from .loader import ShardLoader
-from .worker import autocast_for, make_optimizer, train_step, trainable_model
+from .strategies.base import autocast_for, train_step
+from .worker import make_optimizer, trainable_model
 
 HEADROOM = 1.2  # loading >= 1.2 x training: measurement noise and imperfect worker scaling
 # Hash assignment keeps a split's shards within 5% of each other's rows from about
@@ -152,7 +153,7 @@ def measure_training(
     This is the compute bandwidth, an upper bound on a rank's training throughput:
     one process, no all-reduce (the strategy's communication is left out, it needs a
     process group). A faster figure asks for more loading, so the plan errs towards
-    more loader capacity. Steps are training.worker's train_step, with its
+    more loader capacity. Steps are the strategies' train_step, with its
     host-to-device copy and loss.item() around it; 2 warm-up steps, then at least 2
     timed steps and until `budget_s` has passed.
     """
@@ -162,7 +163,7 @@ def measure_training(
     try:
         model = trainable_model(manifest, cfg, device)
         model.train()
-        optimizer = make_optimizer(model, cfg)
+        optimizer = make_optimizer(model.parameters(), cfg)
         autocast = autocast_for(device, cfg)
         # A few distinct batches, cycled: realistic inputs without generating one per step.
         batches = [_synthetic_batch(manifest, local_batch, seed) for seed in range(4)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import socket
@@ -50,59 +51,73 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
     torch.set_num_threads(cfg.threads_per_rank)
     device = _device(rank)
     manifest = load_manifest(job.dataset_dir)
-    local_batch = cfg.batch_size // world_size
+    model = trainable_model(manifest, cfg, device)
+    parallel = get_strategy(cfg.strategy).setup(
+        model, cfg, rank, world_size, device, lambda params: make_optimizer(params, cfg)
+    )
+    reads = parallel.data_rank is not None
     loader_settings = dict(
         remainder=cfg.remainder, shuffle_buffer_rows=cfg.shuffle_buffer_rows,
         workers=cfg.loader_workers_for(manifest.plan), prefetch=cfg.prefetch_depth,
         verify=cfg.verify_shards,
     )
+    # A rank that reads no data (a parameter server) keeps a loader too: it counts the
+    # steps of an epoch and the position to resume from, the same on every rank.
     train = ShardLoader(
-        manifest, job.dataset_dir, "train", rank, world_size, local_batch, cfg.seed, **loader_settings
+        manifest, job.dataset_dir, "train", parallel.data_rank if reads else 0, parallel.data_world,
+        cfg.batch_size // parallel.data_world, cfg.seed, **loader_settings,
     )
+    # Evaluation runs the plain model with the gathered weights, every rank on its own
+    # share of the validation split, whatever the strategy.
     val_shards = manifest.splits["val"].shards if "val" in manifest.splits else []
     val = (
         ShardLoader(
-            manifest, job.dataset_dir, "val", rank, world_size, local_batch, cfg.seed, **loader_settings
+            manifest, job.dataset_dir, "val", rank, world_size, cfg.batch_size // world_size, cfg.seed,
+            **loader_settings,
         )
         if len(val_shards) >= world_size
         else None
     )
+    eval_model = build_model(manifest, cfg).to(device) if val is not None else None
 
-    model = trainable_model(manifest, cfg, device)
-    strategy = get_strategy(cfg.strategy)
-    wrapped = strategy.wrap(model, cfg)
-    optimizer = make_optimizer(wrapped, cfg)
-    scheduler = lr_scheduler(optimizer, cfg, cfg.epochs * train.steps_per_epoch())
-    autocast = autocast_for(device, cfg)
+    optimizer = parallel.optimizer
+    schedule = lr_factor(cfg, cfg.epochs * train.steps_per_epoch())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule) if optimizer else None
     reporter = MetricsReporter(job.tracking_uri, job.run_id) if rank == 0 else None
     _announce(cfg.checkpoint_dir, rank)
 
     step = start_epoch = 0
     if job.resume_from:
         state = checkpoints.load(Path(job.resume_from), job.fingerprint)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"][rank])
+        mine = state["ranks"][rank]
+        parallel.load_state_dict(mine["parallel"], state["model"])
+        if scheduler:
+            scheduler.load_state_dict(mine["scheduler"])
+        torch.set_rng_state(mine["rng"])
         step, start_epoch = state["global_step"], state["epoch"]
         # The loader's position is the same on every rank; rank 0's stands for all.
         train.load_state_dict(state["loader"])
 
     def checkpoint(epoch: int, step_in_epoch: int, artifact: bool) -> None:
-        # Every rank's RNG state, so each resumes its own stream; rank 0 writes.
-        rng = [torch.empty_like(torch.get_rng_state()) for _ in range(world_size)]
-        dist.all_gather(rng, torch.get_rng_state())
+        # One file: the plain model's weights, and what each rank needs to resume
+        # exactly (its optimizer, schedule and RNG state), gathered to rank 0.
+        full = parallel.full_state_dict()
+        mine = {
+            "parallel": parallel.state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler else {},
+            "rng": torch.get_rng_state(),
+        }
+        ranks = [None] * world_size if rank == 0 else None
+        dist.gather_object(mine, ranks, dst=0)
         if rank != 0:
             return
         state = {
-            "model": strategy.unwrap(wrapped).state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
+            "model": {k: v.cpu() for k, v in full.items()},
+            "ranks": ranks,
             "global_step": step,
             "epoch": epoch,
             "step_in_epoch": step_in_epoch,
             "loader": train.state_dict(),
-            "rng": rng,
             "fingerprint": job.fingerprint or {},
             "run_id": job.run_id or "",
         }
@@ -113,57 +128,72 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
     metrics: dict[str, float] = {}
     stopped_early = warned = False
     for epoch in range(start_epoch, cfg.epochs):
-        wrapped.train()
-        loss_sum = correct = seen = waited = stepping = 0.0
+        loss_sum = correct = reported = seen = waited = stepping = 0.0
         start = time.perf_counter()
         # Resuming mid-epoch, the loader (its state loaded) yields exactly the rest.
-        step_in_epoch = train.state_dict()["batches"] if train.state_dict()["epoch"] == epoch else 0
-        batches = train.epoch(epoch)
+        position = train.state_dict()
+        step_in_epoch = position["batches"] if position["epoch"] == epoch else 0
+        batches = (
+            train.epoch(epoch) if reads
+            else itertools.repeat((None, None), train.steps_per_epoch() - step_in_epoch)
+        )
         while True:
             t = time.perf_counter()
             batch = next(batches, None)
             waited += time.perf_counter() - t
             if batch is None:
                 break
-            x, y = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
-            logits, loss = train_step(wrapped, optimizer, autocast, x, y)
-            scheduler.step()
+            x, y = (b.to(device, non_blocking=True) if b is not None else None for b in batch)
+            out = parallel.step(x, y)
+            if scheduler:
+                scheduler.step()
             # A step's time: waiting for its batch plus computing on it (not logging or checkpoints).
             stepping += time.perf_counter() - t
             step += 1
             step_in_epoch += 1
-            loss_sum += loss.item() * len(y)
-            correct += (logits.argmax(1) == y).sum().item()
-            seen += len(y)
-            if reporter and step % cfg.log_every_steps == 0:
-                reporter.log({"train_loss_step": loss.item(), "lr": scheduler.get_last_lr()[0]}, step)
+            seen += len(y) if y is not None else 0
+            if out is not None:
+                logits, loss = out
+                loss_sum += loss.item() * len(y)
+                correct += (logits.argmax(1) == y).sum().item()
+                reported += len(y)
+            if step % cfg.log_every_steps == 0:
+                # The reporting ranks' mean loss: rank 0 may hold none (a first pipeline stage).
+                step_loss = _mean_over_reporting(out[1].item() if out is not None else None)
+                if reporter:
+                    reporter.log({"train_loss_step": step_loss, "lr": cfg.lr * schedule(step)}, step)
             if cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0:
                 checkpoint(epoch, step_in_epoch, artifact=False)
         elapsed = time.perf_counter() - start
 
         # Per-rank figures go to rank 0 through one all-reduce of a [world, k] table.
-        per_rank = torch.zeros(world_size, 3)
-        per_rank[rank] = torch.tensor(
-            [seen / elapsed, waited / max(stepping, 1e-9), train.epoch_stats()["samples_per_s"]]
-        )
-        totals = torch.tensor([loss_sum, correct, max(seen, 1.0)])
+        per_rank = torch.zeros(world_size, 4)
+        per_rank[rank] = torch.tensor([
+            seen / elapsed, waited / max(stepping, 1e-9),
+            train.epoch_stats()["samples_per_s"] if reads else 0.0, float(parallel.reports),
+        ])
+        totals = torch.tensor([loss_sum, correct, max(reported, 1.0)])
         dist.all_reduce(per_rank)
         dist.all_reduce(totals)
         metrics = {
             "train_loss": totals[0].item() / totals[2].item(),
             "train_accuracy": totals[1].item() / totals[2].item(),
-            "samples_per_s": per_rank[:, 0].sum().item(),
+            # Ranks that split one model read the same samples: count each once.
+            "samples_per_s": (per_rank[:, 0] * per_rank[:, 3]).sum().item(),
             "data_wait_fraction": per_rank[:, 1].max().item(),
         }
         for r in range(world_size):
             metrics[f"rank{r}_samples_per_s"] = per_rank[r, 0].item()
             metrics[f"rank{r}_data_wait_fraction"] = per_rank[r, 1].item()
             metrics[f"rank{r}_loader_samples_per_s"] = per_rank[r, 2].item()
+        metrics.update(_strategy_metrics(parallel, rank, world_size))
+        full = parallel.full_state_dict()
         if val is not None:
-            metrics.update(_evaluate(model, val, device))
+            eval_model.load_state_dict(full)
+            metrics.update(_evaluate(eval_model, val, device))
         if reporter:
             reporter.log(metrics, epoch)
-            shown = ", ".join(f"{k} {metrics[k]:.4g}" for k in _SHOWN if k in metrics)
+            shown = ", ".join(f"{k} {metrics[k]:.4g}" for k in _shown(metrics))
             print(f"[shardline] epoch {epoch + 1}/{cfg.epochs}: {shown}", file=sys.stderr, flush=True)
             if metrics["data_wait_fraction"] > cfg.data_wait_warning and not warned:
                 # Once per job: later epochs' figures are in MLflow (rank*_data_wait_fraction).
@@ -175,10 +205,11 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
             stopped_early = epoch + 1 < cfg.epochs
             break
 
+    full = parallel.full_state_dict()
     if rank != 0:
         return None
     buf = io.BytesIO()
-    torch.save({k: v.cpu() for k, v in strategy.unwrap(wrapped).state_dict().items()}, buf)
+    torch.save({k: v.cpu() for k, v in full.items()}, buf)
     return {"state_dict": buf.getvalue(), "metrics": metrics, "stopped_early": stopped_early}
 
 
@@ -187,30 +218,43 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
 
 
 def trainable_model(manifest: ShardManifest, cfg: TrainingConfig, device: torch.device) -> torch.nn.Module:
-    """The plain model on `device`, recomputing activations if configured; a strategy wraps it."""
+    """The plain model on `device`, recomputing activations if configured; a strategy splits it."""
     model = build_model(manifest, cfg).to(device)
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
     return model
 
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainingConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+def make_optimizer(params, cfg: TrainingConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def autocast_for(device: torch.device, cfg: TrainingConfig) -> torch.autocast:
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
+def _shown(metrics: dict[str, float]) -> list[str]:
+    """The epoch line: the usual figures, then the strategy's own (job-wide means)."""
+    own = [k for k in metrics if k.split("_")[0] in ("ps", "pipeline", "tp")]
+    return [k for k in _SHOWN if k in metrics] + own
 
 
-def train_step(model, optimizer, autocast, x: torch.Tensor, y: torch.Tensor):
-    """Forward, loss, backward, optimizer step; returns (logits, loss)."""
-    with autocast:
-        logits = model(x)
-        loss = F.cross_entropy(logits, y)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-    return logits, loss
+def _mean_over_reporting(loss: float | None) -> float:
+    t = torch.tensor([loss or 0.0, 1.0 if loss is not None else 0.0])
+    dist.all_reduce(t)
+    return (t[0] / t[1]).item()
+
+
+def _strategy_metrics(parallel, rank: int, world_size: int) -> dict[str, float]:
+    """Each rank's strategy figures (rank<r>_<name>) and their mean over the ranks that have them."""
+    gathered = [None] * world_size if rank == 0 else None
+    dist.gather_object(parallel.epoch_metrics(), gathered, dst=0)
+    if rank != 0:
+        return {}
+    out, by_name = {}, {}
+    for r, figures in enumerate(gathered):
+        for k, v in figures.items():
+            out[f"rank{r}_{k}"] = v
+            by_name.setdefault(k, []).append(v)
+    for k, values in by_name.items():
+        out[k] = max(values) if k.endswith("_max") else sum(values) / len(values)
+    return out
 
 
 def _device(rank: int) -> torch.device:
@@ -264,8 +308,9 @@ def _announce(checkpoint_dir: str, rank: int) -> None:
     os.replace(tmp, d / f"rank-{rank}.json")
 
 
-def lr_scheduler(optimizer, cfg: TrainingConfig, total_steps: int):
-    """Linear warmup, then constant, cosine to 0, or x0.1 at each third of the run."""
+def lr_factor(cfg: TrainingConfig, total_steps: int):
+    """The learning rate's factor after `step` steps: linear warmup from 0, then
+    constant, cosine to 0, or x0.1 at each third of the run."""
     import math
 
     def factor(step: int) -> float:
@@ -278,4 +323,4 @@ def lr_scheduler(optimizer, cfg: TrainingConfig, total_steps: int):
             return 0.1 ** min(int(progress * 3), 2)
         return 1.0
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return factor

@@ -1,13 +1,17 @@
-"""Parallel strategies by name: each one small file behind `Strategy`."""
+"""Parallel strategies by name: each one small file behind `Strategy` (base.py)."""
 
 from __future__ import annotations
+
+from importlib import import_module
 
 from pipelines.errors import ConfigError
 
 from .base import Strategy
-from .ddp import DataParallel
 
-STRATEGIES: dict[str, type[Strategy]] = {"ddp": DataParallel}
+# name -> "module:class"; imported on use, so a strategy's dependencies load only when chosen.
+STRATEGIES: dict[str, str] = {
+    "ddp": "ddp:DataParallel",
+}
 
 
 def get_strategy(name: str) -> Strategy:
@@ -16,4 +20,5 @@ def get_strategy(name: str) -> Strategy:
             f"training.strategy: unknown strategy '{name}' "
             f"(valid: {', '.join(sorted(STRATEGIES))})"
         )
-    return STRATEGIES[name]()
+    module, cls = STRATEGIES[name].split(":")
+    return getattr(import_module(f"{__name__}.{module}"), cls)()

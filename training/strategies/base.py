@@ -1,21 +1,158 @@
+"""The one interface every parallel strategy implements.
+
+A `Strategy` checks a config against a model before any process starts, and on
+each rank (inside an initialised process group) turns the plain model into a
+`Parallel`: the rank's share of the model, its optimizer and its step. The
+worker (training.worker) only ever talks to a `Parallel`, so it runs every
+strategy the same way on every launcher, and the model never knows how it is
+parallelised.
+"""
+
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+import torch.distributed as dist
 from torch import nn
+
+from pipelines.errors import ConfigError
 
 from ..config import TrainingConfig
 
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The degrees of a 2-D device mesh: `dp` data-parallel replicas of a model split
+    `inner` ways (tensor or pipeline). Rank = dp_index * inner + inner_index: the
+    ranks of one model replica are neighbours (on one host, when hosts fill in order)."""
+
+    dp: int
+    inner: int = 1
+
+    def dp_index(self, rank: int) -> int:
+        return rank // self.inner
+
+    def inner_index(self, rank: int) -> int:
+        return rank % self.inner
+
+    def groups(self, rank: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+        """(this rank's dp group, its inner group). Collective: every rank creates
+        every group in the same order, as torch.distributed requires."""
+        dp_group = inner_group = None
+        for i in range(self.inner):
+            ranks = [d * self.inner + i for d in range(self.dp)]
+            g = dist.new_group(ranks) if self.dp > 1 else None
+            if rank in ranks:
+                dp_group = g
+        for d in range(self.dp):
+            ranks = [d * self.inner + i for i in range(self.inner)]
+            g = dist.new_group(ranks) if self.inner > 1 else None
+            if rank in ranks:
+                inner_group = g
+        return dp_group, inner_group
+
+
+def mesh_for(cfg: TrainingConfig, inner_setting: str | None) -> Mesh:
+    """The mesh `cfg` asks for: `inner_setting` names the split degree ("tp" or "pp",
+    None for strategies with none). An unset degree takes what the others leave."""
+    world = cfg.world_size
+    inner = getattr(cfg, inner_setting) if inner_setting else 1
+    others = [s for s in ("tp", "pp") if s != inner_setting and getattr(cfg, s) not in (None, 1)]
+    if others:
+        raise ConfigError(
+            f"training.{others[0]} = {getattr(cfg, others[0])}: strategy '{cfg.strategy}' "
+            f"splits the model only by {inner_setting or 'data'} (combinations: dp x tp, dp x pp)"
+        )
+    dp = cfg.dp
+    if inner is None:
+        inner = world // (dp or 1)
+    if dp is None:
+        dp = world // inner
+    if dp * inner != world or dp < 1 or inner < 1:
+        name = inner_setting or "1"
+        raise ConfigError(
+            f"training.dp {dp} x training.{name} {inner} = {dp * inner} must equal "
+            f"training.world_size {world}"
+        )
+    return Mesh(dp, inner)
+
+
+class Parallel(Protocol):
+    """One rank's share of a parallel model."""
+
+    # Which part of each global batch this rank reads: the loader's rank and world
+    # size (the data-parallel index and degree). data_rank None: reads no data.
+    data_rank: int | None
+    data_world: int
+    # True on exactly one rank per data_rank: its losses and samples count in the totals.
+    reports: bool
+    # The optimizer whose learning rate the schedule drives; None if this rank has none.
+    optimizer: torch.optim.Optimizer | None
+
+    def step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One optimizer step on the global batch; (logits, mean loss) of this rank's
+        batch where `reports`, else None. x, y are None where data_rank is None."""
+        ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The plain model's weights, on every rank. Collective."""
+        ...
+
+    def state_dict(self) -> dict:
+        """What this rank needs to resume exactly: its weights and optimizer state."""
+        ...
+
+    def load_state_dict(self, state: dict, full: dict[str, torch.Tensor]) -> None:
+        """Resume: this rank's `state_dict()` and the plain model's weights (`full_state_dict()`)."""
+        ...
+
+    def epoch_metrics(self) -> dict[str, float]:
+        """The strategy's own figures since the last call (push/pull time, bubble ...),
+        this rank's; rank 0 logs every rank's to MLflow."""
+        ...
+
 
 class Strategy(Protocol):
-    """Turns a plain model into its parallel form on an initialised process group."""
-
     name: str
 
-    def wrap(self, model: nn.Module, cfg: TrainingConfig) -> nn.Module:
-        """The module the training loop calls: forward, backward, optimizer.step."""
+    def check(self, cfg: TrainingConfig, model: nn.Module) -> None:
+        """Refuse, with one line naming the setting, what cannot run: before any process starts."""
         ...
 
-    def unwrap(self, wrapped: nn.Module) -> nn.Module:
-        """The plain single-device model with the trained weights (for MLflow, scoring)."""
+    def data_world(self, cfg: TrainingConfig) -> int:
+        """How many parts each global batch is read in (Parallel.data_world on every rank)."""
         ...
+
+    def setup(
+        self,
+        model: nn.Module,
+        cfg: TrainingConfig,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        make_optimizer: OptimizerFactory,
+    ) -> Parallel:
+        """This rank's Parallel. Every rank passes the same (seeded) plain model."""
+        ...
+
+
+def autocast_for(device: torch.device, cfg: TrainingConfig) -> torch.autocast:
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
+
+
+def train_step(model, optimizer, autocast, x: torch.Tensor, y: torch.Tensor):
+    """Forward, loss, backward, optimizer step; returns (logits, loss)."""
+    import torch.nn.functional as F
+
+    with autocast:
+        logits = model(x)
+        loss = F.cross_entropy(logits, y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return logits, loss

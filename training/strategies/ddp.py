@@ -6,22 +6,63 @@ the gradient of the mean loss over the global batch: single-process SGD on it.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from pipelines.errors import ConfigError
+
 from ..config import TrainingConfig
+from .base import OptimizerFactory, autocast_for, mesh_for, train_step
 
 
 class DataParallel:
     name = "ddp"
 
-    def wrap(self, model: nn.Module, cfg: TrainingConfig) -> nn.Module:
-        ddp = DistributedDataParallel(model)
-        if cfg.grad_compression == "fp16":
-            # Gradients travel as fp16 and are cast back: half the all-reduce bytes.
-            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        return ddp
+    def check(self, cfg: TrainingConfig, model: nn.Module) -> None:
+        mesh_for(cfg, None)
+        if cfg.batch_size % cfg.world_size:
+            raise ConfigError(
+                f"training.batch_size {cfg.batch_size} must be a multiple of "
+                f"training.world_size {cfg.world_size}"
+            )
 
-    def unwrap(self, wrapped: nn.Module) -> nn.Module:
-        return wrapped.module
+    def data_world(self, cfg: TrainingConfig) -> int:
+        return cfg.world_size
+
+    def setup(
+        self, model: nn.Module, cfg: TrainingConfig, rank: int, world_size: int,
+        device: torch.device, make_optimizer: OptimizerFactory,
+    ) -> DataParallelRank:
+        return DataParallelRank(model, cfg, rank, world_size, device, make_optimizer)
+
+
+class DataParallelRank:
+    def __init__(self, model, cfg, rank, world_size, device, make_optimizer):
+        self.model = model
+        self.ddp = DistributedDataParallel(model) if world_size > 1 else model
+        if world_size > 1 and cfg.grad_compression == "fp16":
+            # Gradients travel as fp16 and are cast back: half the all-reduce bytes.
+            self.ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        self.optimizer = make_optimizer(self.ddp.parameters())
+        self.autocast = autocast_for(device, cfg)
+        self.data_rank, self.data_world, self.reports = rank, world_size, True
+
+    def step(self, x, y):
+        self.ddp.train()
+        return train_step(self.ddp, self.optimizer, self.autocast, x, y)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    def state_dict(self) -> dict:
+        # Replicas are identical: the weights are in the checkpoint's "model", once.
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict, full: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(full)
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def epoch_metrics(self) -> dict[str, float]:
+        return {}
