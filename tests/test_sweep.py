@@ -298,8 +298,11 @@ def test_killed_sweep_resumes_without_rerunning_completed_trials_and_best_scores
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and proc.poll() is None:
-            states = [t.state.name for t in study_trials(db, "resume")]
-            if states == ["COMPLETE", "RUNNING"]:
+            trials = study_trials(db, "resume")
+            states = [t.state.name for t in trials]
+            # Kill once the second trial's MLflow run exists: on a loaded machine the
+            # trial can be RUNNING in the study a while before its run is opened.
+            if states == ["COMPLETE", "RUNNING"] and "mlflow_run_id" in trials[1].user_attrs:
                 break
             time.sleep(0.5)
     finally:
