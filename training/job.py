@@ -44,7 +44,8 @@ class TrainResult:
 def check_settings(cfg: TrainingConfig) -> None:
     """The checks that need no dataset: run before an engine starts (`shardline run`
     prepares the dataset first, so its preflight comes only after Spark is up)."""
-    get_strategy(cfg.strategy)
+    # The mesh (degrees x = world size, PS workers left): no model needed for these.
+    get_strategy(cfg.strategy).data_world(cfg)
     check_model_name(cfg.model)
 
 

@@ -67,15 +67,16 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         manifest, job.dataset_dir, "train", parallel.data_rank if reads else 0, parallel.data_world,
         cfg.batch_size // parallel.data_world, cfg.seed, **loader_settings,
     )
-    # Evaluation runs the plain model with the gathered weights, every rank on its own
-    # share of the validation split, whatever the strategy.
+    # Evaluation runs the plain model with the gathered weights on each data part's
+    # share of the validation split, once: on the part's reporting rank.
     val_shards = manifest.splits["val"].shards if "val" in manifest.splits else []
+    evaluated = len(val_shards) >= parallel.data_world  # the same on every rank
     val = (
         ShardLoader(
-            manifest, job.dataset_dir, "val", rank, world_size, cfg.batch_size // world_size, cfg.seed,
-            **loader_settings,
+            manifest, job.dataset_dir, "val", parallel.data_rank, parallel.data_world,
+            cfg.batch_size // parallel.data_world, cfg.seed, **loader_settings,
         )
-        if len(val_shards) >= world_size
+        if evaluated and parallel.reports
         else None
     )
     eval_model = build_model(manifest, cfg).to(device) if val is not None else None
@@ -188,8 +189,9 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
             metrics[f"rank{r}_loader_samples_per_s"] = per_rank[r, 2].item()
         metrics.update(_strategy_metrics(parallel, rank, world_size))
         full = parallel.full_state_dict()
-        if val is not None:
-            eval_model.load_state_dict(full)
+        if evaluated:
+            if eval_model is not None:
+                eval_model.load_state_dict(full)
             metrics.update(_evaluate(eval_model, val, device))
         if reporter:
             reporter.log(metrics, epoch)
@@ -286,10 +288,12 @@ def _stop_requested(hook, rank: int, epoch: int, metrics: dict[str, float]) -> b
 
 
 @torch.no_grad()
-def _evaluate(model, val: ShardLoader, device) -> dict[str, float]:
-    model.eval()
+def _evaluate(model, val: ShardLoader | None, device) -> dict[str, float]:
+    """Every rank calls it; ranks without a share of the split (val None) add nothing."""
     sums = torch.zeros(3)
-    for x, y in val.all_batches(4096):
+    if model is not None:
+        model.eval()
+    for x, y in val.all_batches(4096) if val is not None else ():
         logits = model(x.to(device))
         y = y.to(device)
         loss = F.cross_entropy(logits, y, reduction="sum").item()

@@ -1,0 +1,157 @@
+"""Every strategy as a user runs it: a tracked job whose registered model scores unchanged,
+checkpoints that resume exactly, each launcher, and bad settings refused up front."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from pipelines.manifest import load_manifest
+from training import checkpoints
+from training.config import TrackingConfig, TrainingConfig
+from training.job import run_training
+from training.launchers.spark import launch_spark_barrier
+from training.models import build_model
+
+from .conftest import REPO, shardline
+from .dist_helpers import train_steps
+
+# Small versions of each strategy on this 2-core machine; world 3 for a server and 2 workers.
+JOBS = {
+    "ps": dict(strategy="ps", world_size=3, ps_servers=1),
+    "pipeline": dict(strategy="pipeline", world_size=2, micro_batches=4, pipeline_schedule="1f1b"),
+    "tensor": dict(strategy="tensor", world_size=2, model="transformer", hidden=[16, 16], heads=4),
+}
+
+
+def _cfg(tmp: Path, name: str, **kw) -> TrainingConfig:
+    base = dict(
+        launcher="local", epochs=2, batch_size=128, hidden=[64, 32], timeout_s=60,
+        checkpoint_dir=str(tmp / "ckpt"), checkpoint_every_steps=7, keep_checkpoints=100,
+    )
+    return TrainingConfig(**{**base, **JOBS[name], **kw})
+
+
+@pytest.mark.parametrize("name", sorted(JOBS))
+def test_strategy_job_resumes_exactly_and_its_model_scores(name, prepared, dask_client, tracking_uri, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from serving.score import score
+
+    cfg = _cfg(tmp_path / "a", name)
+    tracking = TrackingConfig(experiment=f"strategy-{name}", registered_model=f"strategy-{name}")
+    result = run_training(cfg, tracking, prepared.dataset_dir)
+    assert result.metrics["val_accuracy"] > 0.5  # 3 classes: it learned
+    run = MlflowClient(tracking_uri).get_run(result.run_id)
+    own = {"ps": "ps_push_ms", "pipeline": "pipeline_bubble", "tensor": "tp_allreduce_ms"}[name]
+    assert own in run.data.metrics, sorted(run.data.metrics)
+
+    # Resume from a mid-epoch checkpoint: the same final weights, bit for bit.
+    paths = checkpoints.checkpoint_paths(cfg.checkpoint_dir)
+    mid = next(p for p in paths if torch.load(p, weights_only=True)["step_in_epoch"] != 0)
+    resumed_cfg = _cfg(tmp_path / "b", name, resume=True)
+    Path(resumed_cfg.checkpoint_dir).mkdir(parents=True)
+    shutil.copy(mid, Path(resumed_cfg.checkpoint_dir) / mid.name)
+    resumed = run_training(resumed_cfg, tracking, prepared.dataset_dir)
+    assert resumed.weights.keys() == result.weights.keys()
+    for k in result.weights:
+        assert torch.equal(resumed.weights[k], result.weights[k]), k
+
+    # The registered model is the plain model: `score` loads it as any other, and its
+    # predictions are the trained weights' predictions.
+    out = tmp_path / "scores"
+    scored = score("dask", dask_client, resumed.model_uri, tracking_uri, prepared.dataset_dir, str(out))
+    manifest = load_manifest(prepared.dataset_dir)
+    assert scored.rows == manifest.splits["test"].rows
+    table = pq.read_table(out).sort_by("key")
+    plain = build_model(manifest, cfg)
+    plain.load_state_dict(result.weights)
+    plain.eval()
+    test = pq.read_table([Path(prepared.dataset_dir) / s.path for s in manifest.splits["test"].shards]).sort_by("key")
+    x = torch.from_numpy(
+        test.column("features").combine_chunks().flatten().to_numpy().astype(np.float32).reshape(test.num_rows, -1)
+    )
+    with torch.no_grad():
+        expected = plain(x).argmax(1).numpy()
+    assert (table.column("prediction").to_numpy() == expected).all()
+
+
+@pytest.mark.parametrize("name", sorted(JOBS))
+def test_strategy_on_spark_barrier_tasks_matches_single_process(name, spark):
+    # Spark's 2 task slots: a 1-worker, 1-server PS.
+    args = {"strategy": name, "steps": 4, "batch": 32, "cfg": {"ps_servers": 1} if name == "ps" else {}}
+    if name == "tensor":
+        args["model"] = "transformer"
+    ranks = launch_spark_barrier(spark, train_steps, args, world_size=2, timeout_s=120)
+    reference = train_steps(0, 1, args)
+    for k in reference:
+        torch.testing.assert_close(ranks[0][k], reference[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+@pytest.mark.parametrize("name", sorted(JOBS))
+def test_strategy_on_dask_workers_matches_single_process(name, dask_client):
+    from training.launchers.dask import launch_dask
+
+    args = {"strategy": name, "steps": 4, "batch": 32, "cfg": {"ps_servers": 1} if name == "ps" else {}}
+    ranks = launch_dask(dask_client, train_steps, args, world_size=2, timeout_s=120)
+    reference = train_steps(0, 1, args)
+    for k in reference:
+        torch.testing.assert_close(ranks[1][k], reference[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+def test_async_ps_reaches_the_accuracy_of_synchronous_training(prepared, tmp_path):
+    """Async updates are stale but bounded: the model lands in the synchronous run's band."""
+    tracking = TrackingConfig(experiment="ps-async", registered_model="ps-async")
+    common = dict(launcher="local", epochs=4, batch_size=128, hidden=[64, 32], timeout_s=60)
+    sync = run_training(
+        TrainingConfig(**common, world_size=2, checkpoint_dir=str(tmp_path / "ddp")), tracking,
+        prepared.dataset_dir, register=False,
+    )
+    async_ = run_training(
+        TrainingConfig(
+            **common, world_size=3, strategy="ps", ps_mode="async", ps_staleness=1,
+            checkpoint_dir=str(tmp_path / "ps"),
+        ),
+        tracking, prepared.dataset_dir, register=False,
+    )
+    assert async_.metrics["val_accuracy"] >= sync.metrics["val_accuracy"] - 0.05, (async_.metrics, sync.metrics)
+    # W=2 workers, ps_staleness k=1: at most (W-1)(2k+1) = 3 updates old (training/strategies/ps.py).
+    assert 1 <= async_.metrics["ps_staleness_max"] <= 3
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (["training.strategy=tensor", "training.world_size=2", "training.dp=2", "training.tp=2"],
+         "training.dp 2 x training.tp 2 = 4 must equal training.world_size 2"),
+        (["training.strategy=tensor", "training.model=transformer", "training.hidden=[16]", "training.heads=4",
+          "training.tp=3", "training.world_size=3", "training.batch_size=510"], "training.tp 3 must divide"),
+        (["training.strategy=pipeline", "training.pp=4", "training.world_size=4", "training.hidden=[8]",
+          "training.batch_size=512"], "more pipeline stages than"),
+        (["training.strategy=ps", "training.ps_servers=2"], "training.ps_servers 2 leaves no worker"),
+        (["training.strategy=allgather"], "unknown strategy 'allgather' (valid: ddp, pipeline, ps, tensor)"),
+    ],
+)
+def test_cli_refuses_a_bad_mesh_before_any_process(prepared, tmp_path, settings, message):
+    config = REPO / "jobs" / "configs" / "quickstart.toml"
+    sets = [a for s in [*settings, f"pipelines.dataset_dir='{prepared.dataset_dir}'"] for a in ("--set", s)]
+    proc = shardline("train", str(config), *sets, "--set", "training.launcher=local", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    # One error line (after at most the progress line of the stage it stopped), no traceback.
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) <= 2, proc.stderr
+    assert not (tmp_path / "mlflow.db").exists()  # refused before the run was opened
+
+
+def test_pipeline_prints_its_schedule_before_training(prepared, tmp_path, capfd):
+    cfg = _cfg(tmp_path, "pipeline", epochs=1, checkpoint_every_steps=0)
+    run_training(cfg, TrackingConfig(experiment="pp-grid"), prepared.dataset_dir, register=False)
+    err = capfd.readouterr().err
+    assert "stage 0" in err and "stage 1" in err and "(p-1)/(m+p-1)" in err, err
+
