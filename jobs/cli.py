@@ -411,6 +411,36 @@ def bench_loader(rows, as_json):
                           f"{'met' if met[k] else 'NOT met'})")
 
 
+@bench.command("strategies")
+@click.option("--steps", type=int, default=30, show_default=True, help="Timed steps per strategy (5 warm-up).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
+def bench_strategies(steps, as_json):
+    """Samples/s, peak memory per rank and pipeline bubble of every strategy on one transformer."""
+    from benchmarks.strategies import run as run_bench
+
+    result = _bench(run_bench, as_json, steps=steps)
+    if result is None:
+        return
+    m = result["model"]
+    table = Table(title=f"strategies, transformer d_model {m['d_model']} × {m['layers']} layers, "
+                        f"global batch {result['global_batch']}, {result['steps']} steps, "
+                        f"{result['cores']} cores, {result['device']}")
+    for col in ("", "ranks", "samples/s", "× single", f"peak MB/rank ({result['memory_measure']})",
+                "bubble measured", "bubble (p-1)/(m+p-1)"):
+        table.add_column(col, justify="right")
+    for name, row in result["strategies"].items():
+        bubble = row.get("pipeline_bubble")
+        table.add_row(
+            name, str(row["world_size"]), f"{row['samples_per_s']:,.0f}", f"{row['ratio_vs_single']:.2f}",
+            " ".join(f"{v:.0f}" for v in row["peak_mb_per_rank"]),
+            f"{bubble:.2f}" if bubble is not None else "",
+            f"{row['pipeline_bubble_formula']:.2f}" if bubble is not None else "",
+        )
+    Console().print(table)
+    console.print("  × single: vs one process training the same model on the same batches, this run. "
+                  "More ranks than cores share them: read ratios with the cores in mind.")
+
+
 def _spark(cfg: ShardlineConfig):
     from pipelines.engines import spark_session
 

@@ -1,0 +1,153 @@
+"""`shardline bench strategies`: every parallel strategy on one transformer, side by side.
+
+Each row runs the same rank function, `strategy_rank`, on local processes (gloo):
+the seeded FeatureTransformer (`D_MODEL`, `HEADS`, `LAYERS`), the strategy's
+`setup` with AdamW, synthetic batches of one global size, `warmup` steps, then
+`steps` timed steps. The baseline, measured in the same run, is single-process
+training of the same model on the same global batches (`single`); every row's
+samples/s is also given as a ratio to it. On a machine with fewer cores than
+ranks the ranks share cores, so a ratio below 1 there says "oversubscribed", not
+"slow strategy": the table prints the cores beside the ranks.
+
+- samples/s: global batch x timed steps / the slowest rank's wall time for them
+  (async PS workers do not step together; the slowest finishes the work).
+- peak memory per rank: on CUDA, torch.cuda.max_memory_allocated; on CPU, the
+  growth of the process's peak RSS (ru_maxrss) from just before the model is
+  built, i.e. what the strategy's share of model, gradients, optimizer state,
+  activations and buffers cost on top of an idle process with torch imported.
+- pipeline bubble: the strategy's own measurement (1 - compute time / step time
+  per stage, mean over stages) next to the formula (p-1)/(m+p-1).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from typing import Any
+
+D_MODEL, HEADS, LAYERS = 64, 4, 4
+N_NUMERIC, CARDINALITIES, CLASSES = 16, [8, 8], 3
+GLOBAL_BATCH = 256
+
+# name -> (world size, TrainingConfig settings). `single` is the baseline.
+CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
+    "single": (1, {"strategy": "ddp"}),
+    "ddp": (2, {"strategy": "ddp"}),
+    "ps-sync": (3, {"strategy": "ps", "ps_servers": 1}),
+    "ps-async": (3, {"strategy": "ps", "ps_servers": 1, "ps_mode": "async", "ps_staleness": 2}),
+    "pipeline-gpipe": (2, {"strategy": "pipeline", "pipeline_schedule": "gpipe", "micro_batches": 4}),
+    "pipeline-1f1b": (2, {"strategy": "pipeline", "pipeline_schedule": "1f1b", "micro_batches": 4}),
+    "tensor": (2, {"strategy": "tensor"}),
+    "dp2xtp2": (4, {"strategy": "tensor", "dp": 2, "tp": 2}),
+    "dp2xpp2": (4, {"strategy": "pipeline", "dp": 2, "pp": 2, "micro_batches": 4}),
+}
+
+
+def _batches(n: int, batch: int, seed: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        num = torch.randn(batch, N_NUMERIC, generator=g)
+        cat = torch.stack([torch.randint(0, c + 1, (batch,), generator=g) for c in CARDINALITIES], 1)
+        yield torch.cat([num, cat.float()], 1), torch.randint(0, CLASSES, (batch,), generator=g)
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def strategy_rank(rank: int, world_size: int, p: dict) -> dict:
+    import torch
+
+    from training.config import TrainingConfig
+    from training.models import FeatureTransformer
+    from training.strategies import get_strategy
+
+    torch.set_num_threads(1)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    cfg = TrainingConfig(
+        world_size=world_size, batch_size=p["global_batch"], model="transformer",
+        hidden=[D_MODEL] * LAYERS, heads=HEADS, **p["settings"],
+    )
+    rss_before = _rss_mb()
+    torch.manual_seed(0)
+    model = FeatureTransformer(N_NUMERIC, CARDINALITIES, D_MODEL, HEADS, LAYERS, CLASSES).to(device)
+    strategy = get_strategy(cfg.strategy)
+    strategy.check(cfg, model)
+    parallel = strategy.setup(
+        model, cfg, rank, world_size, device, lambda params: torch.optim.AdamW(params, lr=1e-3)
+    )
+    local = p["global_batch"] // parallel.data_world
+    part = slice((parallel.data_rank or 0) * local, ((parallel.data_rank or 0) + 1) * local)
+
+    def run(batches) -> None:
+        for x, y in batches:
+            if parallel.data_rank is None:
+                parallel.step(None, None)
+            else:
+                parallel.step(x[part].to(device), y[part].to(device))
+
+    run(_batches(p["warmup"], p["global_batch"], seed=1))
+    parallel.epoch_metrics()  # forget the warm-up's figures
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    run(_batches(p["steps"], p["global_batch"], seed=2))
+    if cuda:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    figures = parallel.epoch_metrics()
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        peak = max(0.0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss_before)
+    return {"rank": rank, "elapsed_s": elapsed, "peak_mb": peak, "figures": figures}
+
+
+def run(progress=print, steps: int = 30, warmup: int = 5, global_batch: int = GLOBAL_BATCH,
+        only: list[str] | None = None) -> dict:
+    import torch
+
+    from training.launchers.local import launch_local
+
+    names = [n for n in CONFIGS if only is None or n in only or n == "single"]
+    rows: dict[str, dict] = {}
+    for name in names:
+        world, settings = CONFIGS[name]
+        progress(f"{name}: {world} rank(s), {warmup} warm-up + {steps} timed steps")
+        p = {"settings": settings, "steps": steps, "warmup": warmup, "global_batch": global_batch}
+        ranks = launch_local(strategy_rank, p, world_size=world, timeout_s=300)
+        slowest = max(r["elapsed_s"] for r in ranks)
+        row = {
+            "world_size": world,
+            "settings": settings,
+            "samples_per_s": global_batch * steps / slowest,
+            "peak_mb_per_rank": [round(r["peak_mb"], 1) for r in ranks],
+        }
+        bubbles = [r["figures"]["pipeline_bubble"] for r in ranks if "pipeline_bubble" in r["figures"]]
+        if bubbles:
+            row["pipeline_bubble"] = sum(bubbles) / len(bubbles)
+            row["pipeline_bubble_formula"] = ranks[0]["figures"]["pipeline_bubble_formula"]
+        staleness = [r["figures"]["ps_staleness_max"] for r in ranks if "ps_staleness_max" in r["figures"]]
+        if staleness:
+            row["ps_staleness_max"] = max(staleness)
+        rows[name] = row
+    base = rows["single"]["samples_per_s"]
+    for row in rows.values():
+        row["ratio_vs_single"] = row["samples_per_s"] / base
+    return {
+        "benchmark": "strategies",
+        "model": {"name": "transformer", "d_model": D_MODEL, "heads": HEADS, "layers": LAYERS},
+        "global_batch": global_batch,
+        "steps": steps,
+        "warmup": warmup,
+        "cores": os.cpu_count(),
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "memory_measure": "cuda max_memory_allocated" if torch.cuda.is_available() else "peak RSS growth",
+        "baseline": "single",
+        "strategies": rows,
+    }
