@@ -425,20 +425,23 @@ def bench_strategies(steps, as_json):
     table = Table(title=f"strategies, transformer d_model {m['d_model']} × {m['layers']} layers, "
                         f"global batch {result['global_batch']}, {result['steps']} steps, "
                         f"{result['cores']} cores, {result['device']}")
-    for col in ("", "ranks", "samples/s", "× single", f"peak MB/rank ({result['memory_measure']})",
-                "bubble measured", "bubble (p-1)/(m+p-1)"):
+    table.add_column("", no_wrap=True)
+    for col in ("ranks", "samples/s", "× single", "peak MB (max rank)", "bubble", "formula"):
         table.add_column(col, justify="right")
     for name, row in result["strategies"].items():
         bubble = row.get("pipeline_bubble")
         table.add_row(
             name, str(row["world_size"]), f"{row['samples_per_s']:,.0f}", f"{row['ratio_vs_single']:.2f}",
-            " ".join(f"{v:.0f}" for v in row["peak_mb_per_rank"]),
+            f"{max(row['peak_mb_per_rank']):.0f}",
             f"{bubble:.2f}" if bubble is not None else "",
             f"{row['pipeline_bubble_formula']:.2f}" if bubble is not None else "",
         )
     Console().print(table)
     console.print("  × single: vs one process training the same model on the same batches, this run. "
                   "More ranks than cores share them: read ratios with the cores in mind.")
+    console.print(f"  peak MB: {result['memory_measure']} of the rank that grew most (--json: every "
+                  "rank's); bubble: the pipeline's "
+                  "measured idle share vs the formula (p-1)/(m+p-1).")
 
 
 def _spark(cfg: ShardlineConfig):
