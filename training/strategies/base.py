@@ -156,3 +156,15 @@ def train_step(model, optimizer, autocast, x: torch.Tensor, y: torch.Tensor):
     loss.backward()
     optimizer.step()
     return logits, loss
+
+
+def average_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | None, degree: int) -> None:
+    """The mean of each gradient over a data-parallel group, in one flat all-reduce: with
+    equal local batches, the mean of the replicas' mean-loss gradients is the global one."""
+    if group is None or not params:
+        return
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    dist.all_reduce(flat, group=group)
+    flat /= degree
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad = g.view_as(p)

@@ -24,7 +24,7 @@ from torch import nn
 from pipelines.errors import ConfigError
 
 from ..config import TrainingConfig
-from .base import OptimizerFactory, autocast_for, mesh_for
+from .base import OptimizerFactory, autocast_for, average_gradients, mesh_for
 from .schedule import DeadlockError, actions, bubble_formula, dry_run, grid
 
 
@@ -221,24 +221,12 @@ class PipelineRank:
             work.wait()
         # The schedule's wall time: the all-reduce and optimizer step are no pipeline bubble.
         self.bubbles.append(1 - busy / (time.perf_counter() - start))
-        self._average_gradients()
+        average_gradients(list(self.layers.parameters()), self.dp_group, self.dp)
         if self.optimizer is not None:
             self.optimizer.step()
         if self.last:
             return torch.cat(logits), torch.stack(losses).sum()
         return None
-
-    def _average_gradients(self) -> None:
-        params = list(self.layers.parameters())
-        if self.dp_group is None or not params:
-            return
-        flat = torch.cat([
-            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params
-        ])
-        dist.all_reduce(flat, group=self.dp_group)
-        flat /= self.dp
-        for p, g in zip(params, flat.split([p.numel() for p in params])):
-            p.grad = g.view_as(p)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         own = {k: v.detach().cpu() for k, v in self.layers.state_dict().items()}

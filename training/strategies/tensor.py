@@ -23,7 +23,7 @@ from pipelines.errors import ConfigError
 
 from ..config import TrainingConfig
 from ..models import Attention, Block, Dense, FeatureTransformer, TabularMLP
-from .base import OptimizerFactory, autocast_for, mesh_for
+from .base import OptimizerFactory, autocast_for, average_gradients, mesh_for
 
 
 class TPComm:
@@ -234,14 +234,7 @@ class TensorParallelRank:
             logits = self.model(x)
             loss = F.cross_entropy(logits, y)
         loss.backward()
-        if self.dp_group is not None:
-            # The mean of the replicas' mean losses (equal local batches) is the global mean loss.
-            grads = [p.grad for p in self.model.parameters()]
-            flat = torch.cat([g.flatten() for g in grads])
-            dist.all_reduce(flat, group=self.dp_group)
-            flat /= self.dp
-            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(part.view_as(g))
+        average_gradients(list(self.model.parameters()), self.dp_group, self.dp)
         self.optimizer.step()
         return (logits, loss) if self.reports else None
 
