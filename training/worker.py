@@ -55,6 +55,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
     parallel = get_strategy(cfg.strategy).setup(
         model, cfg, rank, world_size, device, lambda params: make_optimizer(params, cfg)
     )
+    del model  # the Parallel keeps what this rank holds (a PS server: its shard only)
     reads = parallel.data_rank is not None
     loader_settings = dict(
         remainder=cfg.remainder, shuffle_buffer_rows=cfg.shuffle_buffer_rows,

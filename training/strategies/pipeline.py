@@ -114,9 +114,11 @@ class Pipeline:
         for s in range(p):
             layers = [model[i] for i in range(bounds[s], bounds[s + 1])]
             names = ", ".join(type(layer).__name__ for layer in layers)
+            # rank = dp_index * pp + stage: which ranks run this row of the grid.
+            ranks = ", ".join(str(d * p + s) for d in range(mesh.dp))
             lines.append(
-                f"  stage {s}: layers {bounds[s]}-{bounds[s + 1] - 1} ({names}), "
-                f"{_parameters(layers):,} parameters"
+                f"  stage {s} (rank{'s' if mesh.dp > 1 else ''} {ranks}): layers "
+                f"{bounds[s]}-{bounds[s + 1] - 1} ({names}), {_parameters(layers):,} parameters"
             )
         lines += ["  " + row for row in grid(dry_run(cfg.pipeline_schedule, p, m)).splitlines()]
         lines.append(f"  bubble (p-1)/(m+p-1) = {p - 1}/{m + p - 1} = {bubble_formula(p, m):.1%}")
