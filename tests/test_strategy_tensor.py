@@ -148,3 +148,11 @@ def test_check_refuses_with_one_line(model, settings, message):
 
 def test_check_accepts_a_dividing_tp():
     _check("transformer", world_size=4, tp=4, batch_size=8)
+
+
+def test_an_mlp_with_one_hidden_layer_has_nothing_to_split():
+    from training.models import TabularMLP
+
+    cfg = TrainingConfig(strategy="tensor", world_size=2, hidden=[16])
+    with pytest.raises(ConfigError, match=r"^training.strategy tensor: training.hidden \[16\] has no pair"):
+        get_strategy("tensor").check(cfg, TabularMLP(5, [4], [16], 3, embedding_dim=3))
