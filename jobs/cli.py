@@ -244,7 +244,7 @@ def plan(config, overrides, as_json):
 
     train = manifest.split("train")
     now_groups = {s.row_groups for s in train.shards}
-    table = Table(title=f"shardline plan, {p.world_size} ranks, local batch {p.local_batch}",
+    table = Table(title=f"shardline plan, {p.world_size} data-parallel ranks, local batch {p.local_batch}",
                   show_header=False, title_justify="left")
     table.add_row("measured on", f"{p.device}: {p.model}")
     table.add_row("training (measured)", f"{p.train_samples_per_s:,.0f} samples/s per rank "

@@ -121,6 +121,16 @@ def test_a_faster_model_measures_more_required_loader_workers(slow_loading):
     assert (Path(dataset) / "manifest.json").read_bytes() == before  # measuring writes nothing
 
 
+def test_a_plan_is_per_data_part_for_every_strategy(prepared):
+    # 3 ranks = 2 PS workers and a server; 2 ranks = one pipeline: the 2 prepared shards serve both.
+    ps = TrainingConfig(strategy="ps", world_size=3, ps_servers=1, batch_size=128)
+    pipeline = TrainingConfig(strategy="pipeline", world_size=2, batch_size=128)
+    _, p_ps = plan_dataset(ps, prepared.dataset_dir, budget_s=0.2)
+    _, p_pp = plan_dataset(pipeline, prepared.dataset_dir, budget_s=0.2)
+    assert (p_ps.world_size, p_ps.local_batch) == (2, 64)  # the workers read the batch
+    assert (p_pp.world_size, p_pp.local_batch) == (1, 128)  # both stages read the same batch
+
+
 def _config(tmp: Path, cfg) -> Path:
     path = tmp / "job.toml"
     path.write_text(

@@ -30,6 +30,7 @@ from pipelines.transform import continuous_width
 from .config import TrainingConfig
 from .job import preflight
 from .loader import ShardLoader
+from .strategies import get_strategy
 from .strategies.base import autocast_for, train_step
 from .worker import make_optimizer, trainable_model
 
@@ -119,17 +120,20 @@ def plan_dataset(
     too, so the caller stores the plan only into that version (pipelines.manifest.store_plan)."""
     dataset_dir = str(Path(dataset_dir).resolve())
     manifest = preflight(cfg, dataset_dir)  # the errors training itself would raise
+    # The plan is per data part: the ranks that read one share of each batch (all of them
+    # for ddp; ps workers; the dp replicas of a split model, whose ranks read alike).
+    parts = get_strategy(cfg.strategy).data_world(cfg)
     device = training_device()
     train = measure_training(manifest, cfg, device, budget_s=budget_s)
     loader = measure_loader(manifest, dataset_dir, cfg, budget_s=budget_s)
     train_split = manifest.split("train")
     by_size = math.ceil(
-        sum(s.bytes for s in train_split.shards) / manifest.layout.target_shard_bytes / cfg.world_size
+        sum(s.bytes for s in train_split.shards) / manifest.layout.target_shard_bytes / parts
     )
     plan = choose_layout(
         train, loader,
-        world_size=cfg.world_size,
-        local_batch=cfg.batch_size // cfg.world_size,
+        world_size=parts,
+        local_batch=cfg.batch_size // parts,
         train_rows=train_split.rows,
         # A rank's loader threads share its cores with its training threads; more
         # threads than cores only contend, so the cores per rank cap the workers.
@@ -157,7 +161,7 @@ def measure_training(
     host-to-device copy and loss.item() around it; 2 warm-up steps, then at least 2
     timed steps and until `budget_s` has passed.
     """
-    local_batch = cfg.batch_size // cfg.world_size
+    local_batch = cfg.batch_size // get_strategy(cfg.strategy).data_world(cfg)
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads_per_rank)  # as a rank runs; restored below
     try:
@@ -198,15 +202,16 @@ def measure_loader(
     before it the buffer fills without emitting, after it every decoded row group
     yields as many rows, so that window is the steady rate.
     """
-    local_batch = cfg.batch_size // cfg.world_size
+    parts = get_strategy(cfg.strategy).data_world(cfg)
+    local_batch = cfg.batch_size // parts
     loader = ShardLoader(
-        manifest, dataset_dir, "train", 0, cfg.world_size, local_batch, cfg.seed,
+        manifest, dataset_dir, "train", 0, parts, local_batch, cfg.seed,
         remainder=cfg.remainder, shuffle_buffer_rows=cfg.shuffle_buffer_rows,
         workers=1, prefetch=cfg.prefetch_depth,
     )
     if loader.steps_per_epoch() == 0:
         raise DataError(
-            f"{dataset_dir}: rank 0 of {cfg.world_size} has fewer train rows than one local "
+            f"{dataset_dir}: rank 0 of {parts} has fewer train rows than one local "
             f"batch ({local_batch}); nothing to measure"
         )
     samples, seconds = 0, 0.0
