@@ -44,7 +44,7 @@ class TrainResult:
 def check_settings(cfg: TrainingConfig) -> None:
     """The checks that need no dataset: run before an engine starts (`shardline run`
     prepares the dataset first, so its preflight comes only after Spark is up)."""
-    # The mesh (degrees x = world size, PS workers left): no model needed for these.
+    # The mesh (its degrees multiply to world_size; PS leaves workers): needs no model.
     get_strategy(cfg.strategy).data_world(cfg)
     check_model_name(cfg.model)
 
@@ -108,13 +108,13 @@ def run_training(
     if run_id:
         run_id = _continue_run(run_id)
 
-    plan = describe(cfg, manifest)
-    if plan:
-        print(plan, file=sys.stderr, flush=True)
+    outline = describe(cfg, manifest)
+    if outline:
+        print(outline, file=sys.stderr, flush=True)
     with mlflow.start_run(run_id=run_id) as run:
         run_id = run.info.run_id
-        if plan:
-            mlflow.log_text(plan, f"strategy-{cfg.strategy}.txt")
+        if outline:
+            mlflow.log_text(outline, f"strategy-{cfg.strategy}.txt")
         if not cfg.resume:
             mlflow.log_params(_flat(cfg.model_dump()))
             mlflow.log_params(
