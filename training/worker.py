@@ -100,10 +100,11 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         # The loader's position is the same on every rank; rank 0's stands for all.
         train.load_state_dict(state["loader"])
 
-    def checkpoint(epoch: int, step_in_epoch: int, artifact: bool) -> None:
-        # One file: the plain model's weights, and what each rank needs to resume
-        # exactly (its optimizer, schedule and RNG state), gathered to rank 0.
-        full = parallel.full_state_dict()
+    def checkpoint(epoch: int, step_in_epoch: int, artifact: bool, full: dict | None = None) -> None:
+        # One file: the plain model's weights (`full`, if the caller just gathered
+        # them), and what each rank needs to resume exactly (its optimizer, schedule
+        # and RNG state), gathered to rank 0.
+        full = full if full is not None else parallel.full_state_dict()
         mine = {
             "parallel": parallel.state_dict(),
             "scheduler": scheduler.state_dict() if scheduler else {},
@@ -129,6 +130,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
 
     metrics: dict[str, float] = {}
     stopped_early = warned = False
+    full = None  # the plain model's weights as of the last epoch end (a collective gather)
     for epoch in range(start_epoch, cfg.epochs):
         loss_sum = correct = reported = seen = waited = stepping = 0.0
         start = time.perf_counter()
@@ -202,13 +204,14 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
                 # Once per job: later epochs' figures are in MLflow (rank*_data_wait_fraction).
                 _warn_data_wait(epoch, cfg, per_rank[:, 1], loader_settings["workers"])
                 warned = True
-        checkpoint(epoch + 1, 0, artifact=True)
+        checkpoint(epoch + 1, 0, artifact=True, full=full)
         if job.epoch_hook is not None and _stop_requested(job.epoch_hook, rank, epoch, metrics):
             # After the last epoch a stop changes nothing: the job simply completed.
             stopped_early = epoch + 1 < cfg.epochs
             break
 
-    full = parallel.full_state_dict()
+    if full is None:  # no epoch ran (resumed at the end): nothing gathered yet
+        full = parallel.full_state_dict()
     if rank != 0:
         return None
     buf = io.BytesIO()
