@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pipelines.errors import ConfigError
 
@@ -27,12 +28,15 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 @dataclass(frozen=True)
 class Mesh:
-    """The degrees of a 2-D device mesh: `dp` data-parallel replicas of a model split
-    `inner` ways (tensor or pipeline). Rank = dp_index * inner + inner_index: the
-    ranks of one model replica are neighbours (on one host, when hosts fill in order)."""
+    """The degrees of a 2-D device mesh: `dp` data-parallel groups of `inner` ranks that
+    split one model (tensor or pipeline). Rank = dp_index * inner + inner_index: the
+    ranks of one model replica are neighbours (on one host, when hosts fill in order),
+    which is also the row-major order `init_device_mesh` lays ranks out in."""
 
     dp: int
     inner: int = 1
+    # The inner dimension's name in the DeviceMesh ("tp", "pp"): mesh[name] is its sub-mesh.
+    inner_name: str = "inner"
 
     def dp_index(self, rank: int) -> int:
         return rank // self.inner
@@ -40,9 +44,16 @@ class Mesh:
     def inner_index(self, rank: int) -> int:
         return rank % self.inner
 
+    def device_mesh(self, device: torch.device) -> DeviceMesh:
+        """torch's DeviceMesh of shape (dp, inner), dimensions named ("dp", inner_name),
+        for `device`'s type: `mesh["dp"]`, `mesh[inner_name]` are the 1-D sub-meshes
+        DTensor, FSDP2 and pipelining take, `.get_group()` their process groups.
+        Collective: every rank builds it, in the same order, as torch.distributed requires."""
+        return init_device_mesh(device.type, (self.dp, self.inner), mesh_dim_names=("dp", self.inner_name))
+
     def groups(self, rank: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-        """(this rank's dp group, its inner group). Collective: every rank creates
-        every group in the same order, as torch.distributed requires."""
+        """(this rank's dp group, its inner group), None for a dimension of size 1.
+        Collective: every rank creates every group in the same order."""
         dp_group = inner_group = None
         for i in range(self.inner):
             ranks = [d * self.inner + i for d in range(self.dp)]
@@ -79,7 +90,7 @@ def mesh_for(cfg: TrainingConfig, inner_setting: str | None) -> Mesh:
             f"training.dp {dp} x training.{name} {inner} = {dp * inner} must equal "
             f"training.world_size {world}"
         )
-    return Mesh(dp, inner)
+    return Mesh(dp, inner, inner_setting or "inner")
 
 
 class Parallel(Protocol):
