@@ -14,12 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from pipelines.manifest import ShardManifest, load_manifest
 
-from . import checkpoints
+from . import checkpoints, collectives
 from .config import TrainingConfig
 from .loader import ShardLoader
 from .models import apply_activation_checkpointing, build_model
@@ -49,7 +48,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
     """The rank function of a training job (see training.launchers)."""
     cfg = job.cfg
     torch.set_num_threads(cfg.threads_per_rank)
-    device = _device(rank)
+    device = collectives.rank_device(rank)
     manifest = load_manifest(job.dataset_dir)
     model = trainable_model(manifest, cfg, device)
     parallel = get_strategy(cfg.strategy).setup(
@@ -95,7 +94,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         parallel.load_state_dict(mine["parallel"], state["model"])
         if scheduler:
             scheduler.load_state_dict(mine["scheduler"])
-        torch.set_rng_state(mine["rng"])
+        set_rng_state(mine["rng"], device)
         step, start_epoch = state["global_step"], state["epoch"]
         # The loader's position is the same on every rank; rank 0's stands for all.
         train.load_state_dict(state["loader"])
@@ -108,10 +107,9 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         mine = {
             "parallel": parallel.state_dict(),
             "scheduler": scheduler.state_dict() if scheduler else {},
-            "rng": torch.get_rng_state(),
+            "rng": rng_state(device),
         }
-        ranks = [None] * world_size if rank == 0 else None
-        dist.gather_object(mine, ranks, dst=0)
+        ranks = collectives.gather_object(mine, dst=0)
         if rank != 0:
             return
         state = {
@@ -171,14 +169,14 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         elapsed = time.perf_counter() - start
 
         # Per-rank figures go to rank 0 through one all-reduce of a [world, k] table.
-        per_rank = torch.zeros(world_size, 4)
-        per_rank[rank] = torch.tensor([
+        per_rank = collectives.zeros(world_size, 4)
+        per_rank[rank] = collectives.tensor([
             seen / elapsed, waited / max(stepping, 1e-9),
             train.epoch_stats()["samples_per_s"] if reads else 0.0, float(parallel.reports),
         ])
-        totals = torch.tensor([loss_sum, correct, max(reported, 1.0)])
-        dist.all_reduce(per_rank)
-        dist.all_reduce(totals)
+        totals = collectives.tensor([loss_sum, correct, max(reported, 1.0)])
+        collectives.all_reduce(per_rank)
+        collectives.all_reduce(totals)
         metrics = {
             "train_loss": totals[0].item() / totals[2].item(),
             "train_accuracy": totals[1].item() / totals[2].item(),
@@ -237,20 +235,19 @@ def make_optimizer(params, cfg: TrainingConfig) -> torch.optim.Optimizer:
 
 def _shown(metrics: dict[str, float]) -> list[str]:
     """The epoch line: the usual figures, then the strategy's own (job-wide means)."""
-    own = [k for k in metrics if k.split("_")[0] in ("ps", "pipeline", "tp")]
+    own = [k for k in metrics if k.split("_")[0] in ("ps", "pipeline")]
     return [k for k in _SHOWN if k in metrics] + own
 
 
 def _mean_over_reporting(loss: float | None) -> float:
-    t = torch.tensor([loss or 0.0, 1.0 if loss is not None else 0.0])
-    dist.all_reduce(t)
+    t = collectives.tensor([loss or 0.0, 1.0 if loss is not None else 0.0])
+    collectives.all_reduce(t)
     return (t[0] / t[1]).item()
 
 
 def _strategy_metrics(parallel, rank: int, world_size: int) -> dict[str, float]:
     """Each rank's strategy figures (rank<r>_<name>) and their mean over the ranks that have them."""
-    gathered = [None] * world_size if rank == 0 else None
-    dist.gather_object(parallel.epoch_metrics(), gathered, dst=0)
+    gathered = collectives.gather_object(parallel.epoch_metrics(), dst=0)
     if rank != 0:
         return {}
     out, by_name = {}, {}
@@ -263,14 +260,21 @@ def _strategy_metrics(parallel, rank: int, world_size: int) -> dict[str, float]:
     return out
 
 
-def _device(rank: int) -> torch.device:
-    """The rank's device: the GPU its Spark task was given, else one GPU per local rank."""
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    given = os.environ.get("SHARDLINE_CUDA_DEVICE")
-    index = int(given) if given else rank % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """The generators a step may draw from: the CPU's, and the rank's GPU's when it has one."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor] | torch.Tensor, device: torch.device) -> None:
+    """Restore `rng_state(device)`. A GPU state is restored on a GPU rank only (a CPU
+    resume of a GPU run draws nothing from it); a bare tensor is an older checkpoint's CPU state."""
+    state = state if isinstance(state, dict) else {"cpu": state}
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def _warn_data_wait(epoch: int, cfg: TrainingConfig, wait: torch.Tensor, workers: int) -> None:
@@ -286,23 +290,25 @@ def _warn_data_wait(epoch: int, cfg: TrainingConfig, wait: torch.Tensor, workers
 
 def _stop_requested(hook, rank: int, epoch: int, metrics: dict[str, float]) -> bool:
     """Rank 0 asks the hook; every rank gets its answer, so all stop after the same epoch."""
-    flag = torch.tensor([1.0 if rank == 0 and hook(epoch, metrics) else 0.0])
-    dist.broadcast(flag, src=0)
+    flag = collectives.tensor([1.0 if rank == 0 and hook(epoch, metrics) else 0.0])
+    collectives.broadcast(flag, src=0)
     return bool(flag.item())
 
 
 @torch.no_grad()
 def _evaluate(model, val: ShardLoader | None, device) -> dict[str, float]:
     """Every rank calls it; ranks without a share of the split (val None) add nothing."""
-    sums = torch.zeros(3)
+    sums = collectives.zeros(3)
     if model is not None:
         model.eval()
     for x, y in val.all_batches(4096) if val is not None else ():
         logits = model(x.to(device))
         y = y.to(device)
-        loss = F.cross_entropy(logits, y, reduction="sum").item()
-        sums += torch.tensor([loss, (logits.argmax(1) == y).sum().item(), len(y)])
-    dist.all_reduce(sums)
+        # Summed on the device: no host round trip per batch.
+        sums[0] += F.cross_entropy(logits, y, reduction="sum")
+        sums[1] += (logits.argmax(1) == y).sum()
+        sums[2] += len(y)
+    collectives.all_reduce(sums)
     return {"val_loss": (sums[0] / sums[2]).item(), "val_accuracy": (sums[1] / sums[2]).item()}
 
 

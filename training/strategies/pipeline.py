@@ -17,12 +17,12 @@ from itertools import accumulate
 from statistics import fmean
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from pipelines.errors import ConfigError
 
+from .. import collectives
 from ..config import TrainingConfig
 from .base import OptimizerFactory, autocast_for, average_gradients, mesh_for
 from .schedule import DeadlockError, actions, bubble_formula, dry_run, grid
@@ -175,7 +175,7 @@ class PipelineRank:
 
     def _recv(self, shape, rows: int, src: int, tag: int) -> torch.Tensor:
         buf = torch.empty((rows, *shape), device=self.device)
-        dist.recv(buf, src, tag=tag)
+        collectives.recv(buf, src, tag=tag)
         return buf
 
     def step(self, x, y):
@@ -207,7 +207,7 @@ class PipelineRank:
                 if not self.last:
                     # float32 on the wire: under autocast the output may be bf16.
                     act = out.detach().float().contiguous()
-                    sent.append((dist.isend(act, self.next, tag=2 * i), act))
+                    sent.append((collectives.isend(act, self.next, tag=2 * i), act))
                 inputs[i], outputs[i] = inp, out
             else:
                 grad = None if self.last else self._recv(self.out_shape, rows, self.next, 2 * i + 1)
@@ -217,7 +217,7 @@ class PipelineRank:
                 busy += time.perf_counter() - t
                 inp = inputs.pop(i)
                 if not self.first:
-                    sent.append((dist.isend(inp.grad, self.prev, tag=2 * i + 1), inp.grad))
+                    sent.append((collectives.isend(inp.grad, self.prev, tag=2 * i + 1), inp.grad))
         # The sent tensors stay referenced until their sends complete.
         for work, _ in sent:
             work.wait()
@@ -234,8 +234,7 @@ class PipelineRank:
         own = {k: v.detach().cpu() for k, v in self.layers.state_dict().items()}
         if self.pp_group is None:
             return own
-        parts = [None] * self.stages
-        dist.all_gather_object(parts, own, group=self.pp_group)
+        parts = collectives.all_gather_object(own, group=self.pp_group)
         return {k: v for part in parts for k, v in part.items()}
 
     def state_dict(self) -> dict:
