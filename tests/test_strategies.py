@@ -77,5 +77,5 @@ def test_ddp_switches_and_models_match_single_process(variant, atol):
 
 
 def test_unknown_strategy_lists_the_valid_ones():
-    with pytest.raises(ConfigError, match=r"unknown strategy 'nope' \(valid: ddp, pipeline, ps, tensor\)"):
+    with pytest.raises(ConfigError, match=r"unknown strategy 'nope' \(valid: ddp, fsdp, pipeline, ps, tensor\)"):
         get_strategy("nope")

@@ -26,6 +26,7 @@ JOBS = {
     "ps": dict(strategy="ps", world_size=3, ps_servers=1),
     "pipeline": dict(strategy="pipeline", world_size=2, micro_batches=4, pipeline_schedule="1f1b"),
     "tensor": dict(strategy="tensor", world_size=2, model="transformer", hidden=[16, 16], heads=4),
+    "fsdp": dict(strategy="fsdp", world_size=2),
 }
 
 
@@ -48,8 +49,9 @@ def test_strategy_job_resumes_exactly_and_its_model_scores(name, prepared, dask_
     result = run_training(cfg, tracking, prepared.dataset_dir)
     assert result.metrics["val_accuracy"] > 0.5  # 3 classes: it learned
     run = MlflowClient(tracking_uri).get_run(result.run_id)
-    own = {"ps": "ps_push_ms", "pipeline": "pipeline_bubble", "tensor": "tp_allreduce_ms"}[name]
-    assert own in run.data.metrics, sorted(run.data.metrics)
+    # The strategy's own figures (tensor's and fsdp's collectives run inside torch: none).
+    own = {"ps": "ps_push_ms", "pipeline": "pipeline_bubble"}.get(name)
+    assert own is None or own in run.data.metrics, sorted(run.data.metrics)
 
     # Resume from a mid-epoch checkpoint: the same final weights, bit for bit.
     paths = checkpoints.checkpoint_paths(cfg.checkpoint_dir)
@@ -134,7 +136,7 @@ def test_async_ps_reaches_the_accuracy_of_synchronous_training(prepared, tmp_pat
         (["training.strategy=pipeline", "training.pp=4", "training.world_size=4", "training.hidden=[8]",
           "training.batch_size=512"], "more pipeline stages than"),
         (["training.strategy=ps", "training.ps_servers=2"], "training.ps_servers 2 leaves no worker"),
-        (["training.strategy=allgather"], "unknown strategy 'allgather' (valid: ddp, pipeline, ps, tensor)"),
+        (["training.strategy=allgather"], "unknown strategy 'allgather' (valid: ddp, fsdp, pipeline, ps, tensor)"),
     ],
 )
 def test_cli_refuses_a_bad_mesh_before_any_process(prepared, tmp_path, settings, message):
