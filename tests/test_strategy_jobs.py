@@ -52,6 +52,13 @@ def test_strategy_job_resumes_exactly_and_its_model_scores(name, prepared, dask_
     # The strategy's own figures (tensor's and fsdp's collectives run inside torch: none).
     own = {"ps": "ps_push_ms", "pipeline": "pipeline_bubble"}.get(name)
     assert own is None or own in run.data.metrics, sorted(run.data.metrics)
+    # Every tensor the job handed to training.collectives passed its device check (here the
+    # CPU: a wrong device raises): the worker's metrics and evaluation, and the strategy's own.
+    calls = result.collective_calls
+    assert {device for _, device in calls} == {"cpu"}, calls
+    assert calls[("all_reduce", "cpu")] >= 3 * cfg.epochs, calls  # metrics, totals, evaluation
+    mine = {"ps": "reduce"}.get(name)
+    assert mine is None or calls.get((mine, "cpu"), 0) > 0, calls
 
     # Resume from a mid-epoch checkpoint: the same final weights, bit for bit.
     paths = checkpoints.checkpoint_paths(cfg.checkpoint_dir)

@@ -6,7 +6,7 @@ import io
 import logging
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,6 +33,9 @@ class TrainResult:
     metrics: dict[str, float]
     weights: dict[str, torch.Tensor]  # the final plain-model state dict
     stopped_early: bool = False  # the epoch hook stopped it before training.epochs
+    # Rank 0's tensor collectives by (call, device type), each checked against the rank's
+    # device (training.collectives): shows a job kept the device contract.
+    collective_calls: dict = field(default_factory=dict)
 
     @property
     def model_uri(self) -> str:
@@ -141,7 +144,7 @@ def run_training(
         version = log_model(model, manifest, tracking.registered_model if register else None)
     return TrainResult(
         run_id, uri, tracking.registered_model, version, result["metrics"], model.state_dict(),
-        stopped_early=result.get("stopped_early", False),
+        stopped_early=result.get("stopped_early", False), collective_calls=result.get("collective_calls", {}),
     )
 
 

@@ -214,7 +214,10 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         return None
     buf = io.BytesIO()
     torch.save({k: v.cpu() for k, v in full.items()}, buf)
-    return {"state_dict": buf.getvalue(), "metrics": metrics, "stopped_early": stopped_early}
+    return {
+        "state_dict": buf.getvalue(), "metrics": metrics, "stopped_early": stopped_early,
+        "collective_calls": collectives.calls(),
+    }
 
 
 # The pieces of a step, shared with the bandwidth planner (training.plan) so that it
