@@ -144,6 +144,13 @@ def test_async_ps_reaches_the_accuracy_of_synchronous_training(prepared, tmp_pat
           "training.batch_size=512"], "more pipeline stages than"),
         (["training.strategy=ps", "training.ps_servers=2"], "training.ps_servers 2 leaves no worker"),
         (["training.strategy=allgather"], "unknown strategy 'allgather' (valid: ddp, fsdp, pipeline, ps, tensor)"),
+        (["training.strategy=tensor", 'training.tp_plan={"1.linear"="colwise","9.linear"="rowwise"}'],
+         "training.tp_plan: module '9.linear' is not in training.model mlp (its Linear layers: 1.linear, "
+         "2.linear, 3)"),
+        (["training.strategy=fsdp", "training.world_size=4", "training.dp=2", "training.dp_shard=3"],
+         "training.dp 2 x training.dp_shard 3 = 6 must equal training.world_size 4"),
+        (["training.strategy=fsdp", "training.world_size=4", "training.dp_shard=3"],
+         "training.dp_shard 3 must divide training.world_size 4"),
     ],
 )
 def test_cli_refuses_a_bad_mesh_before_any_process(prepared, tmp_path, settings, message):
