@@ -97,3 +97,30 @@ def relative_distance(a: dict, b: dict) -> float:
     num = sum(((a[k] - b[k]).double() ** 2).sum() for k in b) ** 0.5
     den = sum((b[k].double() ** 2).sum() for k in b) ** 0.5
     return float(num / den)
+
+
+def resumed(rank: int, world_size: int, args: dict) -> dict:
+    """AdamW (moments and step counts a wrong resume would lose) on the transformer:
+    4 steps straight, and 2 steps, a resume into a fresh setup (other seed), 2 more.
+    args: strategy, cfg (TrainingConfig fields). Returns both runs' plain weights."""
+    cfg = TrainingConfig(world_size=world_size, strategy=args["strategy"], batch_size=8, **args.get("cfg", {}))
+
+    def fresh(seed):
+        torch.manual_seed(seed)
+        return get_strategy(cfg.strategy).setup(
+            MODELS["transformer"](), cfg, rank, world_size, torch.device("cpu"), OPTIMIZERS["adamw"]
+        )
+
+    straight, first = fresh(0), fresh(0)
+    n = 8 // straight.data_world
+    part = slice((straight.data_rank or 0) * n, ((straight.data_rank or 0) + 1) * n)
+    batches = [(x[part], y[part]) for x, y in global_batches(4, 8)]
+    for x, y in batches:
+        straight.step(x, y)
+    for x, y in batches[:2]:
+        first.step(x, y)
+    second = fresh(1)
+    second.load_state_dict(first.state_dict(), first.full_state_dict())
+    for x, y in batches[2:]:
+        second.step(x, y)
+    return {"straight": straight.full_state_dict(), "resumed": second.full_state_dict()}

@@ -12,7 +12,7 @@ from training.config import TrainingConfig
 from training.launchers.local import launch_local
 from training.strategies import get_strategy
 
-from .dist_helpers import MODELS, global_batches
+from .dist_helpers import MODELS, global_batches, resumed
 
 
 def held(rank: int, world_size: int, settings: dict) -> dict:
@@ -70,34 +70,9 @@ def test_each_rank_holds_its_shard_of_parameters_gradients_and_optimizer_state(s
                 assert torch.equal(v, ranks[r + shard]["values"][name]), name
 
 
-def resumed(rank: int, world_size: int, settings: dict) -> dict:
-    """4 steps straight, and 2 steps, a resume into a fresh setup, then 2 more."""
-    cfg = TrainingConfig(world_size=world_size, strategy="fsdp", batch_size=8, **settings)
-
-    def fresh(seed):
-        torch.manual_seed(seed)
-        return get_strategy("fsdp").setup(
-            MODELS["transformer"](), cfg, rank, world_size, torch.device("cpu"),
-            lambda p: torch.optim.AdamW(p, lr=0.01),
-        )
-
-    n = 8 // world_size
-    batches = [(x[rank * n: (rank + 1) * n], y[rank * n: (rank + 1) * n]) for x, y in global_batches(4, 8)]
-    straight, first = fresh(0), fresh(0)
-    for x, y in batches:
-        straight.step(x, y)
-    for x, y in batches[:2]:
-        first.step(x, y)
-    second = fresh(1)
-    second.load_state_dict(first.state_dict(), first.full_state_dict())
-    for x, y in batches[2:]:
-        second.step(x, y)
-    return {"straight": straight.full_state_dict(), "resumed": second.full_state_dict()}
-
-
 @pytest.mark.parametrize("settings, world", [({}, 2), ({"dp": 2}, 4)])
 def test_resume_from_full_weights_and_optimizer_state_continues_exactly(settings, world):
-    for got in launch_local(resumed, settings, world_size=world, timeout_s=180):
+    for got in launch_local(resumed, {"strategy": "fsdp", "cfg": settings}, world_size=world, timeout_s=180):
         for k, v in got["straight"].items():
             assert torch.equal(got["resumed"][k], v), k
 

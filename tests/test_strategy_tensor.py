@@ -10,7 +10,7 @@ from training.config import TrainingConfig
 from training.launchers.local import launch_local
 from training.strategies import get_strategy
 
-from .dist_helpers import MODELS, global_batches, train_steps
+from .dist_helpers import MODELS, resumed, train_steps
 
 ARGS = {"strategy": "tensor", "steps": 4, "batch": 32}
 
@@ -81,33 +81,8 @@ def test_mlp_rank_holds_one_pair_split_and_the_head_whole():
         assert torch.equal(mine["3.weight"], full["3.weight"])
 
 
-def resumed(rank: int, world_size: int, _) -> dict:
-    """4 steps straight, and 2 steps then a resume into a fresh setup then 2 more."""
-    cfg = TrainingConfig(world_size=world_size, strategy="tensor", tp=world_size, batch_size=8)
-
-    def fresh(seed):
-        torch.manual_seed(seed)
-        # AdamW: an optimizer state (moments, step count) that a wrong resume would lose.
-        return get_strategy("tensor").setup(
-            MODELS["transformer"](), cfg, rank, world_size, torch.device("cpu"),
-            lambda p: torch.optim.AdamW(p, lr=0.01),
-        )
-
-    batches = list(global_batches(4, 8))
-    straight, first = fresh(0), fresh(0)
-    for x, y in batches:
-        straight.step(x, y)
-    for x, y in batches[:2]:
-        first.step(x, y)
-    second = fresh(1)
-    second.load_state_dict(first.state_dict(), first.full_state_dict())
-    for x, y in batches[2:]:
-        second.step(x, y)
-    return {"straight": straight.full_state_dict(), "resumed": second.full_state_dict()}
-
-
 def test_resume_from_full_weights_and_rank_state_continues_exactly():
-    for got in launch_local(resumed, None, world_size=2, timeout_s=120):
+    for got in launch_local(resumed, {"strategy": "tensor"}, world_size=2, timeout_s=120):
         for k, v in got["straight"].items():
             assert torch.equal(got["resumed"][k], v), k
 
