@@ -113,3 +113,10 @@ def test_backend_is_gloo_without_cuda_and_per_device_with_it():
     assert collectives.backend() == expected
     assert collectives.rank_device(1) == (torch.device("cuda", 1 % torch.cuda.device_count())
                                           if torch.cuda.is_available() else torch.device("cpu"))
+
+
+def test_object_collectives_send_host_copies():
+    state = {"optimizer": {"state": {0: {"exp_avg": torch.ones(2)}}, "steps": [torch.zeros(1), 3]}, "t": (torch.ones(1),)}
+    copy = collectives.host_copy(state)
+    assert copy["optimizer"]["steps"][1] == 3 and isinstance(copy["t"], tuple)
+    assert all(t.device.type == "cpu" for t in (copy["optimizer"]["state"][0]["exp_avg"], copy["t"][0]))

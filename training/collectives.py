@@ -138,19 +138,32 @@ def recv(t: torch.Tensor, src: int | None = None, group=None, tag: int = 0) -> i
     return dist.recv(check(t, "recv", group), src, group=group, tag=tag)
 
 
-# Object collectives: pickled Python objects, through host memory (see backend()).
+# Object collectives: pickled Python objects, through host memory (see backend()). A
+# tensor inside is moved to the CPU first: pickled on a GPU it would unpickle onto the
+# sender's device index on the receiving rank, another rank's GPU.
+
+
+def host_copy(obj: Any) -> Any:
+    """`obj` with every tensor in its dicts, lists and tuples moved to the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(host_copy(v) for v in obj)
+    return obj
 
 
 def gather_object(obj: Any, dst: int = 0) -> list | None:
-    """Every rank's `obj`, on rank `dst` (None elsewhere)."""
+    """Every rank's `obj` (tensors on the CPU), on rank `dst` (None elsewhere)."""
     out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
-    dist.gather_object(obj, out, dst=dst)
+    dist.gather_object(host_copy(obj), out, dst=dst)
     return out
 
 
 def all_gather_object(obj: Any, group=None) -> list:
     out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    dist.all_gather_object(out, host_copy(obj), group=group)
     return out
 
 

@@ -94,8 +94,7 @@ class ShardedRank:
     def state_dict(self) -> dict:
         # The whole optimizer state, gathered like the weights: a resume rebuilds each
         # rank's shard from it.
-        state = get_optimizer_state_dict(self.model, self.optimizer, options=_FULL)
-        return {"optimizer": _to_cpu(state)}
+        return {"optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=_FULL)}
 
     def load_state_dict(self, state: dict, full: dict[str, torch.Tensor]) -> None:
         set_model_state_dict(self.model, full, options=_FULL)
@@ -105,12 +104,3 @@ class ShardedRank:
         # The collectives run inside torch (FSDP2, DTensor): no figures of our own.
         return {}
 
-
-def _to_cpu(state):
-    if isinstance(state, torch.Tensor):
-        return state.cpu()
-    if isinstance(state, dict):
-        return {k: _to_cpu(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_to_cpu(v) for v in state]
-    return state
