@@ -102,7 +102,8 @@ def relative_distance(a: dict, b: dict) -> float:
 def resumed(rank: int, world_size: int, args: dict) -> dict:
     """AdamW (moments and step counts a wrong resume would lose) on the transformer:
     4 steps straight, and 2 steps, a resume into a fresh setup (other seed), 2 more.
-    args: strategy, cfg (TrainingConfig fields). Returns both runs' plain weights."""
+    args: strategy, cfg (TrainingConfig fields), directory (for sharded checkpoints).
+    Returns both runs' plain weights."""
     cfg = TrainingConfig(world_size=world_size, strategy=args["strategy"], batch_size=8, **args.get("cfg", {}))
 
     def fresh(seed):
@@ -120,7 +121,11 @@ def resumed(rank: int, world_size: int, args: dict) -> dict:
     for x, y in batches[:2]:
         first.step(x, y)
     second = fresh(1)
-    second.load_state_dict(first.state_dict(), first.full_state_dict())
+    if hasattr(first, "save_sharded"):  # each rank's own shards, through DCP
+        first.save_sharded(args["directory"])
+        second.load_sharded(args["directory"])
+    else:
+        second.load_state_dict(first.state_dict(), first.full_state_dict())
     for x, y in batches[2:]:
         second.step(x, y)
     return {"straight": straight.full_state_dict(), "resumed": second.full_state_dict()}

@@ -71,8 +71,9 @@ def test_each_rank_holds_its_shard_of_parameters_gradients_and_optimizer_state(s
 
 
 @pytest.mark.parametrize("settings, world", [({}, 2), ({"dp": 2}, 4)])
-def test_resume_from_full_weights_and_optimizer_state_continues_exactly(settings, world):
-    for got in launch_local(resumed, {"strategy": "fsdp", "cfg": settings}, world_size=world, timeout_s=180):
+def test_resume_from_sharded_checkpoint_continues_exactly(settings, world, tmp_path):
+    for got in launch_local(resumed, {"strategy": "fsdp", "cfg": settings, "directory": str(tmp_path / "ckpt")},
+                            world_size=world, timeout_s=180):
         for k, v in got["straight"].items():
             assert torch.equal(got["resumed"][k], v), k
 

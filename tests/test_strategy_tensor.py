@@ -81,8 +81,8 @@ def test_mlp_rank_holds_one_pair_split_and_the_head_whole():
         assert torch.equal(mine["3.weight"], full["3.weight"])
 
 
-def test_resume_from_full_weights_and_rank_state_continues_exactly():
-    for got in launch_local(resumed, {"strategy": "tensor"}, world_size=2, timeout_s=120):
+def test_resume_from_sharded_checkpoint_continues_exactly(tmp_path):
+    for got in launch_local(resumed, {"strategy": "tensor", "directory": str(tmp_path / "ckpt")}, world_size=2, timeout_s=120):
         for k, v in got["straight"].items():
             assert torch.equal(got["resumed"][k], v), k
 

@@ -14,7 +14,7 @@ import torch
 from pipelines.errors import ConfigError, DataError
 from pipelines.manifest import ShardManifest, load_manifest
 
-from . import checkpoints
+from . import checkpoints, sharded_checkpoints
 from .config import TrackingConfig, TrainingConfig
 from .launchers import TrainingFailed
 from .loader import check_world_size
@@ -101,11 +101,16 @@ def run_training(
         resume_from = checkpoints.latest(cfg.checkpoint_dir)
         if resume_from is None:
             raise DataError(f"{cfg.checkpoint_dir}: no checkpoint to resume from")
-        run_id = checkpoints.load(resume_from, fp)["run_id"] or None
+        head = checkpoints.load(resume_from, sharded_checkpoints.comparable(fp, cfg))
+        # Another mesh than the one that wrote it: refused here unless it reshards.
+        data_world = get_strategy(cfg.strategy).data_world(cfg)
+        sharded_checkpoints.check_resume(head, cfg, data_world, str(resume_from))
+        run_id = head["run_id"] or None
     else:
         # A new job starts over: stale checkpoints would be resumed by its restarts.
         for old in checkpoints.checkpoint_paths(cfg.checkpoint_dir):
             old.unlink()
+        sharded_checkpoints.prune(cfg.checkpoint_dir)
     uri = tracking.resolved_uri()
     open_experiment(uri, tracking.experiment)
     if run_id:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from pipelines.errors import ShardlineError
 
@@ -28,14 +29,17 @@ class MetricsReporter:
         self.client.log_batch(self.run_id, metrics=batch, synchronous=True)
 
 
-    def checkpoint(self, path, step: int, artifact: bool) -> None:
-        """Record a checkpoint: always by reference (a tag), as an artifact when asked."""
+    def checkpoint(self, path, step: int, artifact: bool, sharded=None) -> None:
+        """Record a checkpoint: always by reference (a tag), as an artifact when asked
+        (with its directory of DCP shards, `sharded`, if it has one)."""
         if self.client is None:
             return
         self.client.set_tag(self.run_id, "checkpoint_latest", str(path))
         self.log({"checkpoint_step": step}, step)
         if artifact:
             self.client.log_artifact(self.run_id, str(path), "checkpoints")
+            if sharded is not None:
+                self.client.log_artifacts(self.run_id, str(sharded), f"checkpoints/{Path(sharded).name}")
 
 
 def open_experiment(tracking_uri: str, experiment: str) -> str:

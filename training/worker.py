@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from pipelines.manifest import ShardManifest, load_manifest
 
-from . import checkpoints, collectives
+from . import checkpoints, collectives, sharded_checkpoints
 from .config import TrainingConfig
 from .loader import ShardLoader
 from .models import apply_activation_checkpointing, build_model
@@ -89,31 +89,26 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
 
     step = start_epoch = 0
     if job.resume_from:
-        state = checkpoints.load(Path(job.resume_from), job.fingerprint)
-        mine = state["ranks"][rank]
-        parallel.load_state_dict(mine["parallel"], state["model"])
-        if scheduler:
-            scheduler.load_state_dict(mine["scheduler"])
-        set_rng_state(mine["rng"], device)
-        step, start_epoch = state["global_step"], state["epoch"]
-        # The loader's position is the same on every rank; rank 0's stands for all.
-        train.load_state_dict(state["loader"])
+        step, start_epoch = _resume(job, parallel, scheduler, train, rank, world_size, device)
+    save_sharded = getattr(parallel, "save_sharded", None)
 
     def checkpoint(epoch: int, step_in_epoch: int, artifact: bool, full: dict | None = None) -> None:
-        # One file: the plain model's weights (`full`, if the caller just gathered
-        # them), and what each rank needs to resume exactly (its optimizer, schedule
-        # and RNG state), gathered to rank 0.
-        full = full if full is not None else parallel.full_state_dict()
-        mine = {
-            "parallel": parallel.state_dict(),
-            "scheduler": scheduler.state_dict() if scheduler else {},
-            "rng": rng_state(device),
-        }
+        # One small file, gathered to rank 0: what each rank needs to resume exactly (its
+        # schedule and RNG state, and its optimizer where it has no shards) and the plain
+        # model's weights (`full`, if the caller just gathered them). A sharded strategy's
+        # ranks write their weights and optimizer shards first, each its own, with DCP.
+        mine = {"scheduler": scheduler.state_dict() if scheduler else {}, "rng": rng_state(device)}
+        if save_sharded:
+            sharded = sharded_checkpoints.new_name(step)
+            save_sharded(str(Path(cfg.checkpoint_dir) / sharded))
+        else:
+            full = full if full is not None else parallel.full_state_dict()
+            mine["parallel"] = parallel.state_dict()
         ranks = collectives.gather_object(mine, dst=0)
         if rank != 0:
             return
         state = {
-            "model": {k: v.cpu() for k, v in full.items()},
+            **({"sharded": sharded} if save_sharded else {"model": {k: v.cpu() for k, v in full.items()}}),
             "ranks": ranks,
             "global_step": step,
             "epoch": epoch,
@@ -123,8 +118,9 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
             "run_id": job.run_id or "",
         }
         path = checkpoints.save(cfg.checkpoint_dir, step, state, cfg.keep_checkpoints)
+        sharded_checkpoints.prune(cfg.checkpoint_dir)
         if reporter:
-            reporter.checkpoint(path, step, artifact)
+            reporter.checkpoint(path, step, artifact, Path(cfg.checkpoint_dir) / sharded if save_sharded else None)
 
     metrics: dict[str, float] = {}
     stopped_early = warned = False
@@ -218,6 +214,31 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         "state_dict": buf.getvalue(), "metrics": metrics, "stopped_early": stopped_early,
         "collective_calls": collectives.calls(),
     }
+
+
+def _resume(job: TrainJob, parallel, scheduler, train: ShardLoader, rank: int, world_size: int, device) -> tuple[int, int]:
+    """Load the checkpoint into this rank; (global step, epoch) to continue from.
+
+    At the mesh that wrote it every rank takes back its own state, RNG and the loader's
+    position (the same on every rank). At another (the driver's check_resume allowed it:
+    a reshardable strategy, at an epoch end if the data-parallel ranks changed) the
+    shards reshard, a ddp rank takes rank 0's replicated optimizer state, RNG states stay
+    freshly seeded (no model here draws any) and the next epoch starts from its beginning.
+    """
+    state = checkpoints.load(Path(job.resume_from), sharded_checkpoints.comparable(job.fingerprint, job.cfg))
+    same_ranks = len(state["ranks"]) == world_size
+    mine = state["ranks"][rank if same_ranks else 0]
+    if "sharded" in state:
+        parallel.load_sharded(str(Path(job.resume_from).parent / state["sharded"]))
+    else:
+        parallel.load_state_dict(mine["parallel"], state["model"])
+    if scheduler:
+        scheduler.load_state_dict(mine["scheduler"])
+    if same_ranks:
+        set_rng_state(mine["rng"], device)
+    if state["loader"]["world_size"] == parallel.data_world:
+        train.load_state_dict(state["loader"])
+    return state["global_step"], state["epoch"]
 
 
 # The pieces of a step, shared with the bandwidth planner (training.plan) so that it

@@ -131,6 +131,10 @@ class Parallel(Protocol):
         """The plain model's weights, on every rank. Collective."""
         ...
 
+    # A checkpoint holds either every rank's state_dict() beside the plain model's weights
+    # (one file), or, where a rank has save_sharded / load_sharded (fsdp, tensor), the
+    # shards each rank writes itself with torch.distributed.checkpoint, which reshard.
+
     def state_dict(self) -> dict:
         """What this rank needs to resume exactly: its weights and optimizer state."""
         ...

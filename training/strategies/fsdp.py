@@ -18,18 +18,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from pipelines.errors import ConfigError
 
+from .. import sharded_checkpoints
 from ..config import TrainingConfig
 from .base import OptimizerFactory, autocast_for, mesh_for, train_step
 
@@ -74,7 +69,7 @@ class FullyShardedDataParallel:
 
 class ShardedRank:
     """One rank of a model whose parameters are DTensors (FSDP2, DTensor tensor parallel
-    or both): torch's state-dict API turns its shards into the plain model's tensors and back."""
+    or both): torch's state-dict API gives the plain model's tensors, and DCP its shards."""
 
     def __init__(self, model: nn.Module, cfg: TrainingConfig, device: torch.device,
                  make_optimizer: OptimizerFactory, *, data_rank: int, data_world: int, reports: bool):
@@ -91,14 +86,14 @@ class ShardedRank:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return get_model_state_dict(self.model, options=_FULL)
 
-    def state_dict(self) -> dict:
-        # The whole optimizer state, gathered like the weights: a resume rebuilds each
-        # rank's shard from it.
-        return {"optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=_FULL)}
+    # Checkpoints: each rank writes and reads its own shards (training.sharded_checkpoints),
+    # in place of Parallel's state_dict / load_state_dict.
 
-    def load_state_dict(self, state: dict, full: dict[str, torch.Tensor]) -> None:
-        set_model_state_dict(self.model, full, options=_FULL)
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=_FULL)
+    def save_sharded(self, directory: str) -> None:
+        sharded_checkpoints.save(self.model, self.optimizer, directory)
+
+    def load_sharded(self, directory: str) -> None:
+        sharded_checkpoints.load(self.model, self.optimizer, directory)
 
     def epoch_metrics(self) -> dict[str, float]:
         # The collectives run inside torch (FSDP2, DTensor): no figures of our own.
