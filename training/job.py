@@ -101,7 +101,7 @@ def run_training(
         resume_from = checkpoints.latest(cfg.checkpoint_dir)
         if resume_from is None:
             raise DataError(f"{cfg.checkpoint_dir}: no checkpoint to resume from")
-        head = checkpoints.load(resume_from, sharded_checkpoints.comparable(fp, cfg))
+        head = checkpoints.load(resume_from, sharded_checkpoints.comparable(fp))
         # Another mesh than the one that wrote it: refused here unless it reshards.
         data_world = get_strategy(cfg.strategy).data_world(cfg)
         sharded_checkpoints.check_resume(head, cfg, data_world, str(resume_from))

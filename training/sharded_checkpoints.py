@@ -97,11 +97,10 @@ def prune(checkpoint_dir: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def comparable(fingerprint: dict[str, str] | None, cfg: TrainingConfig) -> dict[str, str]:
-    """The fingerprint a checkpoint must match: without the mesh for a strategy whose
-    checkpoints reshard (check_resume has judged the mesh on the driver)."""
-    fp = dict(fingerprint or {})
-    return {k: v for k, v in fp.items() if k not in MESH_FIELDS} if cfg.strategy in RESHARDABLE else fp
+def comparable(fingerprint: dict[str, str] | None) -> dict[str, str]:
+    """The fingerprint a checkpoint must match to be from the same run: all but the mesh,
+    which check_resume judges on the driver (it may change where the checkpoint reshards)."""
+    return {k: v for k, v in (fingerprint or {}).items() if k not in MESH_FIELDS}
 
 
 def check_resume(head: dict, cfg: TrainingConfig, data_world: int, where: str) -> bool:

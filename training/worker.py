@@ -225,7 +225,7 @@ def _resume(job: TrainJob, parallel, scheduler, train: ShardLoader, rank: int, w
     shards reshard, a ddp rank takes rank 0's replicated optimizer state, RNG states stay
     freshly seeded (no model here draws any) and the next epoch starts from its beginning.
     """
-    state = checkpoints.load(Path(job.resume_from), sharded_checkpoints.comparable(job.fingerprint, job.cfg))
+    state = checkpoints.load(Path(job.resume_from), sharded_checkpoints.comparable(job.fingerprint))
     same_ranks = len(state["ranks"]) == world_size
     mine = state["ranks"][rank if same_ranks else 0]
     if "sharded" in state:
