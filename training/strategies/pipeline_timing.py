@@ -1,0 +1,149 @@
+"""What a pipeline rank measures on torch's executor: each action's time, and the
+micro-batches whose activations each stage holds.
+
+`TimedStage` is torch's `PipelineStage` with its three compute calls timed
+(`forward_one_chunk`, `backward_one_chunk`, `backward_weight_one_chunk`: what the
+schedules call for F, B or I, and W); the sends, receives and waits around them are not
+inside, so a rank's busy time is its compute and the rest of the step is idle. In the
+forward, a saved-tensor hook tags every tensor autograd keeps for the backward (but the
+parameters themselves) with its micro-batch; the tag dies when autograd frees the tensor
+(normally in that micro-batch's backward), so the live tags count the micro-batches whose
+activations the stage holds.
+
+`step_bubbles` turns the ranks' logs into each step's bubble, measured and predicted:
+every rank of a pipeline enters a step together (the strategy waits on a barrier of the
+pipeline's group first), so a step's span is the longest rank's time in it, and
+- measured: 1 - a rank's busy time / the span it took,
+- predicted: 1 - the same busy time / the span of schedule.replay with these very
+  action times (communication taking none).
+The two differ by what the replay leaves out: sends and receives, the executor's own
+work between actions, the barrier's skew.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from .schedule import Action, Layout, idle_share, replay
+
+
+@dataclass
+class StepLog:
+    """One rank's record of one step: (action, start, end) in seconds from the step's start;
+    the step's length; the most micro-batches whose activations it held at once, per stage
+    and in all (a rank with several stages); whether it was the schedule's first step (which
+    also measures shapes and connects the stages)."""
+
+    actions: list[tuple[Action, float, float]] = field(default_factory=list)
+    length: float = 0.0
+    held: dict[int, int] = field(default_factory=dict)
+    held_in_all: int = 0
+    first: bool = False
+
+
+class RankClock:
+    """The steps of one rank, shared by its stages."""
+
+    def __init__(self) -> None:
+        self.steps: list[StepLog] = []
+        self._start = 0.0
+        self.live: dict[tuple[int, int], int] = defaultdict(int)  # (stage, mb) -> saved tensors
+
+    def begin(self, first: bool) -> None:
+        self.steps.append(StepLog(first=first))
+        self._start = time.perf_counter()
+
+    def end(self) -> None:
+        self.steps[-1].length = time.perf_counter() - self._start
+
+    def now(self) -> float:
+        return time.perf_counter() - self._start
+
+    def record(self, action: Action, start: float) -> None:
+        self.steps[-1].actions.append((action, start, self.now()))
+
+    def extend_last_forward(self) -> None:
+        """The loss is computed right after the last stage's forward: part of that F.
+        (Before the first forward, torch's shape inference computes one: not an action.)"""
+        actions = self.steps[-1].actions
+        if actions and actions[-1][0][1] == "F":
+            action, start, _ = actions[-1]
+            actions[-1] = (action, start, self.now())
+
+    def note_held(self, stage: int) -> None:
+        holding = [s for (s, _), n in self.live.items() if n > 0]
+        log = self.steps[-1]
+        log.held[stage] = max(log.held.get(stage, 0), holding.count(stage))
+        log.held_in_all = max(log.held_in_all, len(holding))
+
+    def take(self) -> list[StepLog]:
+        steps, self.steps = self.steps, []
+        return steps
+
+
+class _Saved:
+    """A tensor autograd saved in (stage, mb)'s forward; counted live until autograd drops it.
+    Parameters are not wrapped: they are no micro-batch's (a bf16 copy of one is)."""
+
+    __slots__ = ("tensor", "key", "live")
+
+    def __init__(self, tensor: torch.Tensor, key: tuple[int, int], live: dict) -> None:
+        self.tensor, self.key, self.live = tensor, key, live
+        live[key] += 1
+
+    def __del__(self) -> None:
+        self.live[self.key] -= 1
+
+
+class TimedStage(PipelineStage):
+    """torch's PipelineStage, its compute calls timed into `clock` (see the module doc)."""
+
+    def __init__(self, *args, clock: RankClock, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.clock = clock
+
+    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+        key, live = (self.stage_index, fwd_chunk_id), self.clock.live
+        start = self.clock.now()
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: t if isinstance(t, nn.Parameter) else _Saved(t, key, live),
+            lambda s: s.tensor if isinstance(s, _Saved) else s,
+        ):
+            out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        self.clock.record((self.stage_index, "F", fwd_chunk_id), start)
+        self.clock.note_held(self.stage_index)
+        return out
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        start = self.clock.now()
+        super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        self.clock.record((self.stage_index, "B" if full_backward else "I", bwd_chunk_id), start)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        start = self.clock.now()
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        self.clock.record((self.stage_index, "W", bwd_chunk_id), start)
+
+
+@dataclass(frozen=True)
+class StepBubble:
+    measured: list[float]  # per rank of the pipeline
+    predicted: list[float]
+
+
+def step_bubbles(lay: Layout, logs: list[list[StepLog]]) -> list[StepBubble]:
+    """Each step's bubble per rank, measured and predicted; logs[rank][step] (see the module doc)."""
+    out = []
+    for steps in zip(*logs):
+        times = {action: end - start for log in steps for action, start, end in log.actions}
+        busy = [sum(end - start for _, start, end in log.actions) for log in steps]
+        span = max(log.length for log in steps)
+        predicted = idle_share(replay(lay, lambda rank, action: times[action]))
+        out.append(StepBubble([1 - b / span for b in busy], predicted))
+    return out
