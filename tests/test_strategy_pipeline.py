@@ -192,7 +192,7 @@ def test_check_names_the_bad_setting(settings, message):
         Pipeline().check(cfg, model)
 
 
-# --- training on real process groups ---
+# --- training on real process groups (each launch costs seconds: they are few and shared) ---
 
 def _setup(rank: int, world_size: int, model: nn.Module, optimizer: str = "sgd", **settings):
     cfg = TrainingConfig(world_size=world_size, strategy="pipeline", **settings)
@@ -200,33 +200,43 @@ def _setup(rank: int, world_size: int, model: nn.Module, optimizer: str = "sgd",
     return Pipeline().setup(model, cfg, rank, world_size, torch.device("cpu"), OPTIMIZERS[optimizer])
 
 
-def _train(parallel, steps: int, batch: int, seed: int = 3) -> list:
-    """`steps` steps on the whole batch (dp 1: every rank of the pipeline reads all of it)."""
-    return [parallel.step(x, y) for x, y in global_batches(steps, batch, seed=seed)]
+def _train(parallel, batches) -> None:
+    for x, y in batches:
+        parallel.step(x, y)  # dp 1: every rank of the pipeline reads the whole batch
 
 
 def every_combination(rank: int, world_size: int, args: dict) -> dict:
-    """One schedule trained with SGD and AdamW in fp32 and bf16; each run's weights, and what
-    the executor recorded: each step's action order and held micro-batches, this rank's."""
+    """One schedule trained with SGD and AdamW in fp32 and bf16: each run's weights, and what
+    the executor recorded (each step's action order and held micro-batches, this rank's);
+    then the AdamW fp32 run again, resumed after 2 of its 3 steps as the worker resumes."""
     out = {}
+    batches = list(global_batches(args["steps"], args["batch"]))
+    settings = {"batch_size": args["batch"], **args["cfg"]}
     for optimizer in OPTIMIZERS:
         for precision in ATOL:
             torch.manual_seed(0)
-            parallel = _setup(
-                rank, world_size, MODELS[args["model"]](), optimizer, precision=precision,
-                batch_size=args["batch"], **args["cfg"],
-            )
-            _train(parallel, args["steps"], args["batch"])
+            parallel = _setup(rank, world_size, MODELS["mlp"](), optimizer, precision=precision, **settings)
+            _train(parallel, batches)
             out[optimizer, precision] = parallel.full_state_dict()
             logs = parallel.clock.take()
             out["orders", precision] = [[a for a, _, _ in log.actions] for log in logs]
             out["held", precision] = [log.held for log in logs]
+            out["left", precision] = sum(parallel.clock.live.values())  # saved tensors still alive
+    torch.manual_seed(0)
+    first = _setup(rank, world_size, MODELS["mlp"](), "adamw", **settings)
+    _train(first, batches[:2])
+    full, mine = first.full_state_dict(), first.state_dict()
+    torch.manual_seed(1)  # another start: everything must come from the checkpoint
+    resumed = _setup(rank, world_size, MODELS["mlp"](), "adamw", **settings)
+    resumed.load_state_dict(mine, full)
+    _train(resumed, batches[2:])
+    out["resumed"] = resumed.full_state_dict()
     return out
 
 
 def single_process(args: dict, optimizer: str, precision: str) -> dict:
     torch.manual_seed(0)
-    model = MODELS[args["model"]]()
+    model = MODELS["mlp"]()
     opt = OPTIMIZERS[optimizer](model.parameters())
     autocast = autocast_for(torch.device("cpu"), TrainingConfig(precision=precision))
     for x, y in global_batches(args["steps"], args["batch"]):
@@ -234,13 +244,17 @@ def single_process(args: dict, optimizer: str, precision: str) -> dict:
     return model.state_dict()
 
 
+def _config(name: str) -> TrainingConfig:
+    return TrainingConfig(world_size=2, strategy="pipeline", batch_size=32, pipeline_schedule=name, micro_batches=4)
+
+
 @pytest.fixture(scope="module")
 def schedule_runs() -> dict:
     """Every schedule, 2 ranks, 4 micro-batches: one launch each, shared by the tests below."""
     runs = {}
     for name in SCHEDULES:
-        args = {"model": "mlp", "steps": 3, "batch": 32, "cfg": {"pipeline_schedule": name, "micro_batches": 4}}
-        runs[name] = (args, launch_local(every_combination, args, world_size=2, timeout_s=180))
+        args = {"steps": 3, "batch": 32, "cfg": {"pipeline_schedule": name, "micro_batches": 4}}
+        runs[name] = (args, launch_local(every_combination, args, world_size=2, timeout_s=300))
     return runs
 
 
@@ -257,6 +271,15 @@ def test_every_schedule_matches_single_process_with_sgd_and_adamw_in_fp32_and_bf
     assert any(not torch.allclose(initial[k], reference[k]) for k in reference)
 
 
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_resume_is_bit_exact(name, schedule_runs):
+    for rank_result in schedule_runs[name][1]:
+        straight = rank_result["adamw", "fp32"]
+        assert list(rank_result["resumed"]) == list(straight)
+        for k, v in straight.items():
+            assert torch.equal(rank_result["resumed"][k], v), k
+
+
 def test_the_schedule_changes_only_the_timing(schedule_runs):
     # Every schedule sums each parameter's micro-batch gradients in the same order: equal bits.
     weights = {name: ranks[0]["sgd", "fp32"] for name, (_, ranks) in schedule_runs.items()}
@@ -267,10 +290,8 @@ def test_the_schedule_changes_only_the_timing(schedule_runs):
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_the_executor_runs_the_order_the_driver_prints(name, schedule_runs):
-    _, ranks = schedule_runs[name]
-    cfg = TrainingConfig(world_size=2, strategy="pipeline", batch_size=32, pipeline_schedule=name, micro_batches=4)
-    printed = pipeline_layout(cfg)  # what `describe` draws on the driver, before any process
-    for r, rank_result in enumerate(ranks):
+    printed = pipeline_layout(_config(name))  # what `describe` draws on the driver, before any process
+    for r, rank_result in enumerate(schedule_runs[name][1]):
         for precision in ATOL:
             steps = rank_result["orders", precision]
             assert len(steps) == 3 and all(order == printed.orders[r] for order in steps), (r, precision)
@@ -278,91 +299,50 @@ def test_the_executor_runs_the_order_the_driver_prints(name, schedule_runs):
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_the_executor_holds_the_activations_its_schedule_implies(name, schedule_runs):
-    """Measured on torch's executor (saved-tensor hooks), fp32: each stage held exactly as many
-    micro-batches as its order has in flight: for 1F1B p - s on stage s, for GPipe all m."""
-    _, ranks = schedule_runs[name]
-    lay = pipeline_layout(TrainingConfig(world_size=2, strategy="pipeline", batch_size=32,
-                                         pipeline_schedule=name, micro_batches=4))
+    """Measured on torch's executor (saved-tensor hooks): each stage held exactly as many
+    micro-batches as its order has in flight (for 1F1B p - s on stage s, for GPipe all m),
+    and nothing a step saved outlived it (zero-bubble's retained graphs included)."""
+    lay = pipeline_layout(_config(name))
     expected = in_flight(lay)
-    if name == "1f1b":
-        assert expected == {0: 2, 1: 1}
-    if name == "gpipe":
-        assert expected == {0: 4, 1: 4}
-    for r, rank_result in enumerate(ranks):
-        for held in rank_result["held", "fp32"]:
-            assert held == {s: expected[s] for s in lay.rank_stages(r)}, (r, held)
+    assert expected == {"gpipe": {0: 4, 1: 4}, "1f1b": {0: 2, 1: 1}}.get(name, expected)
+    for r, rank_result in enumerate(schedule_runs[name][1]):
+        for precision in ATOL:
+            for held in rank_result["held", precision]:
+                assert held == {s: expected[s] for s in lay.rank_stages(r)}, (r, precision, held)
+            assert rank_result["left", precision] == 0
 
 
-def held_on_three_ranks(rank: int, world_size: int, args: dict) -> dict:
-    out = {}
-    for name in ("gpipe", "1f1b"):
-        torch.manual_seed(0)
-        parallel = _setup(rank, world_size, MODELS["mlp"](), pipeline_schedule=name, micro_batches=6, batch_size=36)
-        _train(parallel, 2, 36)
-        out[name] = [log.held for log in parallel.clock.take()]
-    return out
-
-
-def test_1f1b_holds_p_minus_s_activations_on_the_executor_gpipe_m():
-    ranks = launch_local(held_on_three_ranks, {}, world_size=3, timeout_s=180)
-    for s, rank_result in enumerate(ranks):
-        assert rank_result["1f1b"] == [{s: 3 - s}] * 2
-        assert rank_result["gpipe"] == [{s: 6}] * 2
+def several(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
+    """train_steps for each of `runs` in turn, in one process group."""
+    return [train_steps(rank, world_size, args) for args in runs]
 
 
 @pytest.mark.parametrize(
-    "variant, world_size, atol",
+    "world_size, variants",
     [
-        ({"model": "transformer"}, 2, 1e-5),
-        ({"model": "transformer", "cfg": {"pipeline_schedule": "interleaved-1f1b"}}, 2, 1e-5),
-        ({"cfg": {"dp": 2, "pp": 2, "micro_batches": 2}}, 4, 1e-5),
-        ({"cfg": {"dp": 2, "pp": 2, "micro_batches": 2, "pipeline_schedule": "zbv"}}, 4, 1e-5),
-        ({"cfg": {"micro_batches": 1, "pipeline_schedule": "gpipe"}}, 2, 1e-5),
+        (2, [{"model": "transformer"},
+             {"model": "transformer", "cfg": {"pipeline_schedule": "interleaved-1f1b"}},
+             {"cfg": {"micro_batches": 1, "pipeline_schedule": "gpipe"}}]),
+        (4, [{"cfg": {"dp": 2, "pp": 2, "micro_batches": 2}},
+             {"cfg": {"dp": 2, "pp": 2, "micro_batches": 2, "pipeline_schedule": "zbv"}}]),
     ],
 )
-def test_pipeline_variants_match_single_process(variant, world_size, atol):
-    args = {**ARGS, **variant}
-    ranks = launch_local(train_steps, args, world_size=world_size, timeout_s=180)
-    reference = train_steps(0, 1, args)
-    for rank_result in ranks:
-        _assert_close(rank_result, reference, atol=atol)
-
-
-def resume_rank(rank: int, world_size: int, args: dict) -> dict:
-    """4 steps straight, and 2 steps, a resume (as the worker does it) into a fresh rank, 2 more."""
-    settings = dict(batch_size=32, pipeline_schedule=args["schedule"], micro_batches=4)
-    torch.manual_seed(0)
-    straight = _setup(rank, world_size, MODELS["mlp"](), "adamw", **settings)
-    for x, y in global_batches(4, 32):
-        straight.step(x, y)
-    torch.manual_seed(0)
-    first = _setup(rank, world_size, MODELS["mlp"](), "adamw", **settings)
-    batches = list(global_batches(4, 32))
-    for x, y in batches[:2]:
-        first.step(x, y)
-    full, mine = first.full_state_dict(), first.state_dict()
-    torch.manual_seed(1)  # a different start: everything must come from the checkpoint
-    resumed = _setup(rank, world_size, MODELS["mlp"](), "adamw", **settings)
-    resumed.load_state_dict(mine, full)
-    for x, y in batches[2:]:
-        resumed.step(x, y)
-    return {"straight": straight.full_state_dict(), "resumed": resumed.full_state_dict()}
-
-
-@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
-def test_resume_is_bit_exact_with_several_stages_per_rank(schedule):
-    for rank_result in launch_local(resume_rank, {"schedule": schedule}, world_size=2, timeout_s=180):
-        for k, v in rank_result["straight"].items():
-            assert torch.equal(rank_result["resumed"][k], v), k
+def test_pipeline_variants_match_single_process(world_size, variants):
+    runs = [{**ARGS, **variant} for variant in variants]
+    ranks = launch_local(several, runs, world_size=world_size, timeout_s=300)
+    for i, args in enumerate(runs):
+        reference = train_steps(0, 1, args)
+        for rank_results in ranks:
+            _assert_close(rank_results[i], reference)
 
 
 def stage_report(rank: int, world_size: int, args: dict) -> dict:
-    """Train as train_steps does, then report what this rank holds and returned."""
+    """Train, then report what this rank holds and returned."""
     torch.manual_seed(0)
     parallel = _setup(rank, world_size, MODELS[args["model"]](), batch_size=args["batch"], **args["cfg"])
     losses = []
     for x, y in global_batches(args["steps"], args["batch"]):
-        out = parallel.step(x, y)  # dp 1: every rank reads the whole batch
+        out = parallel.step(x, y)
         if out is not None:
             logits, loss = out
             assert logits.shape == (args["batch"], 3)
@@ -377,11 +357,34 @@ def stage_report(rank: int, world_size: int, args: dict) -> dict:
     }
 
 
-def test_boundaries_from_config_decide_what_each_stage_holds():
+def three_ranks(rank: int, world_size: int, args: dict) -> dict:
+    """The cnn cut by configured boundaries; the mlp's held activations under GPipe and 1F1B."""
+    out = {"cnn": stage_report(rank, world_size, args)}
+    for name in ("gpipe", "1f1b"):
+        torch.manual_seed(0)
+        parallel = _setup(rank, world_size, MODELS["mlp"](), pipeline_schedule=name, micro_batches=6, batch_size=36)
+        _train(parallel, global_batches(2, 36))
+        out[name] = [log.held for log in parallel.clock.take()]
+    return out
+
+
+@pytest.fixture(scope="module")
+def on_three_ranks() -> tuple[dict, list[dict]]:
     # cnn layers: 0 FeatureInput, 1 Channels (no parameters), 2-3 ConvBlock, 4 PoolHead.
     args = {"model": "cnn", "steps": 3, "batch": 36, "cfg": {"pp": 3, "pipeline_boundaries": [1, 2],
                                                             "micro_batches": 3}}
-    ranks = launch_local(stage_report, args, world_size=3, timeout_s=180)
+    return args, launch_local(three_ranks, args, world_size=3, timeout_s=300)
+
+
+def test_1f1b_holds_p_minus_s_activations_on_the_executor_gpipe_m(on_three_ranks):
+    for s, rank_result in enumerate(on_three_ranks[1]):
+        assert rank_result["1f1b"] == [{s: 3 - s}] * 2
+        assert rank_result["gpipe"] == [{s: 6}] * 2
+
+
+def test_boundaries_from_config_decide_what_each_stage_holds(on_three_ranks):
+    args, results = on_three_ranks
+    ranks = [r["cnn"] for r in results]
     layers_of = lambda r: {name.split(".")[0] for name in ranks[r]["held"]}  # noqa: E731
     assert layers_of(0) == {"0"}
     assert layers_of(1) == set() and ranks[1]["optimized"] == 0
@@ -395,7 +398,7 @@ def test_boundaries_from_config_decide_what_each_stage_holds():
     for loss, recomputed in ranks[2]["losses"]:
         assert loss == pytest.approx(recomputed, rel=1e-5)
     reference = train_steps(0, 1, {**args, "cfg": {}})
-    for s, r in enumerate(ranks):
+    for r in ranks:
         metrics = r["metrics"]
         assert metrics["pipeline_bubble_formula"] == pytest.approx(2 / 5)
         # Steps 2 and 3 measured (the first also set the schedule up): fractions of the step.
@@ -407,12 +410,14 @@ def test_boundaries_from_config_decide_what_each_stage_holds():
 
 # --- the measured bubble against the schedule's (#13) ---
 
-# Compute dominates: 6 hidden layers of 1024, 256 rows per micro-batch, one thread: a stage's
-# forward of a micro-batch is tens of milliseconds, its activations (1 MB) cross in about one.
-WIDE_HIDDEN, WIDE_BATCH, WIDE_STEPS = [1024] * 6, 1024, 6
+# Compute dominates: 7 hidden layers of 1024, 2 micro-batches of 512 rows, one thread: a stage's
+# forward of a micro-batch is ~0.1 s, its activations (2 MB) cross in milliseconds. Few,
+# large micro-batches: every send and receive can cost a wake-up on a busy machine, so the
+# compute per message is what keeps the replay's omissions small.
+WIDE_HIDDEN, WIDE_BATCH, WIDE_MICRO_BATCHES, WIDE_STEPS = [1024] * 7, 1024, 2, 6
 # What the replay leaves out (sends, receives, the executor between actions, the barrier's
-# skew, waking up after a wait on a busy machine) was 1-6% of these steps here, on 2 cores with
-# other jobs and two CPU hogs beside it (see README, "Pipeline").
+# skew, waking up after a wait on a busy machine) came to 0.01-0.05 of these steps here, on 2
+# cores with two CPU hogs and other jobs beside it (load 20-34; see README, "Pipeline").
 BUBBLE_TOLERANCE = 0.08
 
 
@@ -422,8 +427,9 @@ def measured_bubbles(rank: int, world_size: int, args: dict) -> dict:
     for name in args["schedules"]:
         torch.manual_seed(0)
         model = TabularMLP(5, [4], WIDE_HIDDEN, 3)
-        parallel = _setup(rank, world_size, model, pipeline_schedule=name, micro_batches=4, batch_size=WIDE_BATCH)
-        _train(parallel, WIDE_STEPS, WIDE_BATCH)
+        parallel = _setup(rank, world_size, model, pipeline_schedule=name, micro_batches=WIDE_MICRO_BATCHES,
+                          batch_size=WIDE_BATCH)
+        _train(parallel, global_batches(WIDE_STEPS, WIDE_BATCH))
         # The pipeline's bubble per step: the mean over its ranks, measured and replayed.
         out[name] = [(fmean(b.measured), fmean(b.predicted)) for b in step_bubbles(parallel.layout,
                                                                                    parallel.gathered_steps())]

@@ -218,7 +218,8 @@ class PipelineRank:
         self.last = any(stage.is_last for stage in self.stages)
         self.data_rank, self.data_world, self.reports = mesh.dp_index(rank), mesh.dp, self.last
         self.pp_rank = mesh.inner_index(rank)
-        self.bubble_formula = schedule_bubble(lay)
+        formula = closed_form(lay)  # exact where a formula exists; else the replay's
+        self.bubble_formula = formula[1] / formula[2] if formula else schedule_bubble(lay)
         self.steps_run = 0
 
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
