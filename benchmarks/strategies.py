@@ -19,8 +19,10 @@ ranks the ranks share cores, so a ratio below 1 there says "oversubscribed", not
   measured on torch's executor (1 - a rank's compute time / the step's span); predicted by
   replaying the schedule with the same steps' measured action times, communication free;
   and the schedule's own with equal stages ((p-1)/(m+p-1) for GPipe and 1F1B). formula ->
-  predicted is what unequal and varying stage times cost, predicted -> measured what
-  sends, receives and the executor between actions cost (training/strategies/pipeline_timing.py).
+  predicted is what unequal and varying stage times cost, predicted -> measured what the
+  replay leaves out: ranks waiting for a core (measured too: pipeline_cpu_wait, the share of
+  the step a rank was ready to run but had no core, outside its actions), sends, receives
+  and the executor between actions (training/strategies/pipeline_timing.py).
 """
 
 from __future__ import annotations
@@ -136,7 +138,7 @@ def run(progress=print, steps: int = 30, warmup: int = 5, global_batch: int = GL
             "peak_mb_per_rank": [round(r["peak_mb"], 1) for r in ranks],
         }
         if "pipeline_bubble" in ranks[0]["figures"]:
-            for k in ("pipeline_bubble", "pipeline_bubble_predicted"):
+            for k in ("pipeline_bubble", "pipeline_bubble_predicted", "pipeline_cpu_wait"):
                 row[k] = sum(r["figures"][k] for r in ranks) / len(ranks)
             row["pipeline_bubble_formula"] = ranks[0]["figures"]["pipeline_bubble_formula"]
             row["pipeline_activations_held_max"] = [r["figures"]["pipeline_activations_held_max"] for r in ranks]

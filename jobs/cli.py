@@ -426,8 +426,9 @@ def bench_strategies(steps, as_json):
                         f"global batch {result['global_batch']}, {result['steps']} steps, "
                         f"{result['cores']} cores, {result['device']}")
     table.add_column("", no_wrap=True)
-    bubbles = ("pipeline_bubble", "pipeline_bubble_predicted", "pipeline_bubble_formula")
-    for col in ("ranks", "samples/s", "× single", "peak MB (max rank)", "bubble", "predicted", "formula"):
+    bubbles = ("pipeline_bubble", "pipeline_bubble_predicted", "pipeline_bubble_formula", "pipeline_cpu_wait")
+    for col in ("ranks", "samples/s", "× single", "peak MB (max rank)", "bubble", "predicted", "formula",
+                "cpu wait"):
         table.add_column(col, justify="right")
     for name, row in result["strategies"].items():
         table.add_row(
@@ -441,7 +442,8 @@ def bench_strategies(steps, as_json):
     console.print(f"  peak MB: {result['memory_measure']} of the rank that grew most (--json: every "
                   "rank's); bubble: the pipeline's "
                   "measured idle share; predicted: its schedule replayed with the measured action "
-                  "times, communication free; formula: the schedule's with equal stages.")
+                  "times, communication free; formula: the schedule's with equal stages; cpu wait: "
+                  "share of the step a rank was ready to run but had no core (outside its actions).")
 
 
 def _spark(cfg: ShardlineConfig):

@@ -412,13 +412,14 @@ def test_boundaries_from_config_decide_what_each_stage_holds(on_three_ranks):
 
 # Compute dominates: 7 hidden layers of 1024, 2 micro-batches of 512 rows, one thread: a stage's
 # forward of a micro-batch is ~0.1 s, its activations (2 MB) cross in milliseconds. Few,
-# large micro-batches: every send and receive can cost a wake-up on a busy machine, so the
-# compute per message is what keeps the replay's omissions small.
+# large micro-batches: every send and receive can cost a wake-up on a busy machine.
 WIDE_HIDDEN, WIDE_BATCH, WIDE_MICRO_BATCHES, WIDE_STEPS = [1024] * 7, 1024, 2, 6
-# What the replay leaves out (sends, receives, the executor between actions, the barrier's
-# skew, waking up after a wait on a busy machine) came to 0.01-0.05 of these steps here, on 2
-# cores with two CPU hogs and other jobs beside it (load 20-34; see README, "Pipeline").
-BUBBLE_TOLERANCE = 0.08
+# The replay assumes each rank has a core whenever it can run and that messages are free.
+# The first is measured (cpu_wait: ready to run, waiting for a core, outside the actions) and
+# allowed for; what is left (sends, receives, the executor between actions, the barrier's
+# skew) came to under 0.01 of these steps here, with two CPU hogs and other jobs beside them
+# on 2 cores (load 15-34).
+COMMUNICATION_TOLERANCE = 0.05
 
 
 def measured_bubbles(rank: int, world_size: int, args: dict) -> dict:
@@ -430,23 +431,24 @@ def measured_bubbles(rank: int, world_size: int, args: dict) -> dict:
         parallel = _setup(rank, world_size, model, pipeline_schedule=name, micro_batches=WIDE_MICRO_BATCHES,
                           batch_size=WIDE_BATCH)
         _train(parallel, global_batches(WIDE_STEPS, WIDE_BATCH))
-        # The pipeline's bubble per step: the mean over its ranks, measured and replayed.
-        out[name] = [(fmean(b.measured), fmean(b.predicted)) for b in step_bubbles(parallel.layout,
-                                                                                   parallel.gathered_steps())]
+        # The pipeline's figures per step: means over its ranks.
+        out[name] = [(fmean(b.measured), fmean(b.predicted), fmean(b.cpu_wait))
+                     for b in step_bubbles(parallel.layout, parallel.gathered_steps())]
     return out
 
 
 def test_measured_bubble_is_the_schedules_prediction_within_tolerance():
-    """Each step, the schedule replayed with the step's own measured action times predicts
-    its bubble (so a slower stage or a preempted action moves both); the executor's measured
-    bubble may exceed it only by communication and overhead: at most BUBBLE_TOLERANCE, as the
-    median over the steps (the first step, which also sets the schedule up, is left out)."""
+    """Each step, torch's order replayed with the step's own measured action times predicts
+    its bubble (a slower stage or a preempted action moves both). The executor's measured
+    bubble is at least that (the replay is the fastest these orders can run with these
+    times, up to the barrier's skew between the ranks' clocks) and exceeds it by at most
+    the measured wait for a core plus COMMUNICATION_TOLERANCE: medians over the steps (the
+    first step, which also sets the schedule up, is left out)."""
     schedules = ["gpipe", "1f1b"]
     ranks = launch_local(measured_bubbles, {"schedules": schedules}, world_size=2, timeout_s=600)
     for name in schedules:
         steps = ranks[0][name]
         assert len(steps) == WIDE_STEPS - 1 and steps == ranks[1][name]
-        excess = median(measured - predicted for measured, predicted in steps)
-        # The replay is the fastest these orders can run with these action times: a lower bound
-        # (up to the barrier's skew between the ranks' clocks).
-        assert -0.01 <= excess <= BUBBLE_TOLERANCE, (name, steps)
+        assert median(measured - predicted for measured, predicted, _ in steps) >= -0.01, (name, steps)
+        unexplained = median(measured - predicted - waited for measured, predicted, waited in steps)
+        assert unexplained <= COMMUNICATION_TOLERANCE, (name, steps)

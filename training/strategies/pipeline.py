@@ -287,6 +287,7 @@ class PipelineRank:
         if bubbles:
             metrics["pipeline_bubble"] = fmean(b.measured[me] for b in bubbles)
             metrics["pipeline_bubble_predicted"] = fmean(b.predicted[me] for b in bubbles)
+            metrics["pipeline_cpu_wait"] = fmean(b.cpu_wait[me] for b in bubbles)
             # Most micro-batches whose activations this rank held at once.
             metrics["pipeline_activations_held_max"] = float(max(log.held_in_all for log in logs[me]))
         return metrics

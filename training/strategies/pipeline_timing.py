@@ -17,12 +17,16 @@ pipeline's group first), so a step's span is the longest rank's time in it, and
 - predicted: 1 - the same busy time / the span of schedule.replay with these very
   action times (communication taking none).
 The two differ by what the replay leaves out: sends and receives, the executor's own
-work between actions, the barrier's skew.
+work between actions, the barrier's skew, and time a rank was ready to run but waited
+for a core. That last one is measured too (Linux's per-thread run-queue wait, outside the
+rank's actions: inside them it is part of the action's time): `cpu_wait`.
 """
 
 from __future__ import annotations
 
+import os
 import time
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -45,6 +49,23 @@ class StepLog:
     held: dict[int, int] = field(default_factory=dict)
     held_in_all: int = 0
     first: bool = False
+    cpu_wait: float = 0.0  # seconds ready to run but waiting for a core, outside the actions
+
+
+class _RunQueueWait:
+    """Seconds the calling thread has waited, ready to run, for a core (the second field of
+    Linux's /proc/thread-self/schedstat); always 0.0 where that is unreadable."""
+
+    def __init__(self) -> None:
+        try:
+            self._fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+            return
+        weakref.finalize(self, os.close, self._fd)
+
+    def __call__(self) -> float:
+        return int(os.pread(self._fd, 128, 0).split()[1]) / 1e9 if self._fd is not None else 0.0
 
 
 class RankClock:
@@ -54,18 +75,28 @@ class RankClock:
         self.steps: list[StepLog] = []
         self._start = 0.0
         self.live: dict[tuple[int, int], int] = defaultdict(int)  # (stage, mb) -> saved tensors
+        self._run_queue = _RunQueueWait()  # made on the thread that runs the steps
+        self._waited = self._waited_in_actions = 0.0
 
     def begin(self, first: bool) -> None:
         self.steps.append(StepLog(first=first))
+        self._waited, self._waited_in_actions = self._run_queue(), 0.0
         self._start = time.perf_counter()
 
     def end(self) -> None:
-        self.steps[-1].length = time.perf_counter() - self._start
+        log = self.steps[-1]
+        log.length = time.perf_counter() - self._start
+        log.cpu_wait = max(0.0, self._run_queue() - self._waited - self._waited_in_actions)
 
     def now(self) -> float:
         return time.perf_counter() - self._start
 
-    def record(self, action: Action, start: float) -> None:
+    def start_action(self) -> tuple[float, float]:
+        return self.now(), self._run_queue()
+
+    def record(self, action: Action, started: tuple[float, float]) -> None:
+        start, waited = started
+        self._waited_in_actions += self._run_queue() - waited
         self.steps[-1].actions.append((action, start, self.now()))
 
     def extend_last_forward(self) -> None:
@@ -116,7 +147,7 @@ class TimedStage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         key, live = (self.stage_index, fwd_chunk_id), self.clock.live
-        start = self.clock.now()
+        start = self.clock.start_action()
         with torch.autograd.graph.saved_tensors_hooks(
             lambda t: t if isinstance(t, nn.Parameter) else _Saved(t, key, live),
             lambda s: s.tensor if isinstance(s, _Saved) else s,
@@ -127,12 +158,12 @@ class TimedStage(PipelineStage):
         return out
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-        start = self.clock.now()
+        start = self.clock.start_action()
         super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
         self.clock.record((self.stage_index, "B" if full_backward else "I", bwd_chunk_id), start)
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
-        start = self.clock.now()
+        start = self.clock.start_action()
         super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
         self.clock.record((self.stage_index, "W", bwd_chunk_id), start)
 
@@ -141,6 +172,7 @@ class TimedStage(PipelineStage):
 class StepBubble:
     measured: list[float]  # per rank of the pipeline
     predicted: list[float]
+    cpu_wait: list[float]  # share of the span a rank waited for a core outside its actions
 
 
 def step_bubbles(lay: Layout, logs: list[list[StepLog]]) -> list[StepBubble]:
@@ -151,5 +183,5 @@ def step_bubbles(lay: Layout, logs: list[list[StepLog]]) -> list[StepBubble]:
         busy = [sum(end - start for _, start, end in log.actions) for log in steps]
         span = max(log.length for log in steps)
         predicted = idle_share(replay(lay, lambda rank, action: times[action]))
-        out.append(StepBubble([1 - b / span for b in busy], predicted))
+        out.append(StepBubble([1 - b / span for b in busy], predicted, [log.cpu_wait / span for log in steps]))
     return out
