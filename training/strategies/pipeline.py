@@ -198,14 +198,15 @@ class PipelineRank:
         self.dp = mesh.dp
         self.dp_group, self.pp_group = mesh.groups(rank)
         self.layout = lay = pipeline_layout(cfg)
+        self.pp_rank = mesh.inner_index(rank)  # position in the pipeline
         bounds = stage_bounds(cfg, model, lay.stages)
-        self.clock = RankClock()
+        self.clock = RankClock(device)
         self.stages = [
             TimedStage(
                 StageLayers(model, bounds[s], bounds[s + 1], cfg.precision == "bf16").to(device),
                 s, lay.stages, device, group=self.pp_group, clock=self.clock,
             )
-            for s in lay.rank_stages(mesh.inner_index(rank))
+            for s in lay.rank_stages(self.pp_rank)
         ]
         self.params = [p for stage in self.stages for p in stage.submod.parameters()]
         # A rank of parameterless layers (a reshape) has nothing to optimise.
@@ -217,7 +218,6 @@ class PipelineRank:
         self.first = any(stage.is_first for stage in self.stages)
         self.last = any(stage.is_last for stage in self.stages)
         self.data_rank, self.data_world, self.reports = mesh.dp_index(rank), mesh.dp, self.last
-        self.pp_rank = mesh.inner_index(rank)
         formula = closed_form(lay)  # exact where a formula exists; else the replay's
         self.bubble_formula = formula[1] / formula[2] if formula else schedule_bubble(lay)
         self.steps_run = 0
@@ -257,7 +257,8 @@ class PipelineRank:
         parts = [None] * self.layout.ranks
         dist.all_gather_object(parts, own, group=self.pp_group)
         # In stage order, as the plain model's state dict is (a rank may hold stages 0 and 3).
-        return {k: v for _, state in sorted(s for part in parts for s in part) for k, v in state.items()}
+        stages = sorted((s for part in parts for s in part), key=lambda s: s[0])
+        return {k: v for _, state in stages for k, v in state.items()}
 
     def state_dict(self) -> dict:
         # The stages' weights are in the checkpoint's full "model".

@@ -71,7 +71,12 @@ class _RunQueueWait:
 class RankClock:
     """The steps of one rank, shared by its stages."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        # On a GPU an action's time is its kernels': wait for the compute stream at each edge
+        # (the p2p streams are not waited on). Never ran on a GPU: none was available.
+        self._sync = (
+            torch.cuda.current_stream(device).synchronize if device.type == "cuda" else lambda: None
+        )
         self.steps: list[StepLog] = []
         self._start = 0.0
         self.live: dict[tuple[int, int], int] = defaultdict(int)  # (stage, mb) -> saved tensors
@@ -92,9 +97,11 @@ class RankClock:
         return time.perf_counter() - self._start
 
     def start_action(self) -> tuple[float, float]:
+        self._sync()
         return self.now(), self._run_queue()
 
     def record(self, action: Action, started: tuple[float, float]) -> None:
+        self._sync()
         start, waited = started
         self._waited_in_actions += self._run_queue() - waited
         self.steps[-1].actions.append((action, start, self.now()))
@@ -104,6 +111,7 @@ class RankClock:
         (Before the first forward, torch's shape inference computes one: not an action.)"""
         actions = self.steps[-1].actions
         if actions and actions[-1][0][1] == "F":
+            self._sync()
             action, start, _ = actions[-1]
             actions[-1] = (action, start, self.now())
 

@@ -42,8 +42,8 @@ SCHEDULES: dict[str, Schedule] = {
     "gpipe": Schedule(ScheduleGPipe, 1, "all forwards, then all backwards"),
     "1f1b": Schedule(Schedule1F1B, 1, "after a warm-up, one forward then one backward"),
     "interleaved-1f1b": Schedule(
-        ScheduleInterleaved1F1B, None, "1F1B over several stages per rank (looped: rank r holds "
-        "stages r, r+p, ...)",
+        ScheduleInterleaved1F1B, None, "1F1B over several stages per rank, looped: rank r holds "
+        "stages r, r+p, ...",
     ),
     "zbv": Schedule(
         ScheduleZBVZeroBubble, 2, "zero bubble, V-shaped: rank r holds stages r and 2p-1-r, "
