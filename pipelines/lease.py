@@ -82,6 +82,7 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._since = ""
+        self._made_dir = False
 
     @staticmethod
     def holder(url: str) -> Holder | None:
@@ -92,6 +93,8 @@ class Lease:
 
     def acquire(self) -> Lease:
         self._since = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        # A directory made only to hold the lease goes with it: a refused job leaves nothing.
+        self._made_dir = not storage.exists(storage.parent(self.url))
         for _ in range(20):
             expires_at = time.time() + self.ttl_s
             tag = storage.create_only(self.url, self._body(expires_at))
@@ -149,6 +152,8 @@ class Lease:
             self._thread.join()
         if self._tag is not None and not self._lost:
             storage.delete_if(self.url, self._tag)
+            if self._made_dir:
+                storage.remove_empty_dir(storage.parent(self.url))
         self._tag = None
 
     def __enter__(self) -> Lease:

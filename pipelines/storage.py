@@ -206,6 +206,13 @@ def delete_tree(url: str) -> None:
         fs.delete_dir(path)
 
 
+def remove_empty_dir(url: str) -> None:
+    """Remove a local directory if it is empty (object stores have no empty directories)."""
+    if not is_remote(url):
+        with contextlib.suppress(OSError):
+            os.rmdir(local_path(url))
+
+
 @contextlib.contextmanager
 def write(url: str) -> Iterator[IO[bytes]]:
     """A binary file to write `url` through; it appears whole when the block ends, never
