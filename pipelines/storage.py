@@ -167,8 +167,13 @@ def is_dir(url: str) -> bool:
 
 
 def size(url: str) -> int:
+    return file_info(url).size
+
+
+def file_info(url: str):
+    """pyarrow's FileInfo: type, size, mtime (an object's last-modified time)."""
     fs, path = filesystem(url)
-    return fs.get_file_info(path).size
+    return fs.get_file_info(path)
 
 
 def list_dir(url: str) -> list[str]:
