@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import click
 from rich.console import Console
@@ -14,7 +14,7 @@ from rich.table import Table
 
 from pipelines.errors import ShardlineError
 
-from .config import ShardlineConfig, load_config
+from .config import ShardlineConfig, load_config, resolve_paths
 
 console = Console(stderr=True, highlight=False)
 
@@ -49,19 +49,32 @@ def cli():
 def run(config, overrides):
     """Generate/prepare data, train with DDP on a Spark barrier stage, register, score."""
     cfg = load_config(config, list(overrides))
+    cfg = resolve_paths(cfg, ["spark", cfg.training.launcher], tracking=True)
     from training.job import check_settings
 
     check_settings(cfg.training)  # a misspelt model or strategy: one line, before Spark starts
-    spark = _spark(cfg)
-    from pipelines.engine_spark import SparkEngine
-
-    manifest = _prepare(cfg, SparkEngine(spark))
-    result = _train(cfg, spark)
-    # force: each run trains a new model version and re-scores its own output with it.
-    score = _score(
-        cfg, "spark", spark, result.model_uri, result.tracking_uri, cfg.pipelines.dataset_dir,
-        force=True,
+    p = cfg.pipelines
+    _check_storage(
+        reads=[] if p.source.format == "synthetic" else [("pipelines.source.path", p.source.path)],
+        writes=[("pipelines.dataset_dir", p.dataset_dir), ("training.checkpoint_dir", cfg.training.checkpoint_dir),
+                ("serving.output_dir", cfg.serving.output_dir)]
+        + ([("pipelines.source.path", p.source.path)] if p.source.format == "synthetic" else []),
     )
+    with ExitStack() as leases:
+        # Both leases before Spark starts: a second run on the same dirs is refused at once.
+        dataset = leases.enter_context(_dataset_lease(cfg))
+        output = leases.enter_context(_output_lease(cfg.serving.output_dir))
+        spark = _spark(cfg)
+        from pipelines.engine_spark import SparkEngine
+
+        manifest = _prepare(cfg, SparkEngine(spark), lease=dataset)
+        dataset.release()
+        result = _train(cfg, spark)
+        # force: each run trains a new model version and re-scores its own output with it.
+        score = _score(
+            cfg, "spark", spark, result.model_uri, result.tracking_uri, cfg.pipelines.dataset_dir,
+            force=True, lease=output,
+        )
 
     table = Table(title="shardline run", show_header=False, title_justify="left")
     for split, info in manifest.splits.items():
@@ -99,6 +112,7 @@ def prepare(config, overrides, engine, append, refit, by_plan):
     """Validate, split, transform and shard raw data into a prepared dataset."""
     extra = [f"pipelines.engine='{engine}'"] if engine else []
     cfg = load_config(config, list(overrides) + extra)
+    cfg = resolve_paths(cfg, [cfg.pipelines.engine])
     if refit and not append:
         raise click.UsageError("--refit goes with --append")
     if by_plan and append and not refit:
@@ -107,8 +121,12 @@ def prepare(config, overrides, engine, append, refit, by_plan):
         from pipelines.prepare import check_plan
 
         check_plan(cfg.pipelines)  # no usable plan: fail before an engine starts
-    with _prepare_engine(cfg) as eng:
-        manifest = _prepare(cfg, eng, append=append, refit=refit, by_plan=by_plan)
+    p = cfg.pipelines
+    synthetic = [("pipelines.source.path", p.source.path)] if p.source.format == "synthetic" else []
+    _check_storage(reads=[] if synthetic else [("pipelines.source.path", p.source.path)],
+                   writes=[("pipelines.dataset_dir", p.dataset_dir), *synthetic])
+    with _dataset_lease(cfg) as lease, _prepare_engine(cfg) as eng:
+        manifest = _prepare(cfg, eng, append=append, refit=refit, by_plan=by_plan, lease=lease)
     for split, info in manifest.splits.items():
         console.print(f"  {split}: {info.rows:,} rows in {len(info.shards)} shards")
     if manifest.dropped_rows:
@@ -120,11 +138,17 @@ def prepare(config, overrides, engine, append, refit, by_plan):
 @_set_option
 @click.option("--launcher", type=click.Choice(["spark", "dask", "local"]), help="Overrides training.launcher.")
 @click.option("--world-size", type=int, help="Overrides training.world_size.")
-def train(config, overrides, launcher, world_size):
+@click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in training.checkpoint_dir "
+              "(wherever it is stored); the same as --set training.resume=true.")
+def train(config, overrides, launcher, world_size, resume):
     """Train on a prepared dataset; track in MLflow; register the model."""
     extra = [f"training.launcher='{launcher}'"] if launcher else []
     extra += [f"training.world_size={world_size}"] if world_size else []
+    extra += ["training.resume=true"] if resume else []
     cfg = load_config(config, list(overrides) + extra)
+    cfg = resolve_paths(cfg, [cfg.training.launcher], tracking=True)
+    _check_storage(reads=[("pipelines.dataset_dir", cfg.pipelines.dataset_dir)],
+                   writes=[("training.checkpoint_dir", cfg.training.checkpoint_dir)])
     from training.job import check_settings
 
     # Names and batch: one line before an engine starts. The dataset is checked after,
@@ -163,13 +187,23 @@ def score(config, overrides, model_uri, input_path, split, output_dir, engine, i
     update = {k: v for k, v in update.items() if v}
     if incremental:
         update["incremental"] = True
-    cfg.serving = s = cfg.serving.model_copy(update=update)
+    cfg.serving = cfg.serving.model_copy(update=update)
+    cfg = resolve_paths(cfg, [cfg.serving.engine], tracking=True)
+    s = cfg.serving
     if not s.model_uri:
         raise click.UsageError("no model: pass --model or set serving.model_uri")
-    with _engine_handle(cfg, s.engine) as handle:
+    from jobs.config import cluster_of
+    from pipelines.storage import resolve
+    from serving.ledger import check_output_dir
+
+    input_path = resolve(input_path, "--input", cluster_of(cfg, [s.engine])) if input_path else cfg.pipelines.dataset_dir
+    _check_storage(reads=[("--input", input_path)], writes=[("serving.output_dir", s.output_dir)])
+    check_output_dir(s.output_dir)
+    # The output's lease before the engine starts: a second job is refused at once.
+    with _output_lease(s.output_dir) as lease, _engine_handle(cfg, s.engine) as handle:
         r = _score(
-            cfg, s.engine, handle, s.model_uri, cfg.tracking.resolved_uri(),
-            input_path or cfg.pipelines.dataset_dir, force=force,
+            cfg, s.engine, handle, s.model_uri, cfg.tracking.resolved_uri(), input_path,
+            force=force, lease=lease,
         )
     console.print(
         f"  {r.rows:,} rows from {r.files_scored} file(s) → {r.output_dir}; "
@@ -191,6 +225,9 @@ def sweep(config, overrides, trials, parallel, engine, name):
     extra += [f"sweep.engine='{engine}'"] if engine else []
     extra += [f"sweep.name={json.dumps(name)}"] if name is not None else []
     cfg = load_config(config, list(overrides) + extra)
+    cfg = resolve_paths(cfg, [cfg.sweep.engine or cfg.training.launcher], tracking=True, sweep=True)
+    _check_storage(reads=[("pipelines.dataset_dir", cfg.pipelines.dataset_dir)],
+                   writes=[("training.checkpoint_dir", cfg.training.checkpoint_dir)])
     from training.sweep import check_sweep, run_sweep
 
     check_sweep(cfg.sweep, cfg.training, cfg.pipelines.dataset_dir)  # before any engine starts
@@ -228,8 +265,10 @@ def plan(config, overrides, as_json):
     Then `shardline prepare CONFIG --plan` lays the shards out by it, and training
     uses its loader workers unless training.loader_workers is set.
     """
-    cfg = load_config(config, list(overrides))
-    from pipelines.manifest import manifest_path, store_plan
+    cfg = resolve_paths(load_config(config, list(overrides)), [])  # measured here, in this process
+    _check_storage(reads=[], writes=[("pipelines.dataset_dir", cfg.pipelines.dataset_dir)])
+    from pipelines.manifest import manifest_url, store_plan
+    from pipelines.storage import display
     from training.job import preflight
     from training.plan import plan_dataset
 
@@ -262,7 +301,7 @@ def plan(config, overrides, as_json):
                   f"(now {len(train.shards)})")
     table.add_row("rows per row group", f"{p.rows_per_row_group:,} (now {manifest.layout.rows_per_row_group:,}; "
                   f"{max(now_groups)} per train shard)")
-    table.add_row("stored in", str(manifest_path(where)))
+    table.add_row("stored in", display(manifest_url(where, manifest.sequence)))
     Console().print(table)
     if not p.target_met:
         console.print(f"  loading cannot reach {p.headroom} × training with {p.max_loader_workers_per_rank} "
@@ -444,6 +483,31 @@ def bench_strategies(steps, as_json):
                   "measured idle share vs the formula (p-1)/(m+p-1).")
 
 
+def _check_storage(reads: list[tuple[str, str]], writes: list[tuple[str, str]]) -> None:
+    """Every store the command touches answers, with access, before an engine starts."""
+    from pipelines.storage import check_access
+
+    for setting, url in reads:
+        check_access(url, setting)
+    for setting, url in writes:
+        check_access(url, setting, write=True)
+
+
+def _dataset_lease(cfg: ShardlineConfig):
+    from pipelines.manifest import check_dataset_dir
+    from pipelines.prepare import dataset_lease
+
+    check_dataset_dir(cfg.pipelines.dataset_dir)  # a foreign directory: refused before we write
+    return dataset_lease(cfg.pipelines.dataset_dir)
+
+
+def _output_lease(output_dir: str):
+    from serving.ledger import check_output_dir, output_lease
+
+    check_output_dir(output_dir)
+    return output_lease(output_dir)
+
+
 def _spark(cfg: ShardlineConfig):
     from pipelines.engines import spark_session
 
@@ -490,14 +554,15 @@ def _dask(cfg: ShardlineConfig):
             cluster.close()
 
 
-def _prepare(cfg: ShardlineConfig, engine, append: bool = False, refit: bool = False, by_plan: bool = False):
+def _prepare(cfg: ShardlineConfig, engine, append: bool = False, refit: bool = False, by_plan: bool = False,
+             lease=None):
     from pipelines.prepare import prepare
 
     src = cfg.pipelines.source
     what = f"{src.synthetic.rows:,} synthetic rows" if src.format == "synthetic" else src.path
     how = " by its bandwidth plan" if by_plan else ""
     with stage(f"Preparing {what} into {cfg.pipelines.dataset_dir}{how} with {engine.name}"):
-        return prepare(engine, cfg.pipelines, append=append, refit=refit, by_plan=by_plan)
+        return prepare(engine, cfg.pipelines, append=append, refit=refit, by_plan=by_plan, lease=lease)
 
 
 def _train(cfg: ShardlineConfig, spark, dask_client=None):
@@ -511,7 +576,7 @@ def _train(cfg: ShardlineConfig, spark, dask_client=None):
         )
 
 
-def _score(cfg, engine: str, handle, model_uri: str, tracking_uri: str, input_path: str, force=False):
+def _score(cfg, engine: str, handle, model_uri: str, tracking_uri: str, input_path: str, force=False, lease=None):
     from serving.score import score as score_input
 
     s = cfg.serving
@@ -519,7 +584,7 @@ def _score(cfg, engine: str, handle, model_uri: str, tracking_uri: str, input_pa
         return score_input(
             engine, handle, model_uri, tracking_uri, input_path, s.output_dir,
             split=s.split, incremental=s.incremental, force=force, batch_size=s.batch_size,
-            threads_per_task=s.threads_per_task,
+            threads_per_task=s.threads_per_task, lease=lease,
         )
 
 

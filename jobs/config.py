@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 
@@ -9,6 +10,7 @@ from pydantic import Field, ValidationError
 
 from pipelines.config import DaskConfig, PipelineConfig, Section, SparkConfig
 from pipelines.errors import ConfigError
+from pipelines.storage import resolve
 from serving.config import ServingConfig
 from training.config import TrackingConfig, TrainingConfig
 from training.sweep_config import SweepConfig
@@ -69,3 +71,70 @@ def _apply_override(data: dict, item: str) -> None:
             raise ConfigError(f"--set {item!r}: '{part}' is a value, not a section")
         node = child
     node[leaf] = value
+
+
+# -- paths: resolved once, here on the driver, before anything starts ---------------------
+
+_ENGINE_OF = {"spark": "spark", "dask": "dask", "local": None}
+
+
+def cluster_of(cfg: ShardlineConfig, engines: list[str]) -> str | None:
+    """The setting that sends tasks to other hosts, among the engines a command uses; None
+    when every task runs on this machine (embedded Spark `local[...]`, a LocalCluster)."""
+    for engine in engines:
+        if engine == "spark":
+            remote = getattr(cfg.spark, "remote", None) or os.environ.get("SPARK_REMOTE")
+            if remote:
+                return f"Spark Connect at {remote!r}"
+            if not cfg.spark.master.startswith("local"):
+                return f"spark.master = {cfg.spark.master!r}"
+        if engine == "dask" and cfg.dask.address:
+            return f"dask.address = {cfg.dask.address!r}"
+    return None
+
+
+def resolve_paths(
+    cfg: ShardlineConfig, engines: list[str | None], *, tracking: bool = False, sweep: bool = False
+) -> ShardlineConfig:
+    """Every path setting as every host will open it (pipelines.storage.resolve): local
+    paths absolute, URLs as they are; a relative path refused when `engines` run tasks
+    on other hosts. tracking / sweep: the command's tasks open the MLflow store / the
+    Optuna storage, so a SQLite file (only this machine can open it) is refused there too.
+    """
+    cluster = cluster_of(cfg, [e for e in engines if e])
+    p, t, s = cfg.pipelines, cfg.training, cfg.serving
+    source = p.source.model_copy(update={"path": resolve(p.source.path, "pipelines.source.path", cluster)})
+    tracking_uri = _sqlite(cfg.tracking.resolved_uri(), "tracking.tracking_uri", cluster if tracking else None,
+                           "an MLflow tracking server (tracking.tracking_uri = 'http://host:5000')")
+    sweep_storage = cfg.sweep.storage
+    if sweep:
+        from training.sweep import resolve_storage
+
+        sweep_storage = _sqlite(resolve_storage(cfg.sweep, tracking_uri), "sweep.storage", cluster,
+                                "a database server every host reaches (sweep.storage = 'postgresql://...')")
+    return cfg.model_copy(
+        update={
+            "pipelines": p.model_copy(
+                update={"source": source, "dataset_dir": resolve(p.dataset_dir, "pipelines.dataset_dir", cluster)}
+            ),
+            "training": t.model_copy(
+                update={"checkpoint_dir": resolve(t.checkpoint_dir, "training.checkpoint_dir", cluster)}
+            ),
+            "serving": s.model_copy(update={"output_dir": resolve(s.output_dir, "serving.output_dir", cluster)}),
+            "tracking": cfg.tracking.model_copy(update={"tracking_uri": tracking_uri}),
+            "sweep": cfg.sweep.model_copy(update={"storage": sweep_storage}),
+        }
+    )
+
+
+def _sqlite(url: str, setting: str, cluster: str | None, instead: str) -> str:
+    """A SQLite URL made absolute; refused on a cluster, whose other hosts cannot open it."""
+    if not url.startswith("sqlite:///"):
+        return url
+    if cluster:
+        raise ConfigError(
+            f"{setting} = {url!r} is a SQLite file on this machine, but {cluster} runs tasks on "
+            f"other hosts, which cannot open it; use {instead}"
+        )
+    path = url[len("sqlite:///") :]
+    return url if path.startswith("/") or path in ("", ":memory:") else f"sqlite:///{os.path.abspath(path)}"
