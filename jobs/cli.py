@@ -14,7 +14,7 @@ from rich.table import Table
 
 from pipelines.errors import ShardlineError
 
-from .config import ShardlineConfig, load_config, resolve_paths
+from .config import CHECKPOINTS, DATASET, OUTPUT, SOURCE, ShardlineConfig, load_config, resolve_paths
 
 console = Console(stderr=True, highlight=False)
 
@@ -49,7 +49,7 @@ def cli():
 def run(config, overrides):
     """Generate/prepare data, train with DDP on a Spark barrier stage, register, score."""
     cfg = load_config(config, list(overrides))
-    cfg = resolve_paths(cfg, ["spark", cfg.training.launcher], tracking=True)
+    cfg = resolve_paths(cfg, ["spark", cfg.training.launcher], (SOURCE, DATASET, CHECKPOINTS, OUTPUT), tracking=True)
     from training.job import check_settings
 
     check_settings(cfg.training)  # a misspelt model or strategy: one line, before Spark starts
@@ -112,7 +112,7 @@ def prepare(config, overrides, engine, append, refit, by_plan):
     """Validate, split, transform and shard raw data into a prepared dataset."""
     extra = [f"pipelines.engine='{engine}'"] if engine else []
     cfg = load_config(config, list(overrides) + extra)
-    cfg = resolve_paths(cfg, [cfg.pipelines.engine])
+    cfg = resolve_paths(cfg, [cfg.pipelines.engine], (SOURCE, DATASET))
     if refit and not append:
         raise click.UsageError("--refit goes with --append")
     if by_plan and append and not refit:
@@ -146,7 +146,7 @@ def train(config, overrides, launcher, world_size, resume):
     extra += [f"training.world_size={world_size}"] if world_size else []
     extra += ["training.resume=true"] if resume else []
     cfg = load_config(config, list(overrides) + extra)
-    cfg = resolve_paths(cfg, [cfg.training.launcher], tracking=True)
+    cfg = resolve_paths(cfg, [cfg.training.launcher], (DATASET, CHECKPOINTS), tracking=True)
     _check_storage(reads=[("pipelines.dataset_dir", cfg.pipelines.dataset_dir)],
                    writes=[("training.checkpoint_dir", cfg.training.checkpoint_dir)])
     from training.job import check_settings
@@ -188,7 +188,7 @@ def score(config, overrides, model_uri, input_path, split, output_dir, engine, i
     if incremental:
         update["incremental"] = True
     cfg.serving = cfg.serving.model_copy(update=update)
-    cfg = resolve_paths(cfg, [cfg.serving.engine], tracking=True)
+    cfg = resolve_paths(cfg, [cfg.serving.engine], (DATASET, OUTPUT), tracking=True)
     s = cfg.serving
     if not s.model_uri:
         raise click.UsageError("no model: pass --model or set serving.model_uri")
@@ -225,7 +225,8 @@ def sweep(config, overrides, trials, parallel, engine, name):
     extra += [f"sweep.engine='{engine}'"] if engine else []
     extra += [f"sweep.name={json.dumps(name)}"] if name is not None else []
     cfg = load_config(config, list(overrides) + extra)
-    cfg = resolve_paths(cfg, [cfg.sweep.engine or cfg.training.launcher], tracking=True, sweep=True)
+    cfg = resolve_paths(cfg, [cfg.sweep.engine or cfg.training.launcher], (DATASET, CHECKPOINTS),
+                        tracking=True, sweep=True)
     _check_storage(reads=[("pipelines.dataset_dir", cfg.pipelines.dataset_dir)],
                    writes=[("training.checkpoint_dir", cfg.training.checkpoint_dir)])
     from training.sweep import check_sweep, run_sweep

@@ -93,17 +93,31 @@ def cluster_of(cfg: ShardlineConfig, engines: list[str]) -> str | None:
     return None
 
 
+SOURCE, DATASET, CHECKPOINTS, OUTPUT = (
+    "pipelines.source.path", "pipelines.dataset_dir", "training.checkpoint_dir", "serving.output_dir"
+)
+
+
 def resolve_paths(
-    cfg: ShardlineConfig, engines: list[str | None], *, tracking: bool = False, sweep: bool = False
+    cfg: ShardlineConfig, engines: list[str | None], uses: tuple[str, ...] = (), *,
+    tracking: bool = False, sweep: bool = False,
 ) -> ShardlineConfig:
     """Every path setting as every host will open it (pipelines.storage.resolve): local
-    paths absolute, URLs as they are; a relative path refused when `engines` run tasks
-    on other hosts. tracking / sweep: the command's tasks open the MLflow store / the
-    Optuna storage, so a SQLite file (only this machine can open it) is refused there too.
+    paths absolute, URLs as they are. When `engines` run tasks on other hosts, a relative
+    path among the settings the command `uses` is refused; so is a SQLite file (only this
+    machine can open it) as the MLflow store (`tracking`) or the Optuna storage (`sweep`)
+    the command's tasks open.
     """
     cluster = cluster_of(cfg, [e for e in engines if e])
+
+    def path(value: str, setting: str) -> str:
+        return resolve(value, setting, cluster if setting in uses else None)
+
     p, t, s = cfg.pipelines, cfg.training, cfg.serving
-    source = p.source.model_copy(update={"path": resolve(p.source.path, "pipelines.source.path", cluster)})
+    source = p.source.model_copy(update={"path": path(p.source.path, SOURCE)})
+    dataset_dir = path(p.dataset_dir, DATASET)
+    checkpoint_dir = path(t.checkpoint_dir, CHECKPOINTS)
+    output_dir = path(s.output_dir, OUTPUT)
     tracking_uri = _sqlite(cfg.tracking.resolved_uri(), "tracking.tracking_uri", cluster if tracking else None,
                            "an MLflow tracking server (tracking.tracking_uri = 'http://host:5000')")
     sweep_storage = cfg.sweep.storage
@@ -114,13 +128,9 @@ def resolve_paths(
                                 "a database server every host reaches (sweep.storage = 'postgresql://...')")
     return cfg.model_copy(
         update={
-            "pipelines": p.model_copy(
-                update={"source": source, "dataset_dir": resolve(p.dataset_dir, "pipelines.dataset_dir", cluster)}
-            ),
-            "training": t.model_copy(
-                update={"checkpoint_dir": resolve(t.checkpoint_dir, "training.checkpoint_dir", cluster)}
-            ),
-            "serving": s.model_copy(update={"output_dir": resolve(s.output_dir, "serving.output_dir", cluster)}),
+            "pipelines": p.model_copy(update={"source": source, "dataset_dir": dataset_dir}),
+            "training": t.model_copy(update={"checkpoint_dir": checkpoint_dir}),
+            "serving": s.model_copy(update={"output_dir": output_dir}),
             "tracking": cfg.tracking.model_copy(update={"tracking_uri": tracking_uri}),
             "sweep": cfg.sweep.model_copy(update={"storage": sweep_storage}),
         }
