@@ -89,11 +89,13 @@ def test_checkpoints_and_artifacts_live_in_the_buckets(reference, mlflow_server)
     assert latest == ckpts[-1] and checkpoints.load(latest, {})["epoch"] == 3
     # Artifacts went through the tracking server into its bucket (proxied): the run knows
     # them by an mlflow-artifacts: URI, and the objects are in s3://mlflow-artifacts.
-    run = MlflowClient(mlflow_server).get_run(result.run_id)
-    assert run.info.artifact_uri.startswith("mlflow-artifacts:")
+    client = MlflowClient(mlflow_server)
+    assert client.get_run(result.run_id).info.artifact_uri.startswith("mlflow-artifacts:")
     stored = s3_keys("s3://mlflow-artifacts/mlflow")
-    assert any(k.endswith(f"{result.run_id}/artifacts/model/MLmodel") for k in stored), stored[:20]
     assert any(f"{result.run_id}/artifacts/checkpoints/ckpt-" in k for k in stored)
+    logged = client.get_model_version(result.model_name, result.model_version).source  # models:/m-<id>
+    model_id = logged.rsplit("/", 1)[-1]
+    assert any(k.endswith(f"models/{model_id}/artifacts/MLmodel") for k in stored), (logged, stored[:20])
 
 
 @pytest.mark.parametrize("launcher", ["local", "spark", "dask"])
@@ -152,12 +154,13 @@ def test_mlflow_clients_need_no_bucket_credentials(mlflow_server, tmp_path):
     code = (
         "import mlflow, sys; mlflow.set_tracking_uri(sys.argv[1]); mlflow.set_experiment('no-creds')\n"
         "with mlflow.start_run() as run:\n"
-        "    mlflow.log_text('hello', 'note.txt'); print(run.info.run_id)"
+        "    mlflow.log_text('hello', 'note.txt'); print('run', run.info.run_id)"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MLFLOW_"))}
     proc = subprocess.run([sys.executable, "-c", code, mlflow_server], env=env, capture_output=True,
                           text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    run_id = proc.stdout.strip().splitlines()[-1]
-    assert any(k.endswith(f"{run_id}/artifacts/note.txt") for k in s3_keys("s3://mlflow-artifacts/mlflow"))
+    run_id = next(ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("run "))
+    stored = s3_keys("s3://mlflow-artifacts/mlflow")
+    assert any(k.endswith(f"{run_id}/artifacts/note.txt") for k in stored), (proc.stdout, proc.stderr, stored)
     assert json.dumps(sorted(os.listdir(tmp_path))) == "[]"  # nothing written locally
