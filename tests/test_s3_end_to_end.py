@@ -31,6 +31,15 @@ from .test_checkpoints import _cfg, _equal, _kill_rank_after_first_checkpoint
 ROWS = 4000
 
 
+@pytest.fixture(autouse=True)
+def _session_tracking_uri_restored(tracking_uri):
+    """Jobs here point MLflow at the server; later tests expect the session's store."""
+    import mlflow
+
+    yield
+    mlflow.set_tracking_uri(tracking_uri)
+
+
 def _tracking(server: str, name: str) -> TrackingConfig:
     return TrackingConfig(tracking_uri=server, experiment=f"s3-{name}", registered_model=f"s3-{name}")
 
@@ -164,3 +173,39 @@ def test_mlflow_clients_need_no_bucket_credentials(mlflow_server, tmp_path):
     stored = s3_keys("s3://mlflow-artifacts/mlflow")
     assert any(k.endswith(f"{run_id}/artifacts/note.txt") for k in stored), (proc.stdout, proc.stderr, stored)
     assert json.dumps(sorted(os.listdir(tmp_path))) == "[]"  # nothing written locally
+
+
+def test_cli_train_resume_continues_from_the_checkpoint_in_the_bucket(data, reference, mlflow_server, tmp_path):
+    """`shardline train CONFIG --resume` from a mid-training checkpoint in the bucket ends on the
+    weights of the uninterrupted run, in that run."""
+    import mlflow
+
+    from .conftest import shardline
+
+    bucket, cfg, *_ = data
+    result, ref_cfg = reference
+    mid = next(c for c in checkpoints.checkpoint_paths(ref_cfg.checkpoint_dir)
+               if checkpoints.load(c, {})["step_in_epoch"] and checkpoints.load(c, {})["epoch"] == 1)
+    resumed_dir = f"{bucket}/ckpt-cli"
+    storage.write_bytes(f"{resumed_dir}/{storage.name(mid)}", storage.read_bytes(mid))  # no pointer: the newest
+    fields = {k: getattr(ref_cfg, k) for k in (
+        "launcher", "world_size", "epochs", "batch_size", "hidden", "checkpoint_every_steps",
+        "keep_checkpoints", "timeout_s")}
+    config = tmp_path / "job.toml"
+    config.write_text(
+        f"[pipelines]\ndataset_dir = {json.dumps(cfg.dataset_dir)}\n[training]\n"
+        f"checkpoint_dir = {json.dumps(resumed_dir)}\n"
+        + "".join(f"{k} = {json.dumps(v)}\n" for k, v in fields.items())
+        + f"[tracking]\ntracking_uri = {json.dumps(mlflow_server)}\nexperiment = 's3-ref'\n"
+        "registered_model = 's3-ref'\n"
+    )
+    proc = shardline("train", str(config), "--resume", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "epoch 1/3" not in proc.stderr and "epoch 2/3" in proc.stderr and "epoch 3/3" in proc.stderr
+    line = next(ln for ln in proc.stderr.splitlines() if ln.strip().startswith("run "))
+    run_id, model_uri = line.split()[1].rstrip(";"), line.split()[-1]
+    assert run_id == result.run_id  # the checkpoint's own MLflow run, continued
+    mlflow.set_tracking_uri(mlflow_server)
+    _equal(mlflow.pytorch.load_model(model_uri).state_dict(), result.weights)
+    assert checkpoints.latest(resumed_dir) != f"{resumed_dir}/{storage.name(mid)}"  # it went on writing there
+    assert not (tmp_path / "shardline-data").exists()  # nothing fell back to a local path
