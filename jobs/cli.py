@@ -422,8 +422,17 @@ def bench_train(rows, steps, rounds, as_json):
 @bench.command("loader")
 @click.option("--rows", type=int, default=1_000_000, show_default=True, help="Synthetic rows (the train split is read).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
-def bench_loader(rows, as_json):
+@click.option("--storage", "store", type=click.Choice(["local", "s3"]), default="local", show_default=True,
+              help="s3: the same shards read from S3 and from local disk, and their ratio.")
+@click.option("--s3-url", help="With --storage s3: a bucket prefix the AWS chain reaches (s3://bucket/prefix); "
+              "default: an S3 server (moto) started on loopback for the run.")
+def bench_loader(rows, as_json, store, s3_url):
     """Loader samples/s: ours vs raw pyarrow (the limit), petastorm (own venv) and a naive Dataset."""
+    if store == "s3":
+        _bench_loader_s3(rows, as_json, s3_url)
+        return
+    if s3_url:
+        raise click.UsageError("--s3-url goes with --storage s3")
     from benchmarks.loader import run as run_bench
 
     result = _bench(run_bench, as_json, rows=rows)
@@ -449,6 +458,30 @@ def bench_loader(rows, as_json):
         if met[k] is not None:
             console.print(f"  ours {k.replace('_', ' ')} {ratio[k]:.2f} (target ≥ {t[k]}: "
                           f"{'met' if met[k] else 'NOT met'})")
+
+
+def _bench_loader_s3(rows: int, as_json: bool, s3_url: str | None) -> None:
+    from benchmarks.loader_s3 import run as run_bench
+    from pipelines.storage import check_access, resolve
+
+    if s3_url:
+        if not resolve(s3_url, "--s3-url").startswith("s3://"):
+            raise click.UsageError("--s3-url takes an s3:// URL")
+        check_access(s3_url, "--s3-url", write=True)
+    try:
+        result = _bench(run_bench, as_json, rows=rows, s3_url=s3_url)
+    except RuntimeError as e:  # no moto_server to start
+        raise ShardlineError(f"bench loader --storage s3: {e}") from None
+    if result is None:
+        return
+    table = Table(title=f"loader, {result['train_rows']:,} train rows in {result['train_shards']} shards "
+                        f"({result['train_bytes'] / 1e6:.1f} MB), batch {result['batch_size']}, 1 process")
+    for col in ("", "seconds", "samples/s", "× local"):
+        table.add_column(col, justify="right")
+    for k, text in (("local", "ShardLoader, local disk"), ("s3", f"ShardLoader, S3 ({result['s3']})")):
+        ratio = "" if k == "local" else f"{result['ratio_s3_vs_local']:.2f}"
+        table.add_row(text, f"{result['seconds'][k]:.3f}", f"{result['samples_per_s'][k]:,.0f}", ratio)
+    Console().print(table)
 
 
 @bench.command("strategies")

@@ -36,6 +36,12 @@ def _cached(key: tuple, make):
         return _CACHE[key]
 
 
+def forget_clients() -> None:
+    """Drop cached clients and filesystems: the next ones read the AWS chain anew."""
+    with _LOCK:
+        _CACHE.clear()
+
+
 def split(url: str) -> tuple[str, str]:
     """(bucket or container, key) of an object store URL."""
     rest = url.split("://", 1)[1]

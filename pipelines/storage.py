@@ -133,15 +133,25 @@ def open_input(url: str):
     return fs.open_input_file(path)
 
 
+_CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".lz4": "lz4"}
+
+
 def open_stream(url: str, compression: str | None = "detect"):
-    """A sequential pyarrow stream; `.gz` and the like are decompressed."""
-    fs, path = filesystem(url)
-    return fs.open_input_stream(path, compression=compression)
+    """A sequential pyarrow stream; `.gz` and the like are decompressed (compression="detect").
+
+    Built on the random-access file: pyarrow's own input stream on S3 read a whole
+    object ~60x slower here (many small requests).
+    """
+    import pyarrow as pa
+
+    f = open_input(url)
+    codec = _CODECS.get(os.path.splitext(url)[1].lower()) if compression == "detect" else compression
+    return pa.CompressedInputStream(f, codec) if codec else f
 
 
 def read_bytes(url: str) -> bytes:
-    with open_stream(url, compression=None) as f:
-        return f.readall()
+    with open_input(url) as f:
+        return f.read()
 
 
 def exists(url: str) -> bool:

@@ -12,22 +12,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
 
+from benchmarks.s3_server import free_port, start_moto, stop_group, wait_until
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "start_moto", "stop_group", "wait_until"]  # the tests take them from here
 
 
 S3_PORT = free_port()
@@ -43,61 +38,6 @@ os.environ.update(AWS_ENV)
 os.environ["AWS_CONFIG_FILE"] = os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
 
 _BIN = Path(sys.executable).parent
-
-
-def wait_until(ready, timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:
-    """Poll `ready()` until true; fail naming `what` (and its exit) after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode} before it was ready")
-        try:
-            if ready():
-                return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{what} not ready after {timeout_s:.0f} s")
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(1)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def start_moto(port: int, log: Path, env: dict | None = None) -> subprocess.Popen:
-    """moto_server on 127.0.0.1:port in its own process group (stop_group stops it)."""
-    proc = subprocess.Popen(
-        [str(_BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, **(env or {})},
-    )
-    try:
-        wait_until(lambda: _listening(port), 120, f"moto_server on port {port}", proc)
-    except BaseException:
-        stop_group(proc)
-        raise
-    return proc
-
-
-def stop_group(proc: subprocess.Popen) -> None:
-    """TERM the process group, then KILL what is left: servers spawn helpers that outlive them."""
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
-        # The leader is gone; helpers in its group may not be.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        break
 
 
 @pytest.fixture(scope="session")

@@ -118,3 +118,17 @@ def test_expired_lease_on_s3_is_taken_over_by_exactly_one(bucket):
     assert results == ["refused", "refused", "won"]
     with pytest.raises(LeaseLost):
         stalled.renew() or stalled.check()
+
+
+def test_compressed_raw_files_stream_decompressed_from_both_stores(bucket, tmp_path):
+    import gzip
+
+    from pipelines.sources import open_raw
+
+    text = b"key,x\n" + b"".join(b"%d,%d.5\n" % (i, i) for i in range(50_000))
+    for url in (storage.join(bucket, "raw", "a.csv.gz"), str(tmp_path / "a.csv.gz")):
+        storage.write_bytes(url, gzip.compress(text))
+        with open_raw(url) as f:
+            assert f.read() == text
+        with storage.open_stream(url, compression=None) as f:
+            assert gzip.decompress(f.read()) == text
