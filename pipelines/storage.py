@@ -218,7 +218,10 @@ def delete_tree(url: str) -> None:
     """Remove a directory (an object store prefix) and everything under it."""
     fs, path = filesystem(url)
     with contextlib.suppress(FileNotFoundError):
-        fs.delete_dir(path)
+        if is_remote(url) and "/" not in path.strip("/"):
+            fs.delete_dir_contents(path, missing_dir_ok=True)  # a bucket's root: keep the bucket
+        else:
+            fs.delete_dir(path)
 
 
 def remove_empty_dir(url: str) -> None:

@@ -132,3 +132,13 @@ def test_compressed_raw_files_stream_decompressed_from_both_stores(bucket, tmp_p
             assert f.read() == text
         with storage.open_stream(url, compression=None) as f:
             assert gzip.decompress(f.read()) == text
+
+
+def test_delete_tree_of_a_bucket_root_empties_it_and_keeps_the_bucket(bucket):
+    for key in ("a/1", "a/b/2", "c"):
+        storage.write_bytes(storage.join(bucket, key), b"x")
+    storage.delete_tree(storage.join(bucket, "a"))
+    assert s3_keys(bucket) == ["c"]
+    storage.delete_tree(bucket)
+    assert s3_keys(bucket) == [] and storage.list_dir(bucket) == []
+    storage.write_bytes(storage.join(bucket, "again"), b"x")  # the bucket is still there
