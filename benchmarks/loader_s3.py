@@ -21,20 +21,16 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from benchmarks import synthetic_pipeline
+from benchmarks import prepare_with_dask, synthetic_pipeline
 from benchmarks.loader import BATCH_SIZE, REPEATS, SEED, ours_batches, timed_epoch
 from benchmarks.s3_server import loopback_bucket, stop_loopback
-from pipelines.config import DaskConfig
 
 
 def run(rows: int, s3_url: str | None = None, workdir: str | None = None, progress=print) -> dict:
     import torch
 
     from pipelines import storage
-    from pipelines.engine_dask import DaskEngine
-    from pipelines.engines import dask_client
     from pipelines.manifest import load_manifest
-    from pipelines.prepare import prepare
 
     root = Path(tempfile.mkdtemp(prefix="shardline-bench-s3-", dir=workdir))
     server, saved_env = None, dict(os.environ)
@@ -44,14 +40,7 @@ def run(rows: int, s3_url: str | None = None, workdir: str | None = None, progre
         if s3_url is None:
             server, s3_url = loopback_bucket(root, progress)
         cfg = synthetic_pipeline(root, rows)
-        client = dask_client(DaskConfig())
-        try:
-            progress(f"generating and preparing {rows:,} rows (Dask) on local disk")
-            prepare(DaskEngine(client), cfg)
-        finally:
-            cluster = client.cluster
-            client.close()
-            cluster.close()
+        prepare_with_dask(cfg, progress)  # on local disk
         local = cfg.dataset_dir
         target = storage.join(s3_url, f"bench-{uuid.uuid4().hex[:8]}")
         progress(f"copying the dataset to {target}")

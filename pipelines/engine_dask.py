@@ -27,7 +27,7 @@ def read_raw_file(url: str, fmt: str, delimiter: str, head: int | None = None) -
     import pyarrow.csv as pcsv
     import pyarrow.parquet as pq
 
-    with open_raw(url, seekable=fmt in ("parquet", "synthetic")) as f:
+    with open_raw(url) as f:
         if fmt in ("parquet", "synthetic"):
             if head:
                 pf = pq.ParquetFile(f)
@@ -140,7 +140,7 @@ def _with_shard(df: pd.DataFrame, shards: dict[str, int]) -> pd.DataFrame:
 def _shard_keys(path: str, key: str, head: int | None = None) -> pd.DataFrame:
     import pyarrow.parquet as pq
 
-    with open_raw(path, seekable=True) as f:
+    with open_raw(path) as f:
         df = pq.read_table(f, columns=[key]).to_pandas()
     df[FILE_COL] = path
     return df

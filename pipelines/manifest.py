@@ -239,14 +239,11 @@ def new_version_dir(dataset_dir: str) -> tuple[str, str]:
 def check_dataset_dir(dataset_dir: str) -> None:
     """Refuse a path that holds something other than a shardline dataset: we never write
     into, or later clean up, files we did not make. Reads only."""
-    if storage.is_file(dataset_dir):
-        raise DataError(f"{storage.display(dataset_dir)}: output path exists and is not a directory")
-    foreign = [n for n in storage.list_dir(dataset_dir) if not _ours(n)]
-    if foreign:
-        raise DataError(
-            f"{storage.display(dataset_dir)}: output directory exists and is not a shardline dataset "
-            f"(found {foreign[0]!r}); choose another dataset_dir or remove it"
-        )
+    storage.check_ours(
+        dataset_dir, _ours,
+        "output directory exists and is not a shardline dataset (found {found}); "
+        "choose another dataset_dir or remove it",
+    )
 
 
 def commit_manifest(

@@ -49,10 +49,19 @@ def list_files(source: SourceConfig) -> list[str]:
     return [f if "://" in f else f"file://{f}" for f in sorted(found)]
 
 
-def open_raw(url: str, seekable: bool = False):
-    """A raw input file for reading, in a task or on the driver: seekable (Parquet) or a
-    stream that decompresses `.gz` and the like on the fly (CSV, JSON lines)."""
-    return storage.open_input(url) if seekable else storage.open_stream(url)
+_PY_CODECS = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}
+
+
+def open_raw(url: str):
+    """A raw input file opened for reading (binary, seekable), anywhere it lives: the one
+    place tasks open raw files, through `pipelines.storage`. Compressed files (.gz, .bz2,
+    .xz; .zst, .lz4 as a forward-only stream) are decompressed."""
+    import importlib
+
+    ext = "." + url.rsplit(".", 1)[-1].lower() if "." in url.rsplit("/", 1)[-1] else ""
+    if ext in _PY_CODECS:
+        return importlib.import_module(_PY_CODECS[ext]).open(storage.open_input(url), "rb")
+    return storage.open_stream(url)
 
 
 def check_readable(files: list[str], fmt: str) -> None:
@@ -60,7 +69,7 @@ def check_readable(files: list[str], fmt: str) -> None:
     for url in files:
         parquet = fmt in ("parquet", "synthetic")
         try:
-            with open_raw(url, seekable=parquet) as f:
+            with open_raw(url) as f:
                 if parquet:
                     pq.read_metadata(f)
                 else:

@@ -266,6 +266,19 @@ def write_bytes(url: str, data: bytes) -> None:
         f.write(data)
 
 
+def check_ours(url: str, ours, refusal: str) -> None:
+    """Refuse an output `url` that is a file, or a directory holding a name `ours(name)`
+    does not claim: we never write into, or later clean up, files we did not make.
+    refusal: what to say, with {found} for the first foreign name. Reads only."""
+    from .errors import DataError
+
+    if is_file(url):
+        raise DataError(f"{display(url)}: output path exists and is not a directory")
+    foreign = [n for n in list_dir(url) if not ours(n)]
+    if foreign:
+        raise DataError(f"{display(url)}: {refusal.format(found=repr(foreign[0]))}")
+
+
 def fsync_dir(path: str) -> None:
     """Make a rename in local directory `path` durable."""
     fd = os.open(path, os.O_RDONLY)
@@ -276,6 +289,31 @@ def fsync_dir(path: str) -> None:
 
 
 # -- the commit protocol's conditional steps ---------------------------------------
+
+
+def _temp_beside(path: str, data: bytes) -> str:
+    """`data` written and fsynced to a temp name in `path`'s directory; its path."""
+    d = os.path.dirname(path)
+    os.makedirs(d, exist_ok=True)
+    tmp = os.path.join(d, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
+
+
+@contextlib.contextmanager
+def _dir_locked(path: str) -> Iterator[int]:
+    """flock of `path`'s directory: read-compare-write one step for every process on this
+    host (the only ones that can see a local path). Yields the directory's fd."""
+    fd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield fd
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 def create_only(url: str, data: bytes) -> str | None:
@@ -289,13 +327,7 @@ def create_only(url: str, data: bytes) -> str | None:
 
         return object_stores.create_only(url, data)
     path = local_path(url)
-    d = os.path.dirname(path)
-    os.makedirs(d, exist_ok=True)
-    tmp = os.path.join(d, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    tmp = _temp_beside(path, data)
     try:
         # link(2) fails if the name exists, and the content is whole before it has a name.
         os.link(tmp, path)
@@ -303,7 +335,7 @@ def create_only(url: str, data: bytes) -> str | None:
         return None
     finally:
         os.unlink(tmp)
-    fsync_dir(d)
+    fsync_dir(os.path.dirname(path))
     return _local_tag(data)
 
 
@@ -328,25 +360,12 @@ def replace_if(url: str, data: bytes, tag: str) -> str | None:
 
         return object_stores.replace_if(url, data, tag)
     path = local_path(url)
-    d = os.path.dirname(path)
-    # The directory's flock makes read-compare-replace one step for every process on
-    # this host (the only ones that can see a local path).
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with _dir_locked(path) as fd:
         current = read_tagged(url)
         if current is None or current[1] != tag:
             return None
-        tmp = os.path.join(d, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(_temp_beside(path, data), path)
         os.fsync(fd)
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
     return _local_tag(data)
 
 
@@ -357,18 +376,12 @@ def delete_if(url: str, tag: str) -> bool:
 
         return object_stores.delete_if(url, tag)
     path = local_path(url)
-    d = os.path.dirname(path)
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with _dir_locked(path) as fd:
         current = read_tagged(url)
         if current is None or current[1] != tag:
             return False
         os.unlink(path)
         os.fsync(fd)
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
     return True
 
 

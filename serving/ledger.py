@@ -21,7 +21,6 @@ import hashlib
 import json
 
 from pipelines import storage
-from pipelines.errors import DataError
 from pipelines.lease import LEASE_NAME, Lease
 
 LEDGER = "_ledger"
@@ -43,14 +42,11 @@ def _ours(n: str) -> bool:
 
 def check_output_dir(out: str) -> None:
     """Refuse a directory holding files we did not make: we delete our leftovers there."""
-    if storage.is_file(out):
-        raise DataError(f"{storage.display(out)}: output path exists and is not a directory")
-    foreign = [n for n in storage.list_dir(out) if not _ours(n)]
-    if foreign:
-        raise DataError(
-            f"{storage.display(out)}: output directory holds files that are not shardline scores "
-            f"(found {foreign[0]!r}); choose another output directory"
-        )
+    storage.check_ours(
+        out, _ours,
+        "output directory holds files that are not shardline scores (found {found}); "
+        "choose another output directory",
+    )
 
 
 def read_ledger(out) -> dict[str, dict]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 
@@ -12,3 +14,17 @@ def hold_until_exists(marker: str, epoch: int, metrics: dict) -> bool:
     while not os.path.exists(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
     return False
+
+
+def create_only_race(url: str, writers: int) -> list[str]:
+    """`writers` processes race to create `url`, each with its own index as content;
+    their answers ("won"/"lost") by index."""
+    code = (
+        "import sys; from pipelines import storage; "
+        "print('won' if storage.create_only(sys.argv[1], sys.argv[2].encode()) else 'lost')"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, url, str(i)], stdout=subprocess.PIPE, text=True)
+        for i in range(writers)
+    ]
+    return [p.communicate(timeout=300)[0].strip() for p in procs]

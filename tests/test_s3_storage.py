@@ -14,6 +14,8 @@ from pipelines import storage
 from pipelines.errors import LeaseHeld
 from pipelines.lease import LEASE_NAME, Lease, LeaseLost
 
+from .storage_helpers import create_only_race
+
 from .fixtures_s3 import s3_keys
 
 
@@ -62,15 +64,7 @@ def test_conditional_writes(bucket):
 
 def test_create_only_has_one_winner_among_processes(bucket):
     url = storage.join(bucket, "commit.json")
-    code = (
-        "import sys; from pipelines import storage; "
-        "print('won' if storage.create_only(sys.argv[1], sys.argv[2].encode()) else 'lost')"
-    )
-    procs = [
-        subprocess.Popen([sys.executable, "-c", code, url, str(i)], stdout=subprocess.PIPE, text=True)
-        for i in range(4)
-    ]
-    results = [p.communicate(timeout=300)[0].strip() for p in procs]
+    results = create_only_race(url, 4)
     assert sorted(results) == ["lost"] * 3 + ["won"]
     assert storage.read_bytes(url).decode() == str(results.index("won"))
 

@@ -18,6 +18,8 @@ from pipelines import storage
 from pipelines.errors import ConfigError, LeaseHeld, StorageError
 from pipelines.lease import LEASE_NAME, Lease, LeaseLost
 
+from .storage_helpers import create_only_race
+
 
 def test_resolve_makes_local_paths_absolute_and_keeps_urls(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -96,15 +98,7 @@ def test_create_only_and_replace_if(tmp_path):
 
 def test_create_only_has_one_winner_among_processes(tmp_path):
     url = str(tmp_path / "commit.json")
-    code = (
-        "import sys; from pipelines import storage; "
-        "print('won' if storage.create_only(sys.argv[1], sys.argv[2].encode()) else 'lost')"
-    )
-    procs = [
-        subprocess.Popen([sys.executable, "-c", code, url, str(i)], stdout=subprocess.PIPE, text=True)
-        for i in range(6)
-    ]
-    results = [p.communicate(timeout=120)[0].strip() for p in procs]
+    results = create_only_race(url, 6)
     assert sorted(results) == ["lost"] * 5 + ["won"]
     assert storage.read_bytes(url).decode() == str(results.index("won"))
 
