@@ -195,6 +195,14 @@ def list_dir(url: str) -> list[str]:
     return sorted(i.base_name for i in infos)
 
 
+def list_dir_info(url: str) -> list:
+    """pyarrow FileInfos (base_name, type, size, mtime) of what is directly under `url`."""
+    import pyarrow.fs as pafs
+
+    fs, path = filesystem(url)
+    return fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+
+
 def find_files(url: str) -> list[str]:
     """Every file under `url`, recursively, as URLs in the form of `url`, sorted."""
     import pyarrow.fs as pafs

@@ -55,6 +55,7 @@ def test_retention_keeps_the_newest_versions_and_the_recently_replaced(engines, 
         load_manifest(root, 1)
 
 
+@pytest.mark.slow
 def test_reprepare_while_training_leaves_the_training_unaffected(engines, tmp_path):
     """A prepare commits a new version mid-training, then a rank is killed: the relaunched ranks
     read the version the job started on, and the job ends on the weights of an undisturbed run."""

@@ -49,9 +49,13 @@ def fingerprint(cfg: TrainingConfig, dataset_version: str) -> dict[str, str]:
 
 
 def checkpoint_paths(directory: str) -> list[str]:
-    """Checkpoint URLs in `directory`, oldest (lowest step) first."""
-    found = [(int(m.group(1)), n) for n in storage.list_dir(str(directory)) if (m := _NAME.match(n))]
-    return [storage.join(str(directory), n) for _, n in sorted(found)]
+    """Checkpoint URLs in `directory`, oldest first: by step, then by time written (a step can
+    have two: mid-epoch and the epoch's end, or one from before a restart)."""
+    found = [
+        (int(m.group(1)), i.mtime_ns or 0, i.base_name)
+        for i in storage.list_dir_info(str(directory)) if (m := _NAME.match(i.base_name))
+    ]
+    return [storage.join(str(directory), n) for *_, n in sorted(found)]
 
 
 def latest(directory: str) -> str | None:
