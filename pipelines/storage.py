@@ -116,14 +116,18 @@ def display(url: str) -> str:
 # -- the filesystem helper --------------------------------------------------------
 
 
+def _pafs():
+    import pyarrow.fs  # imported on first use: config composition needs only the URL helpers
+
+    return pyarrow.fs
+
+
 def filesystem(url: str):
     """(pyarrow FileSystem, path inside it) for a URL or local path."""
     from . import object_stores
 
     if not is_remote(url):
-        import pyarrow.fs as pafs
-
-        return pafs.LocalFileSystem(), os.path.abspath(local_path(url))
+        return _pafs().LocalFileSystem(), os.path.abspath(local_path(url))
     return object_stores.filesystem(url)
 
 
@@ -154,65 +158,46 @@ def read_bytes(url: str) -> bytes:
         return f.read()
 
 
-def exists(url: str) -> bool:
-    import pyarrow.fs as pafs
-
-    fs, path = filesystem(url)
-    return fs.get_file_info(path).type != pafs.FileType.NotFound
-
-
-def is_file(url: str) -> bool:
-    import pyarrow.fs as pafs
-
-    fs, path = filesystem(url)
-    return fs.get_file_info(path).type == pafs.FileType.File
-
-
-def is_dir(url: str) -> bool:
-    """On object stores: a prefix that has objects under it."""
-    import pyarrow.fs as pafs
-
-    fs, path = filesystem(url)
-    return fs.get_file_info(path).type == pafs.FileType.Directory
-
-
-def size(url: str) -> int:
-    return file_info(url).size
-
-
 def file_info(url: str):
     """pyarrow's FileInfo: type, size, mtime (an object's last-modified time)."""
     fs, path = filesystem(url)
     return fs.get_file_info(path)
 
 
-def list_dir(url: str) -> list[str]:
-    """Names directly under `url` (files and directories), sorted; [] if there is none."""
-    import pyarrow.fs as pafs
+def exists(url: str) -> bool:
+    return file_info(url).type != _pafs().FileType.NotFound
 
-    fs, path = filesystem(url)
-    infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
-    return sorted(i.base_name for i in infos)
+
+def is_file(url: str) -> bool:
+    return file_info(url).type == _pafs().FileType.File
+
+
+def is_dir(url: str) -> bool:
+    """On object stores: a prefix that has objects under it."""
+    return file_info(url).type == _pafs().FileType.Directory
+
+
+def size(url: str) -> int:
+    return file_info(url).size
 
 
 def list_dir_info(url: str) -> list:
     """pyarrow FileInfos (base_name, type, size, mtime) of what is directly under `url`."""
-    import pyarrow.fs as pafs
-
     fs, path = filesystem(url)
-    return fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    return fs.get_file_info(_pafs().FileSelector(path, allow_not_found=True))
+
+
+def list_dir(url: str) -> list[str]:
+    """Names directly under `url` (files and directories), sorted; [] if there is none."""
+    return sorted(i.base_name for i in list_dir_info(url))
 
 
 def find_files(url: str) -> list[str]:
     """Every file under `url`, recursively, as URLs in the form of `url`, sorted."""
-    import pyarrow.fs as pafs
-
     fs, path = filesystem(url)
-    infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+    infos = fs.get_file_info(_pafs().FileSelector(path, recursive=True, allow_not_found=True))
     base = path.rstrip("/")
-    return sorted(
-        join(url, i.path[len(base) :]) for i in infos if i.type == pafs.FileType.File
-    )
+    return sorted(join(url, i.path[len(base) :]) for i in infos if i.type == _pafs().FileType.File)
 
 
 def delete(url: str) -> None:

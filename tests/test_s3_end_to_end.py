@@ -29,7 +29,7 @@ from .fixtures_s3 import new_bucket, s3_keys
 from .test_checkpoints import _cfg, _equal, _kill_rank_after_first_checkpoint
 
 ROWS = 4000
-# Engines, trainings and an MLflow server: minutes (the `slow` marker is registered in pyproject.toml).
+# Engines, trainings and an MLflow server: minutes.
 pytestmark = pytest.mark.slow
 
 
