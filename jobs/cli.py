@@ -14,7 +14,17 @@ from rich.table import Table
 
 from pipelines.errors import ShardlineError
 
-from .config import CHECKPOINTS, DATASET, OUTPUT, SOURCE, ShardlineConfig, load_config, resolve_paths
+from .config import (
+    CHECKPOINTS,
+    DATASET,
+    OUTPUT,
+    SOURCE,
+    ShardlineConfig,
+    check_storage,
+    cluster_of,
+    load_config,
+    resolve_paths,
+)
 
 console = Console(stderr=True, highlight=False)
 
@@ -53,13 +63,7 @@ def run(config, overrides):
     from training.job import check_settings
 
     check_settings(cfg.training)  # a misspelt model or strategy: one line, before Spark starts
-    p = cfg.pipelines
-    _check_storage(
-        reads=[] if p.source.format == "synthetic" else [("pipelines.source.path", p.source.path)],
-        writes=[("pipelines.dataset_dir", p.dataset_dir), ("training.checkpoint_dir", cfg.training.checkpoint_dir),
-                ("serving.output_dir", cfg.serving.output_dir)]
-        + ([("pipelines.source.path", p.source.path)] if p.source.format == "synthetic" else []),
-    )
+    check_storage(cfg, reads=(SOURCE,), writes=(DATASET, CHECKPOINTS, OUTPUT))
     with ExitStack() as leases:
         # Both leases before Spark starts: a second run on the same dirs is refused at once.
         dataset = leases.enter_context(_dataset_lease(cfg))
@@ -121,10 +125,7 @@ def prepare(config, overrides, engine, append, refit, by_plan):
         from pipelines.prepare import check_plan
 
         check_plan(cfg.pipelines)  # no usable plan: fail before an engine starts
-    p = cfg.pipelines
-    synthetic = [("pipelines.source.path", p.source.path)] if p.source.format == "synthetic" else []
-    _check_storage(reads=[] if synthetic else [("pipelines.source.path", p.source.path)],
-                   writes=[("pipelines.dataset_dir", p.dataset_dir), *synthetic])
+    check_storage(cfg, reads=(SOURCE,), writes=(DATASET,))
     with _dataset_lease(cfg) as lease, _prepare_engine(cfg) as eng:
         manifest = _prepare(cfg, eng, append=append, refit=refit, by_plan=by_plan, lease=lease)
     for split, info in manifest.splits.items():
@@ -147,8 +148,7 @@ def train(config, overrides, launcher, world_size, resume):
     extra += ["training.resume=true"] if resume else []
     cfg = load_config(config, list(overrides) + extra)
     cfg = resolve_paths(cfg, [cfg.training.launcher], (DATASET, CHECKPOINTS), tracking=True)
-    _check_storage(reads=[("pipelines.dataset_dir", cfg.pipelines.dataset_dir)],
-                   writes=[("training.checkpoint_dir", cfg.training.checkpoint_dir)])
+    check_storage(cfg, reads=(DATASET,), writes=(CHECKPOINTS,))
     from training.job import check_settings
 
     # Names and batch: one line before an engine starts. The dataset is checked after,
@@ -192,13 +192,10 @@ def score(config, overrides, model_uri, input_path, split, output_dir, engine, i
     s = cfg.serving
     if not s.model_uri:
         raise click.UsageError("no model: pass --model or set serving.model_uri")
-    from jobs.config import cluster_of
     from pipelines.storage import resolve
-    from serving.ledger import check_output_dir
 
     input_path = resolve(input_path, "--input", cluster_of(cfg, [s.engine])) if input_path else cfg.pipelines.dataset_dir
-    _check_storage(reads=[("--input", input_path)], writes=[("serving.output_dir", s.output_dir)])
-    check_output_dir(s.output_dir)
+    check_storage(cfg, writes=(OUTPUT,), other_reads=(("--input", input_path),))
     # The output's lease before the engine starts: a second job is refused at once.
     with _output_lease(s.output_dir) as lease, _engine_handle(cfg, s.engine) as handle:
         r = _score(
@@ -227,8 +224,7 @@ def sweep(config, overrides, trials, parallel, engine, name):
     cfg = load_config(config, list(overrides) + extra)
     cfg = resolve_paths(cfg, [cfg.sweep.engine or cfg.training.launcher], (DATASET, CHECKPOINTS),
                         tracking=True, sweep=True)
-    _check_storage(reads=[("pipelines.dataset_dir", cfg.pipelines.dataset_dir)],
-                   writes=[("training.checkpoint_dir", cfg.training.checkpoint_dir)])
+    check_storage(cfg, reads=(DATASET,), writes=(CHECKPOINTS,))
     from training.sweep import check_sweep, run_sweep
 
     check_sweep(cfg.sweep, cfg.training, cfg.pipelines.dataset_dir)  # before any engine starts
@@ -267,7 +263,7 @@ def plan(config, overrides, as_json):
     uses its loader workers unless training.loader_workers is set.
     """
     cfg = resolve_paths(load_config(config, list(overrides)), [])  # measured here, in this process
-    _check_storage(reads=[], writes=[("pipelines.dataset_dir", cfg.pipelines.dataset_dir)])
+    check_storage(cfg, writes=(DATASET,))
     from pipelines.manifest import manifest_url, store_plan
     from pipelines.storage import display
     from training.job import preflight
@@ -515,16 +511,6 @@ def bench_strategies(steps, as_json):
     console.print(f"  peak MB: {result['memory_measure']} of the rank that grew most (--json: every "
                   "rank's); bubble: the pipeline's "
                   "measured idle share vs the formula (p-1)/(m+p-1).")
-
-
-def _check_storage(reads: list[tuple[str, str]], writes: list[tuple[str, str]]) -> None:
-    """Every store the command touches answers, with access, before an engine starts."""
-    from pipelines.storage import check_access
-
-    for setting, url in reads:
-        check_access(url, setting)
-    for setting, url in writes:
-        check_access(url, setting, write=True)
 
 
 def _dataset_lease(cfg: ShardlineConfig):

@@ -137,6 +137,31 @@ def resolve_paths(
     )
 
 
+def path_of(cfg: ShardlineConfig, setting: str) -> str:
+    section, _, field = setting.rpartition(".")
+    node = cfg
+    for part in section.split("."):
+        node = getattr(node, part)
+    return getattr(node, field)
+
+
+def check_storage(
+    cfg: ShardlineConfig, reads: tuple[str, ...] = (), writes: tuple[str, ...] = (),
+    other_reads: tuple[tuple[str, str], ...] = (),
+) -> None:
+    """Every store the command reads or writes answers, with access, in seconds, before an
+    engine starts (pipelines.storage.check_access). A synthetic source is written, not read.
+    other_reads: (what to call it, URL) of paths given on the command line."""
+    from pipelines.storage import check_access
+
+    if SOURCE in reads and cfg.pipelines.source.format == "synthetic":
+        reads, writes = tuple(r for r in reads if r != SOURCE), (*writes, SOURCE)
+    for setting, url in [(r, path_of(cfg, r)) for r in reads] + list(other_reads):
+        check_access(url, setting)
+    for setting in writes:
+        check_access(path_of(cfg, setting), setting, write=True)
+
+
 def _sqlite(url: str, setting: str, cluster: str | None, instead: str) -> str:
     """A SQLite URL made absolute; refused on a cluster, whose other hosts cannot open it."""
     if not url.startswith("sqlite:///"):
