@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import tomllib
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from pydantic import Field, ValidationError
 
 from pipelines.config import DaskConfig, PipelineConfig, Section, SparkConfig
 from pipelines.errors import ConfigError
-from pipelines.storage import resolve
+from pipelines.storage import is_remote, resolve
 from serving.config import ServingConfig
 from training.config import TrackingConfig, TrainingConfig
 from training.sweep_config import SweepConfig
@@ -104,14 +105,19 @@ def resolve_paths(
 ) -> ShardlineConfig:
     """Every path setting as every host will open it (pipelines.storage.resolve): local
     paths absolute, URLs as they are. When `engines` run tasks on other hosts, a relative
-    path among the settings the command `uses` is refused; so is a SQLite file (only this
-    machine can open it) as the MLflow store (`tracking`) or the Optuna storage (`sweep`)
-    the command's tasks open.
+    path among the settings the command `uses` is refused, and so is a relative SQLite
+    file as the MLflow store (`tracking`) or the Optuna storage (`sweep`) its tasks open;
+    absolute local ones get a note (every host must see them: a shared filesystem).
     """
     cluster = cluster_of(cfg, [e for e in engines if e])
+    local: list[str] = []
 
     def path(value: str, setting: str) -> str:
-        return resolve(value, setting, cluster if setting in uses else None)
+        checked = cluster if setting in uses else None
+        resolved = resolve(value, setting, checked)
+        if checked and not is_remote(resolved):
+            local.append(setting)
+        return resolved
 
     p, t, s = cfg.pipelines, cfg.training, cfg.serving
     source = p.source.model_copy(update={"path": path(p.source.path, SOURCE)})
@@ -119,13 +125,19 @@ def resolve_paths(
     checkpoint_dir = path(t.checkpoint_dir, CHECKPOINTS)
     output_dir = path(s.output_dir, OUTPUT)
     tracking_uri = _sqlite(cfg.tracking.resolved_uri(), "tracking.tracking_uri", cluster if tracking else None,
-                           "an MLflow tracking server (tracking.tracking_uri = 'http://host:5000')")
+                           "an MLflow tracking server (tracking.tracking_uri = 'http://host:5000')", local)
     sweep_storage = cfg.sweep.storage
     if sweep:
         from training.sweep import resolve_storage
 
         sweep_storage = _sqlite(resolve_storage(cfg.sweep, tracking_uri), "sweep.storage", cluster,
-                                "a database server every host reaches (sweep.storage = 'postgresql://...')")
+                                "a database server every host reaches (sweep.storage = 'postgresql://...')", local)
+    if local:
+        names = " and ".join([", ".join(local[:-1]), local[-1]] if len(local) > 1 else local)
+        print(f"[shardline] note: {cluster} runs tasks on other hosts, and {names} "
+              f"{'is a path' if len(local) == 1 else 'are paths'} on this machine: every host must see "
+              f"{'it' if len(local) == 1 else 'them'} at the same path (a shared filesystem); else use "
+              f"URLs (s3://bucket/prefix) and an MLflow server", file=sys.stderr, flush=True)
     return cfg.model_copy(
         update={
             "pipelines": p.model_copy(update={"source": source, "dataset_dir": dataset_dir}),
@@ -162,14 +174,20 @@ def check_storage(
         check_access(path_of(cfg, setting), setting, write=True)
 
 
-def _sqlite(url: str, setting: str, cluster: str | None, instead: str) -> str:
-    """A SQLite URL made absolute; refused on a cluster, whose other hosts cannot open it."""
+def _sqlite(url: str, setting: str, cluster: str | None, instead: str, local: list[str]) -> str:
+    """A SQLite URL made absolute; a relative one refused on a cluster, an absolute one noted."""
     if not url.startswith("sqlite:///"):
         return url
-    if cluster:
-        raise ConfigError(
-            f"{setting} = {url!r} is a SQLite file on this machine, but {cluster} runs tasks on "
-            f"other hosts, which cannot open it; use {instead}"
-        )
     path = url[len("sqlite:///") :]
-    return url if path.startswith("/") or path in ("", ":memory:") else f"sqlite:///{os.path.abspath(path)}"
+    if path in ("", ":memory:"):
+        return url
+    if not path.startswith("/"):
+        if cluster:
+            raise ConfigError(
+                f"{setting} = {url!r} is a SQLite file relative to this folder, but {cluster} runs "
+                f"tasks on other hosts, which would each open a file of their own; use {instead}"
+            )
+        return f"sqlite:///{os.path.abspath(path)}"
+    if cluster:
+        local.append(setting)
+    return url

@@ -159,12 +159,26 @@ def test_relative_path_on_a_cluster_says_what_to_use(tmp_path, args, setting):
     assert [p.name for p in tmp_path.iterdir()] == ["job.toml"]
 
 
-def test_sqlite_tracking_on_a_cluster_says_to_use_a_server(tmp_path):
+def test_relative_sqlite_tracking_on_a_cluster_says_to_use_a_server(tmp_path):
     config = _config(tmp_path, pipelines={"dataset_dir": "s3://b/ds"}, training={"checkpoint_dir": "s3://b/ckpt"},
-                     **{"pipelines.source": {"path": "s3://b/raw"}})
+                     tracking={"tracking_uri": "sqlite:///mlflow.db"})
     proc = shardline("train", str(config), "--set", "spark.master='spark://10.1.2.3:7077'", cwd=tmp_path)
-    line = _one_line(proc, 2, "tracking.tracking_uri = 'sqlite:///")
+    line = _one_line(proc, 2, "tracking.tracking_uri = 'sqlite:///mlflow.db' is a SQLite file relative to this folder")
     assert "use an MLflow tracking server" in line
+    assert [p.name for p in tmp_path.iterdir()] == ["job.toml"]
+
+
+def test_local_paths_on_a_cluster_get_a_note(tmp_path):
+    """Absolute local paths are the user's call on a cluster (a shared filesystem): said once."""
+    config = _config(tmp_path, pipelines={"dataset_dir": str(tmp_path / "missing")},
+                     training={"checkpoint_dir": str(tmp_path / "ckpt")})
+    # A misspelt model stops the job right after the note, before Spark would try the master.
+    proc = shardline("train", str(config), "--set", "spark.master='spark://10.1.2.3:7077'",
+                     "--set", "training.model=nope", cwd=tmp_path)
+    assert proc.returncode == 2 and "unknown model 'nope'" in proc.stderr, proc.stderr
+    notes = [ln for ln in proc.stderr.splitlines() if ln.startswith("[shardline] note:")]
+    assert len(notes) == 1 and "pipelines.dataset_dir, training.checkpoint_dir and tracking.tracking_uri " \
+        "are paths on this machine: every host must see them" in notes[0], proc.stderr
 
 
 @pytest.mark.parametrize("bad", ["../outside/shard-00000.parquet", "/etc/passwd", "s3://elsewhere/x.parquet"])
