@@ -103,13 +103,13 @@ def _code(e) -> str:
     return str(getattr(e, "response", {}).get("Error", {}).get("Code", ""))
 
 
-def _conditional(call):
-    """Run a conditional S3 request: its ETag, or None when the precondition failed."""
+def _conditional(call) -> dict | None:
+    """Run a conditional S3 request: its response, or None when the precondition failed."""
     from botocore.exceptions import ClientError
 
     for _ in range(5):
         try:
-            return call()["ETag"]
+            return call()
         except ClientError as e:
             code = _code(e)
             if code == "ConditionalRequestConflict":  # 409: another conditional write in flight
@@ -137,7 +137,8 @@ def create_only(url: str, data: bytes) -> str | None:
     store = _store(url)
     if store == "s3":
         bucket, key = split(url)
-        return _conditional(lambda: s3_client().put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*"))
+        r = _conditional(lambda: s3_client().put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*"))
+        return r and r["ETag"]
     return _other(store).create_only(url, data)
 
 
@@ -161,7 +162,8 @@ def replace_if(url: str, data: bytes, tag: str) -> str | None:
     store = _store(url)
     if store == "s3":
         bucket, key = split(url)
-        return _conditional(lambda: s3_client().put_object(Bucket=bucket, Key=key, Body=data, IfMatch=tag))
+        r = _conditional(lambda: s3_client().put_object(Bucket=bucket, Key=key, Body=data, IfMatch=tag))
+        return r and r["ETag"]
     return _other(store).replace_if(url, data, tag)
 
 
@@ -169,8 +171,7 @@ def delete_if(url: str, tag: str) -> bool:
     store = _store(url)
     if store == "s3":
         bucket, key = split(url)
-        done = _conditional(lambda: {**s3_client().delete_object(Bucket=bucket, Key=key, IfMatch=tag), "ETag": ""})
-        return done is not None
+        return _conditional(lambda: s3_client().delete_object(Bucket=bucket, Key=key, IfMatch=tag)) is not None
     return _other(store).delete_if(url, tag)
 
 
