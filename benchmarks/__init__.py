@@ -15,3 +15,20 @@ def synthetic_pipeline(root: Path, rows: int, partitions: int = 4, world_size: i
             "layout": {"world_size": world_size},
         }
     )
+
+
+def prepare_with_dask(cfg: PipelineConfig, progress=print):
+    """Generate and prepare `cfg` on an embedded Dask cluster, closed after; the manifest."""
+    from pipelines.config import DaskConfig
+    from pipelines.engine_dask import DaskEngine
+    from pipelines.engines import dask_client
+    from pipelines.prepare import prepare
+
+    client = dask_client(DaskConfig())
+    try:
+        progress(f"generating and preparing {cfg.source.synthetic.rows:,} rows (Dask)")
+        return prepare(DaskEngine(client), cfg)
+    finally:
+        cluster = client.cluster
+        client.close()
+        cluster.close()

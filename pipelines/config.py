@@ -61,8 +61,8 @@ class SourceConfig(Section):
     )
     path: str = Field(
         "shardline-data/raw",
-        description="Raw input: a file, a directory of files, or a glob; a local path or "
-        "any URL fsspec understands (file://, memory://, s3:// with its package).",
+        description="Raw input: a file, a directory of files, or a glob; a local path or a "
+        "URL (file://, s3://, gs://, abfs://, hdfs://).",
     )
     on_bad_rows: Literal["fail", "drop"] = Field(
         "fail",
@@ -150,12 +150,25 @@ class LayoutConfig(Section):
     rows_per_row_group: int = Field(16_384, ge=1, description="Parquet row group size.")
 
 
+class RetentionConfig(Section):
+    versions: int = Field(
+        2, ge=1, description="Dataset versions kept after a prepare commits, the new one included."
+    )
+    hours: float = Field(
+        24.0, ge=0, description="Also keep every version replaced less than this long ago: a "
+        "training or scoring job started on it reads it to the end.",
+    )
+
+
 class PipelineConfig(Section):
     engine: Literal["spark", "dask"] = Field("spark", description="Engine of the prepare stage.")
     dataset_dir: str = Field(
-        "shardline-data/dataset", description="Prepared dataset: shards + manifest.json."
+        "shardline-data/dataset",
+        description="Prepared dataset: shards + manifests. A local path or a URL every host "
+        "can reach (s3://bucket/prefix, gs://, abfs://, hdfs://).",
     )
     source: SourceConfig = Field(default_factory=SourceConfig)
     features: FeatureSpec = Field(default_factory=FeatureSpec)
     split: SplitConfig = Field(default_factory=SplitConfig)
     layout: LayoutConfig = Field(default_factory=LayoutConfig)
+    retention: RetentionConfig = Field(default_factory=RetentionConfig)

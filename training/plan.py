@@ -19,10 +19,10 @@ import itertools
 import math
 import os
 import time
-from pathlib import Path
 
 import torch
 
+from pipelines import storage
 from pipelines.errors import DataError
 from pipelines.manifest import BandwidthPlan, ShardManifest, load_manifest
 from pipelines.transform import continuous_width
@@ -118,7 +118,7 @@ def plan_dataset(
 ) -> tuple[ShardManifest, BandwidthPlan]:
     """Measure on the dataset and choose its layout; the manifest measured comes back
     too, so the caller stores the plan only into that version (pipelines.manifest.store_plan)."""
-    dataset_dir = str(Path(dataset_dir).resolve())
+    dataset_dir = storage.resolve(str(dataset_dir), "pipelines.dataset_dir")
     manifest = preflight(cfg, dataset_dir)  # the errors training itself would raise
     # The plan is per data part: the ranks that read one share of each batch (all of them
     # for ddp; ps workers; the dp replicas of a split model, whose ranks read alike).
