@@ -1,0 +1,363 @@
+"""How shardline gets its SparkSession: Spark Connect or classic Spark, the user's settings first.
+
+Spark Connect (`spark.remote = "sc://host:port"`, or the standard `SPARK_REMOTE`):
+the server owns every JVM-level setting (master, UI, scheduler); shardline sets
+only session (SQL) settings the server left unset, plus `[spark].conf`.
+
+Classic Spark, precedence from highest:
+  - started by shardline: `[spark]` in the config file, then `spark-defaults.conf`
+    (in `SPARK_CONF_DIR`, else `$SPARK_HOME/conf`) and `--conf` in `PYSPARK_SUBMIT_ARGS`,
+    then shardline's defaults;
+  - under spark-submit (the JVM exists before our code runs): whatever spark-submit
+    was given (`--master`, `--conf`, its properties file) and Spark's own defaults;
+    `[spark].conf` and shardline's defaults fill in only session settings left unset.
+What must be known when the JVM starts is set where it takes effect: the bind
+address (`SPARK_LOCAL_IP`, local masters) and the log4j configuration
+(`SPARK_SUBMIT_OPTS`, which comes before the user's `spark.driver.*JavaOptions` on
+the java command line, so theirs win) are set only when shardline starts the JVM.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import socket
+import sys
+from contextlib import contextmanager
+from importlib import resources
+from pathlib import Path
+
+from .config import SparkConfig
+from .errors import ConfigError, ShardlineError
+
+# JVM-level settings: only when shardline starts the JVM, and only where the user set nothing.
+CORE_DEFAULTS = {
+    # Embedded runs need no web server on a port nobody asked for.
+    "spark.ui.enabled": "false",
+    # pyspark's launcher turns the bar on (it starts the JVM as a "shell"); shardline
+    # prints its own stage lines, and the bar would garble them.
+    "spark.ui.showConsoleProgress": "false",
+    # Serving's per-worker model cache lives as long as the Python worker (Spark's default too).
+    "spark.python.worker.reuse": "true",
+    # A barrier stage with too few slots is retried every 15 s for 40 tries by default:
+    # ten minutes before Spark says so. Time for late executors, then a clear error.
+    "spark.scheduler.barrier.maxConcurrentTasksCheck.interval": "2s",
+    "spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures": "15",
+}
+
+
+def session_defaults(cfg: SparkConfig) -> dict[str, str]:
+    """Session (SQL) settings: set on every kind of session, where the user set nothing."""
+    return {
+        "spark.sql.shuffle.partitions": str(cfg.shuffle_partitions),
+        "spark.sql.execution.arrow.pyspark.enabled": "true",
+        # Bigger Arrow batches to Python UDFs: fewer round trips per row (default 10,000).
+        "spark.sql.execution.arrow.maxRecordsPerBatch": "65536",
+    }
+
+
+def remote_url(cfg: SparkConfig) -> str | None:
+    """The Spark Connect URL to use: `spark.remote`, else `SPARK_REMOTE`, else None (classic)."""
+    url = cfg.remote or os.environ.get("SPARK_REMOTE") or None
+    if url is None:
+        return None
+    where = "spark.remote" if cfg.remote else "SPARK_REMOTE"
+    if not url.startswith("sc://"):
+        raise ConfigError(
+            f"{where} {url!r}: shardline runs on a Spark Connect server at sc://host:port "
+            f"(for embedded Spark leave it unset and use spark.master)"
+        )
+    from pyspark.sql.connect.client.core import DefaultChannelBuilder
+
+    try:
+        DefaultChannelBuilder(url)
+    except Exception as e:  # PySparkValueError with the reason
+        raise ConfigError(f"{where} {url!r}: {_first_line(e)}") from None
+    return url
+
+
+def start_spark(cfg: SparkConfig):
+    """A SparkSession on Spark Connect or classic Spark; see the module docstring."""
+    url = remote_url(cfg)
+    spark = _connect(url, cfg) if url else _classic(cfg)
+    _ship_packages(spark)
+    return spark
+
+
+def is_connect(spark) -> bool:
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+def spark_setting(spark, key: str) -> str | None:
+    """The value someone set (user, server or shardline), None when Spark's default applies.
+
+    The same call on classic and Connect sessions; core settings are visible too.
+    """
+    return spark.conf.get(key, None)
+
+
+def spark_master(spark) -> str:
+    return spark_setting(spark, "spark.master") or "unknown"
+
+
+def describe_spark(spark) -> str:
+    """One line: where this session runs."""
+    if is_connect(spark):
+        return f"Spark Connect {_URLS.get(id(spark), 'server')} (master {spark_master(spark)})"
+    return f"Spark master {spark_master(spark)}"
+
+
+_URLS: dict[int, str] = {}
+
+
+# ---------------------------------------------------------------- Spark Connect
+
+
+def _connect(url: str, cfg: SparkConfig):
+    """Connect, failing in seconds when nothing (or no Connect server) answers.
+
+    The Connect client retries an unreachable server for about ten minutes before
+    it gives up; a plain TCP connect and a short retry policy for the first call
+    answer in seconds. The client's own policy is put back for the job.
+    """
+    from pyspark.sql import SparkSession
+    from pyspark.sql.connect.client.core import DefaultChannelBuilder
+    from pyspark.sql.connect.client.retries import DefaultPolicy
+
+    where = "spark.remote" if cfg.remote else "SPARK_REMOTE"
+    parsed = DefaultChannelBuilder(url).url
+    host, port = parsed.hostname, parsed.port or 15002
+    try:
+        socket.create_connection((host, port), timeout=cfg.connect_timeout_s).close()
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        if isinstance(e, TimeoutError) or reason == "timed out":
+            reason = f"no answer in {cfg.connect_timeout_s:g} s"
+        raise ShardlineError(f"{where} {url}: cannot reach a Spark Connect server at {host}:{port} ({reason})") from None
+    _quiet_client_logs()
+    spark = SparkSession.builder.remote(url).getOrCreate()
+    policies = spark.client.get_retry_policies()
+    spark.client.set_retry_policies([DefaultPolicy(max_retries=3, max_backoff=1000)])
+    try:
+        spark.version  # the first call: a server that is not Spark Connect fails here
+    except Exception as e:
+        raise ShardlineError(f"{where} {url}: {host}:{port} does not answer as a Spark Connect server ({_first_line(e)})") from None
+    finally:
+        spark.client.set_retry_policies(policies)
+    _URLS[id(spark)] = url
+    for key, value in cfg.conf.items():  # the job's own settings win over the server's
+        try:
+            spark.conf.set(key, value)
+        except Exception as e:
+            raise ConfigError(
+                f"spark.conf.{key}: cannot be set from a Spark Connect client ({_first_line(e)}); "
+                f"set it where the Connect server is started (--conf on start-connect-server.sh)"
+            ) from None
+    _fill_in(spark, session_defaults(cfg), explicit=_explicit_session(cfg))
+    return spark
+
+
+def _quiet_client_logs() -> None:
+    """The Connect client logs a failed query as a JSON line before raising it; shardline
+    reports errors itself, as one line."""
+    import logging
+
+    from pyspark.logger import PySparkLogger
+
+    for name in ("SQLQueryContextLogger", "DataFrameQueryContextLogger"):
+        PySparkLogger.getLogger(name).setLevel(logging.CRITICAL)
+
+
+# ---------------------------------------------------------------- classic Spark
+
+
+def _classic(cfg: SparkConfig):
+    from pyspark.sql import SparkSession
+
+    # Workers run the interpreter (and so the packages) of this process unless told otherwise.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        return active
+    builder = SparkSession.builder
+    submitted = "PYSPARK_GATEWAY_PORT" in os.environ  # spark-submit started the JVM
+    if submitted:
+        # Its settings are in the JVM already; what it was not given stays Spark's default.
+        # [spark].conf fills in what is left unset, like shardline's defaults.
+        spark = builder.getOrCreate()
+        _fill_in(spark, session_defaults(cfg))
+        late = _fill_in(spark, cfg.conf)
+        if late:
+            print(
+                f"[shardline] under spark-submit, spark.conf.{late[0]} (and {len(late) - 1} more) "
+                f"cannot be set once Spark runs: pass it to spark-submit as --conf",
+                file=sys.stderr, flush=True,
+            )
+        return spark
+
+    user = user_spark_conf()
+    master = cfg.master if "master" in cfg.model_fields_set else user.get("spark.master", cfg.master)
+    builder = builder.master(master)
+    if "app_name" in cfg.model_fields_set or "spark.app.name" not in user:
+        builder = builder.appName(cfg.app_name)
+    for key, value in CORE_DEFAULTS.items():
+        if key not in user:
+            builder = builder.config(key, value)
+    for key, value in cfg.conf.items():
+        builder = builder.config(key, value)
+    with _launch_env(local=master.startswith("local")):
+        spark = builder.getOrCreate()
+    _fill_in(spark, session_defaults(cfg), explicit={**_explicit_session(cfg), **cfg.conf})
+    return spark
+
+
+def _explicit_session(cfg: SparkConfig) -> dict[str, str]:
+    """Session settings the config file names itself: they win like [spark].conf does."""
+    if "shuffle_partitions" in cfg.model_fields_set:
+        return {"spark.sql.shuffle.partitions": str(cfg.shuffle_partitions)}
+    return {}
+
+
+def _fill_in(spark, defaults: dict[str, str], explicit: dict[str, str] | None = None) -> list[str]:
+    """Set `explicit` settings, and `defaults` only where the session has no value yet.
+
+    Returns the defaults that could not be set: JVM-level settings of a running Spark.
+    """
+    explicit = explicit or {}
+    for key, value in explicit.items():
+        if spark.conf.get(key, None) != value:
+            spark.conf.set(key, value)
+    refused = []
+    for key, value in defaults.items():
+        if key not in explicit and spark.conf.get(key, None) is None:
+            try:
+                spark.conf.set(key, value)
+            except Exception:  # CANNOT_MODIFY_CONFIG
+                refused.append(key)
+    return refused
+
+
+@contextmanager
+def _launch_env(local: bool):
+    """Environment the JVM reads when it starts; put back afterwards, so that a
+    spark-submit this process runs later is not steered by it."""
+    log4j = resources.files("pipelines") / "log4j2.properties"
+    saved = {k: os.environ.get(k) for k in ("SPARK_LOCAL_IP", "SPARK_SUBMIT_OPTS")}
+    if local:
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    opts = os.environ.get("SPARK_SUBMIT_OPTS", "")
+    if "log4j2.configurationFile" not in opts:
+        os.environ["SPARK_SUBMIT_OPTS"] = f"{opts} -Dlog4j2.configurationFile=file:{log4j}".strip()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def user_spark_conf() -> dict[str, str]:
+    """What the user gave Spark outside shardline's config, as spark-submit will read it
+    when pyspark starts the JVM: `spark-defaults.conf` (or `--properties-file`) and `--conf`
+    / `--master` in `PYSPARK_SUBMIT_ARGS`, later ones winning."""
+    args = shlex.split(os.environ.get("PYSPARK_SUBMIT_ARGS", ""))
+    given: dict[str, str] = {}
+    props_file, load_defaults = None, False
+    for i, a in enumerate(args):
+        value = args[i + 1] if i + 1 < len(args) else ""
+        if a.startswith("--conf="):
+            a, value = "--conf", a.removeprefix("--conf=")
+        if a == "--conf":
+            key, _, v = value.partition("=")
+            given[key.strip()] = v
+        elif a == "--master":
+            given["spark.master"] = value
+        elif a == "--properties-file":
+            props_file = Path(value)
+        elif a == "--load-spark-defaults":
+            load_defaults = True
+    files = [props_file] if props_file else []
+    if props_file is None or load_defaults:
+        conf_dir = os.environ.get("SPARK_CONF_DIR") or str(_spark_home() / "conf")
+        files.append(Path(conf_dir) / "spark-defaults.conf")
+    conf: dict[str, str] = {}
+    for f in reversed(files):  # the properties file wins over spark-defaults.conf
+        if f.is_file():
+            conf.update({k: v for k, v in read_properties(f).items() if k.startswith("spark.")})
+    return {**conf, **given}
+
+
+def _spark_home() -> Path:
+    if os.environ.get("SPARK_HOME"):
+        return Path(os.environ["SPARK_HOME"])
+    import pyspark
+
+    return Path(pyspark.__file__).parent
+
+
+_ESCAPES = {"t": "\t", "n": "\n", "r": "\r", "f": "\f"}
+
+
+def read_properties(path: Path) -> dict[str, str]:
+    """A Java properties file as Spark reads it (java.util.Properties, values trimmed)."""
+    lines, pending = [], ""
+    for raw in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        line = raw.lstrip()
+        if not pending and (not line or line[0] in "#!"):
+            continue
+        trailing = len(line) - len(line.rstrip("\\"))
+        if trailing % 2:  # an odd run of backslashes continues the line
+            pending += line[:-1]
+            continue
+        lines.append(pending + line)
+        pending = ""
+    if pending:
+        lines.append(pending)
+    out = {}
+    for line in lines:
+        m = re.match(r"((?:\\.|[^\s=:\\])*)\s*[=:]?\s*(.*)$", line)
+        out[_unescape(m[1])] = _unescape(m[2]).strip()
+    return out
+
+
+def _unescape(s: str) -> str:
+    def one(m: re.Match) -> str:
+        c = m[1]
+        if c.startswith("u") and len(c) == 5:
+            return chr(int(c[1:], 16))
+        return _ESCAPES.get(c, c)
+
+    return re.sub(r"\\(u[0-9a-fA-F]{4}|.)", one, s)
+
+
+# ---------------------------------------------------------------- code for the executors
+
+
+_SHIPPED: set[int] = set()
+
+
+def _ship_packages(spark) -> None:
+    """pipelines, training and serving for executors that do not run on this machine's
+    Python path: every Connect server (its executors are the server's), classic
+    non-local masters. Without them a barrier stage aborts on ModuleNotFoundError.
+
+    `addArtifacts(..., pyfile=True)` is the one call for both (on classic Spark 4 it
+    is `addPyFile`); Spark puts the zip ahead of installed packages on the executors,
+    so they run this driver's code.
+    """
+    from .engines import package_zip
+
+    if id(spark) in _SHIPPED:
+        return
+    if is_connect(spark) or not spark_master(spark).startswith("local"):
+        spark.addArtifacts(package_zip(), pyfile=True)
+    _SHIPPED.add(id(spark))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines() or [type(e).__name__])[0][:300]
