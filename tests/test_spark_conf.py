@@ -1,0 +1,166 @@
+"""spark-submit conventions: the user's Spark settings survive shardline's defaults.
+
+A user's `spark.ui.enabled` and `spark.sql.shuffle.partitions`, given with
+spark-submit `--conf` or in `spark-defaults.conf`, are what the running Spark
+has; shardline fills in only what nobody set. Each case starts its own JVM in a
+subprocess, as a user's command would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from training.launchers import free_port
+
+from .conftest import REPO, shardline
+
+BIN = Path(sys.executable).parent
+LOG4J = REPO / "pipelines" / "log4j2.properties"
+KEYS = [
+    "spark.ui.enabled", "spark.sql.shuffle.partitions", "spark.sql.execution.arrow.maxRecordsPerBatch",
+    "spark.ui.showConsoleProgress", "spark.driver.host", "spark.master",
+]
+# A driver that starts Spark through shardline's session factory and reports what Spark has.
+DRIVER = f"""
+import json, socket, sys
+from pipelines.config import SparkConfig
+from pipelines.engines import spark_session
+spark = spark_session(SparkConfig.model_validate(json.loads(sys.argv[1])))
+out = {{k: spark.conf.get(k, None) for k in {KEYS!r}}}
+with socket.socket() as s:  # the web UI, if Spark runs one, listens on spark.ui.port
+    out["ui_listening"] = s.connect_ex(("127.0.0.1", int(sys.argv[2]))) == 0
+print("RESULT " + json.dumps(out), flush=True)
+spark.stop()
+"""
+
+
+def _env(tmp: Path, conf_lines: list[str] | None = None) -> dict:
+    conf_dir = tmp / "conf"
+    conf_dir.mkdir(exist_ok=True)
+    (conf_dir / "spark-defaults.conf").write_text("\n".join(conf_lines or []) + "\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("SPARK_LOCAL_IP", "SPARK_SUBMIT_OPTS")}
+    return {**env, "SPARK_CONF_DIR": str(conf_dir), "PYSPARK_PYTHON": sys.executable,
+            "PYSPARK_DRIVER_PYTHON": sys.executable}
+
+
+def _run(cmd: list[str], tmp: Path, env: dict) -> tuple[dict, subprocess.CompletedProcess]:
+    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(result.removeprefix("RESULT ")), proc
+
+
+def _driver(tmp: Path) -> Path:
+    script = tmp / "driver.py"
+    script.write_text(DRIVER)
+    return script
+
+
+def test_spark_submit_conf_wins_over_shardlines_defaults(tmp_path):
+    ui = free_port()
+    cmd = [
+        str(BIN / "spark-submit"), "--master", "local[1]",
+        "--conf", "spark.ui.enabled=true", "--conf", f"spark.ui.port={ui}",
+        "--conf", "spark.sql.shuffle.partitions=7",
+        # The documented form for what must be set before the JVM starts (README).
+        "--driver-java-options", f"-Dlog4j2.configurationFile=file:{LOG4J}",
+        str(_driver(tmp_path)), "{}", str(ui),
+    ]  # fmt: skip
+    got, proc = _run(cmd, tmp_path, _env(tmp_path))
+    assert got["spark.ui.enabled"] == "true" and got["ui_listening"], got
+    assert got["spark.sql.shuffle.partitions"] == "7"
+    assert got["spark.sql.execution.arrow.maxRecordsPerBatch"] == "65536"  # unset: shardline's
+    assert got["spark.master"] == "local[1]"
+    assert " INFO " not in proc.stdout + proc.stderr  # the log4j configuration took effect
+
+
+def test_spark_defaults_conf_wins_under_spark_submit(tmp_path):
+    ui = free_port()
+    env = _env(tmp_path, ["spark.ui.enabled true", f"spark.ui.port={ui}", "spark.sql.shuffle.partitions : 7"])
+    cmd = [str(BIN / "spark-submit"), "--master", "local[1]", str(_driver(tmp_path)), "{}", str(ui)]
+    got, _ = _run(cmd, tmp_path, env)
+    assert got["spark.ui.enabled"] == "true" and got["ui_listening"], got
+    assert got["spark.sql.shuffle.partitions"] == "7"
+
+
+def test_spark_defaults_conf_wins_when_shardline_starts_spark(tmp_path):
+    ui = free_port()
+    env = _env(tmp_path, [
+        "# the user's site settings", "spark.ui.enabled   true", f"spark.ui.port {ui}",
+        "spark.sql.shuffle.partitions=7", "spark.sql.execution.arrow.maxRecordsPerBatch 1000",
+    ])  # fmt: skip
+    # [spark].conf is this job's own config: it wins over the site's spark-defaults.conf.
+    cfg = {"conf": {"spark.sql.execution.arrow.maxRecordsPerBatch": "2000"}}
+    got, _ = _run([sys.executable, str(_driver(tmp_path)), json.dumps(cfg), str(ui)], tmp_path, env)
+    assert got["spark.ui.enabled"] == "true" and got["ui_listening"], got
+    assert got["spark.sql.shuffle.partitions"] == "7"
+    assert got["spark.sql.execution.arrow.maxRecordsPerBatch"] == "2000"
+
+
+def test_shardlines_defaults_fill_in_what_nobody_set(tmp_path):
+    ui = free_port()
+    env = _env(tmp_path, [f"spark.ui.port {ui}"])
+    got, proc = _run([sys.executable, str(_driver(tmp_path)), "{}", str(ui)], tmp_path, env)
+    assert got["spark.ui.enabled"] == "false" and not got["ui_listening"], got
+    assert got["spark.ui.showConsoleProgress"] == "false"
+    assert got["spark.sql.shuffle.partitions"] == "4"
+    assert got["spark.master"] == "local[2]"
+    # Set before the JVM started: the bind address, and the log4j configuration (quiet).
+    assert got["spark.driver.host"] == "127.0.0.1"
+    assert " INFO " not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_task_cpus_leaving_fewer_slots_than_ranks_is_refused_by_name(tmp_path):
+    cmd = [
+        str(BIN / "spark-submit"), "--master", "local[2]", "--conf", "spark.task.cpus=2",
+        str(REPO / "jobs" / "spark_submit.py"), "train", str(REPO / "jobs" / "configs" / "quickstart.toml"),
+        "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    # spark-submit merges the Python driver's stderr into its stdout.
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
+    assert errors == [
+        "error: training.world_size 2 is greater than the 1 task slots of Spark master local[2] "
+        "(spark.task.cpus=2): a barrier stage needs them all at once"
+    ], proc.stdout[-2000:]
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_dynamic_allocation_is_refused_for_training(tmp_path):
+    """Spark refuses barrier stages under dynamic allocation [SPARK-24942]: say so up front.
+
+    The standalone master does not exist; shardline refuses before it would need one."""
+    proc = shardline(
+        "train", str(REPO / "jobs" / "configs" / "quickstart.toml"),
+        "--set", f"spark.master='spark://127.0.0.1:{free_port()}'",
+        "--set", "spark.conf={'spark.dynamicAllocation.enabled' = 'true'}",
+        "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'",
+        cwd=tmp_path, env=_env(tmp_path), timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert errors == [
+        "error: spark.dynamicAllocation.enabled is true: Spark refuses barrier stages (shardline's "
+        "training ranks) under dynamic allocation [SPARK-24942]; set it to false for this job"
+    ], proc.stderr[-2000:]
+
+
+def test_arrow_disabled_for_pandas_conversions_changes_nothing(tmp_path):
+    """shardline's stages are mapInArrow/mapInPandas, which use Arrow whatever this says."""
+    cmd = [
+        str(BIN / "spark-submit"), "--master", "local[2]",
+        "--conf", "spark.sql.execution.arrow.pyspark.enabled=false",
+        str(REPO / "jobs" / "spark_submit.py"), "prepare", str(REPO / "jobs" / "configs" / "quickstart.toml"),
+        "--set", "pipelines.source.synthetic.rows=2000",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    from pipelines.manifest import load_manifest
+
+    manifest = load_manifest(str(tmp_path / "shardline-data" / "quickstart" / "dataset"))
+    assert sum(s.rows for s in manifest.splits.values()) == 2000
