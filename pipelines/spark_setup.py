@@ -24,6 +24,7 @@ import re
 import shlex
 import socket
 import sys
+import warnings
 from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
@@ -128,23 +129,25 @@ def _connect(url: str, cfg: SparkConfig):
     where = "spark.remote" if cfg.remote else "SPARK_REMOTE"
     parsed = DefaultChannelBuilder(url).url
     host, port = parsed.hostname, parsed.port or 15002
-    try:
-        socket.create_connection((host, port), timeout=cfg.connect_timeout_s).close()
-    except OSError as e:
-        reason = e.strerror or type(e).__name__
-        if isinstance(e, TimeoutError) or reason == "timed out":
-            reason = f"no answer in {cfg.connect_timeout_s:g} s"
-        raise ShardlineError(f"{where} {url}: cannot reach a Spark Connect server at {host}:{port} ({reason})") from None
+    reason = _unreachable(host, port, cfg.connect_timeout_s)
+    if reason:
+        raise ShardlineError(f"{where} {url}: cannot reach a Spark Connect server at {host}:{port} ({reason})")
     _quiet_client_logs()
     spark = SparkSession.builder.remote(url).getOrCreate()
     policies = spark.client.get_retry_policies()
     spark.client.set_retry_policies([DefaultPolicy(max_retries=3, max_backoff=1000)])
     try:
-        spark.version  # the first call: a server that is not Spark Connect fails here
+        with warnings.catch_warnings():  # the client warns before it raises: one line is ours
+            warnings.simplefilter("ignore")
+            spark.version  # the first call: a server that is not Spark Connect fails here
     except Exception as e:
-        raise ShardlineError(f"{where} {url}: {host}:{port} does not answer as a Spark Connect server ({_first_line(e)})") from None
-    finally:
-        spark.client.set_retry_policies(policies)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            spark.stop()  # now, with the short policy: at exit it would retry for minutes
+        raise ShardlineError(
+            f"{where} {url}: {host}:{port} does not answer as a Spark Connect server ({_grpc_reason(e)})"
+        ) from None
+    spark.client.set_retry_policies(policies)
     _URLS[id(spark)] = url
     for key, value in cfg.conf.items():  # the job's own settings win over the server's
         try:
@@ -156,6 +159,22 @@ def _connect(url: str, cfg: SparkConfig):
             ) from None
     _fill_in(spark, session_defaults(cfg), explicit=_explicit_session(cfg))
     return spark
+
+
+def _unreachable(host: str, port: int, timeout_s: float) -> str | None:
+    """Why nothing accepts a TCP connection at host:port, or None when something does."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        if isinstance(e, TimeoutError) or e.strerror is None:
+            return f"no answer in {timeout_s:g} s"
+        return e.strerror
+    return None
+
+
+def _grpc_reason(e: BaseException) -> str:
+    details = re.search(r'details = "([^"]*)"', str(e))
+    return details[1][:300] if details else _first_line(e)
 
 
 def _quiet_client_logs() -> None:
@@ -190,15 +209,15 @@ def _classic(cfg: SparkConfig):
         _fill_in(spark, session_defaults(cfg))
         late = _fill_in(spark, cfg.conf)
         if late:
-            print(
-                f"[shardline] under spark-submit, spark.conf.{late[0]} (and {len(late) - 1} more) "
-                f"cannot be set once Spark runs: pass it to spark-submit as --conf",
-                file=sys.stderr, flush=True,
+            raise ConfigError(
+                f"spark.conf.{late[0]}: a JVM setting cannot be set once spark-submit has "
+                f"started Spark; pass it to spark-submit as --conf {late[0]}={cfg.conf[late[0]]}"
             )
         return spark
 
     user = user_spark_conf()
     master = cfg.master if "master" in cfg.model_fields_set else user.get("spark.master", cfg.master)
+    _check_standalone_master(master, cfg.connect_timeout_s)
     builder = builder.master(master)
     if "app_name" in cfg.model_fields_set or "spark.app.name" not in user:
         builder = builder.appName(cfg.app_name)
@@ -211,6 +230,21 @@ def _classic(cfg: SparkConfig):
         spark = builder.getOrCreate()
     _fill_in(spark, session_defaults(cfg), explicit={**_explicit_session(cfg), **cfg.conf})
     return spark
+
+
+def _check_standalone_master(master: str, timeout_s: float) -> None:
+    """A spark:// master nobody answers at: Spark would try to register for about a
+    minute, then fail with a Java stack trace."""
+    if not master.startswith("spark://"):
+        return
+    reasons = []
+    for hostport in master.removeprefix("spark://").split(","):  # HA: any of the masters
+        host, _, port = hostport.partition(":")
+        reason = _unreachable(host, int(port) if port.isdigit() else 7077, timeout_s)
+        if reason is None:
+            return
+        reasons.append(reason)
+    raise ShardlineError(f"spark.master {master}: no Spark master answers there ({reasons[0]})")
 
 
 def _explicit_session(cfg: SparkConfig) -> dict[str, str]:

@@ -17,12 +17,13 @@ from pathlib import Path
 from training.launchers import free_port
 
 from .conftest import REPO, shardline
+from .test_clusters import _start, _stop, _wait_port
 
 BIN = Path(sys.executable).parent
 LOG4J = REPO / "pipelines" / "log4j2.properties"
 KEYS = [
     "spark.ui.enabled", "spark.sql.shuffle.partitions", "spark.sql.execution.arrow.maxRecordsPerBatch",
-    "spark.ui.showConsoleProgress", "spark.driver.host", "spark.master",
+    "spark.ui.showConsoleProgress", "spark.master",
 ]
 # A driver that starts Spark through shardline's session factory and reports what Spark has.
 DRIVER = f"""
@@ -33,6 +34,12 @@ spark = spark_session(SparkConfig.model_validate(json.loads(sys.argv[1])))
 out = {{k: spark.conf.get(k, None) for k in {KEYS!r}}}
 with socket.socket() as s:  # the web UI, if Spark runs one, listens on spark.ui.port
     out["ui_listening"] = s.connect_ex(("127.0.0.1", int(sys.argv[2]))) == 0
+def jvm_env(batches):  # Python workers inherit the JVM's environment
+    import os, pandas as pd
+    for _ in batches:
+        yield pd.DataFrame({{"ip": [os.environ.get("SPARK_LOCAL_IP", "")]}})
+out["jvm_SPARK_LOCAL_IP"] = spark.range(1).mapInPandas(jvm_env, "ip string").collect()[0]["ip"]
+out["driver_SPARK_LOCAL_IP"] = __import__("os").environ.get("SPARK_LOCAL_IP")
 print("RESULT " + json.dumps(out), flush=True)
 spark.stop()
 """
@@ -109,8 +116,9 @@ def test_shardlines_defaults_fill_in_what_nobody_set(tmp_path):
     assert got["spark.ui.showConsoleProgress"] == "false"
     assert got["spark.sql.shuffle.partitions"] == "4"
     assert got["spark.master"] == "local[2]"
-    # Set before the JVM started: the bind address, and the log4j configuration (quiet).
-    assert got["spark.driver.host"] == "127.0.0.1"
+    # Set where the JVM reads them when it starts: the bind address (put back in this
+    # process afterwards), and the log4j configuration (quiet).
+    assert got["jvm_SPARK_LOCAL_IP"] == "127.0.0.1" and got["driver_SPARK_LOCAL_IP"] is None
     assert " INFO " not in proc.stderr, proc.stderr[-2000:]
 
 
@@ -134,20 +142,48 @@ def test_task_cpus_leaving_fewer_slots_than_ranks_is_refused_by_name(tmp_path):
 def test_dynamic_allocation_is_refused_for_training(tmp_path):
     """Spark refuses barrier stages under dynamic allocation [SPARK-24942]: say so up front.
 
-    The standalone master does not exist; shardline refuses before it would need one."""
-    proc = shardline(
-        "train", str(REPO / "jobs" / "configs" / "quickstart.toml"),
-        "--set", f"spark.master='spark://127.0.0.1:{free_port()}'",
-        "--set", "spark.conf={'spark.dynamicAllocation.enabled' = 'true'}",
-        "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'",
-        cwd=tmp_path, env=_env(tmp_path), timeout=300,
+    A real standalone Master with no workers: shardline refuses before it needs one."""
+    port = free_port()
+    master = _start(
+        [str(BIN / "spark-class"), "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+         "--port", str(port), "--webui-port", str(free_port())],
+        tmp_path / "master.log",
+        {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PYSPARK_PYTHON": sys.executable,
+         "SPARK_LOCAL_IP": "127.0.0.1"},
     )  # fmt: skip
+    try:
+        _wait_port(port)
+        proc = shardline(
+            "train", str(REPO / "jobs" / "configs" / "quickstart.toml"),
+            "--set", f"spark.master='spark://127.0.0.1:{port}'",
+            "--set", "spark.conf={'spark.dynamicAllocation.enabled' = 'true'}",
+            "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'",
+            cwd=tmp_path, env=_env(tmp_path), timeout=300,
+        )  # fmt: skip
+    finally:
+        _stop([master])
     assert proc.returncode == 1, proc.stderr[-3000:]
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert errors == [
         "error: spark.dynamicAllocation.enabled is true: Spark refuses barrier stages (shardline's "
         "training ranks) under dynamic allocation [SPARK-24942]; set it to false for this job"
     ], proc.stderr[-2000:]
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_standalone_master_nobody_answers_at_is_one_line(tmp_path):
+    port = free_port()  # nothing listens there: Spark alone would retry, then print a stack
+    proc = shardline(
+        "prepare", str(REPO / "jobs" / "configs" / "quickstart.toml"),
+        "--set", f"spark.master='spark://127.0.0.1:{port}'", cwd=tmp_path, env=_env(tmp_path),
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert errors == [
+        f"error: spark.master spark://127.0.0.1:{port}: no Spark master answers there (Connection refused)"
+    ], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "shardline-data").exists()
 
 
 def test_arrow_disabled_for_pandas_conversions_changes_nothing(tmp_path):
@@ -164,3 +200,20 @@ def test_arrow_disabled_for_pandas_conversions_changes_nothing(tmp_path):
 
     manifest = load_manifest(str(tmp_path / "shardline-data" / "quickstart" / "dataset"))
     assert sum(s.rows for s in manifest.splits.values()) == 2000
+
+
+def test_a_jvm_setting_only_the_config_names_is_refused_under_spark_submit(tmp_path):
+    """spark-submit started the JVM: a JVM setting from [spark].conf can no longer apply."""
+    cmd = [
+        str(BIN / "spark-submit"), "--master", "local[1]",
+        str(REPO / "jobs" / "spark_submit.py"), "prepare", str(REPO / "jobs" / "configs" / "quickstart.toml"),
+        "--set", "spark.conf={'spark.ui.enabled' = 'true'}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stdout[-3000:]
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
+    assert errors == [
+        "error: spark.conf.spark.ui.enabled: a JVM setting cannot be set once spark-submit has "
+        "started Spark; pass it to spark-submit as --conf spark.ui.enabled=true"
+    ], proc.stdout[-2000:]
+    assert not (tmp_path / "shardline-data").exists()
