@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import socket
 import sys
 import warnings
 from contextlib import contextmanager
 from importlib import resources
-from pathlib import Path
 
 from .config import SparkConfig
 from .errors import ConfigError, ShardlineError
+from .spark_user_conf import user_spark_conf
 
 # JVM-level settings: only when shardline starts the JVM, and only where the user set nothing.
 CORE_DEFAULTS = {
@@ -63,7 +62,7 @@ def remote_url(cfg: SparkConfig) -> str | None:
     url = cfg.remote or os.environ.get("SPARK_REMOTE") or None
     if url is None:
         return None
-    where = "spark.remote" if cfg.remote else "SPARK_REMOTE"
+    where = _remote_source(cfg)
     if not url.startswith("sc://"):
         raise ConfigError(
             f"{where} {url!r}: shardline runs on a Spark Connect server at sc://host:port "
@@ -76,6 +75,10 @@ def remote_url(cfg: SparkConfig) -> str | None:
     except Exception as e:  # PySparkValueError with the reason
         raise ConfigError(f"{where} {url!r}: {_first_line(e)}") from None
     return url
+
+
+def _remote_source(cfg: SparkConfig) -> str:
+    return "spark.remote" if cfg.remote else "SPARK_REMOTE"
 
 
 def start_spark(cfg: SparkConfig):
@@ -126,7 +129,7 @@ def _connect(url: str, cfg: SparkConfig):
     from pyspark.sql.connect.client.core import DefaultChannelBuilder
     from pyspark.sql.connect.client.retries import DefaultPolicy
 
-    where = "spark.remote" if cfg.remote else "SPARK_REMOTE"
+    where = _remote_source(cfg)
     parsed = DefaultChannelBuilder(url).url
     host, port = parsed.hostname, parsed.port or 15002
     reason = _unreachable(host, port, cfg.connect_timeout_s)
@@ -215,7 +218,7 @@ def _classic(cfg: SparkConfig):
             )
         return spark
 
-    user = user_spark_conf()
+    user = user_spark_conf()  # spark-defaults.conf, PYSPARK_SUBMIT_ARGS
     master = cfg.master if "master" in cfg.model_fields_set else user.get("spark.master", cfg.master)
     _check_standalone_master(master, cfg.connect_timeout_s)
     builder = builder.master(master)
@@ -292,80 +295,6 @@ def _launch_env(local: bool):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def user_spark_conf() -> dict[str, str]:
-    """What the user gave Spark outside shardline's config, as spark-submit will read it
-    when pyspark starts the JVM: `spark-defaults.conf` (or `--properties-file`) and `--conf`
-    / `--master` in `PYSPARK_SUBMIT_ARGS`, later ones winning."""
-    args = shlex.split(os.environ.get("PYSPARK_SUBMIT_ARGS", ""))
-    given: dict[str, str] = {}
-    props_file, load_defaults = None, False
-    for i, a in enumerate(args):
-        value = args[i + 1] if i + 1 < len(args) else ""
-        if a.startswith("--conf="):
-            a, value = "--conf", a.removeprefix("--conf=")
-        if a == "--conf":
-            key, _, v = value.partition("=")
-            given[key.strip()] = v
-        elif a == "--master":
-            given["spark.master"] = value
-        elif a == "--properties-file":
-            props_file = Path(value)
-        elif a == "--load-spark-defaults":
-            load_defaults = True
-    files = [props_file] if props_file else []
-    if props_file is None or load_defaults:
-        conf_dir = os.environ.get("SPARK_CONF_DIR") or str(_spark_home() / "conf")
-        files.append(Path(conf_dir) / "spark-defaults.conf")
-    conf: dict[str, str] = {}
-    for f in reversed(files):  # the properties file wins over spark-defaults.conf
-        if f.is_file():
-            conf.update({k: v for k, v in read_properties(f).items() if k.startswith("spark.")})
-    return {**conf, **given}
-
-
-def _spark_home() -> Path:
-    if os.environ.get("SPARK_HOME"):
-        return Path(os.environ["SPARK_HOME"])
-    import pyspark
-
-    return Path(pyspark.__file__).parent
-
-
-_ESCAPES = {"t": "\t", "n": "\n", "r": "\r", "f": "\f"}
-
-
-def read_properties(path: Path) -> dict[str, str]:
-    """A Java properties file as Spark reads it (java.util.Properties, values trimmed)."""
-    lines, pending = [], ""
-    for raw in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        line = raw.lstrip()
-        if not pending and (not line or line[0] in "#!"):
-            continue
-        trailing = len(line) - len(line.rstrip("\\"))
-        if trailing % 2:  # an odd run of backslashes continues the line
-            pending += line[:-1]
-            continue
-        lines.append(pending + line)
-        pending = ""
-    if pending:
-        lines.append(pending)
-    out = {}
-    for line in lines:
-        m = re.match(r"((?:\\.|[^\s=:\\])*)\s*[=:]?\s*(.*)$", line)
-        out[_unescape(m[1])] = _unescape(m[2]).strip()
-    return out
-
-
-def _unescape(s: str) -> str:
-    def one(m: re.Match) -> str:
-        c = m[1]
-        if c.startswith("u") and len(c) == 5:
-            return chr(int(c[1:], 16))
-        return _ESCAPES.get(c, c)
-
-    return re.sub(r"\\(u[0-9a-fA-F]{4}|.)", one, s)
 
 
 # ---------------------------------------------------------------- code for the executors

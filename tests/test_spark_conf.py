@@ -217,3 +217,36 @@ def test_a_jvm_setting_only_the_config_names_is_refused_under_spark_submit(tmp_p
         "started Spark; pass it to spark-submit as --conf spark.ui.enabled=true"
     ], proc.stdout[-2000:]
     assert not (tmp_path / "shardline-data").exists()
+
+
+def test_user_settings_are_read_as_spark_submit_reads_them(tmp_path, monkeypatch):
+    """No JVM: the sources shardline reads before starting one, in spark-submit's order."""
+    from pipelines.spark_user_conf import user_spark_conf
+
+    conf_dir = tmp_path / "conf"
+    conf_dir.mkdir()
+    (conf_dir / "spark-defaults.conf").write_text(
+        "# a comment\n! another\nspark.ui.enabled   true\nspark.sql.shuffle.partitions=7\n"
+        "spark.driver.extraJavaOptions : -Da=1 \\\n    -Db=2\nnot.spark 1\n"
+    )
+    (tmp_path / "job.conf").write_text("spark.sql.shuffle.partitions 9\nspark.app.name job\n")
+    monkeypatch.setenv("SPARK_CONF_DIR", str(conf_dir))
+    monkeypatch.delenv("PYSPARK_SUBMIT_ARGS", raising=False)
+    assert user_spark_conf() == {
+        "spark.ui.enabled": "true", "spark.sql.shuffle.partitions": "7",
+        "spark.driver.extraJavaOptions": "-Da=1 -Db=2",
+    }  # fmt: skip
+    monkeypatch.setenv(
+        "PYSPARK_SUBMIT_ARGS",
+        "--master local[3] --conf spark.ui.enabled=false --conf=spark.ui.port=4321 pyspark-shell",
+    )
+    got = user_spark_conf()
+    assert (got["spark.master"], got["spark.ui.enabled"], got["spark.ui.port"]) == ("local[3]", "false", "4321")
+    # --properties-file replaces spark-defaults.conf, unless --load-spark-defaults (it wins then).
+    monkeypatch.setenv("PYSPARK_SUBMIT_ARGS", f"--properties-file {tmp_path / 'job.conf'} pyspark-shell")
+    assert user_spark_conf() == {"spark.sql.shuffle.partitions": "9", "spark.app.name": "job"}
+    monkeypatch.setenv(
+        "PYSPARK_SUBMIT_ARGS", f"--properties-file {tmp_path / 'job.conf'} --load-spark-defaults pyspark-shell"
+    )
+    got = user_spark_conf()
+    assert (got["spark.sql.shuffle.partitions"], got["spark.ui.enabled"]) == ("9", "true")
