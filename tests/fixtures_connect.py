@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -102,13 +101,12 @@ def start_connect_server(root: Path, python: str = sys.executable, name: str = "
 
 
 def _wait_port(port: int, seconds: float, server: ConnectServer) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.5)
-    raise AssertionError(f"Spark Connect server not listening after {seconds} s:\n{server.log_tail()}")
+    from .test_clusters import _wait_port as wait
+
+    try:
+        wait(port, seconds)
+    except AssertionError as e:
+        raise AssertionError(f"Spark Connect server: {e}:\n{server.log_tail()}") from None
 
 
 @pytest.fixture(scope="session")

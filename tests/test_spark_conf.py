@@ -20,6 +20,7 @@ from .conftest import REPO, shardline
 from .test_clusters import _start, _stop, _wait_port
 
 BIN = Path(sys.executable).parent
+QUICKSTART = REPO / "jobs" / "configs" / "quickstart.toml"
 LOG4J = REPO / "pipelines" / "log4j2.properties"
 KEYS = [
     "spark.ui.enabled", "spark.sql.shuffle.partitions", "spark.sql.execution.arrow.maxRecordsPerBatch",
@@ -59,6 +60,18 @@ def _run(cmd: list[str], tmp: Path, env: dict) -> tuple[dict, subprocess.Complet
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
     return json.loads(result.removeprefix("RESULT ")), proc
+
+
+def _submit_shardline(tmp: Path, spark_args: list[str], *shardline_args: str) -> subprocess.CompletedProcess:
+    """`spark-submit SPARK_ARGS jobs/spark_submit.py SHARDLINE_ARGS` on the quickstart config."""
+    cmd = [str(BIN / "spark-submit"), *spark_args, str(REPO / "jobs" / "spark_submit.py"),
+           shardline_args[0], str(QUICKSTART), *shardline_args[1:]]
+    return subprocess.run(cmd, cwd=tmp, env=_env(tmp), capture_output=True, text=True, timeout=600)
+
+
+def _error_lines(text: str) -> list[str]:
+    # spark-submit merges the Python driver's stderr into its stdout.
+    return [ln for ln in text.splitlines() if ln.startswith("error:")]
 
 
 def _driver(tmp: Path) -> Path:
@@ -123,16 +136,12 @@ def test_shardlines_defaults_fill_in_what_nobody_set(tmp_path):
 
 
 def test_task_cpus_leaving_fewer_slots_than_ranks_is_refused_by_name(tmp_path):
-    cmd = [
-        str(BIN / "spark-submit"), "--master", "local[2]", "--conf", "spark.task.cpus=2",
-        str(REPO / "jobs" / "spark_submit.py"), "train", str(REPO / "jobs" / "configs" / "quickstart.toml"),
-        "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'",
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    proc = _submit_shardline(
+        tmp_path, ["--master", "local[2]", "--conf", "spark.task.cpus=2"],
+        "train", "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'",
+    )  # fmt: skip
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
-    # spark-submit merges the Python driver's stderr into its stdout.
-    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
-    assert errors == [
+    assert _error_lines(proc.stdout) == [
         "error: training.world_size 2 is greater than the 1 task slots of Spark master local[2] "
         "(spark.task.cpus=2): a barrier stage needs them all at once"
     ], proc.stdout[-2000:]
@@ -154,7 +163,7 @@ def test_dynamic_allocation_is_refused_for_training(tmp_path):
     try:
         _wait_port(port)
         proc = shardline(
-            "train", str(REPO / "jobs" / "configs" / "quickstart.toml"),
+            "train", str(QUICKSTART),
             "--set", f"spark.master='spark://127.0.0.1:{port}'",
             "--set", "spark.conf={'spark.dynamicAllocation.enabled' = 'true'}",
             "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'",
@@ -163,23 +172,55 @@ def test_dynamic_allocation_is_refused_for_training(tmp_path):
     finally:
         _stop([master])
     assert proc.returncode == 1, proc.stderr[-3000:]
-    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-    assert errors == [
+    assert _error_lines(proc.stderr) == [
         "error: spark.dynamicAllocation.enabled is true: Spark refuses barrier stages (shardline's "
         "training ranks) under dynamic allocation [SPARK-24942]; set it to false for this job"
     ], proc.stderr[-2000:]
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_a_cluster_with_fewer_slots_than_ranks_is_one_line_from_sparks_own_check(prepared, tmp_path):
+    """Nothing in the settings bounds a standalone cluster's slots, so Spark's own barrier
+    check decides: with shardline's defaults it gives up after 15 tries 2 s apart (Spark's
+    own: 40 tries 15 s apart), and the error names the setting."""
+    env = {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PYSPARK_PYTHON": sys.executable,
+           "SPARK_LOCAL_IP": "127.0.0.1"}
+    port = free_port()
+    procs = [_start(
+        [str(BIN / "spark-class"), "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+         "--port", str(port), "--webui-port", str(free_port())], tmp_path / "master.log", env,
+    )]  # fmt: skip
+    try:
+        _wait_port(port)
+        procs.append(_start(
+            [str(BIN / "spark-class"), "org.apache.spark.deploy.worker.Worker", f"spark://127.0.0.1:{port}",
+             "--cores", "1", "--memory", "1g", "--work-dir", str(tmp_path / "work"), "--host", "127.0.0.1",
+             "--webui-port", str(free_port())], tmp_path / "worker.log", env,
+        ))  # fmt: skip
+        proc = shardline(
+            "train", str(QUICKSTART), "--set", f"spark.master='spark://127.0.0.1:{port}'",
+            "--set", "spark.conf={'spark.driver.host' = '127.0.0.1', 'spark.driver.bindAddress' = '127.0.0.1'}",
+            "--set", f"pipelines.dataset_dir='{prepared.dataset_dir}'",
+            "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'",
+            cwd=tmp_path, env={**_env(tmp_path), **env}, timeout=400,
+        )  # fmt: skip
+    finally:
+        _stop(procs)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert _error_lines(proc.stderr) == [
+        "error: training.world_size 2: Spark could not give the barrier stage 2 task slots at once "
+        f"(Spark master spark://127.0.0.1:{port} has fewer)"
+    ], proc.stderr[-2000:]
+
+
 def test_a_standalone_master_nobody_answers_at_is_one_line(tmp_path):
     port = free_port()  # nothing listens there: Spark alone would retry, then print a stack
     proc = shardline(
-        "prepare", str(REPO / "jobs" / "configs" / "quickstart.toml"),
+        "prepare", str(QUICKSTART),
         "--set", f"spark.master='spark://127.0.0.1:{port}'", cwd=tmp_path, env=_env(tmp_path),
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-3000:]
-    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-    assert errors == [
+    assert _error_lines(proc.stderr) == [
         f"error: spark.master spark://127.0.0.1:{port}: no Spark master answers there (Connection refused)"
     ], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
@@ -188,13 +229,10 @@ def test_a_standalone_master_nobody_answers_at_is_one_line(tmp_path):
 
 def test_arrow_disabled_for_pandas_conversions_changes_nothing(tmp_path):
     """shardline's stages are mapInArrow/mapInPandas, which use Arrow whatever this says."""
-    cmd = [
-        str(BIN / "spark-submit"), "--master", "local[2]",
-        "--conf", "spark.sql.execution.arrow.pyspark.enabled=false",
-        str(REPO / "jobs" / "spark_submit.py"), "prepare", str(REPO / "jobs" / "configs" / "quickstart.toml"),
-        "--set", "pipelines.source.synthetic.rows=2000",
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    proc = _submit_shardline(
+        tmp_path, ["--master", "local[2]", "--conf", "spark.sql.execution.arrow.pyspark.enabled=false"],
+        "prepare", "--set", "pipelines.source.synthetic.rows=2000",
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:]
     from pipelines.manifest import load_manifest
 
@@ -204,15 +242,11 @@ def test_arrow_disabled_for_pandas_conversions_changes_nothing(tmp_path):
 
 def test_a_jvm_setting_only_the_config_names_is_refused_under_spark_submit(tmp_path):
     """spark-submit started the JVM: a JVM setting from [spark].conf can no longer apply."""
-    cmd = [
-        str(BIN / "spark-submit"), "--master", "local[1]",
-        str(REPO / "jobs" / "spark_submit.py"), "prepare", str(REPO / "jobs" / "configs" / "quickstart.toml"),
-        "--set", "spark.conf={'spark.ui.enabled' = 'true'}",
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    proc = _submit_shardline(
+        tmp_path, ["--master", "local[1]"], "prepare", "--set", "spark.conf={'spark.ui.enabled' = 'true'}"
+    )
     assert proc.returncode == 2, proc.stdout[-3000:]
-    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
-    assert errors == [
+    assert _error_lines(proc.stdout) == [
         "error: spark.conf.spark.ui.enabled: a JVM setting cannot be set once spark-submit has "
         "started Spark; pass it to spark-submit as --conf spark.ui.enabled=true"
     ], proc.stdout[-2000:]

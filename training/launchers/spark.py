@@ -123,13 +123,12 @@ def launch_spark_barrier(
     try:
         rows = ranks.mapInArrow(rank_task, "rank int, result binary", barrier=True).collect()
     except Exception as e:
-        line = spark_error_line(e)
-        if "SPARK-24819" in line:  # Spark's own slot check, after its retries
+        if "SPARK-24819" in str(e):  # Spark's own slot check, after its retries
             raise ShardlineError(
                 f"training.world_size {world_size}: Spark could not give the barrier stage "
-                f"{world_size} task slots at once ({spark_task_slots(spark).where} has fewer free)"
+                f"{world_size} task slots at once ({spark_task_slots(spark).where} has fewer)"
             ) from None
-        raise TrainingFailed(f"Spark barrier stage failed: {line}") from e
+        raise TrainingFailed(f"Spark barrier stage failed: {spark_error_line(e)}") from e
     results = {r["rank"]: pickle.loads(r["result"]) for r in rows}
     return [results[r] for r in range(world_size)]
 
