@@ -68,7 +68,7 @@ def run(config, overrides):
         # Both leases before Spark starts: a second run on the same dirs is refused at once.
         dataset = leases.enter_context(_dataset_lease(cfg))
         output = leases.enter_context(_output_lease(cfg.serving.output_dir))
-        spark = _spark(cfg)
+        spark = _spark(cfg, _spark_ranks(cfg))
         from pipelines.engine_spark import SparkEngine
 
         manifest = _prepare(cfg, SparkEngine(spark), lease=dataset)
@@ -158,7 +158,7 @@ def train(config, overrides, launcher, world_size, resume):
         with _dask(cfg) as client:
             result = _train(cfg, None, client)
     else:
-        result = _train(cfg, _spark(cfg) if cfg.training.launcher == "spark" else None)
+        result = _train(cfg, _spark(cfg, _spark_ranks(cfg)) if cfg.training.launcher == "spark" else None)
     console.print(f"  run {result.run_id}; model {result.model_uri}")
     for k in ("val_loss", "val_accuracy"):
         if k in result.metrics:
@@ -234,7 +234,7 @@ def sweep(config, overrides, trials, parallel, engine, name):
         if where == "local":
             r = run_sweep(*args)
         else:
-            with _engine_handle(cfg, where) as handle:
+            with _engine_handle(cfg, where, _spark_ranks(cfg, where, cfg.sweep.world_size)) as handle:
                 r = run_sweep(*args, **{"spark" if where == "spark" else "dask_client": handle})
 
     table = Table(title=f"shardline sweep {r.name}", show_header=False, title_justify="left")
@@ -530,21 +530,39 @@ def _output_lease(output_dir: str):
     return output_lease(output_dir)
 
 
-def _spark(cfg: ShardlineConfig):
+def _spark(cfg: ShardlineConfig, barrier_ranks: int | None = None):
+    """The session, checked before any work: a barrier stage's slots (`barrier_ranks`),
+    then the executors' environment (one probe task; Connect and cluster masters)."""
     from pipelines.engines import spark_session
+    from pipelines.spark_probe import check_executors, describe_executors
+    from pipelines.spark_setup import describe_spark, remote_url
 
-    with stage("Starting Spark"):
+    url = remote_url(cfg.spark)
+    with stage(f"Connecting to Spark Connect {url}" if url else "Starting Spark"):
         spark = spark_session(cfg.spark)
     # Under spark-submit its --master wins over the config's: say which one runs.
-    console.print(f"  Spark master {spark.sparkContext.master}")
+    console.print(f"  {describe_spark(spark)}")
+    if barrier_ranks:
+        from training.launchers.spark import check_spark_slots
+
+        check_spark_slots(spark, barrier_ranks)
+    report = check_executors(spark, cfg.spark.probe_timeout_s)
+    if report:
+        console.print(f"  {describe_executors(report)}")
     return spark
 
 
+def _spark_ranks(cfg: ShardlineConfig, launcher: str | None = None, world_size: int | None = None) -> int | None:
+    """Ranks a Spark barrier stage will need, when training runs on Spark."""
+    t = cfg.training
+    return (world_size or t.world_size) if (launcher or t.launcher) == "spark" else None
+
+
 @contextmanager
-def _engine_handle(cfg: ShardlineConfig, engine: str):
+def _engine_handle(cfg: ShardlineConfig, engine: str, barrier_ranks: int | None = None):
     """The SparkSession, or a Dask client (closed, with its embedded cluster, after)."""
     if engine == "spark":
-        yield _spark(cfg)
+        yield _spark(cfg, barrier_ranks)
         return
     with _dask(cfg) as client:
         yield client

@@ -155,9 +155,12 @@ def run_training(
 def _check_capacity(cfg: TrainingConfig, spark, dask_client) -> None:
     """Enough task slots or workers for every rank, before anything starts."""
     if cfg.launcher == "spark" and spark is not None:
+        from pipelines.spark_probe import check_executors
+
         from .launchers.spark import check_spark_slots
 
         check_spark_slots(spark, cfg.world_size)
+        check_executors(spark)  # once per session: the CLI has usually run it already
     if cfg.launcher == "dask" and dask_client is not None:
         from .launchers.dask import check_dask_workers
 

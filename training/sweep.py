@@ -117,8 +117,13 @@ def check_parallel(sweep: SweepConfig, base: TrainingConfig, spark, dask_client)
     if base.launcher == "spark":
         if spark is None:
             raise ConfigError("sweep.engine 'spark' needs a Spark session")
-        total = spark.sparkContext.defaultParallelism
-        where, per_trial = f"{total} task slots of Spark master {spark.sparkContext.master}", ws
+        from .launchers.spark import spark_task_slots
+
+        slots = spark_task_slots(spark)
+        if slots.count is None:  # nothing bounds the cluster: Spark's barrier check decides
+            return None
+        total, per_trial = slots.count, ws
+        where = f"{total} task slots of {slots.where}"
     elif base.launcher == "dask":
         if dask_client is None:
             raise ConfigError("sweep.engine 'dask' needs a Dask client")
