@@ -101,6 +101,9 @@ def score(
             for u in todo
         ]
         entries = _run(engine_name, spark_or_client, tasks) if tasks else []
+        # Every unit is committed now; a temp file left is an attempt that died mid-unit
+        # (a killed worker) and was retried elsewhere. Still under the lock: no job writes.
+        remove_orphans(out, read_ledger(out))
     errors = [e for e in entries if "error" in e]
     if errors:
         done = len(entries) - len(errors)
