@@ -28,7 +28,7 @@ from serving.score import score
 
 from .conftest import REPO
 from .scoring_faults import DiesBetweenOutputAndLedger, StallsOnce
-from .serving_helpers import raw_table, read_scores, register_flaky, register_wrapped, trained_model, write_raw
+from .serving_helpers import raw_table, read_scores, register_flaky, register_wrapped, write_raw
 
 
 @pytest.fixture(scope="module")
@@ -191,30 +191,36 @@ score("dask", client, sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], batch_
 
 
 def test_killed_job_rerun_scores_the_rest(spark, prepared, raw, tracking_uri, tmp_path):
-    model = trained_model(prepared)
-    units = 120
+    # One unit stalls until the job dies, so the kill always lands mid-job, whatever the load.
+    marker = tmp_path / "stalled"
+    uri = register_wrapped(prepared, tracking_uri, "stalls-job", lambda inner: StallsOnce(inner, str(marker)))
+    units = 6
     write_raw(raw, tmp_path / "in", files=units)
     out = tmp_path / "scores"
+    log = tmp_path / "job.log"  # a file, not a pipe: a full pipe would stall the job itself
     # Dask in its own process group: SIGKILL takes the client, nannies and workers.
-    proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(KILLED_JOB), model.model_uri, tracking_uri,
-         str(tmp_path / "in"), str(out)],
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
-        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
-    deadline = time.monotonic() + 240
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(KILLED_JOB), uri, tracking_uri,
+             str(tmp_path / "in"), str(out)],
+            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+            start_new_session=True, stdout=sink, stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 540
     try:
-        while time.monotonic() < deadline and proc.poll() is None and not read_ledger(out):
-            time.sleep(0.01)
+        while time.monotonic() < deadline and proc.poll() is None:
+            if Path(f"{marker}.json").exists() and read_ledger(out):
+                break
+            time.sleep(0.05)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     committed = len(read_ledger(out))
-    assert 0 < committed < units, proc.stderr.read().decode()[-2000:]
+    assert 0 < committed < units, log.read_text()[-2000:]
 
     # Re-run on the other engine: the ledger, not the engine, decides what is done.
-    r = score("spark", spark, model.model_uri, tracking_uri, str(tmp_path / "in"), str(out))
-    assert r.files_skipped >= committed and r.files_skipped + r.files_scored == units
+    r = score("spark", spark, uri, tracking_uri, str(tmp_path / "in"), str(out))
+    assert r.files_skipped == committed and r.files_skipped + r.files_scored == units
     _assert_exactly_once(out, raw.num_rows, units)
 
 
