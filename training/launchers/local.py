@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import traceback
 from typing import Any
 
@@ -32,9 +33,31 @@ def _context():
     return ctx
 
 
-def _rank_main(fn, rank, world_size, init_method, payload, timeout_s, results, env, cwd):
+class _LauncherStdio:
+    """The launcher's stdout and stderr as they are at launch, handed to a rank as file
+    descriptors: the server's own are those of its start (an earlier capture, a closed
+    terminal), while a spawned rank would inherit the launcher's current ones."""
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        # DupFd works only while the Process is being pickled for its launch: here.
+        return _attach_stdio, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _attach_stdio(out, err) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for wrapper, target in ((out, 1), (err, 2)):
+        fd = wrapper.detach()
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def _rank_main(fn, rank, world_size, init_method, payload, timeout_s, results, env, cwd, stdio):
     # The server kept the environment and folder of its own start; a rank gets the
-    # launcher's of now, as a spawned process would (e.g. GLOO_SOCKET_IFNAME).
+    # launcher's of now, as a spawned process would (e.g. GLOO_SOCKET_IFNAME). Its
+    # stdout and stderr were re-attached when `stdio` was unpickled.
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -50,7 +73,7 @@ def _rank_main(fn, rank, world_size, init_method, payload, timeout_s, results, e
 
 
 def launch_local(fn: RankFn, payload: Any, world_size: int, timeout_s: float = 300) -> list[Any]:
-    """Run `fn` on `world_size` spawned processes; return the results by rank."""
+    """Run `fn` on `world_size` processes of this machine; return the results by rank."""
     ctx = _context()
     results = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -58,7 +81,8 @@ def launch_local(fn: RankFn, payload: Any, world_size: int, timeout_s: float = 3
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, r, world_size, init_method, payload, timeout_s, results, env, cwd),
+            args=(fn, r, world_size, init_method, payload, timeout_s, results, env, cwd,
+                  _LauncherStdio()),
             daemon=True,
         )
         for r in range(world_size)
