@@ -119,8 +119,12 @@ def test_a_faster_model_is_given_more_loader_workers(prepared):
     assert fast.shards_per_rank == capped.shards_per_rank == 1
 
 
+def _files(directory: str) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in Path(directory).rglob("*") if p.is_file()}
+
+
 def test_measuring_gives_the_rules_plan_and_writes_nothing(prepared):
-    before = (Path(prepared.dataset_dir) / "manifest.json").read_bytes()
+    before = _files(prepared.dataset_dir)
     cfg = TrainingConfig(hidden=[8], batch_size=256, world_size=2)
     manifest, p = plan_dataset(cfg, prepared.dataset_dir, budget_s=0.2)
     assert p.train_samples_per_s > 0 and p.loader_samples_per_s_per_worker > 0
@@ -129,7 +133,7 @@ def test_measuring_gives_the_rules_plan_and_writes_nothing(prepared):
     # What it chose is the rule's answer for what it measured.
     again = plan_from_measurements(manifest, cfg, p.train_samples_per_s, p.loader_samples_per_s_per_worker)
     assert again.model_dump(exclude={"measured_at"}) == p.model_dump(exclude={"measured_at"})
-    assert (Path(prepared.dataset_dir) / "manifest.json").read_bytes() == before  # measuring writes nothing
+    assert _files(prepared.dataset_dir) == before  # measuring writes nothing
 
 
 def test_a_plan_is_per_data_part_for_every_strategy(prepared):

@@ -41,10 +41,12 @@ def _assert_exactly_once(out: Path, rows: int, units: int) -> None:
     assert len(keys) == len(set(keys)) == rows
     ledger = read_ledger(out)
     assert len(ledger) == units
-    # No orphans and no temp files: every file in the directory is a committed unit.
-    assert sorted(p.name for p in out.iterdir() if p.name not in ("_lock", LEDGER)) == sorted(
+    # No orphans and no temp files: beside the ledger and the job's lock (`_` names), every
+    # file in the directory is a committed unit's output, and the ledger holds no temp file.
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith("_")) == sorted(
         e["output"] for e in ledger.values()
     )
+    assert sorted(p.name for p in (out / LEDGER).iterdir()) == sorted(f"{u}.json" for u in ledger)
 
 
 def test_dask_task_retry_commits_each_unit_once(dask_client, prepared, raw, tracking_uri, tmp_path):
@@ -190,6 +192,7 @@ score("dask", client, sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], batch_
 """
 
 
+@pytest.mark.slow
 def test_killed_job_rerun_scores_the_rest(spark, prepared, raw, tracking_uri, tmp_path):
     # One unit stalls until the job dies, so the kill always lands mid-job, whatever the load.
     marker = tmp_path / "stalled"
@@ -236,6 +239,7 @@ print("ROWS", r.rows, r.files_scored)
 """
 
 
+@pytest.mark.slow
 def test_spark_task_retry_commits_each_unit_once(prepared, raw, tracking_uri, tmp_path):
     uri = register_flaky(prepared, tracking_uri, tmp_path / "failed-once", "flaky-spark-retry")
     write_raw(raw, tmp_path / "in", files=4)
@@ -244,7 +248,7 @@ def test_spark_task_retry_commits_each_unit_once(prepared, raw, tracking_uri, tm
         [sys.executable, "-c", textwrap.dedent(SPARK_RETRY_JOB), uri, tracking_uri,
          str(tmp_path / "in"), str(out)],
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "failed-once").exists()
