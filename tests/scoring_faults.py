@@ -50,13 +50,17 @@ def _publish(path: str, record: dict) -> None:
     os.replace(tmp, path)
 
 
-class StallsOnce(torch.nn.Module):
-    """The first call in the whole test waits, mid-unit, to be killed; the rest score."""
+class _FaultModel(torch.nn.Module):
+    """The trained model, scoring as usual, plus a marker file naming this test's fault."""
 
     def __init__(self, inner: torch.nn.Module, marker: str):
         super().__init__()
         self.inner = inner
         self.marker = marker
+
+
+class StallsOnce(_FaultModel):
+    """The first call in the whole test waits, mid-unit, to be killed; the rest score."""
 
     def forward(self, x):
         fd = _claim(self.marker)
@@ -70,13 +74,8 @@ class StallsOnce(torch.nn.Module):
         raise RuntimeError(f"stalled unit was not killed within {STALL_LIMIT_S} s")
 
 
-class DiesBetweenOutputAndLedger(torch.nn.Module):
+class DiesBetweenOutputAndLedger(_FaultModel):
     """Scores normally; installs, once per process, the hook that dies at the point."""
-
-    def __init__(self, inner: torch.nn.Module, marker: str):
-        super().__init__()
-        self.inner = inner
-        self.marker = marker
 
     def forward(self, x):
         if self.marker not in _HOOKED:
