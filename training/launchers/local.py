@@ -25,7 +25,8 @@ from . import RankFn, TrainingFailed, free_port, run_in_group
 PRELOAD = ["torch", "torch.distributed", "training.worker", "mlflow.tracking"]
 
 
-def _context():
+def process_context():
+    """Where new processes come from: the fork server (torch already imported), or spawn."""
     if "forkserver" not in mp.get_all_start_methods():  # not on Windows
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -74,7 +75,7 @@ def _rank_main(fn, rank, world_size, init_method, payload, timeout_s, results, e
 
 def launch_local(fn: RankFn, payload: Any, world_size: int, timeout_s: float = 300) -> list[Any]:
     """Run `fn` on `world_size` processes of this machine; return the results by rank."""
-    ctx = _context()
+    ctx = process_context()
     results = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
     env, cwd = dict(os.environ), os.getcwd()
