@@ -426,22 +426,24 @@ def bench_strategies(steps, as_json):
                         f"global batch {result['global_batch']}, {result['steps']} steps, "
                         f"{result['cores']} cores, {result['device']}")
     table.add_column("", no_wrap=True)
-    for col in ("ranks", "samples/s", "× single", "peak MB (max rank)", "bubble", "formula"):
+    bubbles = ("pipeline_bubble", "pipeline_bubble_predicted", "pipeline_bubble_formula", "pipeline_cpu_wait")
+    for col in ("ranks", "samples/s", "× single", "peak MB (max rank)", "bubble", "predicted", "formula",
+                "cpu wait"):
         table.add_column(col, justify="right")
     for name, row in result["strategies"].items():
-        bubble = row.get("pipeline_bubble")
         table.add_row(
             name, str(row["world_size"]), f"{row['samples_per_s']:,.0f}", f"{row['ratio_vs_single']:.2f}",
             f"{max(row['peak_mb_per_rank']):.0f}",
-            f"{bubble:.2f}" if bubble is not None else "",
-            f"{row['pipeline_bubble_formula']:.2f}" if bubble is not None else "",
+            *(f"{row[k]:.2f}" if k in row else "" for k in bubbles),
         )
     Console().print(table)
     console.print("  × single: vs one process training the same model on the same batches, this run. "
                   "More ranks than cores share them: read ratios with the cores in mind.")
     console.print(f"  peak MB: {result['memory_measure']} of the rank that grew most (--json: every "
                   "rank's); bubble: the pipeline's "
-                  "measured idle share vs the formula (p-1)/(m+p-1).")
+                  "measured idle share; predicted: its schedule replayed with the measured action "
+                  "times, communication free; formula: the schedule's with equal stages; cpu wait: "
+                  "share of the step a rank was ready to run but had no core (outside its actions).")
 
 
 def _spark(cfg: ShardlineConfig):

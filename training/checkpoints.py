@@ -24,7 +24,7 @@ _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
 FINGERPRINT_FIELDS = (
     "model", "hidden", "embedding_dim", "strategy", "world_size", "batch_size", "seed", "epochs",
     "shuffle_buffer_rows", "remainder", "dp", "tp", "pp", "ps_servers", "ps_mode",
-    "micro_batches", "pipeline_boundaries",
+    "micro_batches", "pipeline_boundaries", "pipeline_schedule", "pipeline_stages_per_rank",
 )
 
 
