@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from benchmarks import prepare_with_dask, synthetic_pipeline
+from benchmarks import prepare_with_dask, significant, synthetic_pipeline
 
 TARGET_VS_RAW = 0.85
 TARGET_VS_PETASTORM = 3.0
@@ -288,9 +288,9 @@ def run(rows: int, workdir: str | None = None, progress=print, petastorm: bool =
         "naive_batches": NAIVE_BATCHES,
         "ours_settings": defaults,
         "samples": samples,
-        "seconds": {k: round(v, 3) for k, v in seconds.items()},
-        "samples_per_s": {k: round(v, 1) for k, v in sps.items()},
-        "ratio": {k: round(v, 3) for k, v in ratios.items()},
+        "seconds": {k: significant(v) for k, v in seconds.items()},
+        "samples_per_s": {k: significant(v) for k, v in sps.items()},
+        "ratio": {k: significant(v) for k, v in ratios.items()},
         "targets": {"vs_raw_pyarrow": TARGET_VS_RAW, "vs_petastorm": TARGET_VS_PETASTORM},
         "met": {
             "vs_raw_pyarrow": ratios["vs_raw_pyarrow"] >= TARGET_VS_RAW,

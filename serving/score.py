@@ -110,6 +110,9 @@ def score(
         ]
         entries = _run(engine_name, spark_or_client, tasks) if tasks else []
         held.check()  # say so if another job took the output over while this one stalled
+        # Every unit is committed now; a temp file left is an attempt that died mid-unit
+        # (a killed worker) and was retried elsewhere. Still under the lock: no job writes.
+        remove_orphans(out, read_ledger(out))
     errors = [e for e in entries if "error" in e]
     if errors:
         done = len(entries) - len(errors)
