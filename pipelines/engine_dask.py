@@ -7,17 +7,16 @@ and shard metadata, so its memory does not grow with the data.
 from __future__ import annotations
 
 import json
-import shutil
-import uuid
-from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
 
+from . import storage
 from .config import PipelineConfig
 from .rows import FILE_COL, HASH_COL, SHARD_COL, SPLIT_COL, shard_of
 from .shards import SHARD_META_SCHEMA
-from .synthetic import generate_rows, key_ranges
+from .sources import open_raw
+from .synthetic import part_urls, remove_stale_parts, write_generated
 
 
 def read_raw_file(url: str, fmt: str, delimiter: str, head: int | None = None) -> pd.DataFrame:
@@ -25,11 +24,10 @@ def read_raw_file(url: str, fmt: str, delimiter: str, head: int | None = None) -
 
     `head`: only the first rows (for Dask's meta on the client: never a whole file there).
     """
-    import fsspec
     import pyarrow.csv as pcsv
     import pyarrow.parquet as pq
 
-    with fsspec.open(url, "rb", compression="infer") as f:
+    with open_raw(url) as f:
         if fmt in ("parquet", "synthetic"):
             if head:
                 pf = pq.ParquetFile(f)
@@ -38,8 +36,11 @@ def read_raw_file(url: str, fmt: str, delimiter: str, head: int | None = None) -
             else:
                 df = pq.read_table(f).to_pandas()
         elif fmt == "csv":
-            names = f.readline().decode().rstrip("\r\n").split(delimiter)
-            f.seek(0)
+            with open_raw(url) as header:  # a decompressing stream cannot seek back
+                first = b""
+                while b"\n" not in first and (chunk := header.read(1 << 16)):
+                    first += chunk
+            names = first.split(b"\n", 1)[0].decode().rstrip("\r").split(delimiter)
             opts = dict(
                 parse_options=pcsv.ParseOptions(delimiter=delimiter),
                 convert_options=pcsv.ConvertOptions(
@@ -59,20 +60,6 @@ def read_raw_file(url: str, fmt: str, delimiter: str, head: int | None = None) -
     return df
 
 
-def _write_generated(rng, path: str, src, spec) -> int:
-    import pyarrow.parquet as pq
-
-    start, stop = rng
-    writer = None
-    for a in range(start, stop, 100_000):
-        table = pa.Table.from_pandas(generate_rows(a, min(a + 100_000, stop), src, spec), preserve_index=False)
-        writer = writer or pq.ParquetWriter(path, table.schema)
-        writer.write_table(table)
-    if writer:
-        writer.close()
-    return stop - start
-
-
 class DaskEngine:
     name = "dask"
 
@@ -87,19 +74,13 @@ class DaskEngine:
 
     def generate(self, cfg: PipelineConfig) -> None:
         src, spec = cfg.source.synthetic, cfg.features
-        out = Path(cfg.source.path).resolve()
-        tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
-        tmp.mkdir(parents=True)
+        out = storage.resolve(cfg.source.path, "pipelines.source.path")
+        parts = part_urls(out, src)
         futures = [
-            self.client.submit(
-                _write_generated, rng, str(tmp / f"part-{i:05d}.parquet"), src, spec, pure=False
-            )
-            for i, rng in enumerate(key_ranges(src))
+            self.client.submit(write_generated, rng, url, src, spec, pure=False) for rng, url in parts
         ]
         self.client.gather(futures)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        remove_stale_parts(out, [url for _, url in parts])
 
     def read(self, files: list[str], cfg: PipelineConfig):
         import dask.dataframe as dd
@@ -156,10 +137,11 @@ def _with_shard(df: pd.DataFrame, shards: dict[str, int]) -> pd.DataFrame:
     return df.assign(**{SHARD_COL: shard_of(df[HASH_COL].to_numpy(), df[SPLIT_COL].to_numpy(), shards)})
 
 
-def _shard_keys(path: str, key: str) -> pd.DataFrame:
+def _shard_keys(path: str, key: str, head: int | None = None) -> pd.DataFrame:
     import pyarrow.parquet as pq
 
-    df = pq.read_table(path, columns=[key]).to_pandas()
+    with open_raw(path) as f:
+        df = pq.read_table(f, columns=[key]).to_pandas()
     df[FILE_COL] = path
     return df
 

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import shutil
-import uuid
-from pathlib import Path
 
 import pyarrow as pa
 
+from . import storage
 from .config import PipelineConfig
 from .rows import FILE_COL, HASH_COL, SHARD_COL, SPLIT_COL
 from .shards import SHARD_META_SCHEMA
-from .synthetic import generate_rows, key_ranges
+from .synthetic import part_urls, remove_stale_parts, write_generated
 
 _SPARK_TYPES = {
     pa.int64(): "bigint",
@@ -20,6 +18,8 @@ _SPARK_TYPES = {
     pa.float64(): "double",
     pa.string(): "string",
     pa.list_(pa.float64()): "array<double>",
+    pa.bool_(): "boolean",
+    pa.null(): "string",  # a column empty in the head of a file read in Python
 }
 
 
@@ -35,28 +35,31 @@ class SparkEngine:
         self.version = spark.version
 
     def generate(self, cfg: PipelineConfig) -> None:
+        # Python tasks write the files through storage: no Hadoop filesystem (s3a jars) needed.
         src, spec = cfg.source.synthetic, cfg.features
-        out = Path(cfg.source.path)
-        tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
-        ranges = key_ranges(src)
-        schema = pa.Schema.from_pandas(generate_rows(0, 1, src, spec), preserve_index=False)
+        out = storage.resolve(cfg.source.path, "pipelines.source.path")
+        parts = part_urls(out, src)
 
-        def rows(batches):
+        def each(batches):
+            import pandas as pd
+
             for b in batches:
-                for start, stop in zip(b["start"], b["stop"]):
-                    # Chunks keep a partition's memory flat whatever its size.
-                    for a in range(start, stop, 100_000):
-                        yield generate_rows(a, min(a + 100_000, stop), src, spec)
+                for start, stop, url in zip(b["start"], b["stop"], b["url"]):
+                    yield pd.DataFrame({"rows": [write_generated((start, stop), url, src, spec)]})
 
-        ranges_df = self.spark.createDataFrame(ranges, "start bigint, stop bigint").repartition(len(ranges))
-        ranges_df.mapInPandas(rows, spark_ddl(schema)).write.parquet(str(tmp.resolve()))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        rows = [(a, b, url) for (a, b), url in parts]
+        ranges_df = self.spark.createDataFrame(rows, "start bigint, stop bigint, url string").repartition(len(rows))
+        ranges_df.mapInPandas(each, "rows bigint").collect()
+        remove_stale_parts(out, [url for _, url in parts])
 
     def read(self, files: list[str], cfg: PipelineConfig):
         from pyspark.sql import functions as F
 
+        if any(storage.is_remote(f) for f in files):
+            from .engine_dask import read_raw_file
+
+            fmt, delim = cfg.source.format, cfg.source.csv_delimiter
+            return self._read_in_python(files, lambda url, head=None: read_raw_file(url, fmt, delim, head))
         reader = self.spark.read
         fmt = cfg.source.format
         if fmt in ("parquet", "synthetic"):
@@ -67,6 +70,21 @@ class SparkEngine:
         else:
             df = reader.json(files, primitivesAsString=False)
         return df.withColumn(FILE_COL, F.input_file_name())
+
+    def _read_in_python(self, files: list[str], read_one):
+        """Files on an object store, read by Python tasks through storage (one file per
+        partition), as Spark's readers cannot without Hadoop's connector jars.
+        read_one(url, head=None) -> pandas with `_file`."""
+        head = read_one(files[0], head=100)
+        schema = pa.Schema.from_pandas(head, preserve_index=False)
+
+        def each(batches):
+            for b in batches:
+                for url in b["url"]:
+                    yield read_one(url)
+
+        frame = self.spark.createDataFrame([(f,) for f in files], "url string").repartition(len(files))
+        return frame.mapInPandas(each, spark_ddl(schema))
 
     def columns(self, frame) -> list[str]:
         return frame.columns
@@ -95,7 +113,12 @@ class SparkEngine:
 
         keys = parsed.select(key, FILE_COL)
         if existing:
-            old = self.spark.read.parquet(*existing).select(key).withColumn(FILE_COL, F.input_file_name())
+            if any(storage.is_remote(f) for f in existing):
+                from .engine_dask import _shard_keys
+
+                old = self._read_in_python(existing, lambda url, head=None: _shard_keys(url, key))
+            else:
+                old = self.spark.read.parquet(*existing).select(key).withColumn(FILE_COL, F.input_file_name())
             keys = keys.unionByName(old)
         dup = keys.groupBy(key).count().where("count > 1").limit(1).collect()
         if not dup:

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-import shutil
 from functools import partial
-from pathlib import Path
 from typing import Any, Protocol
 
 import pyarrow.parquet as pq
 
+from . import storage
 from .config import PipelineConfig
 from .errors import DataError
+from .lease import LEASE_NAME, Lease
 from .manifest import (
     BandwidthPlan,
     FittedStatistics,
@@ -26,9 +26,10 @@ from .manifest import (
     ShardManifest,
     SplitInfo,
     TensorSpec,
+    check_dataset_dir,
     commit_manifest,
+    has_manifest,
     load_manifest,
-    manifest_path,
     new_version_dir,
 )
 from .rows import BAD_KINDS, Parsed, merge_reports, typed_schema
@@ -64,12 +65,18 @@ class PrepareEngine(Protocol):
         writer(pa.Table) on each partition; it yields metadata rows."""
 
 
+def dataset_lease(dataset_dir: str) -> Lease:
+    """The dataset's lease: one prepare at a time (take it before an engine starts)."""
+    return Lease(storage.join(dataset_dir, LEASE_NAME), "shardline prepare", what="dataset")
+
+
 def prepare(
     engine: PrepareEngine,
     cfg: PipelineConfig,
     append: bool = False,
     refit: bool = False,
     by_plan: bool = False,
+    lease: Lease | None = None,
 ) -> ShardManifest:
     """Prepare `cfg.source` into `cfg.dataset_dir` and commit; returns the manifest.
 
@@ -79,10 +86,16 @@ def prepare(
     by_plan: lay the shards out by the bandwidth plan in the existing dataset's
     manifest (`shardline plan`): train gets shards_per_rank x world_size shards,
     every split gets the plan's rows per row group; the new manifest keeps the plan.
+    lease: the dataset's lease (`dataset_lease`), already held; else taken here.
     """
+    if lease is None:
+        root = storage.resolve(cfg.dataset_dir, "pipelines.dataset_dir")
+        check_dataset_dir(root)  # before the lease: nothing of ours goes into a foreign directory
+        with dataset_lease(root) as held:
+            return prepare(engine, cfg, append, refit, by_plan, lease=held)
     spec = cfg.features
-    root = Path(cfg.dataset_dir).resolve()
-    previous = load_manifest(root) if manifest_path(root).exists() else None
+    root = storage.resolve(cfg.dataset_dir, "pipelines.dataset_dir")
+    previous = load_manifest(root) if has_manifest(root) else None
     plan = _usable_plan(previous, cfg, root) if by_plan else None
     if plan is not None and append and not refit:
         raise DataError(f"{root}: a plan lays every shard out anew; use it with --append --refit")
@@ -123,7 +136,7 @@ def prepare(
 
     frozen = append and not refit  # statistics and existing shards stay as they are
     existing = (
-        [str(root / s.path) for info in previous.splits.values() for s in info.shards]
+        [storage.join(root, s.path) for info in previous.splits.values() for s in info.shards]
         if frozen
         else []
     )
@@ -150,8 +163,8 @@ def prepare(
     try:
         writer = partial(
             write_shard_groups,
-            dataset_dir=str(root),
-            version_dir_name=version_dir.name,
+            dataset_dir=root,
+            version_dir_name=storage.name(version_dir),
             spec=spec,
             stats=stats,
             rows_per_row_group=layout.rows_per_row_group,
@@ -175,7 +188,8 @@ def prepare(
             engine={"name": engine.name, "version": engine.version},
             sources=(previous.sources if frozen else []) + sources,
             arrow_schema=[
-                {"name": f.name, "type": str(f.type)} for f in pq.read_schema(root / metas[0]["path"])
+                {"name": f.name, "type": str(f.type)}
+                for f in pq.read_schema(storage.open_input(storage.join(root, metas[0]["path"])))
             ],
             feature_spec=spec,
             tensors={
@@ -193,11 +207,11 @@ def prepare(
             plan=plan if plan is not None else (previous.plan if frozen else None),
             dropped_rows=report["dropped"],
         )
-        commit_manifest(root, manifest)
+        lease.check()  # a prepare that stalled past its lease must not commit over another's
+        return commit_manifest(root, manifest, based_on=previous, retention=cfg.retention)
     except BaseException:
-        shutil.rmtree(version_dir, ignore_errors=True)
+        storage.delete_tree(version_dir)
         raise
-    return manifest
 
 
 def _report_batch(batch, cfg: PipelineConfig, drop: bool) -> dict:
@@ -268,11 +282,11 @@ def _shard_count(rows: int, row_bytes: int, cfg: PipelineConfig) -> int:
 
 def check_plan(cfg: PipelineConfig) -> BandwidthPlan:
     """The plan `prepare(..., by_plan=True)` would use, or its DataError (before an engine starts)."""
-    root = Path(cfg.dataset_dir).resolve()
-    return _usable_plan(load_manifest(root) if manifest_path(root).exists() else None, cfg, root)
+    root = storage.resolve(cfg.dataset_dir, "pipelines.dataset_dir")
+    return _usable_plan(load_manifest(root) if has_manifest(root) else None, cfg, root)
 
 
-def _usable_plan(previous: ShardManifest | None, cfg: PipelineConfig, root: Path) -> BandwidthPlan:
+def _usable_plan(previous: ShardManifest | None, cfg: PipelineConfig, root: str) -> BandwidthPlan:
     if previous is None or previous.plan is None:
         raise DataError(f"{root}: no bandwidth plan to lay shards out by; run `shardline plan` first")
     plan = previous.plan

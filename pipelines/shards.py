@@ -3,21 +3,21 @@
 The engine delivers parsed rows tagged with `_split` and `_shard`, every row of
 one (split, shard) in the same partition. The writer applies the feature
 transform, sorts each group by key (so a shard's bytes do not depend on the
-engine or partitioning) and writes it with pyarrow under a deterministic name:
-a retried task rewrites the same file.
+engine or partitioning) and writes it through `pipelines.storage` under a
+deterministic name: a retried task rewrites the same file, which appears whole
+(one upload of the finished object; locally a rename) or not at all.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from . import storage
 from .config import FeatureSpec
 from .manifest import FittedStatistics
 from .rows import SHARD_COL, SPLIT_COL
@@ -66,26 +66,23 @@ def write_shard_groups(
         part = model_table(part, spec, stats, impute=spec.on_invalid_features == "impute")
         shard = int(shard) + shard_offsets.get(split, 0)
         rel = shard_relpath(version_dir_name, split, shard)
-        meta = _write_one(part, Path(dataset_dir) / rel, rows_per_row_group)
+        meta = _write_one(part, storage.join(dataset_dir, rel), rows_per_row_group)
         yield pa.RecordBatch.from_pylist(
             [{"split": split, "shard": shard, "path": rel, **meta}],
             schema=SHARD_META_SCHEMA,
         )
 
 
-def _write_one(table: pa.Table, path: Path, rows_per_row_group: int) -> dict:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".parquet.tmp")
-    pq.write_table(table, tmp, row_group_size=rows_per_row_group, compression="snappy")
-    digest = hashlib.sha256()
-    with open(tmp, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _write_one(table: pa.Table, url: str, rows_per_row_group: int) -> dict:
+    # Encoded in memory (a shard is bounded by target_shard_bytes, and smaller than the
+    # table it comes from), so its checksum and footer need no second read.
+    buf = pa.BufferOutputStream()
+    pq.write_table(table, buf, row_group_size=rows_per_row_group, compression="snappy")
+    data = buf.getvalue()
+    storage.write_bytes(url, data)
     return {
         "rows": table.num_rows,
-        "bytes": path.stat().st_size,
-        "row_groups": pq.ParquetFile(path).num_row_groups,
-        "sha256": digest.hexdigest(),
+        "bytes": data.size,
+        "row_groups": pq.ParquetFile(pa.BufferReader(data)).num_row_groups,
+        "sha256": hashlib.sha256(data).hexdigest(),
     }

@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from . import storage
 from .config import FeatureSpec, SyntheticSource
 from .hashing import bucket, uniform
 
@@ -63,3 +64,35 @@ def generate_rows(start: int, stop: int, src: SyntheticSource, spec: FeatureSpec
     gumbel = np.stack([-np.log(-np.log(uniform(keys, salt + 20_000 + j))) for j in range(k)], 1)
     cols[spec.label] = np.argmax(logits + src.noise * gumbel, axis=1).astype(np.int64)
     return pd.DataFrame(cols)
+
+
+def part_urls(out: str, src: SyntheticSource) -> list[tuple[tuple[int, int], str]]:
+    """(key range, file URL) of every raw file to generate under `out`."""
+    return [(rng, storage.join(out, f"part-{i:05d}.parquet")) for i, rng in enumerate(key_ranges(src))]
+
+
+def write_generated(rng: tuple[int, int], url: str, src: SyntheticSource, spec: FeatureSpec) -> int:
+    """Generate keys rng[0]..rng[1]-1 into one Parquet file (in a task), through storage."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    start, stop = rng
+    with storage.write(url) as f:
+        writer = None
+        for a in range(start, stop, 100_000):
+            # Chunks keep a task's memory flat whatever the range's size.
+            table = pa.Table.from_pandas(generate_rows(a, min(a + 100_000, stop), src, spec), preserve_index=False)
+            writer = writer or pq.ParquetWriter(f, table.schema)
+            writer.write_table(table)
+        if writer:
+            writer.close()
+    return stop - start
+
+
+def remove_stale_parts(out: str, written: list[str]) -> None:
+    """Files of an earlier generate at `out` that this one did not rewrite (and what Spark's
+    own writer left there before generating went through storage). Only such names."""
+    keep = {storage.name(u) for u in written}
+    for n in storage.list_dir(out):
+        if n not in keep and (n.startswith(("part-", ".part-")) or n in ("_SUCCESS", "._SUCCESS.crc")):
+            storage.delete(storage.join(out, n))

@@ -33,6 +33,7 @@ from training.strategies.base import autocast_for, train_step
 from training.worker import lr_factor, make_optimizer
 
 from .conftest import shardline, small_pipeline
+from .fixtures_s3 import s3_keys
 from .dist_helpers import relative_distance
 
 TOLERANCE = 1e-5
@@ -62,6 +63,16 @@ def _epoch_end(checkpoint_dir: str, epoch: int) -> Path:
         if head["epoch"] == epoch and head["step_in_epoch"] == 0:
             return Path(path)
     raise AssertionError(f"no epoch-end checkpoint of epoch {epoch} in {checkpoint_dir}")
+
+
+def _copy_checkpoint(saved: Path, into: Path) -> None:
+    """`saved` (and its DCP directory) alone in a new checkpoint_dir: with no LATEST
+    pointer there, a resume takes it as the newest."""
+    into.mkdir()
+    shutil.copy(saved, into / saved.name)
+    sharded = torch.load(saved, weights_only=True).get("sharded")
+    if sharded:
+        shutil.copytree(saved.parent / sharded, into / sharded)
 
 
 def continued_single_process(head_path: Path, cfg: TrainingConfig, data_world: int, dataset_dir: str,
@@ -116,11 +127,7 @@ def test_resume_at_another_world_size_matches_single_process_continuation(prepar
     saved = _epoch_end(before.checkpoint_dir, 1)
 
     after = TrainingConfig(**{**COMMON, **then, "resume": True, "checkpoint_dir": str(tmp_path / "b")})
-    Path(after.checkpoint_dir).mkdir()
-    shutil.copy(saved, Path(after.checkpoint_dir) / saved.name)
-    sharded = torch.load(saved, weights_only=True).get("sharded")
-    if sharded:
-        shutil.copytree(saved.parent / sharded, Path(after.checkpoint_dir) / sharded)
+    _copy_checkpoint(saved, Path(after.checkpoint_dir))
     resumed = run_training(after, tracking, prepared4.dataset_dir, register=False)
 
     data_world = get_strategy(after.strategy).data_world(after)
@@ -134,7 +141,7 @@ def test_resume_at_another_world_size_matches_single_process_continuation(prepar
     assert resumed.weights.keys() == build_model(load_manifest(prepared4.dataset_dir), after).state_dict().keys()
 
 
-def _config(tmp: Path, dataset_dir: str, checkpoint_dir: Path, training: str) -> Path:
+def _config(tmp: Path, dataset_dir: str, checkpoint_dir: str | Path, training: str) -> Path:
     path = tmp / "job.toml"
     path.write_text(textwrap.dedent(f"""
         [pipelines]
@@ -167,13 +174,13 @@ def test_cli_refuses_a_resume_that_cannot_reshard(prepared4, tmp_path, first, re
     cfg = TrainingConfig(**{**COMMON, **first, "checkpoint_every_steps": 5, "checkpoint_dir": str(tmp_path / "ckpt")})
     run_training(cfg, TrackingConfig(experiment="resume-refused"), prepared4.dataset_dir, register=False,
                  epoch_hook=stop_after_first_epoch)
-    # Keep only the mid-epoch checkpoint at step 5: the latest, as a resume would take it.
-    for path in checkpoints.checkpoint_paths(cfg.checkpoint_dir):
-        if torch.load(path, weights_only=True)["global_step"] != 5:
-            Path(path).unlink()
+    # The mid-epoch checkpoint at step 5 alone in a directory: the latest, as a resume takes it.
+    mid = next(Path(p) for p in checkpoints.checkpoint_paths(cfg.checkpoint_dir)
+               if torch.load(p, weights_only=True)["global_step"] == 5)
+    _copy_checkpoint(mid, tmp_path / "mid")
     work = tmp_path / "work"
     work.mkdir()
-    config = _config(work, prepared4.dataset_dir, tmp_path / "ckpt", "")
+    config = _config(work, prepared4.dataset_dir, tmp_path / "mid", "")
     sets = [a for s in [*resumed_with, "training.resume=true"] for a in ("--set", s)]
     proc = shardline("train", str(config), *sets, cwd=work)
     assert proc.returncode == 2, proc.stderr
@@ -181,3 +188,18 @@ def test_cli_refuses_a_resume_that_cannot_reshard(prepared4, tmp_path, first, re
     assert len(errors) == 1 and message in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (work / "mlflow.db").exists()  # refused before the run was opened
+
+
+def test_cli_refuses_dcp_checkpoints_on_an_object_store(prepared4, bucket, tmp_path):
+    """DCP's file-system writer needs a path: fsdp with an s3:// checkpoint_dir is refused
+    before any process starts, and nothing is written there."""
+    work = tmp_path / "work"
+    work.mkdir()
+    config = _config(work, prepared4.dataset_dir, f"{bucket}/ckpt", "")
+    proc = shardline("train", str(config), "--set", "training.strategy=fsdp", "--set", "training.world_size=2", cwd=work)
+    assert proc.returncode == 2, proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and f"training.checkpoint_dir = '{bucket}/ckpt': strategy 'fsdp' writes sharded " \
+        "checkpoints with torch.distributed.checkpoint's file-system writer" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert s3_keys(bucket) == [] and not (work / "mlflow.db").exists()

@@ -62,7 +62,7 @@ def test_strategy_job_resumes_exactly_and_its_model_scores(name, prepared, dask_
 
     # Resume from a mid-epoch checkpoint: the same final weights, bit for bit.
     paths = checkpoints.checkpoint_paths(cfg.checkpoint_dir)
-    mid = next(p for p in paths if torch.load(p, weights_only=True)["step_in_epoch"] != 0)
+    mid = Path(next(p for p in paths if torch.load(p, weights_only=True)["step_in_epoch"] != 0))
     resumed_cfg = _cfg(tmp_path / "b", name, resume=True)
     Path(resumed_cfg.checkpoint_dir).mkdir(parents=True)
     shutil.copy(mid, Path(resumed_cfg.checkpoint_dir) / mid.name)
@@ -146,6 +146,9 @@ def test_async_ps_reaches_the_accuracy_of_synchronous_training(prepared, tmp_pat
           "training.tp=3", "training.world_size=3", "training.batch_size=510"], "training.tp 3 must divide"),
         (["training.strategy=pipeline", "training.pp=4", "training.world_size=4", "training.hidden=[8]",
           "training.batch_size=512"], "more pipeline stages than"),
+        (["training.strategy=pipeline", "training.world_size=3", "training.micro_batches=2"],
+         "training.pipeline_schedule 1f1b with training.pp 3, training.micro_batches 2, 1 stage(s) per rank: "
+         "Number of microbatches (2) must be greater than or equal to the number of stages (3)"),
         (["training.strategy=ps", "training.ps_servers=2"], "training.ps_servers 2 leaves no worker"),
         (["training.strategy=allgather"], "unknown strategy 'allgather' (valid: ddp, fsdp, pipeline, ps, tensor)"),
         (["training.strategy=tensor", 'training.tp_plan={"1.linear"="colwise","9.linear"="rowwise"}'],

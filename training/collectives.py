@@ -167,5 +167,5 @@ def all_gather_object(obj: Any, group=None) -> list:
     return out
 
 
-def barrier() -> None:
-    dist.barrier()
+def barrier(group=None) -> None:
+    dist.barrier(group=group)

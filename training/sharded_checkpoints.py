@@ -24,19 +24,22 @@ world's). `check_resume` says so before anything starts. ddp's single-file
 checkpoints (replicated state) reshard the same way; ps and pipeline ones (one
 optimizer shard per rank, laid out for its ranks) do not.
 
-Storage seam: DCP writes `checkpoint_dir` as a local or shared (mounted) path through
-`_writer` / `_reader`; object-store URLs wait for `pipelines.storage`.
+Storage: the small file goes through `pipelines.storage` like every checkpoint (the
+LATEST pointer names it: the commit). DCP's own writer takes a file-system path, so
+these strategies need `checkpoint_dir` local or on a shared mount (`_writer` /
+`_reader` are the one seam); an object-store URL is refused before any process starts
+(`check_dir`): s3fs, which DCP's fsspec writer would need, cannot be installed beside
+this project's boto3.
 """
 
 from __future__ import annotations
 
-import shutil
 import uuid
-from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from pipelines import storage
 from pipelines.errors import ConfigError
 
 from . import collectives
@@ -45,16 +48,28 @@ from .config import TrainingConfig
 SUFFIX = ".dcp"
 # The settings that shape only the mesh: a reshardable checkpoint may differ in them.
 MESH_FIELDS = ("world_size", "dp", "tp", "dp_shard", "tp_plan")
+# Strategies whose ranks write DCP shards.
+SHARDED = ("fsdp", "tensor")
 # Strategies whose checkpoints reshard (ddp: replicated state; fsdp, tensor: DCP).
-RESHARDABLE = ("ddp", "fsdp", "tensor")
+RESHARDABLE = ("ddp", *SHARDED)
+
+
+def check_dir(cfg: TrainingConfig) -> None:
+    """Refuse an object-store checkpoint_dir for a strategy whose ranks write with DCP."""
+    if cfg.strategy in SHARDED and storage.is_remote(cfg.checkpoint_dir):
+        raise ConfigError(
+            f"training.checkpoint_dir = {storage.display(cfg.checkpoint_dir)!r}: strategy '{cfg.strategy}' "
+            f"writes sharded checkpoints with torch.distributed.checkpoint's file-system writer, which needs "
+            f"a local or shared (mounted) path, not an object store"
+        )
 
 
 def _writer(directory: str) -> dcp.FileSystemWriter:
-    return dcp.FileSystemWriter(directory)
+    return dcp.FileSystemWriter(storage.local_path(directory))
 
 
 def _reader(directory: str) -> dcp.FileSystemReader:
-    return dcp.FileSystemReader(directory)
+    return dcp.FileSystemReader(storage.local_path(directory))
 
 
 def new_name(global_step: int) -> str:
@@ -90,11 +105,11 @@ def prune(checkpoint_dir: str) -> None:
     from .checkpoints import checkpoint_paths
 
     heads = checkpoint_paths(checkpoint_dir)
-    oldest = _step(Path(heads[0]).name) if heads else None
-    d = Path(checkpoint_dir)
-    for path in d.glob(f"ckpt-*{SUFFIX}") if d.is_dir() else ():
-        if oldest is None or _step(path.name) < oldest:
-            shutil.rmtree(path, ignore_errors=True)
+    oldest = _step(storage.name(heads[0])) if heads else None
+    for info in storage.list_dir_info(checkpoint_dir):
+        name = info.base_name
+        if name.startswith("ckpt-") and name.endswith(SUFFIX) and (oldest is None or _step(name) < oldest):
+            storage.delete_tree(storage.join(checkpoint_dir, name))
 
 
 def comparable(fingerprint: dict[str, str] | None) -> dict[str, str]:

@@ -11,11 +11,11 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from pipelines import storage
 from pipelines.manifest import ShardManifest, load_manifest
 
 from . import checkpoints, collectives, sharded_checkpoints
@@ -35,10 +35,12 @@ class TrainJob:
 
     cfg: TrainingConfig
     dataset_dir: str
+    # The dataset version (manifest number) the driver checked: ranks read it, not a newer one.
+    dataset_sequence: int | None = None
     tracking_uri: str | None = None
     run_id: str | None = None
     fingerprint: dict | None = None
-    resume_from: str | None = None  # a checkpoint path; None starts from scratch
+    resume_from: str | None = None  # a checkpoint URL; None starts from scratch
     # Rank 0 calls it after each epoch with (epoch, metrics); True stops every rank
     # after that epoch (a sweep's pruner). Must pickle, like the rest of the job.
     epoch_hook: Callable[[int, dict[str, float]], bool] | None = None
@@ -49,7 +51,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
     cfg = job.cfg
     torch.set_num_threads(cfg.threads_per_rank)
     device = collectives.rank_device(rank)
-    manifest = load_manifest(job.dataset_dir)
+    manifest = load_manifest(job.dataset_dir, job.dataset_sequence)
     model = trainable_model(manifest, cfg, device)
     parallel = get_strategy(cfg.strategy).setup(
         model, cfg, rank, world_size, device, lambda params: make_optimizer(params, cfg)
@@ -100,7 +102,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         mine = {"scheduler": scheduler.state_dict() if scheduler else {}, "rng": rng_state(device)}
         if save_sharded:
             sharded = sharded_checkpoints.new_name(step)
-            save_sharded(str(Path(cfg.checkpoint_dir) / sharded))
+            save_sharded(storage.join(cfg.checkpoint_dir, sharded))
         else:
             full = full if full is not None else parallel.full_state_dict()
             mine["parallel"] = parallel.state_dict()
@@ -120,7 +122,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         path = checkpoints.save(cfg.checkpoint_dir, step, state, cfg.keep_checkpoints)
         sharded_checkpoints.prune(cfg.checkpoint_dir)
         if reporter:
-            reporter.checkpoint(path, step, artifact, Path(cfg.checkpoint_dir) / sharded if save_sharded else None)
+            reporter.checkpoint(path, step, artifact, storage.join(cfg.checkpoint_dir, sharded) if save_sharded else None)
 
     metrics: dict[str, float] = {}
     stopped_early = warned = False
@@ -225,11 +227,11 @@ def _resume(job: TrainJob, parallel, scheduler, train: ShardLoader, rank: int, w
     shards reshard, a ddp rank takes rank 0's replicated optimizer state, RNG states stay
     freshly seeded (no model here draws any) and the next epoch starts from its beginning.
     """
-    state = checkpoints.load(Path(job.resume_from), sharded_checkpoints.comparable(job.fingerprint))
+    state = checkpoints.load(job.resume_from, sharded_checkpoints.comparable(job.fingerprint))
     same_ranks = len(state["ranks"]) == world_size
     mine = state["ranks"][rank if same_ranks else 0]
     if "sharded" in state:
-        parallel.load_sharded(str(Path(job.resume_from).parent / state["sharded"]))
+        parallel.load_sharded(storage.join(storage.parent(job.resume_from), state["sharded"]))
     else:
         parallel.load_state_dict(mine["parallel"], state["model"])
     if scheduler:
@@ -338,12 +340,8 @@ def _evaluate(model, val: ShardLoader | None, device) -> dict[str, float]:
 
 def _announce(checkpoint_dir: str, rank: int) -> None:
     """ranks/rank-N.json: which host and process is rank N (to watch or signal it)."""
-    d = Path(checkpoint_dir) / "ranks"
-    d.mkdir(parents=True, exist_ok=True)
     info = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid()}
-    tmp = d / f".rank-{rank}.json.tmp"
-    tmp.write_text(json.dumps(info))
-    os.replace(tmp, d / f"rank-{rank}.json")
+    storage.write_bytes(storage.join(checkpoint_dir, "ranks", f"rank-{rank}.json"), json.dumps(info).encode())
 
 
 def lr_factor(cfg: TrainingConfig, total_steps: int):
