@@ -66,6 +66,8 @@ def outside(args) -> int:
         print("error: the multi-host bed makes network and mount namespaces: run it as root", file=sys.stderr)
         return 2
     start = time.monotonic()
+    # SIGTERM (a CI runner's stop) unwinds like Ctrl-C, so the cleanup below runs.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     bed = create(Path(tempfile.mkdtemp(prefix="shardline-bed-")))
     print(f"[bed] hosts up: {', '.join(f'{h.name}={h.address} ({h.netns})' for h in bed.hosts.values())}",
           flush=True)
@@ -81,6 +83,8 @@ def outside(args) -> int:
         code = inner.wait(timeout=args.timeout)
     except subprocess.TimeoutExpired:
         print(f"[bed] FAILED: not done within {args.timeout:.0f} s", flush=True)
+    except KeyboardInterrupt:
+        print("[bed] FAILED: interrupted", flush=True)
     finally:
         if inner is not None and inner.poll() is None:
             os.killpg(inner.pid, signal.SIGKILL)

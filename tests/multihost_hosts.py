@@ -142,7 +142,24 @@ def netns_pids(netns: str) -> list[int]:
 def destroy(bed: Bed, grace_s: float = 10) -> list[str]:
     """Stop every process in the bed's namespaces (TERM, then KILL), delete the namespaces and
     the temp dir. Returns what could not be cleaned (empty when all went)."""
-    namespaces = [f"{bed.prefix}-{h}" for h in ADDRESSES if f"{bed.prefix}-{h}" in our_namespaces(bed.prefix)]
+    left = remove_namespaces(our_namespaces(bed.prefix), grace_s)
+    work = Path(bed.work)
+    if work.exists() and any(work.iterdir()):  # a host's files on the machine's disk: a leak
+        left.append(f"files in {work} on the machine: {sorted(os.listdir(work))[:5]}")
+    subprocess.run(["rm", "-rf", bed.root], check=False, timeout=120)
+    return left
+
+
+def sweep() -> list[str]:
+    """Remove whatever beds are left (a bed whose own process was SIGKILLed cannot clean up);
+    returns the namespaces it found."""
+    found = our_namespaces()
+    remove_namespaces(found)
+    return found
+
+
+def remove_namespaces(namespaces: list[str], grace_s: float = 10) -> list[str]:
+    """TERM, then KILL, every process in `namespaces`; delete them; return what is left."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for ns in namespaces:
             for pid in netns_pids(ns):
@@ -159,9 +176,4 @@ def destroy(bed: Bed, grace_s: float = 10) -> list[str]:
             ip("netns", "del", ns)
         except subprocess.CalledProcessError as e:
             left.append(f"netns {ns}: {e.stderr.strip()}")
-    left += [f"netns {ns}" for ns in our_namespaces(bed.prefix)]
-    work = Path(bed.work)
-    if work.exists() and any(work.iterdir()):  # a host's files on the machine's disk: a leak
-        left.append(f"files in {work} on the machine: {sorted(os.listdir(work))[:5]}")
-    subprocess.run(["rm", "-rf", bed.root], check=False, timeout=120)
-    return left
+    return left + [f"netns {ns}" for ns in namespaces if ns in our_namespaces()]

@@ -29,7 +29,7 @@ def run_jobs(bed) -> None:
     _check_scores(bed)
     reference = _job(bed, "train", "ckpt-reference")
     _check_same_weights(bed, "ckpt-killed", "ckpt-reference")
-    print(f"[bed] spark: a rank on host B killed mid-training at step {killed['kill_step']}; the job "
+    print(f"[bed] spark: a rank on host B killed mid-training (after {killed['kill_step']}); the job "
           f"resumed from the bucket and ended on the weights of the uninterrupted run "
           f"({killed['seconds']:.0f} s, reference {reference['seconds']:.0f} s)", flush=True)
     if bed.args.dask:
@@ -37,7 +37,7 @@ def run_jobs(bed) -> None:
                     more=["--launcher", "dask", "--set", f"dask.address='{bed.dask_address}'"])
         _check_restarted(dask, bed)
         _check_same_weights(bed, "ckpt-dask", "ckpt-reference")
-        print(f"[bed] dask: the worker on host B killed at step {dask['kill_step']}; resumed from the "
+        print(f"[bed] dask: the worker on host B killed mid-training (after {dask['kill_step']}); resumed from the "
               f"bucket, same weights ({dask['seconds']:.0f} s)", flush=True)
 
 

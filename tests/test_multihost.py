@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from .conftest import REPO
-from .multihost_hosts import PREFIX, our_namespaces
+from .multihost_hosts import PREFIX, our_namespaces, sweep
 
 pytestmark = [
     pytest.mark.multihost,
@@ -34,11 +34,15 @@ def _bed_processes() -> list[str]:
 @pytest.mark.timeout(2400)
 def test_quickstart_across_two_hosts_resumes_from_the_bucket_after_a_host_loses_its_worker():
     assert our_namespaces() == [], "a bed from an earlier run is still there"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.multihost_bed", "--dask", "--timeout", "2100"],
-        cwd=REPO, capture_output=True, text=True, timeout=2300,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.multihost_bed", "--dask", "--timeout", "2100"],
+            cwd=REPO, capture_output=True, text=True, timeout=2300,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+    finally:
+        left = sweep()  # only if the bed could not clean up itself (it was SIGKILLed)
+    assert left == []
     out = proc.stdout + proc.stderr
     # Cleaned up whatever happened: no namespace, and no process of the bed.
     assert our_namespaces(PREFIX) == [], out[-3000:]
