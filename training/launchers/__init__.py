@@ -41,15 +41,14 @@ def run_in_group(
     Spark barrier task yields made later jobs hang (FACTS.md). The timeout bounds
     how long a stopped peer can hang the others.
     """
-    import torch
     import torch.distributed as dist
 
+    from .. import collectives
     from .network import socket_interface
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
     with socket_interface(getattr(payload, "socket_ifname", None)):
         dist.init_process_group(
-            backend,
+            collectives.backend(),
             init_method=init_method,
             rank=rank,
             world_size=world_size,
@@ -57,7 +56,7 @@ def run_in_group(
         )
         try:
             result = fn(rank, world_size, payload)
-            dist.barrier()
+            collectives.barrier()
             return result
         finally:
             dist.destroy_process_group()
