@@ -5,7 +5,7 @@ from __future__ import annotations
 import pickle
 
 from pipelines.errors import ShardlineError
-from pipelines.spark_probe import spark_error_line
+from pipelines.spark_probe import failed_task, spark_error_line
 
 from .worker import UnitTask, score_unit
 
@@ -26,5 +26,7 @@ def run_units(spark, tasks: list[UnitTask]) -> list[dict]:
     try:
         rows = units.mapInArrow(score_partition, "entry binary").collect()
     except Exception as e:  # a task that failed every attempt; committed units stay committed
-        raise ShardlineError(f"Spark scoring job failed: {spark_error_line(e)}") from e
+        task = failed_task(e)
+        unit = f" on unit {tasks[task[0]].unit.path} ({task[1]} attempt(s), last on {task[2]})" if task else ""
+        raise ShardlineError(f"Spark scoring job failed{unit}: {spark_error_line(e)}") from e
     return [pickle.loads(r["entry"]) for r in rows]

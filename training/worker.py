@@ -92,11 +92,12 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
 
     step = start_epoch = 0
     if job.resume_from:
-        state = checkpoints.load(job.resume_from, job.fingerprint)
+        state = checkpoints.load(job.resume_from, job.fingerprint, cfg.resume_allow_changed)
         mine = state["ranks"][rank]
         parallel.load_state_dict(mine["parallel"], state["model"])
         if scheduler:
             scheduler.load_state_dict(mine["scheduler"])
+        checkpoints.apply_changed(optimizer, scheduler, cfg, cfg.resume_allow_changed)
         torch.set_rng_state(mine["rng"])
         step, start_epoch = state["global_step"], state["epoch"]
         # The loader's position is the same on every rank; rank 0's stands for all.
