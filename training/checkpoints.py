@@ -34,7 +34,7 @@ import uuid
 import torch
 
 from pipelines import storage
-from pipelines.errors import ConfigError, DataError
+from pipelines.errors import ConfigError, DataError, StorageError
 
 from .config import TrainingConfig
 
@@ -104,9 +104,12 @@ def save(directory: str, global_step: int, state: dict, keep: int) -> str:
     torch.save(state, buf)
     name = f"ckpt-{global_step:09d}-{uuid.uuid4().hex[:6]}.pt"
     url = storage.join(directory, name)
-    storage.write_bytes(url, buf.getbuffer())
-    # The pointer is the commit: one whole-object write (a rename locally) after the object.
-    storage.write_bytes(storage.join(directory, POINTER), json.dumps({"name": name, "step": global_step}).encode())
+    try:
+        storage.write_bytes(url, buf.getbuffer())
+        # The pointer is the commit: one whole-object write (a rename locally) after the object.
+        storage.write_bytes(storage.join(directory, POINTER), json.dumps({"name": name, "step": global_step}).encode())
+    except OSError as e:  # a full disk, a read-only mount, no permission: no restart fixes it
+        raise StorageError(f"training.checkpoint_dir: cannot write {storage.display(url)} ({_cause(e)})") from None
     for old in checkpoint_paths(directory)[:-keep]:
         if old != url:
             storage.delete(old)

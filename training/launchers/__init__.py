@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import datetime as dt
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
 from pipelines.errors import ShardlineError
 
-from .guard import DriverGuard, RankError
+from .guard import DriverGuard, RankError, is_permanent
+
+LOST_PEER_GRACE_S = 5.0
 
 RankFn = Callable[[int, int, Any], Any]
 
@@ -83,7 +86,12 @@ def run_in_group(
         finally:
             dist.destroy_process_group()
     except Exception as e:
-        raise RankError.of(rank, e) from e
+        error = RankError.of(rank, e)
+        if not is_permanent(e):
+            # This rank only saw a peer vanish: let the peer's own error be the first one
+            # the launcher hears (Spark reports only the first failed task of a stage).
+            time.sleep(LOST_PEER_GRACE_S)
+        raise error from e
     finally:
         if stop_guard is not None:
             stop_guard.set()
