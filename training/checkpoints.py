@@ -48,7 +48,7 @@ FINGERPRINT_FIELDS = (
     "shuffle_buffer_rows", "remainder", "dp", "tp", "pp", "dp_shard", "tp_plan", "ps_servers", "ps_mode",
     "micro_batches", "pipeline_boundaries", "pipeline_schedule", "pipeline_stages_per_rank",
     # the optimisation itself: a resume with another lr or schedule would quietly keep the old one
-    "lr", "weight_decay", "lr_schedule", "warmup_steps", "heads", "precision", "grad_compression",
+    "lr", "weight_decay", "lr_schedule", "warmup_steps", "precision", "grad_compression",
 )
 # Fields a resume may change when the user allows it (the rest decide the checkpoint's
 # layout or the order of batches, so a checkpoint cannot carry over to other values).
