@@ -83,8 +83,9 @@ def run(config, overrides):
     table = Table(title="shardline run", show_header=False, title_justify="left")
     for split, info in manifest.splits.items():
         table.add_row(f"rows {split}", f"{info.rows:,} in {len(info.shards)} shards")
-    if "val_accuracy" in result.metrics:
-        table.add_row("val accuracy", f"{result.metrics['val_accuracy']:.4f}")
+    for k in ("val_accuracy", "val_rmse", "val_r2"):
+        if k in result.metrics:
+            table.add_row(k.replace("_", " "), f"{result.metrics[k]:.4f}")
     table.add_row("MLflow run", result.run_id)
     table.add_row("MLflow store", result.tracking_uri)
     table.add_row("model", f"{result.model_uri}")
@@ -149,18 +150,18 @@ def train(config, overrides, launcher, world_size, resume):
     cfg = load_config(config, list(overrides) + extra)
     cfg = resolve_paths(cfg, [cfg.training.launcher], (DATASET, CHECKPOINTS), tracking=True)
     check_storage(cfg, reads=(DATASET,), writes=(CHECKPOINTS,))
-    from training.job import check_settings
+    from training.job import preflight
 
-    # Names and batch: one line before an engine starts. The dataset is checked after,
-    # with the cluster's free slots first: too few slots is the error to fix first.
-    check_settings(cfg.training)
+    # Names, the dataset, world size vs shards, batch vs rows: one line before an engine
+    # starts (the cluster's free slots are checked once it runs).
+    preflight(cfg.training, cfg.pipelines.dataset_dir)
     if cfg.training.launcher == "dask":
         with _dask(cfg) as client:
             result = _train(cfg, None, client)
     else:
         result = _train(cfg, _spark(cfg, _spark_ranks(cfg)) if cfg.training.launcher == "spark" else None)
     console.print(f"  run {result.run_id}; model {result.model_uri}")
-    for k in ("val_loss", "val_accuracy"):
+    for k in ("val_loss", "val_accuracy", "val_rmse", "val_mae", "val_r2"):
         if k in result.metrics:
             console.print(f"  {k} {result.metrics[k]:.4f}")
 
@@ -610,6 +611,7 @@ def _train(cfg: ShardlineConfig, spark, dask_client=None):
 
     t = cfg.training
     title = f"Training {t.model} with {t.strategy} on {t.world_size} {t.launcher} ranks"
+    console.print(f"  checkpoints: {escape(t.checkpoint_dir)}")
     with stage(title):
         return run_training(
             t, cfg.tracking, cfg.pipelines.dataset_dir, spark=spark, dask_client=dask_client

@@ -22,6 +22,7 @@ from torch import nn
 from pipelines.errors import ConfigError
 
 from ..config import TrainingConfig
+from ..task import task_loss
 from ..models import Attention, Block, Dense, FeatureTransformer, TabularMLP
 from .base import OptimizerFactory, autocast_for, average_gradients, mesh_for
 
@@ -232,7 +233,7 @@ class TensorParallelRank:
         self.optimizer.zero_grad(set_to_none=True)
         with self.autocast:
             logits = self.model(x)
-            loss = F.cross_entropy(logits, y)
+            loss = task_loss(logits, y)
         loss.backward()
         average_gradients(list(self.model.parameters()), self.dp_group, self.dp)
         self.optimizer.step()
