@@ -150,11 +150,11 @@ def train(config, overrides, launcher, world_size, resume):
     cfg = load_config(config, list(overrides) + extra)
     cfg = resolve_paths(cfg, [cfg.training.launcher], (DATASET, CHECKPOINTS), tracking=True)
     check_storage(cfg, reads=(DATASET,), writes=(CHECKPOINTS,))
-    from training.job import preflight
+    from training.job import check_checkpoints, preflight
 
-    # Names, the dataset, world size vs shards, batch vs rows: one line before an engine
-    # starts (the cluster's free slots are checked once it runs).
-    preflight(cfg.training, cfg.pipelines.dataset_dir)
+    # Names, the dataset, world size vs shards, batch vs rows, checkpoint_dir: one line
+    # before an engine starts (the cluster's free slots are checked once it runs).
+    check_checkpoints(cfg.training, preflight(cfg.training, cfg.pipelines.dataset_dir))
     if cfg.training.launcher == "dask":
         with _dask(cfg) as client:
             result = _train(cfg, None, client)

@@ -6,44 +6,16 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from jobs.config import load_config, resolve_paths
-from pipelines.config import PipelineConfig
 from pipelines.errors import ConfigError, DataError, LeaseHeld, ShardlineError
 from training import checkpoints
 from training.config import TrackingConfig, TrainingConfig
 from training.job import run_training
 
 from .conftest import REPO, shardline
-
-ROWS = 300  # fewer train rows than the default global batch of 512: the case
-
-
-@pytest.fixture(scope="module")
-def small_dataset(dask_client, tmp_path_factory) -> PipelineConfig:
-    from pipelines.engine_dask import DaskEngine
-    from pipelines.prepare import prepare
-
-    tmp = tmp_path_factory.mktemp("small")
-    rng = np.random.default_rng(5)
-    x = rng.normal(size=(ROWS, 3))
-    (tmp / "raw").mkdir()
-    pq.write_table(pa.table({
-        "key": np.arange(ROWS, dtype=np.int64), "a": x[:, 0], "b": x[:, 1], "c": x[:, 2],
-        "label": (x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 0.5).astype(np.int64),
-    }), tmp / "raw" / "part-0.parquet")
-    cfg = PipelineConfig.model_validate({
-        "engine": "dask", "dataset_dir": str(tmp / "dataset"),
-        "source": {"format": "parquet", "path": str(tmp / "raw")},
-        "features": {"numeric": ["a", "b", "c"], "categorical": []},
-        "layout": {"world_size": 2},
-    })
-    prepare(DaskEngine(dask_client), cfg)
-    return cfg
+from .defaults_helpers import small_dataset  # noqa: F401 (a fixture)
 
 
 def _config(tmp_path: Path, dataset_dir: str, extra: str = "") -> Path:
@@ -59,6 +31,7 @@ def _config(tmp_path: Path, dataset_dir: str, extra: str = "") -> Path:
 # -- item 1: no silent non-training -------------------------------------------------------
 
 
+@pytest.mark.slow  # the CLI in a subprocess
 def test_zero_steps_is_refused_before_any_engine_starts(small_dataset, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
@@ -165,13 +138,14 @@ def test_a_pointer_without_fingerprint_falls_back_to_the_checkpoint(tmp_path):
 def test_readme_exit_code_table_matches_the_errors():
     text = (REPO / "README.md").read_text()
     table = text.split("### Exit codes", 1)[1].split("\n\n", 2)[1]
-    rows = {int(m.group(1)): m.group(2) for m in re.finditer(r"^\| `?(\d+)`? \| ([^|]+)\|", table, re.M)}
+    rows = {int(m.group(1)): m.group(2) for m in re.finditer(r"^\| `?(\d+)`? \|(.*)$", table, re.M)}
     assert rows.keys() == {0, 1, 2, 75, 130}, rows
     assert ConfigError.exit_code == 2 and "ConfigError" in rows[2]
     assert ShardlineError.exit_code == DataError.exit_code == 1 and "DataError" in rows[1]
     assert LeaseHeld.exit_code == 75 and "LeaseHeld" in rows[75]
 
 
+@pytest.mark.slow  # the CLI in a subprocess
 def test_exit_codes_from_the_cli(small_dataset, tmp_path):
     work = tmp_path / "work"
     work.mkdir()

@@ -116,6 +116,12 @@ def save(directory: str, global_step: int, state: dict, keep: int) -> str:
 def start_over(directory: str, fp: dict[str, str]) -> None:
     """A new job's directory: drop its own earlier checkpoints (its restarts would resume
     them); refuse a directory holding another job's, which clearing would lose."""
+    check_owner(directory, fp)
+    clear(directory)
+
+
+def check_owner(directory: str, fp: dict[str, str]) -> None:
+    """Refuse `directory` to a new job when it holds another job's checkpoints."""
     theirs = owner(directory)
     if theirs:  # {}: written without a fingerprint, which no job can resume
         # Another dataset version is the same job on re-prepared data: its own to clear.
@@ -129,7 +135,6 @@ def start_over(directory: str, fp: dict[str, str]) -> None:
                 "one under shardline-data/checkpoints/<experiment>/), resume that job with --resume, "
                 "or delete them yourself"
             )
-    clear(directory)
 
 
 def owner(directory: str) -> dict[str, str] | None:

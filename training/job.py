@@ -63,6 +63,16 @@ def preflight(cfg: TrainingConfig, dataset_dir: str) -> ShardManifest:
     return manifest
 
 
+def check_checkpoints(cfg: TrainingConfig, manifest: ShardManifest) -> None:
+    """checkpoint_dir fits the job, before an engine starts: a checkpoint to resume from,
+    or, for a new job, no other job's checkpoints (which starting over would delete)."""
+    if cfg.resume:
+        if checkpoints.latest(cfg.checkpoint_dir) is None:
+            raise DataError(f"{storage.display(cfg.checkpoint_dir)}: no checkpoint to resume from")
+    else:
+        checkpoints.check_owner(cfg.checkpoint_dir, checkpoints.fingerprint(cfg, manifest.version_id))
+
+
 def check_steps(cfg: TrainingConfig, manifest: ShardManifest, data_world: int) -> None:
     """No silent non-training: refuse a job whose ranks would take 0 optimizer steps an
     epoch (the global batch split over the data-parallel ranks is more than the train rows
@@ -127,10 +137,9 @@ def run_training(
     # a prepare commits meanwhile: retention keeps it (pipelines.retention).
     manifest = preflight(cfg, dataset_dir)
     resume_from, run_id = None, into_run
+    check_checkpoints(cfg, manifest)
     if cfg.resume:
         resume_from = checkpoints.latest(cfg.checkpoint_dir)
-        if resume_from is None:
-            raise DataError(f"{storage.display(cfg.checkpoint_dir)}: no checkpoint to resume from")
         manifest = _version_of(resume_from, dataset_dir, manifest)
         fp = checkpoints.fingerprint(cfg, manifest.version_id)
         run_id = checkpoints.load(resume_from, fp)["run_id"] or None
