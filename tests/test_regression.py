@@ -139,3 +139,28 @@ def test_regression_sweep_minimises_rmse(regression_dataset, tmp_path):
     values = {t.params["lr"]: t.value for t in r.trials if t.value is not None}
     assert len(values) == 2 and r.direction == "minimize"
     assert r.best.value == min(values.values()) and r.best.params["lr"] == 0.05
+
+
+def test_regression_figures_reduce_like_numpy_over_uneven_parts():
+    """The sums are reduced over ranks (here: two uneven parts added), then turned into
+    figures: they must equal numpy's on the whole, and the loss must not broadcast
+    [n, 1] outputs against [n] labels into [n, n]."""
+    import torch
+
+    from training import task
+
+    rng = np.random.default_rng(2)
+    y, pred = rng.normal(3, 2, size=101), rng.normal(3, 2, size=101)
+    out, lab = torch.tensor(pred, dtype=torch.float32)[:, None], torch.tensor(y, dtype=torch.float32)
+    sums = task.zero_sums("regression")
+    for part in (slice(0, 37), slice(37, 101)):
+        loss = task.task_loss(out[part], lab[part])
+        sums += task.batch_sums("regression", out[part], lab[part], loss.item())
+    got = task.figures("regression", "val", sums)
+    err = pred.astype(np.float32).astype(np.float64) - y.astype(np.float32).astype(np.float64)
+    assert got["val_rmse"] == pytest.approx(np.sqrt(np.mean(err ** 2)), rel=1e-9)
+    assert got["val_mae"] == pytest.approx(np.mean(np.abs(err)), rel=1e-9)
+    yy = y.astype(np.float32).astype(np.float64)
+    assert got["val_r2"] == pytest.approx(1 - np.sum(err ** 2) / np.sum((yy - yy.mean()) ** 2), rel=1e-9)
+    assert task.task_loss(out, lab).item() == pytest.approx(np.mean(err ** 2), rel=1e-5)
+    assert task.metric_names("regression", "val") == ["val_loss", "val_rmse", "val_mae", "val_r2"]
