@@ -17,7 +17,7 @@ from pathlib import Path
 from training.launchers import free_port
 
 from .conftest import REPO, shardline
-from .test_clusters import _start, _stop, _wait_port
+from .fixtures_clusters import _start, _stop, _wait_port
 
 BIN = Path(sys.executable).parent
 QUICKSTART = REPO / "jobs" / "configs" / "quickstart.toml"
