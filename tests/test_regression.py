@@ -155,7 +155,7 @@ def test_regression_figures_reduce_like_numpy_over_uneven_parts():
     sums = task.zero_sums("regression")
     for part in (slice(0, 37), slice(37, 101)):
         loss = task.task_loss(out[part], lab[part])
-        sums += task.batch_sums("regression", out[part], lab[part], loss.item())
+        sums += task.batch_sums("regression", out[part], lab[part], loss)
     got = task.figures("regression", "val", sums)
     err = pred.astype(np.float32).astype(np.float64) - y.astype(np.float32).astype(np.float64)
     assert got["val_rmse"] == pytest.approx(np.sqrt(np.mean(err ** 2)), rel=1e-9)

@@ -45,21 +45,23 @@ def metric_names(task: str, split: str) -> list[str]:
 
 
 def zero_sums(task: str) -> torch.Tensor:
-    return torch.zeros(_SUMS[task], dtype=torch.float64)
+    """The epoch's sums, on the rank's device: they travel in a collective (training.collectives)."""
+    from . import collectives
+
+    return collectives.zeros(_SUMS[task], dtype=torch.float64)
 
 
 @torch.no_grad()
-def batch_sums(task: str, outputs: torch.Tensor, y: torch.Tensor, mean_loss: float) -> torch.Tensor:
-    """One batch's contribution to the epoch's sums (see _SUMS)."""
-    n = len(y)
+def batch_sums(task: str, outputs: torch.Tensor, y: torch.Tensor, mean_loss: torch.Tensor) -> torch.Tensor:
+    """One batch's contribution to the epoch's sums (see _SUMS), on the outputs' device: no
+    host round trip per batch."""
+    n = torch.tensor(float(len(y)), dtype=torch.float64, device=outputs.device)
     if task == CLASSIFICATION:
-        correct = (outputs.argmax(1) == y).sum().item()
-        return torch.tensor([mean_loss * n, correct, n], dtype=torch.float64)
+        correct = (outputs.argmax(1) == y).sum().double()
+        return torch.stack([mean_loss.detach().double() * n, correct, n])
     err = outputs.detach().double().squeeze(-1) - y.double()
     yd = y.double()
-    return torch.stack([
-        (err * err).sum(), err.abs().sum(), yd.sum(), (yd * yd).sum(), torch.tensor(float(n), dtype=torch.float64),
-    ]).cpu()
+    return torch.stack([(err * err).sum(), err.abs().sum(), yd.sum(), (yd * yd).sum(), n])
 
 
 def figures(task: str, split: str, sums: torch.Tensor) -> dict[str, float]:
