@@ -83,8 +83,9 @@ def run(config, overrides):
     table = Table(title="shardline run", show_header=False, title_justify="left")
     for split, info in manifest.splits.items():
         table.add_row(f"rows {split}", f"{info.rows:,} in {len(info.shards)} shards")
-    if "val_accuracy" in result.metrics:
-        table.add_row("val accuracy", f"{result.metrics['val_accuracy']:.4f}")
+    for k in ("val_accuracy", "val_rmse", "val_r2"):
+        if k in result.metrics:
+            table.add_row(k.replace("_", " "), f"{result.metrics[k]:.4f}")
     table.add_row("MLflow run", result.run_id)
     table.add_row("MLflow store", result.tracking_uri)
     table.add_row("model", f"{result.model_uri}")
@@ -159,11 +160,11 @@ def train(config, overrides, launcher, world_size, resume, allow_changed):
     cfg = resolve_paths(cfg, [cfg.training.launcher], (DATASET, CHECKPOINTS), tracking=True)
     check_storage(cfg, reads=(DATASET,), writes=(CHECKPOINTS,))
     from training.checkpoints import check_allowed
-    from training.job import check_settings, hold_checkpoint_dir
+    from training.job import check_checkpoints, hold_checkpoint_dir, preflight
 
-    # Names and batch: one line before an engine starts. The dataset is checked after,
-    # with the cluster's free slots first: too few slots is the error to fix first.
-    check_settings(cfg.training)
+    # Names, the dataset, world size vs shards, batch vs rows, checkpoint_dir: one line
+    # before an engine starts (the cluster's free slots are checked once it runs).
+    check_checkpoints(cfg.training, preflight(cfg.training, cfg.pipelines.dataset_dir))
     check_allowed(cfg.training.resume_allow_changed, "--allow-changed / training.resume_allow_changed")
     # One job per checkpoint directory: a second is refused here, before an engine starts.
     lease = hold_checkpoint_dir(cfg.training)
@@ -177,7 +178,7 @@ def train(config, overrides, launcher, world_size, resume, allow_changed):
     finally:
         lease.release()
     console.print(f"  run {result.run_id}; model {result.model_uri}")
-    for k in ("val_loss", "val_accuracy"):
+    for k in ("val_loss", "val_accuracy", "val_rmse", "val_mae", "val_r2"):
         if k in result.metrics:
             console.print(f"  {k} {result.metrics[k]:.4f}")
 
@@ -641,6 +642,7 @@ def _train(cfg: ShardlineConfig, spark, dask_client=None, lease=None):
 
     t = cfg.training
     title = f"Training {t.model} with {t.strategy} on {t.world_size} {t.launcher} ranks"
+    console.print(f"  checkpoints: {escape(t.checkpoint_dir)}")
     with stage(title):
         return run_training(
             t, cfg.tracking, cfg.pipelines.dataset_dir, spark=spark, dask_client=dask_client, lease=lease

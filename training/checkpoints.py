@@ -9,6 +9,13 @@ rank 0 through `pipelines.storage`, so `checkpoint_dir` may be any URL:
       LATEST                     the pointer: written after the object it names
       ranks/rank-N.json          which host and process is rank N
 
+The default directory (`training.checkpoint_dir` unset) is one per job:
+`shardline-data/checkpoints/<experiment>/<registered model>-<hash>`, the hash of the
+fingerprint settings below and the dataset directory, so two configs never share one
+and `--resume` of the same config finds its own. A new job clears only its own
+earlier checkpoints: a directory whose `LATEST` names another job's (other
+fingerprint settings) is refused, never emptied.
+
 A checkpoint is visible once the pointer names it: an interrupted write leaves at
 most an object nothing points to. Rotation keeps the newest `keep` and never
 deletes what the pointer names. `latest()` follows the pointer (a directory with no
@@ -25,6 +32,7 @@ unless the user names them as allowed to change (`training.resume_allow_changed`
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import re
@@ -55,6 +63,10 @@ FINGERPRINT_FIELDS = (
 CHANGEABLE_FIELDS = ("lr", "weight_decay", "lr_schedule", "warmup_steps", "epochs", "dataset_version")
 
 
+# The mesh (training.sharded_checkpoints.MESH_FIELDS): a resume may change it where it reshards.
+_RESHARDABLE = ("world_size", "dp", "tp", "dp_shard", "tp_plan")
+
+
 class CheckpointUnreadable(DataError):
     """A checkpoint object that cannot be read back (missing, truncated, corrupted)."""
 
@@ -72,6 +84,25 @@ def fingerprint(cfg: TrainingConfig, dataset_version: str) -> dict[str, str]:
     fp = {f: str(getattr(cfg, f)) for f in FINGERPRINT_FIELDS}
     fp["dataset_version"] = dataset_version
     return fp
+
+
+DEFAULT_ROOT = "shardline-data/checkpoints"
+
+
+def job_dir(cfg: TrainingConfig, experiment: str, registered_model: str, dataset_dir: str,
+            root: str = DEFAULT_ROOT) -> str:
+    """The default checkpoint_dir of a job (see the module's docstring)."""
+    # Not what a resume may change (--allow-changed lr, another mesh that reshards): the
+    # resumed job must find the folder its first run wrote.
+    kept = [f for f in FINGERPRINT_FIELDS if f not in CHANGEABLE_FIELDS and f not in _RESHARDABLE]
+    ident = {f: str(getattr(cfg, f)) for f in kept}
+    ident.update(dataset_dir=str(dataset_dir), registered_model=registered_model)
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:10]
+    return storage.join(root, _safe(experiment), f"{_safe(registered_model)}-{digest}")
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "default"
 
 
 def checkpoint_paths(directory: str) -> list[str]:
@@ -107,13 +138,54 @@ def save(directory: str, global_step: int, state: dict, keep: int) -> str:
     try:
         storage.write_bytes(url, buf.getbuffer())
         # The pointer is the commit: one whole-object write (a rename locally) after the object.
-        storage.write_bytes(storage.join(directory, POINTER), json.dumps({"name": name, "step": global_step}).encode())
+        # The fingerprint in the pointer says whose directory this is without reading a checkpoint.
+        pointer = {"name": name, "step": global_step, "fingerprint": state.get("fingerprint", {})}
+        storage.write_bytes(storage.join(directory, POINTER), json.dumps(pointer).encode())
     except OSError as e:  # a full disk, a read-only mount, no permission: no restart fixes it
         raise StorageError(f"training.checkpoint_dir: cannot write {storage.display(url)} ({_cause(e)})") from None
     for old in checkpoint_paths(directory)[:-keep]:
         if old != url:
             storage.delete(old)
     return url
+
+
+def start_over(directory: str, fp: dict[str, str]) -> None:
+    """A new job's directory: drop its own earlier checkpoints (its restarts would resume
+    them); refuse a directory holding another job's, which clearing would lose."""
+    check_owner(directory, fp)
+    clear(directory)
+
+
+def check_owner(directory: str, fp: dict[str, str]) -> None:
+    """Refuse `directory` to a new job when it holds another job's checkpoints."""
+    theirs = owner(directory)
+    if theirs:  # {}: written without a fingerprint, which no job can resume
+        # Another dataset version is the same job on re-prepared data: its own to clear.
+        diff = [f"{k} {theirs.get(k)!r} (this job: {v!r})" for k, v in fp.items()
+                if k != "dataset_version" and theirs.get(k) != v]
+        if diff:
+            raise DataError(
+                f"training.checkpoint_dir {storage.display(str(directory))} holds another job's "
+                f"checkpoints ({', '.join(diff[:3])}{', ...' if len(diff) > 3 else ''}); a new job "
+                "would delete them: give this job a checkpoint_dir of its own (unset, each job gets "
+                "one under shardline-data/checkpoints/<experiment>/), resume that job with --resume, "
+                "or delete them yourself"
+            )
+
+
+def owner(directory: str) -> dict[str, str] | None:
+    """The fingerprint of the job whose checkpoints `directory` holds; None when it holds none."""
+    directory = str(directory)
+    try:
+        pointer = json.loads(storage.read_bytes(storage.join(directory, POINTER)))
+    except FileNotFoundError:
+        pointer = {}
+    except ValueError:
+        pointer = {}  # latest() below names the damage
+    if isinstance(pointer, dict) and isinstance(pointer.get("fingerprint"), dict):
+        return pointer["fingerprint"]
+    newest = latest(directory)  # a pointer from before fingerprints were in it, or none
+    return None if newest is None else load(newest, {}).get("fingerprint", {})
 
 
 def clear(directory: str) -> None:

@@ -145,7 +145,10 @@ class TrainingConfig(Section):
         300, ge=10, description="Process-group timeout: a stalled peer fails the job after it."
     )
     checkpoint_dir: str = Field(
-        "shardline-data/checkpoints", description="Where checkpoints go (one job per directory)."
+        "shardline-data/checkpoints", description="Where checkpoints go, one job per directory; "
+        "unset: a folder of the job's own, shardline-data/checkpoints/<experiment>/<registered "
+        "model>-<hash of its settings and dataset> (training.checkpoints.job_dir). A new job "
+        "clears its own earlier checkpoints and refuses a directory holding another job's.",
     )
     checkpoint_every_steps: int = Field(
         0, ge=0, description="Also checkpoint every N optimizer steps; 0: only at epoch ends."

@@ -20,7 +20,7 @@ from pipelines.manifest import ShardManifest, load_manifest, sequences
 from . import checkpoints, sharded_checkpoints
 from .config import TrackingConfig, TrainingConfig
 from .launchers import DriverGuard, TrainingFailed
-from .loader import check_world_size
+from .loader import check_world_size, epoch_steps, rows_per_rank
 from .models import build_model, check_model_name
 from .strategies import get_strategy
 from .tracking import log_curves, open_experiment
@@ -65,7 +65,44 @@ def preflight(cfg: TrainingConfig, dataset_dir: str) -> ShardManifest:
     strategy = get_strategy(cfg.strategy)
     strategy.check(cfg, build_model(manifest, cfg))
     check_world_size(manifest, "train", strategy.data_world(cfg))
+    check_steps(cfg, manifest, strategy.data_world(cfg))
     return manifest
+
+
+def check_checkpoints(cfg: TrainingConfig, manifest: ShardManifest) -> None:
+    """checkpoint_dir fits the job, before an engine starts: a checkpoint to resume from,
+    or, for a new job, no other job's checkpoints (which starting over would delete)."""
+    if cfg.resume:
+        if checkpoints.latest(cfg.checkpoint_dir) is None:
+            raise DataError(f"{storage.display(cfg.checkpoint_dir)}: no checkpoint to resume from")
+    else:
+        checkpoints.check_owner(cfg.checkpoint_dir, checkpoints.fingerprint(cfg, manifest.version_id))
+
+
+def check_steps(cfg: TrainingConfig, manifest: ShardManifest, data_world: int) -> None:
+    """No silent non-training: refuse a job whose ranks would take 0 optimizer steps an
+    epoch (the global batch split over the data-parallel ranks is more than the train rows
+    a rank gets, after `remainder`), naming the numbers and the fix."""
+    local = cfg.batch_size // data_world
+    if local < 1:
+        raise ConfigError(
+            f"training.batch_size {cfg.batch_size} is less than the {data_world} data-parallel "
+            f"ranks it is split over: set training.batch_size to at least {data_world}"
+        )
+    per_rank = rows_per_rank(manifest, "train", data_world)
+    if epoch_steps(per_rank, local, cfg.remainder) > 0:
+        return
+    drop = cfg.remainder == "drop"
+    limit = min(per_rank) if drop else max(per_rank)
+    whose = "the smallest rank gets" if drop else "the largest rank gets"
+    fix = (f"set training.batch_size to at most {limit * data_world}" if limit
+           else f"re-prepare with more rows or train on fewer than {data_world} data-parallel ranks")
+    raise DataError(
+        f"training.batch_size {cfg.batch_size} is {local} rows per step on each of {data_world} "
+        f"data-parallel rank(s), but {whose} only {limit} train rows (train rows per rank: "
+        f"{per_rank}, training.remainder = '{cfg.remainder}'): every epoch would take 0 optimizer "
+        f"steps and the model would not train; {fix}"
+    )
 
 
 def describe(cfg: TrainingConfig, manifest: ShardManifest) -> str:
@@ -98,7 +135,10 @@ def run_training(
     it before an engine starts); default: taken here and released at the end.
     """
     dataset_dir = storage.resolve(dataset_dir, "pipelines.dataset_dir")
-    cfg = cfg.model_copy(update={"checkpoint_dir": storage.resolve(cfg.checkpoint_dir, "training.checkpoint_dir")})
+    ckpt = cfg.checkpoint_dir
+    if "checkpoint_dir" not in cfg.model_fields_set:  # unset: a folder of this job's own
+        ckpt = checkpoints.job_dir(cfg, tracking.experiment, tracking.registered_model, dataset_dir)
+    cfg = cfg.model_copy(update={"checkpoint_dir": storage.resolve(ckpt, "training.checkpoint_dir")})
     checkpoints.check_allowed(cfg.resume_allow_changed)
     _check_capacity(cfg, spark, dask_client)
     # The version checked here is the one every rank reads (and every restart), whatever
@@ -120,6 +160,7 @@ def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guar
     import mlflow
 
     resume_from, run_id = None, into_run
+    check_checkpoints(cfg, manifest)
     if cfg.resume:
         found = checkpoints.readable(cfg.checkpoint_dir, {})  # the newest readable one
         if found is None:
@@ -135,8 +176,9 @@ def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guar
         run_id = head["run_id"] or None
     else:
         fp = checkpoints.fingerprint(cfg, manifest.version_id)
-        # A new job starts over: stale checkpoints would be resumed by its restarts.
-        checkpoints.clear(cfg.checkpoint_dir)
+        # A new job starts over (stale checkpoints would be resumed by its restarts), but
+        # never over another job's checkpoints.
+        checkpoints.start_over(cfg.checkpoint_dir, fp)
         sharded_checkpoints.prune(cfg.checkpoint_dir)
     uri = tracking.resolved_uri()
     open_experiment(uri, tracking.experiment)
@@ -171,6 +213,12 @@ def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guar
             epoch_hook=epoch_hook,
         )
         result = _launch_with_restarts(cfg, job, spark, dask_client, dask_workers, guard)
+        if result.get("steps", 1) == 0:
+            # Preflight refuses this; a model that never took a step must not be registered.
+            raise ShardlineError(
+                f"the job took 0 optimizer steps in {cfg.epochs} epoch(s): the model did not train "
+                "and is not logged or registered"
+            )
 
         model = build_model(manifest, cfg)
         model.load_state_dict(torch.load(io.BytesIO(result["state_dict"]), weights_only=True))

@@ -13,12 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from pipelines import storage
 from pipelines.manifest import ShardManifest, load_manifest
 
-from . import checkpoints, collectives, sharded_checkpoints
+from . import checkpoints, collectives, sharded_checkpoints, task
 from .config import TrainingConfig
 from .loader import ShardLoader
 from .models import apply_activation_checkpointing, build_model
@@ -26,7 +25,8 @@ from .strategies import get_strategy
 from .tracking import MetricsReporter
 
 
-_SHOWN = ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "samples_per_s")
+_SHOWN = ("train_loss", "train_accuracy", "train_rmse", "val_loss", "val_accuracy", "val_rmse", "val_r2",
+          "samples_per_s")
 
 
 @dataclass
@@ -87,6 +87,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         else None
     )
     eval_model = build_model(manifest, cfg).to(device) if val is not None else None
+    kind = task.task_of(manifest)
 
     optimizer = parallel.optimizer
     schedule = lr_factor(cfg, cfg.epochs * train.steps_per_epoch())
@@ -135,7 +136,8 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
     stopped_early = warned = False
     full = None  # the plain model's weights as of the last epoch end (a collective gather)
     for epoch in range(start_epoch, cfg.epochs):
-        loss_sum = correct = reported = seen = waited = stepping = 0.0
+        seen = waited = stepping = 0.0
+        sums = task.zero_sums(kind)
         start = time.perf_counter()
         # Resuming mid-epoch, the loader (its state loaded) yields exactly the rest.
         position = train.state_dict()
@@ -147,9 +149,9 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         while True:
             t = time.perf_counter()
             batch = next(batches, None)
-            waited += time.perf_counter() - t
-            if batch is None:
+            if batch is None:  # finding the epoch over is no step: not counted as waiting
                 break
+            waited += time.perf_counter() - t
             x, y = (b.to(device, non_blocking=True) if b is not None else None for b in batch)
             out = parallel.step(x, y)
             if scheduler:
@@ -160,10 +162,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
             step_in_epoch += 1
             seen += len(y) if y is not None else 0
             if out is not None:
-                logits, loss = out
-                loss_sum += loss.item() * len(y)
-                correct += (logits.argmax(1) == y).sum().item()
-                reported += len(y)
+                sums += task.batch_sums(kind, out[0], y, out[1])
             if step % cfg.log_every_steps == 0:
                 # The reporting ranks' mean loss: rank 0 may hold none (a first pipeline stage).
                 step_loss = _mean_over_reporting(out[1].item() if out is not None else None)
@@ -176,15 +175,14 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         # Per-rank figures go to rank 0 through one all-reduce of a [world, k] table.
         per_rank = collectives.zeros(world_size, 4)
         per_rank[rank] = collectives.tensor([
-            seen / elapsed, waited / max(stepping, 1e-9),
+            # Over the steps that ran only: an epoch of no steps waited for nothing.
+            seen / elapsed, waited / stepping if stepping > 0 else 0.0,
             train.epoch_stats()["samples_per_s"] if reads else 0.0, float(parallel.reports),
         ])
-        totals = collectives.tensor([loss_sum, correct, max(reported, 1.0)])
         collectives.all_reduce(per_rank)
-        collectives.all_reduce(totals)
+        collectives.all_reduce(sums)
         metrics = {
-            "train_loss": totals[0].item() / totals[2].item(),
-            "train_accuracy": totals[1].item() / totals[2].item(),
+            **task.figures(kind, "train", sums),
             # Ranks that split one model read the same samples: count each once.
             "samples_per_s": (per_rank[:, 0] * per_rank[:, 3]).sum().item(),
             "data_wait_fraction": per_rank[:, 1].max().item(),
@@ -198,7 +196,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         if evaluated:
             if eval_model is not None:
                 eval_model.load_state_dict(full)
-            metrics.update(_evaluate(eval_model, val, device))
+            metrics.update(_evaluate(eval_model, val, device, kind))
         if reporter:
             reporter.log(metrics, epoch)
             shown = ", ".join(f"{k} {metrics[k]:.4g}" for k in _shown(metrics))
@@ -222,6 +220,8 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
     return {
         "state_dict": buf.getvalue(), "metrics": metrics, "stopped_early": stopped_early,
         "collective_calls": collectives.calls(),
+        # The job's optimizer steps in all: the driver never registers a model that took none.
+        "steps": step,
     }
 
 
@@ -330,20 +330,18 @@ def _stop_requested(hook, rank: int, epoch: int, metrics: dict[str, float]) -> b
 
 
 @torch.no_grad()
-def _evaluate(model, val: ShardLoader | None, device) -> dict[str, float]:
+def _evaluate(model, val: ShardLoader | None, device, kind: str) -> dict[str, float]:
     """Every rank calls it; ranks without a share of the split (val None) add nothing."""
-    sums = collectives.zeros(3)
+    sums = task.zero_sums(kind)
     if model is not None:
         model.eval()
     for x, y in val.all_batches(4096) if val is not None else ():
-        logits = model(x.to(device))
+        outputs = model(x.to(device))
         y = y.to(device)
         # Summed on the device: no host round trip per batch.
-        sums[0] += F.cross_entropy(logits, y, reduction="sum")
-        sums[1] += (logits.argmax(1) == y).sum()
-        sums[2] += len(y)
+        sums += task.batch_sums(kind, outputs, y, task.task_loss(outputs, y))
     collectives.all_reduce(sums)
-    return {"val_loss": (sums[0] / sums[2]).item(), "val_accuracy": (sums[1] / sums[2]).item()}
+    return task.figures(kind, "val", sums)
 
 
 def _announce(checkpoint_dir: str, rank: int) -> None:

@@ -23,6 +23,7 @@ from pipelines.errors import ConfigError
 
 from .. import collectives
 from ..config import TrainingConfig
+from ..task import task_loss
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -179,11 +180,9 @@ def autocast_for(device: torch.device, cfg: TrainingConfig) -> torch.autocast:
 
 def train_step(model, optimizer, autocast, x: torch.Tensor, y: torch.Tensor):
     """Forward, loss, backward, optimizer step; returns (logits, loss)."""
-    import torch.nn.functional as F
-
     with autocast:
         logits = model(x)
-        loss = F.cross_entropy(logits, y)
+        loss = task_loss(logits, y)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()

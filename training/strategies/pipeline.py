@@ -19,13 +19,13 @@ from itertools import accumulate
 from statistics import fmean
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pipelines.errors import ConfigError
 
 from .. import collectives
 from ..config import TrainingConfig
+from ..task import task_loss
 from .base import OptimizerFactory, average_gradients, mesh_for
 from .pipeline_timing import RankClock, StepLog, TimedStage, step_bubbles
 from .schedule import SCHEDULES, Layout, ReplayStuck, closed_form, grid, in_flight, layout, schedule_bubble
@@ -223,7 +223,7 @@ class PipelineRank:
         self.steps_run = 0
 
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(logits, y)
+        loss = task_loss(logits, y)
         self.clock.extend_last_forward()
         return loss
 

@@ -20,13 +20,13 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from pipelines.errors import ConfigError
 
 from .. import collectives
 from ..config import TrainingConfig
+from ..task import task_loss
 from .base import OptimizerFactory, autocast_for
 
 
@@ -172,7 +172,7 @@ class WorkerRank:
         self.model.train()
         with self.autocast:
             logits = self.model(x)
-            loss = F.cross_entropy(logits, y)
+            loss = task_loss(logits, y)
         self.model.zero_grad(set_to_none=True)
         loss.backward()
         grads = [
