@@ -34,7 +34,7 @@ def main() -> None:
         {
             "engine": args.engine,
             "dataset_dir": str(root / "dataset"),
-            "source": {"path": str(root / "raw"), "synthetic": {"rows": args.rows, "partitions": 16}},
+            "source": {"format": "synthetic", "path": str(root / "raw"), "synthetic": {"rows": args.rows, "partitions": 16}},
         }
     )
     try:

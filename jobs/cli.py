@@ -52,10 +52,11 @@ def run(config, overrides):
     from training.job import check_settings
 
     check_settings(cfg.training)  # a misspelt model or strategy: one line, before Spark starts
+    checked = _check_prepare(cfg)
     spark = _spark(cfg)
     from pipelines.engine_spark import SparkEngine
 
-    manifest = _prepare(cfg, SparkEngine(spark))
+    manifest = _prepare(cfg, SparkEngine(spark), checked=checked)
     result = _train(cfg, spark)
     # force: each run trains a new model version and re-scores its own output with it.
     score = _score(
@@ -103,16 +104,13 @@ def prepare(config, overrides, engine, append, refit, by_plan):
         raise click.UsageError("--refit goes with --append")
     if by_plan and append and not refit:
         raise click.UsageError("--plan lays every shard out anew: use it without --append, or with --append --refit")
-    if by_plan:
-        from pipelines.prepare import check_plan
-
-        check_plan(cfg.pipelines)  # no usable plan: fail before an engine starts
+    checked = _check_prepare(cfg, append=append, refit=refit, by_plan=by_plan)
     with _prepare_engine(cfg) as eng:
-        manifest = _prepare(cfg, eng, append=append, refit=refit, by_plan=by_plan)
+        manifest = _prepare(cfg, eng, append=append, refit=refit, by_plan=by_plan, checked=checked)
     for split, info in manifest.splits.items():
         console.print(f"  {split}: {info.rows:,} rows in {len(info.shards)} shards")
     if manifest.dropped_rows:
-        console.print(f"  dropped {manifest.dropped_rows:,} row(s) that did not parse")
+        console.print(f"  dropped {manifest.dropped_rows:,} row(s) that could not be used")
 
 
 @cli.command()
@@ -490,14 +488,31 @@ def _dask(cfg: ShardlineConfig):
             cluster.close()
 
 
-def _prepare(cfg: ShardlineConfig, engine, append: bool = False, refit: bool = False, by_plan: bool = False):
+def _check_prepare(cfg: ShardlineConfig, **how):
+    """Input, columns and feature spec, checked before an engine starts; says what it inferred."""
+    from pipelines.checks import check_prepare
+
+    checked = check_prepare(cfg.pipelines, **how)
+    for note in checked.notes:
+        console.print(f"  {escape(note)}")
+    return checked
+
+
+def _prepare(cfg: ShardlineConfig, engine, append=False, refit=False, by_plan=False, checked=None):
     from pipelines.prepare import prepare
 
     src = cfg.pipelines.source
     what = f"{src.synthetic.rows:,} synthetic rows" if src.format == "synthetic" else src.path
     how = " by its bandwidth plan" if by_plan else ""
     with stage(f"Preparing {what} into {cfg.pipelines.dataset_dir}{how} with {engine.name}"):
-        return prepare(engine, cfg.pipelines, append=append, refit=refit, by_plan=by_plan)
+        manifest = prepare(engine, cfg.pipelines, append=append, refit=refit, by_plan=by_plan, checked=checked)
+    spec = manifest.feature_spec
+    if spec.task == "classification" and spec.classes is None:
+        console.print(
+            f"  pipelines.features.classes = {manifest.statistics.num_classes}  "
+            "(inferred: the largest label + 1; declare it to have other labels refused)"
+        )
+    return manifest
 
 
 def _train(cfg: ShardlineConfig, spark, dask_client=None):

@@ -39,6 +39,15 @@ def list_files(source: SourceConfig) -> list[str]:
     return [fs.unstrip_protocol(p) for p in sorted(found)]
 
 
+def open_raw(url: str):
+    """A raw input file opened for reading (binary, seekable), anywhere it lives.
+
+    The one place tasks open raw files: both engines read through it, so a new
+    filesystem needs support here only. Compressed files (.gz, ...) are decompressed.
+    """
+    return fsspec.open(url, "rb", compression="infer").open()
+
+
 def check_readable(files: list[str], fmt: str) -> None:
     """Parquet: every footer parses. Others: every file opens. Names the first bad file."""
     for url in files:
