@@ -284,20 +284,24 @@ def _bench(run_bench, as_json: bool, **kwargs) -> dict | None:
 
 @bench.command("prepare")
 @click.option("--rows", type=int, default=1_000_000, show_default=True, help="Synthetic rows.")
+@click.option("--rounds", type=int, default=1, show_default=True,
+              help="Runs of every job, interleaved; each keeps its best.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
-def bench_prepare(rows, as_json):
-    """Prepare MB/s on Spark and on Dask vs a single-process pyarrow rewrite."""
+def bench_prepare(rows, rounds, as_json):
+    """Prepare MB/s on Spark and Dask vs native Spark SQL, native dask.dataframe and pyarrow."""
     from benchmarks.prepare import run as run_bench
 
-    result = _bench(run_bench, as_json, rows=rows)
+    result = _bench(run_bench, as_json, rows=rows, rounds=rounds)
     if result is None:
         return
     table = Table(title=f"prepare, {rows:,} rows, {result['input_mb']} MB raw Parquet, {result['cores']} cores")
-    for col in ("", "seconds", "MB/s", "× pyarrow"):
+    for col in ("", "seconds", "MB/s", "× native", "× pyarrow"):
         table.add_column(col, justify="right")
-    for k in ("pyarrow", "spark", "dask"):
+    for k in ("pyarrow", "spark_native", "spark", "dask_native", "dask"):
+        native = f"{result['ratio_vs_native'][k]:.2f}" if k in result["ratio_vs_native"] else ""
         ratio = result["ratio_vs_pyarrow"].get(k, 1.0)
-        table.add_row(k, f"{result['seconds'][k]:.2f}", f"{result['mb_per_s'][k]:.1f}", f"{ratio:.2f}")
+        name = {"spark": "shardline spark", "dask": "shardline dask"}.get(k, k.replace("_", " "))
+        table.add_row(name, f"{result['seconds'][k]:.2f}", f"{result['mb_per_s'][k]:.1f}", native, f"{ratio:.2f}")
     Console().print(table)
 
 

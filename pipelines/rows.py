@@ -7,7 +7,7 @@ row is parsed, split and counted by one code path. The parse, for every format:
 - a number is `[+-]digits[.digits][e[+-]digits]`, `inf`/`infinity` or `nan` (any
   case); anything else in a numeric, key or label column is a value that does not
   parse (a "bad" row);
-- a key is an integer: an integer type, integer text (exact, up to 18 digits), or
+- a key is an integer: an integer type, integer text (exact, within int64), or
   an integral float within +-2^53; a float NaN is null;
 - a categorical value is the column's text (numbers and booleans cast by Arrow).
 """
@@ -34,6 +34,7 @@ INVALID = "invalid"
 
 _NUMBER = r"(?i)^[+-]?((\d+\.?\d*|\.\d+)(e[+-]?\d+)?|inf|infinity|nan)$"
 _INTEGER = r"^[+-]?\d{1,18}$"
+_INT64_MAX = str(2**63 - 1)
 _EXACT = float(2**53)  # floats beyond this are not exact integers
 
 
@@ -169,7 +170,13 @@ def keys(col, nulls: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return k, null, big
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         text, null = _text(col, nulls)
-        exact = _bools(pc.match_substring_regex(text, _INTEGER)) & ~null
+        # Up to 18 digits always fit an int64; 19 when they do not exceed its maximum.
+        magnitude = pc.replace_substring_regex(text, r"^[+-]", "")
+        fits = pc.or_(
+            pc.match_substring_regex(text, _INTEGER),
+            pc.and_(pc.match_substring_regex(text, r"^[+-]?\d{19}$"), pc.less_equal(magnitude, _INT64_MAX)),
+        )
+        exact = _bools(fits) & ~null
         digits = pc.replace_substring_regex(text, r"^\+", "")  # Arrow's integer parse refuses a '+'
         k = pc.cast(pc.if_else(pa.array(exact), digits, "0"), pa.int64()).to_numpy(zero_copy_only=False)
         x, _, bad = numbers(pc.if_else(pa.array(exact | null), pa.scalar(None, pa.string()), text), [])
