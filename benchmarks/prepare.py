@@ -99,12 +99,12 @@ def run(rows: int, rounds: int = 1, workdir: str | None = None, progress=print) 
         "benchmark": "prepare",
         "rows": rows,
         "rounds": rounds,
-        "input_mb": round(mb, 2),
+        "input_mb": round(mb, 3),
         "seconds": {k: round(v, 3) for k, v in best.items()},
         "seconds_per_round": {k: [round(x, 3) for x in v] for k, v in seconds.items()},
-        "mb_per_s": {k: round(v, 2) for k, v in mbps.items()},
-        "ratio_vs_native": {e: round(mbps[e] / mbps[f"{e}_native"], 3) for e in ("spark", "dask")},
-        "ratio_vs_pyarrow": {k: round(mbps[k] / mbps["pyarrow"], 3) for k in JOBS if k != "pyarrow"},
+        "mb_per_s": {k: round(v, 4) for k, v in mbps.items()},
+        "ratio_vs_native": {e: round(mbps[e] / mbps[f"{e}_native"], 4) for e in ("spark", "dask")},
+        "ratio_vs_pyarrow": {k: round(mbps[k] / mbps["pyarrow"], 4) for k in JOBS if k != "pyarrow"},
         "cores": len(os.sched_getaffinity(0)),
     }
 
