@@ -37,8 +37,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from benchmarks import synthetic_pipeline
-from pipelines.config import DaskConfig
+from benchmarks import prepare_with_dask, significant, synthetic_pipeline
 
 TARGET_VS_RAW = 0.85
 TARGET_VS_PETASTORM = 3.0
@@ -211,10 +210,7 @@ def run(rows: int, workdir: str | None = None, progress=print, petastorm: bool =
 
     import torch
 
-    from pipelines.engine_dask import DaskEngine
-    from pipelines.engines import dask_client
     from pipelines.manifest import load_manifest
-    from pipelines.prepare import prepare
     from training.loader import ShardLoader
 
     cores = len(os.sched_getaffinity(0))
@@ -232,14 +228,7 @@ def run(rows: int, workdir: str | None = None, progress=print, petastorm: bool =
     threads = torch.get_num_threads()
     try:
         cfg = synthetic_pipeline(root, rows)
-        client = dask_client(DaskConfig())
-        try:
-            progress(f"generating and preparing {rows:,} rows (Dask)")
-            prepare(DaskEngine(client), cfg)
-        finally:
-            cluster = client.cluster
-            client.close()
-            cluster.close()
+        prepare_with_dask(cfg, progress)
         manifest = load_manifest(cfg.dataset_dir)
         dataset = Path(cfg.dataset_dir).resolve()
         paths = [str(dataset / s.path) for s in manifest.split("train").shards]
@@ -299,9 +288,9 @@ def run(rows: int, workdir: str | None = None, progress=print, petastorm: bool =
         "naive_batches": NAIVE_BATCHES,
         "ours_settings": defaults,
         "samples": samples,
-        "seconds": {k: round(v, 3) for k, v in seconds.items()},
-        "samples_per_s": {k: round(v, 1) for k, v in sps.items()},
-        "ratio": {k: round(v, 3) for k, v in ratios.items()},
+        "seconds": {k: significant(v) for k, v in seconds.items()},
+        "samples_per_s": {k: significant(v) for k, v in sps.items()},
+        "ratio": {k: significant(v) for k, v in ratios.items()},
         "targets": {"vs_raw_pyarrow": TARGET_VS_RAW, "vs_petastorm": TARGET_VS_PETASTORM},
         "met": {
             "vs_raw_pyarrow": ratios["vs_raw_pyarrow"] >= TARGET_VS_RAW,

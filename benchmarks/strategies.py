@@ -15,8 +15,14 @@ ranks the ranks share cores, so a ratio below 1 there says "oversubscribed", not
   growth of the process's peak RSS (ru_maxrss) from just before the model is
   built, i.e. what the strategy's share of model, gradients, optimizer state,
   activations and buffers cost on top of an idle process with torch imported.
-- pipeline bubble: the strategy's own measurement (1 - compute time / step time
-  per stage, mean over stages) next to the formula (p-1)/(m+p-1).
+- pipeline bubble, three figures (mean over the pipeline's ranks and the timed steps):
+  measured on torch's executor (1 - a rank's compute time / the step's span); predicted by
+  replaying the schedule with the same steps' measured action times, communication free;
+  and the schedule's own with equal stages ((p-1)/(m+p-1) for GPipe and 1F1B). formula ->
+  predicted is what unequal and varying stage times cost, predicted -> measured what the
+  replay leaves out: ranks waiting for a core (measured too: pipeline_cpu_wait, the share of
+  the step a rank was ready to run but had no core, outside its actions), sends, receives
+  and the executor between actions (training/strategies/pipeline_timing.py).
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
     "ps-async": (3, {"strategy": "ps", "ps_servers": 1, "ps_mode": "async", "ps_staleness": 2}),
     "pipeline-gpipe": (2, {"strategy": "pipeline", "pipeline_schedule": "gpipe", "micro_batches": 4}),
     "pipeline-1f1b": (2, {"strategy": "pipeline", "pipeline_schedule": "1f1b", "micro_batches": 4}),
+    "pipeline-interleaved": (2, {"strategy": "pipeline", "pipeline_schedule": "interleaved-1f1b",
+                                 "micro_batches": 4}),
+    "pipeline-zbv": (2, {"strategy": "pipeline", "pipeline_schedule": "zbv", "micro_batches": 4}),
     "tensor": (2, {"strategy": "tensor"}),
     "dp2xtp2": (4, {"strategy": "tensor", "dp": 2, "tp": 2}),
     "dp2xpp2": (4, {"strategy": "pipeline", "dp": 2, "pp": 2, "micro_batches": 4}),
@@ -128,10 +137,11 @@ def run(progress=print, steps: int = 30, warmup: int = 5, global_batch: int = GL
             "samples_per_s": global_batch * steps / slowest,
             "peak_mb_per_rank": [round(r["peak_mb"], 1) for r in ranks],
         }
-        bubbles = [r["figures"]["pipeline_bubble"] for r in ranks if "pipeline_bubble" in r["figures"]]
-        if bubbles:
-            row["pipeline_bubble"] = sum(bubbles) / len(bubbles)
+        if "pipeline_bubble" in ranks[0]["figures"]:
+            for k in ("pipeline_bubble", "pipeline_bubble_predicted", "pipeline_cpu_wait"):
+                row[k] = sum(r["figures"][k] for r in ranks) / len(ranks)
             row["pipeline_bubble_formula"] = ranks[0]["figures"]["pipeline_bubble_formula"]
+            row["pipeline_activations_held_max"] = [r["figures"]["pipeline_activations_held_max"] for r in ranks]
         staleness = [r["figures"]["ps_staleness_max"] for r in ranks if "ps_staleness_max" in r["figures"]]
         if staleness:
             row["ps_staleness_max"] = max(staleness)

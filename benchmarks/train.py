@@ -269,7 +269,7 @@ def run(rows: int = 100_000, workdir: str | None = None, progress=print, *, step
         warmup: int = WARMUP, allreduce_iters: int = ALLREDUCE_ITERS,
         hidden: list[int] | None = None, rounds: int = ROUNDS, dataset_dir: str | None = None) -> dict:
     """Run every leg once per round; `dataset_dir` (prepared for 2 ranks) skips preparing `rows`."""
-    from benchmarks import synthetic_pipeline
+    from benchmarks import significant, synthetic_pipeline
     from pipelines.config import SparkConfig
     from pipelines.engine_spark import SparkEngine
     from pipelines.engines import spark_session
@@ -346,24 +346,24 @@ def run(rows: int = 100_000, workdir: str | None = None, progress=print, *, step
         "warmup_steps": warmup,
         "steps_timed": runs["spark"][0]["steps_timed"],
         "rounds": rounds,
-        "step_s": {k: round(v, 6) for k, v in step_s.items()},
-        "step_s_by_round": {k: [round(r["step_s"], 6) for r in v] for k, v in runs.items()},
-        "steps_per_s": {k: round(1 / v, 2) for k, v in step_s.items()},
-        "step_time_ratio": round(step_s["torchrun"] / step_s["spark"], 3),
-        "launch_to_first_step_s": {k: round(v, 3) for k, v in launch_s.items()},
-        "launch_ratio": round(launch_s["torch_distributor"] / launch_s["spark"], 3),
+        "step_s": {k: significant(v) for k, v in step_s.items()},
+        "step_s_by_round": {k: [significant(r["step_s"]) for r in v] for k, v in runs.items()},
+        "steps_per_s": {k: significant(1 / v) for k, v in step_s.items()},
+        "step_time_ratio": significant(step_s["torchrun"] / step_s["spark"]),
+        "launch_to_first_step_s": {k: significant(v) for k, v in launch_s.items()},
+        "launch_ratio": significant(launch_s["torch_distributor"] / launch_s["spark"]),
         "allreduce": {
             "bytes": grad_bytes,
             "buckets": runs["spark"][0]["buckets"],
-            "ddp_comm_s_per_step": round(ddp_comm_s, 6),
-            "ddp_in_flight_s_per_step": round(in_flight_s, 6),
-            "ddp_in_flight_bytes_per_s": round(grad_bytes / in_flight_s, 1),
-            "raw_allreduce_s": round(raw_s, 6),
-            "ddp_bytes_per_s": round(ddp_bps, 1),
-            "raw_bytes_per_s": round(raw_bps, 1),
+            "ddp_comm_s_per_step": significant(ddp_comm_s),
+            "ddp_in_flight_s_per_step": significant(in_flight_s),
+            "ddp_in_flight_bytes_per_s": significant(grad_bytes / in_flight_s),
+            "raw_allreduce_s": significant(raw_s),
+            "ddp_bytes_per_s": significant(ddp_bps),
+            "raw_bytes_per_s": significant(raw_bps),
             "raw_iters": allreduce_iters,
         },
-        "allreduce_ratio": round(ddp_bps / raw_bps, 3),
+        "allreduce_ratio": significant(ddp_bps / raw_bps),
     }
 
 

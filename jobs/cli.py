@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import click
 from rich.console import Console
@@ -14,7 +14,17 @@ from rich.table import Table
 
 from pipelines.errors import ShardlineError
 
-from .config import ShardlineConfig, load_config
+from .config import (
+    CHECKPOINTS,
+    DATASET,
+    OUTPUT,
+    SOURCE,
+    ShardlineConfig,
+    check_storage,
+    cluster_of,
+    load_config,
+    resolve_paths,
+)
 
 console = Console(stderr=True, highlight=False)
 
@@ -49,20 +59,27 @@ def cli():
 def run(config, overrides):
     """Generate/prepare data, train with DDP on a Spark barrier stage, register, score."""
     cfg = load_config(config, list(overrides))
+    cfg = resolve_paths(cfg, ["spark", cfg.training.launcher], (SOURCE, DATASET, CHECKPOINTS, OUTPUT), tracking=True)
     from training.job import check_settings
 
     check_settings(cfg.training)  # a misspelt model or strategy: one line, before Spark starts
+    check_storage(cfg, reads=(SOURCE,), writes=(DATASET, CHECKPOINTS, OUTPUT))
     checked = _check_prepare(cfg)
-    spark = _spark(cfg)
-    from pipelines.engine_spark import SparkEngine
+    with ExitStack() as leases:
+        # Both leases before Spark starts: a second run on the same dirs is refused at once.
+        dataset = leases.enter_context(_dataset_lease(cfg))
+        output = leases.enter_context(_output_lease(cfg.serving.output_dir))
+        spark = _spark(cfg, _spark_ranks(cfg))
+        from pipelines.engine_spark import SparkEngine
 
-    manifest = _prepare(cfg, SparkEngine(spark), checked=checked)
-    result = _train(cfg, spark)
-    # force: each run trains a new model version and re-scores its own output with it.
-    score = _score(
-        cfg, "spark", spark, result.model_uri, result.tracking_uri, cfg.pipelines.dataset_dir,
-        force=True,
-    )
+        manifest = _prepare(cfg, SparkEngine(spark), lease=dataset, checked=checked)
+        dataset.release()
+        result = _train(cfg, spark)
+        # force: each run trains a new model version and re-scores its own output with it.
+        score = _score(
+            cfg, "spark", spark, result.model_uri, result.tracking_uri, cfg.pipelines.dataset_dir,
+            force=True, lease=output,
+        )
 
     table = Table(title="shardline run", show_header=False, title_justify="left")
     for split, info in manifest.splits.items():
@@ -100,13 +117,15 @@ def prepare(config, overrides, engine, append, refit, by_plan):
     """Validate, split, transform and shard raw data into a prepared dataset."""
     extra = [f"pipelines.engine='{engine}'"] if engine else []
     cfg = load_config(config, list(overrides) + extra)
+    cfg = resolve_paths(cfg, [cfg.pipelines.engine], (SOURCE, DATASET))
     if refit and not append:
         raise click.UsageError("--refit goes with --append")
     if by_plan and append and not refit:
         raise click.UsageError("--plan lays every shard out anew: use it without --append, or with --append --refit")
+    check_storage(cfg, reads=(SOURCE,), writes=(DATASET,))
     checked = _check_prepare(cfg, append=append, refit=refit, by_plan=by_plan)
-    with _prepare_engine(cfg) as eng:
-        manifest = _prepare(cfg, eng, append=append, refit=refit, by_plan=by_plan, checked=checked)
+    with _dataset_lease(cfg) as lease, _prepare_engine(cfg) as eng:
+        manifest = _prepare(cfg, eng, append=append, refit=refit, by_plan=by_plan, lease=lease, checked=checked)
     for split, info in manifest.splits.items():
         console.print(f"  {split}: {info.rows:,} rows in {len(info.shards)} shards")
     if manifest.dropped_rows:
@@ -118,11 +137,16 @@ def prepare(config, overrides, engine, append, refit, by_plan):
 @_set_option
 @click.option("--launcher", type=click.Choice(["spark", "dask", "local"]), help="Overrides training.launcher.")
 @click.option("--world-size", type=int, help="Overrides training.world_size.")
-def train(config, overrides, launcher, world_size):
+@click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in training.checkpoint_dir "
+              "(wherever it is stored); the same as --set training.resume=true.")
+def train(config, overrides, launcher, world_size, resume):
     """Train on a prepared dataset; track in MLflow; register the model."""
     extra = [f"training.launcher='{launcher}'"] if launcher else []
     extra += [f"training.world_size={world_size}"] if world_size else []
+    extra += ["training.resume=true"] if resume else []
     cfg = load_config(config, list(overrides) + extra)
+    cfg = resolve_paths(cfg, [cfg.training.launcher], (DATASET, CHECKPOINTS), tracking=True)
+    check_storage(cfg, reads=(DATASET,), writes=(CHECKPOINTS,))
     from training.job import check_settings
 
     # Names and batch: one line before an engine starts. The dataset is checked after,
@@ -132,7 +156,7 @@ def train(config, overrides, launcher, world_size):
         with _dask(cfg) as client:
             result = _train(cfg, None, client)
     else:
-        result = _train(cfg, _spark(cfg) if cfg.training.launcher == "spark" else None)
+        result = _train(cfg, _spark(cfg, _spark_ranks(cfg)) if cfg.training.launcher == "spark" else None)
     console.print(f"  run {result.run_id}; model {result.model_uri}")
     for k in ("val_loss", "val_accuracy"):
         if k in result.metrics:
@@ -161,13 +185,20 @@ def score(config, overrides, model_uri, input_path, split, output_dir, engine, i
     update = {k: v for k, v in update.items() if v}
     if incremental:
         update["incremental"] = True
-    cfg.serving = s = cfg.serving.model_copy(update=update)
+    cfg.serving = cfg.serving.model_copy(update=update)
+    cfg = resolve_paths(cfg, [cfg.serving.engine], (DATASET, OUTPUT), tracking=True)
+    s = cfg.serving
     if not s.model_uri:
         raise click.UsageError("no model: pass --model or set serving.model_uri")
-    with _engine_handle(cfg, s.engine) as handle:
+    from pipelines.storage import resolve
+
+    input_path = resolve(input_path, "--input", cluster_of(cfg, [s.engine])) if input_path else cfg.pipelines.dataset_dir
+    check_storage(cfg, writes=(OUTPUT,), other_reads=(("--input", input_path),))
+    # The output's lease before the engine starts: a second job is refused at once.
+    with _output_lease(s.output_dir) as lease, _engine_handle(cfg, s.engine) as handle:
         r = _score(
-            cfg, s.engine, handle, s.model_uri, cfg.tracking.resolved_uri(),
-            input_path or cfg.pipelines.dataset_dir, force=force,
+            cfg, s.engine, handle, s.model_uri, cfg.tracking.resolved_uri(), input_path,
+            force=force, lease=lease,
         )
     console.print(
         f"  {r.rows:,} rows from {r.files_scored} file(s) → {r.output_dir}; "
@@ -189,6 +220,9 @@ def sweep(config, overrides, trials, parallel, engine, name):
     extra += [f"sweep.engine='{engine}'"] if engine else []
     extra += [f"sweep.name={json.dumps(name)}"] if name is not None else []
     cfg = load_config(config, list(overrides) + extra)
+    cfg = resolve_paths(cfg, [cfg.sweep.engine or cfg.training.launcher], (DATASET, CHECKPOINTS),
+                        tracking=True, sweep=True)
+    check_storage(cfg, reads=(DATASET,), writes=(CHECKPOINTS,))
     from training.sweep import check_sweep, run_sweep
 
     check_sweep(cfg.sweep, cfg.training, cfg.pipelines.dataset_dir)  # before any engine starts
@@ -198,7 +232,7 @@ def sweep(config, overrides, trials, parallel, engine, name):
         if where == "local":
             r = run_sweep(*args)
         else:
-            with _engine_handle(cfg, where) as handle:
+            with _engine_handle(cfg, where, _spark_ranks(cfg, where, cfg.sweep.world_size)) as handle:
                 r = run_sweep(*args, **{"spark" if where == "spark" else "dask_client": handle})
 
     table = Table(title=f"shardline sweep {r.name}", show_header=False, title_justify="left")
@@ -226,8 +260,10 @@ def plan(config, overrides, as_json):
     Then `shardline prepare CONFIG --plan` lays the shards out by it, and training
     uses its loader workers unless training.loader_workers is set.
     """
-    cfg = load_config(config, list(overrides))
-    from pipelines.manifest import manifest_path, store_plan
+    cfg = resolve_paths(load_config(config, list(overrides)), [])  # measured here, in this process
+    check_storage(cfg, writes=(DATASET,))
+    from pipelines.manifest import manifest_url, store_plan
+    from pipelines.storage import display
     from training.job import preflight
     from training.plan import plan_dataset
 
@@ -260,7 +296,7 @@ def plan(config, overrides, as_json):
                   f"(now {len(train.shards)})")
     table.add_row("rows per row group", f"{p.rows_per_row_group:,} (now {manifest.layout.rows_per_row_group:,}; "
                   f"{max(now_groups)} per train shard)")
-    table.add_row("stored in", str(manifest_path(where)))
+    table.add_row("stored in", display(manifest_url(where, manifest.sequence)))
     Console().print(table)
     if not p.target_met:
         console.print(f"  loading cannot reach {p.headroom} × training with {p.max_loader_workers_per_rank} "
@@ -384,8 +420,17 @@ def bench_train(rows, steps, rounds, as_json):
 @bench.command("loader")
 @click.option("--rows", type=int, default=1_000_000, show_default=True, help="Synthetic rows (the train split is read).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
-def bench_loader(rows, as_json):
+@click.option("--storage", "store", type=click.Choice(["local", "s3"]), default="local", show_default=True,
+              help="s3: the same shards read from S3 and from local disk, and their ratio.")
+@click.option("--s3-url", help="With --storage s3: a bucket prefix the AWS chain reaches (s3://bucket/prefix); "
+              "default: an S3 server (moto) started on loopback for the run.")
+def bench_loader(rows, as_json, store, s3_url):
     """Loader samples/s: ours vs raw pyarrow (the limit), petastorm (own venv) and a naive Dataset."""
+    if store == "s3":
+        _bench_loader_s3(rows, as_json, s3_url)
+        return
+    if s3_url:
+        raise click.UsageError("--s3-url goes with --storage s3")
     from benchmarks.loader import run as run_bench
 
     result = _bench(run_bench, as_json, rows=rows)
@@ -413,6 +458,30 @@ def bench_loader(rows, as_json):
                           f"{'met' if met[k] else 'NOT met'})")
 
 
+def _bench_loader_s3(rows: int, as_json: bool, s3_url: str | None) -> None:
+    from benchmarks.loader_s3 import run as run_bench
+    from pipelines.storage import check_access, resolve
+
+    if s3_url:
+        if not resolve(s3_url, "--s3-url").startswith("s3://"):
+            raise click.UsageError("--s3-url takes an s3:// URL")
+        check_access(s3_url, "--s3-url", write=True)
+    try:
+        result = _bench(run_bench, as_json, rows=rows, s3_url=s3_url)
+    except RuntimeError as e:  # no moto_server to start
+        raise ShardlineError(f"bench loader --storage s3: {e}") from None
+    if result is None:
+        return
+    table = Table(title=f"loader, {result['train_rows']:,} train rows in {result['train_shards']} shards "
+                        f"({result['train_bytes'] / 1e6:.1f} MB), batch {result['batch_size']}, 1 process")
+    for col in ("", "seconds", "samples/s", "× local"):
+        table.add_column(col, justify="right")
+    for k, text in (("local", "ShardLoader, local disk"), ("s3", f"ShardLoader, S3 ({result['s3']})")):
+        ratio = "" if k == "local" else f"{result['ratio_s3_vs_local']:.2f}"
+        table.add_row(text, f"{result['seconds'][k]:.3f}", f"{result['samples_per_s'][k]:,.0f}", ratio)
+    Console().print(table)
+
+
 @bench.command("strategies")
 @click.option("--steps", type=int, default=30, show_default=True, help="Timed steps per strategy (5 warm-up).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
@@ -428,39 +497,74 @@ def bench_strategies(steps, as_json):
                         f"global batch {result['global_batch']}, {result['steps']} steps, "
                         f"{result['cores']} cores, {result['device']}")
     table.add_column("", no_wrap=True)
-    for col in ("ranks", "samples/s", "× single", "peak MB (max rank)", "bubble", "formula"):
+    bubbles = ("pipeline_bubble", "pipeline_bubble_predicted", "pipeline_bubble_formula", "pipeline_cpu_wait")
+    for col in ("ranks", "samples/s", "× single", "peak MB (max rank)", "bubble", "predicted", "formula",
+                "cpu wait"):
         table.add_column(col, justify="right")
     for name, row in result["strategies"].items():
-        bubble = row.get("pipeline_bubble")
         table.add_row(
             name, str(row["world_size"]), f"{row['samples_per_s']:,.0f}", f"{row['ratio_vs_single']:.2f}",
             f"{max(row['peak_mb_per_rank']):.0f}",
-            f"{bubble:.2f}" if bubble is not None else "",
-            f"{row['pipeline_bubble_formula']:.2f}" if bubble is not None else "",
+            *(f"{row[k]:.2f}" if k in row else "" for k in bubbles),
         )
     Console().print(table)
     console.print("  × single: vs one process training the same model on the same batches, this run. "
                   "More ranks than cores share them: read ratios with the cores in mind.")
     console.print(f"  peak MB: {result['memory_measure']} of the rank that grew most (--json: every "
                   "rank's); bubble: the pipeline's "
-                  "measured idle share vs the formula (p-1)/(m+p-1).")
+                  "measured idle share; predicted: its schedule replayed with the measured action "
+                  "times, communication free; formula: the schedule's with equal stages; cpu wait: "
+                  "share of the step a rank was ready to run but had no core (outside its actions).")
 
 
-def _spark(cfg: ShardlineConfig):
+def _dataset_lease(cfg: ShardlineConfig):
+    from pipelines.manifest import check_dataset_dir
+    from pipelines.prepare import dataset_lease
+
+    check_dataset_dir(cfg.pipelines.dataset_dir)  # a foreign directory: refused before we write
+    return dataset_lease(cfg.pipelines.dataset_dir)
+
+
+def _output_lease(output_dir: str):
+    from serving.ledger import check_output_dir, output_lease
+
+    check_output_dir(output_dir)
+    return output_lease(output_dir)
+
+
+def _spark(cfg: ShardlineConfig, barrier_ranks: int | None = None):
+    """The session, checked before any work: a barrier stage's slots (`barrier_ranks`),
+    then the executors' environment (one probe task; Connect and cluster masters)."""
     from pipelines.engines import spark_session
+    from pipelines.spark_probe import check_executors, describe_executors
+    from pipelines.spark_setup import describe_spark, remote_url
 
-    with stage("Starting Spark"):
+    url = remote_url(cfg.spark)
+    with stage(f"Connecting to Spark Connect {url}" if url else "Starting Spark"):
         spark = spark_session(cfg.spark)
     # Under spark-submit its --master wins over the config's: say which one runs.
-    console.print(f"  Spark master {spark.sparkContext.master}")
+    console.print(f"  {describe_spark(spark)}")
+    if barrier_ranks:
+        from training.launchers.spark import check_spark_slots
+
+        check_spark_slots(spark, barrier_ranks)
+    report = check_executors(spark, cfg.spark.probe_timeout_s)
+    if report:
+        console.print(f"  {describe_executors(report)}")
     return spark
 
 
+def _spark_ranks(cfg: ShardlineConfig, launcher: str | None = None, world_size: int | None = None) -> int | None:
+    """Ranks a Spark barrier stage will need, when training runs on Spark."""
+    t = cfg.training
+    return (world_size or t.world_size) if (launcher or t.launcher) == "spark" else None
+
+
 @contextmanager
-def _engine_handle(cfg: ShardlineConfig, engine: str):
+def _engine_handle(cfg: ShardlineConfig, engine: str, barrier_ranks: int | None = None):
     """The SparkSession, or a Dask client (closed, with its embedded cluster, after)."""
     if engine == "spark":
-        yield _spark(cfg)
+        yield _spark(cfg, barrier_ranks)
         return
     with _dask(cfg) as client:
         yield client
@@ -502,14 +606,15 @@ def _check_prepare(cfg: ShardlineConfig, **how):
     return checked
 
 
-def _prepare(cfg: ShardlineConfig, engine, append=False, refit=False, by_plan=False, checked=None):
+def _prepare(cfg: ShardlineConfig, engine, append=False, refit=False, by_plan=False, lease=None, checked=None):
     from pipelines.prepare import prepare
 
     src = cfg.pipelines.source
     what = f"{src.synthetic.rows:,} synthetic rows" if src.format == "synthetic" else src.path
     how = " by its bandwidth plan" if by_plan else ""
     with stage(f"Preparing {what} into {cfg.pipelines.dataset_dir}{how} with {engine.name}"):
-        manifest = prepare(engine, cfg.pipelines, append=append, refit=refit, by_plan=by_plan, checked=checked)
+        manifest = prepare(engine, cfg.pipelines, append=append, refit=refit, by_plan=by_plan, lease=lease,
+                           checked=checked)
     spec = manifest.feature_spec
     if spec.task == "classification" and spec.classes is None:
         console.print(
@@ -530,7 +635,7 @@ def _train(cfg: ShardlineConfig, spark, dask_client=None):
         )
 
 
-def _score(cfg, engine: str, handle, model_uri: str, tracking_uri: str, input_path: str, force=False):
+def _score(cfg, engine: str, handle, model_uri: str, tracking_uri: str, input_path: str, force=False, lease=None):
     from serving.score import score as score_input
 
     s = cfg.serving
@@ -538,7 +643,7 @@ def _score(cfg, engine: str, handle, model_uri: str, tracking_uri: str, input_pa
         return score_input(
             engine, handle, model_uri, tracking_uri, input_path, s.output_dir,
             split=s.split, incremental=s.incremental, force=force, batch_size=s.batch_size,
-            threads_per_task=s.threads_per_task,
+            threads_per_task=s.threads_per_task, lease=lease,
         )
 
 

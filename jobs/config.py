@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import tomllib
 from pathlib import Path
 
@@ -9,6 +11,7 @@ from pydantic import Field, ValidationError
 
 from pipelines.config import DaskConfig, PipelineConfig, Section, SparkConfig
 from pipelines.errors import ConfigError
+from pipelines.storage import is_remote, resolve
 from serving.config import ServingConfig
 from training.config import TrackingConfig, TrainingConfig
 from training.sweep_config import SweepConfig
@@ -69,3 +72,122 @@ def _apply_override(data: dict, item: str) -> None:
             raise ConfigError(f"--set {item!r}: '{part}' is a value, not a section")
         node = child
     node[leaf] = value
+
+
+# -- paths: resolved once, here on the driver, before anything starts ---------------------
+
+_ENGINE_OF = {"spark": "spark", "dask": "dask", "local": None}
+
+
+def cluster_of(cfg: ShardlineConfig, engines: list[str]) -> str | None:
+    """The setting that sends tasks to other hosts, among the engines a command uses; None
+    when every task runs on this machine (embedded Spark `local[...]`, a LocalCluster)."""
+    for engine in engines:
+        if engine == "spark":
+            remote = getattr(cfg.spark, "remote", None) or os.environ.get("SPARK_REMOTE")
+            if remote:
+                return f"Spark Connect at {remote!r}"
+            if not cfg.spark.master.startswith("local"):
+                return f"spark.master = {cfg.spark.master!r}"
+        if engine == "dask" and cfg.dask.address:
+            return f"dask.address = {cfg.dask.address!r}"
+    return None
+
+
+SOURCE, DATASET, CHECKPOINTS, OUTPUT = (
+    "pipelines.source.path", "pipelines.dataset_dir", "training.checkpoint_dir", "serving.output_dir"
+)
+
+
+def resolve_paths(
+    cfg: ShardlineConfig, engines: list[str | None], uses: tuple[str, ...] = (), *,
+    tracking: bool = False, sweep: bool = False,
+) -> ShardlineConfig:
+    """Every path setting as every host will open it (pipelines.storage.resolve): local
+    paths absolute, URLs as they are. When `engines` run tasks on other hosts, a relative
+    path among the settings the command `uses` is refused, and so is a relative SQLite
+    file as the MLflow store (`tracking`) or the Optuna storage (`sweep`) its tasks open;
+    absolute local ones get a note (every host must see them: a shared filesystem).
+    """
+    cluster = cluster_of(cfg, [e for e in engines if e])
+    local: list[str] = []
+
+    def path(value: str, setting: str) -> str:
+        checked = cluster if setting in uses else None
+        resolved = resolve(value, setting, checked)
+        if checked and not is_remote(resolved):
+            local.append(setting)
+        return resolved
+
+    p, t, s = cfg.pipelines, cfg.training, cfg.serving
+    source = p.source.model_copy(update={"path": path(p.source.path, SOURCE)})
+    dataset_dir = path(p.dataset_dir, DATASET)
+    checkpoint_dir = path(t.checkpoint_dir, CHECKPOINTS)
+    output_dir = path(s.output_dir, OUTPUT)
+    tracking_uri = _sqlite(cfg.tracking.resolved_uri(), "tracking.tracking_uri", cluster if tracking else None,
+                           "an MLflow tracking server (tracking.tracking_uri = 'http://host:5000')", local)
+    sweep_storage = cfg.sweep.storage
+    if sweep:
+        from training.sweep import resolve_storage
+
+        sweep_storage = _sqlite(resolve_storage(cfg.sweep, tracking_uri), "sweep.storage", cluster,
+                                "a database server every host reaches (sweep.storage = 'postgresql://...')", local)
+    if local:
+        names = " and ".join([", ".join(local[:-1]), local[-1]] if len(local) > 1 else local)
+        print(f"[shardline] note: {cluster} runs tasks on other hosts, and {names} "
+              f"{'is a path' if len(local) == 1 else 'are paths'} on this machine: every host must see "
+              f"{'it' if len(local) == 1 else 'them'} at the same path (a shared filesystem); else use "
+              f"URLs (s3://bucket/prefix) and an MLflow server", file=sys.stderr, flush=True)
+    return cfg.model_copy(
+        update={
+            "pipelines": p.model_copy(update={"source": source, "dataset_dir": dataset_dir}),
+            "training": t.model_copy(update={"checkpoint_dir": checkpoint_dir}),
+            "serving": s.model_copy(update={"output_dir": output_dir}),
+            "tracking": cfg.tracking.model_copy(update={"tracking_uri": tracking_uri}),
+            "sweep": cfg.sweep.model_copy(update={"storage": sweep_storage}),
+        }
+    )
+
+
+def path_of(cfg: ShardlineConfig, setting: str) -> str:
+    section, _, field = setting.rpartition(".")
+    node = cfg
+    for part in section.split("."):
+        node = getattr(node, part)
+    return getattr(node, field)
+
+
+def check_storage(
+    cfg: ShardlineConfig, reads: tuple[str, ...] = (), writes: tuple[str, ...] = (),
+    other_reads: tuple[tuple[str, str], ...] = (),
+) -> None:
+    """Every store the command reads or writes answers, with access, in seconds, before an
+    engine starts (pipelines.storage.check_access). A synthetic source is written, not read.
+    other_reads: (what to call it, URL) of paths given on the command line."""
+    from pipelines.storage import check_access
+
+    if SOURCE in reads and cfg.pipelines.source.format == "synthetic":
+        reads, writes = tuple(r for r in reads if r != SOURCE), (*writes, SOURCE)
+    for setting, url in [(r, path_of(cfg, r)) for r in reads] + list(other_reads):
+        check_access(url, setting)
+    for setting in writes:
+        check_access(path_of(cfg, setting), setting, write=True)
+
+
+def _sqlite(url: str, setting: str, cluster: str | None, instead: str, local: list[str]) -> str:
+    """A SQLite URL made absolute; a relative one refused on a cluster, an absolute one noted."""
+    if not url.startswith("sqlite:///"):
+        return url
+    path = url[len("sqlite:///") :]
+    if path in ("", ":memory:"):
+        return url
+    if not path.startswith("/"):
+        if cluster:
+            raise ConfigError(
+                f"{setting} = {url!r} is a SQLite file relative to this folder, but {cluster} runs "
+                f"tasks on other hosts, which would each open a file of their own; use {instead}"
+            )
+        return f"sqlite:///{os.path.abspath(path)}"
+    if cluster:
+        local.append(setting)
+    return url

@@ -8,17 +8,16 @@ the schema, and said so), the classes, a synthetic source's target, and the plan
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pyarrow as pa
 
 from .config import FeatureSpec, PipelineConfig
 from .errors import ConfigError, DataError
-from .manifest import BandwidthPlan, ShardManifest, load_manifest, manifest_path
+from .manifest import BandwidthPlan, ShardManifest, has_manifest, load_manifest
 from .raw import RawFile, describe, sniff
 from .rows import numbers
 from .sources import display, list_files
-from . import synthetic
+from . import storage, synthetic
 
 
 @dataclass
@@ -34,8 +33,8 @@ def check_prepare(cfg: PipelineConfig, append: bool = False, refit: bool = False
     """Everything prepare can check without an engine; DataError/ConfigError on the first problem."""
     from .prepare import usable_plan
 
-    root = Path(cfg.dataset_dir).resolve()
-    previous = load_manifest(root) if manifest_path(root).exists() else None
+    root = storage.resolve(cfg.dataset_dir, "pipelines.dataset_dir")
+    previous = load_manifest(root) if has_manifest(root) else None
     plan = usable_plan(previous, cfg, root) if by_plan else None
     if plan is not None and append and not refit:
         raise DataError(f"{root}: a plan lays every shard out anew; use it with --append --refit")
@@ -47,7 +46,7 @@ def check_prepare(cfg: PipelineConfig, append: bool = False, refit: bool = False
         spec = _fill(spec, previous.feature_spec)  # unset settings: the dataset's
     files: list[RawFile] = []
     if src.format == "synthetic":
-        have = synthetic.check_target(src.synthetic, src.path) and list_files(src)
+        have = synthetic.check_target(src.synthetic, storage.resolve(src.path, "pipelines.source.path")) and list_files(src)
         if have:
             files = describe(have, src.format, src.csv_delimiter)
         generated = synthetic.columns(src.synthetic)

@@ -18,16 +18,34 @@ class Section(BaseModel):
 
 
 class SparkConfig(Section):
+    remote: str | None = Field(
+        None,
+        description="Spark Connect server URL (sc://host:port). None: the SPARK_REMOTE "
+        "environment variable if set, else classic Spark on `master`.",
+    )
     master: str = Field(
         "local[2]",
-        description="Spark master URL. Ignored when spark-submit already set one.",
+        description="Spark master URL of classic Spark. Under spark-submit its --master wins; "
+        "on Spark Connect the server's master is used.",
     )
-    app_name: str = Field("shardline", description="Spark application name.")
+    app_name: str = Field("shardline", description="Spark application name (classic Spark).")
     shuffle_partitions: int = Field(
-        4, ge=1, description="spark.sql.shuffle.partitions; small is right for small data."
+        4, ge=1, description="spark.sql.shuffle.partitions when nobody else set it; "
+        "small is right for small data.",
     )
     conf: dict[str, str] = Field(
-        default_factory=dict, description="Extra Spark settings, passed as they are."
+        default_factory=dict,
+        description="Spark settings of this job. They win over spark-defaults.conf and a "
+        "Connect server's session settings; under spark-submit its own settings win.",
+    )
+    connect_timeout_s: float = Field(
+        10, gt=0, description="Seconds to wait for a Spark Connect server to accept a connection."
+    )
+    probe_timeout_s: float = Field(
+        180,
+        gt=0,
+        description="Seconds for the environment probe (one task checking that executors "
+        "can import shardline's dependencies; Connect and cluster masters) to get an executor.",
     )
 
 
@@ -71,8 +89,8 @@ class SourceConfig(Section):
     )
     path: str = Field(
         "shardline-data/raw",
-        description="Raw input: a file, a directory of files, or a glob; a local path or "
-        "any URL fsspec understands (file://, memory://, s3:// with its package).",
+        description="Raw input: a file, a directory of files, or a glob; a local path or a "
+        "URL (file://, s3://, gs://, abfs://, hdfs://).",
     )
     on_bad_rows: Literal["fail", "drop"] = Field(
         "fail",
@@ -211,12 +229,25 @@ class LayoutConfig(Section):
     rows_per_row_group: int = Field(16_384, ge=1, description="Parquet row group size.")
 
 
+class RetentionConfig(Section):
+    versions: int = Field(
+        2, ge=1, description="Dataset versions kept after a prepare commits, the new one included."
+    )
+    hours: float = Field(
+        24.0, ge=0, description="Also keep every version replaced less than this long ago: a "
+        "training or scoring job started on it reads it to the end.",
+    )
+
+
 class PipelineConfig(Section):
     engine: Literal["spark", "dask"] = Field("spark", description="Engine of the prepare stage.")
     dataset_dir: str = Field(
-        "shardline-data/dataset", description="Prepared dataset: shards + manifest.json."
+        "shardline-data/dataset",
+        description="Prepared dataset: shards + manifests. A local path or a URL every host "
+        "can reach (s3://bucket/prefix, gs://, abfs://, hdfs://).",
     )
     source: SourceConfig = Field(default_factory=SourceConfig)
     features: FeatureSpec = Field(default_factory=FeatureSpec)
     split: SplitConfig = Field(default_factory=SplitConfig)
     layout: LayoutConfig = Field(default_factory=LayoutConfig)
+    retention: RetentionConfig = Field(default_factory=RetentionConfig)

@@ -23,6 +23,7 @@ _SPARK_TYPES = {
     pa.string(): "string",
     pa.binary(): "binary",
     pa.list_(pa.float64()): "array<double>",
+    pa.bool_(): "boolean",
 }
 
 

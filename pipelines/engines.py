@@ -3,56 +3,20 @@
 from __future__ import annotations
 
 import os
-import sys
-from importlib import resources
 
 from .config import DaskConfig, SparkConfig
 
 
 def spark_session(cfg: SparkConfig):
-    """Return the active SparkSession, or start one from `cfg`.
+    """A SparkSession: on the Spark Connect server `cfg.remote` (or `SPARK_REMOTE`) names,
+    else classic Spark on `cfg.master`; under spark-submit, the session it started.
 
-    Under spark-submit the session (and its master) already exists: we reuse it
-    rather than override what the user submitted with.
+    The user's Spark settings win over shardline's defaults (pipelines.spark_setup says
+    which and how); our packages are shipped to executors that need them.
     """
-    # Workers must run the interpreter (and so the packages) of this process.
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    if cfg.master.startswith("local"):
-        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    from .spark_setup import start_spark
 
-    from pyspark.sql import SparkSession
-
-    active = SparkSession.getActiveSession()
-    if active is not None:
-        return active
-
-    log4j = resources.files("pipelines") / "log4j2.properties"
-    builder = SparkSession.builder.appName(cfg.app_name)
-    # spark-submit starts the JVM first and hands us its gateway: its --master wins.
-    if "PYSPARK_GATEWAY_PORT" not in os.environ:
-        builder = builder.master(cfg.master)
-    settings = {
-        "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{log4j}",
-        "spark.ui.enabled": "false",
-        "spark.ui.showConsoleProgress": "false",
-        "spark.sql.shuffle.partitions": str(cfg.shuffle_partitions),
-        "spark.sql.execution.arrow.pyspark.enabled": "true",
-        # Bigger Arrow batches to Python UDFs: fewer round trips per row (default 10,000).
-        "spark.sql.execution.arrow.maxRecordsPerBatch": "65536",
-        # Per-worker model caches (serving) live only as long as the Python worker.
-        "spark.python.worker.reuse": "true",
-        **cfg.conf,
-    }
-    for k, v in settings.items():
-        builder = builder.config(k, v)
-    spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
-    if not spark.sparkContext.master.startswith("local"):
-        # Executors on other hosts import our packages from this zip (a driver-side
-        # module they cannot import aborts the barrier stage: FACTS.md).
-        spark.sparkContext.addPyFile(package_zip())
-    return spark
+    return start_spark(cfg)
 
 
 def package_zip() -> str:

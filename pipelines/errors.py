@@ -15,3 +15,13 @@ class ConfigError(ShardlineError):
 
 class DataError(ShardlineError):
     """Raw data or a prepared dataset that cannot be used as it is."""
+
+
+class StorageError(ShardlineError):
+    """Storage that cannot be used: unreachable, a missing bucket, credentials, permissions."""
+
+
+class LeaseHeld(ShardlineError):
+    """Another job holds the lease (the lock) of a directory (exit code 75, EX_TEMPFAIL: try later)."""
+
+    exit_code = 75

@@ -1,31 +1,40 @@
-"""The data contract: a prepared dataset is the files its manifest names, nothing else.
+"""The data contract: a prepared dataset is the files its newest manifest names, nothing else.
 
-Layout of a dataset directory:
+Layout of a dataset (a local directory or an object store prefix: a URL):
 
-    manifest.json          written last, by an atomic os.replace: the commit point
+    _manifests/manifest-000000007.json   one per committed version, each written by ONE
+                                         create-only write after every shard it names
     v-<version-id>/<split>/shard-00000.parquet
+    _lease.json                          held by the prepare writing here (pipelines.lease)
+    manifest.json                        a dataset of an earlier shardline (read as version 0)
 
-A version directory no manifest names is an interrupted prepare; the next
-prepare removes it. Readers never list directories.
+Readers take the newest manifest, or the one they pinned: a job's ranks read the
+version its driver checked, whatever was committed since. Earlier versions stay
+for `pipelines.retention`, so a job started on one finishes on it. A version
+directory no manifest names is an interrupted prepare; the next prepare removes
+it. Readers never list version directories: a file no manifest names does not exist.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
-import os
-import shutil
+import re
 import uuid
-from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from .config import FeatureSpec, LayoutConfig
+from . import storage
+from .config import FeatureSpec, LayoutConfig, RetentionConfig
 from .errors import DataError
+from .lease import LEASE_NAME
 
 FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
+MANIFEST_NAME = "manifest.json"  # the single manifest of datasets written before _manifests/
+MANIFESTS = "_manifests"
 VERSION_PREFIX = "v-"
+_NUMBERED = re.compile(r"^manifest-(\d{9})\.json$")
 
 
 class _Model(BaseModel):
@@ -33,11 +42,23 @@ class _Model(BaseModel):
 
 
 class ShardInfo(_Model):
-    path: str = Field(description="Relative to the dataset directory.")
+    path: str = Field(description="Relative to the dataset directory, and inside it.")
     rows: int
     bytes: int
     row_groups: int
     sha256: str
+
+    @field_validator("path")
+    @classmethod
+    def _inside_the_dataset(cls, path: str) -> str:
+        # A reader joins this to the dataset's URL: it must not reach outside it.
+        parts = path.split("/")
+        if (
+            not path or path.startswith("/") or "\\" in path or "://" in path or ":" in parts[0]
+            or any(p in ("", ".", "..") for p in parts)
+        ):
+            raise ValueError(f"shard path {path!r} is not a relative path inside the dataset")
+        return path
 
 
 class SplitInfo(_Model):
@@ -122,6 +143,13 @@ class ShardManifest(_Model):
     splits: dict[str, SplitInfo]
     plan: BandwidthPlan | None = None
     dropped_rows: int = Field(0, description="Rows dropped as unparseable (on_bad_rows = drop).")
+    # Its commit number, from the file name (_manifests/manifest-<sequence>.json); 0 for a
+    # manifest.json. Not written into the file: the name is the commit.
+    _sequence: int = PrivateAttr(0)
+
+    @property
+    def sequence(self) -> int:
+        return self._sequence
 
     def split(self, name: str) -> SplitInfo:
         if name not in self.splits or not self.splits[name].shards:
@@ -130,126 +158,191 @@ class ShardManifest(_Model):
         return self.splits[name]
 
 
-def manifest_path(dataset_dir: str | os.PathLike) -> Path:
-    return Path(dataset_dir) / MANIFEST_NAME
+
+# -- reading: the newest version, or a pinned one ---------------------------------------
 
 
-def load_manifest(dataset_dir: str | os.PathLike) -> ShardManifest:
-    path = manifest_path(dataset_dir)
-    if not path.is_file():
-        raise DataError(f"{path}: no manifest; run `shardline prepare` first")
+def manifest_url(dataset_dir: str, sequence: int) -> str:
+    if sequence == 0:
+        return storage.join(dataset_dir, MANIFEST_NAME)
+    return storage.join(dataset_dir, MANIFESTS, f"manifest-{sequence:09d}.json")
+
+
+def sequences(dataset_dir: str) -> list[int]:
+    """Committed versions of the dataset, oldest first (0: a manifest.json of old)."""
+    found = [int(m.group(1)) for n in storage.list_dir(storage.join(dataset_dir, MANIFESTS)) if (m := _NUMBERED.match(n))]
+    if storage.is_file(storage.join(dataset_dir, MANIFEST_NAME)):
+        found.append(0)
+    return sorted(found)
+
+
+def has_manifest(dataset_dir: str) -> bool:
+    return bool(sequences(dataset_dir))
+
+
+def load_manifest(dataset_dir: str, sequence: int | None = None) -> ShardManifest:
+    """The newest committed version, or version `sequence` (what a job pinned)."""
+    dataset_dir = str(dataset_dir)
+    if sequence is None:
+        found = sequences(dataset_dir)
+        if not found:
+            where = storage.display(storage.join(dataset_dir, MANIFEST_NAME))
+            raise DataError(f"{where}: no manifest; run `shardline prepare` first")
+        sequence = found[-1]
+    url = manifest_url(dataset_dir, sequence)
     try:
-        raw = json.loads(path.read_text())
+        data = storage.read_bytes(url)
+    except FileNotFoundError:
+        raise DataError(
+            f"{storage.display(url)}: dataset version {sequence} is gone (older than "
+            f"pipelines.retention keeps); run the job again on the current version"
+        ) from None
+    return parse_manifest(data, storage.display(url), sequence)
+
+
+def parse_manifest(data: bytes, where: str, sequence: int) -> ShardManifest:
+    try:
+        raw = json.loads(data)
     except json.JSONDecodeError as e:
-        raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        raise DataError(f"{where}: not valid JSON ({e.msg} at line {e.lineno})") from None
     version = raw.get("format_version") if isinstance(raw, dict) else None
     if version != FORMAT_VERSION:
         raise DataError(
-            f"{path}: manifest format version {version!r} is not supported "
+            f"{where}: manifest format version {version!r} is not supported "
             f"(this shardline reads version {FORMAT_VERSION})"
         )
     try:
-        return ShardManifest.model_validate(raw)
+        manifest = ShardManifest.model_validate(raw)
     except ValidationError as e:
         err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        raise DataError(f"{path}: invalid manifest at {where}: {err['msg']}") from None
+        at = ".".join(str(p) for p in err["loc"])
+        raise DataError(f"{where}: invalid manifest at {at}: {err['msg'].removeprefix('Value error, ')}") from None
+    manifest._sequence = sequence
+    return manifest
 
 
-def new_version_dir(dataset_dir: str | os.PathLike) -> tuple[str, Path]:
-    """Claim a fresh, not yet visible version directory inside `dataset_dir`.
+# -- writing: one create-only write per version ------------------------------------------
 
-    Refuses a directory that holds something other than a shardline dataset:
-    we never write into, or later clean up, files we did not make.
+
+def new_version_dir(dataset_dir: str) -> tuple[str, str]:
+    """Claim a fresh, not yet visible version directory (its URL) inside `dataset_dir`.
+
+    Call it holding the dataset's lease. Leftovers of an interrupted prepare go now,
+    before they pile up.
     """
-    root = Path(dataset_dir)
-    if root.exists():
-        if not root.is_dir():
-            raise DataError(f"{root}: output path exists and is not a directory")
-        foreign = [p.name for p in root.iterdir() if not _ours(p)]
-        if foreign:
-            raise DataError(
-                f"{root}: output directory exists and is not a shardline dataset "
-                f"(found {foreign[0]!r}); choose another dataset_dir or remove it"
-            )
-        # Leftovers of an interrupted prepare go now, before they pile up.
-        previous = load_manifest(root) if manifest_path(root).exists() else None
-        remove_unreferenced(root, previous)
+    check_dataset_dir(dataset_dir)
+    remove_unreferenced(dataset_dir)
     version_id = uuid.uuid4().hex[:12]
-    path = root / f"{VERSION_PREFIX}{version_id}"
-    path.mkdir(parents=True)
-    return version_id, path
+    return version_id, storage.join(dataset_dir, f"{VERSION_PREFIX}{version_id}")
 
 
-def commit_manifest(dataset_dir: str | os.PathLike, manifest: ShardManifest) -> Path:
-    """Make `manifest` the dataset: one atomic rename, then drop unreferenced versions."""
-    root = Path(dataset_dir)
-    final = _write_manifest(root, manifest)
-    remove_unreferenced(root, manifest)
-    return final
-
-
-def store_plan(dataset_dir: str | os.PathLike, version_id: str, plan: BandwidthPlan) -> ShardManifest:
-    """Replace the plan of dataset version `version_id`, nothing else, atomically.
-
-    The version check refuses to bring back a version a prepare replaced while the
-    plan was being measured. No cleanup of unreferenced versions: a prepare running
-    now owns its not yet committed version directory.
-    """
-    root = Path(dataset_dir)
-    current = load_manifest(root)
-    if current.version_id != version_id:
-        raise DataError(
-            f"{root}: the dataset changed while planning (version {version_id} is now "
-            f"{current.version_id}); run `shardline plan` again"
-        )
-    updated = current.model_copy(update={"plan": plan})
-    _write_manifest(root, updated)
-    return updated
-
-
-def _write_manifest(root: Path, manifest: ShardManifest) -> Path:
-    """Temp file, fsync, rename over manifest.json, fsync the directory: all or nothing."""
-    final = root / MANIFEST_NAME
-    tmp = root / f".{MANIFEST_NAME}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        with open(tmp, "w") as f:
-            f.write(manifest.model_dump_json(indent=2))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(root)
-    return final
-
-
-def remove_unreferenced(root: Path, manifest: ShardManifest | None) -> None:
-    keep = set()
-    if manifest is not None:
-        for info in manifest.splits.values():
-            keep.update(Path(s.path).parts[0] for s in info.shards)
-        keep.add(f"{VERSION_PREFIX}{manifest.version_id}")
-    for p in root.iterdir():
-        if p.name.startswith(VERSION_PREFIX) and p.name not in keep:
-            shutil.rmtree(p, ignore_errors=True)
-        elif p.name.startswith(f".{MANIFEST_NAME}.") and p.name.endswith(".tmp"):
-            p.unlink(missing_ok=True)
-
-
-def _ours(p: Path) -> bool:
-    return (
-        p.name == MANIFEST_NAME
-        or p.name.startswith(VERSION_PREFIX)
-        or (p.name.startswith(f".{MANIFEST_NAME}.") and p.name.endswith(".tmp"))
+def check_dataset_dir(dataset_dir: str) -> None:
+    """Refuse a path that holds something other than a shardline dataset: we never write
+    into, or later clean up, files we did not make. Reads only."""
+    storage.check_ours(
+        dataset_dir, _ours,
+        "output directory exists and is not a shardline dataset (found {found}); "
+        "choose another dataset_dir or remove it",
     )
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename in `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def commit_manifest(
+    dataset_dir: str, manifest: ShardManifest, based_on: ShardManifest | None,
+    retention: RetentionConfig | None = None,
+) -> ShardManifest:
+    """Make `manifest` the dataset's newest version: one create-only write of the next number.
+
+    based_on: the version this one was made from (None: the dataset had none). A
+    plan stored on it since is not a conflict; another version committed since is
+    (only a job that lost the dataset's lease could have made it). Then removes
+    what `retention` no longer keeps.
+    """
+    data = manifest.model_dump_json(indent=2).encode()
+    for _ in range(5):
+        found = sequences(dataset_dir)
+        newest = found[-1] if found else 0
+        if found and (based_on is None or newest != based_on.sequence):
+            current = load_manifest(dataset_dir, newest)
+            if based_on is None or current.version_id != based_on.version_id:
+                raise DataError(
+                    f"{storage.display(dataset_dir)}: another prepare committed version "
+                    f"{current.version_id} meanwhile; nothing was committed, run prepare again"
+                )
+        if storage.create_only(manifest_url(dataset_dir, newest + 1), data) is not None:
+            committed = manifest.model_copy()
+            committed._sequence = newest + 1
+            if retention is not None:
+                prune(dataset_dir, retention)
+            return committed
+    raise DataError(f"{storage.display(dataset_dir)}: the manifest commit kept being contended")
+
+
+def store_plan(dataset_dir: str, version_id: str, plan: BandwidthPlan) -> ShardManifest:
+    """Commit version `version_id` again with `plan`, nothing else changed.
+
+    The version check refuses to bring back a version a prepare replaced while the
+    plan was being measured; the create-only commit refuses one committed meanwhile.
+    No cleanup of unreferenced versions: a prepare running now owns its uncommitted one.
+    """
+    current = load_manifest(dataset_dir)
+    if current.version_id != version_id:
+        raise DataError(
+            f"{storage.display(dataset_dir)}: the dataset changed while planning (version "
+            f"{version_id} is now {current.version_id}); run `shardline plan` again"
+        )
+    updated = current.model_copy(update={"plan": plan})
+    updated._sequence = current.sequence
+    return commit_manifest(dataset_dir, updated, based_on=current)
+
+
+# -- retention and cleanup ----------------------------------------------------------------
+
+
+def prune(dataset_dir: str, retention: RetentionConfig, now: dt.datetime | None = None) -> list[int]:
+    """Drop versions `retention` no longer keeps (manifest first, then their shards); the
+    dropped sequences. A version is kept while it is one of the newest `retention.versions`
+    versions, or was replaced less than `retention.hours` ago: a job started on it may
+    still be reading it.
+    """
+    now = now or dt.datetime.now(dt.timezone.utc)
+    manifests = [load_manifest(dataset_dir, seq) for seq in sequences(dataset_dir)]
+    newest: list[str] = []
+    for m in reversed(manifests):
+        if m.version_id not in newest:
+            newest.append(m.version_id)
+    keep = set(newest[: retention.versions])
+    dropped = []
+    for m, successor in zip(manifests, manifests[1:]):
+        replaced = now - dt.datetime.fromisoformat(successor.created_at)
+        if m.version_id in keep or replaced.total_seconds() < retention.hours * 3600:
+            continue
+        storage.delete(manifest_url(dataset_dir, m.sequence))
+        dropped.append(m.sequence)
+    remove_unreferenced(dataset_dir)
+    return dropped
+
+
+def remove_unreferenced(dataset_dir: str) -> None:
+    """Version directories no committed manifest names, and temp files of interrupted writes."""
+    keep = set()
+    for seq in sequences(dataset_dir):
+        m = load_manifest(dataset_dir, seq)
+        keep.add(f"{VERSION_PREFIX}{m.version_id}")
+        for info in m.splits.values():
+            keep.update(s.path.split("/", 1)[0] for s in info.shards)
+    for n in storage.list_dir(dataset_dir):
+        if n.startswith(VERSION_PREFIX) and n not in keep:
+            storage.delete_tree(storage.join(dataset_dir, n))
+        elif n.startswith(".") and n.endswith(".tmp"):
+            storage.delete(storage.join(dataset_dir, n))
+    for n in storage.list_dir(storage.join(dataset_dir, MANIFESTS)):
+        if n.startswith(".") and n.endswith(".tmp"):
+            storage.delete(storage.join(dataset_dir, MANIFESTS, n))
+
+
+def _ours(n: str) -> bool:
+    return (
+        n in (MANIFEST_NAME, MANIFESTS, LEASE_NAME)
+        or n.startswith(VERSION_PREFIX)
+        or (n.startswith(".") and n.endswith(".tmp"))
+    )

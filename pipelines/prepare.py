@@ -13,18 +13,17 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-import shutil
 from functools import partial
-from pathlib import Path
 from typing import Protocol
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import synthetic
+from . import storage, synthetic
 from .checks import CheckedInput, check_prepare, declared_classes
 from .config import FeatureSpec, PipelineConfig
 from .errors import DataError
+from .lease import LEASE_NAME, Lease
 from .manifest import (
     BandwidthPlan,
     FittedStatistics,
@@ -33,10 +32,12 @@ from .manifest import (
     ShardManifest,
     SplitInfo,
     TensorSpec,
+    check_dataset_dir,
     commit_manifest,
+    has_manifest,
     load_manifest,
-    manifest_path,
     new_version_dir,
+    sequences,
 )
 from .raw import Unit, describe, plan_units
 from .rows import BAD_KINDS, INVALID
@@ -68,6 +69,11 @@ class PrepareEngine(Protocol):
         write(table) call; the metadata rows it yields come back."""
 
 
+def dataset_lease(dataset_dir: str) -> Lease:
+    """The dataset's lease: one prepare at a time (take it before an engine starts)."""
+    return Lease(storage.join(dataset_dir, LEASE_NAME), "shardline prepare", what="dataset")
+
+
 def prepare(
     engine: PrepareEngine,
     cfg: PipelineConfig,
@@ -75,6 +81,7 @@ def prepare(
     refit: bool = False,
     by_plan: bool = False,
     checked: CheckedInput | None = None,
+    lease: Lease | None = None,
 ) -> ShardManifest:
     """Prepare `cfg.source` into `cfg.dataset_dir` and commit; returns the manifest.
 
@@ -85,13 +92,21 @@ def prepare(
     manifest (`shardline plan`): train gets shards_per_rank x world_size shards,
     every split gets the plan's rows per row group; the new manifest keeps the plan.
     checked: `check_prepare`'s result, when the caller ran it before starting the engine.
+    lease: the dataset's lease (`dataset_lease`), already held; else taken here.
     """
-    checked = checked or check_prepare(cfg, append, refit, by_plan)
+    root = storage.resolve(cfg.dataset_dir, "pipelines.dataset_dir")
+    if lease is None:
+        check_dataset_dir(root)  # before the lease: nothing of ours goes into a foreign directory
+        # The lease removes the directory it made: a refused first prepare leaves nothing.
+        with dataset_lease(root) as held:
+            return prepare(engine, cfg, append, refit, by_plan, checked=checked, lease=held)
+    if checked is None or _moved(checked.previous, root):
+        # Checked before the lease was ours: another prepare may have committed since.
+        checked = check_prepare(cfg, append, refit, by_plan)
     spec, previous, plan = checked.spec, checked.previous, checked.plan
-    root = Path(cfg.dataset_dir).resolve()
     src = cfg.source
     if src.format == "synthetic":
-        synthetic.generate(engine, src.synthetic, src.path)
+        synthetic.generate(engine, src.synthetic, storage.resolve(src.path, "pipelines.source.path"))
     files = checked.files or describe(list_files(src), src.format, src.csv_delimiter)
     sources = [{"format": src.format, "path": display(f.url)} for f in files]
     if append and refit:
@@ -121,9 +136,8 @@ def prepare(
         layout = layout.model_copy(update={"rows_per_row_group": plan.rows_per_row_group})
     parts = Parts(tuple(counts[s] for s in SPLITS))
     offsets = {s: len(previous.splits[s].shards) for s in SPLITS} if frozen else {}
-    existing = [str(root / s.path) for info in previous.splits.values() for s in info.shards] if frozen else []
+    existing = [storage.join(root, s.path) for info in previous.splits.values() for s in info.shards] if frozen else []
 
-    created = not root.exists()
     version_id, version_dir = new_version_dir(root)
     try:
         metas = engine.shuffle_write(
@@ -134,8 +148,8 @@ def prepare(
             write=partial(
                 write_parts,
                 parts=parts,
-                dataset_dir=str(root),
-                version_dir_name=version_dir.name,
+                dataset_dir=root,
+                version_dir_name=storage.name(version_dir),
                 spec=spec,
                 rows_per_row_group=layout.rows_per_row_group,
                 shard_offsets=offsets,
@@ -162,7 +176,8 @@ def prepare(
             engine={"name": engine.name, "version": engine.version},
             sources=(previous.sources if frozen else []) + sources,
             arrow_schema=[
-                {"name": f.name, "type": str(f.type)} for f in pq.read_schema(root / written[0]["path"])
+                {"name": f.name, "type": str(f.type)}
+                for f in pq.read_schema(storage.open_input(storage.join(root, written[0]["path"])))
             ],
             feature_spec=spec,
             tensors={
@@ -180,13 +195,17 @@ def prepare(
             plan=plan if plan is not None else (previous.plan if frozen else None),
             dropped_rows=report["dropped"] + sum(m["repeated"] or 0 for m in metas),
         )
-        commit_manifest(root, manifest)
+        lease.check()  # a prepare that stalled past its lease must not commit over another's
+        return commit_manifest(root, manifest, based_on=previous, retention=cfg.retention)
     except BaseException:
-        shutil.rmtree(version_dir, ignore_errors=True)
-        if created and not any(root.iterdir()):
-            root.rmdir()  # a refused first prepare leaves nothing behind
+        storage.delete_tree(version_dir)
         raise
-    return manifest
+
+
+def _moved(previous: ShardManifest | None, root: str) -> bool:
+    """Whether the dataset's newest manifest is no longer `previous`."""
+    newest = sequences(root)
+    return (newest[-1] if newest else None) != (previous.sequence if previous else None)
 
 
 def _rows(source, task: PrepareTask, stats: FittedStatistics, parts: Parts):
@@ -289,11 +308,11 @@ def _shard_count(rows: int, row_bytes: int, cfg: PipelineConfig) -> int:
 
 def check_plan(cfg: PipelineConfig) -> BandwidthPlan:
     """The plan `prepare(..., by_plan=True)` would use, or its DataError (before an engine starts)."""
-    root = Path(cfg.dataset_dir).resolve()
-    return usable_plan(load_manifest(root) if manifest_path(root).exists() else None, cfg, root)
+    root = storage.resolve(cfg.dataset_dir, "pipelines.dataset_dir")
+    return usable_plan(load_manifest(root) if has_manifest(root) else None, cfg, root)
 
 
-def usable_plan(previous: ShardManifest | None, cfg: PipelineConfig, root: Path) -> BandwidthPlan:
+def usable_plan(previous: ShardManifest | None, cfg: PipelineConfig, root: str) -> BandwidthPlan:
     if previous is None or previous.plan is None:
         raise DataError(f"{root}: no bandwidth plan to lay shards out by; run `shardline plan` first")
     plan = previous.plan

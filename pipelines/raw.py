@@ -116,16 +116,22 @@ def read_unit(unit: Unit, columns: list[str], delimiter: str) -> Iterator[pa.Tab
             for batch in pf.iter_batches(batch_size=UNIT_ROWS, row_groups=groups, columns=present, use_threads=False):
                 yield pa.Table.from_batches([batch])
     elif unit.fmt == "csv":
-        with open_raw(unit.url) as f:
+        with _lines(unit.url) as f:
             yield from _csv_tables(f, columns, delimiter)
     else:
-        with open_raw(unit.url) as f:
+        with _lines(unit.url) as f:
             yield from _json_tables(f, columns)
+
+
+def _lines(url: str) -> io.BufferedReader:
+    """A text file read forward, line by line: pyarrow's files (what `open_raw` returns
+    on every store) have no readline, and a decompressing stream cannot seek."""
+    return io.BufferedReader(open_raw(url), buffer_size=1 << 20)
 
 
 def sniff(url: str, fmt: str, delimiter: str, rows: int = SNIFF_ROWS) -> pa.Table:
     """The first rows of a raw file, every column, read as in tasks (for the driver's checks)."""
-    with open_raw(url) as f:
+    with open_raw(url) if _parquet(fmt) else _lines(url) as f:
         if _parquet(fmt):
             pf = pq.ParquetFile(f)
             batch = next(pf.iter_batches(batch_size=rows), None)
@@ -134,25 +140,29 @@ def sniff(url: str, fmt: str, delimiter: str, rows: int = SNIFF_ROWS) -> pa.Tabl
             # Only the head of the file, never the whole file.
             head = f.read(1 << 20)
             text = head[: head.rfind(b"\n") + 1] if b"\n" in head else head
-            tables = list(_csv_tables(io.BytesIO(text), None, delimiter))
+            tables = list(_csv_tables(io.BufferedReader(io.BytesIO(text)), None, delimiter))
             return tables[0].slice(0, rows) if tables else pa.table({})
         return next(_json_tables(f, None, limit=rows), pa.table({}))
 
 
 def _csv_tables(f, columns: list[str] | None, delimiter: str) -> Iterator[pa.Table]:
+    """`f` read forward from its start: the header line here, the rows by pyarrow."""
     header = f.readline().decode("utf-8-sig").rstrip("\r\n")
     names = next(csv.reader([header], delimiter=delimiter), [])
-    f.seek(0)
+    included = [c for c in columns if c in names] if columns is not None else None
+    if not f.peek(1):  # a header and no rows (pyarrow calls that an empty file)
+        yield pa.table({n: pa.array([], pa.string()) for n in (names if included is None else included)})
+        return
     reader = pcsv.open_csv(
         f,
-        read_options=pcsv.ReadOptions(block_size=TEXT_BLOCK_BYTES, use_threads=False),
+        read_options=pcsv.ReadOptions(block_size=TEXT_BLOCK_BYTES, use_threads=False, column_names=names),
         parse_options=pcsv.ParseOptions(delimiter=delimiter),
         convert_options=pcsv.ConvertOptions(
             column_types={n: pa.string() for n in names},
             null_values=[],
             strings_can_be_null=False,
             quoted_strings_can_be_null=False,
-            include_columns=[c for c in columns if c in names] if columns is not None else None,
+            include_columns=included,
         ),
     )
     empty = True

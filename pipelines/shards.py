@@ -3,21 +3,21 @@
 The engine delivers the rows of pass 2 (tasks.shuffle_rows), every row of one part
 (split, shard) in the same partition. The writer sorts a part by key (so a shard's
 bytes depend neither on the engine nor on the partitioning), finds keys seen twice,
-and writes the shard with pyarrow under a deterministic name: a retried task
-rewrites the same file.
+and writes the shard through `pipelines.storage` under a deterministic name: a
+retried task rewrites the same file, which appears whole (one upload of the
+finished object; locally a rename) or not at all.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from . import storage
 from .config import FeatureSpec
 from .tasks import PART_COL, POS_COL, Parts
 from .transform import feature_width, features_column
@@ -93,7 +93,7 @@ def write_parts(
                 }
             ).combine_chunks()  # one chunk: the file's bytes cannot depend on how rows arrived
             rel = shard_relpath(version_dir_name, split, shard)
-            meta.update(path=rel, **_write_one(shard_table, Path(dataset_dir) / rel, rows_per_row_group))
+            meta.update(path=rel, **_write_one(shard_table, storage.join(dataset_dir, rel), rows_per_row_group))
         yield pa.RecordBatch.from_pylist([meta], schema=SHARD_META_SCHEMA)
 
 
@@ -106,19 +106,16 @@ def _feature_rows(col, width: int) -> np.ndarray:
     return data.view(np.float32).reshape(len(arr), width)
 
 
-def _write_one(table: pa.Table, path: Path, rows_per_row_group: int) -> dict:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".parquet.tmp")
-    pq.write_table(table, tmp, row_group_size=rows_per_row_group, compression="snappy")
-    digest = hashlib.sha256()
-    with open(tmp, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _write_one(table: pa.Table, url: str, rows_per_row_group: int) -> dict:
+    # Encoded in memory (a shard is bounded by target_shard_bytes, and smaller than the
+    # table it comes from), so its checksum and footer need no second read.
+    buf = pa.BufferOutputStream()
+    pq.write_table(table, buf, row_group_size=rows_per_row_group, compression="snappy")
+    data = buf.getvalue()
+    storage.write_bytes(url, data)
     return {
         "rows": table.num_rows,
-        "bytes": path.stat().st_size,
-        "row_groups": pq.ParquetFile(path).num_row_groups,
-        "sha256": digest.hexdigest(),
+        "bytes": data.size,
+        "row_groups": pq.ParquetFile(pa.BufferReader(data)).num_row_groups,
+        "sha256": hashlib.sha256(data).hexdigest(),
     }

@@ -1,10 +1,16 @@
-"""Raw inputs: resolve a path, directory, glob or URL to files; refuse unreadable ones early."""
+"""Raw inputs: resolve a path, directory, glob or URL to files; refuse unreadable ones early.
+
+Listing and opening go through `pipelines.storage`, so a source on s3:// (or gs://,
+abfs://, hdfs://) is read the same way as a local one, on the driver and in tasks.
+"""
 
 from __future__ import annotations
 
-import fsspec
+import re
+
 import pyarrow.parquet as pq
 
+from . import storage
 from .config import SourceConfig
 from .errors import DataError
 
@@ -17,54 +23,87 @@ SUFFIXES = {
 
 
 def list_files(source: SourceConfig) -> list[str]:
-    """Input files as full URLs, sorted; hidden and `_`-prefixed files are skipped."""
-    fs, path = fsspec.core.url_to_fs(source.path)
-    if any(ch in path for ch in "*?["):
-        found = fs.glob(path)
-    elif fs.isdir(path):
+    """Input files as full URLs (file:// for local ones), sorted; hidden and `_`-prefixed
+    files are skipped."""
+    url = source.path if "://" in source.path else storage.resolve(source.path, "pipelines.source.path")
+    cut = min((url.index(ch) for ch in "*?[" if ch in url), default=-1)
+    if cut >= 0:
+        base = url[: url.rindex("/", 0, cut)]
+        pattern = _glob_regex(url[len(base) + 1 :])
+        found = [f for f in storage.find_files(base) if pattern.fullmatch(f[len(base) + 1 :])]
+    elif storage.is_dir(url):
         found = [
-            p
-            for p in fs.find(path)
-            if p.lower().endswith(SUFFIXES[source.format])
-            and not any(part.startswith(("_", ".")) for part in p[len(path) :].split("/"))
+            f
+            for f in storage.find_files(url)
+            if f.lower().endswith(SUFFIXES[source.format])
+            and not any(part.startswith(("_", ".")) for part in f[len(url) :].split("/"))
         ]
         if not found:
             raise DataError(f"{source.path}: no {source.format} files in this directory")
-    elif fs.isfile(path):
-        found = [path]
+    elif storage.is_file(url):
+        found = [url]
     else:
         raise DataError(f"{source.path}: input not found")
     if not found:
         raise DataError(f"{source.path}: input not found")
-    return [fs.unstrip_protocol(p) for p in sorted(found)]
+    return [f if "://" in f else f"file://{f}" for f in sorted(found)]
+
+
+_PY_CODECS = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}
 
 
 def open_raw(url: str):
-    """A raw input file opened for reading (binary, seekable), anywhere it lives.
+    """A raw input file opened for reading (binary, seekable), anywhere it lives: the one
+    place tasks open raw files, through `pipelines.storage`. Compressed files (.gz, .bz2,
+    .xz; .zst, .lz4 as a forward-only stream) are decompressed."""
+    import importlib
 
-    The one place tasks open raw files: both engines read through it, so a new
-    filesystem needs support here only. Compressed files (.gz, ...) are decompressed.
-    """
-    return fsspec.open(url, "rb", compression="infer").open()
+    ext = "." + url.rsplit(".", 1)[-1].lower() if "." in url.rsplit("/", 1)[-1] else ""
+    if ext in _PY_CODECS:
+        return importlib.import_module(_PY_CODECS[ext]).open(storage.open_input(url), "rb")
+    return storage.open_stream(url)
 
 
 def check_readable(files: list[str], fmt: str) -> None:
     """Parquet: every footer parses. Others: every file opens. Names the first bad file."""
     for url in files:
+        parquet = fmt in ("parquet", "synthetic")
         try:
-            with fsspec.open(url, "rb") as f:
-                if fmt in ("parquet", "synthetic"):
+            with open_raw(url) as f:
+                if parquet:
                     pq.read_metadata(f)
                 else:
                     f.read(1)
         except Exception as e:
-            what = "not a readable Parquet file" if fmt in ("parquet", "synthetic") else "unreadable"
+            what = "not a readable Parquet file" if parquet else "unreadable"
             raise DataError(f"{display(url)}: {what} ({_first_line(e)})") from None
 
 
 def display(url: str) -> str:
     """A path as the user wrote it: local files without file://."""
-    return url[len("file://") :] if url.startswith("file://") else url
+    return storage.display(url)
+
+
+def _glob_regex(pattern: str) -> re.Pattern:
+    """A glob as a regex over paths: `*` and `?` stay within one directory, `**` crosses them."""
+    out = ""
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**", i):
+            out, i = out + ".*", i + 2
+        elif pattern[i] == "*":
+            out, i = out + "[^/]*", i + 1
+        elif pattern[i] == "?":
+            out, i = out + "[^/]", i + 1
+        elif pattern[i] == "[":
+            j = pattern.find("]", i + 1)
+            if j < 0:
+                out, i = out + re.escape("["), i + 1
+            else:
+                out, i = out + "[" + pattern[i + 1 : j].replace("!", "^", 1) + "]", j + 1
+        else:
+            out, i = out + re.escape(pattern[i]), i + 1
+    return re.compile(out)
 
 
 def _first_line(e: Exception) -> str:

@@ -21,13 +21,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from . import storage
 from .config import FeatureSpec, SplitConfig
 from .errors import DataError
 from .manifest import FittedStatistics
 from .raw import Unit, first_line, read_unit
 from .rows import BAD_KINDS, INVALID, Parsed, parse, shard_hash
 from .splits import SPLITS
-from .sources import display, open_raw
+from .sources import display
 from .transform import feature_width, features
 
 POS_COL = "_pos"  # unit index << 32 | row in unit; negative for an existing dataset's rows
@@ -261,7 +262,7 @@ def existing_rows(url: str, index: int, spec: FeatureSpec, parts: Parts, split: 
     from .rows import split_codes
 
     schema = transport_schema(spec)
-    with open_raw(url) as f:
+    with storage.open_input(url) as f:  # a shard: Parquet read by byte ranges
         keys = pq.read_table(f, columns=[spec.key]).column(spec.key).to_numpy()
     n = len(keys)
     yield pa.Table.from_arrays(

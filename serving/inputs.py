@@ -9,17 +9,16 @@ before anything is written.
 
 from __future__ import annotations
 
-import glob
 import hashlib
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import pyarrow as pa
 
-from pipelines.config import FeatureSpec
+from pipelines import storage
+from pipelines.config import FeatureSpec, SourceConfig
 from pipelines.errors import DataError, ShardlineError
-from pipelines.manifest import FittedStatistics, ShardManifest, load_manifest, manifest_path
+from pipelines.manifest import FittedStatistics, ShardManifest, has_manifest, load_manifest, sequences
+from pipelines.sources import list_files
 
 from .models import ResolvedModel
 
@@ -51,7 +50,7 @@ class Transform:
 
 @dataclass(frozen=True)
 class Unit:
-    """One input file; `kind` is "shard" (prepared features) or "raw" (feature columns)."""
+    """One input file (a URL); `kind` is "shard" (prepared features) or "raw" (feature columns)."""
 
     path: str
     kind: str
@@ -64,37 +63,41 @@ class Unit:
 
 
 def training_manifest(model: ResolvedModel, tracking_uri: str) -> ShardManifest | None:
-    """The manifest of the dataset the model was trained on (its run's `dataset_dir`)."""
+    """The manifest of the dataset version the model was trained on (its run's params)."""
     if not model.run_id:
         return None
     from mlflow.tracking import MlflowClient
 
     params = MlflowClient(tracking_uri).get_run(model.run_id).data.params
     dataset_dir = params.get("dataset_dir")
-    if not dataset_dir or not manifest_path(dataset_dir).is_file():
+    if not dataset_dir or not has_manifest(dataset_dir):
         return None
+    seq = params.get("dataset_sequence")
+    if seq is not None and int(seq) in sequences(dataset_dir):
+        return load_manifest(dataset_dir, int(seq))
     return load_manifest(dataset_dir)
 
 
 def discover(
     input_path: str, split: str, model: ResolvedModel, tracking_uri: str
 ) -> tuple[list[Unit], Transform]:
-    """The input's units and the transform to apply to them."""
+    """The input's units and the transform to apply to them. A prepared dataset is read
+    at its newest version now, and its units name that version's shards: a prepare
+    committing meanwhile does not change what this job scores."""
     trained_on = training_manifest(model, tracking_uri)
-    root = Path(input_path)
-    if root.is_dir() and manifest_path(root).is_file():
+    root = storage.resolve(input_path, "--input")
+    if has_manifest(root):
         manifest = load_manifest(root)
         if trained_on is not None and (
             manifest.feature_spec != trained_on.feature_spec
             or manifest.statistics != trained_on.statistics
         ):
             raise DataError(
-                f"{root}: prepared with other features or statistics than the data model "
-                f"{model.uri} was trained on; score its raw files instead"
+                f"{storage.display(root)}: prepared with other features or statistics than the data "
+                f"model {model.uri} was trained on; score its raw files instead"
             )
-        base = root.resolve()
         units = [
-            Unit(str(base / s.path), "shard", s.sha256, s.rows) for s in manifest.split(split).shards
+            Unit(storage.join(root, s.path), "shard", s.sha256, s.rows) for s in manifest.split(split).shards
         ]
         return units, Transform.of(manifest)
     if trained_on is None:
@@ -102,30 +105,22 @@ def discover(
             f"model {model.uri}: the dataset it was trained on (run param dataset_dir) is not "
             f"readable, so raw input cannot be transformed; score a prepared dataset instead"
         )
-    files = _raw_files(input_path)
     units = []
-    for f in files:
-        st = os.stat(f)
-        units.append(Unit(f, "raw", f"{st.st_size}-{st.st_mtime_ns}"))
+    for f in _raw_files(input_path):
+        info = storage.file_info(f)
+        units.append(Unit(f, "raw", f"{info.size}-{info.mtime_ns}"))
     return units, Transform.of(trained_on)
 
 
 def _raw_files(input_path: str) -> list[str]:
-    p = Path(input_path)
-    if p.is_file():
-        return [str(p.resolve())]
-    if p.is_dir():
-        found = [
-            q for q in p.rglob("*.parquet")
-            if not any(part.startswith(("_", ".")) for part in q.relative_to(p).parts)
-        ]
-    else:
-        found = [Path(q) for q in glob.glob(input_path, recursive=True) if Path(q).is_file()]
-        if not found:
-            raise DataError(f"{input_path}: input not found")
-    if not found:
-        raise DataError(f"{input_path}: input is empty (no Parquet files)")
-    return sorted(str(q.resolve()) for q in found)
+    """Parquet files of a file, directory or glob (local or a URL); names without file://."""
+    try:
+        files = list_files(SourceConfig(format="parquet", path=input_path))
+    except DataError as e:
+        if "no parquet files" in str(e):
+            raise DataError(f"{input_path}: input is empty (no Parquet files)") from None
+        raise
+    return [storage.display(f) for f in files]
 
 
 def check_unit(unit: Unit, transform: Transform) -> int:
@@ -133,7 +128,8 @@ def check_unit(unit: Unit, transform: Transform) -> int:
     import pyarrow.parquet as pq
 
     try:
-        meta = pq.read_metadata(unit.path)
+        with storage.open_input(unit.path) as f:
+            meta = pq.read_metadata(f)
         schema = meta.schema.to_arrow_schema()
     except (OSError, pa.ArrowException) as e:
         raise DataError(f"{unit.path}: unreadable Parquet file ({str(e).splitlines()[0]})") from None

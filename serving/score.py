@@ -8,16 +8,19 @@ ledger does not hold. An output directory holds one model version's scores.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
+from datetime import datetime, timezone
 
+from pipelines import storage
 from pipelines.errors import DataError, ShardlineError
+from pipelines.lease import Lease
 
 from .inputs import check_unit, discover
 from .ledger import (
-    OutputLock,
     check_output_dir,
     forget,
+    output_lease,
     output_name,
     read_ledger,
     remove_orphans,
@@ -51,18 +54,21 @@ def score(
     force: bool = False,
     batch_size: int = 4096,
     threads_per_task: int = 1,
+    lease: Lease | None = None,
 ) -> ScoreResult:
     """Score `input_path` (a prepared dataset's `split`, or raw Parquet) into `output_dir`.
 
     incremental: add units not yet scored to an output that holds scores of other
     inputs; without it such an output is refused. force: discard whatever the
     output holds (another model's scores included) and score everything.
+    lease: the output's lease (`ledger.output_lease`), already held (the CLI takes it
+    before an engine starts); else taken here, after the checks.
     """
     if engine_name not in ENGINES:
         raise ShardlineError(f"unknown engine '{engine_name}' (valid: {', '.join(ENGINES)})")
     model = resolve_model(model_uri, tracking_uri)
     units, transform = discover(input_path, split, model, tracking_uri)
-    out = Path(output_dir).resolve()
+    out = storage.resolve(output_dir, "serving.output_dir")
     check_output_dir(out)
     # Everything checkable is checked before the first write, lock file included.
     ledger = {} if force else read_ledger(out)
@@ -72,8 +78,9 @@ def score(
     if not skipped and not any(rows.values()):
         raise DataError(f"{input_path}: input is empty (0 rows)")
 
-    out.mkdir(parents=True, exist_ok=True)
-    with OutputLock(out):
+    # One time for the whole job, so a retried or duplicated task writes the same bytes.
+    scored_at = datetime.now(timezone.utc).isoformat()
+    with nullcontext(lease) if lease is not None else output_lease(out) as held:
         # Again under the lock: another job may have committed since.
         ledger = read_ledger(out)
         _check_owner(out, ledger, model, force)
@@ -88,7 +95,7 @@ def score(
         tasks = [
             UnitTask(
                 unit=u,
-                output_dir=str(out),
+                output_dir=out,
                 output_name=output_name(u.unit_id, model.name, model.version),
                 model_uri=model.pinned_uri,
                 tracking_uri=tracking_uri,
@@ -97,16 +104,21 @@ def score(
                 transform=transform,
                 batch_size=batch_size,
                 threads=threads_per_task,
+                scored_at=scored_at,
             )
             for u in todo
         ]
         entries = _run(engine_name, spark_or_client, tasks) if tasks else []
+        held.check()  # say so if another job took the output over while this one stalled
+        # Every unit is committed now; a temp file left is an attempt that died mid-unit
+        # (a killed worker) and was retried elsewhere. Still under the lock: no job writes.
+        remove_orphans(out, read_ledger(out))
     errors = [e for e in entries if "error" in e]
     if errors:
         done = len(entries) - len(errors)
         raise DataError(f"{errors[0]['error']} ({done} other file(s) were scored and committed)")
     return ScoreResult(
-        str(out),
+        storage.display(out),
         sum(e["rows"] for e in entries),
         len(entries),
         len(skipped),
@@ -115,26 +127,26 @@ def score(
     )
 
 
-def _check_owner(out: Path, ledger: dict[str, dict], model, force: bool) -> None:
+def _check_owner(out: str, ledger: dict[str, dict], model, force: bool) -> None:
     other = next(
         (e for e in ledger.values() if (e["model_name"], e["model_version"]) != (model.name, model.version)),
         None,
     )
     if other and not force:
         raise DataError(
-            f"{out}: holds scores of model {other['model_name']} version "
+            f"{storage.display(out)}: holds scores of model {other['model_name']} version "
             f"{other['model_version']}, not {model.name} version {model.version}; "
             f"choose another output directory or pass --force to replace them"
         )
 
 
-def _plan(out: Path, units, ledger: dict[str, dict], incremental: bool):
+def _plan(out: str, units, ledger: dict[str, dict], incremental: bool):
     """(units to score, units already committed unchanged)."""
     wanted = {u.unit_id for u in units}
     others = [e for uid, e in ledger.items() if uid not in wanted]
     if others and not incremental:
         raise DataError(
-            f"{out}: holds scores of {len(others)} input file(s) that are not in this input "
+            f"{storage.display(out)}: holds scores of {len(others)} input file(s) that are not in this input "
             f"(e.g. {others[0]['unit']}); pass --incremental to add to them or --force to replace them"
         )
     todo, skipped = [], []

@@ -1,23 +1,23 @@
 """Score one input unit and commit it: the task body on either engine.
 
-A unit's output name depends only on the unit and the model, so a retried or
-duplicated task rewrites the same file; the ledger entry is written after the
-file is in place, so a unit is either committed whole or not at all.
+A unit's output name depends only on the unit and the model, and its bytes only
+on the unit, the model and the job's `scored_at` (fixed on the driver), so a
+retried or duplicated task rewrites the same bytes under the same name; the
+ledger entry is written after the file is in place, so a unit is either committed
+whole or not at all. Both go through `pipelines.storage`: any store, no temp file
+left behind.
 """
 
 from __future__ import annotations
 
-import os
-import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
+from pipelines import storage
 from pipelines.errors import ShardlineError
-from pipelines.manifest import fsync_dir
 
 from .inputs import Transform, Unit
 from .ledger import commit
@@ -36,6 +36,7 @@ class UnitTask:
     transform: Transform
     batch_size: int
     threads: int = 1  # torch intra-op threads while this unit is scored
+    scored_at: str = ""  # UTC ISO 8601, one per job (the driver's clock): retries write the same bytes
 
 
 def output_schema(classification: bool) -> pa.Schema:
@@ -75,13 +76,10 @@ def _score_unit(task: UnitTask) -> dict:
     # torch defaults to one thread per core in every worker process: with one task
     # per core that oversubscribes the machine.
     torch.set_num_threads(task.threads)
-    out = Path(task.output_dir)
-    final = out / task.output_name
-    tmp = out / f".{task.output_name}.{uuid.uuid4().hex[:8]}.tmp"
-    scored_at = datetime.now(timezone.utc)
+    scored_at = datetime.fromisoformat(task.scored_at) if task.scored_at else datetime.now(timezone.utc)
     rows = 0
-    try:
-        with pq.ParquetWriter(tmp, schema) as writer:
+    with storage.write(storage.join(task.output_dir, task.output_name)) as f:
+        with pq.ParquetWriter(f, schema) as writer:
             for keys, x in _batches(task, spec):
                 pred = _predict(model, x, classification)
                 n = len(keys)
@@ -102,13 +100,6 @@ def _score_unit(task: UnitTask) -> dict:
                 ]
                 writer.write_batch(pa.RecordBatch.from_arrays(cols, schema=schema))
                 rows += n
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        fsync_dir(out)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
     entry = {
         "unit": task.unit.path,
         "unit_id": task.unit.unit_id,
@@ -120,7 +111,7 @@ def _score_unit(task: UnitTask) -> dict:
         "model_uri": task.model_uri,
         "scored_at": scored_at.isoformat(),
     }
-    commit(out, entry)
+    commit(task.output_dir, entry)
     return entry
 
 
@@ -137,7 +128,7 @@ def _batches(task: UnitTask, spec):
         columns = [spec.key, *spec.numeric, *spec.categorical, *spec.vectors]
     stats = task.transform.stats if unit.kind == "raw" else None
     impute = spec.on_invalid_features == "impute"
-    for batch in pq.ParquetFile(unit.path).iter_batches(task.batch_size, columns=columns):
+    for batch in pq.ParquetFile(storage.open_input(unit.path)).iter_batches(task.batch_size, columns=columns):
         key = batch.column(0)
         if key.null_count:
             raise ShardlineError(f"{unit.path}: column '{spec.key}' has null keys")

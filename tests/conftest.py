@@ -13,6 +13,8 @@ from pipelines.config import PipelineConfig, SparkConfig
 
 REPO = Path(__file__).resolve().parent.parent
 
+pytest_plugins = ["tests.fixtures_s3", "tests.fixtures_connect", "tests.fixtures_clusters"]
+
 # Spark's Python workers and Dask's worker processes must import `tests.*` helpers
 # too; both inherit PYTHONPATH from this process. Set here, at import, because any
 # test may be the one that starts the JVM (a fixture would be too late for some).

@@ -70,19 +70,27 @@ class FlakyModel(torch.nn.Module):
         raise RuntimeError("injected failure: first call of FlakyModel")
 
 
-def register_flaky(prepared, tracking_uri: str, marker: Path, name: str) -> str:
-    """Register FlakyModel(trained model) in the training run, so raw input finds its dataset."""
+def register_wrapped(prepared, tracking_uri: str, name: str, wrap) -> str:
+    """Register `wrap(trained model)` (a fault-injecting model) in the training run, so raw
+    input finds its dataset; its pinned models:/ URI."""
     import mlflow
 
     base = trained_model(prepared)
     mlflow.set_tracking_uri(tracking_uri)
     inner = mlflow.pytorch.load_model(base.model_uri)
+    # Into the training run's experiment: the active one is whichever an earlier test set,
+    # and MLflow refuses to reopen a run under another experiment.
+    mlflow.set_experiment(experiment_id=mlflow.get_run(base.run_id).info.experiment_id)
     with mlflow.start_run(run_id=base.run_id):
         info = mlflow.pytorch.log_model(
-            FlakyModel(inner, str(marker)),
-            name=f"flaky-{name}",
+            wrap(inner),
+            name=f"wrapped-{name}",
             pip_requirements=["torch"],
             serialization_format="pickle",
             registered_model_name=name,
         )
     return f"models:/{name}/{info.registered_model_version}"
+
+
+def register_flaky(prepared, tracking_uri: str, marker: Path, name: str) -> str:
+    return register_wrapped(prepared, tracking_uri, name, lambda inner: FlakyModel(inner, str(marker)))

@@ -1,27 +1,47 @@
-"""`shardline bench score` at a tiny size: the figures are there and positive (no timing claims)."""
+"""`shardline bench score` on the session's engines, dataset and model: every figure is
+there and keeps its relations (a rate is rows over its own seconds, a ratio the quotient
+of the two rates it names); nothing is claimed about speed."""
 
 from __future__ import annotations
 
 import json
+import os
+
+from pipelines.manifest import load_manifest
+
+from .bench_figures import assert_met, assert_quotient
+from .serving_helpers import trained_model
 
 
-def test_bench_score_tiny(spark, tmp_path):
-    # `spark`: the session's own SparkSession, which the benchmark's getOrCreate reuses.
+def test_bench_score_figures_keep_their_relations(spark, dask_client, prepared, tracking_uri, tmp_path):
     from benchmarks.score import run
 
-    result = run(20_000, workdir=str(tmp_path), progress=lambda msg: None)
+    model = trained_model(prepared)
+    result = run(0, workdir=str(tmp_path), progress=lambda msg: None, spark=spark,
+                 dask_client=dask_client, dataset_dir=prepared.dataset_dir,
+                 model_uri=model.model_uri, tracking_uri=tracking_uri)
     json.dumps(result)  # one JSON object
     assert result["benchmark"] == "score"
-    assert 0 < result["rows_scored"] < 20_000
+    manifest = load_manifest(prepared.dataset_dir)
+    assert result["rows"] == sum(s.rows for s in manifest.splits.values())
+    assert result["rows_scored"] == manifest.splits["train"].rows  # every method scored them all
+    assert result["cores"] == len(os.sched_getaffinity(0))
+    assert not list(tmp_path.iterdir())  # its scratch directory is gone
+
+    secs, rps = result["seconds"], result["rows_per_s"]
     methods = {"spark", "dask", "predict_batch_udf", "limit_single_process", "processes"}
-    assert set(result["seconds"]) == methods
-    assert set(result["rows_per_s"]) == methods | {"limit"}
-    for ratios in ("ratio_vs_limit", "ratio_vs_predict_batch_udf", "ratio_vs_processes"):
-        assert set(result[ratios]) == {"spark", "dask"}
-    figures = [*result["seconds"].values(), *result["rows_per_s"].values(),
-               *result["ratio_vs_limit"].values(), *result["ratio_vs_predict_batch_udf"].values(),
-               *result["ratio_vs_processes"].values(), result["processes_vs_limit"], result["cores"]]
-    assert all(isinstance(v, (int, float)) and v > 0 for v in figures)
-    assert result["targets"] == {"vs_limit": 0.9, "vs_predict_batch_udf": 1.5}
-    assert set(result["met"]) == {"spark", "dask"}
-    assert all(isinstance(v, bool) for m in result["met"].values() for v in m.values())
+    assert set(secs) == methods and set(rps) == methods | {"limit"}
+    for m in methods:
+        assert_quotient(rps[m], result["rows_scored"], secs[m], f"rows_per_s[{m}]")
+    # The limit is one process's rate times the cores.
+    assert_quotient(rps["limit_single_process"], rps["limit"], result["cores"], "limit / cores")
+    assert_quotient(result["processes_vs_limit"], rps["processes"], rps["limit"], "processes_vs_limit")
+    targets = result["targets"]
+    assert set(result["met"]) == set(result["ratio_vs_limit"]) == {"spark", "dask"}
+    for k in ("spark", "dask"):
+        assert_quotient(result["ratio_vs_limit"][k], rps[k], rps["limit"], f"ratio_vs_limit[{k}]")
+        assert_quotient(result["ratio_vs_processes"][k], rps[k], rps["processes"], f"ratio_vs_processes[{k}]")
+        pbu = result["ratio_vs_predict_batch_udf"][k]
+        assert_quotient(pbu, rps[k], rps["predict_batch_udf"], f"ratio_vs_predict_batch_udf[{k}]")
+        assert_met(result["met"][k]["vs_limit"], result["ratio_vs_limit"][k], targets["vs_limit"], k)
+        assert_met(result["met"][k]["vs_predict_batch_udf"], pbu, targets["vs_predict_batch_udf"], k)

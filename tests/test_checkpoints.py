@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipelines import storage
 from pipelines.errors import DataError
 from training import checkpoints
 from training.config import TrackingConfig, TrainingConfig
@@ -63,7 +64,7 @@ def test_resume_from_mid_epoch_checkpoint_gives_the_same_weights(prepared, refer
     result, paths = reference
     mid = next(p for p in paths if torch.load(p, weights_only=True)["step_in_epoch"] not in (0,))
     (tmp_path / "ckpt").mkdir()
-    shutil.copy(mid, tmp_path / "ckpt" / mid.name)
+    shutil.copy(mid, tmp_path / "ckpt" / Path(mid).name)  # no pointer: latest() takes the newest
     resumed = run_training(_cfg(tmp_path, resume=True), _tracking("resume"), prepared.dataset_dir)
     _equal(resumed.weights, result.weights)
     # The resumed job continued the checkpoint's MLflow run.
@@ -73,21 +74,23 @@ def test_resume_from_mid_epoch_checkpoint_gives_the_same_weights(prepared, refer
 def test_checkpoint_of_another_config_says_what_differs(prepared, reference, tmp_path):
     _, paths = reference
     (tmp_path / "ckpt").mkdir()
-    shutil.copy(paths[-1], tmp_path / "ckpt" / paths[-1].name)
+    shutil.copy(paths[-1], tmp_path / "ckpt" / Path(paths[-1]).name)
     with pytest.raises(DataError, match=r"different run: hidden='\[64, 32\]' \(config has '\[32\]'\)"):
         run_training(_cfg(tmp_path, resume=True, hidden=[32]), _tracking("other"), prepared.dataset_dir)
 
 
-def _kill_rank_after_first_checkpoint(ckpt_dir: Path, rank: int, done: threading.Event, killed: list):
+def _kill_rank_after_first_checkpoint(ckpt_dir, rank: int, done: threading.Event, killed: list):
+    """SIGKILL rank `rank` once a checkpoint exists in `ckpt_dir` (a path or any storage URL)."""
+    ckpt_dir = str(ckpt_dir)
+    info = storage.join(ckpt_dir, "ranks", f"rank-{rank}.json")
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and not done.is_set():
-        info = ckpt_dir / "ranks" / f"rank-{rank}.json"
-        if checkpoints.checkpoint_paths(ckpt_dir) and info.exists():
-            pid = json.loads(info.read_text())["pid"]
+        if checkpoints.checkpoint_paths(ckpt_dir) and storage.exists(info):
+            pid = json.loads(storage.read_bytes(info))["pid"]
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
             return
-        time.sleep(0.005)
+        time.sleep(0.05 if storage.is_remote(ckpt_dir) else 0.005)
 
 
 @pytest.mark.parametrize("launcher", ["local", "spark", "dask"])

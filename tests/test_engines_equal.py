@@ -19,7 +19,7 @@ import pytest
 from pipelines.config import SplitConfig
 from pipelines.errors import DataError
 from pipelines.hashing import hash64
-from pipelines.manifest import load_manifest
+from pipelines.manifest import load_manifest, manifest_url, sequences
 from pipelines.prepare import prepare
 from pipelines.rows import shard_hash, split_of
 from pipelines.splits import SHARD_SALT, SPLIT_SALT
@@ -34,7 +34,8 @@ PROVENANCE = ("engine", "created_at", "version_id")
 
 def fingerprint(dataset_dir: str) -> dict:
     """sha256 of every shard file (read from disk) and of the manifest without provenance."""
-    manifest = json.loads((Path(dataset_dir) / "manifest.json").read_text())
+    newest = manifest_url(dataset_dir, sequences(dataset_dir)[-1])  # _manifests/manifest-<n>.json
+    manifest = json.loads(Path(newest).read_text())
     version = f"v-{manifest['version_id']}/"
     shards = {}
     for split, info in manifest["splits"].items():

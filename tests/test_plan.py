@@ -12,13 +12,12 @@ import pytest
 from pipelines.errors import DataError
 from pipelines.manifest import BandwidthPlan, load_manifest, store_plan
 from training.config import TrainingConfig
-from training.plan import MIN_SHARD_ROWS, choose_layout, plan_dataset
+from training.plan import MIN_SHARD_ROWS, choose_layout, plan_dataset, plan_from_measurements
 
 from .conftest import shardline, small_pipeline
 
 ROWS = 20_000
-# Tiny row groups make the loader slow per sample (a row group's fixed cost dominates),
-# so a fast model outruns one loader worker by far and a slow one never does.
+# Row groups far below any the planner chooses: `prepare --plan` visibly lays shards out anew.
 TINY_ROW_GROUPS = 64
 
 
@@ -99,36 +98,59 @@ def _copy(root: Path, tmp: Path):
     return small_pipeline(tmp, rows=ROWS, rows_per_row_group=TINY_ROW_GROUPS)
 
 
-def test_a_faster_model_measures_more_required_loader_workers(slow_loading):
-    dataset = str(slow_loading / "dataset")
-    before = (Path(dataset) / "manifest.json").read_bytes()
-    # Local batch 1024 of a [8]-wide MLP: steps of ~1 ms; [1024, 1024]: ~100 ms.
-    fast = TrainingConfig(hidden=[8], batch_size=2048, world_size=2)
-    slow = TrainingConfig(hidden=[1024, 1024], batch_size=2048, world_size=2)
-    _, p_fast = plan_dataset(fast, dataset, budget_s=0.5)
-    _, p_slow = plan_dataset(slow, dataset, budget_s=0.5)
-    assert p_fast.train_samples_per_s > 20 * p_slow.train_samples_per_s
-    # On a small machine the core cap may give both the same workers; what they need differs.
-    assert p_fast.required_loader_workers > p_slow.required_loader_workers == 1
-    assert p_fast.loader_workers_per_rank >= p_slow.loader_workers_per_rank
-    # Where cores allow, the faster model is given more workers.
-    roomy = {k: getattr(p_fast, k) for k in ("world_size", "local_batch")}
-    more = choose_layout(p_fast.train_samples_per_s, p_fast.loader_samples_per_s_per_worker,
-                         train_rows=load_manifest(dataset).splits["train"].rows,
-                         max_workers_per_rank=64, **roomy)
-    assert more.loader_workers_per_rank > p_slow.loader_workers_per_rank
-    assert p_fast.device == "cpu" or p_fast.device.startswith("cuda")
-    assert (Path(dataset) / "manifest.json").read_bytes() == before  # measuring writes nothing
+def test_a_faster_model_is_given_more_loader_workers(prepared):
+    """plan_dataset's rule on chosen figures (never on this machine's speed): the same
+    loader, a model 100x faster, needs 100x the loading and is given the workers for it."""
+    manifest = load_manifest(prepared.dataset_dir)
+    cfg = TrainingConfig(batch_size=256, world_size=2)
+    slow = plan_from_measurements(manifest, cfg, 500.0, 1_000.0, cores=128)
+    fast = plan_from_measurements(manifest, cfg, 50_000.0, 1_000.0, cores=128)
+    assert (slow.required_loader_workers, slow.loader_workers_per_rank) == (1, 1)
+    assert (fast.required_loader_workers, fast.loader_workers_per_rank) == (60, 60)  # ceil(1.2 x 50)
+    assert fast.target_met and fast.predicted_data_wait == 0.0
+    assert (fast.world_size, fast.local_batch) == (2, 128)
+    # The measured figures are kept as measured, beside what the rule made of them.
+    assert (fast.train_samples_per_s, fast.loader_samples_per_s_per_worker) == (50_000.0, 1_000.0)
+    # On 2 cores, 2 ranks get a core each: one worker, and the plan says what it misses.
+    capped = plan_from_measurements(manifest, cfg, 50_000.0, 1_000.0, cores=2)
+    assert (capped.loader_workers_per_rank, capped.required_loader_workers) == (1, 60)
+    assert not capped.target_met and capped.predicted_data_wait == pytest.approx(1 - 1_000 / 50_000)
+    # One shard per rank: the prepared 6,000 rows allow no more (MIN_SHARD_ROWS).
+    assert fast.shards_per_rank == capped.shards_per_rank == 1
+
+
+def _files(directory: str) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in Path(directory).rglob("*") if p.is_file()}
+
+
+def test_measuring_gives_the_rules_plan_and_writes_nothing(prepared):
+    before = _files(prepared.dataset_dir)
+    cfg = TrainingConfig(hidden=[8], batch_size=256, world_size=2)
+    manifest, p = plan_dataset(cfg, prepared.dataset_dir, budget_s=0.2)
+    assert p.train_samples_per_s > 0 and p.loader_samples_per_s_per_worker > 0
+    assert p.device == "cpu" or p.device.startswith("cuda")
+    assert p.model == "mlp [8] ddp fp32, 1 thread(s)/rank"
+    # What it chose is the rule's answer for what it measured.
+    again = plan_from_measurements(manifest, cfg, p.train_samples_per_s, p.loader_samples_per_s_per_worker)
+    assert again.model_dump(exclude={"measured_at"}) == p.model_dump(exclude={"measured_at"})
+    assert _files(prepared.dataset_dir) == before  # measuring writes nothing
 
 
 def test_a_plan_is_per_data_part_for_every_strategy(prepared):
     # 3 ranks = 2 PS workers and a server; 2 ranks = one pipeline: the 2 prepared shards serve both.
+    manifest = load_manifest(prepared.dataset_dir)
     ps = TrainingConfig(strategy="ps", world_size=3, ps_servers=1, batch_size=128)
     pipeline = TrainingConfig(strategy="pipeline", world_size=2, batch_size=128)
-    _, p_ps = plan_dataset(ps, prepared.dataset_dir, budget_s=0.2)
-    _, p_pp = plan_dataset(pipeline, prepared.dataset_dir, budget_s=0.2)
+    p_ps = plan_from_measurements(manifest, ps, 2_000.0, 1_000.0, cores=6)
+    p_pp = plan_from_measurements(manifest, pipeline, 2_000.0, 1_000.0, cores=6)
     assert (p_ps.world_size, p_ps.local_batch) == (2, 64)  # the workers read the batch
     assert (p_pp.world_size, p_pp.local_batch) == (1, 128)  # both stages read the same batch
+    # Every rank of the job shares the cores: 6 cores over 3 ranks cap a rank at 2 workers.
+    assert (p_ps.max_loader_workers_per_rank, p_ps.loader_workers_per_rank) == (2, 2)
+    assert (p_pp.max_loader_workers_per_rank, p_pp.loader_workers_per_rank) == (3, 3)
+    # Measuring a split model's plan runs too (its rank reads like a data-parallel rank).
+    _, measured = plan_dataset(ps, prepared.dataset_dir, budget_s=0.2)
+    assert (measured.world_size, measured.local_batch) == (2, 64)
 
 
 def _config(tmp: Path, cfg) -> Path:

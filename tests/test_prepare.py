@@ -82,11 +82,12 @@ def test_prepare_is_deterministic_and_replaces_the_previous_version(engines, eng
     assert [s.sha256 for s in first.splits["train"].shards] == [
         s.sha256 for s in second.splits["train"].shards
     ]
-    # Only the committed version is left on disk.
-    assert sorted(p.name for p in Path(cfg.dataset_dir).iterdir()) == [
-        "manifest.json",
-        f"v-{second.version_id}",
-    ]
+    # The newest committed version is the dataset; the one before it stays for the
+    # default retention (2 versions), for jobs that started on it.
+    assert load_manifest(cfg.dataset_dir) == second
+    assert sorted(p.name for p in Path(cfg.dataset_dir).iterdir()) == sorted(
+        ["_manifests", f"v-{first.version_id}", f"v-{second.version_id}"]
+    )
 
 
 @pytest.mark.parametrize("engine", ["spark", "dask"])
@@ -99,7 +100,7 @@ def test_refuses_to_write_into_a_foreign_directory(engines, engine, tmp_path):
     assert [p.name for p in Path(cfg.dataset_dir).iterdir()] == ["notes.txt"]
 
 
-def test_unknown_manifest_version_is_refused(tmp_path):
+def test_unknown_manifest_version_is_refused(tmp_path):  # a dataset of the single-manifest layout
     (tmp_path / "manifest.json").write_text(json.dumps({"format_version": 99}))
     with pytest.raises(DataError, match="format version 99 is not supported"):
         load_manifest(tmp_path)

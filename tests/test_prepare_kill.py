@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipelines.manifest import load_manifest
+from pipelines.manifest import load_manifest, manifest_url
 from pipelines.prepare import prepare
 
 from .conftest import REPO, small_pipeline
@@ -19,7 +19,8 @@ from .conftest import REPO, small_pipeline
 def test_kill_during_shard_writes(engines, tmp_path):
     cfg = small_pipeline(tmp_path, rows=3000)
     previous = prepare(engines["dask"], cfg)
-    manifest_bytes = (Path(cfg.dataset_dir) / "manifest.json").read_bytes()
+    manifest = Path(manifest_url(cfg.dataset_dir, previous.sequence))
+    manifest_bytes = manifest.read_bytes()
 
     # A bigger prepare of the same dataset, in its own process group (Spark's JVM and
     # Python workers included), with many small shards so the write phase lasts.
@@ -55,7 +56,8 @@ def test_kill_during_shard_writes(engines, tmp_path):
     assert written, f"prepare ended before writing a shard: {proc.stderr.read().decode()[-2000:]}"
 
     # Mid-write: shards of the new version exist, but nothing names them.
-    assert (Path(cfg.dataset_dir) / "manifest.json").read_bytes() == manifest_bytes
+    assert manifest.read_bytes() == manifest_bytes
+    assert [p.name for p in manifest.parent.iterdir()] == [manifest.name]
     m = load_manifest(cfg.dataset_dir)
     assert m == previous
     for info in m.splits.values():
@@ -63,9 +65,9 @@ def test_kill_during_shard_writes(engines, tmp_path):
             data = (Path(cfg.dataset_dir) / shard.path).read_bytes()
             assert hashlib.sha256(data).hexdigest() == shard.sha256
 
-    # The next prepare removes the orphaned version and commits normally.
+    # The next prepare removes the orphaned version and commits normally (the previous
+    # version stays for the default retention).
     again = prepare(engines["dask"], cfg)
-    assert sorted(p.name for p in Path(cfg.dataset_dir).iterdir()) == [
-        "manifest.json",
-        f"v-{again.version_id}",
-    ]
+    assert sorted(p.name for p in Path(cfg.dataset_dir).iterdir()) == sorted(
+        ["_manifests", f"v-{previous.version_id}", f"v-{again.version_id}"]
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 
 from pipelines.manifest import load_manifest
 
@@ -12,6 +13,7 @@ from .conftest import REPO, shardline
 QUICKSTART = REPO / "jobs" / "configs" / "quickstart.toml"
 
 
+@pytest.mark.slow
 def test_quickstart_end_to_end(tmp_path):
     proc = shardline(
         "run",

@@ -13,7 +13,7 @@ import pytest
 
 from pipelines.errors import DataError, ShardlineError
 from pipelines.manifest import load_manifest
-from serving.ledger import LEDGER, OutputLock, read_ledger
+from serving.ledger import LEDGER, output_lease, read_ledger
 from serving.score import score
 
 from .serving_helpers import raw_table, read_scores, trained_model, write_raw
@@ -129,10 +129,10 @@ def test_alias_is_pinned_to_its_version(dask_client, model, prepared, tracking_u
 def test_second_job_on_same_output_is_refused(dask_client, model, prepared, tracking_uri, tmp_path):
     out = tmp_path / "scores"
     out.mkdir()
-    with OutputLock(out):  # a job holding the output, as another process would
-        with pytest.raises(ShardlineError, match="another scoring job is writing to this output"):
+    with output_lease(out):  # a job holding the output, as another process would
+        with pytest.raises(ShardlineError, match=r"scoring output .* is in use by shardline score \(host"):
             score("dask", dask_client, model.model_uri, tracking_uri, prepared.dataset_dir, str(out))
-    assert [p.name for p in out.iterdir()] == ["_lock"]
+        assert [p.name for p in out.iterdir()] == ["_lease.json"]
     score("dask", dask_client, model.model_uri, tracking_uri, prepared.dataset_dir, str(out))
 
 

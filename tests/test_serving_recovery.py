@@ -1,16 +1,23 @@
-"""Exactly once under failure: task retries, a failed job re-run, a killed job re-run.
+"""Exactly once under failure: task retries, a failed job re-run, a killed job re-run,
+a worker killed mid-unit, a worker dying between a unit's output and its ledger entry.
 
 Faults are real: a registered model that fails its first call (a task really
-fails and the engine really retries it), a scoring process killed with SIGKILL.
+fails and the engine really retries it), a Dask worker process SIGKILLed from
+outside while it holds a half-written unit, a worker process that SIGKILLs itself
+right after a unit's output is renamed into place (tests/scoring_faults.py), a
+whole scoring job's process group SIGKILLed. Each ends exactly once: rows in =
+rows out, no duplicate keys, no orphan or temp files.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -20,7 +27,8 @@ from serving.ledger import LEDGER, read_ledger
 from serving.score import score
 
 from .conftest import REPO
-from .serving_helpers import raw_table, read_scores, register_flaky, trained_model, write_raw
+from .scoring_faults import DiesBetweenOutputAndLedger, StallsOnce
+from .serving_helpers import raw_table, read_scores, register_flaky, register_wrapped, write_raw
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +41,12 @@ def _assert_exactly_once(out: Path, rows: int, units: int) -> None:
     assert len(keys) == len(set(keys)) == rows
     ledger = read_ledger(out)
     assert len(ledger) == units
-    # No orphans and no temp files: every file in the directory is a committed unit.
-    assert sorted(p.name for p in out.iterdir() if p.name not in ("_lock", LEDGER)) == sorted(
+    # No orphans and no temp files: beside the ledger and the job's lock (`_` names), every
+    # file in the directory is a committed unit's output, and the ledger holds no temp file.
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith("_")) == sorted(
         e["output"] for e in ledger.values()
     )
+    assert sorted(p.name for p in (out / LEDGER).iterdir()) == sorted(f"{u}.json" for u in ledger)
 
 
 def test_dask_task_retry_commits_each_unit_once(dask_client, prepared, raw, tracking_uri, tmp_path):
@@ -64,20 +74,112 @@ def test_failed_spark_job_rerun_scores_only_missing_units(spark, prepared, raw, 
     _assert_exactly_once(out, raw.num_rows, 6)
 
 
-def test_crash_between_output_and_ledger_rewrites_same_file(spark, prepared, raw, tracking_uri, tmp_path):
-    model = trained_model(prepared)
+def _died(marker: Path) -> dict:
+    """What a fault model recorded at the instant its process died."""
+    record = json.loads(Path(f"{marker}.json").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(record["pid"], 0)  # that process is gone
+    return record
+
+
+def _died_between_output_and_ledger(marker: Path, out: Path) -> dict:
+    record = _died(marker)
+    # The instant was the one named: the unit's output renamed into place, no ledger entry yet.
+    assert record["output_in_place"] and not record["named_in_ledger"], record
+    assert Path(record["output"]).parent == out and record["event"] != "os.rename"
+    return record
+
+
+def test_dask_worker_dying_between_output_and_ledger_ends_once(dask_client, prepared, raw, tracking_uri, tmp_path):
+    marker = tmp_path / "died"
+    uri = register_wrapped(prepared, tracking_uri, "dies-dask",
+                           lambda inner: DiesBetweenOutputAndLedger(inner, str(marker)))
+    write_raw(raw, tmp_path / "in", files=4)
+    out = tmp_path / "scores"
+    workers = _worker_pids(dask_client)
+    try:
+        r = score("dask", dask_client, uri, tracking_uri, str(tmp_path / "in"), str(out), batch_size=256)
+        record = _died_between_output_and_ledger(marker, out)
+        assert record["pid"] in workers.values()  # a Dask worker process died, mid-job
+        # The scheduler moved the dead worker's unit elsewhere: the job itself ended whole.
+        assert (r.rows, r.files_scored) == (raw.num_rows, 4)
+        assert Path(record["output"]).name in {e["output"] for e in read_ledger(out).values()}
+        _assert_exactly_once(out, raw.num_rows, 4)
+    finally:
+        _wait_for_workers(dask_client, len(workers))
+
+
+def test_spark_worker_dying_between_output_and_ledger_rerun_rewrites_that_unit(
+    spark, prepared, raw, tracking_uri, tmp_path
+):
+    marker = tmp_path / "died"
+    uri = register_wrapped(prepared, tracking_uri, "dies-spark",
+                           lambda inner: DiesBetweenOutputAndLedger(inner, str(marker)))
     write_raw(raw, tmp_path / "in", files=3)
     out = tmp_path / "scores"
-    score("spark", spark, model.model_uri, tracking_uri, str(tmp_path / "in"), str(out))
-    # The state a crash leaves after os.replace of the output, before its ledger entry.
-    lost = next(iter(read_ledger(out).values()))
-    (out / LEDGER / f"{lost['unit_id']}.json").unlink()
-    (out / f".{lost['output']}.deadbeef.tmp").write_bytes(b"half a file")
+    # local[2] does not retry a task: the dead Python worker fails the job.
+    with pytest.raises(Exception, match="Python worker exited unexpectedly|crashed"):
+        score("spark", spark, uri, tracking_uri, str(tmp_path / "in"), str(out))
+    record = _died_between_output_and_ledger(marker, out)
+    lost = Path(record["output"]).name
+    assert (out / lost).is_file() and lost not in {e["output"] for e in read_ledger(out).values()}
 
-    r = score("spark", spark, model.model_uri, tracking_uri, str(tmp_path / "in"), str(out))
-    assert (r.files_skipped, r.files_scored, r.rows) == (2, 1, lost["rows"])
-    assert read_ledger(out)[lost["unit_id"]]["output"] == lost["output"]
+    # The failed job's other task may still commit its unit after the abort: count at the re-run.
+    r = score("spark", spark, uri, tracking_uri, str(tmp_path / "in"), str(out))
+    assert r.files_scored >= 1 and r.files_skipped + r.files_scored == 3
+    # The unit is scored again into the very name it had reached, now with its entry.
+    assert lost in {e["output"] for e in read_ledger(out).values()}
     _assert_exactly_once(out, raw.num_rows, 3)
+
+
+def test_dask_worker_killed_mid_scoring_ends_once(dask_client, prepared, raw, tracking_uri, tmp_path):
+    marker = tmp_path / "stalled"
+    uri = register_wrapped(prepared, tracking_uri, "stalls-dask",
+                           lambda inner: StallsOnce(inner, str(marker)))
+    units = 8
+    write_raw(raw, tmp_path / "in", files=units)
+    out = tmp_path / "scores"
+    workers = _worker_pids(dask_client)
+    seen: dict = {}
+    stop = threading.Event()
+
+    def kill_the_stalled_worker() -> None:
+        """Once another unit is committed, SIGKILL the worker stalled inside its unit."""
+        while not stop.is_set():
+            announced = Path(f"{marker}.json")
+            if announced.exists() and read_ledger(out):
+                pid = json.loads(announced.read_text())["pid"]
+                seen["worker"] = next(a for a, p in workers.items() if p == pid)
+                seen["temp_files"] = [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+                seen["committed"] = len(read_ledger(out))
+                os.kill(pid, signal.SIGKILL)
+                return
+            stop.wait(0.01)
+
+    killer = threading.Thread(target=kill_the_stalled_worker, daemon=True)
+    killer.start()
+    try:
+        r = score("dask", dask_client, uri, tracking_uri, str(tmp_path / "in"), str(out), batch_size=64)
+    finally:
+        stop.set()
+        killer.join()
+        _wait_for_workers(dask_client, len(workers))
+    assert "worker" in seen, "no worker was killed"
+    _died(marker)
+    # Mid-scoring: units committed, the killed worker's unit half-written, others to come.
+    assert 0 < seen["committed"] < units and seen["temp_files"], seen
+    assert (r.rows, r.files_scored) == (raw.num_rows, units)
+    _assert_exactly_once(out, raw.num_rows, units)
+
+
+def _worker_pids(client) -> dict[str, int]:
+    """Each Dask worker's process id, by worker address, as the cluster reports it."""
+    return client.run(os.getpid)
+
+
+def _wait_for_workers(client, n: int) -> None:
+    """The nanny restarts a killed worker; later tests expect the cluster whole again."""
+    client.wait_for_workers(n, timeout=300)
 
 
 KILLED_JOB = """
@@ -90,31 +192,38 @@ score("dask", client, sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], batch_
 """
 
 
+@pytest.mark.slow
 def test_killed_job_rerun_scores_the_rest(spark, prepared, raw, tracking_uri, tmp_path):
-    model = trained_model(prepared)
-    units = 120
+    # One unit stalls until the job dies, so the kill always lands mid-job, whatever the load.
+    marker = tmp_path / "stalled"
+    uri = register_wrapped(prepared, tracking_uri, "stalls-job", lambda inner: StallsOnce(inner, str(marker)))
+    units = 6
     write_raw(raw, tmp_path / "in", files=units)
     out = tmp_path / "scores"
+    log = tmp_path / "job.log"  # a file, not a pipe: a full pipe would stall the job itself
     # Dask in its own process group: SIGKILL takes the client, nannies and workers.
-    proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(KILLED_JOB), model.model_uri, tracking_uri,
-         str(tmp_path / "in"), str(out)],
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
-        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
-    deadline = time.monotonic() + 240
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(KILLED_JOB), uri, tracking_uri,
+             str(tmp_path / "in"), str(out)],
+            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+            start_new_session=True, stdout=sink, stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 540
     try:
-        while time.monotonic() < deadline and proc.poll() is None and not read_ledger(out):
-            time.sleep(0.01)
+        while time.monotonic() < deadline and proc.poll() is None:
+            if Path(f"{marker}.json").exists() and read_ledger(out):
+                break
+            time.sleep(0.05)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     committed = len(read_ledger(out))
-    assert 0 < committed < units, proc.stderr.read().decode()[-2000:]
+    assert 0 < committed < units, log.read_text()[-2000:]
 
     # Re-run on the other engine: the ledger, not the engine, decides what is done.
-    r = score("spark", spark, model.model_uri, tracking_uri, str(tmp_path / "in"), str(out))
-    assert r.files_skipped >= committed and r.files_skipped + r.files_scored == units
+    r = score("spark", spark, uri, tracking_uri, str(tmp_path / "in"), str(out))
+    assert r.files_skipped == committed and r.files_skipped + r.files_scored == units
     _assert_exactly_once(out, raw.num_rows, units)
 
 
@@ -130,6 +239,7 @@ print("ROWS", r.rows, r.files_scored)
 """
 
 
+@pytest.mark.slow
 def test_spark_task_retry_commits_each_unit_once(prepared, raw, tracking_uri, tmp_path):
     uri = register_flaky(prepared, tracking_uri, tmp_path / "failed-once", "flaky-spark-retry")
     write_raw(raw, tmp_path / "in", files=4)
@@ -138,7 +248,7 @@ def test_spark_task_retry_commits_each_unit_once(prepared, raw, tracking_uri, tm
         [sys.executable, "-c", textwrap.dedent(SPARK_RETRY_JOB), uri, tracking_uri,
          str(tmp_path / "in"), str(out)],
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "failed-once").exists()

@@ -133,6 +133,9 @@ def test_async_ps_reaches_the_accuracy_of_synchronous_training(prepared, tmp_pat
           "training.tp=3", "training.world_size=3", "training.batch_size=510"], "training.tp 3 must divide"),
         (["training.strategy=pipeline", "training.pp=4", "training.world_size=4", "training.hidden=[8]",
           "training.batch_size=512"], "more pipeline stages than"),
+        (["training.strategy=pipeline", "training.world_size=3", "training.micro_batches=2"],
+         "training.pipeline_schedule 1f1b with training.pp 3, training.micro_batches 2, 1 stage(s) per rank: "
+         "Number of microbatches (2) must be greater than or equal to the number of stages (3)"),
         (["training.strategy=ps", "training.ps_servers=2"], "training.ps_servers 2 leaves no worker"),
         (["training.strategy=allgather"], "unknown strategy 'allgather' (valid: ddp, pipeline, ps, tensor)"),
     ],

@@ -36,6 +36,7 @@ def children(client, parent_run_id: str) -> dict[str, object]:
     return {int(r.data.tags["trial_number"]): r for r in runs}
 
 
+@pytest.mark.slow
 def test_local_sweep_runs_trials_side_by_side_records_a_failure_registers_the_best(
     prepared, tracking_uri, tmp_path
 ):
@@ -284,6 +285,7 @@ def study_trials(db: Path, name: str):
         return []
 
 
+@pytest.mark.slow
 def test_killed_sweep_resumes_without_rerunning_completed_trials_and_best_scores(prepared, tmp_path):
     cfg = write_config(tmp_path, prepared, LR_SPACE)
     db = tmp_path / "mlflow-optuna.db"  # beside the default tracking store, ./mlflow.db
@@ -296,7 +298,7 @@ def test_killed_sweep_resumes_without_rerunning_completed_trials_and_best_scores
         )  # fmt: skip
     states: list[str] = []
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 600  # generous: it ends as soon as the state is reached
         while time.monotonic() < deadline and proc.poll() is None:
             trials = study_trials(db, "resume")
             states = [t.state.name for t in trials]

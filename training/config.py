@@ -32,16 +32,23 @@ class TrainingConfig(Section):
     pp: int | None = Field(
         None, ge=1, description="strategy pipeline: pipeline stages; unset: world_size / dp.",
     )
-    pipeline_schedule: Literal["gpipe", "1f1b"] = Field(
-        "1f1b", description="pipeline: gpipe runs all micro-batches forward, then all backward; "
-        "1f1b interleaves them (same bubble, at most pp micro-batches' activations held).",
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv"] = Field(
+        "1f1b", description="pipeline, a torch.distributed.pipelining schedule: gpipe runs all "
+        "micro-batches forward, then all backward; 1f1b interleaves them (same bubble, at most pp "
+        "micro-batches' activations held; needs micro_batches >= pp); interleaved-1f1b runs 1F1B "
+        "over several stages per rank (a smaller bubble); zbv (zero bubble, V-shaped, 2 stages per "
+        "rank) splits each backward into input and weight gradients and fills idle time with the latter.",
+    )
+    pipeline_stages_per_rank: int | None = Field(
+        None, ge=1, description="pipeline: model stages each rank holds (the model is cut into "
+        "pp x this); unset: 1 for gpipe and 1f1b, 2 for interleaved-1f1b (any from 2) and zbv (exactly 2).",
     )
     micro_batches: int = Field(
         4, ge=1, description="pipeline: micro-batches per rank's batch (bubble (pp-1)/(m+pp-1)).",
     )
     pipeline_boundaries: list[int] | None = Field(
         None, description="pipeline: index of the first layer of each stage after the first "
-        "(pp-1 increasing numbers); unset: stages balanced by parameter count.",
+        "(pp x pipeline_stages_per_rank - 1 increasing numbers); unset: stages balanced by parameter count.",
     )
     ps_servers: int = Field(
         1, ge=1, description="strategy ps: ranks that hold the parameters (the last ones); "

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch
 
+from pipelines import storage
 from pipelines.errors import ConfigError, DataError
-from pipelines.manifest import ShardManifest, load_manifest
+from pipelines.manifest import ShardManifest, load_manifest, sequences
 
 from . import checkpoints
 from .config import TrackingConfig, TrainingConfig
@@ -89,20 +90,24 @@ def run_training(
     """
     import mlflow
 
-    dataset_dir = str(Path(dataset_dir).resolve())
+    dataset_dir = storage.resolve(dataset_dir, "pipelines.dataset_dir")
+    cfg = cfg.model_copy(update={"checkpoint_dir": storage.resolve(cfg.checkpoint_dir, "training.checkpoint_dir")})
     _check_capacity(cfg, spark, dask_client)
+    # The version checked here is the one every rank reads (and every restart), whatever
+    # a prepare commits meanwhile: retention keeps it (pipelines.retention).
     manifest = preflight(cfg, dataset_dir)
-    fp = checkpoints.fingerprint(cfg, manifest.version_id)
     resume_from, run_id = None, into_run
     if cfg.resume:
         resume_from = checkpoints.latest(cfg.checkpoint_dir)
         if resume_from is None:
-            raise DataError(f"{cfg.checkpoint_dir}: no checkpoint to resume from")
+            raise DataError(f"{storage.display(cfg.checkpoint_dir)}: no checkpoint to resume from")
+        manifest = _version_of(resume_from, dataset_dir, manifest)
+        fp = checkpoints.fingerprint(cfg, manifest.version_id)
         run_id = checkpoints.load(resume_from, fp)["run_id"] or None
     else:
+        fp = checkpoints.fingerprint(cfg, manifest.version_id)
         # A new job starts over: stale checkpoints would be resumed by its restarts.
-        for old in checkpoints.checkpoint_paths(cfg.checkpoint_dir):
-            old.unlink()
+        checkpoints.clear(cfg.checkpoint_dir)
     uri = tracking.resolved_uri()
     open_experiment(uri, tracking.experiment)
     if run_id:
@@ -121,12 +126,14 @@ def run_training(
                 {
                     "dataset_dir": dataset_dir,
                     "dataset_version": manifest.version_id,
+                    "dataset_sequence": manifest.sequence,
                     **{f"rows_{s}": info.rows for s, info in manifest.splits.items()},
                 }
             )
         job = TrainJob(
             cfg=cfg,
             dataset_dir=dataset_dir,
+            dataset_sequence=manifest.sequence,
             tracking_uri=uri,
             run_id=run_id,
             fingerprint=fp,
@@ -148,13 +155,31 @@ def run_training(
 def _check_capacity(cfg: TrainingConfig, spark, dask_client) -> None:
     """Enough task slots or workers for every rank, before anything starts."""
     if cfg.launcher == "spark" and spark is not None:
+        from pipelines.spark_probe import check_executors
+
         from .launchers.spark import check_spark_slots
 
         check_spark_slots(spark, cfg.world_size)
+        check_executors(spark)  # once per session: the CLI has usually run it already
     if cfg.launcher == "dask" and dask_client is not None:
         from .launchers.dask import check_dask_workers
 
         check_dask_workers(dask_client, cfg.world_size)
+
+
+def _version_of(checkpoint: str, dataset_dir: str, newest: ShardManifest) -> ShardManifest:
+    """The dataset version a checkpoint was written on, if retention still keeps it: a
+    resumed job goes on reading what it started on (else the fingerprint check refuses)."""
+    written_on = checkpoints.load(checkpoint, {}).get("fingerprint", {}).get("dataset_version")
+    if written_on in (None, newest.version_id):
+        return newest
+    for seq in reversed(sequences(dataset_dir)):
+        m = load_manifest(dataset_dir, seq)
+        if m.version_id == written_on:
+            print(f"[shardline] resuming on dataset version {written_on} (manifest {seq}), the one "
+                  f"the checkpoint was written on; the newest is {newest.version_id}", file=sys.stderr, flush=True)
+            return m
+    return newest
 
 
 def _continue_run(run_id: str) -> str | None:
@@ -187,9 +212,9 @@ def _launch_with_restarts(
             if attempt == cfg.max_restarts:
                 raise
             latest = checkpoints.latest(cfg.checkpoint_dir)
-            job.resume_from = str(latest) if latest else None
+            job.resume_from = latest
             mlflow.log_metric("restarts", attempt + 1)
-            where = latest.name if latest else "the start"
+            where = storage.name(latest) if latest else "the start"
             print(f"[shardline] {e}; restarting from {where}", file=sys.stderr, flush=True)
     raise AssertionError("unreachable")
 

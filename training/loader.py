@@ -53,6 +53,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+from pipelines import storage
 from pipelines.errors import ConfigError, DataError
 from pipelines.manifest import ShardInfo, ShardManifest
 
@@ -115,7 +116,8 @@ class ShardLoader:
 
         shards = manifest.split(split).shards
         mine = rank_shards(shards, rank, world_size)
-        self._paths = [Path(dataset_dir) / s.path for s in mine]
+        # Shards open through storage: a local file or ranged reads of an object (pyarrow.fs).
+        self._paths = [storage.join(str(dataset_dir), s.path) for s in mine]
         self._meta = [self._open(path, s, verify) for path, s in zip(self._paths, mine)]
         # Open files per decoding thread: opening one per row group costs ~10% of an epoch.
         self._files = threading.local()
@@ -131,21 +133,26 @@ class ShardLoader:
         self._produced, self._busy = 0, 0.0
 
     @staticmethod
-    def _open(path: Path, shard: ShardInfo, verify: bool):
-        if not path.is_file():
-            raise DataError(f"{path}: shard named by the manifest is missing")
+    def _open(url: str, shard: ShardInfo, verify: bool):
+        path = storage.display(url)
         if verify:
             digest = hashlib.sha256()
-            with open(path, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(chunk)
+            try:
+                with storage.open_stream(url, compression=None) as f:
+                    for chunk in iter(lambda: f.read(1 << 20), b""):
+                        digest.update(chunk)
+            except FileNotFoundError:
+                raise DataError(f"{path}: shard named by the manifest is missing") from None
             if digest.hexdigest() != shard.sha256:
                 raise DataError(
                     f"{path}: sha256 {digest.hexdigest()[:12]}... differs from the manifest's "
                     f"{shard.sha256[:12]}...: the shard changed after prepare; re-prepare the dataset"
                 )
         try:
-            meta = pq.ParquetFile(path).metadata
+            with storage.open_input(url) as f:
+                meta = pq.ParquetFile(f).metadata
+        except FileNotFoundError:
+            raise DataError(f"{path}: shard named by the manifest is missing") from None
         except Exception as e:  # pyarrow raises several types for a damaged file
             raise DataError(f"{path}: not a readable Parquet shard ({e})") from None
         if meta.num_rows != shard.rows:
@@ -349,7 +356,7 @@ class ShardLoader:
 
     def _decode(self, unit: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray]:
         si, g, rows = unit
-        path = self._paths[si]
+        path = storage.display(self._paths[si])
         try:
             table = self._file(si).read_row_group(g, columns=["features", self._label], use_threads=False)
         except Exception as e:
@@ -369,7 +376,11 @@ class ShardLoader:
     def _file(self, si: int) -> pq.ParquetFile:
         files = self._files.__dict__.setdefault("by_shard", {})
         if si not in files:
-            files[si] = pq.ParquetFile(self._paths[si], metadata=self._meta[si])
+            url = self._paths[si]
+            # pre_buffer on object stores: one coalesced ranged read per row group, not one per column.
+            files[si] = pq.ParquetFile(
+                storage.open_input(url), metadata=self._meta[si], pre_buffer=storage.is_remote(url)
+            )
         return files[si]
 
     def _to_torch(self, x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,10 +19,10 @@ import itertools
 import math
 import os
 import time
-from pathlib import Path
 
 import torch
 
+from pipelines import storage
 from pipelines.errors import DataError
 from pipelines.manifest import BandwidthPlan, ShardManifest, load_manifest
 from pipelines.transform import continuous_width
@@ -118,20 +118,35 @@ def plan_dataset(
 ) -> tuple[ShardManifest, BandwidthPlan]:
     """Measure on the dataset and choose its layout; the manifest measured comes back
     too, so the caller stores the plan only into that version (pipelines.manifest.store_plan)."""
-    dataset_dir = str(Path(dataset_dir).resolve())
+    dataset_dir = storage.resolve(str(dataset_dir), "pipelines.dataset_dir")
     manifest = preflight(cfg, dataset_dir)  # the errors training itself would raise
-    # The plan is per data part: the ranks that read one share of each batch (all of them
-    # for ddp; ps workers; the dp replicas of a split model, whose ranks read alike).
-    parts = get_strategy(cfg.strategy).data_world(cfg)
     device = training_device()
     train = measure_training(manifest, cfg, device, budget_s=budget_s)
     loader = measure_loader(manifest, dataset_dir, cfg, budget_s=budget_s)
+    return manifest, plan_from_measurements(manifest, cfg, train, loader, cores=cores, device=device)
+
+
+def plan_from_measurements(
+    manifest: ShardManifest,
+    cfg: TrainingConfig,
+    train_samples_per_s: float,
+    loader_samples_per_s_per_worker: float,
+    *,
+    cores: int | None = None,
+    device: torch.device | None = None,
+) -> BandwidthPlan:
+    """The plan for two measured figures on this dataset and config: what `plan_dataset`
+    does after measuring. Split out so the rule is tested on chosen figures, never on
+    a machine's speed."""
+    # The plan is per data part: the ranks that read one share of each batch (all of them
+    # for ddp; ps workers; the dp replicas of a split model, whose ranks read alike).
+    parts = get_strategy(cfg.strategy).data_world(cfg)
     train_split = manifest.split("train")
     by_size = math.ceil(
         sum(s.bytes for s in train_split.shards) / manifest.layout.target_shard_bytes / parts
     )
     plan = choose_layout(
-        train, loader,
+        train_samples_per_s, loader_samples_per_s_per_worker,
         world_size=parts,
         local_batch=cfg.batch_size // parts,
         train_rows=train_split.rows,
@@ -142,11 +157,10 @@ def plan_dataset(
     )
     ckpt = " activation-checkpointed" if cfg.activation_checkpointing else ""
     what = f"{cfg.model} {cfg.hidden} {cfg.strategy} {cfg.precision}{ckpt}, {cfg.threads_per_rank} thread(s)/rank"
-    plan = plan.model_copy(update={
-        "device": str(device), "model": what,
+    return plan.model_copy(update={
+        "device": str(device or training_device()), "model": what,
         "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     })
-    return manifest, plan
 
 
 def measure_training(

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipelines.storage import join as join_url, resolve as resolve_path
 from pipelines.errors import ConfigError, DataError, ShardlineError
 
 from .config import TrackingConfig, TrainingConfig
@@ -116,8 +117,13 @@ def check_parallel(sweep: SweepConfig, base: TrainingConfig, spark, dask_client)
     if base.launcher == "spark":
         if spark is None:
             raise ConfigError("sweep.engine 'spark' needs a Spark session")
-        total = spark.sparkContext.defaultParallelism
-        where, per_trial = f"{total} task slots of Spark master {spark.sparkContext.master}", ws
+        from .launchers.spark import spark_task_slots
+
+        slots = spark_task_slots(spark)
+        if slots.count is None:  # nothing bounds the cluster: Spark's barrier check decides
+            return None
+        total, per_trial = slots.count, ws
+        where = f"{total} task slots of {slots.where}"
     elif base.launcher == "dask":
         if dask_client is None:
             raise ConfigError("sweep.engine 'dask' needs a Dask client")
@@ -286,7 +292,10 @@ def run_sweep(
     import optuna
     from mlflow.tracking import MlflowClient
 
-    dataset_dir = str(Path(dataset_dir).resolve())
+    dataset_dir = resolve_path(dataset_dir, "pipelines.dataset_dir")
+    training = training.model_copy(
+        update={"checkpoint_dir": resolve_path(training.checkpoint_dir, "training.checkpoint_dir")}
+    )
     check_sweep(sweep, training, dataset_dir)
     base = trial_base(sweep, training)
     groups = check_parallel(sweep, base, spark, dask_client)
@@ -401,7 +410,7 @@ def _run_trial(results, number, base, name, params, tracking, dataset_dir, spark
     """A driver thread: one training job; whatever happens goes back through `results`."""
     try:
         # Its own checkpoint directory: a job deletes stale checkpoints in its own at start.
-        ckpt = str(Path(base.checkpoint_dir) / "sweeps" / name / f"trial-{number}")
+        ckpt = join_url(base.checkpoint_dir, "sweeps", name, f"trial-{number}")
         cfg = TrainingConfig.model_validate({**base.model_dump(), **params, "checkpoint_dir": ckpt})
         result = run_training(
             cfg, tracking, dataset_dir, spark, dask_client,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 
+from pipelines import storage
 from pipelines.errors import ShardlineError
 
 
@@ -28,14 +31,26 @@ class MetricsReporter:
         self.client.log_batch(self.run_id, metrics=batch, synchronous=True)
 
 
-    def checkpoint(self, path, step: int, artifact: bool) -> None:
-        """Record a checkpoint: always by reference (a tag), as an artifact when asked."""
+    def checkpoint(self, url: str, step: int, artifact: bool) -> None:
+        """Record a checkpoint: always by reference (a tag), as an artifact when asked.
+
+        The artifact goes through the tracking server (proxied artifacts): rank 0 needs
+        no credentials of the artifact store, only read access to its own checkpoint.
+        """
         if self.client is None:
             return
-        self.client.set_tag(self.run_id, "checkpoint_latest", str(path))
+        self.client.set_tag(self.run_id, "checkpoint_latest", url)
         self.log({"checkpoint_step": step}, step)
-        if artifact:
-            self.client.log_artifact(self.run_id, str(path), "checkpoints")
+        if not artifact:
+            return
+        if not storage.is_remote(url):
+            self.client.log_artifact(self.run_id, storage.local_path(url), "checkpoints")
+            return
+        with tempfile.TemporaryDirectory() as d:
+            local = os.path.join(d, storage.name(url))
+            with open(local, "wb") as f:
+                f.write(storage.read_bytes(url))
+            self.client.log_artifact(self.run_id, local, "checkpoints")
 
 
 def open_experiment(tracking_uri: str, experiment: str) -> str:

@@ -11,12 +11,12 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from pipelines import storage
 from pipelines.manifest import ShardManifest, load_manifest
 
 from . import checkpoints
@@ -36,10 +36,12 @@ class TrainJob:
 
     cfg: TrainingConfig
     dataset_dir: str
+    # The dataset version (manifest number) the driver checked: ranks read it, not a newer one.
+    dataset_sequence: int | None = None
     tracking_uri: str | None = None
     run_id: str | None = None
     fingerprint: dict | None = None
-    resume_from: str | None = None  # a checkpoint path; None starts from scratch
+    resume_from: str | None = None  # a checkpoint URL; None starts from scratch
     # Rank 0 calls it after each epoch with (epoch, metrics); True stops every rank
     # after that epoch (a sweep's pruner). Must pickle, like the rest of the job.
     epoch_hook: Callable[[int, dict[str, float]], bool] | None = None
@@ -50,7 +52,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
     cfg = job.cfg
     torch.set_num_threads(cfg.threads_per_rank)
     device = _device(rank)
-    manifest = load_manifest(job.dataset_dir)
+    manifest = load_manifest(job.dataset_dir, job.dataset_sequence)
     model = trainable_model(manifest, cfg, device)
     parallel = get_strategy(cfg.strategy).setup(
         model, cfg, rank, world_size, device, lambda params: make_optimizer(params, cfg)
@@ -90,7 +92,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
 
     step = start_epoch = 0
     if job.resume_from:
-        state = checkpoints.load(Path(job.resume_from), job.fingerprint)
+        state = checkpoints.load(job.resume_from, job.fingerprint)
         mine = state["ranks"][rank]
         parallel.load_state_dict(mine["parallel"], state["model"])
         if scheduler:
@@ -308,12 +310,8 @@ def _evaluate(model, val: ShardLoader | None, device) -> dict[str, float]:
 
 def _announce(checkpoint_dir: str, rank: int) -> None:
     """ranks/rank-N.json: which host and process is rank N (to watch or signal it)."""
-    d = Path(checkpoint_dir) / "ranks"
-    d.mkdir(parents=True, exist_ok=True)
     info = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid()}
-    tmp = d / f".rank-{rank}.json.tmp"
-    tmp.write_text(json.dumps(info))
-    os.replace(tmp, d / f"rank-{rank}.json")
+    storage.write_bytes(storage.join(checkpoint_dir, "ranks", f"rank-{rank}.json"), json.dumps(info).encode())
 
 
 def lr_factor(cfg: TrainingConfig, total_steps: int):

@@ -1,25 +1,96 @@
-"""A Spark barrier stage of N tasks, one rank each; rendezvous through BarrierTaskContext."""
+"""A Spark barrier stage of N tasks, one rank each; rendezvous through BarrierTaskContext.
+
+One code path for classic Spark and Spark Connect: the stage is
+`spark.range(N, numPartitions=N).mapInArrow(rank_task, schema, barrier=True)`,
+which both run (Connect has no RDD API and no sparkContext).
+"""
 
 from __future__ import annotations
 
 import pickle
+import re
+from dataclasses import dataclass
 from typing import Any
 
 from pipelines.errors import ShardlineError
+from pipelines.spark_probe import spark_error_line
+from pipelines.spark_setup import spark_master, spark_setting
 
 from . import RankFn, TrainingFailed, free_port, run_in_group
 
 
-def spark_task_slots(spark) -> int:
-    return spark.sparkContext.defaultParallelism
+@dataclass(frozen=True)
+class TaskSlots:
+    """How many tasks the Spark cluster runs at once, as far as its settings tell.
+
+    count: exact for local masters; for cluster masters an upper bound from
+    spark.cores.max or the executors' settings, None when nothing bounds it (then
+    Spark's own barrier check decides, failing after
+    spark.scheduler.barrier.maxConcurrentTasksCheck.* tries).
+    """
+
+    count: int | None
+    where: str  # "Spark master local[2]", with the settings it came from
 
 
-def check_spark_slots(spark, world_size: int) -> None:
-    slots = spark_task_slots(spark)
-    if world_size > slots:
+def spark_task_slots(spark) -> TaskSlots:
+    master = spark_master(spark)
+    cpus = int(spark_setting(spark, "spark.task.cpus") or 1)
+    said = [f"spark.task.cpus={cpus}"] if cpus > 1 else []
+
+    def slots(count: int | None, *settings: str) -> TaskSlots:
+        notes = [*settings, *said]
+        return TaskSlots(count, f"Spark master {master}" + (f" ({', '.join(notes)})" if notes else ""))
+
+    m = re.fullmatch(r"local(?:\[(\d+|\*)(?:,\s*\d+)?\])?", master)
+    if m:
+        if m[1] == "*":
+            cores = _local_cores(spark)
+            return slots(cores // cpus, f"{cores} cores")
+        return slots(int(m[1] or 1) // cpus)
+    m = re.fullmatch(r"local-cluster\[(\d+),\s*(\d+),\s*\d+\]", master)
+    if m:
+        return slots(int(m[1]) * (int(m[2]) // cpus))
+    cores_max = spark_setting(spark, "spark.cores.max")
+    if cores_max:
+        return slots(int(cores_max) // cpus, f"spark.cores.max={cores_max}")
+    instances = spark_setting(spark, "spark.executor.instances")
+    ecores = spark_setting(spark, "spark.executor.cores")
+    if instances and ecores and not _dynamic_allocation(spark):
+        return slots(
+            int(instances) * (int(ecores) // cpus),
+            f"spark.executor.instances={instances}", f"spark.executor.cores={ecores}",
+        )
+    return slots(None)
+
+
+def _local_cores(spark) -> int:
+    """Cores of local[*]: the partitions Spark gives a range by default (its default
+    parallelism, the cores of the host the local executors run on: the Connect server's)."""
+    rows = spark.sql(
+        "SELECT count(DISTINCT p) AS n FROM (SELECT spark_partition_id() AS p FROM range(1048576))"
+    ).collect()
+    return int(rows[0]["n"])
+
+
+def _dynamic_allocation(spark) -> bool:
+    return (spark_setting(spark, "spark.dynamicAllocation.enabled") or "false").lower() == "true"
+
+
+def check_spark_slots(spark, world_size: int, setting: str = "training.world_size") -> None:
+    """Refuse what a barrier stage cannot get, before anything starts: a setting that
+    rules barrier stages out, or fewer task slots than ranks."""
+    master = spark_master(spark)
+    if _dynamic_allocation(spark) and not master.startswith("local"):
         raise ShardlineError(
-            f"training.world_size {world_size} is greater than the {slots} task slots of "
-            f"Spark master {spark.sparkContext.master}: a barrier stage needs them all at once"
+            "spark.dynamicAllocation.enabled is true: Spark refuses barrier stages (shardline's "
+            "training ranks) under dynamic allocation [SPARK-24942]; set it to false for this job"
+        )
+    slots = spark_task_slots(spark)
+    if slots.count is not None and world_size > slots.count:
+        raise ShardlineError(
+            f"{setting} {world_size} is greater than the {slots.count} task slots of "
+            f"{slots.where}: a barrier stage needs them all at once"
         )
 
 
@@ -29,9 +100,12 @@ def launch_spark_barrier(
     """Run `fn` on `world_size` ranks as one barrier stage; return the results by rank."""
     check_spark_slots(spark, world_size)
 
-    def rank_task(_):
+    def rank_task(batches):
+        import pyarrow as pa
         from pyspark import BarrierTaskContext
 
+        for _ in batches:  # one row: this partition's index, which is the rank
+            pass
         ctx = BarrierTaskContext.get()
         rank = ctx.partitionId()
         _use_task_gpu(ctx)
@@ -40,14 +114,22 @@ def launch_spark_barrier(
         mine = f"{rank}:{free_port(host) if rank == 0 else 0}"
         port = next(int(m.split(":")[1]) for m in ctx.allGather(mine) if m.startswith("0:"))
         result = run_in_group(fn, rank, world_size, f"tcp://{host}:{port}", payload, timeout_s)
-        yield pickle.dumps((rank, result))
+        yield pa.RecordBatch.from_pydict(
+            {"rank": [rank], "result": [pickle.dumps(result)]},
+            schema=pa.schema([("rank", pa.int32()), ("result", pa.binary())]),
+        )
 
-    rdd = spark.sparkContext.parallelize(range(world_size), world_size)
+    ranks = spark.range(0, world_size, numPartitions=world_size)
     try:
-        out = rdd.barrier().mapPartitions(rank_task).collect()
+        rows = ranks.mapInArrow(rank_task, "rank int, result binary", barrier=True).collect()
     except Exception as e:
-        raise TrainingFailed(f"Spark barrier stage failed: {_root_cause(e)}") from e
-    results = dict(pickle.loads(b) for b in out)
+        if "SPARK-24819" in str(e):  # Spark's own slot check, after its retries
+            raise ShardlineError(
+                f"training.world_size {world_size}: Spark could not give the barrier stage "
+                f"{world_size} task slots at once ({spark_task_slots(spark).where} has fewer)"
+            ) from None
+        raise TrainingFailed(f"Spark barrier stage failed: {spark_error_line(e)}") from e
+    results = {r["rank"]: pickle.loads(r["result"]) for r in rows}
     return [results[r] for r in range(world_size)]
 
 
@@ -65,12 +147,3 @@ def _use_task_gpu(ctx) -> None:
         os.environ["SHARDLINE_CUDA_DEVICE"] = gpu.addresses[0]
     else:
         os.environ.pop("SHARDLINE_CUDA_DEVICE", None)
-
-
-def _root_cause(e: Exception) -> str:
-    # A Python error inside a task arrives wrapped in Java's stack; keep its last line.
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if "Error" in ln and not ln.startswith("at "):
-            return ln[:300]
-    return lines[0][:300] if lines else type(e).__name__

@@ -1,16 +1,18 @@
-"""Pipeline parallel: the model's layers cut into stages, one stage per rank.
+"""Pipeline parallel on torch.distributed.pipelining: the model's layers cut into stages,
+each a `PipelineStage`, run by one of torch's schedules (schedule.py).
 
-Each rank's batch is split into micro-batches that flow through the stages in the
-order schedule.py gives (GPipe or 1F1B): activations go forward to the next stage,
-their gradients come back. Every rank of one pipeline reads the same batch (stage 0
-uses x, the last stage y); with dp > 1 the pipelines average their gradients.
-Each micro-batch's mean loss is scaled by 1/m, so the summed gradient is that of the
-mean loss over the batch: single-process SGD on it.
+The model (an nn.Sequential) is cut at stage bounds (from the config, else balanced by
+parameter count) into p x v stages: v per rank of a pipeline of p ranks, placed as the
+schedule wants them (rank r holds stage r for GPipe and 1F1B, r, r+p, ... for
+interleaved 1F1B, r and 2p-1-r for ZBV). Every rank of one pipeline reads the same batch
+(the first stage uses x, the last y); with dp > 1 the pipelines average their gradients.
+torch's schedule takes each micro-batch's mean loss and divides the summed gradients by
+the number of micro-batches: the gradient of the batch's mean loss, as single-process
+training computes it.
 """
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from functools import cache
 from itertools import accumulate
@@ -24,8 +26,9 @@ from torch import nn
 from pipelines.errors import ConfigError
 
 from ..config import TrainingConfig
-from .base import OptimizerFactory, autocast_for, average_gradients, mesh_for
-from .schedule import DeadlockError, actions, bubble_formula, dry_run, grid
+from .base import OptimizerFactory, average_gradients, mesh_for
+from .pipeline_timing import RankClock, StepLog, TimedStage, step_bubbles
+from .schedule import SCHEDULES, Layout, ReplayStuck, closed_form, grid, in_flight, layout, schedule_bubble
 
 
 def _parameters(layers) -> int:
@@ -71,16 +74,49 @@ def stage_bounds(cfg: TrainingConfig, model: nn.Sequential, stages: int) -> list
     return bounds
 
 
+def stages_per_rank(cfg: TrainingConfig) -> int:
+    fixed = SCHEDULES[cfg.pipeline_schedule].stages_per_rank
+    v = cfg.pipeline_stages_per_rank or fixed or 2
+    if (fixed is not None and v != fixed) or v < 1 or (fixed is None and v < 2):
+        need = f"exactly {fixed}" if fixed else "2 or more"
+        raise ConfigError(
+            f"training.pipeline_stages_per_rank {v}: training.pipeline_schedule "
+            f"{cfg.pipeline_schedule} runs {need} stages per rank"
+        )
+    return v
+
+
+def pipeline_layout(cfg: TrainingConfig) -> Layout:
+    """The schedule this config runs, or ConfigError naming the settings torch refuses."""
+    p, m, v = mesh_for(cfg, "pp").inner, cfg.micro_batches, stages_per_rank(cfg)
+    try:
+        lay = layout(cfg.pipeline_schedule, p, v, m)
+        schedule_bubble(lay)  # every action can run: no rank waits forever
+    except (ValueError, ReplayStuck) as e:
+        raise ConfigError(
+            f"training.pipeline_schedule {cfg.pipeline_schedule} with training.pp {p}, "
+            f"training.micro_batches {m}, {v} stage(s) per rank: {e}"
+        ) from None
+    return lay
+
+
 class Pipeline:
     name = "pipeline"
 
     def check(self, cfg: TrainingConfig, model: nn.Sequential) -> None:
         mesh = mesh_for(cfg, "pp")
-        if mesh.inner > len(model):
+        if mesh.inner < 2:
             raise ConfigError(
-                f"training.pp {mesh.inner}: more pipeline stages than the model's {len(model)} layers"
+                f"training.pp {mesh.inner}: a pipeline needs at least 2 ranks (one model "
+                "replica per rank is strategy ddp)"
             )
-        stage_bounds(cfg, model, mesh.inner)
+        v = stages_per_rank(cfg)
+        if mesh.inner * v > len(model):
+            split = f"training.pp {mesh.inner}" + (
+                f" x training.pipeline_stages_per_rank {v}" if v > 1 else ""
+            )
+            raise ConfigError(f"{split}: more pipeline stages than the model's {len(model)} layers")
+        stage_bounds(cfg, model, mesh.inner * v)
         if cfg.batch_size % mesh.dp:
             raise ConfigError(
                 f"training.batch_size {cfg.batch_size} must be a multiple of training.dp {mesh.dp}"
@@ -91,37 +127,46 @@ class Pipeline:
                 f"training.micro_batches {cfg.micro_batches} must divide each pipeline's batch "
                 f"of {local} rows (training.batch_size {cfg.batch_size} / training.dp {mesh.dp})"
             )
-        try:
-            dry_run(cfg.pipeline_schedule, mesh.inner, cfg.micro_batches)
-        except DeadlockError as e:
-            raise ConfigError(
-                f"training.pipeline_schedule {cfg.pipeline_schedule} deadlocks with "
-                f"training.pp {mesh.inner}, training.micro_batches {cfg.micro_batches}: {e}"
-            ) from None
+        pipeline_layout(cfg)
 
     def data_world(self, cfg: TrainingConfig) -> int:
         return mesh_for(cfg, "pp").dp
 
     def describe(self, cfg: TrainingConfig, model: nn.Sequential) -> str:
         """Stages, the schedule's grid and its bubble: printed on the driver at start."""
-        mesh = mesh_for(cfg, "pp")
+        mesh, lay = mesh_for(cfg, "pp"), pipeline_layout(cfg)
         p, m = mesh.inner, cfg.micro_batches
-        bounds = stage_bounds(cfg, model, p)
+        bounds = stage_bounds(cfg, model, lay.stages)
         lines = [
-            f"pipeline: {p} stages x dp {mesh.dp}, {cfg.pipeline_schedule}, {m} micro-batches "
+            f"pipeline: {p} ranks x dp {mesh.dp}, {cfg.pipeline_schedule} "
+            f"({SCHEDULES[cfg.pipeline_schedule].summary}), {lay.stages} stages, {m} micro-batches "
             f"of {cfg.batch_size // mesh.dp // m} rows"
         ]
-        for s in range(p):
-            layers = [model[i] for i in range(bounds[s], bounds[s + 1])]
+        # rank = dp_index * pp + position in the pipeline: the ranks at each position.
+        at = [", ".join(str(d * p + r) for d in range(mesh.dp)) for r in range(p)]
+        for s in range(lay.stages):
+            lo, hi = bounds[s], bounds[s + 1] - 1
+            layers = [model[i] for i in range(lo, hi + 1)]
             names = ", ".join(type(layer).__name__ for layer in layers)
-            # rank = dp_index * pp + stage: which ranks run this row of the grid.
-            ranks = ", ".join(str(d * p + s) for d in range(mesh.dp))
             lines.append(
-                f"  stage {s} (rank{'s' if mesh.dp > 1 else ''} {ranks}): layers "
-                f"{bounds[s]}-{bounds[s + 1] - 1} ({names}), {_parameters(layers):,} parameters"
+                f"  stage {s} (rank{'s' if mesh.dp > 1 else ''} {at[lay.stage_rank[s]]}): "
+                f"{f'layers {lo}-{hi}' if hi > lo else f'layer {lo}'} ({names}), "
+                f"{_parameters(layers):,} parameters"
             )
-        lines += ["  " + row for row in grid(dry_run(cfg.pipeline_schedule, p, m)).splitlines()]
-        lines.append(f"  bubble (p-1)/(m+p-1) = {p - 1}/{m + p - 1} = {bubble_formula(p, m):.1%}")
+        lines.append(
+            "  schedule (torch's action order; one column per time unit with equal stages: "
+            "F 1, B 2, I 1, W 1; '.' idle):"
+        )
+        rows = [f"rank{'s' if mesh.dp > 1 else ''} {ranks}" for ranks in at]
+        lines += ["    " + row for row in grid(lay, rows).splitlines()]
+        formula = closed_form(lay)
+        if formula:
+            expression, num, den = formula
+            lines.append(f"  bubble {expression} = {num}/{den} = {num / den:.1%}")
+        else:
+            lines.append(f"  bubble of this grid = {schedule_bubble(lay):.1%}")
+        held = ", ".join(f"stage {s} {n}" for s, n in in_flight(lay).items())
+        lines.append(f"  micro-batches whose activations a stage holds at most: {held}")
         return "\n".join(lines)
 
     def setup(
@@ -131,125 +176,119 @@ class Pipeline:
         return PipelineRank(model, cfg, rank, device, make_optimizer)
 
 
+class StageLayers(nn.Sequential):
+    """Layers lo..hi-1 of the model, under their own indices (so state keys stay the plain
+    model's, "3.linear.weight"), run under bf16 autocast when configured. The output leaves
+    as float32: the next stage or the loss gets what single-process autocast would give it,
+    and the wire and the gradient coming back are float32."""
+
+    def __init__(self, model: nn.Sequential, lo: int, hi: int, bf16: bool):
+        super().__init__(OrderedDict((str(i), model[i]) for i in range(lo, hi)))
+        self.bf16 = bf16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            out = super().forward(x)
+        return out.float()
+
+
 class PipelineRank:
     def __init__(self, model, cfg, rank, device, make_optimizer):
         mesh = mesh_for(cfg, "pp")
-        self.stages, stage = mesh.inner, mesh.inner_index(rank)
         self.dp = mesh.dp
         self.dp_group, self.pp_group = mesh.groups(rank)
-        self.first, self.last = stage == 0, stage == self.stages - 1
-        # rank = dp_index * pp + stage: the neighbouring stages are the neighbouring ranks.
-        self.prev, self.next = rank - 1, rank + 1
-        bounds = stage_bounds(cfg, model, self.stages)
-        self.lo, self.hi = bounds[stage], bounds[stage + 1]
-        # The model's own children under their own indices: state keys stay the plain
-        # model's ("3.linear.weight"), so the stages' state dicts merge into it.
-        self.layers = nn.Sequential(OrderedDict((str(i), model[i]) for i in range(self.lo, self.hi)))
-        # Kept only until the first step measures the activation shapes (_probe).
-        self.model = model
-        self.in_shape = self.out_shape = None
-        self.micro_batches = cfg.micro_batches
-        self.actions = actions(cfg.pipeline_schedule, self.stages, cfg.micro_batches, stage)
-        params = list(self.layers.parameters())
-        # A stage of parameterless layers (a reshape) has nothing to optimise.
-        self.optimizer = make_optimizer(params) if params else None
-        self.autocast = autocast_for(device, cfg)
-        self.device = device
+        self.layout = lay = pipeline_layout(cfg)
+        self.pp_rank = mesh.inner_index(rank)  # position in the pipeline
+        bounds = stage_bounds(cfg, model, lay.stages)
+        self.clock = RankClock(device)
+        self.stages = [
+            TimedStage(
+                StageLayers(model, bounds[s], bounds[s + 1], cfg.precision == "bf16").to(device),
+                s, lay.stages, device, group=self.pp_group, clock=self.clock,
+            )
+            for s in lay.rank_stages(self.pp_rank)
+        ]
+        self.params = [p for stage in self.stages for p in stage.submod.parameters()]
+        # A rank of parameterless layers (a reshape) has nothing to optimise.
+        self.optimizer = make_optimizer(self.params) if self.params else None
+        single = lay.stages_per_rank == 1
+        self.schedule = SCHEDULES[lay.name].torch_class(
+            self.stages[0] if single else self.stages, lay.micro_batches, loss_fn=self._loss
+        )
+        self.first = any(stage.is_first for stage in self.stages)
+        self.last = any(stage.is_last for stage in self.stages)
         self.data_rank, self.data_world, self.reports = mesh.dp_index(rank), mesh.dp, self.last
-        self.bubble_formula = bubble_formula(self.stages, cfg.micro_batches)
-        self.bubbles: list[float] = []
+        formula = closed_form(lay)  # exact where a formula exists; else the replay's
+        self.bubble_formula = formula[1] / formula[2] if formula else schedule_bubble(lay)
+        self.steps_run = 0
 
-    def _probe(self, x: torch.Tensor) -> None:
-        """The shapes (less the batch dimension) of the activations entering and leaving
-        this stage, from one sample through the whole model. Done at the first step, not
-        at setup: only the data knows the input's width, and every stage has x, so no
-        stage waits for another. eval + no_grad: the probe changes no state."""
-        self.model.eval()
-        with torch.no_grad():
-            h, shapes = x[:1], [x.shape[1:]]
-            for layer in self.model:
-                h = layer(h)
-                shapes.append(h.shape[1:])
-        self.in_shape, self.out_shape = shapes[self.lo], shapes[self.hi]
-        self.model = None  # drop the other stages' layers
-
-    def _recv(self, shape, rows: int, src: int, tag: int) -> torch.Tensor:
-        buf = torch.empty((rows, *shape), device=self.device)
-        dist.recv(buf, src, tag=tag)
-        return buf
+    def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(logits, y)
+        self.clock.extend_last_forward()
+        return loss
 
     def step(self, x, y):
-        if self.model is not None:
-            self._probe(x)
-        self.layers.train()
+        for stage in self.stages:
+            stage.submod.train()
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
-        m = self.micro_batches
-        xs, ys = x.chunk(m), y.chunk(m)
-        rows = len(xs[0])
-        # Tags: 2i for micro-batch i's activation, 2i+1 for its gradient.
-        inputs, outputs, sent, logits, losses = {}, {}, [], [], []
-        busy, start = 0.0, time.perf_counter()
-        for kind, i in self.actions:
-            if kind == "F":
-                if self.first:
-                    inp = xs[i]
-                else:
-                    inp = self._recv(self.in_shape, rows, self.prev, 2 * i).requires_grad_()
-                t = time.perf_counter()
-                with self.autocast:
-                    out = self.layers(inp)
-                    if self.last:
-                        logits.append(out.detach())
-                        out = F.cross_entropy(out, ys[i]) / m
-                        losses.append(out.detach())
-                busy += time.perf_counter() - t
-                if not self.last:
-                    # float32 on the wire: under autocast the output may be bf16.
-                    act = out.detach().float().contiguous()
-                    sent.append((dist.isend(act, self.next, tag=2 * i), act))
-                inputs[i], outputs[i] = inp, out
-            else:
-                grad = None if self.last else self._recv(self.out_shape, rows, self.next, 2 * i + 1)
-                out = outputs.pop(i)
-                t = time.perf_counter()
-                out.backward(None if self.last else grad.to(out.dtype))
-                busy += time.perf_counter() - t
-                inp = inputs.pop(i)
-                if not self.first:
-                    sent.append((dist.isend(inp.grad, self.prev, tag=2 * i + 1), inp.grad))
-        # The sent tensors stay referenced until their sends complete.
-        for work, _ in sent:
-            work.wait()
-        # The schedule's wall time: the all-reduce and optimizer step are no pipeline bubble.
-        self.bubbles.append(1 - busy / (time.perf_counter() - start))
-        average_gradients(list(self.layers.parameters()), self.dp_group, self.dp)
+        # The pipeline's ranks start the step together: its span is then the longest
+        # rank's time in it (pipeline_timing.py). Every rank waits on the first one anyway.
+        dist.barrier(group=self.pp_group)
+        self.clock.begin(first=self.steps_run == 0)
+        args = (x,) if self.first else ()
+        losses: list[torch.Tensor] = []  # each micro-batch's mean loss, on the last stage
+        logits = self.schedule.step(*args, target=y if self.last else None, losses=losses)
+        self.clock.end()
+        self.steps_run += 1
+        # The replicas' pipelines average their gradients: no pipeline bubble, outside the step.
+        average_gradients(self.params, self.dp_group, self.dp)
         if self.optimizer is not None:
             self.optimizer.step()
         if self.last:
-            return torch.cat(logits), torch.stack(losses).sum()
+            return logits.detach(), torch.stack(losses).detach().mean()
         return None
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        own = {k: v.detach().cpu() for k, v in self.layers.state_dict().items()}
-        if self.pp_group is None:
-            return own
-        parts = [None] * self.stages
+        own = [
+            (stage.stage_index, {k: v.detach().cpu() for k, v in stage.submod.state_dict().items()})
+            for stage in self.stages
+        ]
+        parts = [None] * self.layout.ranks
         dist.all_gather_object(parts, own, group=self.pp_group)
-        return {k: v for part in parts for k, v in part.items()}
+        # In stage order, as the plain model's state dict is (a rank may hold stages 0 and 3).
+        stages = sorted((s for part in parts for s in part), key=lambda s: s[0])
+        return {k: v for _, state in stages for k, v in state.items()}
 
     def state_dict(self) -> dict:
-        # The stage's weights are in the checkpoint's full "model".
+        # The stages' weights are in the checkpoint's full "model".
         return {"optimizer": self.optimizer.state_dict() if self.optimizer else {}}
 
     def load_state_dict(self, state: dict, full: dict[str, torch.Tensor]) -> None:
-        self.layers.load_state_dict({k: full[k] for k in self.layers.state_dict()})
+        for stage in self.stages:
+            stage.submod.load_state_dict({k: full[k] for k in stage.submod.state_dict()})
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
 
+    def gathered_steps(self) -> list[list[StepLog]]:
+        """Every rank of this pipeline's step logs since the last call, logs[rank][step].
+        Collective over the pipeline's group. The schedule's first step also measured
+        shapes and connected the stages: it is left out."""
+        mine = [log for log in self.clock.take() if not log.first]
+        logs = [None] * self.layout.ranks
+        dist.all_gather_object(logs, mine, group=self.pp_group)
+        return logs
+
     def epoch_metrics(self) -> dict[str, float]:
-        bubbles, self.bubbles = self.bubbles, []
+        """Collective over the pipeline's group (every rank calls it at an epoch's end)."""
+        logs = self.gathered_steps()
+        me = self.pp_rank
         metrics = {"pipeline_bubble_formula": self.bubble_formula}
+        bubbles = step_bubbles(self.layout, logs)
         if bubbles:
-            metrics["pipeline_bubble"] = fmean(bubbles)
+            metrics["pipeline_bubble"] = fmean(b.measured[me] for b in bubbles)
+            metrics["pipeline_bubble_predicted"] = fmean(b.predicted[me] for b in bubbles)
+            metrics["pipeline_cpu_wait"] = fmean(b.cpu_wait[me] for b in bubbles)
+            # Most micro-batches whose activations this rank held at once.
+            metrics["pipeline_activations_held_max"] = float(max(log.held_in_all for log in logs[me]))
         return metrics

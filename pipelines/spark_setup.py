@@ -1,0 +1,326 @@
+"""How shardline gets its SparkSession: Spark Connect or classic Spark, the user's settings first.
+
+Spark Connect (`spark.remote = "sc://host:port"`, or the standard `SPARK_REMOTE`):
+the server owns every JVM-level setting (master, UI, scheduler); shardline sets
+only session (SQL) settings the server left unset, plus `[spark].conf`.
+
+Classic Spark, precedence from highest:
+  - started by shardline: `[spark]` in the config file, then `spark-defaults.conf`
+    (in `SPARK_CONF_DIR`, else `$SPARK_HOME/conf`) and `--conf` in `PYSPARK_SUBMIT_ARGS`,
+    then shardline's defaults;
+  - under spark-submit (the JVM exists before our code runs): whatever spark-submit
+    was given (`--master`, `--conf`, its properties file) and Spark's own defaults;
+    `[spark].conf` and shardline's defaults fill in only session settings left unset.
+What must be known when the JVM starts is set where it takes effect: the bind
+address (`SPARK_LOCAL_IP`, local masters) and the log4j configuration
+(`SPARK_SUBMIT_OPTS`, which comes before the user's `spark.driver.*JavaOptions` on
+the java command line, so theirs win) are set only when shardline starts the JVM.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+import warnings
+from contextlib import contextmanager
+from importlib import resources
+
+from .config import SparkConfig
+from .errors import ConfigError, ShardlineError
+from .spark_user_conf import user_spark_conf
+
+# JVM-level settings: only when shardline starts the JVM, and only where the user set nothing.
+CORE_DEFAULTS = {
+    # Embedded runs need no web server on a port nobody asked for.
+    "spark.ui.enabled": "false",
+    # pyspark's launcher turns the bar on (it starts the JVM as a "shell"); shardline
+    # prints its own stage lines, and the bar would garble them.
+    "spark.ui.showConsoleProgress": "false",
+    # Serving's per-worker model cache lives as long as the Python worker (Spark's default too).
+    "spark.python.worker.reuse": "true",
+    # A barrier stage with too few slots is retried every 15 s for 40 tries by default:
+    # ten minutes before Spark says so. Time for late executors, then a clear error.
+    "spark.scheduler.barrier.maxConcurrentTasksCheck.interval": "2s",
+    "spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures": "15",
+}
+
+
+def session_defaults(cfg: SparkConfig) -> dict[str, str]:
+    """Session (SQL) settings: set on every kind of session, where the user set nothing."""
+    return {
+        "spark.sql.shuffle.partitions": str(cfg.shuffle_partitions),
+        "spark.sql.execution.arrow.pyspark.enabled": "true",
+        # Bigger Arrow batches to Python UDFs: fewer round trips per row (default 10,000).
+        "spark.sql.execution.arrow.maxRecordsPerBatch": "65536",
+    }
+
+
+def remote_url(cfg: SparkConfig) -> str | None:
+    """The Spark Connect URL to use: `spark.remote`, else `SPARK_REMOTE`, else None (classic)."""
+    url = cfg.remote or os.environ.get("SPARK_REMOTE") or None
+    if url is None:
+        return None
+    where = _remote_source(cfg)
+    if not url.startswith("sc://"):
+        raise ConfigError(
+            f"{where} {url!r}: shardline runs on a Spark Connect server at sc://host:port "
+            f"(for embedded Spark leave it unset and use spark.master)"
+        )
+    from pyspark.sql.connect.client.core import DefaultChannelBuilder
+
+    try:
+        DefaultChannelBuilder(url)
+    except Exception as e:  # PySparkValueError with the reason
+        raise ConfigError(f"{where} {url!r}: {_first_line(e)}") from None
+    return url
+
+
+def _remote_source(cfg: SparkConfig) -> str:
+    return "spark.remote" if cfg.remote else "SPARK_REMOTE"
+
+
+def start_spark(cfg: SparkConfig):
+    """A SparkSession on Spark Connect or classic Spark; see the module docstring."""
+    url = remote_url(cfg)
+    spark = _connect(url, cfg) if url else _classic(cfg)
+    _ship_packages(spark)
+    return spark
+
+
+def is_connect(spark) -> bool:
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+def spark_setting(spark, key: str) -> str | None:
+    """The value someone set (user, server or shardline), None when Spark's default applies.
+
+    The same call on classic and Connect sessions; core settings are visible too.
+    """
+    return spark.conf.get(key, None)
+
+
+def spark_master(spark) -> str:
+    return spark_setting(spark, "spark.master") or "unknown"
+
+
+def describe_spark(spark) -> str:
+    """One line: where this session runs."""
+    if is_connect(spark):
+        return f"Spark Connect {_URLS.get(id(spark), 'server')} (master {spark_master(spark)})"
+    return f"Spark master {spark_master(spark)}"
+
+
+_URLS: dict[int, str] = {}
+
+
+# ---------------------------------------------------------------- Spark Connect
+
+
+def _connect(url: str, cfg: SparkConfig):
+    """Connect, failing in seconds when nothing (or no Connect server) answers.
+
+    The Connect client retries an unreachable server for about ten minutes before
+    it gives up; a plain TCP connect and a short retry policy for the first call
+    answer in seconds. The client's own policy is put back for the job.
+    """
+    from pyspark.sql import SparkSession
+    from pyspark.sql.connect.client.core import DefaultChannelBuilder
+    from pyspark.sql.connect.client.retries import DefaultPolicy
+
+    where = _remote_source(cfg)
+    parsed = DefaultChannelBuilder(url).url
+    host, port = parsed.hostname, parsed.port or 15002
+    reason = _unreachable(host, port, cfg.connect_timeout_s)
+    if reason:
+        raise ShardlineError(f"{where} {url}: cannot reach a Spark Connect server at {host}:{port} ({reason})")
+    _quiet_client_logs()
+    spark = SparkSession.builder.remote(url).getOrCreate()
+    policies = spark.client.get_retry_policies()
+    spark.client.set_retry_policies([DefaultPolicy(max_retries=3, max_backoff=1000)])
+    try:
+        with warnings.catch_warnings():  # the client warns before it raises: one line is ours
+            warnings.simplefilter("ignore")
+            spark.version  # the first call: a server that is not Spark Connect fails here
+    except Exception as e:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            spark.stop()  # now, with the short policy: at exit it would retry for minutes
+        raise ShardlineError(
+            f"{where} {url}: {host}:{port} does not answer as a Spark Connect server ({_grpc_reason(e)})"
+        ) from None
+    spark.client.set_retry_policies(policies)
+    _URLS[id(spark)] = url
+    for key, value in cfg.conf.items():  # the job's own settings win over the server's
+        try:
+            spark.conf.set(key, value)
+        except Exception as e:
+            raise ConfigError(
+                f"spark.conf.{key}: cannot be set from a Spark Connect client ({_first_line(e)}); "
+                f"set it where the Connect server is started (--conf on start-connect-server.sh)"
+            ) from None
+    _fill_in(spark, session_defaults(cfg), explicit=_explicit_session(cfg))
+    return spark
+
+
+def _unreachable(host: str, port: int, timeout_s: float) -> str | None:
+    """Why nothing accepts a TCP connection at host:port, or None when something does."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        if isinstance(e, TimeoutError) or e.strerror is None:
+            return f"no answer in {timeout_s:g} s"
+        return e.strerror
+    return None
+
+
+def _grpc_reason(e: BaseException) -> str:
+    details = re.search(r'details = "([^"]*)"', str(e))
+    return details[1][:300] if details else _first_line(e)
+
+
+def _quiet_client_logs() -> None:
+    """The Connect client logs a failed query as a JSON line before raising it; shardline
+    reports errors itself, as one line."""
+    import logging
+
+    from pyspark.logger import PySparkLogger
+
+    for name in ("SQLQueryContextLogger", "DataFrameQueryContextLogger"):
+        PySparkLogger.getLogger(name).setLevel(logging.CRITICAL)
+
+
+# ---------------------------------------------------------------- classic Spark
+
+
+def _classic(cfg: SparkConfig):
+    from pyspark.sql import SparkSession
+
+    # Workers run the interpreter (and so the packages) of this process unless told otherwise.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        return active
+    builder = SparkSession.builder
+    submitted = "PYSPARK_GATEWAY_PORT" in os.environ  # spark-submit started the JVM
+    if submitted:
+        # Its settings are in the JVM already; what it was not given stays Spark's default.
+        # [spark].conf fills in what is left unset, like shardline's defaults.
+        spark = builder.getOrCreate()
+        _fill_in(spark, session_defaults(cfg))
+        late = _fill_in(spark, cfg.conf)
+        if late:
+            raise ConfigError(
+                f"spark.conf.{late[0]}: a JVM setting cannot be set once spark-submit has "
+                f"started Spark; pass it to spark-submit as --conf {late[0]}={cfg.conf[late[0]]}"
+            )
+        return spark
+
+    user = user_spark_conf()  # spark-defaults.conf, PYSPARK_SUBMIT_ARGS
+    master = cfg.master if "master" in cfg.model_fields_set else user.get("spark.master", cfg.master)
+    _check_standalone_master(master, cfg.connect_timeout_s)
+    builder = builder.master(master)
+    if "app_name" in cfg.model_fields_set or "spark.app.name" not in user:
+        builder = builder.appName(cfg.app_name)
+    for key, value in CORE_DEFAULTS.items():
+        if key not in user:
+            builder = builder.config(key, value)
+    for key, value in cfg.conf.items():
+        builder = builder.config(key, value)
+    with _launch_env(local=master.startswith("local")):
+        spark = builder.getOrCreate()
+    _fill_in(spark, session_defaults(cfg), explicit={**_explicit_session(cfg), **cfg.conf})
+    return spark
+
+
+def _check_standalone_master(master: str, timeout_s: float) -> None:
+    """A spark:// master nobody answers at: Spark would try to register for about a
+    minute, then fail with a Java stack trace."""
+    if not master.startswith("spark://"):
+        return
+    reasons = []
+    for hostport in master.removeprefix("spark://").split(","):  # HA: any of the masters
+        host, _, port = hostport.partition(":")
+        reason = _unreachable(host, int(port) if port.isdigit() else 7077, timeout_s)
+        if reason is None:
+            return
+        reasons.append(reason)
+    raise ShardlineError(f"spark.master {master}: no Spark master answers there ({reasons[0]})")
+
+
+def _explicit_session(cfg: SparkConfig) -> dict[str, str]:
+    """Session settings the config file names itself: they win like [spark].conf does."""
+    if "shuffle_partitions" in cfg.model_fields_set:
+        return {"spark.sql.shuffle.partitions": str(cfg.shuffle_partitions)}
+    return {}
+
+
+def _fill_in(spark, defaults: dict[str, str], explicit: dict[str, str] | None = None) -> list[str]:
+    """Set `explicit` settings, and `defaults` only where the session has no value yet.
+
+    Returns the defaults that could not be set: JVM-level settings of a running Spark.
+    """
+    explicit = explicit or {}
+    for key, value in explicit.items():
+        if spark.conf.get(key, None) != value:
+            spark.conf.set(key, value)
+    refused = []
+    for key, value in defaults.items():
+        if key not in explicit and spark.conf.get(key, None) is None:
+            try:
+                spark.conf.set(key, value)
+            except Exception:  # CANNOT_MODIFY_CONFIG
+                refused.append(key)
+    return refused
+
+
+@contextmanager
+def _launch_env(local: bool):
+    """Environment the JVM reads when it starts; put back afterwards, so that a
+    spark-submit this process runs later is not steered by it."""
+    log4j = resources.files("pipelines") / "log4j2.properties"
+    saved = {k: os.environ.get(k) for k in ("SPARK_LOCAL_IP", "SPARK_SUBMIT_OPTS")}
+    if local:
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    opts = os.environ.get("SPARK_SUBMIT_OPTS", "")
+    if "log4j2.configurationFile" not in opts:
+        os.environ["SPARK_SUBMIT_OPTS"] = f"{opts} -Dlog4j2.configurationFile=file:{log4j}".strip()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# ---------------------------------------------------------------- code for the executors
+
+
+_SHIPPED: set[int] = set()
+
+
+def _ship_packages(spark) -> None:
+    """pipelines, training and serving for executors that do not run on this machine's
+    Python path: every Connect server (its executors are the server's), classic
+    non-local masters. Without them a barrier stage aborts on ModuleNotFoundError.
+
+    `addArtifacts(..., pyfile=True)` is the one call for both (on classic Spark 4 it
+    is `addPyFile`); Spark puts the zip ahead of installed packages on the executors,
+    so they run this driver's code.
+    """
+    from .engines import package_zip
+
+    if id(spark) in _SHIPPED:
+        return
+    if is_connect(spark) or not spark_master(spark).startswith("local"):
+        spark.addArtifacts(package_zip(), pyfile=True)
+    _SHIPPED.add(id(spark))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines() or [type(e).__name__])[0][:300]

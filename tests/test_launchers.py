@@ -1,0 +1,44 @@
+"""The local launcher: ranks come from a fork server started once, yet each launch's ranks
+see the launcher as it is at that launch, as freshly spawned processes would."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from training.launchers import TrainingFailed
+from training.launchers.local import launch_local
+
+
+def report(rank: int, world_size: int, payload: dict) -> dict:
+    print(f"rank {rank} of {world_size} on stdout", flush=True)
+    print(f"rank {rank} of {world_size} on stderr", file=sys.stderr, flush=True)
+    if payload.get("fail_rank") == rank:
+        raise ValueError(f"rank {rank} fails as asked")
+    return {"pid": os.getpid(), "ppid": os.getppid(), "cwd": os.getcwd(),
+            "mark": os.environ.get("SHARDLINE_LAUNCH_MARK")}
+
+
+def test_ranks_see_the_launchers_environment_folder_and_output_of_now(tmp_path, monkeypatch, capfd):
+    first = launch_local(report, {}, world_size=2, timeout_s=120)  # the fork server runs from here on
+    assert all(r["mark"] is None for r in first)
+    monkeypatch.setenv("SHARDLINE_LAUNCH_MARK", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    capfd.readouterr()
+
+    ranks = launch_local(report, {}, world_size=2, timeout_s=120)
+    assert [r["mark"] for r in ranks] == ["set after the server started"] * 2
+    assert [r["cwd"] for r in ranks] == [str(tmp_path)] * 2
+    out, err = capfd.readouterr()
+    for rank in range(2):
+        assert f"rank {rank} of 2 on stdout" in out and f"rank {rank} of 2 on stderr" in err
+    # Fresh processes each launch, none of them the launcher's own child (the server's).
+    pids = {r["pid"] for r in first + ranks}
+    assert len(pids) == 4 and os.getpid() not in {r["ppid"] for r in ranks}
+
+
+def test_a_failing_rank_fails_the_launch_with_its_error():
+    with pytest.raises(TrainingFailed, match="rank 1: ValueError: rank 1 fails as asked"):
+        launch_local(report, {"fail_rank": 1}, world_size=2, timeout_s=60)

@@ -1,0 +1,286 @@
+"""spark-submit conventions: the user's Spark settings survive shardline's defaults.
+
+A user's `spark.ui.enabled` and `spark.sql.shuffle.partitions`, given with
+spark-submit `--conf` or in `spark-defaults.conf`, are what the running Spark
+has; shardline fills in only what nobody set. Each case starts its own JVM in a
+subprocess, as a user's command would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from training.launchers import free_port
+
+from .conftest import REPO, shardline
+from .fixtures_clusters import _start, _stop, _wait_port
+
+BIN = Path(sys.executable).parent
+QUICKSTART = REPO / "jobs" / "configs" / "quickstart.toml"
+LOG4J = REPO / "pipelines" / "log4j2.properties"
+KEYS = [
+    "spark.ui.enabled", "spark.sql.shuffle.partitions", "spark.sql.execution.arrow.maxRecordsPerBatch",
+    "spark.ui.showConsoleProgress", "spark.master",
+]
+# A driver that starts Spark through shardline's session factory and reports what Spark has.
+DRIVER = f"""
+import json, socket, sys
+from pipelines.config import SparkConfig
+from pipelines.engines import spark_session
+spark = spark_session(SparkConfig.model_validate(json.loads(sys.argv[1])))
+out = {{k: spark.conf.get(k, None) for k in {KEYS!r}}}
+with socket.socket() as s:  # the web UI, if Spark runs one, listens on spark.ui.port
+    out["ui_listening"] = s.connect_ex(("127.0.0.1", int(sys.argv[2]))) == 0
+def jvm_env(batches):  # Python workers inherit the JVM's environment
+    import os, pandas as pd
+    for _ in batches:
+        yield pd.DataFrame({{"ip": [os.environ.get("SPARK_LOCAL_IP", "")]}})
+out["jvm_SPARK_LOCAL_IP"] = spark.range(1).mapInPandas(jvm_env, "ip string").collect()[0]["ip"]
+out["driver_SPARK_LOCAL_IP"] = __import__("os").environ.get("SPARK_LOCAL_IP")
+print("RESULT " + json.dumps(out), flush=True)
+spark.stop()
+"""
+
+
+def _env(tmp: Path, conf_lines: list[str] | None = None) -> dict:
+    conf_dir = tmp / "conf"
+    conf_dir.mkdir(exist_ok=True)
+    (conf_dir / "spark-defaults.conf").write_text("\n".join(conf_lines or []) + "\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("SPARK_LOCAL_IP", "SPARK_SUBMIT_OPTS")}
+    return {**env, "SPARK_CONF_DIR": str(conf_dir), "PYSPARK_PYTHON": sys.executable,
+            "PYSPARK_DRIVER_PYTHON": sys.executable}
+
+
+def _run(cmd: list[str], tmp: Path, env: dict) -> tuple[dict, subprocess.CompletedProcess]:
+    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(result.removeprefix("RESULT ")), proc
+
+
+def _submit_shardline(tmp: Path, spark_args: list[str], *shardline_args: str) -> subprocess.CompletedProcess:
+    """`spark-submit SPARK_ARGS jobs/spark_submit.py SHARDLINE_ARGS` on the quickstart config."""
+    cmd = [str(BIN / "spark-submit"), *spark_args, str(REPO / "jobs" / "spark_submit.py"),
+           shardline_args[0], str(QUICKSTART), *shardline_args[1:]]
+    return subprocess.run(cmd, cwd=tmp, env=_env(tmp), capture_output=True, text=True, timeout=600)
+
+
+def _error_lines(text: str) -> list[str]:
+    # spark-submit merges the Python driver's stderr into its stdout.
+    return [ln for ln in text.splitlines() if ln.startswith("error:")]
+
+
+def _driver(tmp: Path) -> Path:
+    script = tmp / "driver.py"
+    script.write_text(DRIVER)
+    return script
+
+
+def test_spark_submit_conf_wins_over_shardlines_defaults(tmp_path):
+    ui = free_port()
+    cmd = [
+        str(BIN / "spark-submit"), "--master", "local[1]",
+        "--conf", "spark.ui.enabled=true", "--conf", f"spark.ui.port={ui}",
+        "--conf", "spark.sql.shuffle.partitions=7",
+        # The documented form for what must be set before the JVM starts (README).
+        "--driver-java-options", f"-Dlog4j2.configurationFile=file:{LOG4J}",
+        str(_driver(tmp_path)), "{}", str(ui),
+    ]  # fmt: skip
+    got, proc = _run(cmd, tmp_path, _env(tmp_path))
+    assert got["spark.ui.enabled"] == "true" and got["ui_listening"], got
+    assert got["spark.sql.shuffle.partitions"] == "7"
+    assert got["spark.sql.execution.arrow.maxRecordsPerBatch"] == "65536"  # unset: shardline's
+    assert got["spark.master"] == "local[1]"
+    assert " INFO " not in proc.stdout + proc.stderr  # the log4j configuration took effect
+
+
+def test_spark_defaults_conf_wins_under_spark_submit(tmp_path):
+    ui = free_port()
+    env = _env(tmp_path, ["spark.ui.enabled true", f"spark.ui.port={ui}", "spark.sql.shuffle.partitions : 7"])
+    cmd = [str(BIN / "spark-submit"), "--master", "local[1]", str(_driver(tmp_path)), "{}", str(ui)]
+    got, _ = _run(cmd, tmp_path, env)
+    assert got["spark.ui.enabled"] == "true" and got["ui_listening"], got
+    assert got["spark.sql.shuffle.partitions"] == "7"
+
+
+def test_spark_defaults_conf_wins_when_shardline_starts_spark(tmp_path):
+    ui = free_port()
+    env = _env(tmp_path, [
+        "# the user's site settings", "spark.ui.enabled   true", f"spark.ui.port {ui}",
+        "spark.sql.shuffle.partitions=7", "spark.sql.execution.arrow.maxRecordsPerBatch 1000",
+    ])  # fmt: skip
+    # [spark].conf is this job's own config: it wins over the site's spark-defaults.conf.
+    cfg = {"conf": {"spark.sql.execution.arrow.maxRecordsPerBatch": "2000"}}
+    got, _ = _run([sys.executable, str(_driver(tmp_path)), json.dumps(cfg), str(ui)], tmp_path, env)
+    assert got["spark.ui.enabled"] == "true" and got["ui_listening"], got
+    assert got["spark.sql.shuffle.partitions"] == "7"
+    assert got["spark.sql.execution.arrow.maxRecordsPerBatch"] == "2000"
+
+
+def test_shardlines_defaults_fill_in_what_nobody_set(tmp_path):
+    ui = free_port()
+    env = _env(tmp_path, [f"spark.ui.port {ui}"])
+    got, proc = _run([sys.executable, str(_driver(tmp_path)), "{}", str(ui)], tmp_path, env)
+    assert got["spark.ui.enabled"] == "false" and not got["ui_listening"], got
+    assert got["spark.ui.showConsoleProgress"] == "false"
+    assert got["spark.sql.shuffle.partitions"] == "4"
+    assert got["spark.master"] == "local[2]"
+    # Set where the JVM reads them when it starts: the bind address (put back in this
+    # process afterwards), and the log4j configuration (quiet).
+    assert got["jvm_SPARK_LOCAL_IP"] == "127.0.0.1" and got["driver_SPARK_LOCAL_IP"] is None
+    assert " INFO " not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_task_cpus_leaving_fewer_slots_than_ranks_is_refused_by_name(tmp_path):
+    proc = _submit_shardline(
+        tmp_path, ["--master", "local[2]", "--conf", "spark.task.cpus=2"],
+        "train", "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'",
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert _error_lines(proc.stdout) == [
+        "error: training.world_size 2 is greater than the 1 task slots of Spark master local[2] "
+        "(spark.task.cpus=2): a barrier stage needs them all at once"
+    ], proc.stdout[-2000:]
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_dynamic_allocation_is_refused_for_training(tmp_path):
+    """Spark refuses barrier stages under dynamic allocation [SPARK-24942]: say so up front.
+
+    A real standalone Master with no workers: shardline refuses before it needs one."""
+    port = free_port()
+    master = _start(
+        [str(BIN / "spark-class"), "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+         "--port", str(port), "--webui-port", str(free_port())],
+        tmp_path / "master.log",
+        {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PYSPARK_PYTHON": sys.executable,
+         "SPARK_LOCAL_IP": "127.0.0.1"},
+    )  # fmt: skip
+    try:
+        _wait_port(port)
+        proc = shardline(
+            "train", str(QUICKSTART),
+            "--set", f"spark.master='spark://127.0.0.1:{port}'",
+            "--set", "spark.conf={'spark.dynamicAllocation.enabled' = 'true'}",
+            "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'",
+            cwd=tmp_path, env=_env(tmp_path), timeout=300,
+        )  # fmt: skip
+    finally:
+        _stop([master])
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert _error_lines(proc.stderr) == [
+        "error: spark.dynamicAllocation.enabled is true: Spark refuses barrier stages (shardline's "
+        "training ranks) under dynamic allocation [SPARK-24942]; set it to false for this job"
+    ], proc.stderr[-2000:]
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_cluster_with_fewer_slots_than_ranks_is_one_line_from_sparks_own_check(prepared, tmp_path):
+    """Nothing in the settings bounds a standalone cluster's slots, so Spark's own barrier
+    check decides: with shardline's defaults it gives up after 15 tries 2 s apart (Spark's
+    own: 40 tries 15 s apart), and the error names the setting."""
+    env = {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PYSPARK_PYTHON": sys.executable,
+           "SPARK_LOCAL_IP": "127.0.0.1"}
+    port = free_port()
+    procs = [_start(
+        [str(BIN / "spark-class"), "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+         "--port", str(port), "--webui-port", str(free_port())], tmp_path / "master.log", env,
+    )]  # fmt: skip
+    try:
+        _wait_port(port)
+        procs.append(_start(
+            [str(BIN / "spark-class"), "org.apache.spark.deploy.worker.Worker", f"spark://127.0.0.1:{port}",
+             "--cores", "1", "--memory", "1g", "--work-dir", str(tmp_path / "work"), "--host", "127.0.0.1",
+             "--webui-port", str(free_port())], tmp_path / "worker.log", env,
+        ))  # fmt: skip
+        proc = shardline(
+            "train", str(QUICKSTART), "--set", f"spark.master='spark://127.0.0.1:{port}'",
+            "--set", "spark.conf={'spark.driver.host' = '127.0.0.1', 'spark.driver.bindAddress' = '127.0.0.1'}",
+            "--set", f"pipelines.dataset_dir='{prepared.dataset_dir}'",
+            "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'",
+            cwd=tmp_path, env={**_env(tmp_path), **env}, timeout=400,
+        )  # fmt: skip
+    finally:
+        _stop(procs)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert _error_lines(proc.stderr) == [
+        "error: training.world_size 2: Spark could not give the barrier stage 2 task slots at once "
+        f"(Spark master spark://127.0.0.1:{port} has fewer)"
+    ], proc.stderr[-2000:]
+
+
+def test_a_standalone_master_nobody_answers_at_is_one_line(tmp_path):
+    port = free_port()  # nothing listens there: Spark alone would retry, then print a stack
+    proc = shardline(
+        "prepare", str(QUICKSTART),
+        "--set", f"spark.master='spark://127.0.0.1:{port}'", cwd=tmp_path, env=_env(tmp_path),
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert _error_lines(proc.stderr) == [
+        f"error: spark.master spark://127.0.0.1:{port}: no Spark master answers there (Connection refused)"
+    ], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "shardline-data").exists()
+
+
+def test_arrow_disabled_for_pandas_conversions_changes_nothing(tmp_path):
+    """shardline's stages are mapInArrow/mapInPandas, which use Arrow whatever this says."""
+    proc = _submit_shardline(
+        tmp_path, ["--master", "local[2]", "--conf", "spark.sql.execution.arrow.pyspark.enabled=false"],
+        "prepare", "--set", "pipelines.source.synthetic.rows=2000",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    from pipelines.manifest import load_manifest
+
+    manifest = load_manifest(str(tmp_path / "shardline-data" / "quickstart" / "dataset"))
+    assert sum(s.rows for s in manifest.splits.values()) == 2000
+
+
+def test_a_jvm_setting_only_the_config_names_is_refused_under_spark_submit(tmp_path):
+    """spark-submit started the JVM: a JVM setting from [spark].conf can no longer apply."""
+    proc = _submit_shardline(
+        tmp_path, ["--master", "local[1]"], "prepare", "--set", "spark.conf={'spark.ui.enabled' = 'true'}"
+    )
+    assert proc.returncode == 2, proc.stdout[-3000:]
+    assert _error_lines(proc.stdout) == [
+        "error: spark.conf.spark.ui.enabled: a JVM setting cannot be set once spark-submit has "
+        "started Spark; pass it to spark-submit as --conf spark.ui.enabled=true"
+    ], proc.stdout[-2000:]
+    assert not (tmp_path / "shardline-data").exists()
+
+
+def test_user_settings_are_read_as_spark_submit_reads_them(tmp_path, monkeypatch):
+    """No JVM: the sources shardline reads before starting one, in spark-submit's order."""
+    from pipelines.spark_user_conf import user_spark_conf
+
+    conf_dir = tmp_path / "conf"
+    conf_dir.mkdir()
+    (conf_dir / "spark-defaults.conf").write_text(
+        "# a comment\n! another\nspark.ui.enabled   true\nspark.sql.shuffle.partitions=7\n"
+        "spark.driver.extraJavaOptions : -Da=1 \\\n    -Db=2\nnot.spark 1\n"
+    )
+    (tmp_path / "job.conf").write_text("spark.sql.shuffle.partitions 9\nspark.app.name job\n")
+    monkeypatch.setenv("SPARK_CONF_DIR", str(conf_dir))
+    monkeypatch.delenv("PYSPARK_SUBMIT_ARGS", raising=False)
+    assert user_spark_conf() == {
+        "spark.ui.enabled": "true", "spark.sql.shuffle.partitions": "7",
+        "spark.driver.extraJavaOptions": "-Da=1 -Db=2",
+    }  # fmt: skip
+    monkeypatch.setenv(
+        "PYSPARK_SUBMIT_ARGS",
+        "--master local[3] --conf spark.ui.enabled=false --conf=spark.ui.port=4321 pyspark-shell",
+    )
+    got = user_spark_conf()
+    assert (got["spark.master"], got["spark.ui.enabled"], got["spark.ui.port"]) == ("local[3]", "false", "4321")
+    # --properties-file replaces spark-defaults.conf, unless --load-spark-defaults (it wins then).
+    monkeypatch.setenv("PYSPARK_SUBMIT_ARGS", f"--properties-file {tmp_path / 'job.conf'} pyspark-shell")
+    assert user_spark_conf() == {"spark.sql.shuffle.partitions": "9", "spark.app.name": "job"}
+    monkeypatch.setenv(
+        "PYSPARK_SUBMIT_ARGS", f"--properties-file {tmp_path / 'job.conf'} --load-spark-defaults pyspark-shell"
+    )
+    got = user_spark_conf()
+    assert (got["spark.sql.shuffle.partitions"], got["spark.ui.enabled"]) == ("9", "true")
