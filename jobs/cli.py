@@ -139,24 +139,41 @@ def prepare(config, overrides, engine, append, refit, by_plan):
 @click.option("--world-size", type=int, help="Overrides training.world_size.")
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in training.checkpoint_dir "
               "(wherever it is stored); the same as --set training.resume=true.")
-def train(config, overrides, launcher, world_size, resume):
+@click.option("--allow-changed", "allow_changed", multiple=True, metavar="FIELDS",
+              help="With --resume: fingerprint fields that may differ from the checkpoint's (comma-separated, "
+              "repeatable: lr, weight_decay, lr_schedule, warmup_steps, epochs, dataset_version); adds to "
+              "training.resume_allow_changed.")
+def train(config, overrides, launcher, world_size, resume, allow_changed):
     """Train on a prepared dataset; track in MLflow; register the model."""
     extra = [f"training.launcher='{launcher}'"] if launcher else []
     extra += [f"training.world_size={world_size}"] if world_size else []
     extra += ["training.resume=true"] if resume else []
     cfg = load_config(config, list(overrides) + extra)
+    if allow_changed:
+        named = [f.strip() for arg in allow_changed for f in arg.split(",") if f.strip()]
+        t = cfg.training
+        cfg = cfg.model_copy(update={"training": t.model_copy(
+            update={"resume_allow_changed": [*t.resume_allow_changed, *named]})})
     cfg = resolve_paths(cfg, [cfg.training.launcher], (DATASET, CHECKPOINTS), tracking=True)
     check_storage(cfg, reads=(DATASET,), writes=(CHECKPOINTS,))
-    from training.job import check_settings
+    from training.checkpoints import check_allowed
+    from training.job import check_settings, hold_checkpoint_dir
 
     # Names and batch: one line before an engine starts. The dataset is checked after,
     # with the cluster's free slots first: too few slots is the error to fix first.
     check_settings(cfg.training)
-    if cfg.training.launcher == "dask":
-        with _dask(cfg) as client:
-            result = _train(cfg, None, client)
-    else:
-        result = _train(cfg, _spark(cfg, _spark_ranks(cfg)) if cfg.training.launcher == "spark" else None)
+    check_allowed(cfg.training.resume_allow_changed, "--allow-changed / training.resume_allow_changed")
+    # One job per checkpoint directory: a second is refused here, before an engine starts.
+    lease = hold_checkpoint_dir(cfg.training)
+    try:
+        if cfg.training.launcher == "dask":
+            with _dask(cfg) as client:
+                result = _train(cfg, None, client, lease)
+        else:
+            spark = _spark(cfg, _spark_ranks(cfg)) if cfg.training.launcher == "spark" else None
+            result = _train(cfg, spark, None, lease)
+    finally:
+        lease.release()
     console.print(f"  run {result.run_id}; model {result.model_uri}")
     for k in ("val_loss", "val_accuracy"):
         if k in result.metrics:
@@ -638,14 +655,14 @@ def _prepare(cfg: ShardlineConfig, engine, append=False, refit=False, by_plan=Fa
     return manifest
 
 
-def _train(cfg: ShardlineConfig, spark, dask_client=None):
+def _train(cfg: ShardlineConfig, spark, dask_client=None, lease=None):
     from training.job import run_training
 
     t = cfg.training
     title = f"Training {t.model} with {t.strategy} on {t.world_size} {t.launcher} ranks"
     with stage(title):
         return run_training(
-            t, cfg.tracking, cfg.pipelines.dataset_dir, spark=spark, dask_client=dask_client
+            t, cfg.tracking, cfg.pipelines.dataset_dir, spark=spark, dask_client=dask_client, lease=lease
         )
 
 

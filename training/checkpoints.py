@@ -13,7 +13,14 @@ A checkpoint is visible once the pointer names it: an interrupted write leaves a
 most an object nothing points to. Rotation keeps the newest `keep` and never
 deletes what the pointer names. `latest()` follows the pointer (a directory with no
 pointer, such as one written by an earlier shardline or copied by hand, falls back
-to the newest object by step).
+to the newest object by step). `readable()` is the one a job resumes from: the
+pointed one, or, when that cannot be read (truncated, corrupted), the newest older
+one that can, said in one line.
+
+The fingerprint is every setting that shapes the weights, the optimizer state or
+the order of batches; a resume whose config differs is refused naming the fields,
+unless the user names them as allowed to change (`training.resume_allow_changed`,
+`shardline train --resume --allow-changed lr`).
 """
 
 from __future__ import annotations
@@ -21,12 +28,13 @@ from __future__ import annotations
 import io
 import json
 import re
+import sys
 import uuid
 
 import torch
 
 from pipelines import storage
-from pipelines.errors import DataError
+from pipelines.errors import ConfigError, DataError, StorageError
 
 from .config import TrainingConfig
 
@@ -39,7 +47,25 @@ FINGERPRINT_FIELDS = (
     "model", "hidden", "heads", "embedding_dim", "strategy", "world_size", "batch_size", "seed", "epochs",
     "shuffle_buffer_rows", "remainder", "dp", "tp", "pp", "dp_shard", "tp_plan", "ps_servers", "ps_mode",
     "micro_batches", "pipeline_boundaries", "pipeline_schedule", "pipeline_stages_per_rank",
+    # the optimisation itself: a resume with another lr or schedule would quietly keep the old one
+    "lr", "weight_decay", "lr_schedule", "warmup_steps", "precision", "grad_compression",
 )
+# Fields a resume may change when the user allows it (the rest decide the checkpoint's
+# layout or the order of batches, so a checkpoint cannot carry over to other values).
+CHANGEABLE_FIELDS = ("lr", "weight_decay", "lr_schedule", "warmup_steps", "epochs", "dataset_version")
+
+
+class CheckpointUnreadable(DataError):
+    """A checkpoint object that cannot be read back (missing, truncated, corrupted)."""
+
+
+def check_allowed(allowed: list[str] | tuple[str, ...], setting: str = "training.resume_allow_changed") -> None:
+    unknown = [a for a in allowed if a not in CHANGEABLE_FIELDS]
+    if unknown:
+        raise ConfigError(
+            f"{setting}: {', '.join(unknown)} cannot change on resume; fields that can: "
+            + ", ".join(CHANGEABLE_FIELDS)
+        )
 
 
 def fingerprint(cfg: TrainingConfig, dataset_version: str) -> dict[str, str]:
@@ -78,9 +104,12 @@ def save(directory: str, global_step: int, state: dict, keep: int) -> str:
     torch.save(state, buf)
     name = f"ckpt-{global_step:09d}-{uuid.uuid4().hex[:6]}.pt"
     url = storage.join(directory, name)
-    storage.write_bytes(url, buf.getbuffer())
-    # The pointer is the commit: one whole-object write (a rename locally) after the object.
-    storage.write_bytes(storage.join(directory, POINTER), json.dumps({"name": name, "step": global_step}).encode())
+    try:
+        storage.write_bytes(url, buf.getbuffer())
+        # The pointer is the commit: one whole-object write (a rename locally) after the object.
+        storage.write_bytes(storage.join(directory, POINTER), json.dumps({"name": name, "step": global_step}).encode())
+    except OSError as e:  # a full disk, a read-only mount, no permission: no restart fixes it
+        raise StorageError(f"training.checkpoint_dir: cannot write {storage.display(url)} ({_cause(e)})") from None
     for old in checkpoint_paths(directory)[:-keep]:
         if old != url:
             storage.delete(old)
@@ -94,18 +123,73 @@ def clear(directory: str) -> None:
         storage.delete(old)
 
 
-def load(url: str, expected: dict[str, str]) -> dict:
-    """Read a checkpoint and refuse one written for another model, config or dataset."""
+def load(url: str, expected: dict[str, str], allow_changed=()) -> dict:
+    """Read a checkpoint and refuse one written for another model, config or dataset
+    (fields in `allow_changed` may differ)."""
     where = storage.display(str(url))
     try:
         with storage.open_input(str(url)) as f:
             state = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise DataError(f"{where}: checkpoint not found") from None
+        raise CheckpointUnreadable(f"{where}: checkpoint not found") from None
     except Exception as e:
-        raise DataError(f"{where}: not a readable shardline checkpoint ({type(e).__name__})") from None
+        raise CheckpointUnreadable(f"{where}: not a readable shardline checkpoint ({_cause(e)})") from None
     got = state.get("fingerprint", {})
-    diff = [f"{k}={got.get(k)!r} (config has {v!r})" for k, v in expected.items() if got.get(k) != v]
+    diff = [f"{k}={got.get(k)!r} (config has {v!r})" for k, v in expected.items()
+            if got.get(k) != v and k not in allow_changed]
     if diff:
-        raise DataError(f"{where}: checkpoint is from a different run: " + ", ".join(diff))
+        raise DataError(
+            f"{where}: checkpoint is from a different run: " + ", ".join(diff)
+            + _allow_hint([k for k, v in expected.items() if got.get(k) != v])
+        )
     return state
+
+
+def readable(directory: str, expected: dict[str, str], allow_changed=()) -> tuple[str, dict] | None:
+    """The checkpoint to resume from and its state: the one the pointer names, else (it
+    cannot be read) the newest older one that can, said in one line. None: no checkpoint.
+    A checkpoint of another run is refused, never skipped: an older one would be too."""
+    first = latest(directory)
+    if first is None:
+        return None
+    try:
+        return first, load(first, expected, allow_changed)
+    except CheckpointUnreadable as e:
+        bad = e
+    for url in reversed([p for p in checkpoint_paths(directory) if p != first]):
+        try:
+            state = load(url, expected, allow_changed)
+        except CheckpointUnreadable:
+            continue
+        print(f"[shardline] {bad}; resuming from {storage.name(url)}, the newest readable one",
+              file=sys.stderr, flush=True)
+        return url, state
+    raise CheckpointUnreadable(f"{bad}; no older checkpoint in {storage.display(directory)} is readable either")
+
+
+def apply_changed(optimizer, scheduler, cfg: TrainingConfig, allow_changed=()) -> None:
+    """After loading a checkpoint's optimizer and schedule, put the allowed changes in:
+    both state dicts carry the old lr and weight decay, which would otherwise win."""
+    if optimizer is None or not {"lr", "weight_decay"} & set(allow_changed):
+        return
+    for group in optimizer.param_groups:
+        if "lr" in allow_changed:
+            group["initial_lr"] = cfg.lr
+        if "weight_decay" in allow_changed:
+            group["weight_decay"] = cfg.weight_decay
+    if scheduler is not None and "lr" in allow_changed:
+        scheduler.base_lrs = [cfg.lr for _ in optimizer.param_groups]
+        for group, factor in zip(optimizer.param_groups, [f(scheduler.last_epoch) for f in scheduler.lr_lambdas]):
+            group["lr"] = cfg.lr * factor
+
+
+def _allow_hint(fields: list[str]) -> str:
+    changeable = [f for f in fields if f in CHANGEABLE_FIELDS]
+    if not changeable or len(changeable) < len(fields):
+        return ""
+    return f" (to resume with the new value, allow it: --allow-changed {','.join(changeable)})"
+
+
+def _cause(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:160]}" if text else type(e).__name__

@@ -154,8 +154,20 @@ class TrainingConfig(Section):
     resume: bool = Field(
         False, description="Continue from the latest checkpoint in checkpoint_dir (--resume)."
     )
+    resume_allow_changed: list[str] = Field(
+        default_factory=list, description="Fingerprint fields a resume may change (lr, weight_decay, "
+        "lr_schedule, warmup_steps, epochs, dataset_version; --allow-changed); any other difference "
+        "from the checkpoint's config is refused, naming the fields.",
+    )
     max_restarts: int = Field(
-        2, ge=0, description="Relaunches after a rank fails; each resumes from the latest checkpoint."
+        2, ge=0, description="Relaunches after a rank is lost (a killed process or worker); each "
+        "resumes from the latest checkpoint. Permanent errors (permissions, a full disk, bad data) "
+        "are never retried.",
+    )
+    lease_ttl_s: float = Field(
+        60.0, ge=3, description="Life of the checkpoint directory's lease (one job per directory); "
+        "the driver renews it every third of this, and ranks whose driver stopped renewing it stop "
+        "within about this long.",
     )
 
 

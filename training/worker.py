@@ -97,6 +97,8 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
     step = start_epoch = 0
     if job.resume_from:
         step, start_epoch = _resume(job, parallel, scheduler, train, rank, world_size, device)
+        # A setting the user allowed to change (--allow-changed lr) wins over the checkpoint's.
+        checkpoints.apply_changed(optimizer, scheduler, cfg, cfg.resume_allow_changed)
     save_sharded = getattr(parallel, "save_sharded", None)
 
     def checkpoint(epoch: int, step_in_epoch: int, artifact: bool, full: dict | None = None) -> None:
@@ -232,7 +234,8 @@ def _resume(job: TrainJob, parallel, scheduler, train: ShardLoader, rank: int, w
     shards reshard, a ddp rank takes rank 0's replicated optimizer state, RNG states stay
     freshly seeded (no model here draws any) and the next epoch starts from its beginning.
     """
-    state = checkpoints.load(job.resume_from, sharded_checkpoints.comparable(job.fingerprint))
+    state = checkpoints.load(job.resume_from, sharded_checkpoints.comparable(job.fingerprint),
+                             job.cfg.resume_allow_changed)
     same_ranks = len(state["ranks"]) == world_size
     mine = state["ranks"][rank if same_ranks else 0]
     if "sharded" in state:
