@@ -50,7 +50,11 @@ def main() -> None:
         {
             "engine": args.engine,
             "dataset_dir": storage.join(where, "dataset"),
-            "source": {"path": storage.join(where, "raw"), "synthetic": {"rows": args.rows, "partitions": 16}},
+            "source": {
+                "format": "synthetic",
+                "path": storage.join(where, "raw"),
+                "synthetic": {"rows": args.rows, "partitions": 16},
+            },
         }
     )
     try:

@@ -64,6 +64,7 @@ def run(config, overrides):
 
     check_settings(cfg.training)  # a misspelt model or strategy: one line, before Spark starts
     check_storage(cfg, reads=(SOURCE,), writes=(DATASET, CHECKPOINTS, OUTPUT))
+    checked = _check_prepare(cfg)
     with ExitStack() as leases:
         # Both leases before Spark starts: a second run on the same dirs is refused at once.
         dataset = leases.enter_context(_dataset_lease(cfg))
@@ -71,7 +72,7 @@ def run(config, overrides):
         spark = _spark(cfg, _spark_ranks(cfg))
         from pipelines.engine_spark import SparkEngine
 
-        manifest = _prepare(cfg, SparkEngine(spark), lease=dataset)
+        manifest = _prepare(cfg, SparkEngine(spark), lease=dataset, checked=checked)
         dataset.release()
         result = _train(cfg, spark)
         # force: each run trains a new model version and re-scores its own output with it.
@@ -122,17 +123,14 @@ def prepare(config, overrides, engine, append, refit, by_plan):
         raise click.UsageError("--refit goes with --append")
     if by_plan and append and not refit:
         raise click.UsageError("--plan lays every shard out anew: use it without --append, or with --append --refit")
-    if by_plan:
-        from pipelines.prepare import check_plan
-
-        check_plan(cfg.pipelines)  # no usable plan: fail before an engine starts
     check_storage(cfg, reads=(SOURCE,), writes=(DATASET,))
+    checked = _check_prepare(cfg, append=append, refit=refit, by_plan=by_plan)
     with _dataset_lease(cfg) as lease, _prepare_engine(cfg) as eng:
-        manifest = _prepare(cfg, eng, append=append, refit=refit, by_plan=by_plan, lease=lease)
+        manifest = _prepare(cfg, eng, append=append, refit=refit, by_plan=by_plan, lease=lease, checked=checked)
     for split, info in manifest.splits.items():
         console.print(f"  {split}: {info.rows:,} rows in {len(info.shards)} shards")
     if manifest.dropped_rows:
-        console.print(f"  dropped {manifest.dropped_rows:,} row(s) that did not parse")
+        console.print(f"  dropped {manifest.dropped_rows:,} row(s) that could not be used")
 
 
 @cli.command()
@@ -340,20 +338,24 @@ def _bench(run_bench, as_json: bool, **kwargs) -> dict | None:
 
 @bench.command("prepare")
 @click.option("--rows", type=int, default=1_000_000, show_default=True, help="Synthetic rows.")
+@click.option("--rounds", type=int, default=1, show_default=True,
+              help="Runs of every job, interleaved; each keeps its best.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
-def bench_prepare(rows, as_json):
-    """Prepare MB/s on Spark and on Dask vs a single-process pyarrow rewrite."""
+def bench_prepare(rows, rounds, as_json):
+    """Prepare MB/s on Spark and Dask vs native Spark SQL, native dask.dataframe and pyarrow."""
     from benchmarks.prepare import run as run_bench
 
-    result = _bench(run_bench, as_json, rows=rows)
+    result = _bench(run_bench, as_json, rows=rows, rounds=rounds)
     if result is None:
         return
     table = Table(title=f"prepare, {rows:,} rows, {result['input_mb']} MB raw Parquet, {result['cores']} cores")
-    for col in ("", "seconds", "MB/s", "× pyarrow"):
+    for col in ("", "seconds", "MB/s", "× native", "× pyarrow"):
         table.add_column(col, justify="right")
-    for k in ("pyarrow", "spark", "dask"):
+    for k in ("pyarrow", "spark_native", "spark", "dask_native", "dask"):
+        native = f"{result['ratio_vs_native'][k]:.2f}" if k in result["ratio_vs_native"] else ""
         ratio = result["ratio_vs_pyarrow"].get(k, 1.0)
-        table.add_row(k, f"{result['seconds'][k]:.2f}", f"{result['mb_per_s'][k]:.1f}", f"{ratio:.2f}")
+        name = {"spark": "shardline spark", "dask": "shardline dask"}.get(k, k.replace("_", " "))
+        table.add_row(name, f"{result['seconds'][k]:.2f}", f"{result['mb_per_s'][k]:.1f}", native, f"{ratio:.2f}")
     Console().print(table)
 
 
@@ -626,15 +628,32 @@ def _dask(cfg: ShardlineConfig):
             cluster.close()
 
 
-def _prepare(cfg: ShardlineConfig, engine, append: bool = False, refit: bool = False, by_plan: bool = False,
-             lease=None):
+def _check_prepare(cfg: ShardlineConfig, **how):
+    """Input, columns and feature spec, checked before an engine starts; says what it inferred."""
+    from pipelines.checks import check_prepare
+
+    checked = check_prepare(cfg.pipelines, **how)
+    for note in checked.notes:
+        console.print(f"  {escape(note)}")
+    return checked
+
+
+def _prepare(cfg: ShardlineConfig, engine, append=False, refit=False, by_plan=False, lease=None, checked=None):
     from pipelines.prepare import prepare
 
     src = cfg.pipelines.source
     what = f"{src.synthetic.rows:,} synthetic rows" if src.format == "synthetic" else src.path
     how = " by its bandwidth plan" if by_plan else ""
     with stage(f"Preparing {what} into {cfg.pipelines.dataset_dir}{how} with {engine.name}"):
-        return prepare(engine, cfg.pipelines, append=append, refit=refit, by_plan=by_plan, lease=lease)
+        manifest = prepare(engine, cfg.pipelines, append=append, refit=refit, by_plan=by_plan, lease=lease,
+                           checked=checked)
+    spec = manifest.feature_spec
+    if spec.task == "classification" and spec.classes is None:
+        console.print(
+            f"  pipelines.features.classes = {manifest.statistics.num_classes}  "
+            "(inferred: the largest label + 1; declare it to have other labels refused)"
+        )
+    return manifest
 
 
 def _train(cfg: ShardlineConfig, spark, dask_client=None, lease=None):

@@ -60,7 +60,11 @@ class DaskConfig(Section):
 
 
 class SyntheticSource(Section):
-    """A deterministic classification dataset: each row is a pure function of its key."""
+    """A deterministic classification dataset: each row is a pure function of its key.
+
+    Its columns are `key`, `x0`..`x{numeric_features-1}`, `color` and `label`; a
+    feature spec that leaves them out takes them from here.
+    """
 
     rows: int = Field(200_000, ge=1, description="Rows to generate.")
     numeric_features: int = Field(8, ge=1, description="Gaussian numeric columns x0..xN-1.")
@@ -68,14 +72,20 @@ class SyntheticSource(Section):
     classes: int = Field(3, ge=2, description="Label classes.")
     noise: float = Field(0.5, ge=0, description="Label noise; 0 makes the labels separable.")
     seed: int = Field(7, description="Seed of the generating weights and noise.")
-    partitions: int = Field(4, ge=1, description="Spark partitions (= raw files) to generate.")
+    partitions: int = Field(4, ge=1, description="Raw files to generate (one task each).")
+
+
+# Text that means "no value", compared case-insensitively after trimming whitespace.
+# The common spellings of missing values in CSV exports (pandas, R, SQL dumps, Excel).
+DEFAULT_NULL_VALUES = ["", "na", "n/a", "null", "none", "nan"]
 
 
 class SourceConfig(Section):
-    format: Literal["synthetic", "parquet", "csv", "json"] = Field(
-        "synthetic",
-        description="synthetic: generate raw Parquet at `path` first, then prepare it. "
-        "json is JSON lines.",
+    format: Literal["parquet", "csv", "json", "synthetic"] = Field(
+        "parquet",
+        description="parquet, csv, json (JSON lines), or synthetic: generate raw Parquet at "
+        "`path` first (only into a directory that is absent or that shardline generated), "
+        "then prepare it.",
     )
     path: str = Field(
         "shardline-data/raw",
@@ -84,29 +94,45 @@ class SourceConfig(Section):
     )
     on_bad_rows: Literal["fail", "drop"] = Field(
         "fail",
-        description="A value that does not parse as its column's type (CSV/JSON): fail "
-        "naming file, key and column, or drop the row and report the count.",
+        description="A row that cannot be used (a value that does not parse as its column's "
+        "type, a null key or label, a label outside the classes, a key seen before): fail "
+        "naming file, key and column, or drop the row and report the count (of repeated "
+        "keys the first in file and row order is kept).",
     )
     csv_delimiter: str = Field(",", min_length=1, max_length=1, description="CSV delimiter.")
     synthetic: SyntheticSource = Field(default_factory=SyntheticSource)
 
 
 class FeatureSpec(Section):
-    key: str = Field("key", description="Stable integer key; the split is a hash of it.")
+    """Which columns are what. Nothing defaults to a column name: a setting left out is
+    inferred from the input's schema (and printed), or is an error when it cannot be."""
+
+    key: str | None = Field(
+        None,
+        description="Stable integer key column; the split is a hash of it. Required, "
+        "unless generate_key (then the generated column's name, default `key`) or a "
+        "synthetic source (its `key`).",
+    )
     generate_key: bool = Field(
         False,
         description="The input has no key: make `key` a 63-bit hash of the row's parsed "
         "values (label and features). Stable across re-runs, engines and appends; two "
-        "identical rows get one key and are refused as duplicates.",
+        "identical rows get one key (a repeated key: see source.on_bad_rows).",
     )
-    label: str = Field("label", description="Integer class label 0..K-1.")
-    numeric: list[str] = Field(
-        default_factory=lambda: [f"x{i}" for i in range(8)],
-        description="Numeric columns, standardised with train-split statistics.",
+    label: str | None = Field(
+        None,
+        description="Label column. Required, except for a synthetic source (its `label`).",
     )
-    categorical: list[str] = Field(
-        default_factory=lambda: ["color"],
-        description="Categorical columns, indexed by train-split frequency; 0 is unknown.",
+    numeric: list[str] | None = Field(
+        None,
+        description="Numeric columns, standardised with train-split statistics. Left out: "
+        "every numeric column no other setting names (CSV: columns whose values all parse "
+        "as numbers in the first 1,000 rows).",
+    )
+    categorical: list[str] | None = Field(
+        None,
+        description="Categorical columns, indexed by train-split frequency; 0 is unknown. "
+        "Left out: every text column no other setting names.",
     )
     categorical_encoding: Literal["index", "hash"] = Field(
         "index",
@@ -117,11 +143,25 @@ class FeatureSpec(Section):
     vectors: dict[str, int] = Field(
         default_factory=dict,
         description="Fixed-length float vector columns and their lengths (list<float>); "
-        "passed through unscaled.",
+        "passed through unscaled. Never inferred.",
     )
     task: Literal["classification", "regression"] = Field(
         "classification",
-        description="classification: integer labels 0..K-1; regression: a float label.",
+        description="classification: integer labels 0..K-1 (or the names in `classes`); "
+        "regression: a float label.",
+    )
+    classes: int | list[str] | None = Field(
+        None,
+        description="Classification only. A count K: labels are integers 0..K-1; a list of "
+        "names: labels are those names, indexed in list order. A label outside them is a bad "
+        "row. Left out: K = largest label + 1, inferred on the first prepare and printed; "
+        "appends keep the dataset's classes.",
+    )
+    null_values: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_NULL_VALUES),
+        description="Text read as null in every column and format (CSV, JSON, Parquet text "
+        "columns), compared case-insensitively after trimming whitespace; serving reads "
+        "raw input with the dataset's list.",
     )
     on_invalid_features: Literal["fail", "impute"] = Field(
         "fail",
@@ -131,16 +171,37 @@ class FeatureSpec(Section):
 
     @model_validator(mode="after")
     def _distinct(self) -> FeatureSpec:
-        cols = [self.key, self.label, *self.numeric, *self.categorical, *self.vectors]
+        cols = [c for c in (self.key, self.label) if c]
+        cols += [*(self.numeric or []), *(self.categorical or []), *self.vectors]
         dup = sorted({c for c in cols if cols.count(c) > 1})
         if dup:
             raise ValueError(f"column(s) used twice in the feature spec: {', '.join(dup)}")
-        if not (self.numeric or self.categorical or self.vectors):
+        if self.numeric == [] and self.categorical == [] and not self.vectors:
             raise ValueError("the feature spec names no feature column")
         bad = [c for c, n in self.vectors.items() if n < 1]
         if bad:
             raise ValueError(f"vector column '{bad[0]}' needs a length >= 1")
+        if self.classes is not None:
+            if self.task != "classification":
+                raise ValueError("classes is for task = 'classification' only")
+            if isinstance(self.classes, int) and self.classes < 2:
+                raise ValueError(f"classes needs at least 2 classes, got {self.classes}")
+            if isinstance(self.classes, list):
+                if len(self.classes) < 2:
+                    raise ValueError("classes needs at least 2 names")
+                if len(set(self.classes)) != len(self.classes):
+                    raise ValueError("classes names a class twice")
         return self
+
+    @property
+    def resolved(self) -> bool:
+        """Every column named: what a manifest holds and the row code needs."""
+        return self.key is not None and self.label is not None and self.numeric is not None \
+            and self.categorical is not None
+
+    @property
+    def class_names(self) -> list[str] | None:
+        return self.classes if isinstance(self.classes, list) else None
 
 
 class SplitConfig(Section):

@@ -1,25 +1,29 @@
-"""The prepare engine on Spark: mapInPandas/mapInArrow over the shared row code."""
+"""The prepare engine on Spark: tasks over `spark.range`, a hash repartition, `mapInArrow`.
+
+Only the DataFrame API (no SparkContext, no RDD), so it runs on Spark Connect too.
+Rows cross between the JVM and Python as Arrow batches: once into the shuffle and
+once out of it; parsing, statistics and the transform happen in Python (rows.py,
+transform.py), as on Dask.
+"""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pyarrow as pa
 
-from . import storage
-from .config import PipelineConfig
-from .rows import FILE_COL, HASH_COL, SHARD_COL, SPLIT_COL
-from .shards import SHARD_META_SCHEMA
-from .synthetic import part_urls, remove_stale_parts, write_generated
+from .tasks import PART_COL
 
 _SPARK_TYPES = {
     pa.int64(): "bigint",
     pa.int32(): "int",
+    pa.float32(): "float",
     pa.float64(): "double",
     pa.string(): "string",
+    pa.binary(): "binary",
     pa.list_(pa.float64()): "array<double>",
     pa.bool_(): "boolean",
-    pa.null(): "string",  # a column empty in the head of a file read in Python
 }
 
 
@@ -34,114 +38,76 @@ class SparkEngine:
         self.spark = spark
         self.version = spark.version
 
-    def generate(self, cfg: PipelineConfig) -> None:
-        # Python tasks write the files through storage: no Hadoop filesystem (s3a jars) needed.
-        src, spec = cfg.source.synthetic, cfg.features
-        out = storage.resolve(cfg.source.path, "pipelines.source.path")
-        parts = part_urls(out, src)
+    def _one_per_partition(self, n: int):
+        """Rows 0..n-1, one per partition: a task per item."""
+        return self.spark.range(0, n, 1, numPartitions=max(n, 1))
 
-        def each(batches):
-            import pandas as pd
-
-            for b in batches:
-                for start, stop, url in zip(b["start"], b["stop"], b["url"]):
-                    yield pd.DataFrame({"rows": [write_generated((start, stop), url, src, spec)]})
-
-        rows = [(a, b, url) for (a, b), url in parts]
-        ranges_df = self.spark.createDataFrame(rows, "start bigint, stop bigint, url string").repartition(len(rows))
-        ranges_df.mapInPandas(each, "rows bigint").collect()
-        remove_stale_parts(out, [url for _, url in parts])
-
-    def read(self, files: list[str], cfg: PipelineConfig):
-        from pyspark.sql import functions as F
-
-        if any(storage.is_remote(f) for f in files):
-            from .engine_dask import read_raw_file
-
-            fmt, delim = cfg.source.format, cfg.source.csv_delimiter
-            return self._read_in_python(files, lambda url, head=None: read_raw_file(url, fmt, delim, head))
-        reader = self.spark.read
-        fmt = cfg.source.format
-        if fmt in ("parquet", "synthetic"):
-            df = reader.parquet(*files)
-        elif fmt == "csv":
-            # Every column as text: the shared parser decides what parses.
-            df = reader.options(header=True, sep=cfg.source.csv_delimiter, inferSchema=False).csv(files)
-        else:
-            df = reader.json(files, primitivesAsString=False)
-        return df.withColumn(FILE_COL, F.input_file_name())
-
-    def _read_in_python(self, files: list[str], read_one):
-        """Files on an object store, read by Python tasks through storage (one file per
-        partition), as Spark's readers cannot without Hadoop's connector jars.
-        read_one(url, head=None) -> pandas with `_file`."""
-        head = read_one(files[0], head=100)
-        schema = pa.Schema.from_pandas(head, preserve_index=False)
+    def run(self, fn, items: list) -> list:
+        """fn(item) for every item, one task each; JSON-able results in item order."""
 
         def each(batches):
             for b in batches:
-                for url in b["url"]:
-                    yield read_one(url)
+                for i in b.column(0).to_pylist():
+                    yield pa.RecordBatch.from_pydict({"i": [i], "out": [json.dumps(fn(items[i]))]})
 
-        frame = self.spark.createDataFrame([(f,) for f in files], "url string").repartition(len(files))
-        return frame.mapInPandas(each, spark_ddl(schema))
+        rows = self._one_per_partition(len(items)).mapInArrow(each, "i bigint, out string").collect()
+        return [json.loads(r["out"]) for r in sorted(rows, key=lambda r: r["i"])]
 
-    def columns(self, frame) -> list[str]:
-        return frame.columns
+    def shuffle_write(self, sources: list, read, schema: pa.Schema, parts: int, write, out_schema: pa.Schema) -> list[dict]:
+        """read(source) -> Arrow tables of `schema` with PART_COL in [0, parts), a task per
+        source; each part's rows meet in one partition, where write(table) yields record
+        batches of `out_schema`; those come back as dicts."""
+        route = spark_routes(parts)
 
-    def reports(self, frame, fn) -> list[dict]:
-        def each(batches):
-            import pandas as pd
-
+        def mapper(batches):
             for b in batches:
-                yield pd.DataFrame({"report": [json.dumps(fn(b))]})
+                for i in b.column(0).to_pylist():
+                    for t in read(sources[i]):
+                        j = t.schema.get_field_index(PART_COL)
+                        t = t.set_column(j, PART_COL, pa.array(route[t.column(j).to_numpy()]))
+                        yield from t.to_batches()
 
-        return [json.loads(r["report"]) for r in frame.mapInPandas(each, "report string").collect()]
-
-    def parsed(self, frame, fn, schema):
-        def each(batches):
-            for b in batches:
-                yield fn(b)
-
-        # Not cached: Spark's in-memory cache of a whole partition ran the 1g driver
-        # JVM (local mode hosts the executors) out of heap at 10M rows. Parsing again
-        # for the write costs one more pass of Python over the rows.
-        return frame.mapInPandas(each, spark_ddl(schema))
-
-    def duplicate_key(self, parsed, key: str, existing: list[str]):
-        from pyspark.sql import functions as F
-
-        keys = parsed.select(key, FILE_COL)
-        if existing:
-            if any(storage.is_remote(f) for f in existing):
-                from .engine_dask import _shard_keys
-
-                old = self._read_in_python(existing, lambda url, head=None: _shard_keys(url, key))
-            else:
-                old = self.spark.read.parquet(*existing).select(key).withColumn(FILE_COL, F.input_file_name())
-            keys = keys.unionByName(old)
-        dup = keys.groupBy(key).count().where("count > 1").limit(1).collect()
-        if not dup:
-            return None
-        k = dup[0][key]
-        files = keys.where(F.col(key) == k).select(FILE_COL).distinct().collect()
-        return k, sorted(r[FILE_COL] for r in files)
-
-    def write(self, parsed, shards: dict[str, int], writer) -> list[dict]:
-        from pyspark.sql import functions as F
-
-        shard = F.lit(0)
-        for split, n in shards.items():
-            if n:
-                shard = F.when(F.col(SPLIT_COL) == split, F.pmod(F.col(HASH_COL), F.lit(n))).otherwise(shard)
-
-        def each(batches):
+        def writer(batches):
             batches = [b for b in batches if b.num_rows]
             if batches:
-                yield from writer(pa.Table.from_batches(batches))
+                t = pa.Table.from_batches(batches)
+                j = t.schema.get_field_index(PART_COL)
+                yield from write(t.set_column(j, PART_COL, pa.array(t.column(j).to_numpy() % parts)))
 
-        tagged = parsed.withColumn(SHARD_COL, shard.cast("int"))
-        out = tagged.repartition(sum(shards.values()), SPLIT_COL, SHARD_COL).mapInArrow(
-            each, spark_ddl(SHARD_META_SCHEMA)
-        )
+        mapped = self._one_per_partition(len(sources)).mapInArrow(mapper, spark_ddl(schema))
+        out = mapped.repartition(parts, PART_COL).mapInArrow(writer, spark_ddl(out_schema))
         return [r.asDict() for r in out.collect()]
+
+
+def spark_routes(parts: int) -> np.ndarray:
+    """Per part p, an int r with r % parts == p that Spark's hash partitioning sends to
+    partition p: then every partition holds exactly one part (plain part numbers
+    collide, leaving some tasks two shards to write and others none)."""
+    routes = np.empty(parts, np.int32)
+    for p in range(parts):
+        r = p
+        while spark_partition(r, parts) != p:
+            r += parts
+        routes[p] = r
+    return routes
+
+
+def spark_partition(value: int, partitions: int) -> int:
+    """pmod(murmur3(value, seed 42), partitions): the partition `repartition(n, col)` picks
+    for an int column (Spark's Murmur3_x86_32.hashInt; checked against Spark in tests)."""
+
+    def mul(a: int, b: int) -> int:
+        return (a * b) & 0xFFFFFFFF
+
+    def rotl(x: int, r: int) -> int:
+        return ((x << r) | (x >> (32 - r))) & 0xFFFFFFFF
+
+    k1 = rotl(mul(value & 0xFFFFFFFF, 0xCC9E2D51), 15)
+    h1 = rotl(42 ^ mul(k1, 0x1B873593), 13)
+    h1 = (mul(h1, 5) + 0xE6546B64) & 0xFFFFFFFF
+    h1 ^= 4
+    h1 = mul(h1 ^ (h1 >> 16), 0x85EBCA6B)
+    h1 = mul(h1 ^ (h1 >> 13), 0xC2B2AE35)
+    h1 ^= h1 >> 16
+    signed = h1 - (1 << 32) if h1 & 0x80000000 else h1
+    return signed % partitions

@@ -1,8 +1,12 @@
-"""The prepare stage, engine-neutral: validate, fit, split, shard, commit.
+"""The prepare stage, engine-neutral: check, report, fit, shuffle and write, commit.
 
-An engine (engine_spark, engine_dask) only reads files, maps partitions, finds
-duplicate keys and repartitions by (split, shard); parsing, statistics, the
-transform and the shard files are the same code on both (rows, transform, shards).
+Two passes over the raw data, each one engine job: pass 1 reads and parses every
+unit and reports counts, problems and train-split statistics (no rows move); pass
+2 reads and parses again, transforms, shuffles rows to their shard and writes the
+shards, finding repeated keys on the way (a key's rows all reach one shard). An
+engine (engine_spark, engine_dask) only runs tasks and the shuffle; parsing,
+statistics, the transform and the shard files are the same code on both (raw,
+rows, tasks, transform, shards).
 """
 
 from __future__ import annotations
@@ -10,12 +14,14 @@ from __future__ import annotations
 import datetime as dt
 import math
 from functools import partial
-from typing import Any, Protocol
+from typing import Protocol
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import storage
-from .config import PipelineConfig
+from . import storage, synthetic
+from .checks import CheckedInput, check_prepare, declared_classes
+from .config import FeatureSpec, PipelineConfig
 from .errors import DataError
 from .lease import LEASE_NAME, Lease
 from .manifest import (
@@ -31,11 +37,23 @@ from .manifest import (
     has_manifest,
     load_manifest,
     new_version_dir,
+    sequences,
 )
-from .rows import BAD_KINDS, Parsed, merge_reports, typed_schema
-from .shards import write_shard_groups
-from .sources import check_readable, display, list_files
+from .raw import Unit, describe, plan_units
+from .rows import BAD_KINDS, INVALID
+from .shards import SHARD_META_SCHEMA, write_parts
+from .sources import display, list_files
 from .splits import SPLITS
+from .tasks import (
+    Parts,
+    PrepareTask,
+    existing_rows,
+    first_problem,
+    merge_reports,
+    report_unit,
+    shuffle_rows,
+    transport_schema,
+)
 from .transform import feature_width
 
 
@@ -43,26 +61,12 @@ class PrepareEngine(Protocol):
     name: str
     version: str
 
-    def generate(self, cfg: PipelineConfig) -> None:
-        """Write the synthetic source as raw Parquet files at cfg.source.path."""
+    def run(self, fn, items: list) -> list:
+        """fn(item) for every item, one task each; JSON-able results in item order."""
 
-    def read(self, files: list[str], cfg: PipelineConfig) -> Any:
-        """A lazy frame of the raw columns plus `_file`."""
-
-    def columns(self, frame) -> list[str]: ...
-
-    def reports(self, frame, fn) -> list[dict]:
-        """fn(pandas batch) -> dict, over every batch; the dicts come back to the driver."""
-
-    def parsed(self, frame, fn, schema) -> Any:
-        """A lazy frame of fn(pandas batch) -> pandas, with the given Arrow schema."""
-
-    def duplicate_key(self, parsed, key: str, existing: list[str]) -> tuple[int, list[str]] | None:
-        """One key seen twice (in `parsed` or also in the `existing` shard files)."""
-
-    def write(self, parsed, shards: dict[str, int], writer) -> list[dict]:
-        """Add _shard = _h mod shards[_split], repartition by (_split, _shard), and run
-        writer(pa.Table) on each partition; it yields metadata rows."""
+    def shuffle_write(self, sources: list, read, schema: pa.Schema, parts: int, write, out_schema: pa.Schema) -> list[dict]:
+        """read(source) -> Arrow tables with `_part`; each part's rows meet in one
+        write(table) call; the metadata rows it yields come back."""
 
 
 def dataset_lease(dataset_dir: str) -> Lease:
@@ -76,6 +80,7 @@ def prepare(
     append: bool = False,
     refit: bool = False,
     by_plan: bool = False,
+    checked: CheckedInput | None = None,
     lease: Lease | None = None,
 ) -> ShardManifest:
     """Prepare `cfg.source` into `cfg.dataset_dir` and commit; returns the manifest.
@@ -86,94 +91,77 @@ def prepare(
     by_plan: lay the shards out by the bandwidth plan in the existing dataset's
     manifest (`shardline plan`): train gets shards_per_rank x world_size shards,
     every split gets the plan's rows per row group; the new manifest keeps the plan.
+    checked: `check_prepare`'s result, when the caller ran it before starting the engine.
     lease: the dataset's lease (`dataset_lease`), already held; else taken here.
     """
-    if lease is None:
-        root = storage.resolve(cfg.dataset_dir, "pipelines.dataset_dir")
-        check_dataset_dir(root)  # before the lease: nothing of ours goes into a foreign directory
-        with dataset_lease(root) as held:
-            return prepare(engine, cfg, append, refit, by_plan, lease=held)
-    spec = cfg.features
     root = storage.resolve(cfg.dataset_dir, "pipelines.dataset_dir")
-    previous = load_manifest(root) if has_manifest(root) else None
-    plan = _usable_plan(previous, cfg, root) if by_plan else None
-    if plan is not None and append and not refit:
-        raise DataError(f"{root}: a plan lays every shard out anew; use it with --append --refit")
-    if append:
-        if previous is None:
-            raise DataError(f"{root}: --append needs an existing dataset; run prepare first")
-        if previous.feature_spec != spec:
-            raise DataError(
-                f"{root}: pipelines.features differ from the dataset's; append needs the same spec"
-            )
-    if cfg.source.format == "synthetic":
-        engine.generate(cfg)
-
-    files = list_files(cfg.source)
-    check_readable(files, cfg.source.format)
-    sources = [
-        {"format": cfg.source.format, "path": display(f)} for f in files
-    ]
+    if lease is None:
+        check_dataset_dir(root)  # before the lease: nothing of ours goes into a foreign directory
+        # The lease removes the directory it made: a refused first prepare leaves nothing.
+        with dataset_lease(root) as held:
+            return prepare(engine, cfg, append, refit, by_plan, checked=checked, lease=held)
+    if checked is None or _moved(checked.previous, root):
+        # Checked before the lease was ours: another prepare may have committed since.
+        checked = check_prepare(cfg, append, refit, by_plan)
+    spec, previous, plan = checked.spec, checked.previous, checked.plan
+    src = cfg.source
+    if src.format == "synthetic":
+        synthetic.generate(engine, src.synthetic, storage.resolve(src.path, "pipelines.source.path"))
+    files = checked.files or describe(list_files(src), src.format, src.csv_delimiter)
+    sources = [{"format": src.format, "path": display(f.url)} for f in files]
     if append and refit:
-        files = [_url(s["path"]) for s in previous.sources] + files
-        sources = previous.sources + sources
-
-    frame = engine.read(files, cfg)
-    have = engine.columns(frame)
-    required = [spec.label, *spec.numeric, *spec.categorical, *spec.vectors]
-    for col in required if spec.generate_key else [spec.key, *required]:
-        if col not in have:
-            raise DataError(
-                f"{display(cfg.source.path)}: column '{col}' not found "
-                f"(have: {', '.join(c for c in have if not c.startswith('_'))})"
-            )
-
-    drop = cfg.source.on_bad_rows == "drop"
-    report = merge_reports(
-        engine.reports(frame, partial(_report_batch, cfg=cfg, drop=drop))
-    )
-    _check(report, cfg)
+        old = [f for s in previous.sources for f in describe([_url(str(s["path"]))], str(s["format"]), src.csv_delimiter)]
+        files, sources = old + files, previous.sources + sources
+    units = plan_units(files)
 
     frozen = append and not refit  # statistics and existing shards stay as they are
-    existing = (
-        [storage.join(root, s.path) for info in previous.splits.values() for s in info.shards]
-        if frozen
-        else []
+    task = PrepareTask(
+        spec=spec,
+        split=cfg.split,
+        drop_bad=src.on_bad_rows == "drop",
+        num_classes=declared_classes(spec, previous, frozen),
+        delimiter=src.csv_delimiter,
     )
-    parsed = engine.parsed(frame, partial(_parse_batch, cfg=cfg, drop=drop), typed_schema(spec))
-    dup = engine.duplicate_key(parsed, spec.key, existing)
-    if dup:
-        key, where = dup
-        raise DataError(
-            f"{', '.join(display(w) for w in where[:3])}: duplicate key {key} in column '{spec.key}'"
-        )
+    report = merge_reports(engine.run(partial(report_unit, task=task), units))
+    _check(report, cfg, spec, task.num_classes, frozen)
 
-    stats = previous.statistics if frozen else _fit(report, cfg)
+    stats = previous.statistics if frozen else _fit(report, spec)
     row_bytes = 4 * feature_width(spec) + 16
-    shards = {s: _shard_count(report["rows"][s], row_bytes, cfg) for s in SPLITS}
+    counts = {s: _shard_count(n, row_bytes, cfg) for s, n in zip(SPLITS, report["rows"])}
     layout = cfg.layout
     if plan is not None:
         # Only train is laid out for loading bandwidth: val and test are read once per
         # epoch for evaluation, so they keep the size rule (and get the row groups).
-        shards["train"] = _planned_train_shards(report["rows"]["train"], plan, cfg)
+        counts["train"] = _planned_train_shards(report["rows"][0], plan, cfg)
         layout = layout.model_copy(update={"rows_per_row_group": plan.rows_per_row_group})
+    parts = Parts(tuple(counts[s] for s in SPLITS))
     offsets = {s: len(previous.splits[s].shards) for s in SPLITS} if frozen else {}
+    existing = [storage.join(root, s.path) for info in previous.splits.values() for s in info.shards] if frozen else []
 
     version_id, version_dir = new_version_dir(root)
     try:
-        writer = partial(
-            write_shard_groups,
-            dataset_dir=root,
-            version_dir_name=storage.name(version_dir),
-            spec=spec,
-            stats=stats,
-            rows_per_row_group=layout.rows_per_row_group,
-            shard_offsets=offsets,
+        metas = engine.shuffle_write(
+            sources=units + [(i - len(existing), url) for i, url in enumerate(existing)],
+            read=partial(_rows, task=task, stats=stats, parts=parts),
+            schema=transport_schema(spec),
+            parts=parts.total,
+            write=partial(
+                write_parts,
+                parts=parts,
+                dataset_dir=root,
+                version_dir_name=storage.name(version_dir),
+                spec=spec,
+                rows_per_row_group=layout.rows_per_row_group,
+                shard_offsets=offsets,
+                drop_repeats=task.drop_bad,
+            ),
+            out_schema=SHARD_META_SCHEMA,
         )
-        metas = engine.write(parsed, shards, writer)
-        if not metas:
-            raise DataError(f"{display(cfg.source.path)}: no rows left to write")
-        splits = {s: _split_info(metas, s) for s in SPLITS}
+        _check_repeats(metas, units, existing, spec)
+        written = [m for m in metas if m["path"]]
+        if not written:
+            raise DataError(f"{display(src.path)}: no rows left to write")
+        splits = {s: _split_info(written, s) for s in SPLITS}
         if frozen:
             splits = {
                 s: SplitInfo(
@@ -189,7 +177,7 @@ def prepare(
             sources=(previous.sources if frozen else []) + sources,
             arrow_schema=[
                 {"name": f.name, "type": str(f.type)}
-                for f in pq.read_schema(storage.open_input(storage.join(root, metas[0]["path"])))
+                for f in pq.read_schema(storage.open_input(storage.join(root, written[0]["path"])))
             ],
             feature_spec=spec,
             tensors={
@@ -205,7 +193,7 @@ def prepare(
             splits=splits,
             # A plain append keeps the existing shards, so their plan still describes them.
             plan=plan if plan is not None else (previous.plan if frozen else None),
-            dropped_rows=report["dropped"],
+            dropped_rows=report["dropped"] + sum(m["repeated"] or 0 for m in metas),
         )
         lease.check()  # a prepare that stalled past its lease must not commit over another's
         return commit_manifest(root, manifest, based_on=previous, retention=cfg.retention)
@@ -214,13 +202,18 @@ def prepare(
         raise
 
 
-def _report_batch(batch, cfg: PipelineConfig, drop: bool) -> dict:
-    parsed = Parsed(batch, cfg.features)
-    return parsed.report(cfg.split, cfg.features.categorical_encoding, drop)
+def _moved(previous: ShardManifest | None, root: str) -> bool:
+    """Whether the dataset's newest manifest is no longer `previous`."""
+    newest = sequences(root)
+    return (newest[-1] if newest else None) != (previous.sequence if previous else None)
 
 
-def _parse_batch(batch, cfg: PipelineConfig, drop: bool):
-    return Parsed(batch, cfg.features).frame(cfg.split, drop_bad=drop)
+def _rows(source, task: PrepareTask, stats: FittedStatistics, parts: Parts):
+    """Pass 2's rows of one source: a raw unit, or (negative index, url) of an existing shard."""
+    if isinstance(source, Unit):
+        return shuffle_rows(source, task, stats, parts)
+    index, url = source
+    return existing_rows(url, index, task.spec, parts, task.split)
 
 
 _WHAT = {
@@ -228,30 +221,60 @@ _WHAT = {
     "null_key": "key is null",
     "null_label": "label is null",
     "negative_label": "class label is negative (classes are 0..K-1)",
-    "invalid": "feature is NaN, inf or null (pipelines.features.on_invalid_features = 'impute' fills it)",
+    INVALID: "feature is NaN, inf or null (pipelines.features.on_invalid_features = 'impute' fills it)",
 }
 
 
-def _check(report: dict, cfg: PipelineConfig) -> None:
-    kinds = [k for k in BAD_KINDS if cfg.source.on_bad_rows == "fail"]
-    if cfg.features.on_invalid_features == "fail":
-        kinds.append("invalid")
-    for kind in kinds:
-        for col, p in report["problems"].get(kind, {}).items():
-            raise DataError(
-                f"{display(p['file'])}: column '{col}', key {p['key']!r}: value {p['value']!r}: "
-                f"{_WHAT[kind]} ({p['count']} row(s) like this)"
+def _check(report: dict, cfg: PipelineConfig, spec: FeatureSpec, num_classes: int | None, frozen: bool) -> None:
+    """The first problem in file and row order, of the kinds the settings make fatal."""
+    if "error" in report:
+        raise DataError(report["error"])
+    kinds = list(BAD_KINDS) if cfg.source.on_bad_rows == "fail" else []
+    if spec.on_invalid_features == "fail":
+        kinds.append(INVALID)
+    first = first_problem(report, kinds)
+    if first is not None:
+        kind, col, p = first
+        if kind == "unknown_label":
+            what = (
+                f"label is not one of the classes {spec.class_names}" if spec.class_names is not None
+                else f"label is outside the dataset's {num_classes} classes 0..{num_classes - 1}" if frozen
+                and spec.classes is None
+                else f"label is outside pipelines.features.classes = {num_classes} (0..{num_classes - 1})"
             )
-    total = sum(report["rows"].values())
+        else:
+            what = _WHAT[kind]
+        raise DataError(
+            f"{display(p['file'])}: column '{col}', key {p['key']!r}: value {p['value']!r}: "
+            f"{what} ({p['count']} row(s) like this)"
+        )
+    total = sum(report["rows"])
     if total == 0:
         extra = f" after dropping {report['dropped']} bad row(s)" if report["dropped"] else ""
         raise DataError(f"{display(cfg.source.path)}: input has no rows{extra}")
-    if report["rows"]["train"] == 0:
+    if report["rows"][0] == 0:
         raise DataError(f"{display(cfg.source.path)}: no row falls in the train split")
 
 
-def _fit(report: dict, cfg: PipelineConfig) -> FittedStatistics:
-    spec = cfg.features
+def _check_repeats(metas: list[dict], units: list[Unit], existing: list[str], spec: FeatureSpec) -> None:
+    """A key seen twice (with on_bad_rows = 'fail'): the repeat met first in unit and row order."""
+    repeats = [m for m in metas if m["repeat_key"] is not None]
+    if not repeats:
+        return
+    m = min(repeats, key=lambda m: m["repeat_pos"])
+
+    def file_of(pos: int) -> str:
+        index = pos >> 32
+        return display(units[index].url if index >= 0 else existing[index])
+
+    files = sorted({file_of(m["first_pos"]), file_of(m["repeat_pos"])})
+    raise DataError(
+        f"{', '.join(files)}: duplicate key {m['repeat_key']} in column '{spec.key}' "
+        f"(pipelines.source.on_bad_rows = 'drop' keeps its first row)"
+    )
+
+
+def _fit(report: dict, spec: FeatureSpec) -> FittedStatistics:
     numeric = {}
     for c in spec.numeric:
         n, mean, m2 = report["moments"].get(c, (0, 0.0, 0.0))
@@ -266,7 +289,10 @@ def _fit(report: dict, cfg: PipelineConfig) -> FittedStatistics:
             counts = report["categories"].get(c, {})
             categorical[c] = [v for v, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
             cardinality[c] = len(categorical[c])
-    classes = int(report.get("label_max", 0)) + 1 if spec.task == "classification" else 1
+    if spec.task != "classification":
+        classes = 1
+    else:
+        classes = declared_classes(spec, None, False) or int(report.get("label_max", 0)) + 1
     return FittedStatistics(
         numeric=numeric, categorical=categorical, cardinality=cardinality, num_classes=classes
     )
@@ -283,10 +309,10 @@ def _shard_count(rows: int, row_bytes: int, cfg: PipelineConfig) -> int:
 def check_plan(cfg: PipelineConfig) -> BandwidthPlan:
     """The plan `prepare(..., by_plan=True)` would use, or its DataError (before an engine starts)."""
     root = storage.resolve(cfg.dataset_dir, "pipelines.dataset_dir")
-    return _usable_plan(load_manifest(root) if has_manifest(root) else None, cfg, root)
+    return usable_plan(load_manifest(root) if has_manifest(root) else None, cfg, root)
 
 
-def _usable_plan(previous: ShardManifest | None, cfg: PipelineConfig, root: str) -> BandwidthPlan:
+def usable_plan(previous: ShardManifest | None, cfg: PipelineConfig, root: str) -> BandwidthPlan:
     if previous is None or previous.plan is None:
         raise DataError(f"{root}: no bandwidth plan to lay shards out by; run `shardline plan` first")
     plan = previous.plan

@@ -1,278 +1,313 @@
-"""Row-level work shared by the engines: parse, tag, report. Pure pandas/numpy.
+"""Row-level work shared by the engines: parse, split, report. Arrow compute and numpy.
 
-Spark calls these in `mapInPandas`, Dask in `map_partitions`: one code path, so
-both engines parse, split and count every row identically.
+Spark and Dask call these inside their tasks on the same units (raw.py), so every
+row is parsed, split and counted by one code path. The parse, for every format:
+
+- text is trimmed; one of `features.null_values` (any case) is null;
+- a number is `[+-]digits[.digits][e[+-]digits]`, `inf`/`infinity` or `nan` (any
+  case); anything else in a numeric, key or label column is a value that does not
+  parse (a "bad" row);
+- a key is an integer: an integer type, integer text (exact, within int64), or
+  an integral float within +-2^53; a float NaN is null;
+- a categorical value is the column's text (numbers and booleans cast by Arrow).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from .config import FeatureSpec, SplitConfig
 from .hashing import bucket, hash64
-from .splits import BUCKETS, SHARD_SALT, SPLIT_SALT, split_thresholds
+from .splits import BUCKETS, SHARD_SALT, SPLIT_SALT, SPLITS, split_thresholds
 
 # Problems that make a row unusable (fail, or dropped with on_bad_rows = "drop");
-# "invalid" (NaN/inf features) follows on_invalid_features instead.
-BAD_KINDS = ("bad", "null_key", "null_label", "negative_label")
+# "invalid" (NaN/inf/null features) follows on_invalid_features instead.
+BAD_KINDS = ("bad", "null_key", "null_label", "negative_label", "unknown_label")
+INVALID = "invalid"
 
-FILE_COL = "_file"
-SPLIT_COL = "_split"
-SHARD_COL = "_shard"
-# The key's shard hash, non-negative int64: shard = _h mod (the split's shard count).
-# Parsed rows carry it, so an engine computes shards once counts are known,
-# without parsing again (Spark: pmod, natively).
-HASH_COL = "_h"
+_NUMBER = r"(?i)^[+-]?((\d+\.?\d*|\.\d+)(e[+-]?\d+)?|inf|infinity|nan)$"
+_INTEGER = r"^[+-]?\d{1,18}$"
+_INT64_MAX = str(2**63 - 1)
+_EXACT = float(2**53)  # floats beyond this are not exact integers
 
 
-def typed_schema(spec: FeatureSpec) -> pa.Schema:
-    """Columns of a parsed row, as both engines carry them to the shard writer."""
-    label = pa.int64() if spec.task == "classification" else pa.float64()
-    fields = [pa.field(spec.key, pa.int64()), pa.field(spec.label, label)]
-    fields += [pa.field(c, pa.float64()) for c in spec.numeric]
-    fields += [pa.field(c, pa.string()) for c in spec.categorical]
-    fields += [pa.field(c, pa.list_(pa.float64())) for c in spec.vectors]
-    fields += [pa.field(FILE_COL, pa.string()), pa.field(SPLIT_COL, pa.string())]
-    fields.append(pa.field(HASH_COL, pa.int64()))
-    return pa.schema(fields)
-
-
+@dataclass
 class Parsed:
-    """One batch of raw rows parsed into typed columns, with what went wrong where."""
+    """One batch of raw rows as typed numpy columns, with what went wrong where."""
 
-    def __init__(self, raw: pd.DataFrame, spec: FeatureSpec):
-        self.spec = spec
-        self.raw = raw.reset_index(drop=True)
-        n = len(self.raw)
-        self.bad = np.zeros(n, dtype=bool)  # a value that does not parse as its type
-        self.problems: dict[str, dict[str, np.ndarray]] = {}
-        self.cols: dict[str, object] = {}
+    n: int
+    key: np.ndarray  # int64
+    label: np.ndarray  # int64 class index (classification) or float64
+    numeric: dict[str, np.ndarray]  # float64, NaN where null
+    categorical: dict[str, tuple[np.ndarray, list[str]]]  # codes (-1 null) into values
+    vectors: dict[str, np.ndarray]  # float64 [n, length]
+    split: np.ndarray  # int8 index into SPLITS
+    problems: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)  # (kind, column) -> mask
 
-        self.cols[spec.key] = None  # first column; filled below, once the values are parsed
-        label = self._number(spec.label)
-        self._note("null_label", spec.label, self._null(spec.label))
-        if spec.task == "classification":
-            integral = np.isfinite(label) & (label == np.floor(label))
-            self._note("bad", spec.label, ~integral & ~self._null(spec.label))
-            self._note("negative_label", spec.label, integral & (label < 0))
-            self.cols[spec.label] = np.where(integral, label, -1).astype(np.int64)
+    def mask(self, kinds) -> np.ndarray:
+        out = np.zeros(self.n, bool)
+        for (kind, _), m in self.problems.items():
+            if kind in kinds:
+                out |= m
+        return out
+
+
+def parse(
+    table: pa.Table, spec: FeatureSpec, split: SplitConfig, num_classes: int | None
+) -> Parsed:
+    """Parse `table` (raw columns) by `spec`. `num_classes`: labels at or above it are
+    unknown (declared classes, or a dataset's classes on append); None infers them."""
+    problems: dict[tuple[str, str], np.ndarray] = {}
+
+    def note(kind: str, col: str, mask: np.ndarray) -> None:
+        if mask.any():
+            key = (kind, col)
+            problems[key] = problems[key] | mask if key in problems else mask
+
+    if spec.task == "classification":
+        label, null, bad, negative, unknown = class_labels(table.column(spec.label), spec, num_classes)
+        note("negative_label", spec.label, negative)
+        note("unknown_label", spec.label, unknown)
+    else:
+        label, null, bad = numbers(table.column(spec.label), spec.null_values)
+        bad |= ~np.isfinite(label) & ~null
+    note("bad", spec.label, bad)
+    note("null_label", spec.label, null)
+
+    numeric, categorical, vectors, feature_problems = parse_features(table, spec)
+    for (kind, c), mask in feature_problems.items():
+        note(kind, c, mask)
+
+    if spec.generate_key:
+        key = content_key(label, numeric, categorical, vectors, spec)
+    else:
+        key, null, bad = keys(table.column(spec.key), spec.null_values)
+        note("bad", spec.key, bad)
+        note("null_key", spec.key, null)
+    return Parsed(table.num_rows, key, label, numeric, categorical, vectors, split_codes(key, split), problems)
+
+
+def parse_features(table: pa.Table, spec: FeatureSpec):
+    """The feature columns of `table`: (numeric, categorical, vectors, problems).
+
+    Problems: ("bad", column) for values that do not parse, ("invalid", column) for
+    NaN, inf or null features. Serving transforms raw input with this too.
+    """
+    nulls = spec.null_values
+    problems: dict[tuple[str, str], np.ndarray] = {}
+    numeric = {}
+    for c in spec.numeric:
+        numeric[c], _, bad = numbers(table.column(c), nulls)
+        problems["bad", c] = bad
+        problems[INVALID, c] = ~np.isfinite(numeric[c]) & ~bad
+    categorical = {c: categories(table.column(c), nulls) for c in spec.categorical}
+    vectors = {}
+    for c, length in spec.vectors.items():
+        vectors[c], bad, invalid = vector_values(table.column(c), length, nulls)
+        problems["bad", c] = bad
+        problems[INVALID, c] = invalid
+    return numeric, categorical, vectors, {k: m for k, m in problems.items() if m.any()}
+
+
+# -- columns -------------------------------------------------------------------------
+
+
+def _array(col) -> pa.Array:
+    return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+
+
+def _text(col: pa.Array, nulls: list[str]) -> tuple[pa.Array, np.ndarray]:
+    """Trimmed text and where it is null (a missing value or one of `nulls`)."""
+    text = pc.utf8_trim_whitespace(col.cast(pa.string()))
+    null = pc.or_kleene(pc.is_null(col), pc.is_in(pc.utf8_lower(text), pa.array([v.lower() for v in nulls], pa.string())))
+    return text, _bools(null)
+
+
+def _bools(arr) -> np.ndarray:
+    return pc.fill_null(arr, False).to_numpy(zero_copy_only=False).astype(bool)
+
+
+def numbers(col, nulls: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(float64 values with NaN where null or bad, null mask, bad mask)."""
+    col = _array(col)
+    t = col.type
+    n = len(col)
+    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t):
+        x = pc.fill_null(col.cast(pa.float64()), math.nan).to_numpy(zero_copy_only=False)
+        null = _bools(pc.is_null(col)) | (np.isnan(x) if pa.types.is_floating(t) else False)
+        return x, null, np.zeros(n, bool)
+    if pa.types.is_null(t):
+        return np.full(n, math.nan), np.ones(n, bool), np.zeros(n, bool)
+    if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
+        null = _bools(pc.is_null(col))
+        return np.full(n, math.nan), null, ~null  # booleans, lists, dates: not numbers
+    text, null = _text(col, nulls)
+    ok = _bools(pc.match_substring_regex(text, _NUMBER)) & ~null
+    x = pc.cast(pc.if_else(pa.array(ok), text, "nan"), pa.float64()).to_numpy(zero_copy_only=False)
+    return np.where(ok, x, math.nan), null, ~ok & ~null
+
+
+def keys(col, nulls: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(int64 keys, 0 where null or bad; null mask; bad mask). Integers stay exact."""
+    col = _array(col)
+    t = col.type
+    n = len(col)
+    if pa.types.is_integer(t):
+        null = _bools(pc.is_null(col))
+        if pa.types.is_unsigned_integer(t):
+            big = _bools(pc.greater(col, 2**63 - 1))
+            col = pc.if_else(pa.array(big), pa.scalar(0, t), col)
         else:
-            self._note("bad", spec.label, ~np.isfinite(label) & ~self._null(spec.label))
-            self.cols[spec.label] = label
+            big = np.zeros(n, bool)
+        k = pc.fill_null(col.cast(pa.int64()), 0).to_numpy(zero_copy_only=False)
+        return k, null, big
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        text, null = _text(col, nulls)
+        # Up to 18 digits always fit an int64; 19 when they do not exceed its maximum.
+        magnitude = pc.replace_substring_regex(text, r"^[+-]", "")
+        fits = pc.or_(
+            pc.match_substring_regex(text, _INTEGER),
+            pc.and_(pc.match_substring_regex(text, r"^[+-]?\d{19}$"), pc.less_equal(magnitude, _INT64_MAX)),
+        )
+        exact = _bools(fits) & ~null
+        digits = pc.replace_substring_regex(text, r"^\+", "")  # Arrow's integer parse refuses a '+'
+        k = pc.cast(pc.if_else(pa.array(exact), digits, "0"), pa.int64()).to_numpy(zero_copy_only=False)
+        x, _, bad = numbers(pc.if_else(pa.array(exact | null), pa.scalar(None, pa.string()), text), [])
+        whole, ok = _integral(x)
+        k = np.where(exact, k, np.where(ok, whole, 0))
+        return k, null, ~exact & ~null & ~ok
+    x, null, bad = numbers(col, nulls)
+    whole, ok = _integral(x)
+    return np.where(ok, whole, 0), null, ~ok & ~null
 
-        for c in spec.numeric:
-            x = self._number(c)
-            self._note("invalid", c, ~np.isfinite(x))
-            self.cols[c] = x
-        for c in spec.categorical:
-            col = self.raw[c]
-            self.cols[c] = np.where(col.isna(), None, col.astype(str)).astype(object)
-        for c, length in spec.vectors.items():
-            self.cols[c] = self._vector(c, length)
-        if spec.generate_key:
-            self.cols[spec.key] = content_key(self.cols, spec)
-            self.raw[spec.key] = self.cols[spec.key]  # problem reports name rows by it
-        else:
-            key = self._number(spec.key)
-            key_ok = np.isfinite(key) & (key == np.floor(key)) & (np.abs(key) < 2**62)
-            self._note("bad", spec.key, ~key_ok & ~self._null(spec.key))
-            self._note("null_key", spec.key, self._null(spec.key))
-            self.cols[spec.key] = np.where(key_ok, key, 0).astype(np.int64)
-        for kind in BAD_KINDS:
-            self.bad |= self.problems.get(kind, {}).get("_any", np.zeros(n, bool))
 
-    # -- parsing -------------------------------------------------------------
-    def _null(self, c: str) -> np.ndarray:
-        col = self.raw[c]
-        null = col.isna().to_numpy()
-        if not pd.api.types.is_numeric_dtype(col):
-            null |= col.map(lambda v: isinstance(v, str) and not v.strip()).to_numpy(bool)
-        return null
+def _integral(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    with np.errstate(invalid="ignore"):
+        ok = np.isfinite(x) & (x == np.floor(x)) & (np.abs(x) <= _EXACT)
+    return np.where(ok, x, 0).astype(np.int64), ok
 
-    def _number(self, c: str) -> np.ndarray:
-        col = self.raw[c]
-        if pd.api.types.is_bool_dtype(col):
-            self._note("bad", c, np.ones(len(col), bool))
-            return np.full(len(col), np.nan)
-        if not pd.api.types.is_numeric_dtype(col):
-            col = col.astype(object).map(lambda v: v.strip() if isinstance(v, str) else v)
-            x = pd.to_numeric(col, errors="coerce").to_numpy(np.float64)
-            unparsed = np.isnan(x) & ~self._null(c) & ~col.map(_is_nan_text).to_numpy(bool)
-            self._note("bad", c, unparsed)
-            return x
-        return col.to_numpy(np.float64, na_value=np.nan)
 
-    def _vector(self, c: str, length: int) -> np.ndarray:
-        out = np.empty(len(self.raw), dtype=object)
-        bad = np.zeros(len(self.raw), bool)
-        invalid = np.zeros(len(self.raw), bool)
-        for i, v in enumerate(self.raw[c].tolist()):
+def class_labels(col, spec: FeatureSpec, num_classes: int | None):
+    """(class index, null, bad, negative, unknown) masks for a classification label."""
+    col = _array(col)
+    n = len(col)
+    names = spec.class_names
+    if names is not None:
+        text, null = _text(col, spec.null_values)
+        idx = pc.index_in(text, value_set=pa.array(names, pa.string()))
+        known = _bools(pc.is_valid(idx))
+        label = pc.fill_null(idx, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+        no = np.zeros(n, bool)
+        return label, null, no, no, ~known & ~null
+    label, null, bad = keys(col, spec.null_values)
+    ok = ~null & ~bad
+    negative = ok & (label < 0)
+    unknown = ok & (label >= num_classes) if num_classes is not None else np.zeros(n, bool)
+    return np.where(ok, label, -1), null, bad, negative, unknown
+
+
+def categories(col, nulls: list[str]) -> tuple[np.ndarray, list[str]]:
+    """Dictionary codes (-1 where null) and the values they index (text as it is)."""
+    col = _array(col)
+    if pa.types.is_dictionary(col.type):
+        col = col.cast(col.type.value_type)
+    if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+        col = col.cast(pa.string())
+    enc = pc.dictionary_encode(col)
+    values = enc.dictionary
+    _, null_value = _text(values, nulls)
+    codes = pc.fill_null(enc.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+    if null_value.any():
+        codes = np.where(null_value[np.maximum(codes, 0)] & (codes >= 0), -1, codes)
+    return codes, values.to_pylist()
+
+
+def vector_values(col, length: int, nulls: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(float64 [n, length], bad, invalid): bad = missing, wrong length or not numbers."""
+    col = _array(col)
+    n = len(col)
+    t = col.type
+    if (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)) and (
+        pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type)
+    ):
+        lengths = pc.fill_null(pc.list_value_length(col), -1).to_numpy(zero_copy_only=False)
+        bad = lengths != length
+        ok = pc.filter(col, pa.array(~bad))
+        vals = pc.fill_null(ok.flatten().cast(pa.float64()), math.nan).to_numpy(zero_copy_only=False)
+        out = np.zeros((n, length))
+        out[~bad] = vals.reshape(-1, length)
+    else:
+        # Text (CSV, JSON) or lists of anything: each row as JSON, element by element.
+        out = np.zeros((n, length))
+        bad = np.zeros(n, bool)
+        null_set = {v.lower() for v in nulls}
+        for i, v in enumerate(col.to_pylist()):
             if isinstance(v, str):
-                try:
-                    v = json.loads(v)
-                except ValueError:
+                if v.strip().lower() in null_set:
                     v = None
+                else:
+                    try:
+                        v = json.loads(v)
+                    except ValueError:
+                        v = None
             try:
                 arr = np.asarray(v, dtype=np.float64) if v is not None else None
             except (TypeError, ValueError):
                 arr = None
             if arr is None or arr.shape != (length,):
                 bad[i] = True
-                arr = np.zeros(length)
-            invalid[i] = not np.isfinite(arr).all()
-            out[i] = arr
-        self._note("bad", c, bad)
-        self._note("invalid", c, invalid & ~bad)
-        return out
-
-    def _note(self, kind: str, column: str, mask: np.ndarray) -> None:
-        mask = np.asarray(mask, bool)
-        if not mask.any():
-            return
-        by_col = self.problems.setdefault(kind, {})
-        by_col[column] = by_col[column] | mask if column in by_col else mask
-        by_col["_any"] = by_col["_any"] | mask if "_any" in by_col else mask.copy()
-
-    # -- results -------------------------------------------------------------
-    def frame(self, split: SplitConfig, drop_bad: bool) -> pd.DataFrame:
-        """Typed rows tagged with split and shard hash; bad rows dropped when asked."""
-        df = pd.DataFrame(self.cols)
-        df[FILE_COL] = self.raw[FILE_COL].to_numpy() if FILE_COL in self.raw else ""
-        df[SPLIT_COL] = split_of(df[self.spec.key].to_numpy(), split)
-        df[HASH_COL] = shard_hash(df[self.spec.key].to_numpy())
-        if drop_bad:
-            df = df[~self.bad]
-        return df
-
-    def report(self, split: SplitConfig, encoding: str, drop_bad: bool) -> dict:
-        """Counts, first examples and train-split statistics of this batch (JSON-able)."""
-        spec = self.spec
-        df = self.frame(split, drop_bad=False)
-        keep = ~self.bad if drop_bad else np.ones(len(df), bool)
-        splits = df[SPLIT_COL].to_numpy()
-        rep: dict = {
-            "rows": {s: int(((splits == s) & keep).sum()) for s in ("train", "val", "test")},
-            "dropped": int((self.bad & ~keep).sum()) if drop_bad else 0,
-            "problems": {},
-        }
-        for kind, by_col in self.problems.items():
-            for col, mask in by_col.items():
-                if col == "_any":
-                    continue
-                # Rows dropped as bad are reported as such, not again as invalid.
-                mask = mask if kind in BAD_KINDS else mask & keep
-                if not mask.any():
-                    continue
-                i = int(np.argmax(mask))
-                rep["problems"].setdefault(kind, {})[col] = {
-                    "count": int(mask.sum()),
-                    "file": str(df[FILE_COL].iat[i]),
-                    "key": _plain(self.raw[spec.key].iat[i]),
-                    "value": _plain(self.raw[col].iat[i]),
-                }
-        labels = df[spec.label].to_numpy()[keep & ~self._null(spec.label)]
-        if len(labels):
-            rep["label_min"], rep["label_max"] = float(labels.min()), float(labels.max())
-        train = keep & (splits == "train")
-        rep["moments"] = {}
-        for c in spec.numeric:
-            x = df[c].to_numpy()[train]
-            x = x[np.isfinite(x)]
-            rep["moments"][c] = _moments(x)
-        rep["categories"] = {}
-        if encoding == "index":
-            for c in spec.categorical:
-                vals = df[c][train].dropna()
-                rep["categories"][c] = {str(k): int(v) for k, v in vals.value_counts().items()}
-        return rep
+            else:
+                out[i] = arr
+    with np.errstate(invalid="ignore"):
+        invalid = ~np.isfinite(out).all(axis=1)
+    return out, bad, invalid & ~bad
 
 
-def content_key(cols: dict, spec: FeatureSpec) -> np.ndarray:
+def content_key(label, numeric, categorical, vectors, spec: FeatureSpec) -> np.ndarray:
     """A non-negative int64 per row from its parsed values (pandas' stable hashing)."""
-    parts = {c: cols[c] for c in (spec.label, *spec.numeric, *spec.categorical)}
-    for c in spec.vectors:
-        parts[c] = np.array([v.tobytes() for v in cols[c]], dtype=object)
+    parts: dict[str, object] = {spec.label: label}
+    parts.update(numeric)
+    for c, (codes, values) in categorical.items():
+        names = np.array([*values, None], dtype=object)
+        parts[c] = names[np.where(codes >= 0, codes, len(values))]
+    for c, v in vectors.items():
+        parts[c] = np.array([row.tobytes() for row in v], dtype=object)
     h = pd.util.hash_pandas_object(pd.DataFrame(parts), index=False).to_numpy()
     return (h >> np.uint64(1)).astype(np.int64)
 
 
-def _is_nan_text(v) -> bool:
-    return isinstance(v, str) and v.lower() in ("nan", "+nan", "-nan")
+# -- split and shard -----------------------------------------------------------------
 
 
-def _plain(v):
-    if isinstance(v, np.generic):
-        v = v.item()
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    if isinstance(v, (list, tuple, np.ndarray)):
-        return str(list(v))[:60]
-    return v if isinstance(v, (int, float, str, bool)) or v is None else str(v)[:60]
-
-
-def _moments(x: np.ndarray) -> list[float]:
-    if not len(x):
-        return [0, 0.0, 0.0]
-    mean = float(x.mean())
-    return [int(len(x)), mean, float(((x - mean) ** 2).sum())]
+def split_codes(keys: np.ndarray, split: SplitConfig) -> np.ndarray:
+    """0 (train), 1 (val) or 2 (test) per key: a hash of the key alone."""
+    t_train, t_val = split_thresholds(split)
+    b = bucket(keys, SPLIT_SALT, BUCKETS)
+    return (b >= t_train).astype(np.int8) + (b >= t_val).astype(np.int8)
 
 
 def split_of(keys: np.ndarray, split: SplitConfig) -> np.ndarray:
-    t_train, t_val = split_thresholds(split)
-    b = bucket(keys, SPLIT_SALT, BUCKETS)
-    return np.where(b < t_train, "train", np.where(b < t_val, "val", "test")).astype(object)
+    """The split's name per key."""
+    return np.array(SPLITS, dtype=object)[split_codes(keys, split)]
 
 
 def shard_hash(keys: np.ndarray) -> np.ndarray:
+    """A non-negative int64 per key, independent of the split hash: shard = it mod count."""
     return (hash64(keys, SHARD_SALT) >> np.uint64(1)).astype(np.int64)
 
 
-def shard_of(hashes: np.ndarray, splits: np.ndarray, shards: Mapping[str, int]) -> np.ndarray:
-    """Shard per row from its HASH_COL value and split (the Dask side; Spark uses pmod)."""
+def shard_of(hashes: np.ndarray, splits: np.ndarray, shards: dict[str, int]) -> np.ndarray:
+    """Shard per row within its split, from its shard_hash and split name."""
     out = np.zeros(len(hashes), np.int32)
     for s, n in shards.items():
         mask = splits == s
         if mask.any():
             out[mask] = hashes[mask] % n
-    return out
-
-
-def merge_reports(reports: list[dict]) -> dict:
-    """Combine batch reports: sums, the first example, Chan's parallel variance merge."""
-    out: dict = {"rows": {"train": 0, "val": 0, "test": 0}, "dropped": 0, "problems": {},
-                 "moments": {}, "categories": {}}
-    for r in reports:
-        for s, n in r["rows"].items():
-            out["rows"][s] += n
-        out["dropped"] += r["dropped"]
-        for kind, by_col in r["problems"].items():
-            for col, p in by_col.items():
-                have = out["problems"].setdefault(kind, {}).get(col)
-                if have is None:
-                    out["problems"][kind][col] = dict(p)
-                else:
-                    have["count"] += p["count"]
-        for bound, pick in (("label_min", min), ("label_max", max)):
-            if bound in r:
-                out[bound] = pick(out.get(bound, r[bound]), r[bound])
-        for c, (n, mean, m2) in r["moments"].items():
-            n0, mean0, m20 = out["moments"].get(c, (0, 0.0, 0.0))
-            total = n0 + n
-            if total:
-                delta = mean - mean0
-                out["moments"][c] = (
-                    total,
-                    mean0 + delta * n / total,
-                    m20 + m2 + delta * delta * n0 * n / total,
-                )
-        for c, counts in r["categories"].items():
-            acc = out["categories"].setdefault(c, {})
-            for v, n in counts.items():
-                acc[v] = acc.get(v, 0) + n
     return out

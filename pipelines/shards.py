@@ -1,11 +1,11 @@
-"""The shard writer: engine-neutral, runs inside Spark or Dask tasks.
+"""The shard writer: engine-neutral, runs inside Spark or Dask tasks after the shuffle.
 
-The engine delivers parsed rows tagged with `_split` and `_shard`, every row of
-one (split, shard) in the same partition. The writer applies the feature
-transform, sorts each group by key (so a shard's bytes do not depend on the
-engine or partitioning) and writes it through `pipelines.storage` under a
-deterministic name: a retried task rewrites the same file, which appears whole
-(one upload of the finished object; locally a rename) or not at all.
+The engine delivers the rows of pass 2 (tasks.shuffle_rows), every row of one part
+(split, shard) in the same partition. The writer sorts a part by key (so a shard's
+bytes depend neither on the engine nor on the partitioning), finds keys seen twice,
+and writes the shard through `pipelines.storage` under a deterministic name: a
+retried task rewrites the same file, which appears whole (one upload of the
+finished object; locally a rename) or not at all.
 """
 
 from __future__ import annotations
@@ -13,25 +13,28 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 
+import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import storage
 from .config import FeatureSpec
-from .manifest import FittedStatistics
-from .rows import SHARD_COL, SPLIT_COL
-from .transform import model_table
+from .tasks import PART_COL, POS_COL, Parts
+from .transform import feature_width, features_column
 
 SHARD_META_SCHEMA = pa.schema(
     [
         ("split", pa.string()),
         ("shard", pa.int32()),
-        ("path", pa.string()),
+        ("path", pa.string()),  # null: nothing written (a repeated key, or no new rows)
         ("rows", pa.int64()),
         ("bytes", pa.int64()),
         ("row_groups", pa.int32()),
         ("sha256", pa.string()),
+        ("repeated", pa.int64()),  # rows dropped because their key came earlier
+        ("repeat_key", pa.int64()),  # refusing: the repeat met first in unit and row order,
+        ("repeat_pos", pa.int64()),  # its position,
+        ("first_pos", pa.int64()),  # and the position of the key's first row
     ]
 )
 
@@ -40,37 +43,67 @@ def shard_relpath(version_dir_name: str, split: str, shard: int) -> str:
     return f"{version_dir_name}/{split}/shard-{shard:05d}.parquet"
 
 
-def write_shard_groups(
+def write_parts(
     table: pa.Table,
+    parts: Parts,
     dataset_dir: str,
     version_dir_name: str,
     spec: FeatureSpec,
-    stats: FittedStatistics,
     rows_per_row_group: int,
     shard_offsets: dict[str, int],
+    drop_repeats: bool,
 ) -> Iterator[pa.RecordBatch]:
-    """Write every (split, shard) group of `table`; yield one metadata row each.
+    """Write the shard of every part in `table`; yield one metadata row each.
 
-    `shard_offsets` numbers an append's new shards after the existing ones.
+    A key seen twice (also against an existing dataset's keys: rows with a negative
+    position) is dropped after its first row when `drop_repeats`, else nothing is
+    written and the earliest repeat is reported. `shard_offsets` numbers an append's
+    new shards after the existing ones.
     """
     if not table.num_rows:
         return
-    groups = table.group_by([SPLIT_COL, SHARD_COL]).aggregate([])
-    for split, shard in zip(
-        groups.column(SPLIT_COL).to_pylist(), groups.column(SHARD_COL).to_pylist()
-    ):
-        mask = pc.and_(
-            pc.equal(table.column(SPLIT_COL), split), pc.equal(table.column(SHARD_COL), shard)
-        )
-        part = table.filter(mask).sort_by([(spec.key, "ascending")])
-        part = model_table(part, spec, stats, impute=spec.on_invalid_features == "impute")
-        shard = int(shard) + shard_offsets.get(split, 0)
-        rel = shard_relpath(version_dir_name, split, shard)
-        meta = _write_one(part, storage.join(dataset_dir, rel), rows_per_row_group)
-        yield pa.RecordBatch.from_pylist(
-            [{"split": split, "shard": shard, "path": rel, **meta}],
-            schema=SHARD_META_SCHEMA,
-        )
+    all_parts = table.column(PART_COL).to_numpy()
+    for part in np.unique(all_parts):
+        rows = np.flatnonzero(all_parts == part)
+        split, shard = parts.split_shard(int(part))
+        shard += shard_offsets.get(split, 0)
+        key = table.column(spec.key).take(rows).to_numpy()
+        pos = table.column(POS_COL).take(rows).to_numpy()
+        order = np.lexsort((pos, key))  # by key, then first seen first
+        k, p = key[order], pos[order]
+        repeat = np.zeros(len(k), bool)
+        repeat[1:] = k[1:] == k[:-1]
+        meta = {"split": split, "shard": shard, "repeated": int((repeat & (p >= 0)).sum())}
+        if repeat.any() and not drop_repeats:
+            i = int(np.flatnonzero(repeat)[np.argmin(p[repeat])])
+            first = int(np.searchsorted(k, k[i]))
+            meta.update(repeat_key=int(k[i]), repeat_pos=int(p[i]), first_pos=int(p[first]))
+            yield pa.RecordBatch.from_pylist([meta], schema=SHARD_META_SCHEMA)
+            continue
+        new = order[~repeat & (p >= 0)]  # positions into `rows`, sorted by key
+        if len(new):
+            part_table = table.take(rows[new])
+            feats = _feature_rows(part_table.column("features"), feature_width(spec))
+            label_type = pa.int64() if spec.task == "classification" else pa.float32()
+            shard_table = pa.table(
+                {
+                    spec.key: part_table.column(spec.key),
+                    "features": features_column(feats),
+                    spec.label: part_table.column(spec.label).cast(label_type),
+                }
+            ).combine_chunks()  # one chunk: the file's bytes cannot depend on how rows arrived
+            rel = shard_relpath(version_dir_name, split, shard)
+            meta.update(path=rel, **_write_one(shard_table, storage.join(dataset_dir, rel), rows_per_row_group))
+        yield pa.RecordBatch.from_pylist([meta], schema=SHARD_META_SCHEMA)
+
+
+def _feature_rows(col, width: int) -> np.ndarray:
+    """A binary column of float32 rows (tasks.shuffle_rows) as float32 [rows, width]."""
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    offset_type = np.int64 if pa.types.is_large_binary(arr.type) else np.int32
+    offsets = np.frombuffer(arr.buffers()[1], offset_type)[arr.offset : arr.offset + len(arr) + 1]
+    data = np.frombuffer(arr.buffers()[2], np.uint8)[offsets[0] : offsets[-1]]
+    return data.view(np.float32).reshape(len(arr), width)
 
 
 def _write_one(table: pa.Table, url: str, rows_per_row_group: int) -> dict:

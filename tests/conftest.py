@@ -50,7 +50,7 @@ def small_pipeline(tmp: Path, rows: int = 4000, **layout) -> PipelineConfig:
     return PipelineConfig.model_validate(
         {
             "dataset_dir": str(tmp / "dataset"),
-            "source": {"path": str(tmp / "raw"), "synthetic": {"rows": rows, "partitions": 2}},
+            "source": {"format": "synthetic", "path": str(tmp / "raw"), "synthetic": {"rows": rows, "partitions": 2}},
             "layout": {"world_size": 2, **layout},
         }
     )

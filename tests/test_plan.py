@@ -157,7 +157,7 @@ def _config(tmp: Path, cfg) -> Path:
     path = tmp / "job.toml"
     path.write_text(
         f'[pipelines]\nengine = "dask"\ndataset_dir = "{cfg.dataset_dir}"\n'
-        f'[pipelines.source]\npath = "{cfg.source.path}"\n'
+        f'[pipelines.source]\nformat = "synthetic"\npath = "{cfg.source.path}"\n'
         f"[pipelines.source.synthetic]\nrows = {ROWS}\npartitions = 2\n"
         f"[pipelines.layout]\nworld_size = 2\nrows_per_row_group = {TINY_ROW_GROUPS}\n"
         "[dask]\nn_workers = 1\n"

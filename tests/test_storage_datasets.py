@@ -31,7 +31,7 @@ from .storage_helpers import hold_until_exists
 def _pipeline(tmp: Path, rows: int, **retention) -> PipelineConfig:
     return PipelineConfig.model_validate({
         "dataset_dir": str(tmp / "dataset"),
-        "source": {"path": str(tmp / f"raw-{rows}"), "synthetic": {"rows": rows, "partitions": 2}},
+        "source": {"format": "synthetic", "path": str(tmp / f"raw-{rows}"), "synthetic": {"rows": rows, "partitions": 2}},
         "layout": {"world_size": 2},
         "retention": retention or {},
     })
@@ -112,7 +112,7 @@ def _config(tmp: Path) -> Path:
     path = tmp / "job.toml"
     path.write_text(
         f"[pipelines]\ndataset_dir = '{tmp / 'dataset'}'\n"
-        f"[pipelines.source]\npath = '{tmp / 'raw'}'\n[pipelines.source.synthetic]\nrows = 500\n"
+        f"[pipelines.source]\nformat = 'synthetic'\npath = '{tmp / 'raw'}'\n[pipelines.source.synthetic]\nrows = 500\n"
         f"[serving]\noutput_dir = '{tmp / 'scores'}'\n"
     )
     return path

@@ -1,0 +1,161 @@
+"""What prepare settles on the driver before an engine starts, in seconds.
+
+The input's files and columns (Parquet footers, CSV headers, the first JSON lines),
+the feature spec resolved against them (a list the user left out is inferred from
+the schema, and said so), the classes, a synthetic source's target, and the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from .config import FeatureSpec, PipelineConfig
+from .errors import ConfigError, DataError
+from .manifest import BandwidthPlan, ShardManifest, has_manifest, load_manifest
+from .raw import RawFile, describe, sniff
+from .rows import numbers
+from .sources import display, list_files
+from . import storage, synthetic
+
+
+@dataclass
+class CheckedInput:
+    spec: FeatureSpec  # every column named
+    files: list[RawFile]  # described; empty for a synthetic source not generated yet
+    previous: ShardManifest | None  # the dataset there now
+    plan: BandwidthPlan | None  # with --plan
+    notes: list[str] = field(default_factory=list)  # what was inferred, for the user
+
+
+def check_prepare(cfg: PipelineConfig, append: bool = False, refit: bool = False, by_plan: bool = False) -> CheckedInput:
+    """Everything prepare can check without an engine; DataError/ConfigError on the first problem."""
+    from .prepare import usable_plan
+
+    root = storage.resolve(cfg.dataset_dir, "pipelines.dataset_dir")
+    previous = load_manifest(root) if has_manifest(root) else None
+    plan = usable_plan(previous, cfg, root) if by_plan else None
+    if plan is not None and append and not refit:
+        raise DataError(f"{root}: a plan lays every shard out anew; use it with --append --refit")
+    if append and previous is None:
+        raise DataError(f"{root}: --append needs an existing dataset; run prepare first")
+    src = cfg.source
+    spec = cfg.features
+    if append:
+        spec = _fill(spec, previous.feature_spec)  # unset settings: the dataset's
+    files: list[RawFile] = []
+    if src.format == "synthetic":
+        have = synthetic.check_target(src.synthetic, storage.resolve(src.path, "pipelines.source.path")) and list_files(src)
+        if have:
+            files = describe(have, src.format, src.csv_delimiter)
+        generated = synthetic.columns(src.synthetic)
+        spec = _fill(spec, generated)
+        kinds = {c: "numeric" for c in generated.numeric} | {c: "text" for c in generated.categorical}
+        names = [generated.key, *kinds, generated.label]
+        where = f"the synthetic source ({src.path})"
+        notes = _inferred(cfg.features, spec, where) if not append else []
+    else:
+        files = describe(list_files(src), src.format, src.csv_delimiter)
+        names = list(files[0].schema.names)
+        kinds = _kinds(files[0], src.csv_delimiter, spec.null_values)
+        where = display(files[0].url)
+        spec, notes = _resolve(spec, names, kinds, where)
+    _check_columns(spec, files, names, src.format)
+    if append and spec != previous.feature_spec:
+        raise DataError(
+            f"{root}: pipelines.features differ from the dataset's; append needs the same spec"
+        )
+    return CheckedInput(spec, files, previous, plan, notes)
+
+
+def _fill(spec: FeatureSpec, base: FeatureSpec) -> FeatureSpec:
+    """`spec` with the settings it leaves out taken from `base`."""
+    unset = {f: getattr(base, f) for f in ("key", "label", "numeric", "categorical") if getattr(spec, f) is None}
+    return spec.model_copy(update=unset)
+
+
+def _kinds(f: RawFile, delimiter: str, nulls: list[str]) -> dict[str, str]:
+    """numeric / text / other per column: Parquet by type; CSV and JSON (all text) by
+    whether every value of the first rows parses as a number."""
+    kinds = {}
+    if f.fmt in ("parquet", "synthetic"):
+        for fld in f.schema:
+            t = fld.type.value_type if pa.types.is_dictionary(fld.type) else fld.type
+            if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t):
+                kinds[fld.name] = "numeric"
+            elif pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_boolean(t):
+                kinds[fld.name] = "text"
+            else:
+                kinds[fld.name] = "other"
+        return kinds
+    head = sniff(f.url, f.fmt, delimiter)
+    for name in head.column_names:
+        _, null, bad = numbers(head.column(name), nulls)
+        kinds[name] = "other" if null.all() else "text" if bad.any() else "numeric"
+    return kinds
+
+
+def _resolve(spec: FeatureSpec, names: list[str], kinds: dict[str, str], where: str):
+    have = ", ".join(names)
+    if spec.key is None and not spec.generate_key:
+        raise ConfigError(
+            f"pipelines.features.key is not set: name the input's integer key column "
+            f"(columns of {where}: {have}) or set generate_key = true"
+        )
+    if spec.label is None:
+        raise ConfigError(f"pipelines.features.label is not set: name the label column (columns of {where}: {have})")
+    key = spec.key or "key"
+    named = {key, spec.label, *(spec.numeric or []), *(spec.categorical or []), *spec.vectors}
+    update = {"key": key}
+    if spec.numeric is None:
+        update["numeric"] = [c for c in names if kinds.get(c) == "numeric" and c not in named]
+    if spec.categorical is None:
+        update["categorical"] = [c for c in names if kinds.get(c) == "text" and c not in named]
+    resolved = spec.model_copy(update=update)
+    notes = _inferred(spec, resolved, where)
+    if not (resolved.numeric or resolved.categorical or resolved.vectors):
+        raise ConfigError(
+            f"pipelines.features: no feature column (columns of {where}: {have}); "
+            f"set numeric, categorical or vectors"
+        )
+    return resolved, notes
+
+
+def _inferred(given: FeatureSpec, resolved: FeatureSpec, where: str) -> list[str]:
+    notes = []
+    for f in ("key", "label", "numeric", "categorical"):
+        if getattr(given, f) is None and not (f == "key" and given.generate_key):
+            value = getattr(resolved, f)
+            shown = ", ".join(value) if isinstance(value, list) else value
+            notes.append(f"pipelines.features.{f} = {shown or '(none)'}  (inferred from {where})")
+    return notes
+
+
+def _check_columns(spec: FeatureSpec, files: list[RawFile], names: list[str], fmt: str) -> None:
+    """Every column the spec names is in every file (JSON: in the first rows of each)."""
+    required = [spec.label, *spec.numeric, *spec.categorical, *spec.vectors]
+    if not spec.generate_key:
+        required.insert(0, spec.key)
+    for f in files or [None]:
+        have = list(f.schema.names) if f is not None else names
+        for col in required:
+            if col not in have:
+                where = display(f.url) if f is not None else "the synthetic source"
+                raise DataError(
+                    f"{where}: column '{col}' not found (have: {', '.join(have)})"
+                )
+
+
+def declared_classes(spec: FeatureSpec, previous: ShardManifest | None, frozen: bool) -> int | None:
+    """Classes labels are checked against: declared, the dataset's on a plain append, else None."""
+    if spec.task != "classification":
+        return None
+    if spec.class_names is not None:
+        return len(spec.class_names)
+    if spec.classes is not None:
+        return int(spec.classes)
+    if frozen and previous is not None:
+        return previous.statistics.num_classes
+    return None
+

@@ -1,0 +1,224 @@
+"""Raw input as Arrow: the units of work and the one reader both engines run in their tasks.
+
+The driver describes the files (Parquet footers, CSV headers, first JSON lines),
+cuts them into units (a Parquet file's row groups in runs of about UNIT_ROWS rows;
+a CSV or JSON file whole) and hands the same unit list to Spark or Dask. Inside a
+task, `read_unit` yields the unit's rows in a fixed sequence of Arrow batches.
+Both engines therefore see the same bytes cut the same way, which is what makes
+their reports, statistics and first errors identical. No engine reader is used:
+Spark's would need Hadoop's jars for object stores, and it reads CSV and JSON
+values differently from any Python reader.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
+
+from .errors import DataError
+from .sources import display, open_raw
+
+# A unit is read, parsed and reported as one task; ~1M rows keep a task's memory
+# near 100-200 MB and give a big Parquet file several tasks.
+UNIT_ROWS = 1 << 20
+# CSV and JSON files are read in blocks of this many bytes (one Arrow batch each).
+TEXT_BLOCK_BYTES = 64 << 20
+# Rows the driver reads to infer which CSV/JSON columns are numeric.
+SNIFF_ROWS = 1000
+
+
+@dataclass(frozen=True)
+class RawFile:
+    url: str
+    fmt: str
+    schema: pa.Schema  # Parquet: the file's; CSV and JSON: every column text
+    row_groups: tuple[int, ...] = ()  # rows per row group (Parquet only)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Rows of one file: all of it, or row groups [first, first + count) of a Parquet file."""
+
+    index: int
+    url: str
+    fmt: str
+    first_row_group: int = 0
+    row_groups: int = 0
+    first_row: int = 0  # of the file: error messages name rows in the file
+
+
+def describe(files: list[str], fmt: str, delimiter: str) -> list[RawFile]:
+    """Each file's columns (and Parquet row groups), from its footer or first lines.
+
+    Names the first file that cannot be read as its format.
+    """
+    out = []
+    for url in files:
+        try:
+            out.append(_describe_one(url, fmt, delimiter))
+        except Exception as e:  # the reader's own error, whatever the library
+            what = "not a readable Parquet file" if _parquet(fmt) else f"not readable {fmt}"
+            raise DataError(f"{display(url)}: {what} ({first_line(e)})") from None
+    return out
+
+
+def _describe_one(url: str, fmt: str, delimiter: str) -> RawFile:
+    if _parquet(fmt):
+        with open_raw(url) as f:
+            meta = pq.read_metadata(f)
+        rgs = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
+        return RawFile(url, fmt, meta.schema.to_arrow_schema(), rgs)
+    return RawFile(url, fmt, sniff(url, fmt, delimiter).schema)
+
+
+def plan_units(described: list[RawFile]) -> list[Unit]:
+    """Units in file order, then row order: the order every merge and first error follows."""
+    units: list[Unit] = []
+    for f in described:
+        fmt = f.fmt
+        if not _parquet(fmt):
+            units.append(Unit(len(units), f.url, fmt))
+            continue
+        # Runs of whole row groups of about UNIT_ROWS rows; a file with none is one empty unit.
+        runs: list[list[int]] = [[]]
+        for i, n in enumerate(f.row_groups):
+            if runs[-1] and sum(f.row_groups[j] for j in runs[-1]) + n > UNIT_ROWS:
+                runs.append([])
+            runs[-1].append(i)
+        for run in runs:
+            first = run[0] if run else 0
+            units.append(Unit(len(units), f.url, fmt, first, len(run), sum(f.row_groups[:first])))
+    return units
+
+
+def read_unit(unit: Unit, columns: list[str], delimiter: str) -> Iterator[pa.Table]:
+    """The unit's rows, `columns` only, as a fixed sequence of tables.
+
+    CSV values all come as text (nothing is made null or converted here: the row
+    code applies `null_values` and number parsing, the same for every format).
+    JSON scalars come as their JSON text too, lists as lists.
+    """
+    if _parquet(unit.fmt):
+        with open_raw(unit.url) as f:
+            pf = pq.ParquetFile(f)
+            present = [c for c in columns if c in pf.schema_arrow.names]
+            groups = list(range(unit.first_row_group, unit.first_row_group + unit.row_groups))
+            if not groups:
+                yield pf.schema_arrow.empty_table().select(present)
+                return
+            for batch in pf.iter_batches(batch_size=UNIT_ROWS, row_groups=groups, columns=present, use_threads=False):
+                yield pa.Table.from_batches([batch])
+    elif unit.fmt == "csv":
+        with _lines(unit.url) as f:
+            yield from _csv_tables(f, columns, delimiter)
+    else:
+        with _lines(unit.url) as f:
+            yield from _json_tables(f, columns)
+
+
+def _lines(url: str) -> io.BufferedReader:
+    """A text file read forward, line by line: pyarrow's files (what `open_raw` returns
+    on every store) have no readline, and a decompressing stream cannot seek."""
+    return io.BufferedReader(open_raw(url), buffer_size=1 << 20)
+
+
+def sniff(url: str, fmt: str, delimiter: str, rows: int = SNIFF_ROWS) -> pa.Table:
+    """The first rows of a raw file, every column, read as in tasks (for the driver's checks)."""
+    with open_raw(url) if _parquet(fmt) else _lines(url) as f:
+        if _parquet(fmt):
+            pf = pq.ParquetFile(f)
+            batch = next(pf.iter_batches(batch_size=rows), None)
+            return pa.Table.from_batches([batch]) if batch is not None else pf.schema_arrow.empty_table()
+        if fmt == "csv":
+            # Only the head of the file, never the whole file.
+            head = f.read(1 << 20)
+            text = head[: head.rfind(b"\n") + 1] if b"\n" in head else head
+            tables = list(_csv_tables(io.BufferedReader(io.BytesIO(text)), None, delimiter))
+            return tables[0].slice(0, rows) if tables else pa.table({})
+        return next(_json_tables(f, None, limit=rows), pa.table({}))
+
+
+def _csv_tables(f, columns: list[str] | None, delimiter: str) -> Iterator[pa.Table]:
+    """`f` read forward from its start: the header line here, the rows by pyarrow."""
+    header = f.readline().decode("utf-8-sig").rstrip("\r\n")
+    names = next(csv.reader([header], delimiter=delimiter), [])
+    included = [c for c in columns if c in names] if columns is not None else None
+    if not f.peek(1):  # a header and no rows (pyarrow calls that an empty file)
+        yield pa.table({n: pa.array([], pa.string()) for n in (names if included is None else included)})
+        return
+    reader = pcsv.open_csv(
+        f,
+        read_options=pcsv.ReadOptions(block_size=TEXT_BLOCK_BYTES, use_threads=False, column_names=names),
+        parse_options=pcsv.ParseOptions(delimiter=delimiter),
+        convert_options=pcsv.ConvertOptions(
+            column_types={n: pa.string() for n in names},
+            null_values=[],
+            strings_can_be_null=False,
+            quoted_strings_can_be_null=False,
+            include_columns=included,
+        ),
+    )
+    empty = True
+    for batch in reader:
+        empty = False
+        yield pa.Table.from_batches([batch])
+    if empty:
+        yield reader.schema.empty_table()
+
+
+def _json_tables(f, columns: list[str] | None, limit: int | None = None) -> Iterator[pa.Table]:
+    """JSON lines, in blocks of lines, every value as its JSON text (strings as they are).
+
+    Python's json, not pyarrow's: pyarrow refuses a column whose values change type (a
+    number, then text), which is exactly the bad input the row code reports row by row.
+    As text, a JSON value parses like the same value in a CSV file.
+    """
+    names: list[str] = list(columns) if columns is not None else []
+    rows: list[dict] = []
+    size = 0
+    for line_no, line in enumerate(f, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise DataError(f"line {line_no}: not JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise DataError(f"line {line_no}: not a JSON object")
+        if columns is None:
+            names.extend(k for k in obj if k not in names)
+        rows.append(obj)
+        size += len(line)
+        if limit is not None and len(rows) >= limit:
+            break
+        if size >= TEXT_BLOCK_BYTES:
+            yield _json_table(rows, names)
+            rows, size = [], 0
+    if rows or size == 0:
+        yield _json_table(rows, names)
+
+
+def _json_table(rows: list[dict], names: list[str]) -> pa.Table:
+    return pa.table({c: pa.array([_json_text(r.get(c)) for r in rows], pa.string()) for c in names})
+
+
+def _json_text(v) -> str | None:
+    if v is None:
+        return None
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+def _parquet(fmt: str) -> bool:
+    return fmt in ("parquet", "synthetic")
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:200]

@@ -1,0 +1,277 @@
+"""What one task does, on either engine: report a unit (pass 1), turn it into shuffle rows (pass 2).
+
+Pass 1 reads a unit and returns a small JSON report: rows per split, the first
+example of every problem, train-split moments and category counts. The driver
+merges the reports in unit order (`merge_reports`), so statistics and first
+errors depend neither on the engine nor on the order tasks finish in.
+
+Pass 2 reads the unit again, parses it, drops bad rows, applies the transform and
+emits the rows shards hold, tagged with their part (split and shard) and their
+position (unit, row) for the engine's shuffle. Features travel as one binary value
+per row (the row's float32 bytes): cheaper through Spark's and Dask's shuffles than
+a list column or a column per float.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from . import storage
+from .config import FeatureSpec, SplitConfig
+from .errors import DataError
+from .manifest import FittedStatistics
+from .raw import Unit, first_line, read_unit
+from .rows import BAD_KINDS, INVALID, Parsed, parse, shard_hash
+from .splits import SPLITS
+from .sources import display
+from .transform import feature_width, features
+
+POS_COL = "_pos"  # unit index << 32 | row in unit; negative for an existing dataset's rows
+PART_COL = "_part"  # the shard a row goes to, numbered over splits (see Parts)
+
+
+@dataclass(frozen=True)
+class PrepareTask:
+    """What every task of a prepare needs; small, shipped to the tasks."""
+
+    spec: FeatureSpec  # resolved: every column named
+    split: SplitConfig
+    drop_bad: bool
+    num_classes: int | None  # labels at or above are unknown; None infers the classes
+    delimiter: str = ","  # of CSV input
+
+    @property
+    def columns(self) -> list[str]:
+        s = self.spec
+        cols = [s.label, *s.numeric, *s.categorical, *s.vectors]
+        return cols if s.generate_key else [s.key, *cols]
+
+    def parse(self, table: pa.Table) -> Parsed:
+        return parse(table, self.spec, self.split, self.num_classes)
+
+
+@dataclass(frozen=True)
+class Parts:
+    """Shard counts per split; part p numbers (split, shard) over all splits, train first."""
+
+    counts: tuple[int, int, int]  # train, val, test
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+    def of(self, split_codes: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+        offsets = np.cumsum((0, *self.counts[:-1]))
+        counts = np.maximum(np.array(self.counts, np.int64), 1)  # a split with no shards has no rows
+        return (offsets[split_codes] + hashes % counts[split_codes]).astype(np.int32)
+
+    def split_shard(self, part: int) -> tuple[str, int]:
+        for s, n in zip(SPLITS, self.counts):
+            if part < n:
+                return s, part
+            part -= n
+        raise ValueError(f"part {part} out of range")
+
+
+# -- pass 1: report --------------------------------------------------------------------
+
+
+def report_unit(unit: Unit, task: PrepareTask) -> dict:
+    """Counts, first problems and train statistics of one unit (JSON-able)."""
+    rep = _empty_report()
+    offset = 0
+    try:
+        for table in read_unit(unit, task.columns, task.delimiter):
+            p = task.parse(table)
+            _merge(rep, _report_batch(p, table, unit, offset, task))
+            offset += p.n
+    except Exception as e:  # the file's fault (unreadable, malformed), reported in order
+        rep["error"] = f"{display(unit.url)}: not readable {unit.fmt} ({first_line(e)})"
+    return rep
+
+
+def _report_batch(p: Parsed, raw: pa.Table, unit: Unit, offset: int, task: PrepareTask) -> dict:
+    spec = task.spec
+    bad = p.mask(BAD_KINDS)
+    keep = ~bad if task.drop_bad else np.ones(p.n, bool)
+    rep = _empty_report()
+    rep["rows"] = [int(((p.split == i) & keep).sum()) for i in range(3)]
+    rep["dropped"] = int(bad.sum()) if task.drop_bad else 0
+    for (kind, col), mask in p.problems.items():
+        # Rows dropped as bad are reported as such, not again as invalid.
+        mask = mask if kind in BAD_KINDS else mask & keep
+        if not mask.any():
+            continue
+        i = int(np.argmax(mask))
+        # The key as parsed when it parses (JSON and CSV keys are text), else as written.
+        key_ok = spec.generate_key or not any(
+            p.problems.get((k, spec.key), np.zeros(p.n, bool))[i] for k in ("bad", "null_key")
+        )
+        key = int(p.key[i]) if key_ok else raw.column(spec.key)[i].as_py()
+        rep["problems"].setdefault(kind, {})[col] = {
+            "count": int(mask.sum()),
+            "at": [unit.index, offset + i],
+            "file": unit.url,
+            "key": _plain(key),
+            "value": _plain(raw.column(col)[i].as_py()),
+        }
+    labels = p.label[keep & (p.label >= 0)] if spec.task == "classification" else np.array([])
+    if len(labels):
+        rep["label_max"] = int(labels.max())
+    train = keep & (p.split == 0)
+    for c in spec.numeric:
+        x = p.numeric[c][train]
+        rep["moments"][c] = _moments(x[np.isfinite(x)])
+    if spec.categorical_encoding == "index":
+        for c in spec.categorical:
+            codes, values = p.categorical[c]
+            counts = np.bincount(codes[train & (codes >= 0)], minlength=len(values))
+            rep["categories"][c] = {values[i]: int(counts[i]) for i in np.flatnonzero(counts)}
+    return rep
+
+
+def _empty_report() -> dict:
+    return {"rows": [0, 0, 0], "dropped": 0, "problems": {}, "moments": {}, "categories": {}}
+
+
+def merge_reports(reports: list[dict]) -> dict:
+    """Reports merged in list order (unit order): the result does not depend on the engine."""
+    out = _empty_report()
+    for r in reports:
+        _merge(out, r)
+    return out
+
+
+def _merge(out: dict, r: dict) -> None:
+    """Fold report `r` (later in unit/row order) into `out`: sums, the earliest example
+    of each problem, Chan's parallel merge of moments."""
+    if "error" in r and "error" not in out:
+        out["error"] = r["error"]
+    out["rows"] = [a + b for a, b in zip(out["rows"], r["rows"])]
+    out["dropped"] += r["dropped"]
+    for kind, by_col in r["problems"].items():
+        for col, p in by_col.items():
+            have = out["problems"].setdefault(kind, {}).get(col)
+            if have is None:
+                out["problems"][kind][col] = dict(p)
+            else:
+                have["count"] += p["count"]
+    if "label_max" in r:
+        out["label_max"] = max(out.get("label_max", r["label_max"]), r["label_max"])
+    for c, (n, mean, m2) in r["moments"].items():
+        n0, mean0, m20 = out["moments"].get(c, (0, 0.0, 0.0))
+        total = n0 + n
+        if total:
+            delta = mean - mean0
+            out["moments"][c] = (
+                total,
+                mean0 + delta * n / total,
+                m20 + m2 + delta * delta * n0 * n / total,
+            )
+    for c, counts in r["categories"].items():
+        acc = out["categories"].setdefault(c, {})
+        for v, n in counts.items():
+            acc[v] = acc.get(v, 0) + n
+
+
+def first_problem(report: dict, kinds) -> tuple[str, str, dict] | None:
+    """The problem of `kinds` met first in unit and row order: (kind, column, example)."""
+    found = [
+        (tuple(p["at"]), k, col, p)
+        for k in kinds
+        for col, p in report["problems"].get(k, {}).items()
+    ]
+    if not found:
+        return None
+    order = {k: i for i, k in enumerate(kinds)}
+    _, kind, col, p = min(found, key=lambda f: (f[0], order[f[1]]))
+    return kind, col, p
+
+
+def _moments(x: np.ndarray) -> list:
+    if not len(x):
+        return [0, 0.0, 0.0]
+    mean = float(x.mean())
+    return [int(len(x)), mean, float(((x - mean) ** 2).sum())]
+
+
+def _plain(v):
+    if isinstance(v, float) and not np.isfinite(v):
+        return str(v)
+    if isinstance(v, (list, tuple)):
+        return str(list(v))[:60]
+    return v if isinstance(v, (int, float, str, bool)) or v is None else str(v)[:60]
+
+
+# -- pass 2: rows for the shuffle --------------------------------------------------------
+
+
+def transport_schema(spec: FeatureSpec) -> pa.Schema:
+    """The rows pass 2 hands to the shuffle and the shard writer receives."""
+    label = pa.int64() if spec.task == "classification" else pa.float32()
+    return pa.schema(
+        [
+            (spec.key, pa.int64()),
+            (spec.label, label),
+            ("features", pa.binary()),
+            (POS_COL, pa.int64()),
+            (PART_COL, pa.int32()),
+        ]
+    )
+
+
+def shuffle_rows(unit: Unit, task: PrepareTask, stats: FittedStatistics, parts: Parts) -> Iterator[pa.Table]:
+    """The unit's usable rows, transformed, with their part and position."""
+    spec = task.spec
+    schema = transport_schema(spec)
+    width = feature_width(spec) * 4
+    impute = spec.on_invalid_features == "impute"
+    offset = 0
+    for table in read_unit(unit, task.columns, task.delimiter):
+        p = task.parse(table)
+        keep = ~p.mask(BAD_KINDS)
+        if not task.drop_bad and not keep.all():
+            raise DataError(f"{display(unit.url)}: changed since it was checked")
+        feats = features(p.numeric, p.categorical, p.vectors, p.n, spec, stats, impute)[keep]
+        rows = np.flatnonzero(keep)
+        m = len(rows)
+        offsets = pa.array(np.arange(0, (m + 1) * width, width, dtype=np.int32))
+        label = p.label[keep] if spec.task == "classification" else p.label[keep].astype(np.float32)
+        yield pa.Table.from_arrays(
+            [
+                pa.array(p.key[keep]),
+                pa.array(label),
+                pa.Array.from_buffers(pa.binary(), m, [None, offsets.buffers()[1], pa.py_buffer(feats)]),
+                pa.array((np.int64(unit.index) << 32) | (rows + offset)),
+                pa.array(parts.of(p.split[keep], shard_hash(p.key[keep]))),
+            ],
+            schema=schema,
+        )
+        offset += p.n
+
+
+def existing_rows(url: str, index: int, spec: FeatureSpec, parts: Parts, split: SplitConfig) -> Iterator[pa.Table]:
+    """The keys of an existing shard (an append checks new keys against them), routed like
+    new rows; position negative (`index` < 0), so they come first among equal keys.
+    Label and features are zero and empty, not null: every partition keeps one schema."""
+    from .rows import split_codes
+
+    schema = transport_schema(spec)
+    with storage.open_input(url) as f:  # a shard: Parquet read by byte ranges
+        keys = pq.read_table(f, columns=[spec.key]).column(spec.key).to_numpy()
+    n = len(keys)
+    yield pa.Table.from_arrays(
+        [
+            pa.array(keys),
+            pa.array(np.zeros(n, schema.field(spec.label).type.to_pandas_dtype())),
+            pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(np.zeros(n + 1, np.int32)), pa.py_buffer(b"")]),
+            pa.array((np.int64(index) << 32) | np.arange(n, dtype=np.int64)),
+            pa.array(parts.of(split_codes(keys, split), shard_hash(keys))),
+        ],
+        schema=schema,
+    )
