@@ -125,6 +125,12 @@ class TrainingConfig(Section):
         1, ge=1, description="torch intra-op threads per rank; ranks x threads <= cores."
     )
     log_every_steps: int = Field(50, ge=1, description="Per-step metrics every N steps.")
+    socket_ifname: str | None = Field(
+        None, description="Network interface(s) the ranks' collectives use, comma-separated, "
+        "exported as GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME in each rank before the process "
+        "group starts: needed where a host name resolves to loopback (ranks on different hosts "
+        "would advertise 127.0.0.1); unset: the environment's choice. Every host must have it.",
+    )
     timeout_s: int = Field(
         300, ge=10, description="Process-group timeout: a stalled peer fails the job after it."
     )

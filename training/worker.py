@@ -46,6 +46,11 @@ class TrainJob:
     # after that epoch (a sweep's pruner). Must pickle, like the rest of the job.
     epoch_hook: Callable[[int, dict[str, float]], bool] | None = None
 
+    @property
+    def socket_ifname(self) -> str | None:
+        """What launchers.run_in_group exports as GLOO/NCCL_SOCKET_IFNAME before the group starts."""
+        return self.cfg.socket_ifname
+
 
 def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
     """The rank function of a training job (see training.launchers)."""
