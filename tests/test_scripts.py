@@ -13,6 +13,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO
 from tests.fixtures_clusters import UP_WITHIN_S, _start, _stop, _wait
 from training.launchers import free_port
@@ -61,6 +63,8 @@ def _stops_on_sigterm(proc: subprocess.Popen) -> None:
     assert _group(proc.pid) == [], "the script left processes running"
 
 
+@pytest.mark.slow
+@pytest.mark.cluster
 def test_dask_cluster_script(tmp_path):
     from distributed import Client
 
@@ -85,6 +89,8 @@ def test_dask_cluster_script(tmp_path):
         _stop([proc])
 
 
+@pytest.mark.slow
+@pytest.mark.cluster
 def test_spark_standalone_script(tmp_path):
     port, webui = free_port(), free_port()
     log = tmp_path / "spark.log"

@@ -50,6 +50,7 @@ def _rendered(url: str, profile) -> str:
     return out.stdout
 
 
+@pytest.mark.slow
 def test_ui_shows_the_run_in_chromium(tmp_path):
     if CHROMIUM is None:
         pytest.fail("no chromium on PATH: `apt-get install -y chromium` (.ci/run does it)")
