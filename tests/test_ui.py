@@ -115,3 +115,14 @@ def test_ui_refuses_an_unreachable_server_and_a_busy_port(tmp_path):
         proc = shardline("ui", "--port", str(port), cwd=tmp_path, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.count("\n") == 1 and f"--port {port}" in proc.stderr, proc.stderr
+
+
+def test_summary_hint_is_the_short_form_for_this_folders_store(tmp_path, monkeypatch):
+    """`shardline run` in a folder with the default store tells the user `shardline ui`,
+    which opens exactly that store from there (the Chromium test runs the long form)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert ui_hint(store) == "shardline ui"
+    proc = shardline("ui", cwd=tmp_path, timeout=120)  # no store yet: the error names the same file
+    assert proc.returncode == 1 and repr(store) in proc.stderr, proc.stderr
