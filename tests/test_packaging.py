@@ -6,6 +6,7 @@ that has neither shardline nor its dependencies (docs/deploy.md, "Packing the en
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +71,6 @@ def test_packed_venv_runs_on_workers_without_the_environment(tmp_path):
         assert "train: 3," in line and (dataset / "_manifests").is_dir()
     finally:
         _stop([cluster])
+        # ~6 GB: the archive and an unpacked copy per executor; pytest would keep them.
+        archive.unlink(missing_ok=True)
+        shutil.rmtree(tmp_path / "work", ignore_errors=True)
