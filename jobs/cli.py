@@ -84,8 +84,9 @@ def run(config, overrides):
     table = Table(title="shardline run", show_header=False, title_justify="left")
     for split, info in manifest.splits.items():
         table.add_row(f"rows {split}", f"{info.rows:,} in {len(info.shards)} shards")
-    if "val_accuracy" in result.metrics:
-        table.add_row("val accuracy", f"{result.metrics['val_accuracy']:.4f}")
+    for k in ("val_accuracy", "val_rmse", "val_r2"):
+        if k in result.metrics:
+            table.add_row(k.replace("_", " "), f"{result.metrics[k]:.4f}")
     table.add_row("MLflow run", result.run_id)
     table.add_row("MLflow store", result.tracking_uri)
     table.add_row("model", f"{result.model_uri}")
@@ -142,26 +143,43 @@ def prepare(config, overrides, engine, append, refit, by_plan):
 @click.option("--world-size", type=int, help="Overrides training.world_size.")
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in training.checkpoint_dir "
               "(wherever it is stored); the same as --set training.resume=true.")
-def train(config, overrides, launcher, world_size, resume):
+@click.option("--allow-changed", "allow_changed", multiple=True, metavar="FIELDS",
+              help="With --resume: fingerprint fields that may differ from the checkpoint's (comma-separated, "
+              "repeatable: lr, weight_decay, lr_schedule, warmup_steps, epochs, dataset_version); adds to "
+              "training.resume_allow_changed.")
+def train(config, overrides, launcher, world_size, resume, allow_changed):
     """Train on a prepared dataset; track in MLflow; register the model."""
     extra = [f"training.launcher='{launcher}'"] if launcher else []
     extra += [f"training.world_size={world_size}"] if world_size else []
     extra += ["training.resume=true"] if resume else []
     cfg = load_config(config, list(overrides) + extra)
+    if allow_changed:
+        named = [f.strip() for arg in allow_changed for f in arg.split(",") if f.strip()]
+        t = cfg.training
+        cfg = cfg.model_copy(update={"training": t.model_copy(
+            update={"resume_allow_changed": [*t.resume_allow_changed, *named]})})
     cfg = resolve_paths(cfg, [cfg.training.launcher], (DATASET, CHECKPOINTS), tracking=True)
     check_storage(cfg, reads=(DATASET,), writes=(CHECKPOINTS,))
-    from training.job import check_settings
+    from training.checkpoints import check_allowed
+    from training.job import check_checkpoints, hold_checkpoint_dir, preflight
 
-    # Names and batch: one line before an engine starts. The dataset is checked after,
-    # with the cluster's free slots first: too few slots is the error to fix first.
-    check_settings(cfg.training)
-    if cfg.training.launcher == "dask":
-        with _dask(cfg) as client:
-            result = _train(cfg, None, client)
-    else:
-        result = _train(cfg, _spark(cfg, _spark_ranks(cfg)) if cfg.training.launcher == "spark" else None)
+    # Names, the dataset, world size vs shards, batch vs rows, checkpoint_dir: one line
+    # before an engine starts (the cluster's free slots are checked once it runs).
+    check_checkpoints(cfg.training, preflight(cfg.training, cfg.pipelines.dataset_dir))
+    check_allowed(cfg.training.resume_allow_changed, "--allow-changed / training.resume_allow_changed")
+    # One job per checkpoint directory: a second is refused here, before an engine starts.
+    lease = hold_checkpoint_dir(cfg.training)
+    try:
+        if cfg.training.launcher == "dask":
+            with _dask(cfg) as client:
+                result = _train(cfg, None, client, lease)
+        else:
+            spark = _spark(cfg, _spark_ranks(cfg)) if cfg.training.launcher == "spark" else None
+            result = _train(cfg, spark, None, lease)
+    finally:
+        lease.release()
     console.print(f"  run {result.run_id}; model {result.model_uri}")
-    for k in ("val_loss", "val_accuracy"):
+    for k in ("val_loss", "val_accuracy", "val_rmse", "val_mae", "val_r2"):
         if k in result.metrics:
             console.print(f"  {k} {result.metrics[k]:.4f}")
 
@@ -529,6 +547,20 @@ def bench_strategies(steps, as_json):
                   "measured idle share; predicted: its schedule replayed with the measured action "
                   "times, communication free; formula: the schedule's with equal stages; cpu wait: "
                   "share of the step a rank was ready to run but had no core (outside its actions).")
+    mem = result["memory"]
+    hidden = mem["model"]["hidden"]
+    widths = f"{len(hidden)} × {hidden[0]}" if len(set(hidden)) == 1 else " × ".join(map(str, hidden))
+    table = Table(title=f"memory per rank, mlp {widths} ({mem['model']['parameters'] / 1e6:.1f}M weights), AdamW")
+    table.add_column("", no_wrap=True)
+    for col in ("ranks", "peak MB (max rank)", "× ddp", "samples/s"):
+        table.add_column(col, justify="right")
+    for name, row in mem["strategies"].items():
+        ratio = row["peak_vs_ddp"]
+        table.add_row(name, str(row["world_size"]), f"{max(row['peak_mb_per_rank']):.0f}",
+                      f"{ratio:.2f}" if ratio is not None else "", f"{row['samples_per_s']:,.0f}")
+    Console().print(table)
+    console.print(f"  peak MB: {mem['measure']}; it includes the whole model each rank builds "
+                  "before sharding it.")
 
 
 def _dataset_lease(cfg: ShardlineConfig):
@@ -621,14 +653,15 @@ def _prepare(cfg: ShardlineConfig, engine, append: bool = False, refit: bool = F
         return prepare(engine, cfg.pipelines, append=append, refit=refit, by_plan=by_plan, lease=lease)
 
 
-def _train(cfg: ShardlineConfig, spark, dask_client=None):
+def _train(cfg: ShardlineConfig, spark, dask_client=None, lease=None):
     from training.job import run_training
 
     t = cfg.training
     title = f"Training {t.model} with {t.strategy} on {t.world_size} {t.launcher} ranks"
+    console.print(f"  checkpoints: {escape(t.checkpoint_dir)}")
     with stage(title):
         return run_training(
-            t, cfg.tracking, cfg.pipelines.dataset_dir, spark=spark, dask_client=dask_client
+            t, cfg.tracking, cfg.pipelines.dataset_dir, spark=spark, dask_client=dask_client, lease=lease
         )
 
 

@@ -124,7 +124,7 @@ def resolve_paths(
     p, t, s = cfg.pipelines, cfg.training, cfg.serving
     source = p.source.model_copy(update={"path": path(p.source.path, SOURCE)})
     dataset_dir = path(p.dataset_dir, DATASET)
-    checkpoint_dir = path(t.checkpoint_dir, CHECKPOINTS)
+    checkpoint_dir = path(_checkpoint_dir(cfg), CHECKPOINTS)
     output_dir = path(s.output_dir, OUTPUT)
     tracking_uri = _sqlite(cfg.tracking.resolved_uri(), "tracking.tracking_uri", cluster if tracking else None,
                            "an MLflow tracking server (tracking.tracking_uri = 'http://host:5000')", local)
@@ -149,6 +149,17 @@ def resolve_paths(
             "sweep": cfg.sweep.model_copy(update={"storage": sweep_storage}),
         }
     )
+
+
+def _checkpoint_dir(cfg: ShardlineConfig) -> str:
+    """training.checkpoint_dir as set, else this job's own folder (training.checkpoints.job_dir):
+    two configs never share, or clear, each other's checkpoints. The training stage prints it."""
+    t = cfg.training
+    if "checkpoint_dir" in t.model_fields_set:
+        return t.checkpoint_dir
+    from training.checkpoints import job_dir
+
+    return job_dir(t, cfg.tracking.experiment, cfg.tracking.registered_model, cfg.pipelines.dataset_dir)
 
 
 def path_of(cfg: ShardlineConfig, setting: str) -> str:

@@ -179,5 +179,18 @@ def spark_error_line(e: BaseException) -> str:
     return type(e).__name__
 
 
+def failed_task(e: BaseException) -> tuple[int, int, str] | None:
+    """(task index in its stage, attempts, "host (executor id)") of the task that failed a
+    Spark job, from Spark's report (classic and Connect alike), or None if it names none.
+    A stage over `range(n, numPartitions=n)` runs task i on partition i: a unit or a rank."""
+    text = str(e)
+    failed = re.search(r"Task (\d+) in stage \S+ failed (\d+) times?", text)
+    lost = re.search(r"Lost task (\d+)\.\d+ in stage \S+ \(TID \d+\) \((\S+) executor ([^)]+)\)", text)
+    if not failed and not lost:
+        return None
+    index = int(failed[1]) if failed else int(lost[1])
+    return index, int(failed[2]) if failed else 1, f"{lost[2]} (executor {lost[3]})" if lost else "unknown host"
+
+
 def _clean(line: str) -> str:
     return re.sub(r"\s*SQLSTATE: \w+\s*$", "", line.strip())[:400]

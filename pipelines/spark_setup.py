@@ -220,6 +220,7 @@ def _classic(cfg: SparkConfig):
 
     user = user_spark_conf()  # spark-defaults.conf, PYSPARK_SUBMIT_ARGS
     master = cfg.master if "master" in cfg.model_fields_set else user.get("spark.master", cfg.master)
+    master = local_with_retries(master, {**user, **cfg.conf})
     _check_standalone_master(master, cfg.connect_timeout_s)
     builder = builder.master(master)
     if "app_name" in cfg.model_fields_set or "spark.app.name" not in user:
@@ -233,6 +234,21 @@ def _classic(cfg: SparkConfig):
         spark = builder.getOrCreate()
     _fill_in(spark, session_defaults(cfg), explicit={**_explicit_session(cfg), **cfg.conf})
     return spark
+
+
+LOCAL_TASK_ATTEMPTS = 4  # Spark's own spark.task.maxFailures default on a cluster
+
+
+def local_with_retries(master: str, conf: dict[str, str]) -> str:
+    """`local[N]` as `local[N,F]`: local mode ignores spark.task.maxFailures and tries each
+    task once, so one killed Python worker failed a whole scoring job. F is the user's
+    spark.task.maxFailures if set, else 4 (a cluster's default); a master that already says
+    F (`local[2,1]` for no retries) is kept as written."""
+    m = re.fullmatch(r"local(?:\[(\d+|\*)\])?", master.strip())
+    if not m:
+        return master
+    attempts = conf.get("spark.task.maxFailures", str(LOCAL_TASK_ATTEMPTS))
+    return f"local[{m[1] or 1},{attempts}]"
 
 
 def _check_standalone_master(master: str, timeout_s: float) -> None:

@@ -402,6 +402,9 @@ def check_access(url: str, setting: str, write: bool = False) -> None:
     if write and os.path.exists(path) and not os.path.isdir(path):
         raise StorageError(f"{setting}: {path} exists and is not a directory")
     if write and not os.access(probe, os.W_OK | os.X_OK):
+        # access() says no for a read-only mount even to root: name that cause, not permissions.
+        if os.statvfs(probe).f_flag & os.ST_RDONLY:
+            raise StorageError(f"{setting}: {path}: read-only file system (cannot write in {probe})")
         raise StorageError(f"{setting}: {path}: permission denied (cannot write in {probe})")
     if not write and not os.access(probe, os.R_OK):
         raise StorageError(f"{setting}: {path}: permission denied")

@@ -25,7 +25,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get
 def spark():
     from pipelines.engines import spark_session
 
-    session = spark_session(SparkConfig(master="local[2]", shuffle_partitions=2))
+    # local[2,1]: one attempt per task, said explicitly (shardline's own local masters retry
+    # each task 4 times): the recovery tests place a fault and watch the whole job fail.
+    session = spark_session(SparkConfig(master="local[2,1]", shuffle_partitions=2))
     yield session
     session.stop()
 

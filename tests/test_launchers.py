@@ -40,5 +40,5 @@ def test_ranks_see_the_launchers_environment_folder_and_output_of_now(tmp_path, 
 
 
 def test_a_failing_rank_fails_the_launch_with_its_error():
-    with pytest.raises(TrainingFailed, match="rank 1: ValueError: rank 1 fails as asked"):
+    with pytest.raises(TrainingFailed, match=r"rank 1 on \S+: ValueError: rank 1 fails as asked"):
         launch_local(report, {"fail_rank": 1}, world_size=2, timeout_s=60)

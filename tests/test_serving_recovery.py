@@ -60,7 +60,7 @@ def test_dask_task_retry_commits_each_unit_once(dask_client, prepared, raw, trac
 
 
 def test_failed_spark_job_rerun_scores_only_missing_units(spark, prepared, raw, tracking_uri, tmp_path):
-    # local[2] does not retry tasks: the injected fault fails the whole job.
+    # The session's local[2,1] does not retry tasks: the injected fault fails the whole job.
     uri = register_flaky(prepared, tracking_uri, tmp_path / "failed-once", "flaky-spark")
     write_raw(raw, tmp_path / "in", files=6)
     out = tmp_path / "scores"
@@ -117,7 +117,7 @@ def test_spark_worker_dying_between_output_and_ledger_rerun_rewrites_that_unit(
                            lambda inner: DiesBetweenOutputAndLedger(inner, str(marker)))
     write_raw(raw, tmp_path / "in", files=3)
     out = tmp_path / "scores"
-    # local[2] does not retry a task: the dead Python worker fails the job.
+    # The session's local[2,1] does not retry a task: the dead Python worker fails the job.
     with pytest.raises(Exception, match="Python worker exited unexpectedly|crashed"):
         score("spark", spark, uri, tracking_uri, str(tmp_path / "in"), str(out))
     record = _died_between_output_and_ledger(marker, out)

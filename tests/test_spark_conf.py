@@ -128,7 +128,7 @@ def test_shardlines_defaults_fill_in_what_nobody_set(tmp_path):
     assert got["spark.ui.enabled"] == "false" and not got["ui_listening"], got
     assert got["spark.ui.showConsoleProgress"] == "false"
     assert got["spark.sql.shuffle.partitions"] == "4"
-    assert got["spark.master"] == "local[2]"
+    assert got["spark.master"] == "local[2,4]"  # local mode retries tasks (spark_setup.local_with_retries)
     # Set where the JVM reads them when it starts: the bind address (put back in this
     # process afterwards), and the log4j configuration (quiet).
     assert got["jvm_SPARK_LOCAL_IP"] == "127.0.0.1" and got["driver_SPARK_LOCAL_IP"] is None

@@ -9,24 +9,40 @@ rank 0 through `pipelines.storage`, so `checkpoint_dir` may be any URL:
       LATEST                     the pointer: written after the object it names
       ranks/rank-N.json          which host and process is rank N
 
+The default directory (`training.checkpoint_dir` unset) is one per job:
+`shardline-data/checkpoints/<experiment>/<registered model>-<hash>`, the hash of the
+fingerprint settings below and the dataset directory, so two configs never share one
+and `--resume` of the same config finds its own. A new job clears only its own
+earlier checkpoints: a directory whose `LATEST` names another job's (other
+fingerprint settings) is refused, never emptied.
+
 A checkpoint is visible once the pointer names it: an interrupted write leaves at
 most an object nothing points to. Rotation keeps the newest `keep` and never
 deletes what the pointer names. `latest()` follows the pointer (a directory with no
 pointer, such as one written by an earlier shardline or copied by hand, falls back
-to the newest object by step).
+to the newest object by step). `readable()` is the one a job resumes from: the
+pointed one, or, when that cannot be read (truncated, corrupted), the newest older
+one that can, said in one line.
+
+The fingerprint is every setting that shapes the weights, the optimizer state or
+the order of batches; a resume whose config differs is refused naming the fields,
+unless the user names them as allowed to change (`training.resume_allow_changed`,
+`shardline train --resume --allow-changed lr`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import re
+import sys
 import uuid
 
 import torch
 
 from pipelines import storage
-from pipelines.errors import DataError
+from pipelines.errors import ConfigError, DataError, StorageError
 
 from .config import TrainingConfig
 
@@ -36,16 +52,57 @@ POINTER = "LATEST"
 # Settings a checkpoint must agree with to be resumed from: they shape the
 # weights, the optimizer state or the order of batches.
 FINGERPRINT_FIELDS = (
-    "model", "hidden", "embedding_dim", "strategy", "world_size", "batch_size", "seed", "epochs",
-    "shuffle_buffer_rows", "remainder", "dp", "tp", "pp", "ps_servers", "ps_mode",
+    "model", "hidden", "heads", "embedding_dim", "strategy", "world_size", "batch_size", "seed", "epochs",
+    "shuffle_buffer_rows", "remainder", "dp", "tp", "pp", "dp_shard", "tp_plan", "ps_servers", "ps_mode",
     "micro_batches", "pipeline_boundaries", "pipeline_schedule", "pipeline_stages_per_rank",
+    # the optimisation itself: a resume with another lr or schedule would quietly keep the old one
+    "lr", "weight_decay", "lr_schedule", "warmup_steps", "precision", "grad_compression",
 )
+# Fields a resume may change when the user allows it (the rest decide the checkpoint's
+# layout or the order of batches, so a checkpoint cannot carry over to other values).
+CHANGEABLE_FIELDS = ("lr", "weight_decay", "lr_schedule", "warmup_steps", "epochs", "dataset_version")
+
+
+# The mesh (training.sharded_checkpoints.MESH_FIELDS): a resume may change it where it reshards.
+_RESHARDABLE = ("world_size", "dp", "tp", "dp_shard", "tp_plan")
+
+
+class CheckpointUnreadable(DataError):
+    """A checkpoint object that cannot be read back (missing, truncated, corrupted)."""
+
+
+def check_allowed(allowed: list[str] | tuple[str, ...], setting: str = "training.resume_allow_changed") -> None:
+    unknown = [a for a in allowed if a not in CHANGEABLE_FIELDS]
+    if unknown:
+        raise ConfigError(
+            f"{setting}: {', '.join(unknown)} cannot change on resume; fields that can: "
+            + ", ".join(CHANGEABLE_FIELDS)
+        )
 
 
 def fingerprint(cfg: TrainingConfig, dataset_version: str) -> dict[str, str]:
     fp = {f: str(getattr(cfg, f)) for f in FINGERPRINT_FIELDS}
     fp["dataset_version"] = dataset_version
     return fp
+
+
+DEFAULT_ROOT = "shardline-data/checkpoints"
+
+
+def job_dir(cfg: TrainingConfig, experiment: str, registered_model: str, dataset_dir: str,
+            root: str = DEFAULT_ROOT) -> str:
+    """The default checkpoint_dir of a job (see the module's docstring)."""
+    # Not what a resume may change (--allow-changed lr, another mesh that reshards): the
+    # resumed job must find the folder its first run wrote.
+    kept = [f for f in FINGERPRINT_FIELDS if f not in CHANGEABLE_FIELDS and f not in _RESHARDABLE]
+    ident = {f: str(getattr(cfg, f)) for f in kept}
+    ident.update(dataset_dir=str(dataset_dir), registered_model=registered_model)
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:10]
+    return storage.join(root, _safe(experiment), f"{_safe(registered_model)}-{digest}")
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "default"
 
 
 def checkpoint_paths(directory: str) -> list[str]:
@@ -78,13 +135,57 @@ def save(directory: str, global_step: int, state: dict, keep: int) -> str:
     torch.save(state, buf)
     name = f"ckpt-{global_step:09d}-{uuid.uuid4().hex[:6]}.pt"
     url = storage.join(directory, name)
-    storage.write_bytes(url, buf.getbuffer())
-    # The pointer is the commit: one whole-object write (a rename locally) after the object.
-    storage.write_bytes(storage.join(directory, POINTER), json.dumps({"name": name, "step": global_step}).encode())
+    try:
+        storage.write_bytes(url, buf.getbuffer())
+        # The pointer is the commit: one whole-object write (a rename locally) after the object.
+        # The fingerprint in the pointer says whose directory this is without reading a checkpoint.
+        pointer = {"name": name, "step": global_step, "fingerprint": state.get("fingerprint", {})}
+        storage.write_bytes(storage.join(directory, POINTER), json.dumps(pointer).encode())
+    except OSError as e:  # a full disk, a read-only mount, no permission: no restart fixes it
+        raise StorageError(f"training.checkpoint_dir: cannot write {storage.display(url)} ({_cause(e)})") from None
     for old in checkpoint_paths(directory)[:-keep]:
         if old != url:
             storage.delete(old)
     return url
+
+
+def start_over(directory: str, fp: dict[str, str]) -> None:
+    """A new job's directory: drop its own earlier checkpoints (its restarts would resume
+    them); refuse a directory holding another job's, which clearing would lose."""
+    check_owner(directory, fp)
+    clear(directory)
+
+
+def check_owner(directory: str, fp: dict[str, str]) -> None:
+    """Refuse `directory` to a new job when it holds another job's checkpoints."""
+    theirs = owner(directory)
+    if theirs:  # {}: written without a fingerprint, which no job can resume
+        # Another dataset version is the same job on re-prepared data: its own to clear.
+        diff = [f"{k} {theirs.get(k)!r} (this job: {v!r})" for k, v in fp.items()
+                if k != "dataset_version" and theirs.get(k) != v]
+        if diff:
+            raise DataError(
+                f"training.checkpoint_dir {storage.display(str(directory))} holds another job's "
+                f"checkpoints ({', '.join(diff[:3])}{', ...' if len(diff) > 3 else ''}); a new job "
+                "would delete them: give this job a checkpoint_dir of its own (unset, each job gets "
+                "one under shardline-data/checkpoints/<experiment>/), resume that job with --resume, "
+                "or delete them yourself"
+            )
+
+
+def owner(directory: str) -> dict[str, str] | None:
+    """The fingerprint of the job whose checkpoints `directory` holds; None when it holds none."""
+    directory = str(directory)
+    try:
+        pointer = json.loads(storage.read_bytes(storage.join(directory, POINTER)))
+    except FileNotFoundError:
+        pointer = {}
+    except ValueError:
+        pointer = {}  # latest() below names the damage
+    if isinstance(pointer, dict) and isinstance(pointer.get("fingerprint"), dict):
+        return pointer["fingerprint"]
+    newest = latest(directory)  # a pointer from before fingerprints were in it, or none
+    return None if newest is None else load(newest, {}).get("fingerprint", {})
 
 
 def clear(directory: str) -> None:
@@ -94,18 +195,73 @@ def clear(directory: str) -> None:
         storage.delete(old)
 
 
-def load(url: str, expected: dict[str, str]) -> dict:
-    """Read a checkpoint and refuse one written for another model, config or dataset."""
+def load(url: str, expected: dict[str, str], allow_changed=()) -> dict:
+    """Read a checkpoint and refuse one written for another model, config or dataset
+    (fields in `allow_changed` may differ)."""
     where = storage.display(str(url))
     try:
         with storage.open_input(str(url)) as f:
             state = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise DataError(f"{where}: checkpoint not found") from None
+        raise CheckpointUnreadable(f"{where}: checkpoint not found") from None
     except Exception as e:
-        raise DataError(f"{where}: not a readable shardline checkpoint ({type(e).__name__})") from None
+        raise CheckpointUnreadable(f"{where}: not a readable shardline checkpoint ({_cause(e)})") from None
     got = state.get("fingerprint", {})
-    diff = [f"{k}={got.get(k)!r} (config has {v!r})" for k, v in expected.items() if got.get(k) != v]
+    diff = [f"{k}={got.get(k)!r} (config has {v!r})" for k, v in expected.items()
+            if got.get(k) != v and k not in allow_changed]
     if diff:
-        raise DataError(f"{where}: checkpoint is from a different run: " + ", ".join(diff))
+        raise DataError(
+            f"{where}: checkpoint is from a different run: " + ", ".join(diff)
+            + _allow_hint([k for k, v in expected.items() if got.get(k) != v])
+        )
     return state
+
+
+def readable(directory: str, expected: dict[str, str], allow_changed=()) -> tuple[str, dict] | None:
+    """The checkpoint to resume from and its state: the one the pointer names, else (it
+    cannot be read) the newest older one that can, said in one line. None: no checkpoint.
+    A checkpoint of another run is refused, never skipped: an older one would be too."""
+    first = latest(directory)
+    if first is None:
+        return None
+    try:
+        return first, load(first, expected, allow_changed)
+    except CheckpointUnreadable as e:
+        bad = e
+    for url in reversed([p for p in checkpoint_paths(directory) if p != first]):
+        try:
+            state = load(url, expected, allow_changed)
+        except CheckpointUnreadable:
+            continue
+        print(f"[shardline] {bad}; resuming from {storage.name(url)}, the newest readable one",
+              file=sys.stderr, flush=True)
+        return url, state
+    raise CheckpointUnreadable(f"{bad}; no older checkpoint in {storage.display(directory)} is readable either")
+
+
+def apply_changed(optimizer, scheduler, cfg: TrainingConfig, allow_changed=()) -> None:
+    """After loading a checkpoint's optimizer and schedule, put the allowed changes in:
+    both state dicts carry the old lr and weight decay, which would otherwise win."""
+    if optimizer is None or not {"lr", "weight_decay"} & set(allow_changed):
+        return
+    for group in optimizer.param_groups:
+        if "lr" in allow_changed:
+            group["initial_lr"] = cfg.lr
+        if "weight_decay" in allow_changed:
+            group["weight_decay"] = cfg.weight_decay
+    if scheduler is not None and "lr" in allow_changed:
+        scheduler.base_lrs = [cfg.lr for _ in optimizer.param_groups]
+        for group, factor in zip(optimizer.param_groups, [f(scheduler.last_epoch) for f in scheduler.lr_lambdas]):
+            group["lr"] = cfg.lr * factor
+
+
+def _allow_hint(fields: list[str]) -> str:
+    changeable = [f for f in fields if f in CHANGEABLE_FIELDS]
+    if not changeable or len(changeable) < len(fields):
+        return ""
+    return f" (to resume with the new value, allow it: --allow-changed {','.join(changeable)})"
+
+
+def _cause(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:160]}" if text else type(e).__name__

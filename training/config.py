@@ -18,16 +18,26 @@ class TrainingConfig(Section):
     )
     world_size: int = Field(2, ge=1, description="Ranks (processes) that train together.")
     strategy: str = Field(
-        "ddp", description="Parallel strategy: ddp (all-reduce), ps (parameter server), "
-        "pipeline, tensor (training.strategies).",
+        "ddp", description="Parallel strategy: ddp (all-reduce), fsdp (fully sharded; HSDP with "
+        "dp > 1), ps (parameter server), pipeline, tensor (training.strategies).",
     )
     dp: int | None = Field(
         None, ge=1, description="Data-parallel degree of the mesh; unset: what world_size leaves "
-        "after tp or pp (dp x tp, or dp x pp, must equal world_size).",
+        "after tp, pp or dp_shard (dp x tp, dp x pp or dp x dp_shard must equal world_size). "
+        "fsdp: the replicas (HSDP's replicate degree).",
+    )
+    dp_shard: int | None = Field(
+        None, ge=1, description="strategy fsdp: ranks each parameter, its gradient and optimizer "
+        "state are sharded over; unset: world_size / dp (plain FSDP shards over every rank).",
     )
     tp: int | None = Field(
-        None, ge=1, description="strategy tensor: ranks each layer is split over (Megatron); "
+        None, ge=1, description="strategy tensor: ranks each layer is split over (DTensor); "
         "unset: world_size / dp.",
+    )
+    tp_plan: dict[str, Literal["colwise", "rowwise"]] | None = Field(
+        None, description="strategy tensor: module path -> colwise (output features split) or "
+        "rowwise (input features split, outputs summed), each colwise run closed by a rowwise "
+        "layer; unset: the model's own plan (training.models.TP_PLANS).",
     )
     pp: int | None = Field(
         None, ge=1, description="strategy pipeline: pipeline stages; unset: world_size / dp.",
@@ -135,7 +145,10 @@ class TrainingConfig(Section):
         300, ge=10, description="Process-group timeout: a stalled peer fails the job after it."
     )
     checkpoint_dir: str = Field(
-        "shardline-data/checkpoints", description="Where checkpoints go (one job per directory)."
+        "shardline-data/checkpoints", description="Where checkpoints go, one job per directory; "
+        "unset: a folder of the job's own, shardline-data/checkpoints/<experiment>/<registered "
+        "model>-<hash of its settings and dataset> (training.checkpoints.job_dir). A new job "
+        "clears its own earlier checkpoints and refuses a directory holding another job's.",
     )
     checkpoint_every_steps: int = Field(
         0, ge=0, description="Also checkpoint every N optimizer steps; 0: only at epoch ends."
@@ -144,8 +157,20 @@ class TrainingConfig(Section):
     resume: bool = Field(
         False, description="Continue from the latest checkpoint in checkpoint_dir (--resume)."
     )
+    resume_allow_changed: list[str] = Field(
+        default_factory=list, description="Fingerprint fields a resume may change (lr, weight_decay, "
+        "lr_schedule, warmup_steps, epochs, dataset_version; --allow-changed); any other difference "
+        "from the checkpoint's config is refused, naming the fields.",
+    )
     max_restarts: int = Field(
-        2, ge=0, description="Relaunches after a rank fails; each resumes from the latest checkpoint."
+        2, ge=0, description="Relaunches after a rank is lost (a killed process or worker); each "
+        "resumes from the latest checkpoint. Permanent errors (permissions, a full disk, bad data) "
+        "are never retried.",
+    )
+    lease_ttl_s: float = Field(
+        60.0, ge=3, description="Life of the checkpoint directory's lease (one job per directory); "
+        "the driver renews it every third of this, and ranks whose driver stopped renewing it stop "
+        "within about this long.",
     )
 
 

@@ -5,20 +5,22 @@ from __future__ import annotations
 import io
 import logging
 import sys
+import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from pipelines import storage
-from pipelines.errors import ConfigError, DataError
+from pipelines.errors import ConfigError, DataError, ShardlineError, StorageError
+from pipelines.lease import LEASE_NAME, Lease
 from pipelines.manifest import ShardManifest, load_manifest, sequences
 
-from . import checkpoints
+from . import checkpoints, sharded_checkpoints
 from .config import TrackingConfig, TrainingConfig
-from .launchers import TrainingFailed
-from .loader import check_world_size
+from .launchers import DriverGuard, TrainingFailed
+from .loader import check_world_size, epoch_steps, rows_per_rank
 from .models import build_model, check_model_name
 from .strategies import get_strategy
 from .tracking import log_curves, open_experiment
@@ -34,6 +36,9 @@ class TrainResult:
     metrics: dict[str, float]
     weights: dict[str, torch.Tensor]  # the final plain-model state dict
     stopped_early: bool = False  # the epoch hook stopped it before training.epochs
+    # Rank 0's tensor collectives by (call, device type), each checked against the rank's
+    # device (training.collectives): shows a job kept the device contract.
+    collective_calls: dict = field(default_factory=dict)
 
     @property
     def model_uri(self) -> str:
@@ -48,6 +53,7 @@ def check_settings(cfg: TrainingConfig) -> None:
     # The mesh (its degrees multiply to world_size; PS leaves workers): needs no model.
     get_strategy(cfg.strategy).data_world(cfg)
     check_model_name(cfg.model)
+    sharded_checkpoints.check_dir(cfg)  # DCP's writer needs a file-system path
 
 
 def preflight(cfg: TrainingConfig, dataset_dir: str) -> ShardManifest:
@@ -59,7 +65,44 @@ def preflight(cfg: TrainingConfig, dataset_dir: str) -> ShardManifest:
     strategy = get_strategy(cfg.strategy)
     strategy.check(cfg, build_model(manifest, cfg))
     check_world_size(manifest, "train", strategy.data_world(cfg))
+    check_steps(cfg, manifest, strategy.data_world(cfg))
     return manifest
+
+
+def check_checkpoints(cfg: TrainingConfig, manifest: ShardManifest) -> None:
+    """checkpoint_dir fits the job, before an engine starts: a checkpoint to resume from,
+    or, for a new job, no other job's checkpoints (which starting over would delete)."""
+    if cfg.resume:
+        if checkpoints.latest(cfg.checkpoint_dir) is None:
+            raise DataError(f"{storage.display(cfg.checkpoint_dir)}: no checkpoint to resume from")
+    else:
+        checkpoints.check_owner(cfg.checkpoint_dir, checkpoints.fingerprint(cfg, manifest.version_id))
+
+
+def check_steps(cfg: TrainingConfig, manifest: ShardManifest, data_world: int) -> None:
+    """No silent non-training: refuse a job whose ranks would take 0 optimizer steps an
+    epoch (the global batch split over the data-parallel ranks is more than the train rows
+    a rank gets, after `remainder`), naming the numbers and the fix."""
+    local = cfg.batch_size // data_world
+    if local < 1:
+        raise ConfigError(
+            f"training.batch_size {cfg.batch_size} is less than the {data_world} data-parallel "
+            f"ranks it is split over: set training.batch_size to at least {data_world}"
+        )
+    per_rank = rows_per_rank(manifest, "train", data_world)
+    if epoch_steps(per_rank, local, cfg.remainder) > 0:
+        return
+    drop = cfg.remainder == "drop"
+    limit = min(per_rank) if drop else max(per_rank)
+    whose = "the smallest rank gets" if drop else "the largest rank gets"
+    fix = (f"set training.batch_size to at most {limit * data_world}" if limit
+           else f"re-prepare with more rows or train on fewer than {data_world} data-parallel ranks")
+    raise DataError(
+        f"training.batch_size {cfg.batch_size} is {local} rows per step on each of {data_world} "
+        f"data-parallel rank(s), but {whose} only {limit} train rows (train rows per rank: "
+        f"{per_rank}, training.remainder = '{cfg.remainder}'): every epoch would take 0 optimizer "
+        f"steps and the model would not train; {fix}"
+    )
 
 
 def describe(cfg: TrainingConfig, manifest: ShardManifest) -> str:
@@ -80,6 +123,7 @@ def run_training(
     register: bool = True,
     epoch_hook: Callable[[int, dict[str, float]], bool] | None = None,
     dask_workers: list[str] | None = None,
+    lease: Lease | None = None,
 ) -> TrainResult:
     """Train, track and log the model. The keywords are for sweeps (training.sweep):
 
@@ -87,27 +131,55 @@ def run_training(
     register: False logs the model without registering it (its URI is runs:/<id>/model).
     epoch_hook: see TrainJob.epoch_hook.
     dask_workers: the Dask workers the ranks run on (default: the first world_size).
+    lease: the checkpoint directory's lease, already held (hold_checkpoint_dir; the CLI takes
+    it before an engine starts); default: taken here and released at the end.
     """
-    import mlflow
-
     dataset_dir = storage.resolve(dataset_dir, "pipelines.dataset_dir")
-    cfg = cfg.model_copy(update={"checkpoint_dir": storage.resolve(cfg.checkpoint_dir, "training.checkpoint_dir")})
+    ckpt = cfg.checkpoint_dir
+    if "checkpoint_dir" not in cfg.model_fields_set:  # unset: a folder of this job's own
+        ckpt = checkpoints.job_dir(cfg, tracking.experiment, tracking.registered_model, dataset_dir)
+    cfg = cfg.model_copy(update={"checkpoint_dir": storage.resolve(ckpt, "training.checkpoint_dir")})
+    checkpoints.check_allowed(cfg.resume_allow_changed)
     _check_capacity(cfg, spark, dask_client)
     # The version checked here is the one every rank reads (and every restart), whatever
     # a prepare commits meanwhile: retention keeps it (pipelines.retention).
     manifest = preflight(cfg, dataset_dir)
+    # One job per checkpoint directory, held until its ranks are done; they watch it.
+    held = lease or hold_checkpoint_dir(cfg)
+    try:
+        guard = DriverGuard.for_this_process(held.url, held.job, held.ttl_s)
+        return _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guard,
+                             into_run, register, epoch_hook, dask_workers)
+    finally:
+        if lease is None:
+            held.release()
+
+
+def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guard,
+                  into_run, register, epoch_hook, dask_workers) -> TrainResult:
+    import mlflow
+
     resume_from, run_id = None, into_run
+    check_checkpoints(cfg, manifest)
     if cfg.resume:
-        resume_from = checkpoints.latest(cfg.checkpoint_dir)
-        if resume_from is None:
+        found = checkpoints.readable(cfg.checkpoint_dir, {})  # the newest readable one
+        if found is None:
             raise DataError(f"{storage.display(cfg.checkpoint_dir)}: no checkpoint to resume from")
-        manifest = _version_of(resume_from, dataset_dir, manifest)
+        resume_from = found[0]
+        if "dataset_version" not in cfg.resume_allow_changed:
+            manifest = _version_of(resume_from, dataset_dir, manifest)
         fp = checkpoints.fingerprint(cfg, manifest.version_id)
-        run_id = checkpoints.load(resume_from, fp)["run_id"] or None
+        head = checkpoints.load(resume_from, sharded_checkpoints.comparable(fp), cfg.resume_allow_changed)
+        # Another mesh than the one that wrote it: refused here unless it reshards.
+        data_world = get_strategy(cfg.strategy).data_world(cfg)
+        sharded_checkpoints.check_resume(head, cfg, data_world, storage.display(resume_from))
+        run_id = head["run_id"] or None
     else:
         fp = checkpoints.fingerprint(cfg, manifest.version_id)
-        # A new job starts over: stale checkpoints would be resumed by its restarts.
-        checkpoints.clear(cfg.checkpoint_dir)
+        # A new job starts over (stale checkpoints would be resumed by its restarts), but
+        # never over another job's checkpoints.
+        checkpoints.start_over(cfg.checkpoint_dir, fp)
+        sharded_checkpoints.prune(cfg.checkpoint_dir)
     uri = tracking.resolved_uri()
     open_experiment(uri, tracking.experiment)
     if run_id:
@@ -140,7 +212,13 @@ def run_training(
             resume_from=str(resume_from) if resume_from else None,
             epoch_hook=epoch_hook,
         )
-        result = _launch_with_restarts(cfg, job, spark, dask_client, dask_workers)
+        result = _launch_with_restarts(cfg, job, spark, dask_client, dask_workers, guard)
+        if result.get("steps", 1) == 0:
+            # Preflight refuses this; a model that never took a step must not be registered.
+            raise ShardlineError(
+                f"the job took 0 optimizer steps in {cfg.epochs} epoch(s): the model did not train "
+                "and is not logged or registered"
+            )
 
         model = build_model(manifest, cfg)
         model.load_state_dict(torch.load(io.BytesIO(result["state_dict"]), weights_only=True))
@@ -148,7 +226,7 @@ def run_training(
         version = log_model(model, manifest, tracking.registered_model if register else None)
     return TrainResult(
         run_id, uri, tracking.registered_model, version, result["metrics"], model.state_dict(),
-        stopped_early=result.get("stopped_early", False),
+        stopped_early=result.get("stopped_early", False), collective_calls=result.get("collective_calls", {}),
     )
 
 
@@ -195,23 +273,43 @@ def _continue_run(run_id: str) -> str | None:
     return run_id
 
 
+def hold_checkpoint_dir(cfg: TrainingConfig) -> Lease:
+    """The checkpoint directory's lease: a second job on it is refused (exit 75) naming the
+    holder; one that cannot be written ends here, in one line, before any rank starts."""
+    url = storage.join(storage.resolve(cfg.checkpoint_dir, "training.checkpoint_dir"), LEASE_NAME)
+    lease = Lease(url, f"shardline train {uuid.uuid4().hex[:8]}", ttl_s=cfg.lease_ttl_s,
+                  what="training.checkpoint_dir")
+    try:
+        return lease.acquire()
+    except OSError as e:
+        raise StorageError(
+            f"training.checkpoint_dir {storage.display(cfg.checkpoint_dir)}: cannot write there "
+            f"({e.strerror or type(e).__name__})"
+        ) from None
+
+
 def _launch_with_restarts(
-    cfg: TrainingConfig, job: TrainJob, spark, dask_client, dask_workers=None
+    cfg: TrainingConfig, job: TrainJob, spark, dask_client, dask_workers=None, guard=None
 ) -> dict:
-    """Launch; when a rank fails, relaunch from the latest checkpoint, max_restarts times.
+    """Launch; when a rank is lost, relaunch from the latest checkpoint, max_restarts times.
 
     The launcher owns restarts: Spark does not retry a failed barrier result stage,
-    and a Dask task on a killed worker is never resolved (FACTS.md).
+    and a Dask task on a killed worker is never resolved (FACTS.md). A permanent
+    failure (launchers.guard: permissions, a full disk, bad data) is never retried.
     """
     import mlflow
 
     for attempt in range(cfg.max_restarts + 1):
         try:
-            return _launch(cfg, job, spark, dask_client, attempt > 0, dask_workers)[0]
+            return _launch(cfg, job, spark, dask_client, attempt > 0, dask_workers, guard)[0]
         except TrainingFailed as e:
-            if attempt == cfg.max_restarts:
+            if e.permanent or attempt == cfg.max_restarts:
                 raise
-            latest = checkpoints.latest(cfg.checkpoint_dir)
+            if guard is not None and (why := guard.gone()):
+                raise ShardlineError(f"not restarting: {why}") from None  # another job has the directory
+            # The newest checkpoint a rank can read (a truncated newest one is skipped, said once).
+            found = checkpoints.readable(cfg.checkpoint_dir, job.fingerprint or {}, cfg.resume_allow_changed)
+            latest = found[0] if found else None
             job.resume_from = latest
             mlflow.log_metric("restarts", attempt + 1)
             where = storage.name(latest) if latest else "the start"
@@ -220,14 +318,14 @@ def _launch_with_restarts(
 
 
 def _launch(
-    cfg: TrainingConfig, job: TrainJob, spark, dask_client, relaunch: bool, dask_workers=None
+    cfg: TrainingConfig, job: TrainJob, spark, dask_client, relaunch: bool, dask_workers=None, guard=None
 ) -> list:
     if cfg.launcher == "spark":
         from .launchers.spark import launch_spark_barrier
 
         if spark is None:
             raise ConfigError("training.launcher = 'spark' needs a Spark session")
-        return launch_spark_barrier(spark, train_rank, job, cfg.world_size, cfg.timeout_s)
+        return launch_spark_barrier(spark, train_rank, job, cfg.world_size, cfg.timeout_s, guard)
     if cfg.launcher == "dask":
         from .launchers.dask import launch_dask
 
@@ -235,11 +333,12 @@ def _launch(
             raise ConfigError("training.launcher = 'dask' needs a Dask client")
         wait = 60 if relaunch else 0
         return launch_dask(
-            dask_client, train_rank, job, cfg.world_size, cfg.timeout_s, wait, workers=dask_workers
+            dask_client, train_rank, job, cfg.world_size, cfg.timeout_s, wait, workers=dask_workers,
+            guard=guard,
         )
     from .launchers.local import launch_local
 
-    return launch_local(train_rank, job, cfg.world_size, cfg.timeout_s)
+    return launch_local(train_rank, job, cfg.world_size, cfg.timeout_s, guard)
 
 
 def log_model(model: torch.nn.Module, manifest: ShardManifest, registered_name: str | None) -> str:

@@ -76,6 +76,19 @@ def check_world_size(manifest: ShardManifest, split: str, world_size: int) -> No
         )
 
 
+def rows_per_rank(manifest: ShardManifest, split: str, world_size: int) -> list[int]:
+    """The rows each rank of `world_size` reads from `split` (from the manifest alone)."""
+    shards = manifest.split(split).shards
+    return [sum(s.rows for s in rank_shards(shards, r, world_size)) for r in range(world_size)]
+
+
+def epoch_steps(per_rank: list[int], local_batch: int, remainder: str) -> int:
+    """Steps every rank takes per epoch (the same on all): see the module's `remainder`."""
+    if remainder == "drop":
+        return min(per_rank) // local_batch
+    return math.ceil(max(per_rank) / local_batch)
+
+
 class ShardLoader:
     """Local batches `(x float32 [local_batch, d], y [local_batch])` of one rank for one split."""
 
@@ -124,11 +137,7 @@ class ShardLoader:
         # Rows per row group, per shard, from the Parquet footers.
         self._groups = [[m.row_group(g).num_rows for g in range(m.num_row_groups)] for m in self._meta]
         self.rows = sum(s.rows for s in mine)
-        per_rank = [sum(s.rows for s in rank_shards(shards, r, world_size)) for r in range(world_size)]
-        if remainder == "drop":
-            self._steps = min(per_rank) // local_batch
-        else:
-            self._steps = math.ceil(max(per_rank) / local_batch)
+        self._steps = epoch_steps(rows_per_rank(manifest, split, world_size), local_batch, remainder)
         self._position = (0, 0)  # (epoch, batches delivered in it)
         self._produced, self._busy = 0, 0.0
 

@@ -31,11 +31,13 @@ from pipelines.errors import ConfigError, DataError, ShardlineError
 
 from .config import TrackingConfig, TrainingConfig
 from .job import preflight, run_training
+from .task import metric_names, task_of
 from .sweep_config import ParamSpace, SweepConfig
 from .tracking import open_experiment
 
 # The per-epoch metrics train_rank logs (training/worker.py); val_* need a val split
 # with at least one shard per rank.
+# Classification's; regression logs train_/val_ loss, rmse, mae and r2 instead (training.task).
 EPOCH_METRICS = ("train_loss", "train_accuracy", "samples_per_s", "data_wait_fraction")
 VAL_METRICS = ("val_loss", "val_accuracy")
 
@@ -89,10 +91,11 @@ def check_sweep(sweep: SweepConfig, training: TrainingConfig, dataset_dir: str) 
         )
     base = trial_base(sweep, training)
     manifest = preflight(base, dataset_dir)
-    produced = list(EPOCH_METRICS)
+    kind = task_of(manifest)
+    produced = [*metric_names(kind, "train"), *EPOCH_METRICS[2:]]
     val = manifest.splits.get("val")
     if val is not None and len(val.shards) >= base.world_size:
-        produced += VAL_METRICS
+        produced += metric_names(kind, "val")
     if sweep.objective not in produced:
         raise ConfigError(
             f"sweep.objective: training does not produce '{sweep.objective}' on this dataset "

@@ -85,7 +85,8 @@ class SweepConfig(Section):
         "val_accuracy", description="Per-epoch training metric to optimise (its last epoch's value)."
     )
     direction: Literal["maximize", "minimize"] | None = Field(
-        None, description="Default: minimize for *_loss and data_wait_fraction, else maximize."
+        None, description="Default: minimize for *_loss, *_rmse, *_mae and data_wait_fraction, "
+        "else maximize.",
     )
     sampler: Literal["tpe", "random", "grid"] = Field(
         "tpe", description="tpe: Optuna's TPE; random; grid: every combination (floats need step)."
@@ -142,5 +143,5 @@ class SweepConfig(Section):
     def resolved_direction(self) -> str:
         if self.direction:
             return self.direction
-        lower_is_better = self.objective.endswith("loss") or self.objective == "data_wait_fraction"
+        lower_is_better = self.objective.endswith(("loss", "rmse", "mae")) or self.objective == "data_wait_fraction"
         return "minimize" if lower_is_better else "maximize"

@@ -8,16 +8,43 @@ from __future__ import annotations
 
 import datetime as dt
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
 from pipelines.errors import ShardlineError
 
+from .guard import DriverGuard, RankError, is_permanent
+
+LOST_PEER_GRACE_S = 5.0
+
 RankFn = Callable[[int, int, Any], Any]
 
 
 class TrainingFailed(ShardlineError):
-    """A rank failed; the message carries the rank's own error line."""
+    """A rank failed; the message carries the rank's own error line.
+
+    permanent: a relaunch would fail the same way (a permission error, a full disk,
+    bad data or config: training.launchers.guard), so the job ends at once.
+    """
+
+    def __init__(self, message: str, permanent: bool = False):
+        super().__init__(message)
+        self.permanent = permanent
+
+    def __reduce__(self):
+        return type(self), (str(self), self.permanent)
+
+    @classmethod
+    def from_ranks(cls, launcher: str, text: str, fallback: str) -> TrainingFailed:
+        """From the rank markers found in an error's text (guard.RankError), else `fallback`."""
+        from .guard import describe_failures, rank_failures
+
+        failures = rank_failures(text)
+        if not failures:  # no rank could say why: it was killed, or its worker was lost
+            return cls(f"{launcher} training failed: {fallback}")
+        return cls(f"{launcher} training failed: {describe_failures(failures)}",
+                   any(f["permanent"] for f in failures))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -28,7 +55,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def run_in_group(
-    fn: RankFn, rank: int, world_size: int, init_method: str, payload: Any, timeout_s: float
+    fn: RankFn, rank: int, world_size: int, init_method: str, payload: Any, timeout_s: float,
+    guard: DriverGuard | None = None,
 ) -> Any:
     """Join the process group, call `fn`, leave the group.
 
@@ -39,25 +67,37 @@ def run_in_group(
     `fn` keeps every model and tensor in its own frame, and the group is left
     (barrier, destroy) before returning: a model or group still alive when a
     Spark barrier task yields made later jobs hang (FACTS.md). The timeout bounds
-    how long a stopped peer can hang the others.
+    how long a stopped peer can hang the others. `guard` ends this process if the
+    job's driver goes away; a failure is raised as a `RankError` the driver can read.
     """
-    import torch
     import torch.distributed as dist
 
+    from .. import collectives
     from .network import socket_interface
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    with socket_interface(getattr(payload, "socket_ifname", None)):
-        dist.init_process_group(
-            backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=dt.timedelta(seconds=timeout_s),
-        )
-        try:
-            result = fn(rank, world_size, payload)
-            dist.barrier()
-            return result
-        finally:
-            dist.destroy_process_group()
+    stop_guard = guard.start() if guard is not None else None
+    try:
+        with socket_interface(getattr(payload, "socket_ifname", None)):
+            dist.init_process_group(
+                collectives.backend(),
+                init_method=init_method,
+                rank=rank,
+                world_size=world_size,
+                timeout=dt.timedelta(seconds=timeout_s),
+            )
+            try:
+                result = fn(rank, world_size, payload)
+                collectives.barrier()
+                return result
+            finally:
+                dist.destroy_process_group()
+    except Exception as e:
+        error = RankError.of(rank, e)
+        if not is_permanent(e):
+            # This rank only saw a peer vanish: let the peer's own error be the first one
+            # the launcher hears (Spark reports only the first failed task of a stage).
+            time.sleep(LOST_PEER_GRACE_S)
+        raise error from e
+    finally:
+        if stop_guard is not None:
+            stop_guard.set()

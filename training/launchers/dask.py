@@ -6,7 +6,7 @@ from typing import Any
 
 from pipelines.errors import ShardlineError
 
-from . import RankFn, TrainingFailed, free_port, run_in_group
+from . import DriverGuard, RankFn, TrainingFailed, free_port, run_in_group
 
 
 def _rendezvous_address() -> str:
@@ -35,6 +35,7 @@ def launch_dask(
     timeout_s: float = 300,
     wait_s: float = 0,
     workers: list[str] | None = None,
+    guard: DriverGuard | None = None,
 ) -> list[Any]:
     """Run `fn` on `world_size` Dask workers, one rank each; return the results by rank.
 
@@ -57,7 +58,7 @@ def launch_dask(
     init_method = init.result()
     futures = [
         client.submit(
-            run_in_group, fn, rank, world_size, init_method, payload, timeout_s,
+            run_in_group, fn, rank, world_size, init_method, payload, timeout_s, guard,
             workers=[addr], allow_other_workers=False, pure=False, key=f"shardline-rank-{rank}-{init.key}",
         )
         for rank, addr in enumerate(chosen)
@@ -67,4 +68,5 @@ def launch_dask(
     except Exception as e:
         for f in futures:
             f.cancel()
-        raise TrainingFailed(f"Dask training failed: {type(e).__name__}: {e}") from e
+        # The first failed rank's error; the others' were cancelled with it.
+        raise TrainingFailed.from_ranks("Dask", str(e), f"{type(e).__name__}: {e}") from e

@@ -19,7 +19,8 @@ import sys
 import traceback
 from typing import Any
 
-from . import RankFn, TrainingFailed, free_port, run_in_group
+from . import DriverGuard, RankFn, TrainingFailed, free_port, run_in_group
+from .guard import die_with_parent
 
 # Imported once by the fork server; a module that fails to import is skipped there.
 PRELOAD = ["torch", "torch.distributed", "training.worker", "mlflow.tracking"]
@@ -55,7 +56,10 @@ def _attach_stdio(out, err) -> None:
         os.close(fd)
 
 
-def _rank_main(fn, rank, world_size, init_method, payload, timeout_s, results, env, cwd, stdio):
+def _rank_main(fn, rank, world_size, init_method, payload, timeout_s, results, env, cwd, stdio, guard):
+    # A rank dies with its parent (the fork server, which exits with the launcher), and
+    # its guard ends it when the launcher's process or its lease is gone.
+    die_with_parent()
     # The server kept the environment and folder of its own start; a rank gets the
     # launcher's of now, as a spawned process would (e.g. GLOO_SOCKET_IFNAME). Its
     # stdout and stderr were re-attached when `stdio` was unpickled.
@@ -63,17 +67,29 @@ def _rank_main(fn, rank, world_size, init_method, payload, timeout_s, results, e
     os.environ.update(env)
     os.chdir(cwd)
     try:
-        result = run_in_group(fn, rank, world_size, init_method, payload, timeout_s)
+        result = run_in_group(fn, rank, world_size, init_method, payload, timeout_s, guard)
         # Plain pickle bytes: a queue would pass tensors as shared memory that dies
         # with this process before the parent reads it.
         results.put((rank, pickle.dumps(result), None))
     except BaseException as e:  # report, then fail the process
-        results.put((rank, None, f"{type(e).__name__}: {e}"))
-        traceback.print_exc()
+        results.put((rank, None, str(e)))  # a RankError: its marker says rank, host and cause
+        if _is_bug(e.__cause__ or e):
+            traceback.print_exc()  # the driver's one line is for the user; this is for a bug report
         raise SystemExit(1)
 
 
-def launch_local(fn: RankFn, payload: Any, world_size: int, timeout_s: float = 300) -> list[Any]:
+def _is_bug(e: BaseException) -> bool:
+    """A failure the user cannot fix from its one line (not bad input or storage, not a lost peer)."""
+    from pipelines.errors import ShardlineError
+
+    from .guard import is_permanent
+
+    return is_permanent(e) and not isinstance(e, OSError | ShardlineError)
+
+
+def launch_local(
+    fn: RankFn, payload: Any, world_size: int, timeout_s: float = 300, guard: DriverGuard | None = None
+) -> list[Any]:
     """Run `fn` on `world_size` processes of this machine; return the results by rank."""
     ctx = process_context()
     results = ctx.Queue()
@@ -83,7 +99,7 @@ def launch_local(fn: RankFn, payload: Any, world_size: int, timeout_s: float = 3
         ctx.Process(
             target=_rank_main,
             args=(fn, r, world_size, init_method, payload, timeout_s, results, env, cwd,
-                  _LauncherStdio()),
+                  _LauncherStdio(), guard),
             daemon=True,
         )
         for r in range(world_size)
@@ -109,5 +125,5 @@ def launch_local(fn: RankFn, payload: Any, world_size: int, timeout_s: float = 3
             p.kill()
     if errors or len(got) < world_size:
         dead = [f"rank {r} exit code {p.exitcode}" for r, p in enumerate(procs) if p.exitcode]
-        raise TrainingFailed("local training failed: " + "; ".join(errors or dead or ["no result"]))
+        raise TrainingFailed.from_ranks("local", "; ".join(errors), "; ".join(dead or ["no result"]))
     return [got[r] for r in range(world_size)]

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipelines.errors import ShardlineError
-from pipelines.spark_probe import spark_error_line
+from pipelines.spark_probe import failed_task, spark_error_line
 from pipelines.spark_setup import spark_master, spark_setting
 
-from . import RankFn, TrainingFailed, free_port, run_in_group
+from . import DriverGuard, RankFn, TrainingFailed, free_port, run_in_group
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,8 @@ def check_spark_slots(spark, world_size: int, setting: str = "training.world_siz
 
 
 def launch_spark_barrier(
-    spark, fn: RankFn, payload: Any, world_size: int, timeout_s: float = 300
+    spark, fn: RankFn, payload: Any, world_size: int, timeout_s: float = 300,
+    guard: DriverGuard | None = None,
 ) -> list[Any]:
     """Run `fn` on `world_size` ranks as one barrier stage; return the results by rank."""
     check_spark_slots(spark, world_size)
@@ -113,7 +114,7 @@ def launch_spark_barrier(
         # Rank 0 picks the port on its own host, where the store will bind it.
         mine = f"{rank}:{free_port(host) if rank == 0 else 0}"
         port = next(int(m.split(":")[1]) for m in ctx.allGather(mine) if m.startswith("0:"))
-        result = run_in_group(fn, rank, world_size, f"tcp://{host}:{port}", payload, timeout_s)
+        result = run_in_group(fn, rank, world_size, f"tcp://{host}:{port}", payload, timeout_s, guard)
         yield pa.RecordBatch.from_pydict(
             {"rank": [rank], "result": [pickle.dumps(result)]},
             schema=pa.schema([("rank", pa.int32()), ("result", pa.binary())]),
@@ -128,9 +129,19 @@ def launch_spark_barrier(
                 f"training.world_size {world_size}: Spark could not give the barrier stage "
                 f"{world_size} task slots at once ({spark_task_slots(spark).where} has fewer)"
             ) from None
-        raise TrainingFailed(f"Spark barrier stage failed: {spark_error_line(e)}") from e
+        # The rank's own marker is inside Spark's text (a Python traceback in a Java one):
+        # it names the rank, its host and its error; a killed rank's task has none.
+        raise TrainingFailed.from_ranks("Spark barrier stage", str(e), _lost_task(e)) from e
     results = {r["rank"]: pickle.loads(r["result"]) for r in rows}
     return [results[r] for r in range(world_size)]
+
+
+def _lost_task(e: BaseException) -> str:
+    """A rank whose process or executor died said nothing: name it from Spark's own report
+    (its task index in the barrier stage is its rank)."""
+    task = failed_task(e)
+    where = f"rank {task[0]} on {task[2]} was lost: " if task else ""
+    return where + spark_error_line(e)
 
 
 def _use_task_gpu(ctx) -> None:

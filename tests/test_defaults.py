@@ -1,0 +1,159 @@
+"""Safe defaults on a user's own small data (#16 items 1 and 7): no silent non-training,
+checkpoints per job, and the exit codes the README's table promises."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from jobs.config import load_config, resolve_paths
+from pipelines.errors import ConfigError, DataError, LeaseHeld, ShardlineError
+from training import checkpoints
+from training.config import TrackingConfig, TrainingConfig
+from training.job import run_training
+
+from .conftest import REPO, shardline
+from .defaults_helpers import small_dataset  # noqa: F401 (a fixture)
+
+
+def _config(tmp_path: Path, dataset_dir: str, extra: str = "") -> Path:
+    path = tmp_path / "small.toml"
+    path.write_text(
+        f"[pipelines]\ndataset_dir = '{dataset_dir}'\n"
+        f"[pipelines.features]\nnumeric = ['a', 'b', 'c']\ncategorical = []\n"
+        f"[training]\nlauncher = 'spark'\nworld_size = 2\n{extra}"
+    )
+    return path
+
+
+# -- item 1: no silent non-training -------------------------------------------------------
+
+
+@pytest.mark.slow  # the CLI in a subprocess
+def test_zero_steps_is_refused_before_any_engine_starts(small_dataset, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = shardline("train", str(_config(tmp_path, small_dataset.dataset_dir)), cwd=work)
+    assert proc.returncode == 1, proc.stderr  # a refused run
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    msg = lines[0]
+    # The numbers (global batch, per-rank batch, rows per rank) and the fix.
+    assert "training.batch_size 512 is 256 rows per step on each of 2 data-parallel rank(s)" in msg, msg
+    assert "0 optimizer steps" in msg and "train rows per rank: [" in msg, msg
+    fit = int(re.search(r"set training.batch_size to at most (\d+)", msg).group(1))
+    per_rank = [int(n) for n in re.search(r"train rows per rank: \[([\d, ]+)\]", msg).group(1).split(",")]
+    assert fit == 2 * min(per_rank) and 0 < fit < 512
+    # Nothing started or written: no Spark, no store, no checkpoints.
+    assert "Starting Spark" not in proc.stdout + proc.stderr
+    assert list(work.iterdir()) == []
+
+
+def test_the_suggested_batch_trains_and_registers(small_dataset, tracking_uri, capfd):
+    from mlflow.tracking import MlflowClient
+
+    cfg = TrainingConfig(launcher="local", world_size=2, epochs=1, data_wait_warning=0.0)
+    with pytest.raises(DataError, match=r"at most (\d+)") as e:
+        run_training(cfg, TrackingConfig(), small_dataset.dataset_dir)
+    fit = int(re.search(r"at most (\d+)", str(e.value)).group(1))
+    tracking = TrackingConfig(experiment="defaults", registered_model="defaults-fit")
+    result = run_training(cfg.model_copy(update={"batch_size": fit}), tracking, small_dataset.dataset_dir)
+    assert MlflowClient(tracking_uri).get_model_version("defaults-fit", result.model_version).run_id == result.run_id
+    assert result.metrics["samples_per_s"] > 0 and 0 <= result.metrics["data_wait_fraction"] <= 1
+    capfd.readouterr()
+
+
+def test_a_job_that_took_no_step_is_never_registered(small_dataset, tracking_uri, monkeypatch, capfd):
+    """Should a 0-step job get past preflight, the driver still refuses to log or register
+    its model, and the data-wait warning (threshold 0: any wait warns) stays silent:
+    with no step there was no wait to warn about."""
+    from mlflow.tracking import MlflowClient
+
+    import training.job
+
+    monkeypatch.setattr(training.job, "check_steps", lambda *a: None)  # a hole in preflight
+    cfg = TrainingConfig(launcher="local", world_size=2, epochs=2, data_wait_warning=0.0)
+    tracking = TrackingConfig(experiment="defaults", registered_model="defaults-untrained")
+    with pytest.raises(ShardlineError, match=r"took 0 optimizer steps in 2 epoch\(s\).*not logged or registered"):
+        run_training(cfg, tracking, small_dataset.dataset_dir)
+    client = MlflowClient(tracking_uri)
+    assert client.search_model_versions("name='defaults-untrained'") == []
+    runs = client.search_runs([client.get_experiment_by_name("defaults").experiment_id],
+                              "attributes.status = 'FAILED'")
+    assert runs and "model" not in {a.path for a in client.list_artifacts(runs[0].info.run_id)}
+    err = capfd.readouterr().err
+    assert "waited for data" not in err, err
+
+
+# -- item 7: checkpoints per job ----------------------------------------------------------
+
+
+def test_default_checkpoint_dir_is_per_job(tmp_path):
+    def resolved(*sets: str) -> str:
+        cfg = load_config(None, ["tracking.experiment='exp one'", *sets])
+        return resolve_paths(cfg, ["local"], ()).training.checkpoint_dir
+
+    a = resolved()
+    assert a == resolved()  # the same job finds its own again (--resume)
+    assert Path(a).parent == Path.cwd() / "shardline-data" / "checkpoints" / "exp_one"
+    assert Path(a).name.startswith("shardline-model-")
+    assert len({a, resolved("training.hidden=[32]"), resolved("pipelines.dataset_dir='other'"),
+                resolved("tracking.registered_model='m2'")}) == 4
+    # Set, it is used as it is.
+    assert resolved(f"training.checkpoint_dir='{tmp_path}/mine'") == f"{tmp_path}/mine"
+
+
+def test_a_job_never_deletes_another_jobs_checkpoints(small_dataset, tmp_path):
+    shared = str(tmp_path / "shared")
+    theirs = TrainingConfig(launcher="local", batch_size=64, hidden=[16], checkpoint_dir=shared)
+    fp = checkpoints.fingerprint(theirs, "v-old")
+    saved = checkpoints.save(shared, 7, {"fingerprint": fp, "run_id": ""}, keep=3)
+
+    mine = theirs.model_copy(update={"hidden": [32]})
+    with pytest.raises(DataError, match=r"holds another job's checkpoints \(hidden '\[16\]' \(this job: '\[32\]'\)\)"):
+        run_training(mine, TrackingConfig(), small_dataset.dataset_dir)
+    assert checkpoints.latest(shared) == saved and Path(saved).exists()  # untouched
+
+    # The same job again (on another dataset version) clears its own.
+    checkpoints.start_over(shared, checkpoints.fingerprint(theirs, "v-new"))
+    assert checkpoints.latest(shared) is None and not Path(saved).exists()
+
+
+def test_a_pointer_without_fingerprint_falls_back_to_the_checkpoint(tmp_path):
+    d = str(tmp_path / "old")
+    theirs = checkpoints.fingerprint(TrainingConfig(hidden=[16]), "v")
+    checkpoints.save(d, 1, {"fingerprint": theirs}, keep=3)
+    (tmp_path / "old" / checkpoints.POINTER).write_text('{"name": "%s", "step": 1}'
+                                                        % Path(checkpoints.latest(d)).name)
+    assert checkpoints.owner(d) == theirs
+    with pytest.raises(DataError, match="another job's"):
+        checkpoints.start_over(d, checkpoints.fingerprint(TrainingConfig(hidden=[8]), "v"))
+
+
+# -- item 5: the exit-code table ----------------------------------------------------------
+
+
+def test_readme_exit_code_table_matches_the_errors():
+    text = (REPO / "README.md").read_text()
+    table = text.split("### Exit codes", 1)[1].split("\n\n", 2)[1]
+    rows = {int(m.group(1)): m.group(2) for m in re.finditer(r"^\| `?(\d+)`? \|(.*)$", table, re.M)}
+    assert rows.keys() == {0, 1, 2, 75, 130}, rows
+    assert ConfigError.exit_code == 2 and "ConfigError" in rows[2]
+    assert ShardlineError.exit_code == DataError.exit_code == 1 and "DataError" in rows[1]
+    assert LeaseHeld.exit_code == 75 and "LeaseHeld" in rows[75]
+
+
+@pytest.mark.slow  # the CLI in a subprocess
+def test_exit_codes_from_the_cli(small_dataset, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    config = _config(tmp_path, small_dataset.dataset_dir)
+    bad_setting = shardline("train", str(config), "--set", "training.epochz=3", cwd=work)
+    assert bad_setting.returncode == 2 and "unknown setting 'training.epochz'" in bad_setting.stderr
+    usage = shardline("train", str(config), "--world-size", "two", cwd=work)
+    assert usage.returncode == 2 and "--world-size" in usage.stderr
+    refused = shardline("train", str(config), cwd=work)
+    assert refused.returncode == 1 and "0 optimizer steps" in refused.stderr
+    assert list(work.iterdir()) == []

@@ -1,0 +1,154 @@
+"""Faults end in a clear, safe state (#17 items 1 and 3), each placed for real.
+
+- A driver SIGKILLed mid-training: its ranks die with it on every launcher (local: the
+  parent-death signal and the driver's pid; Dask and Spark: the checkpoint directory's
+  lease, which stops being renewed), and nothing more is written to the directory.
+- A second job on a checkpoint directory in use: refused in one line naming the holder.
+- Permanent errors end at once, never relaunched: a full disk under `checkpoint_dir`
+  (a small tmpfs: the lease fits, a checkpoint does not), a read-only one (a read-only
+  tmpfs, which stops root too).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipelines.errors import StorageError
+from training import checkpoints
+from training.config import TrackingConfig, TrainingConfig
+from training.job import run_training
+from training.launchers import TrainingFailed
+
+from .conftest import shardline
+from .faults_helpers import (
+    alive, error_lines, mounted_tmpfs, rank_pids, start_driver, stop_group, train_args, wait_for,
+)
+
+
+def _snapshot(ckpt: Path) -> dict[str, int]:
+    return {str(p.relative_to(ckpt)): p.stat().st_mtime_ns for p in ckpt.rglob("*") if p.is_file()}
+
+
+def _kill_driver_and_wait_for_ranks(driver, pids: list[int], within_s: float) -> None:
+    os.kill(driver.pid, signal.SIGKILL)  # the driver alone, not its process group
+    driver.wait(timeout=60)
+    wait_for(lambda: not any(alive(p) for p in pids), f"ranks {pids} to die with their driver", within_s)
+
+
+def test_local_ranks_die_with_their_driver_and_a_second_job_is_refused(prepared, tmp_path):
+    ckpt, log = tmp_path / "ckpt", tmp_path / "first.log"
+    driver = start_driver(train_args(prepared.dataset_dir, ckpt, **{"training.epochs": "400"}),
+                          tmp_path / "first", log)
+    try:
+        pids = wait_for(lambda: rank_pids(ckpt), "the first checkpoint", proc=driver, log=log)
+        # A second job on the same directory: one line naming the holder, before any engine.
+        second = shardline(*train_args(prepared.dataset_dir, ckpt), cwd=tmp_path)
+        assert second.returncode == 75, second.stderr[-2000:]
+        assert error_lines(second.stderr) == [ln for ln in second.stderr.splitlines() if ln.strip()][-1:]
+        line = error_lines(second.stderr)[0]
+        assert f"training.checkpoint_dir {ckpt} is in use by shardline train" in line, line
+        assert f"pid {driver.pid}," in line, line
+        assert driver.poll() is None, "the second job disturbed the first"
+
+        # The driver SIGKILLed: its ranks follow within seconds (parent-death signal, pid watch).
+        _kill_driver_and_wait_for_ranks(driver, pids, within_s=60)
+        before = _snapshot(ckpt)
+        time.sleep(3)  # a surviving rank would checkpoint every 5 steps: several per second
+        assert _snapshot(ckpt) == before, "something still writes the checkpoint directory"
+
+        # A resume now takes the dead driver's lease over and finishes (one more epoch: the
+        # epochs may change on resume when the user says so).
+        epoch = torch.load(checkpoints.latest(str(ckpt)), weights_only=True)["epoch"]
+        resumed = shardline(*train_args(prepared.dataset_dir, ckpt, **{"training.epochs": str(epoch + 1)}),
+                            "--resume", "--allow-changed", "epochs", cwd=tmp_path / "first")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert f"took over the lease of {ckpt}/_lease.json" in resumed.stderr
+        assert not (ckpt / "_lease.json").exists()  # released at the end
+    finally:
+        stop_group(driver)
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_dask_ranks_stop_when_their_driver_stops_renewing_the_lease(prepared, dask_cli_cluster, tmp_path):
+    ckpt, log = tmp_path / "ckpt", tmp_path / "driver.log"
+    ttl = 6
+    args = train_args(prepared.dataset_dir, ckpt, **{
+        "training.launcher": "'dask'", "dask.address": f"'{dask_cli_cluster.address}'",
+        "training.epochs": "400", "training.lease_ttl_s": str(ttl),
+    })
+    driver = start_driver(args, tmp_path / "run", log)
+    try:
+        pids = wait_for(lambda: rank_pids(ckpt), "the first checkpoint", proc=driver, log=log)
+        # A Dask task cannot be cancelled once it runs: only the lease tells the ranks.
+        _kill_driver_and_wait_for_ranks(driver, pids, within_s=ttl * 3 + 30)
+        before = _snapshot(ckpt)
+        time.sleep(3)
+        assert _snapshot(ckpt) == before, "something still writes the checkpoint directory"
+    finally:
+        stop_group(driver)
+
+
+def _cfg(ckpt: Path, **kw) -> TrainingConfig:
+    base = dict(launcher="local", world_size=2, epochs=2, batch_size=256, hidden=[64, 32],
+                checkpoint_dir=str(ckpt), checkpoint_every_steps=5, max_restarts=2, timeout_s=60)
+    return TrainingConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("launcher", ["local", "spark"])
+def test_a_full_disk_ends_at_once_naming_rank_host_path_and_cause(prepared, tmp_path, capfd, launcher, request):
+    handles = {"spark": request.getfixturevalue("spark")} if launcher == "spark" else {}
+    ckpt = tmp_path / "ckpt"
+    # 32 KiB: the lease and the ranks' notes fit, a checkpoint (~100 KiB) does not.
+    with mounted_tmpfs(ckpt, "size=32k"):
+        with pytest.raises(TrainingFailed) as failed:
+            run_training(_cfg(ckpt, launcher=launcher), TrackingConfig(experiment=f"full-{launcher}"),
+                         prepared.dataset_dir, **handles)
+    message = str(failed.value)
+    assert failed.value.permanent and "\n" not in message
+    assert "rank 0 on " in message and "No space left on device" in message, message
+    assert f"training.checkpoint_dir: cannot write {ckpt}/ckpt-" in message, message
+    err = capfd.readouterr().err
+    assert "restarting from" not in err, "a full disk was retried"
+    if launcher == "local":
+        assert "Traceback" not in err  # the rank's one line reached the driver; no trace for it
+
+
+def test_a_read_only_checkpoint_dir_ends_at_once_in_one_line(prepared, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    with mounted_tmpfs(ckpt, "ro"):
+        with pytest.raises(StorageError, match=rf"training.checkpoint_dir {ckpt}: cannot write there "
+                                               r"\(Read-only file system\)"):
+            run_training(_cfg(ckpt), TrackingConfig(experiment="ro"), prepared.dataset_dir)
+        proc = shardline(*train_args(prepared.dataset_dir, ckpt), cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert error_lines(proc.stderr) == [
+        f"error: training.checkpoint_dir: {ckpt}: read-only file system (cannot write in {ckpt})"
+    ], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["prepare", "score"])
+def test_read_only_outputs_of_prepare_and_score_end_in_one_line(prepared, tmp_path, command):
+    out = tmp_path / "out"
+    with mounted_tmpfs(out, "ro"):
+        if command == "prepare":
+            args = ["prepare", str(train_args("x", out)[1]), "--set", f"pipelines.dataset_dir='{out}'",
+                    "--set", f"pipelines.source.path='{tmp_path / 'raw'}'"]
+            setting = "pipelines.dataset_dir"
+        else:
+            args = ["score", str(train_args("x", out)[1]), "--model", "models:/faults/1",
+                    "--input", prepared.dataset_dir, "--output", str(out)]
+            setting = "serving.output_dir"
+        proc = shardline(*args, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and setting in lines[0] and str(out) in lines[0], proc.stderr[-2000:]
+    assert "read-only file system" in lines[0] and "Traceback" not in proc.stderr

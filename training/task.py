@@ -1,0 +1,83 @@
+"""The loss and the metrics of a task: classification or regression.
+
+The task is the dataset's (`pipelines.features.task`), carried by the label tensor's
+dtype in the manifest: int64 class indices for classification, float32 values for
+regression. Strategies call `task_loss` on whatever labels the loader gives them, so
+no strategy needs to know the task.
+
+classification: cross-entropy over the model's K logits; accuracy.
+regression: mean squared error of the model's single output; RMSE, MAE and R^2
+(1 - SSE/SST, SST about the mean of the same rows) reported beside the loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from pipelines.manifest import ShardManifest
+
+CLASSIFICATION, REGRESSION = "classification", "regression"
+# Per-epoch figures each task logs for a split ("train", "val"), the loss first.
+_FIGURES = {CLASSIFICATION: ("loss", "accuracy"), REGRESSION: ("loss", "rmse", "mae", "r2")}
+# Sums reduced over ranks, from which the figures are computed: classification
+# (loss sum, correct, rows); regression (squared errors, absolute errors, y, y^2, rows).
+_SUMS = {CLASSIFICATION: 3, REGRESSION: 5}
+LOWER_IS_BETTER = ("loss", "rmse", "mae")
+
+
+def task_of(manifest: ShardManifest) -> str:
+    return REGRESSION if manifest.tensors["label"].dtype == "float32" else CLASSIFICATION
+
+
+def task_loss(outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The mean loss of a batch: MSE for float labels (regression), else cross-entropy."""
+    if y.is_floating_point():
+        # The model has one output per row; [n, 1] against [n] would broadcast to [n, n].
+        return F.mse_loss(outputs.float().squeeze(-1), y.float())
+    return F.cross_entropy(outputs, y)
+
+
+def metric_names(task: str, split: str) -> list[str]:
+    return [f"{split}_{f}" for f in _FIGURES[task]]
+
+
+def zero_sums(task: str) -> torch.Tensor:
+    """The epoch's sums, on the rank's device: they travel in a collective (training.collectives)."""
+    from . import collectives
+
+    return collectives.zeros(_SUMS[task], dtype=torch.float64)
+
+
+@torch.no_grad()
+def batch_sums(task: str, outputs: torch.Tensor, y: torch.Tensor, mean_loss: torch.Tensor) -> torch.Tensor:
+    """One batch's contribution to the epoch's sums (see _SUMS), on the outputs' device: no
+    host round trip per batch."""
+    n = torch.tensor(float(len(y)), dtype=torch.float64, device=outputs.device)
+    if task == CLASSIFICATION:
+        correct = (outputs.argmax(1) == y).sum().double()
+        return torch.stack([mean_loss.detach().double() * n, correct, n])
+    err = outputs.detach().double().squeeze(-1) - y.double()
+    yd = y.double()
+    return torch.stack([(err * err).sum(), err.abs().sum(), yd.sum(), (yd * yd).sum(), n])
+
+
+def figures(task: str, split: str, sums: torch.Tensor) -> dict[str, float]:
+    """The split's figures from sums reduced over every rank; {} when no row was counted."""
+    s = sums.tolist()
+    n = s[-1]
+    if n <= 0:
+        return {}
+    if task == CLASSIFICATION:
+        return {f"{split}_loss": s[0] / n, f"{split}_accuracy": s[1] / n}
+    sse, sae, sy, syy = s[:4]
+    sst = syy - sy * sy / n
+    return {
+        f"{split}_loss": sse / n,
+        f"{split}_rmse": math.sqrt(sse / n),
+        f"{split}_mae": sae / n,
+        # Labels all equal: R^2 is undefined; NaN says so rather than a made-up figure.
+        f"{split}_r2": 1.0 - sse / sst if sst > 0 else float("nan"),
+    }
