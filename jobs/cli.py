@@ -25,6 +25,7 @@ from .config import (
     load_config,
     resolve_paths,
 )
+from .ui import ui_hint
 
 console = Console(stderr=True, highlight=False)
 
@@ -92,7 +93,7 @@ def run(config, overrides):
     table.add_row("model", f"{result.model_uri}")
     table.add_row("dataset", cfg.pipelines.dataset_dir)
     table.add_row("scores", f"{score.output_dir} ({score.rows:,} rows)")
-    table.add_row("open the UI", f"mlflow ui --backend-store-uri {result.tracking_uri}")
+    table.add_row("open the UI", ui_hint(result.tracking_uri))
     Console().print(table)
 
 
@@ -320,6 +321,21 @@ def plan(config, overrides, as_json):
         console.print(f"  loading cannot reach {p.headroom} × training with {p.max_loader_workers_per_rank} "
                       f"worker(s) per rank: expect the predicted data-wait, or use fewer ranks per machine")
     console.print(f"  lay shards out by it: shardline prepare {config} --plan")
+
+
+@cli.command()
+@click.argument("config", type=click.Path(dir_okay=False), required=False)
+@_set_option
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address the UI listens on; loopback unless you mean to share it (it has no login).")
+@click.option("--port", default=5000, show_default=True, type=click.IntRange(1, 65535), help="Port of the UI.")
+def ui(config, overrides, host, port):
+    """The MLflow UI on the configured store (tracking.tracking_uri): an MLflow server on a
+    SQLite/database store, bound to loopback; a server URL is checked and printed."""
+    from .ui import serve
+
+    cfg = resolve_paths(load_config(config, list(overrides)), [])
+    serve(cfg.tracking.tracking_uri, host, port, lambda line: console.print(escape(line), soft_wrap=True))
 
 
 @cli.group()

@@ -72,4 +72,4 @@ def test_quickstart_end_to_end(tmp_path):
 
     # The summary says where everything is.
     out = proc.stdout
-    assert run.info.run_id in out and "val accuracy" in out and "mlflow ui" in out
+    assert run.info.run_id in out and "val accuracy" in out and "shardline ui" in out

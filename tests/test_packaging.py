@@ -1,0 +1,76 @@
+"""Workers without shardline's environment: a packed venv shipped with spark-submit
+`--archives env.tar.gz#env` and `PYSPARK_PYTHON=./env/bin/python`, run on a standalone
+cluster (jobs/scripts/spark-standalone.sh) whose workers' Python is a plain interpreter
+that has neither shardline nor its dependencies (docs/deploy.md, "Packing the environment")."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tests.fixtures_clusters import _start, _stop, _wait
+from training.launchers import free_port
+
+VENV = Path(sys.executable).parent.parent
+# The interpreter the venv was made from: the same Python, none of the packages.
+PLAIN = Path(sys.base_prefix) / "bin" / "python3"
+
+
+def pack_venv(venv: Path, out: Path) -> None:
+    """What docs/deploy.md says to run. -h: Spark refuses archive entries that are symlinks
+    leading outside the archive (bin/python is one); .tar.gz: Spark unpacks it with `tar`,
+    which keeps the executable bits (a plain .tar lost them here). The editable install of
+    shardline stays out: shardline ships its own packages."""
+    entries = [e.name for e in venv.iterdir() if e.name != "lib64"]
+    subprocess.run(
+        f"tar -h --exclude='__editable__*' --exclude='shardline-*.dist-info' -cf - {' '.join(entries)} "
+        f"| gzip -1 > {out}", shell=True, cwd=venv, check=True, timeout=1200,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_packed_venv_runs_on_workers_without_the_environment(tmp_path):
+    lacks = subprocess.run([str(PLAIN), "-c", "import pyarrow"], capture_output=True, text=True)
+    assert lacks.returncode != 0, f"{PLAIN} has pyarrow: it cannot stand for a worker without the environment"
+    archive = tmp_path / "env.tar.gz"
+    pack_venv(VENV, archive)
+
+    port, webui = free_port(), free_port()
+    log = tmp_path / "spark.log"
+    # PYTHONPATH emptied: the workers must not see this checkout either.
+    cluster = _start(["bash", str(REPO / "jobs/scripts/spark-standalone.sh"), "--venv", str(VENV),
+                      "--python", str(PLAIN), "--port", str(port), "--webui-port", str(webui),
+                      "--work-dir", str(tmp_path / "work")], log, {"PYTHONPATH": ""})
+    try:
+        _wait(lambda: "ready: " in log.read_text(errors="replace"), "spark-standalone.sh", [cluster], [log])
+        dataset = tmp_path / "dataset"
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PYSPARK_DRIVER_PYTHON": sys.executable,
+               "PYSPARK_PYTHON": "./env/bin/python", "SPARK_LOCAL_IP": "127.0.0.1"}
+        proc = subprocess.run(
+            [str(VENV / "bin" / "spark-submit"), "--master", f"spark://127.0.0.1:{port}",
+             "--archives", f"{archive}#env", "--conf", "spark.executor.cores=1", "--conf", "spark.cores.max=2",
+             "--driver-java-options", f"-Dlog4j2.configurationFile=file:{REPO / 'pipelines/log4j2.properties'}",
+             str(REPO / "jobs/spark_submit.py"), "prepare", str(REPO / "jobs/configs/quickstart.toml"),
+             "--set", "pipelines.source.synthetic.rows=4000",
+             "--set", f"pipelines.dataset_dir='{dataset}'", "--set", f"pipelines.source.path='{tmp_path / 'raw'}'"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800,
+        )
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-3000:]
+        # The environment probe ran on an executor, with the unpacked archive's Python.
+        line = " ".join(out.split())  # rich wraps long lines
+        assert "executors: Python 3.11 (" in line and "/env/bin/python on " in line, line[-2000:]
+        assert "torch 2.13.0" in line
+        assert "train: 3," in line and (dataset / "_manifests").is_dir()
+    finally:
+        _stop([cluster])
+        # ~6 GB: the archive and an unpacked copy per executor; pytest would keep them.
+        archive.unlink(missing_ok=True)
+        shutil.rmtree(tmp_path / "work", ignore_errors=True)
