@@ -43,6 +43,13 @@ def write_raw(table: pa.Table, directory: Path, files: int, start: int = 0) -> l
     return paths
 
 
+def version_dir(output_dir) -> Path:
+    """The one model version directory of an output a test scored with one version."""
+    dirs = sorted(Path(output_dir).glob("model=*/version=*"))
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
 def read_scores(output_dir) -> pa.Table:
     from serving.ledger import committed_files
 
