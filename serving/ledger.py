@@ -151,6 +151,17 @@ def forget(d: str, entries: list[dict]) -> None:
         storage.delete(storage.join(d, e["output"]))
 
 
+def discard(s: Scores) -> None:
+    """Drop a version's scores whole (--force); its emptied local directories go too, so
+    `--status` no longer lists it. A legacy flat output keeps its top directory."""
+    forget(s.dir, list(s.entries.values()))
+    if s.legacy:
+        return
+    remove_orphans(s.dir, {})  # interrupted units' files: nothing of this version is kept
+    for d in (storage.join(s.dir, LEDGER), s.dir, storage.parent(s.dir)):
+        storage.remove_empty_dir(d)
+
+
 def orphans(d: str, ledger: dict[str, dict]) -> list[str]:
     """Names in a version directory of interrupted units: outputs no entry names, temp files."""
     named = {e["output"] for e in ledger.values()}

@@ -12,6 +12,7 @@ writing anything: a run with nothing to score ends there (the CLI exits 0 at onc
 
 from __future__ import annotations
 
+import sys
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -26,7 +27,7 @@ from .ledger import (
     Scores,
     all_scores,
     check_output_dir,
-    forget,
+    discard,
     output_lease,
     output_name,
     read_ledger,
@@ -171,7 +172,7 @@ def execute(
         # Again under the lock: another job may have committed since the plan.
         select(p)
         for s in p.discard:
-            forget(s.dir, list(s.entries.values()))
+            discard(s)
         for u in p.todo:
             if u.unit_id not in p.rows:
                 p.rows[u.unit_id] = check_unit(u, p.transform, p.describe_model())
@@ -235,6 +236,8 @@ def score(
         raise ShardlineError(f"unknown engine '{engine_name}' (valid: {', '.join(ENGINES)})")
     p = plan(model_uri, tracking_uri, input_path, output_dir, split=split, incremental=incremental,
              backfill=backfill, force=force)
+    for line in p.describe_discard():
+        print(f"[shardline] {line}", file=sys.stderr, flush=True)
     return execute(p, engine_name, spark_or_client, batch_size=batch_size,
                    threads_per_task=threads_per_task, lease=lease)
 

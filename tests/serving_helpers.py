@@ -101,3 +101,13 @@ def register_wrapped(prepared, tracking_uri: str, name: str, wrap) -> str:
 
 def register_flaky(prepared, tracking_uri: str, marker: Path, name: str) -> str:
     return register_wrapped(prepared, tracking_uri, name, lambda inner: FlakyModel(inner, str(marker)))
+
+
+def promo_model(prepared, tracking_uri: str) -> str:
+    """Registered model `promo` with versions 1 and 2 (the same weights: where scores land
+    is the point, not their values), registered once per session."""
+    if "promo" not in _TRAINED:
+        for _ in range(2):
+            register_wrapped(prepared, tracking_uri, "promo", lambda inner: inner)
+        _TRAINED["promo"] = "promo"
+    return _TRAINED["promo"]

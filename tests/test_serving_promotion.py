@@ -21,7 +21,7 @@ from pipelines.lease import Holder
 from serving.ledger import output_lease, read_ledger
 
 from .conftest import shardline
-from .serving_helpers import raw_table, register_wrapped, write_raw
+from .serving_helpers import promo_model, raw_table, write_raw
 
 ENGINE_STARTED = ("Starting Dask", "Starting Spark")
 DASK = ("--engine", "dask", "--set", "dask.n_workers=1")
@@ -34,11 +34,7 @@ def raw(prepared):
 
 @pytest.fixture(scope="module")
 def promo(prepared, tracking_uri):
-    """Registered model `promo` with versions 1 and 2 (the same weights: where scores land
-    is the point, not their values)."""
-    for _ in range(2):
-        register_wrapped(prepared, tracking_uri, "promo", lambda inner: inner)
-    return "promo"
+    return promo_model(prepared, tracking_uri)
 
 
 def _alias(tracking_uri: str, version: int) -> None:
@@ -164,10 +160,13 @@ def test_bad_input_one_line_nonzero_nothing_written(promo, raw, tracking_uri, tm
         assert "\n" not in err and err.startswith("error: ") and message in err, err
         assert not any(s in r.stderr for s in ENGINE_STARTED)
 
-    # An alias that points nowhere.
+    # An alias that points nowhere: the model's aliases are listed.
+    _alias(tracking_uri, 1)
     out = tmp_path / "scores-a"
     check(["--model", "models:/promo@no-such-alias"], 1,
-          "model models:/promo@no-such-alias: alias 'no-such-alias' of 'promo' points to no version", out)
+          "model models:/promo@no-such-alias: alias 'no-such-alias' of 'promo' points to no version "
+          "in MLflow at", out)
+    check(["--model", "models:/promo@no-such-alias"], 1, "(its aliases: @champion → version 1)", out)
     assert not out.exists()
 
     # A version whose input schema the input no longer has: every such column named.
