@@ -49,7 +49,27 @@ CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
     "pipeline-zbv": (2, {"strategy": "pipeline", "pipeline_schedule": "zbv", "micro_batches": 4}),
     "tensor": (2, {"strategy": "tensor"}),
     "dp2xtp2": (4, {"strategy": "tensor", "dp": 2, "tp": 2}),
+    "fsdp": (2, {"strategy": "fsdp"}),
+    "hsdp2x2": (4, {"strategy": "fsdp", "dp": 2, "dp_shard": 2}),
     "dp2xpp2": (4, {"strategy": "pipeline", "dp": 2, "pp": 2, "micro_batches": 4}),
+}
+
+# Sharding saves memory where the model's state (weights, gradients, AdamW's two
+# moments) outweighs the activations, and where there are many layers (FSDP gathers one
+# at a time): a deep, wide mlp, one sample one token. 8 x 1024 is 7.4M weights: 30 MB
+# each for weights and gradients, 60 MB of moments, per full copy.
+MEMORY_HIDDEN = [1024] * 8
+# On CPU the figure is peak RSS, and glibc keeps freed blocks: FSDP's per-layer gathers
+# (allocated and freed every step) would then count as held. Large blocks mmapped, and
+# so returned the moment they are freed, make peak RSS follow live memory, as CUDA's
+# max_memory_allocated does. Measured: ddp 2 ranks' growth 237 MB with it (243 without),
+# fsdp 119 MB (295 without) on 8 x 1024.
+MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+MEMORY_CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
+    "ddp": (2, {"strategy": "ddp"}),
+    "fsdp": (2, {"strategy": "fsdp"}),
+    "fsdp4": (4, {"strategy": "fsdp"}),
+    "hsdp2x2": (4, {"strategy": "fsdp", "dp": 2, "dp_shard": 2}),
 }
 
 
@@ -72,20 +92,24 @@ def strategy_rank(rank: int, world_size: int, p: dict) -> dict:
     import torch
 
     from training.config import TrainingConfig
-    from training.models import FeatureTransformer
+    from training.models import FeatureTransformer, TabularMLP
     from training.strategies import get_strategy
 
     torch.set_num_threads(1)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
-    cfg = TrainingConfig(
-        world_size=world_size, batch_size=p["global_batch"], model="transformer",
-        hidden=[D_MODEL] * LAYERS, heads=HEADS, **p["settings"],
-    )
+    shape = p.get("model") or {"model": "transformer", "hidden": [D_MODEL] * LAYERS, "heads": HEADS}
+    cfg = TrainingConfig(world_size=world_size, batch_size=p["global_batch"], **shape, **p["settings"])
+    # The strategy's modules first: importing FSDP2's or DTensor's adds 35-50 MB of RSS,
+    # which is code, not what the strategy's training holds.
+    strategy = get_strategy(cfg.strategy)
     rss_before = _rss_mb()
     torch.manual_seed(0)
-    model = FeatureTransformer(N_NUMERIC, CARDINALITIES, D_MODEL, HEADS, LAYERS, CLASSES).to(device)
-    strategy = get_strategy(cfg.strategy)
+    if cfg.model == "transformer":
+        model = FeatureTransformer(N_NUMERIC, CARDINALITIES, cfg.hidden[0], cfg.heads, len(cfg.hidden), CLASSES)
+    else:
+        model = TabularMLP(N_NUMERIC, CARDINALITIES, cfg.hidden, CLASSES, embedding_dim=cfg.embedding_dim)
+    model = model.to(device)
     strategy.check(cfg, model)
     parallel = strategy.setup(
         model, cfg, rank, world_size, device, lambda params: torch.optim.AdamW(params, lr=1e-3)
@@ -117,38 +141,61 @@ def strategy_rank(rank: int, world_size: int, p: dict) -> dict:
     return {"rank": rank, "elapsed_s": elapsed, "peak_mb": peak, "figures": figures}
 
 
-def run(progress=print, steps: int = 30, warmup: int = 5, global_batch: int = GLOBAL_BATCH,
-        only: list[str] | None = None) -> dict:
-    import torch
-
+def _measure(name: str, world: int, settings: dict, p: dict, progress, env: dict | None = None) -> dict:
+    """One row: `world` ranks of strategy_rank, launched with `env` added to the environment."""
     from training.launchers.local import launch_local
 
+    progress(f"{name}: {world} rank(s), {p['warmup']} warm-up + {p['steps']} timed steps")
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})  # spawned ranks start with this process's environment
+    try:
+        ranks = launch_local(strategy_rank, {**p, "settings": settings}, world_size=world, timeout_s=300)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    slowest = max(r["elapsed_s"] for r in ranks)
+    row = {
+        "world_size": world,
+        "settings": settings,
+        "samples_per_s": p["global_batch"] * p["steps"] / slowest,
+        "peak_mb_per_rank": [round(r["peak_mb"], 1) for r in ranks],
+    }
+    if "pipeline_bubble" in ranks[0]["figures"]:
+        for k in ("pipeline_bubble", "pipeline_bubble_predicted", "pipeline_cpu_wait"):
+            row[k] = sum(r["figures"][k] for r in ranks) / len(ranks)
+        row["pipeline_bubble_formula"] = ranks[0]["figures"]["pipeline_bubble_formula"]
+        row["pipeline_activations_held_max"] = [r["figures"]["pipeline_activations_held_max"] for r in ranks]
+    staleness = [r["figures"]["ps_staleness_max"] for r in ranks if "ps_staleness_max" in r["figures"]]
+    if staleness:
+        row["ps_staleness_max"] = max(staleness)
+    return row
+
+
+def run(progress=print, steps: int = 30, warmup: int = 5, global_batch: int = GLOBAL_BATCH,
+        only: list[str] | None = None, memory_hidden: list[int] | None = None) -> dict:
+    """Every strategy on the transformer; then DDP, FSDP and HSDP on the memory model
+    (an mlp of `memory_hidden` widths, MEMORY_HIDDEN by default), peak memory vs DDP's."""
+    import torch
+
+    p = {"steps": steps, "warmup": warmup, "global_batch": global_batch}
     names = [n for n in CONFIGS if only is None or n in only or n == "single"]
-    rows: dict[str, dict] = {}
-    for name in names:
-        world, settings = CONFIGS[name]
-        progress(f"{name}: {world} rank(s), {warmup} warm-up + {steps} timed steps")
-        p = {"settings": settings, "steps": steps, "warmup": warmup, "global_batch": global_batch}
-        ranks = launch_local(strategy_rank, p, world_size=world, timeout_s=300)
-        slowest = max(r["elapsed_s"] for r in ranks)
-        row = {
-            "world_size": world,
-            "settings": settings,
-            "samples_per_s": global_batch * steps / slowest,
-            "peak_mb_per_rank": [round(r["peak_mb"], 1) for r in ranks],
-        }
-        if "pipeline_bubble" in ranks[0]["figures"]:
-            for k in ("pipeline_bubble", "pipeline_bubble_predicted", "pipeline_cpu_wait"):
-                row[k] = sum(r["figures"][k] for r in ranks) / len(ranks)
-            row["pipeline_bubble_formula"] = ranks[0]["figures"]["pipeline_bubble_formula"]
-            row["pipeline_activations_held_max"] = [r["figures"]["pipeline_activations_held_max"] for r in ranks]
-        staleness = [r["figures"]["ps_staleness_max"] for r in ranks if "ps_staleness_max" in r["figures"]]
-        if staleness:
-            row["ps_staleness_max"] = max(staleness)
-        rows[name] = row
+    rows = {name: _measure(name, *CONFIGS[name], p, progress) for name in names}
     base = rows["single"]["samples_per_s"]
     for row in rows.values():
         row["ratio_vs_single"] = row["samples_per_s"] / base
+
+    hidden = memory_hidden or MEMORY_HIDDEN
+    mp = {**p, "model": {"model": "mlp", "hidden": hidden}}
+    memory = {
+        name: _measure(f"memory {name}", *MEMORY_CONFIGS[name], mp, progress, env=MEMORY_ENV)
+        for name in MEMORY_CONFIGS
+    }
+    ddp_peak = max(memory["ddp"]["peak_mb_per_rank"])
+    for row in memory.values():
+        row["peak_vs_ddp"] = max(row["peak_mb_per_rank"]) / ddp_peak if ddp_peak else None
     return {
         "benchmark": "strategies",
         "model": {"name": "transformer", "d_model": D_MODEL, "heads": HEADS, "layers": LAYERS},
@@ -160,4 +207,17 @@ def run(progress=print, steps: int = 30, warmup: int = 5, global_batch: int = GL
         "memory_measure": "cuda max_memory_allocated" if torch.cuda.is_available() else "peak RSS growth",
         "baseline": "single",
         "strategies": rows,
+        "memory": {
+            "model": {"name": "mlp", "hidden": hidden, "parameters": _mlp_parameters(hidden)},
+            "measure": "cuda max_memory_allocated" if torch.cuda.is_available()
+            else "peak RSS growth, freed memory returned at once (MALLOC_MMAP_THRESHOLD_=65536)",
+            "baseline": "ddp",
+            "strategies": memory,
+        },
     }
+
+
+def _mlp_parameters(hidden: list[int]) -> int:
+    from training.models import TabularMLP
+
+    return sum(p.numel() for p in TabularMLP(N_NUMERIC, CARDINALITIES, hidden, CLASSES).parameters())

@@ -569,6 +569,20 @@ def bench_strategies(steps, as_json):
                   "measured idle share; predicted: its schedule replayed with the measured action "
                   "times, communication free; formula: the schedule's with equal stages; cpu wait: "
                   "share of the step a rank was ready to run but had no core (outside its actions).")
+    mem = result["memory"]
+    hidden = mem["model"]["hidden"]
+    widths = f"{len(hidden)} × {hidden[0]}" if len(set(hidden)) == 1 else " × ".join(map(str, hidden))
+    table = Table(title=f"memory per rank, mlp {widths} ({mem['model']['parameters'] / 1e6:.1f}M weights), AdamW")
+    table.add_column("", no_wrap=True)
+    for col in ("ranks", "peak MB (max rank)", "× ddp", "samples/s"):
+        table.add_column(col, justify="right")
+    for name, row in mem["strategies"].items():
+        ratio = row["peak_vs_ddp"]
+        table.add_row(name, str(row["world_size"]), f"{max(row['peak_mb_per_rank']):.0f}",
+                      f"{ratio:.2f}" if ratio is not None else "", f"{row['samples_per_s']:,.0f}")
+    Console().print(table)
+    console.print(f"  peak MB: {mem['measure']}; it includes the whole model each rank builds "
+                  "before sharding it.")
 
 
 def _dataset_lease(cfg: ShardlineConfig):

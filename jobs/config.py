@@ -84,7 +84,9 @@ def cluster_of(cfg: ShardlineConfig, engines: list[str]) -> str | None:
     when every task runs on this machine (embedded Spark `local[...]`, a LocalCluster)."""
     for engine in engines:
         if engine == "spark":
-            remote = getattr(cfg.spark, "remote", None) or os.environ.get("SPARK_REMOTE")
+            from pipelines.spark_setup import remote_url
+
+            remote = remote_url(cfg.spark)  # a malformed one: a config error, said first
             if remote:
                 return f"Spark Connect at {remote!r}"
             if not cfg.spark.master.startswith("local"):

@@ -82,7 +82,7 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._since = ""
-        self._made_dir = False
+        self._made_dirs: list[str] = []
 
     @staticmethod
     def holder(url: str) -> Holder | None:
@@ -93,8 +93,8 @@ class Lease:
 
     def acquire(self) -> Lease:
         self._since = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-        # A directory made only to hold the lease goes with it: a refused job leaves nothing.
-        self._made_dir = not storage.exists(storage.parent(self.url))
+        # Directories made only to hold the lease go with it: a refused job leaves nothing.
+        self._made_dirs = _missing_dirs(storage.parent(self.url))
         for _ in range(20):
             expires_at = time.time() + self.ttl_s
             tag = storage.create_only(self.url, self._body(expires_at))
@@ -152,8 +152,8 @@ class Lease:
             self._thread.join()
         if self._tag is not None and not self._lost:
             storage.delete_if(self.url, self._tag)
-            if self._made_dir:
-                storage.remove_empty_dir(storage.parent(self.url))
+            for d in self._made_dirs:  # deepest first; one that holds anything stays
+                storage.remove_empty_dir(d)
         self._tag = None
 
     def __enter__(self) -> Lease:
@@ -229,3 +229,15 @@ def _start_ticks(pid: int) -> str | None:
 def _alive(pid: int, start: str) -> bool:
     ticks = _start_ticks(pid)
     return ticks is not None and (not start or ticks == start)
+
+
+def _missing_dirs(url: str) -> list[str]:
+    """`url` and its ancestors that do not exist yet, deepest first (local paths only:
+    object stores have no directories to leave behind)."""
+    if storage.is_remote(url):
+        return []
+    missing = []
+    while not storage.exists(url) and storage.parent(url) != url:
+        missing.append(url)
+        url = storage.parent(url)
+    return missing

@@ -85,6 +85,16 @@ def engines(spark, dask_client):
     return {"spark": SparkEngine(spark), "dask": DaskEngine(dask_client)}
 
 
+def absolute_paths(root: Path) -> list[str]:
+    """`--set` arguments putting the quickstart's data paths under `root`, absolute, where
+    its relative ones would go: tasks on other hosts (a cluster master, Spark Connect) are
+    refused relative paths, since each would resolve them in its own working folder."""
+    data = root / "shardline-data" / "quickstart"
+    paths = {"pipelines.source.path": data / "raw", "pipelines.dataset_dir": data / "dataset",
+             "training.checkpoint_dir": data / "checkpoints", "serving.output_dir": data / "scores"}
+    return [a for k, v in paths.items() for a in ("--set", f"{k}='{v}'")]
+
+
 def shardline(*args: str, cwd: Path, env: dict | None = None, timeout: int = 600):
     """Run the real CLI in a subprocess, as a user would: default store is cwd/mlflow.db."""
     base = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}

@@ -15,6 +15,15 @@ MODELS = {
 }
 
 
+# AdamW divides each update by sqrt(v): a gradient that is zero in exact arithmetic
+# comes out as rounding noise that AdamW would scale up to whole steps. No model here has
+# one (attention's key has no bias for that reason), so AdamW is compared like SGD.
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.01),
+}
+
+
 def global_batches(steps: int, batch: int, n_numeric: int = 5, card: int = 4, seed: int = 3):
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
@@ -27,8 +36,9 @@ def train_steps(rank: int, world_size: int, args: dict) -> dict:
     """`steps` optimizer steps of `strategy` over `world_size` ranks; the rank reads
     slice data_rank of every global batch. world_size 1 is single-process training.
 
-    args: strategy, steps, batch, and optionally model and cfg (TrainingConfig fields:
-    precision, activation_checkpointing, grad_compression, dp/tp/pp, ps_*, micro_batches ...).
+    args: strategy, steps, batch, and optionally model, optimizer ("sgd", the default, or
+    "adamw") and cfg (TrainingConfig fields: precision, activation_checkpointing,
+    grad_compression, dp/tp/pp/dp_shard, ps_*, micro_batches ...).
     Returns the plain model's weights after training (every rank: full_state_dict()).
     """
     strategy = args["strategy"] if world_size > 1 else "ddp"
@@ -39,10 +49,8 @@ def train_steps(rank: int, world_size: int, args: dict) -> dict:
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
     get_strategy(strategy).check(cfg, model)
-    # SGD, not Adam: Adam divides by sqrt(v), which blows rounding noise in gradients
-    # that are zero in exact arithmetic (attention's key bias) up to whole steps.
     parallel = get_strategy(strategy).setup(
-        model, cfg, rank, world_size, torch.device("cpu"), lambda p: torch.optim.SGD(p, lr=0.1)
+        model, cfg, rank, world_size, torch.device("cpu"), OPTIMIZERS[args.get("optimizer", "sgd")]
     )
     for x, y in global_batches(args["steps"], args["batch"]):
         if parallel.data_rank is None:
@@ -58,3 +66,66 @@ def _numerics(cfg: dict) -> dict:
     """The settings that change single-process arithmetic (the reference keeps them)."""
     keep = ("precision", "activation_checkpointing")
     return {k: v for k, v in cfg.items() if k in keep}
+
+
+def train_variants(rank: int, world_size: int, args: dict) -> list[dict]:
+    """train_steps for each of args["variants"] (dicts merged over args) in one process
+    group: one launch for many comparisons."""
+    common = {k: v for k, v in args.items() if k != "variants"}
+    return [train_steps(rank, world_size, {**common, **v}) for v in args["variants"]]
+
+
+def unsynchronised(args: dict, parts: int) -> dict:
+    """Single-process training on only the first of `parts` slices of each global batch:
+    what one data-parallel rank computes if its gradients are never combined with the
+    others'. A tolerance that accepts this cannot tell a broken strategy from a working one."""
+    cfg = TrainingConfig(world_size=1, batch_size=args["batch"], **_numerics(args.get("cfg", {})))
+    torch.manual_seed(0)
+    model = MODELS[args.get("model", "mlp")]()
+    parallel = get_strategy("ddp").setup(
+        model, cfg, 0, 1, torch.device("cpu"), OPTIMIZERS[args.get("optimizer", "sgd")]
+    )
+    for x, y in global_batches(args["steps"], args["batch"]):
+        n = len(x) // parts
+        parallel.step(x[:n], y[:n])
+    return {k: v.detach().clone() for k, v in parallel.full_state_dict().items()}
+
+
+def relative_distance(a: dict, b: dict) -> float:
+    """||a - b|| / ||b|| over every weight of the model together."""
+    assert a.keys() == b.keys()
+    num = sum(((a[k] - b[k]).double() ** 2).sum() for k in b) ** 0.5
+    den = sum((b[k].double() ** 2).sum() for k in b) ** 0.5
+    return float(num / den)
+
+
+def resumed(rank: int, world_size: int, args: dict) -> dict:
+    """AdamW (moments and step counts a wrong resume would lose) on the transformer:
+    4 steps straight, and 2 steps, a resume into a fresh setup (other seed), 2 more.
+    args: strategy, cfg (TrainingConfig fields), directory (for sharded checkpoints).
+    Returns both runs' plain weights."""
+    cfg = TrainingConfig(world_size=world_size, strategy=args["strategy"], batch_size=8, **args.get("cfg", {}))
+
+    def fresh(seed):
+        torch.manual_seed(seed)
+        return get_strategy(cfg.strategy).setup(
+            MODELS["transformer"](), cfg, rank, world_size, torch.device("cpu"), OPTIMIZERS["adamw"]
+        )
+
+    straight, first = fresh(0), fresh(0)
+    n = 8 // straight.data_world
+    part = slice((straight.data_rank or 0) * n, ((straight.data_rank or 0) + 1) * n)
+    batches = [(x[part], y[part]) for x, y in global_batches(4, 8)]
+    for x, y in batches:
+        straight.step(x, y)
+    for x, y in batches[:2]:
+        first.step(x, y)
+    second = fresh(1)
+    if hasattr(first, "save_sharded"):  # each rank's own shards, through DCP
+        first.save_sharded(args["directory"])
+        second.load_sharded(args["directory"])
+    else:
+        second.load_state_dict(first.state_dict(), first.full_state_dict())
+    for x, y in batches[2:]:
+        second.step(x, y)
+    return {"straight": straight.full_state_dict(), "resumed": second.full_state_dict()}

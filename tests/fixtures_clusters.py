@@ -77,6 +77,15 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def _wait_port(port: int, seconds: float = UP_WITHIN_S) -> None:
+    """Until something listens on 127.0.0.1:`port`, for at most `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not _listening(port):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"nothing listens on 127.0.0.1:{port} after {seconds} s")
+        time.sleep(0.3)
+
+
 def _alive_spark_workers(ui_port: int) -> int:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{ui_port}/json/", timeout=10) as r:

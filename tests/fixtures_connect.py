@@ -101,7 +101,7 @@ def start_connect_server(root: Path, python: str = sys.executable, name: str = "
 
 
 def _wait_port(port: int, seconds: float, server: ConnectServer) -> None:
-    from .test_clusters import _wait_port as wait
+    from .fixtures_clusters import _wait_port as wait
 
     try:
         wait(port, seconds)

@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from benchmarks.strategies import CONFIGS, run
+from benchmarks.strategies import CONFIGS, MEMORY_CONFIGS, run
 
 
 def test_bench_strategies_tiny():
-    only = ["pipeline-1f1b", "ps-async", "tensor"]
-    result = run(progress=lambda msg: None, steps=2, warmup=1, global_batch=32, only=only)
+    only = ["pipeline-1f1b", "ps-async", "tensor", "hsdp2x2"]
+    result = run(progress=lambda msg: None, steps=2, warmup=1, global_batch=32, only=only, memory_hidden=[32, 32])
     json.dumps(result)  # one JSON object
     rows = result["strategies"]
     assert list(rows) == [n for n in CONFIGS if n in ["single", *only]]
@@ -26,3 +26,11 @@ def test_bench_strategies_tiny():
     assert rows["pipeline-1f1b"]["pipeline_bubble_formula"] == pytest.approx((2 - 1) / (4 + 2 - 1))
     assert 0 <= rows["pipeline-1f1b"]["pipeline_bubble"] < 1
     assert rows["ps-async"]["ps_staleness_max"] >= 0
+    # DDP, FSDP and HSDP's memory per rank on the memory model, against DDP's.
+    memory = result["memory"]
+    assert list(memory["strategies"]) == list(MEMORY_CONFIGS) and memory["baseline"] == "ddp"
+    grew = max(memory["strategies"]["ddp"]["peak_mb_per_rank"]) > 0  # a tiny model may not
+    assert memory["strategies"]["ddp"]["peak_vs_ddp"] == (1.0 if grew else None)
+    for name, row in memory["strategies"].items():
+        assert len(row["peak_mb_per_rank"]) == row["world_size"] == MEMORY_CONFIGS[name][0]
+        assert row["samples_per_s"] > 0 and (row["peak_vs_ddp"] >= 0 if grew else True), name

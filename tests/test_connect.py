@@ -20,7 +20,7 @@ from training import checkpoints
 from training.config import TrackingConfig, TrainingConfig
 from training.job import run_training
 
-from .conftest import REPO, shardline
+from .conftest import REPO, absolute_paths, shardline
 
 QUICKSTART = REPO / "jobs" / "configs" / "quickstart.toml"
 
@@ -63,7 +63,7 @@ def test_prepare_on_connect_writes_the_same_dataset_as_classic_spark(connect_dat
 
 def test_run_on_connect_prepares_trains_and_scores(connect_server, tmp_path):
     proc = shardline(
-        "run", str(QUICKSTART), "--set", f"spark.remote='{connect_server.url}'",
+        "run", str(QUICKSTART), "--set", f"spark.remote='{connect_server.url}'", *absolute_paths(tmp_path),
         *sets("pipelines.source.synthetic", {"rows": 4000}), *sets("training", {"epochs": 1}),
         cwd=tmp_path,
     )  # fmt: skip

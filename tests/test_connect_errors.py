@@ -17,7 +17,7 @@ import pytest
 
 from training.launchers import free_port
 
-from .conftest import REPO, shardline
+from .conftest import REPO, absolute_paths, shardline
 from .fixtures_connect import start_connect_server
 
 QUICKSTART = REPO / "jobs" / "configs" / "quickstart.toml"
@@ -41,7 +41,7 @@ def test_unreachable_endpoint_is_one_line_in_seconds(tmp_path):
     # The client alone retries for about ten minutes; the timeout bounds a regression.
     proc = shardline(
         "prepare", str(QUICKSTART), "--set", f"spark.remote='sc://127.0.0.1:{port}'",
-        cwd=tmp_path, timeout=180,
+        *absolute_paths(tmp_path), cwd=tmp_path, timeout=180,
     )  # fmt: skip
     line = _one_line_error(proc, 1, tmp_path)
     assert line == (
@@ -70,7 +70,7 @@ def test_a_port_that_is_not_spark_connect_is_one_line(tmp_path):
         t.start()
         try:
             proc = shardline(
-                "train", str(QUICKSTART), cwd=tmp_path, timeout=180,
+                "train", str(QUICKSTART), *absolute_paths(tmp_path), cwd=tmp_path, timeout=180,
                 env={"SPARK_REMOTE": f"sc://127.0.0.1:{port}"},
             )  # fmt: skip
         finally:
@@ -99,6 +99,7 @@ def test_a_malformed_remote_is_a_config_error(tmp_path, url, message):
 def test_more_ranks_than_the_servers_slots_are_refused_before_training(connect_server, tmp_path):
     proc = shardline(
         "train", str(QUICKSTART), "--world-size", "3", "--set", f"spark.remote='{connect_server.url}'",
+        *absolute_paths(tmp_path),
         "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'", cwd=tmp_path,
     )  # fmt: skip
     line = _one_line_error(proc, 1, tmp_path)
@@ -113,7 +114,7 @@ def test_a_jvm_setting_cannot_come_from_a_connect_client(connect_server, tmp_pat
     proc = shardline(
         "prepare", str(QUICKSTART), "--set", f"spark.remote='{connect_server.url}'",
         "--set", "spark.conf={'spark.sql.shuffle.partitions' = '3', 'spark.ui.enabled' = 'true'}",
-        cwd=tmp_path,
+        *absolute_paths(tmp_path), cwd=tmp_path,
     )  # fmt: skip
     line = _one_line_error(proc, 2, tmp_path)
     assert line.startswith("error: spark.conf.spark.ui.enabled: cannot be set from a Spark Connect client"), line
@@ -168,7 +169,8 @@ def test_executors_without_the_environment_are_named_before_anything_is_written(
     servers_lacking_the_environment, tmp_path, kind, missing
 ):
     server, python = servers_lacking_the_environment[kind]
-    proc = shardline("prepare", str(QUICKSTART), "--set", f"spark.remote='{server.url}'", cwd=tmp_path)
+    proc = shardline("prepare", str(QUICKSTART), "--set", f"spark.remote='{server.url}'", *absolute_paths(tmp_path),
+                     cwd=tmp_path)
     line = _one_line_error(proc, 1, tmp_path)
     assert line.startswith(f"error: Spark executors cannot import {missing} ("), line
     if kind == "arrow":  # the probe ran and says which Python lacks them

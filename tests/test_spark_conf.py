@@ -16,8 +16,8 @@ from pathlib import Path
 
 from training.launchers import free_port
 
-from .conftest import REPO, shardline
-from .test_clusters import _start, _stop, _wait_port
+from .conftest import REPO, absolute_paths, shardline
+from .fixtures_clusters import _start, _stop, _wait_port
 
 BIN = Path(sys.executable).parent
 QUICKSTART = REPO / "jobs" / "configs" / "quickstart.toml"
@@ -166,7 +166,7 @@ def test_dynamic_allocation_is_refused_for_training(tmp_path):
             "train", str(QUICKSTART),
             "--set", f"spark.master='spark://127.0.0.1:{port}'",
             "--set", "spark.conf={'spark.dynamicAllocation.enabled' = 'true'}",
-            "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'",
+            *absolute_paths(tmp_path), "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'",
             cwd=tmp_path, env=_env(tmp_path), timeout=300,
         )  # fmt: skip
     finally:
@@ -217,7 +217,8 @@ def test_a_standalone_master_nobody_answers_at_is_one_line(tmp_path):
     port = free_port()  # nothing listens there: Spark alone would retry, then print a stack
     proc = shardline(
         "prepare", str(QUICKSTART),
-        "--set", f"spark.master='spark://127.0.0.1:{port}'", cwd=tmp_path, env=_env(tmp_path),
+        "--set", f"spark.master='spark://127.0.0.1:{port}'", *absolute_paths(tmp_path),
+        cwd=tmp_path, env=_env(tmp_path),
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert _error_lines(proc.stderr) == [

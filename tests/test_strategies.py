@@ -56,8 +56,9 @@ def test_ddp_on_dask_workers_matches_single_process(dask_client):
         ({"model": "cnn"}, 1e-5),
         ({"cfg": {"activation_checkpointing": True}}, 1e-5),
         ({"model": "transformer", "cfg": {"activation_checkpointing": True}}, 1e-5),
-        # bf16 forward and fp16 gradients round differently on a half and a whole batch.
-        ({"cfg": {"precision": "bf16"}}, 2e-2),
+        # bf16 forward and fp16 gradients round differently on a half and a whole batch
+        # (an unsynchronised rank would be 2.4e-2 off: tests/test_equivalence.py).
+        ({"cfg": {"precision": "bf16"}}, 2e-3),
         ({"cfg": {"grad_compression": "fp16"}}, 2e-3),
     ],
 )
@@ -77,5 +78,5 @@ def test_ddp_switches_and_models_match_single_process(variant, atol):
 
 
 def test_unknown_strategy_lists_the_valid_ones():
-    with pytest.raises(ConfigError, match=r"unknown strategy 'nope' \(valid: ddp, pipeline, ps, tensor\)"):
+    with pytest.raises(ConfigError, match=r"unknown strategy 'nope' \(valid: ddp, fsdp, pipeline, ps, tensor\)"):
         get_strategy("nope")

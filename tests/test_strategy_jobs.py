@@ -26,6 +26,7 @@ JOBS = {
     "ps": dict(strategy="ps", world_size=3, ps_servers=1),
     "pipeline": dict(strategy="pipeline", world_size=2, micro_batches=4, pipeline_schedule="1f1b"),
     "tensor": dict(strategy="tensor", world_size=2, model="transformer", hidden=[16, 16], heads=4),
+    "fsdp": dict(strategy="fsdp", world_size=2),
 }
 
 
@@ -48,15 +49,27 @@ def test_strategy_job_resumes_exactly_and_its_model_scores(name, prepared, dask_
     result = run_training(cfg, tracking, prepared.dataset_dir)
     assert result.metrics["val_accuracy"] > 0.5  # 3 classes: it learned
     run = MlflowClient(tracking_uri).get_run(result.run_id)
-    own = {"ps": "ps_push_ms", "pipeline": "pipeline_bubble", "tensor": "tp_allreduce_ms"}[name]
-    assert own in run.data.metrics, sorted(run.data.metrics)
+    # The strategy's own figures (tensor's and fsdp's collectives run inside torch: none).
+    own = {"ps": "ps_push_ms", "pipeline": "pipeline_bubble"}.get(name)
+    assert own is None or own in run.data.metrics, sorted(run.data.metrics)
+    # Every tensor the job handed to training.collectives passed its device check (here the
+    # CPU: a wrong device raises): the worker's metrics and evaluation, and the strategy's own.
+    calls = result.collective_calls
+    assert {device for _, device in calls} == {"cpu"}, calls
+    assert calls[("all_reduce", "cpu")] >= 3 * cfg.epochs, calls  # metrics, totals, evaluation
+    mine = {"ps": "reduce"}.get(name)
+    assert mine is None or calls.get((mine, "cpu"), 0) > 0, calls
 
     # Resume from a mid-epoch checkpoint: the same final weights, bit for bit.
     paths = checkpoints.checkpoint_paths(cfg.checkpoint_dir)
-    mid = next(p for p in paths if torch.load(p, weights_only=True)["step_in_epoch"] != 0)
+    mid = Path(next(p for p in paths if torch.load(p, weights_only=True)["step_in_epoch"] != 0))
     resumed_cfg = _cfg(tmp_path / "b", name, resume=True)
     Path(resumed_cfg.checkpoint_dir).mkdir(parents=True)
     shutil.copy(mid, Path(resumed_cfg.checkpoint_dir) / mid.name)
+    sharded = torch.load(mid, weights_only=True).get("sharded")  # fsdp, tensor: DCP shards
+    assert (sharded is not None) == (name in ("fsdp", "tensor")), name
+    if sharded:
+        shutil.copytree(mid.parent / sharded, Path(resumed_cfg.checkpoint_dir) / sharded)
     resumed = run_training(resumed_cfg, tracking, prepared.dataset_dir)
     assert resumed.weights.keys() == result.weights.keys()
     for k in result.weights:
@@ -137,7 +150,14 @@ def test_async_ps_reaches_the_accuracy_of_synchronous_training(prepared, tmp_pat
          "training.pipeline_schedule 1f1b with training.pp 3, training.micro_batches 2, 1 stage(s) per rank: "
          "Number of microbatches (2) must be greater than or equal to the number of stages (3)"),
         (["training.strategy=ps", "training.ps_servers=2"], "training.ps_servers 2 leaves no worker"),
-        (["training.strategy=allgather"], "unknown strategy 'allgather' (valid: ddp, pipeline, ps, tensor)"),
+        (["training.strategy=allgather"], "unknown strategy 'allgather' (valid: ddp, fsdp, pipeline, ps, tensor)"),
+        (["training.strategy=tensor", 'training.tp_plan={"1.linear"="colwise","9.linear"="rowwise"}'],
+         "training.tp_plan: module '9.linear' is not in training.model mlp (its Linear layers: 1.linear, "
+         "2.linear, 3)"),
+        (["training.strategy=fsdp", "training.world_size=4", "training.dp=2", "training.dp_shard=3"],
+         "training.dp 2 x training.dp_shard 3 = 6 must equal training.world_size 4"),
+        (["training.strategy=fsdp", "training.world_size=4", "training.dp_shard=3"],
+         "training.dp_shard 3 must divide training.world_size 4"),
     ],
 )
 def test_cli_refuses_a_bad_mesh_before_any_process(prepared, tmp_path, settings, message):

@@ -106,9 +106,9 @@ def test_transformer_heads_must_divide_width(prepared):
 @pytest.mark.parametrize(
     "command, setting, message",
     [
-        ("train", "training.strategy=zero", "unknown strategy 'zero' (valid: ddp, pipeline, ps, tensor)"),
+        ("train", "training.strategy=zero", "unknown strategy 'zero' (valid: ddp, fsdp, pipeline, ps, tensor)"),
         ("train", "training.model=resnet", "unknown model 'resnet' (valid: cnn, mlp, transformer)"),
-        ("run", "training.strategy=zero", "unknown strategy 'zero' (valid: ddp, pipeline, ps, tensor)"),
+        ("run", "training.strategy=zero", "unknown strategy 'zero' (valid: ddp, fsdp, pipeline, ps, tensor)"),
     ],
 )
 def test_cli_refuses_a_bad_name_before_spark_starts(prepared, tmp_path, command, setting, message):

@@ -36,8 +36,8 @@ POINTER = "LATEST"
 # Settings a checkpoint must agree with to be resumed from: they shape the
 # weights, the optimizer state or the order of batches.
 FINGERPRINT_FIELDS = (
-    "model", "hidden", "embedding_dim", "strategy", "world_size", "batch_size", "seed", "epochs",
-    "shuffle_buffer_rows", "remainder", "dp", "tp", "pp", "ps_servers", "ps_mode",
+    "model", "hidden", "heads", "embedding_dim", "strategy", "world_size", "batch_size", "seed", "epochs",
+    "shuffle_buffer_rows", "remainder", "dp", "tp", "pp", "dp_shard", "tp_plan", "ps_servers", "ps_mode",
     "micro_batches", "pipeline_boundaries", "pipeline_schedule", "pipeline_stages_per_rank",
 )
 

@@ -18,16 +18,26 @@ class TrainingConfig(Section):
     )
     world_size: int = Field(2, ge=1, description="Ranks (processes) that train together.")
     strategy: str = Field(
-        "ddp", description="Parallel strategy: ddp (all-reduce), ps (parameter server), "
-        "pipeline, tensor (training.strategies).",
+        "ddp", description="Parallel strategy: ddp (all-reduce), fsdp (fully sharded; HSDP with "
+        "dp > 1), ps (parameter server), pipeline, tensor (training.strategies).",
     )
     dp: int | None = Field(
         None, ge=1, description="Data-parallel degree of the mesh; unset: what world_size leaves "
-        "after tp or pp (dp x tp, or dp x pp, must equal world_size).",
+        "after tp, pp or dp_shard (dp x tp, dp x pp or dp x dp_shard must equal world_size). "
+        "fsdp: the replicas (HSDP's replicate degree).",
+    )
+    dp_shard: int | None = Field(
+        None, ge=1, description="strategy fsdp: ranks each parameter, its gradient and optimizer "
+        "state are sharded over; unset: world_size / dp (plain FSDP shards over every rank).",
     )
     tp: int | None = Field(
-        None, ge=1, description="strategy tensor: ranks each layer is split over (Megatron); "
+        None, ge=1, description="strategy tensor: ranks each layer is split over (DTensor); "
         "unset: world_size / dp.",
+    )
+    tp_plan: dict[str, Literal["colwise", "rowwise"]] | None = Field(
+        None, description="strategy tensor: module path -> colwise (output features split) or "
+        "rowwise (input features split, outputs summed), each colwise run closed by a rowwise "
+        "layer; unset: the model's own plan (training.models.TP_PLANS).",
     )
     pp: int | None = Field(
         None, ge=1, description="strategy pipeline: pipeline stages; unset: world_size / dp.",
@@ -125,6 +135,12 @@ class TrainingConfig(Section):
         1, ge=1, description="torch intra-op threads per rank; ranks x threads <= cores."
     )
     log_every_steps: int = Field(50, ge=1, description="Per-step metrics every N steps.")
+    socket_ifname: str | None = Field(
+        None, description="Network interface(s) the ranks' collectives use, comma-separated, "
+        "exported as GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME in each rank before the process "
+        "group starts: needed where a host name resolves to loopback (ranks on different hosts "
+        "would advertise 127.0.0.1); unset: the environment's choice. Every host must have it.",
+    )
     timeout_s: int = Field(
         300, ge=10, description="Process-group timeout: a stalled peer fails the job after it."
     )

@@ -6,7 +6,7 @@ import io
 import logging
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -15,7 +15,7 @@ from pipelines import storage
 from pipelines.errors import ConfigError, DataError
 from pipelines.manifest import ShardManifest, load_manifest, sequences
 
-from . import checkpoints
+from . import checkpoints, sharded_checkpoints
 from .config import TrackingConfig, TrainingConfig
 from .launchers import TrainingFailed
 from .loader import check_world_size
@@ -34,6 +34,9 @@ class TrainResult:
     metrics: dict[str, float]
     weights: dict[str, torch.Tensor]  # the final plain-model state dict
     stopped_early: bool = False  # the epoch hook stopped it before training.epochs
+    # Rank 0's tensor collectives by (call, device type), each checked against the rank's
+    # device (training.collectives): shows a job kept the device contract.
+    collective_calls: dict = field(default_factory=dict)
 
     @property
     def model_uri(self) -> str:
@@ -48,6 +51,7 @@ def check_settings(cfg: TrainingConfig) -> None:
     # The mesh (its degrees multiply to world_size; PS leaves workers): needs no model.
     get_strategy(cfg.strategy).data_world(cfg)
     check_model_name(cfg.model)
+    sharded_checkpoints.check_dir(cfg)  # DCP's writer needs a file-system path
 
 
 def preflight(cfg: TrainingConfig, dataset_dir: str) -> ShardManifest:
@@ -103,11 +107,16 @@ def run_training(
             raise DataError(f"{storage.display(cfg.checkpoint_dir)}: no checkpoint to resume from")
         manifest = _version_of(resume_from, dataset_dir, manifest)
         fp = checkpoints.fingerprint(cfg, manifest.version_id)
-        run_id = checkpoints.load(resume_from, fp)["run_id"] or None
+        head = checkpoints.load(resume_from, sharded_checkpoints.comparable(fp))
+        # Another mesh than the one that wrote it: refused here unless it reshards.
+        data_world = get_strategy(cfg.strategy).data_world(cfg)
+        sharded_checkpoints.check_resume(head, cfg, data_world, storage.display(resume_from))
+        run_id = head["run_id"] or None
     else:
         fp = checkpoints.fingerprint(cfg, manifest.version_id)
         # A new job starts over: stale checkpoints would be resumed by its restarts.
         checkpoints.clear(cfg.checkpoint_dir)
+        sharded_checkpoints.prune(cfg.checkpoint_dir)
     uri = tracking.resolved_uri()
     open_experiment(uri, tracking.experiment)
     if run_id:
@@ -148,7 +157,7 @@ def run_training(
         version = log_model(model, manifest, tracking.registered_model if register else None)
     return TrainResult(
         run_id, uri, tracking.registered_model, version, result["metrics"], model.state_dict(),
-        stopped_early=result.get("stopped_early", False),
+        stopped_early=result.get("stopped_early", False), collective_calls=result.get("collective_calls", {}),
     )
 
 

@@ -2,7 +2,9 @@
 
 Every model is an `nn.Sequential` of layers, the input layer first: that order is
 all a pipeline needs to cut it into stages, and the layers' own submodule names
-(`linear`, `attn.qkv`, `ff1` ...) are all a tensor-parallel plan needs.
+(`linear`, `attn.q`, `ff1` ...) are all a tensor-parallel plan needs. Each model that
+can be split by tensor parallelism has its plan here, beside it (as torchtitan keeps
+one beside each model): module path -> "colwise" / "rowwise" (see `TP_PLANS`).
 """
 
 from __future__ import annotations
@@ -132,22 +134,34 @@ class Tokens(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention: one fused q/k/v projection laid out [q | k | v], each
-    head-major, then an output projection. `heads` is the heads this module computes
-    (a tensor-parallel plan gives each rank its share of them)."""
+    """Multi-head self-attention: q, k and v projections (head-major), then an output
+    projection.
+
+    The heads it computes are the projections' width / head_dim, not a stored count: a
+    tensor-parallel plan that splits q, k and v by output features leaves each rank the
+    whole heads of its slice, and this same code computes them (torchtitan's way; one
+    fused [q | k | v] matrix split by rows would give a rank all of q and half of k).
+    k has no bias: it would add q.b to every score of a query alike, which softmax
+    ignores, so its gradient is exactly zero and Adam would turn rounding noise into updates.
+    """
 
     def __init__(self, d_model: int, heads: int):
         super().__init__()
-        self.heads = heads
         self.head_dim = d_model // heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.q = nn.Linear(d_model, d_model)
+        self.k = nn.Linear(d_model, d_model, bias=False)
+        self.v = nn.Linear(d_model, d_model)
         self.out = nn.Linear(d_model, d_model)
 
+    @property
+    def heads(self) -> int:
+        return self.q.out_features // self.head_dim
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        # [batch, tokens, width] -> [batch, heads, tokens, head_dim]; width may be a shard's.
+        q, k, v = (p(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for p in (self.q, self.k, self.v))
         h = F.scaled_dot_product_attention(q, k, v)
-        return self.out(h.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+        return self.out(h.transpose(1, 2).flatten(2))
 
 
 class Block(nn.Module):
@@ -218,6 +232,45 @@ MODELS: dict[str, Callable[[ShardManifest, TrainingConfig], nn.Module]] = {
     "cnn": _cnn,
     "transformer": _transformer,
 }
+
+
+# Tensor-parallel plans: module path -> style. "colwise" splits a Linear's output features
+# (its input is whole on every rank); "rowwise" splits its input features and sums the
+# ranks' partial outputs. Each colwise run is closed by a rowwise one with only
+# elementwise work (or, in attention, per-head work) between: one all-reduce forward and
+# one backward per pair, and everything off the plan sees whole activations.
+
+
+def mlp_tp_plan(model: TabularMLP) -> dict[str, str]:
+    """Consecutive Dense layers in pairs; an odd last one and the head stay whole."""
+    dense = [i for i, layer in enumerate(model) if isinstance(layer, Dense)]
+    plan = {}
+    for a, b in zip(dense[0::2], dense[1::2]):
+        plan.update({f"{a}.linear": "colwise", f"{b}.linear": "rowwise"})
+    return plan
+
+
+def transformer_tp_plan(model: FeatureTransformer) -> dict[str, str]:
+    """Per block: q, k, v by heads then the output projection; ff1 then ff2."""
+    blocks = [i for i, layer in enumerate(model) if isinstance(layer, Block)]
+    per_block = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.out": "rowwise",
+                 "ff1": "colwise", "ff2": "rowwise"}
+    return {f"{i}.{path}": style for i in blocks for path, style in per_block.items()}
+
+
+# Model name -> (its class, its plan).
+TP_PLANS: dict[str, tuple[type[nn.Module], Callable[[nn.Module], dict[str, str]]]] = {
+    "mlp": (TabularMLP, mlp_tp_plan),
+    "transformer": (FeatureTransformer, transformer_tp_plan),
+}
+
+
+def tp_plan(model: nn.Module) -> dict[str, str] | None:
+    """The model's own tensor-parallel plan; None if its kind has none."""
+    for cls, plan in TP_PLANS.values():
+        if isinstance(model, cls):
+            return plan(model)
+    return None
 
 
 def check_model_name(name: str) -> None:

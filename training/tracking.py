@@ -31,8 +31,9 @@ class MetricsReporter:
         self.client.log_batch(self.run_id, metrics=batch, synchronous=True)
 
 
-    def checkpoint(self, url: str, step: int, artifact: bool) -> None:
-        """Record a checkpoint: always by reference (a tag), as an artifact when asked.
+    def checkpoint(self, url: str, step: int, artifact: bool, sharded: str | None = None) -> None:
+        """Record a checkpoint: always by reference (a tag), as an artifact when asked
+        (with its directory of DCP shards, `sharded`, if it has one: always a local path).
 
         The artifact goes through the tracking server (proxied artifacts): rank 0 needs
         no credentials of the artifact store, only read access to its own checkpoint.
@@ -43,6 +44,8 @@ class MetricsReporter:
         self.log({"checkpoint_step": step}, step)
         if not artifact:
             return
+        if sharded is not None:
+            self.client.log_artifacts(self.run_id, storage.local_path(sharded), f"checkpoints/{storage.name(sharded)}")
         if not storage.is_remote(url):
             self.client.log_artifact(self.run_id, storage.local_path(url), "checkpoints")
             return

@@ -13,13 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from pipelines import storage
 from pipelines.manifest import ShardManifest, load_manifest
 
-from . import checkpoints
+from . import checkpoints, collectives, sharded_checkpoints
 from .config import TrainingConfig
 from .loader import ShardLoader
 from .models import apply_activation_checkpointing, build_model
@@ -46,12 +45,17 @@ class TrainJob:
     # after that epoch (a sweep's pruner). Must pickle, like the rest of the job.
     epoch_hook: Callable[[int, dict[str, float]], bool] | None = None
 
+    @property
+    def socket_ifname(self) -> str | None:
+        """What launchers.run_in_group exports as GLOO/NCCL_SOCKET_IFNAME before the group starts."""
+        return self.cfg.socket_ifname
+
 
 def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
     """The rank function of a training job (see training.launchers)."""
     cfg = job.cfg
     torch.set_num_threads(cfg.threads_per_rank)
-    device = _device(rank)
+    device = collectives.rank_device(rank)
     manifest = load_manifest(job.dataset_dir, job.dataset_sequence)
     model = trainable_model(manifest, cfg, device)
     parallel = get_strategy(cfg.strategy).setup(
@@ -92,32 +96,26 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
 
     step = start_epoch = 0
     if job.resume_from:
-        state = checkpoints.load(job.resume_from, job.fingerprint)
-        mine = state["ranks"][rank]
-        parallel.load_state_dict(mine["parallel"], state["model"])
-        if scheduler:
-            scheduler.load_state_dict(mine["scheduler"])
-        torch.set_rng_state(mine["rng"])
-        step, start_epoch = state["global_step"], state["epoch"]
-        # The loader's position is the same on every rank; rank 0's stands for all.
-        train.load_state_dict(state["loader"])
+        step, start_epoch = _resume(job, parallel, scheduler, train, rank, world_size, device)
+    save_sharded = getattr(parallel, "save_sharded", None)
 
     def checkpoint(epoch: int, step_in_epoch: int, artifact: bool, full: dict | None = None) -> None:
-        # One file: the plain model's weights (`full`, if the caller just gathered
-        # them), and what each rank needs to resume exactly (its optimizer, schedule
-        # and RNG state), gathered to rank 0.
-        full = full if full is not None else parallel.full_state_dict()
-        mine = {
-            "parallel": parallel.state_dict(),
-            "scheduler": scheduler.state_dict() if scheduler else {},
-            "rng": torch.get_rng_state(),
-        }
-        ranks = [None] * world_size if rank == 0 else None
-        dist.gather_object(mine, ranks, dst=0)
+        # One small file, gathered to rank 0: what each rank needs to resume exactly (its
+        # schedule and RNG state, and its optimizer where it has no shards) and the plain
+        # model's weights (`full`, if the caller just gathered them). A sharded strategy's
+        # ranks write their weights and optimizer shards first, each its own, with DCP.
+        mine = {"scheduler": scheduler.state_dict() if scheduler else {}, "rng": rng_state(device)}
+        if save_sharded:
+            sharded = sharded_checkpoints.new_name(step)
+            save_sharded(storage.join(cfg.checkpoint_dir, sharded))
+        else:
+            full = full if full is not None else parallel.full_state_dict()
+            mine["parallel"] = parallel.state_dict()
+        ranks = collectives.gather_object(mine, dst=0)
         if rank != 0:
             return
         state = {
-            "model": {k: v.cpu() for k, v in full.items()},
+            **({"sharded": sharded} if save_sharded else {"model": {k: v.cpu() for k, v in full.items()}}),
             "ranks": ranks,
             "global_step": step,
             "epoch": epoch,
@@ -127,8 +125,9 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
             "run_id": job.run_id or "",
         }
         path = checkpoints.save(cfg.checkpoint_dir, step, state, cfg.keep_checkpoints)
+        sharded_checkpoints.prune(cfg.checkpoint_dir)
         if reporter:
-            reporter.checkpoint(path, step, artifact)
+            reporter.checkpoint(path, step, artifact, storage.join(cfg.checkpoint_dir, sharded) if save_sharded else None)
 
     metrics: dict[str, float] = {}
     stopped_early = warned = False
@@ -173,14 +172,14 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         elapsed = time.perf_counter() - start
 
         # Per-rank figures go to rank 0 through one all-reduce of a [world, k] table.
-        per_rank = torch.zeros(world_size, 4)
-        per_rank[rank] = torch.tensor([
+        per_rank = collectives.zeros(world_size, 4)
+        per_rank[rank] = collectives.tensor([
             seen / elapsed, waited / max(stepping, 1e-9),
             train.epoch_stats()["samples_per_s"] if reads else 0.0, float(parallel.reports),
         ])
-        totals = torch.tensor([loss_sum, correct, max(reported, 1.0)])
-        dist.all_reduce(per_rank)
-        dist.all_reduce(totals)
+        totals = collectives.tensor([loss_sum, correct, max(reported, 1.0)])
+        collectives.all_reduce(per_rank)
+        collectives.all_reduce(totals)
         metrics = {
             "train_loss": totals[0].item() / totals[2].item(),
             "train_accuracy": totals[1].item() / totals[2].item(),
@@ -218,7 +217,35 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         return None
     buf = io.BytesIO()
     torch.save({k: v.cpu() for k, v in full.items()}, buf)
-    return {"state_dict": buf.getvalue(), "metrics": metrics, "stopped_early": stopped_early}
+    return {
+        "state_dict": buf.getvalue(), "metrics": metrics, "stopped_early": stopped_early,
+        "collective_calls": collectives.calls(),
+    }
+
+
+def _resume(job: TrainJob, parallel, scheduler, train: ShardLoader, rank: int, world_size: int, device) -> tuple[int, int]:
+    """Load the checkpoint into this rank; (global step, epoch) to continue from.
+
+    At the mesh that wrote it every rank takes back its own state, RNG and the loader's
+    position (the same on every rank). At another (the driver's check_resume allowed it:
+    a reshardable strategy, at an epoch end if the data-parallel ranks changed) the
+    shards reshard, a ddp rank takes rank 0's replicated optimizer state, RNG states stay
+    freshly seeded (no model here draws any) and the next epoch starts from its beginning.
+    """
+    state = checkpoints.load(job.resume_from, sharded_checkpoints.comparable(job.fingerprint))
+    same_ranks = len(state["ranks"]) == world_size
+    mine = state["ranks"][rank if same_ranks else 0]
+    if "sharded" in state:
+        parallel.load_sharded(storage.join(storage.parent(job.resume_from), state["sharded"]))
+    else:
+        parallel.load_state_dict(mine["parallel"], state["model"])
+    if scheduler:
+        scheduler.load_state_dict(mine["scheduler"])
+    if same_ranks:
+        set_rng_state(mine["rng"], device)
+    if state["loader"]["world_size"] == parallel.data_world:
+        train.load_state_dict(state["loader"])
+    return state["global_step"], state["epoch"]
 
 
 # The pieces of a step, shared with the bandwidth planner (training.plan) so that it
@@ -239,20 +266,19 @@ def make_optimizer(params, cfg: TrainingConfig) -> torch.optim.Optimizer:
 
 def _shown(metrics: dict[str, float]) -> list[str]:
     """The epoch line: the usual figures, then the strategy's own (job-wide means)."""
-    own = [k for k in metrics if k.split("_")[0] in ("ps", "pipeline", "tp")]
+    own = [k for k in metrics if k.split("_")[0] in ("ps", "pipeline")]
     return [k for k in _SHOWN if k in metrics] + own
 
 
 def _mean_over_reporting(loss: float | None) -> float:
-    t = torch.tensor([loss or 0.0, 1.0 if loss is not None else 0.0])
-    dist.all_reduce(t)
+    t = collectives.tensor([loss or 0.0, 1.0 if loss is not None else 0.0])
+    collectives.all_reduce(t)
     return (t[0] / t[1]).item()
 
 
 def _strategy_metrics(parallel, rank: int, world_size: int) -> dict[str, float]:
     """Each rank's strategy figures (rank<r>_<name>) and their mean over the ranks that have them."""
-    gathered = [None] * world_size if rank == 0 else None
-    dist.gather_object(parallel.epoch_metrics(), gathered, dst=0)
+    gathered = collectives.gather_object(parallel.epoch_metrics(), dst=0)
     if rank != 0:
         return {}
     out, by_name = {}, {}
@@ -265,14 +291,21 @@ def _strategy_metrics(parallel, rank: int, world_size: int) -> dict[str, float]:
     return out
 
 
-def _device(rank: int) -> torch.device:
-    """The rank's device: the GPU its Spark task was given, else one GPU per local rank."""
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    given = os.environ.get("SHARDLINE_CUDA_DEVICE")
-    index = int(given) if given else rank % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """The generators a step may draw from: the CPU's, and the rank's GPU's when it has one."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor] | torch.Tensor, device: torch.device) -> None:
+    """Restore `rng_state(device)`. A GPU state is restored on a GPU rank only (a CPU
+    resume of a GPU run draws nothing from it); a bare tensor is an older checkpoint's CPU state."""
+    state = state if isinstance(state, dict) else {"cpu": state}
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def _warn_data_wait(epoch: int, cfg: TrainingConfig, wait: torch.Tensor, workers: int) -> None:
@@ -288,23 +321,25 @@ def _warn_data_wait(epoch: int, cfg: TrainingConfig, wait: torch.Tensor, workers
 
 def _stop_requested(hook, rank: int, epoch: int, metrics: dict[str, float]) -> bool:
     """Rank 0 asks the hook; every rank gets its answer, so all stop after the same epoch."""
-    flag = torch.tensor([1.0 if rank == 0 and hook(epoch, metrics) else 0.0])
-    dist.broadcast(flag, src=0)
+    flag = collectives.tensor([1.0 if rank == 0 and hook(epoch, metrics) else 0.0])
+    collectives.broadcast(flag, src=0)
     return bool(flag.item())
 
 
 @torch.no_grad()
 def _evaluate(model, val: ShardLoader | None, device) -> dict[str, float]:
     """Every rank calls it; ranks without a share of the split (val None) add nothing."""
-    sums = torch.zeros(3)
+    sums = collectives.zeros(3)
     if model is not None:
         model.eval()
     for x, y in val.all_batches(4096) if val is not None else ():
         logits = model(x.to(device))
         y = y.to(device)
-        loss = F.cross_entropy(logits, y, reduction="sum").item()
-        sums += torch.tensor([loss, (logits.argmax(1) == y).sum().item(), len(y)])
-    dist.all_reduce(sums)
+        # Summed on the device: no host round trip per batch.
+        sums[0] += F.cross_entropy(logits, y, reduction="sum")
+        sums[1] += (logits.argmax(1) == y).sum()
+        sums[2] += len(y)
+    collectives.all_reduce(sums)
     return {"val_loss": (sums[0] / sums[2]).item(), "val_accuracy": (sums[1] / sums[2]).item()}
 
 

@@ -32,25 +32,31 @@ def run_in_group(
 ) -> Any:
     """Join the process group, call `fn`, leave the group.
 
+    A payload with a `socket_ifname` (a TrainJob: training.socket_ifname) names the
+    network interface(s) the collectives use (launchers.network); None keeps the
+    environment's choice.
+
     `fn` keeps every model and tensor in its own frame, and the group is left
     (barrier, destroy) before returning: a model or group still alive when a
     Spark barrier task yields made later jobs hang (FACTS.md). The timeout bounds
     how long a stopped peer can hang the others.
     """
-    import torch
     import torch.distributed as dist
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(
-        backend,
-        init_method=init_method,
-        rank=rank,
-        world_size=world_size,
-        timeout=dt.timedelta(seconds=timeout_s),
-    )
-    try:
-        result = fn(rank, world_size, payload)
-        dist.barrier()
-        return result
-    finally:
-        dist.destroy_process_group()
+    from .. import collectives
+    from .network import socket_interface
+
+    with socket_interface(getattr(payload, "socket_ifname", None)):
+        dist.init_process_group(
+            collectives.backend(),
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=dt.timedelta(seconds=timeout_s),
+        )
+        try:
+            result = fn(rank, world_size, payload)
+            collectives.barrier()
+            return result
+        finally:
+            dist.destroy_process_group()

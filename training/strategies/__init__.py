@@ -11,6 +11,7 @@ from .base import Strategy
 # name -> "module:class"; imported on use, so a strategy's dependencies load only when chosen.
 STRATEGIES: dict[str, str] = {
     "ddp": "ddp:DataParallel",
+    "fsdp": "fsdp:FullyShardedDataParallel",
     "ps": "ps:ParameterServer",
     "pipeline": "pipeline:Pipeline",
     "tensor": "tensor:TensorParallel",

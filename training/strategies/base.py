@@ -17,9 +17,11 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pipelines.errors import ConfigError
 
+from .. import collectives
 from ..config import TrainingConfig
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -27,12 +29,15 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 @dataclass(frozen=True)
 class Mesh:
-    """The degrees of a 2-D device mesh: `dp` data-parallel replicas of a model split
-    `inner` ways (tensor or pipeline). Rank = dp_index * inner + inner_index: the
-    ranks of one model replica are neighbours (on one host, when hosts fill in order)."""
+    """The degrees of a 2-D device mesh: `dp` data-parallel groups of `inner` ranks that
+    split one model (tensor or pipeline). Rank = dp_index * inner + inner_index: the
+    ranks of one model replica are neighbours (on one host, when hosts fill in order),
+    which is also the row-major order `init_device_mesh` lays ranks out in."""
 
     dp: int
     inner: int = 1
+    # The inner dimension's name in the DeviceMesh ("tp", "pp"): mesh[name] is its sub-mesh.
+    inner_name: str = "inner"
 
     def dp_index(self, rank: int) -> int:
         return rank // self.inner
@@ -40,9 +45,16 @@ class Mesh:
     def inner_index(self, rank: int) -> int:
         return rank % self.inner
 
+    def device_mesh(self, device: torch.device) -> DeviceMesh:
+        """torch's DeviceMesh of shape (dp, inner), dimensions named ("dp", inner_name),
+        for `device`'s type: `mesh["dp"]`, `mesh[inner_name]` are the 1-D sub-meshes
+        DTensor, FSDP2 and pipelining take, `.get_group()` their process groups.
+        Collective: every rank builds it, in the same order, as torch.distributed requires."""
+        return init_device_mesh(device.type, (self.dp, self.inner), mesh_dim_names=("dp", self.inner_name))
+
     def groups(self, rank: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-        """(this rank's dp group, its inner group). Collective: every rank creates
-        every group in the same order, as torch.distributed requires."""
+        """(this rank's dp group, its inner group), None for a dimension of size 1.
+        Collective: every rank creates every group in the same order."""
         dp_group = inner_group = None
         for i in range(self.inner):
             ranks = [d * self.inner + i for d in range(self.dp)]
@@ -57,29 +69,45 @@ class Mesh:
         return dp_group, inner_group
 
 
+# The degrees a strategy may split (or shard) one model replica by: one per strategy.
+SPLIT_DEGREES = ("tp", "pp", "dp_shard")
+
+
 def mesh_for(cfg: TrainingConfig, inner_setting: str | None) -> Mesh:
-    """The mesh `cfg` asks for: `inner_setting` names the split degree ("tp" or "pp",
-    None for strategies with none). An unset degree takes what the others leave."""
+    """The mesh `cfg` asks for: `inner_setting` names the split degree ("tp", "pp" or
+    "dp_shard"; None for strategies with none). An unset degree takes what the others
+    leave; both unset, the whole world splits one replica."""
     world = cfg.world_size
-    inner = getattr(cfg, inner_setting) if inner_setting else 1
-    others = [s for s in ("tp", "pp") if s != inner_setting and getattr(cfg, s) not in (None, 1)]
+    others = [s for s in SPLIT_DEGREES if s != inner_setting and getattr(cfg, s) not in (None, 1)]
     if others:
         raise ConfigError(
             f"training.{others[0]} = {getattr(cfg, others[0])}: strategy '{cfg.strategy}' "
-            f"splits the model only by {inner_setting or 'data'} (combinations: dp x tp, dp x pp)"
+            f"splits the model only by {inner_setting or 'data'} "
+            "(combinations: dp x tp, dp x pp, dp x dp_shard)"
         )
     dp = cfg.dp
+    if inner_setting is None:
+        if dp not in (None, world):
+            raise ConfigError(
+                f"training.dp {dp} must equal training.world_size {world}: strategy "
+                f"'{cfg.strategy}' has no other mesh dimension"
+            )
+        return Mesh(world)
+    inner = getattr(cfg, inner_setting)
+    given = [(name, v) for name, v in (("dp", dp), (inner_setting, inner)) if v is not None]
+    if len(given) == 1 and world % given[0][1]:
+        name, v = given[0]
+        raise ConfigError(f"training.{name} {v} must divide training.world_size {world}")
     if inner is None:
         inner = world // (dp or 1)
     if dp is None:
         dp = world // inner
-    if dp * inner != world or dp < 1 or inner < 1:
-        name = inner_setting or "1"
+    if dp * inner != world:
         raise ConfigError(
-            f"training.dp {dp} x training.{name} {inner} = {dp * inner} must equal "
+            f"training.dp {dp} x training.{inner_setting} {inner} = {dp * inner} must equal "
             f"training.world_size {world}"
         )
-    return Mesh(dp, inner)
+    return Mesh(dp, inner, inner_setting)
 
 
 class Parallel(Protocol):
@@ -102,6 +130,10 @@ class Parallel(Protocol):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's weights, on every rank. Collective."""
         ...
+
+    # A checkpoint holds either every rank's state_dict() beside the plain model's weights
+    # (one file), or, where a rank has save_sharded / load_sharded (fsdp, tensor), the
+    # shards each rank writes itself with torch.distributed.checkpoint, which reshard.
 
     def state_dict(self) -> dict:
         """What this rank needs to resume exactly: its weights and optimizer state."""
@@ -164,7 +196,7 @@ def average_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | Non
     if group is None or not params:
         return
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-    dist.all_reduce(flat, group=group)
+    collectives.all_reduce(flat, group=group)
     flat /= degree
     for p, g in zip(params, flat.split([p.numel() for p in params])):
         p.grad = g.view_as(p)

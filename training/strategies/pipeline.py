@@ -19,12 +19,12 @@ from itertools import accumulate
 from statistics import fmean
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from pipelines.errors import ConfigError
 
+from .. import collectives
 from ..config import TrainingConfig
 from .base import OptimizerFactory, average_gradients, mesh_for
 from .pipeline_timing import RankClock, StepLog, TimedStage, step_bubbles
@@ -234,7 +234,7 @@ class PipelineRank:
             self.optimizer.zero_grad(set_to_none=True)
         # The pipeline's ranks start the step together: its span is then the longest
         # rank's time in it (pipeline_timing.py). Every rank waits on the first one anyway.
-        dist.barrier(group=self.pp_group)
+        collectives.barrier(group=self.pp_group)
         self.clock.begin(first=self.steps_run == 0)
         args = (x,) if self.first else ()
         losses: list[torch.Tensor] = []  # each micro-batch's mean loss, on the last stage
@@ -254,8 +254,7 @@ class PipelineRank:
             (stage.stage_index, {k: v.detach().cpu() for k, v in stage.submod.state_dict().items()})
             for stage in self.stages
         ]
-        parts = [None] * self.layout.ranks
-        dist.all_gather_object(parts, own, group=self.pp_group)
+        parts = collectives.all_gather_object(own, group=self.pp_group)
         # In stage order, as the plain model's state dict is (a rank may hold stages 0 and 3).
         stages = sorted((s for part in parts for s in part), key=lambda s: s[0])
         return {k: v for _, state in stages for k, v in state.items()}
@@ -275,9 +274,7 @@ class PipelineRank:
         Collective over the pipeline's group. The schedule's first step also measured
         shapes and connected the stages: it is left out."""
         mine = [log for log in self.clock.take() if not log.first]
-        logs = [None] * self.layout.ranks
-        dist.all_gather_object(logs, mine, group=self.pp_group)
-        return logs
+        return collectives.all_gather_object(mine, group=self.pp_group)
 
     def epoch_metrics(self) -> dict[str, float]:
         """Collective over the pipeline's group (every rank calls it at an epoch's end)."""

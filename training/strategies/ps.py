@@ -25,6 +25,7 @@ from torch import nn
 
 from pipelines.errors import ConfigError
 
+from .. import collectives
 from ..config import TrainingConfig
 from .base import OptimizerFactory, autocast_for
 
@@ -116,7 +117,7 @@ class Layout:
         else:
             # gloo whatever the world's backend: it can receive from any source (a
             # server serves pushes in arrival order), which NCCL cannot.
-            self.p2p = dist.new_group(backend="gloo")
+            self.p2p = collectives.new_host_group()
 
     def server_rank(self, s: int) -> int:
         return self.workers + s
@@ -148,7 +149,7 @@ def _gather_full(
             flat = _flat(values)
         else:
             flat = torch.empty(layout.size(s), dtype=layout.dtype, device=device)
-        dist.broadcast(flat, layout.server_rank(s))
+        collectives.broadcast(flat, layout.server_rank(s))
         for name, chunk in zip(names, flat.split([layout.shapes[n].numel() for n in names])):
             out[name] = chunk.view(layout.shapes[name])
     return {name: out[name] for name in layout.names}
@@ -188,7 +189,7 @@ class WorkerRank:
         t = time.perf_counter()
         layout = self.layout
         for work in [
-            dist.reduce(g, layout.server_rank(s), group=layout.groups[s], async_op=True)
+            collectives.reduce(g, layout.server_rank(s), group=layout.groups[s], async_op=True)
             for s, g in enumerate(grads)
         ]:
             work.wait()
@@ -196,7 +197,7 @@ class WorkerRank:
         t = time.perf_counter()
         values = [torch.empty_like(g) for g in grads]
         for work in [
-            dist.broadcast(v, layout.server_rank(s), group=layout.groups[s], async_op=True)
+            collectives.broadcast(v, layout.server_rank(s), group=layout.groups[s], async_op=True)
             for s, v in enumerate(values)
         ]:
             work.wait()
@@ -210,7 +211,7 @@ class WorkerRank:
         layout = self.layout
         grads = [g.cpu() for g in grads]  # the gloo group sends host memory
         for work in [
-            dist.isend(g, layout.server_rank(s), group=layout.p2p) for s, g in enumerate(grads)
+            collectives.isend(g, layout.server_rank(s), group=layout.p2p) for s, g in enumerate(grads)
         ]:
             work.wait()
         self.push_s += time.perf_counter() - t
@@ -218,7 +219,7 @@ class WorkerRank:
         values = []
         for s, g in enumerate(grads):
             v = torch.empty_like(g)
-            dist.recv(v, layout.server_rank(s), group=layout.p2p)
+            collectives.recv(v, layout.server_rank(s), group=layout.p2p)
             values.append(v.to(self.device))
         self.pull_s += time.perf_counter() - t
         return values
@@ -272,9 +273,9 @@ class ServerRank:
     def _sync(self) -> None:
         group = self.layout.groups[self.server]
         grad = torch.zeros(self.size, dtype=self.layout.dtype, device=self.device)
-        dist.reduce(grad, self.rank, group=group)  # the server adds zeros: the workers' sum
+        collectives.reduce(grad, self.rank, group=group)  # the server adds zeros: the workers' sum
         self._apply(grad / self.layout.workers)
-        dist.broadcast(_flat(self.shard.values()), self.rank, group=group)
+        collectives.broadcast(_flat(self.shard.values()), self.rank, group=group)
 
     def _serve(self) -> None:
         """Exactly W pushes, in arrival order (from any worker).
@@ -289,7 +290,7 @@ class ServerRank:
         """
         for _ in range(self.layout.workers):
             grad = torch.empty(self.size, dtype=self.layout.dtype)
-            worker = dist.recv(grad, group=self.layout.p2p)
+            worker = collectives.recv(grad, group=self.layout.p2p)
             stale = self.version - self.sent[worker]
             self.stale_sum += stale
             self.stale_max = max(self.stale_max, stale)
@@ -319,7 +320,7 @@ class ServerRank:
         values = _flat(self.shard.values()).cpu()
         for worker, _ in ready:
             self.sent[worker] = self.version
-            self.sending.append(dist.isend(values, worker, group=self.layout.p2p))
+            self.sending.append(collectives.isend(values, worker, group=self.layout.p2p))
 
     def _apply(self, grad: torch.Tensor) -> None:
         params = list(self.shard.values())

@@ -1,164 +1,121 @@
-"""Megatron-style tensor parallel: each layer's matrices split over the tp ranks of a mesh.
+"""Tensor parallel on DTensor: the planned Linear layers split over the tp ranks of a DeviceMesh.
 
-A plan (module path -> style) pairs a column-parallel Linear (output features
-split; its input copied to every rank) with a row-parallel one (input features
-split; the partial outputs all-reduced), so each pair costs one all-reduce
-forward and one backward. Everything off the plan (embeddings, norms, heads,
-row-parallel biases) is replicated: its inputs are identical on every tp rank
-after the row-parallel all-reduce, so its gradients are too, and need no tp sync.
-The mesh is dp x tp: dp replicas of the split model average their gradients.
+The plan (module path -> "colwise" / "rowwise") is the model's own
+(`training.models.TP_PLANS`) or `training.tp_plan`; torch's `parallelize_module`
+applies it with `ColwiseParallel` (output features split, the input whole on every
+rank) and `RowwiseParallel` (input features split, the partial outputs all-reduced).
+Everything off the plan (embeddings, norms, heads, rowwise biases) stays whole and
+replicated: after a rowwise all-reduce every tp rank sees the same activations, so
+those weights get the same gradients everywhere and need no tp sync.
+
+dp x tp: the 2-D mesh's dp dimension is sharded with FSDP2 on top of the split
+(torchtitan's 2-D layout), so each replica rank holds 1/dp of its tp shard. DDP
+cannot take a DTensor model here: `DDP(device_mesh=...)` turns its DTensor parameters
+into plain local ones, after which torch's state-dict API drops them (torch 2.13,
+measured), and checkpoints and evaluation need that API.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+import logging
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from pipelines.errors import ConfigError
 
 from ..config import TrainingConfig
-from ..models import Attention, Block, Dense, FeatureTransformer, TabularMLP
-from .base import OptimizerFactory, autocast_for, average_gradients, mesh_for
+from ..models import TP_PLANS, Attention, TabularMLP, tp_plan
+from .base import OptimizerFactory, mesh_for
+from .fsdp import ShardedRank, shard_layers
+
+STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
-class TPComm:
-    """All-reduces over one tp group, with the time they take."""
-
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device):
-        self.group = group
-        self.seconds = 0.0
-        # NCCL collectives return before they run: wait for the device on both sides,
-        # so the figure is the all-reduce's own time, not a launch's or the compute's before it.
-        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if self.group is None:
-            return t
-        self.sync()
-        start = time.perf_counter()
-        # A summed bf16 (autocast) would round at every hop: sum in float32, round once.
-        total = t.to(torch.float32, copy=True)
-        dist.all_reduce(total, group=self.group)
-        self.sync()
-        self.seconds += time.perf_counter() - start
-        return total.to(t.dtype)
-
-
-class _CopyToTP(torch.autograd.Function):
-    """Column-parallel input: every rank uses all of x, so x's gradient is the sum of the ranks'."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.comm.all_reduce(grad), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """Row-parallel output: the sum of the ranks' partial products; each rank's
-    gradient is the whole output's (a sum passes its gradient to every term)."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        return comm.all_reduce(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class ColumnParallelLinear(nn.Module):
-    """This rank's rows of a Linear: its slice of the output features (left sharded)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, comm: TPComm):
-        super().__init__()
-        self.weight, self.bias, self.comm = nn.Parameter(weight), nn.Parameter(bias), comm
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(_CopyToTP.apply(x, self.comm), self.weight, self.bias)
+def checked_plan(cfg: TrainingConfig, model: nn.Module, tp: int) -> dict[str, str]:
+    """The plan `cfg` asks for, refused (one line naming the setting) unless it splits
+    this model correctly over `tp` ranks."""
+    own = tp_plan(model)
+    if cfg.tp_plan is not None:
+        plan, setting = dict(cfg.tp_plan), "training.tp_plan"
+    elif own is not None:
+        plan, setting = own, f"training.model {cfg.model}'s plan"
+    else:
+        raise ConfigError(
+            f"training.strategy tensor: training.model {cfg.model} has no tensor-parallel plan "
+            f"(tensor splits: {', '.join(sorted(TP_PLANS))}; or set training.tp_plan)"
+        )
+    if not plan:
+        what = f"training.hidden {cfg.hidden} has" if isinstance(model, TabularMLP) else f"{setting} has"
+        raise ConfigError(
+            f"training.strategy tensor: {what} no pair of layers to split"
+            + (" (the mlp needs at least 2 hidden widths)" if isinstance(model, TabularMLP) else "")
+        )
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    for path in plan:
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            shown = ", ".join(list(linears)[:8]) + (", ..." if len(linears) > 8 else "")
+            raise ConfigError(
+                f"{setting}: module '{path}' is not in training.model {cfg.model} (its Linear layers: {shown})"
+            ) from None
+        if not isinstance(module, nn.Linear):
+            raise ConfigError(
+                f"{setting}: '{path}' is a {type(module).__name__}, not a Linear (tensor parallel splits Linear layers)"
+            )
+    for name, attn in ((n, m) for n, m in model.named_modules() if isinstance(m, Attention)):
+        styles = [plan.get(f"{name}.{p}") for p in ("q", "k", "v", "out")]
+        if styles not in ([None] * 4, ["colwise"] * 3 + ["rowwise"]):
+            raise ConfigError(
+                f"{setting}: attention '{name}' splits q, k and v colwise and out rowwise, or none of them"
+            )
+        if styles[0] and attn.heads % tp:
+            raise ConfigError(
+                f"training.tp {tp} must divide training.heads {attn.heads} (and d_model {attn.q.in_features})"
+            )
+    _check_pairs(plan, linears, setting)
+    for path, style in plan.items():
+        linear = linears[path]
+        width = linear.out_features if style == "colwise" else linear.in_features
+        if width % tp:
+            raise ConfigError(f"training.tp {tp} must divide {_width_name(model, path, style, width)}")
+    return plan
 
 
-class RowParallelLinear(nn.Module):
-    """This rank's columns of a Linear, fed the sharded output of a column-parallel one."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, comm: TPComm):
-        super().__init__()
-        self.weight, self.bias, self.comm = nn.Parameter(weight), nn.Parameter(bias), comm
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _ReduceFromTP.apply(F.linear(x, self.weight), self.comm)
-        # After the all-reduce: added once, not tp times (so replicated).
-        return y + self.bias.to(y.dtype)
-
-
-@dataclass(frozen=True)
-class Colwise:
-    """Split a Linear's output features (weight rows, bias)."""
-
-    # Fused projections ([q | k | v]): split each part alike, so a rank gets whole heads of each.
-    groups: int = 1
-    module = ColumnParallelLinear
-
-    def splits(self, name: str) -> bool:
-        return True
-
-    def shard(self, name: str, full: torch.Tensor, index: int, tp: int) -> torch.Tensor:
-        return full.unflatten(0, (self.groups, -1)).chunk(tp, 1)[index].flatten(0, 1).clone()
-
-    def unshard(self, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([s.unflatten(0, (self.groups, -1)) for s in shards], 1).flatten(0, 1)
+def _check_pairs(plan: dict[str, str], linears: dict[str, nn.Linear], setting: str) -> None:
+    """In the model's order of Linear layers (its data flow, for these Sequentials), each
+    run of colwise layers is closed by a rowwise one, and no whole Linear sits between:
+    a rowwise layer takes split input, anything else whole input."""
+    opened = None
+    for name in linears:
+        style = plan.get(name)
+        if style == "colwise":
+            opened = opened or name
+        elif style == "rowwise":
+            if opened is None:
+                raise ConfigError(
+                    f"{setting}: rowwise '{name}' follows no colwise layer (a rowwise layer takes "
+                    "the split output of colwise ones)"
+                )
+            opened = None
+        elif opened is not None:
+            raise ConfigError(
+                f"{setting}: '{name}' lies between colwise '{opened}' and its rowwise layer but "
+                "is not split (it would get a split input)"
+            )
+    if opened is not None:
+        raise ConfigError(f"{setting}: colwise '{opened}' is closed by no rowwise layer (its output would stay split)")
 
 
-@dataclass(frozen=True)
-class Rowwise:
-    """Split a Linear's input features (weight columns); the bias stays whole."""
-
-    module = RowParallelLinear
-
-    def splits(self, name: str) -> bool:
-        return name == "weight"
-
-    def shard(self, name: str, full: torch.Tensor, index: int, tp: int) -> torch.Tensor:
-        return (full.chunk(tp, 1)[index] if self.splits(name) else full).clone()
-
-    def unshard(self, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(shards, 1)
-
-
-Style = Colwise | Rowwise
-
-
-def plan_for(model: nn.Module) -> tuple[dict[str, Style], list[tuple[str, int]]] | None:
-    """(module path -> style, the widths tp must divide as (setting, width)); None: no plan."""
-    if isinstance(model, FeatureTransformer):
-        blocks = [i for i, layer in enumerate(model) if isinstance(layer, Block)]
-        plan = {
-            f"{i}.{path}": style
-            for i in blocks
-            for path, style in (("attn.qkv", Colwise(3)), ("attn.out", Rowwise()),
-                                ("ff1", Colwise()), ("ff2", Rowwise()))
-        }
-        attn = model[blocks[0]].attn
-        # d_model = heads x head_dim and ff1 is 2 x d_model wide: tp | heads is enough.
-        return plan, [(f"training.heads {attn.heads} (and d_model {attn.qkv.in_features})", attn.heads)]
-    if isinstance(model, TabularMLP):
-        dense = [i for i, layer in enumerate(model) if isinstance(layer, Dense)]
-        # Consecutive pairs; an odd last Dense stays replicated (its input is whole).
-        pairs = list(zip(dense[0::2], dense[1::2]))
-        plan = {p: s for a, b in pairs for p, s in ((f"{a}.linear", Colwise()), (f"{b}.linear", Rowwise()))}
-        # Layer i of the Sequential is hidden[i - 1] (layer 0 is the input).
-        widths = [(f"training.hidden[{a - 1}] {model[a].linear.out_features}", model[a].linear.out_features)
-                  for a, _ in pairs]
-        return plan, widths
-    return None
+def _width_name(model: nn.Module, path: str, style: str, width: int) -> str:
+    """The setting that makes a split width: hidden[i] for an mlp's Dense i+1."""
+    layer, _, rest = path.partition(".")
+    if isinstance(model, TabularMLP) and rest == "linear" and style == "colwise":
+        return f"training.hidden[{int(layer) - 1}] {width}"
+    side = "output" if style == "colwise" else "input"
+    return f"the {width} {side} features of {style} '{path}'"
 
 
 class TensorParallel:
@@ -166,20 +123,7 @@ class TensorParallel:
 
     def check(self, cfg: TrainingConfig, model: nn.Module) -> None:
         mesh = mesh_for(cfg, "tp")
-        planned = plan_for(model)
-        if planned is None:
-            raise ConfigError(
-                f"training.strategy tensor: training.model {cfg.model} has no tensor-parallel "
-                "plan (tensor splits: mlp, transformer)"
-            )
-        if not planned[0]:
-            raise ConfigError(
-                f"training.strategy tensor: training.hidden {cfg.hidden} has no pair of layers "
-                "to split (the mlp needs at least 2 hidden widths)"
-            )
-        for setting, width in planned[1]:
-            if width % mesh.inner:
-                raise ConfigError(f"training.tp {mesh.inner} must divide {setting}")
+        checked_plan(cfg, model, mesh.inner)
         if cfg.batch_size % mesh.dp:
             raise ConfigError(
                 f"training.batch_size {cfg.batch_size} must be a multiple of training.dp {mesh.dp}"
@@ -191,78 +135,16 @@ class TensorParallel:
     def setup(
         self, model: nn.Module, cfg: TrainingConfig, rank: int, world_size: int,
         device: torch.device, make_optimizer: OptimizerFactory,
-    ) -> TensorParallelRank:
-        return TensorParallelRank(model, cfg, rank, device, make_optimizer)
-
-
-class TensorParallelRank:
-    def __init__(self, model, cfg, rank, device, make_optimizer):
+    ) -> ShardedRank:
         mesh = mesh_for(cfg, "tp")
-        self.dp_group, tp_group = mesh.groups(rank)
-        self.dp, self.tp, self.index = mesh.dp, mesh.inner, mesh.inner_index(rank)
-        self.tp_group, self.comm = tp_group, TPComm(tp_group, device)
-        self.plan = plan_for(model)[0]
-        self.model = self._split(model)
-        self.optimizer = make_optimizer(self.model.parameters())
-        self.autocast = autocast_for(device, cfg)
-        self.data_rank, self.data_world = mesh.dp_index(rank), mesh.dp
-        self.reports = self.index == 0
-
-    def _split(self, model: nn.Module) -> nn.Module:
-        for path, style in self.plan.items():
-            linear = model.get_submodule(path)
-            parent, _, child = path.rpartition(".")
-            setattr(model.get_submodule(parent), child, style.module(
-                style.shard("weight", linear.weight.detach(), self.index, self.tp),
-                style.shard("bias", linear.bias.detach(), self.index, self.tp),
-                self.comm,
-            ))
-        # Each rank's qkv rows are whole heads (Colwise(3)): it attends with its share of them.
-        for layer in model.modules():
-            if isinstance(layer, Attention):
-                layer.heads //= self.tp
-        return model
-
-    def _style(self, key: str) -> tuple[Style | None, str]:
-        module, _, name = key.rpartition(".")
-        return self.plan.get(module), name
-
-    def step(self, x, y):
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        with self.autocast:
-            logits = self.model(x)
-            loss = F.cross_entropy(logits, y)
-        loss.backward()
-        average_gradients(list(self.model.parameters()), self.dp_group, self.dp)
-        self.optimizer.step()
-        return (logits, loss) if self.reports else None
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        full = {}
-        for key, value in self.model.state_dict().items():
-            style, name = self._style(key)
-            if style is not None and style.splits(name) and self.tp_group is not None:
-                shards = [torch.empty_like(value) for _ in range(self.tp)]
-                dist.all_gather(shards, value.contiguous(), group=self.tp_group)
-                value = style.unshard(name, shards)
-            full[key] = value
-        return full
-
-    def state_dict(self) -> dict:
-        # Weights come back through full_state_dict(); the optimizer state is this rank's shard's.
-        return {"optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict, full: dict[str, torch.Tensor]) -> None:
-        sharded = {}
-        for key, value in full.items():
-            style, name = self._style(key)
-            sharded[key] = value if style is None else style.shard(name, value, self.index, self.tp)
-        self.model.load_state_dict(sharded)
-        self.optimizer.load_state_dict(state["optimizer"])
-
-    def epoch_metrics(self) -> dict[str, float]:
-        # Time in tp all-reduces (forward and backward; recomputed ones too), waiting for
-        # the slowest tp peer included: what splitting the layers costs this rank.
-        ms, self.comm.seconds = self.comm.seconds * 1e3, 0.0
-        return {"tp_allreduce_ms": ms}
+        dm = mesh.device_mesh(device)
+        plan = checked_plan(cfg, model, mesh.inner)
+        parallelize_module(model, dm["tp"], {path: STYLES[style]() for path, style in plan.items()})
+        if mesh.dp > 1:
+            shard_layers(model, dm["dp"])
+            # A weight sharded over both mesh dimensions takes two all-gathers to make whole
+            # (evaluation, checkpoints), which torch logs as a warning at every gather.
+            logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        # The tp ranks of a replica compute the same logits and loss: the first reports them.
+        return ShardedRank(model, cfg, device, make_optimizer, data_rank=mesh.dp_index(rank),
+                           data_world=mesh.dp, reports=mesh.inner_index(rank) == 0)

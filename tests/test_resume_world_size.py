@@ -1,0 +1,205 @@
+"""Resuming at another world size: a checkpoint of 4 ranks continues on 2, and the reverse.
+
+What "matches" means here. The loader's order depends on how many ranks read data
+(rank r of w reads shards r, r+w, ... shuffled per (seed, epoch, rank)), so a run
+resumed on another mesh cannot repeat the batches the original mesh would have seen:
+there is no uninterrupted run to be bit-equal to. What it must equal is single-process
+training continued from the same checkpoint on the batches the new mesh reads: this
+test loads the checkpoint (DCP shards, or a ddp file) into one plain model and AdamW
+in this process, and steps it on each global batch of the new mesh — its data-parallel
+ranks' local batches concatenated in rank order (their mean-loss gradients average to
+that batch's) — for the remaining epochs. The resumed job's final weights must lie within
+relative distance 1e-5 of that (AdamW fp32's tolerance, tests/test_equivalence.py), and a
+continuation that lost the optimizer state must not. Checkpoints are taken at an epoch
+end: mid-epoch, another data-parallel degree is refused (tested through the CLI).
+"""
+
+from __future__ import annotations
+
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipelines.manifest import load_manifest
+from training import checkpoints, sharded_checkpoints
+from training.config import TrackingConfig, TrainingConfig
+from training.job import run_training
+from training.loader import ShardLoader
+from training.models import build_model
+from training.strategies.base import autocast_for, train_step
+from training.worker import lr_factor, make_optimizer
+
+from .conftest import shardline, small_pipeline
+from .fixtures_s3 import s3_keys
+from .dist_helpers import relative_distance
+
+TOLERANCE = 1e-5
+COMMON = dict(launcher="local", epochs=2, batch_size=128, hidden=[64, 32], timeout_s=120, keep_checkpoints=100)
+
+
+@pytest.fixture(scope="module")
+def prepared4(spark, tmp_path_factory):
+    """4 train shards: enough for 4 data-parallel ranks."""
+    from pipelines.engine_spark import SparkEngine
+    from pipelines.prepare import prepare
+
+    cfg = small_pipeline(tmp_path_factory.mktemp("prepared4"), rows=6000, world_size=4)
+    prepare(SparkEngine(spark), cfg)
+    return cfg
+
+
+def stop_after_first_epoch(epoch: int, metrics: dict) -> bool:
+    """The first job's epoch hook: its epoch-1 checkpoint is written, then it stops (a
+    config of 1 epoch would differ in the checkpoint's fingerprint: epochs shape the schedule)."""
+    return True
+
+
+def _epoch_end(checkpoint_dir: str, epoch: int) -> Path:
+    for path in checkpoints.checkpoint_paths(checkpoint_dir):
+        head = torch.load(path, weights_only=True)
+        if head["epoch"] == epoch and head["step_in_epoch"] == 0:
+            return Path(path)
+    raise AssertionError(f"no epoch-end checkpoint of epoch {epoch} in {checkpoint_dir}")
+
+
+def _copy_checkpoint(saved: Path, into: Path) -> None:
+    """`saved` (and its DCP directory) alone in a new checkpoint_dir: with no LATEST
+    pointer there, a resume takes it as the newest."""
+    into.mkdir()
+    shutil.copy(saved, into / saved.name)
+    sharded = torch.load(saved, weights_only=True).get("sharded")
+    if sharded:
+        shutil.copytree(saved.parent / sharded, into / sharded)
+
+
+def continued_single_process(head_path: Path, cfg: TrainingConfig, data_world: int, dataset_dir: str,
+                             keep_optimizer: bool = True) -> dict:
+    """One process continues from the checkpoint on the new mesh's global batches."""
+    head = torch.load(head_path, weights_only=True)
+    manifest = load_manifest(dataset_dir)
+    model = build_model(manifest, cfg)
+    optimizer = make_optimizer(model.parameters(), cfg)
+    if "sharded" in head:  # no process group here: DCP reads every shard itself
+        # keep_optimizer False: the state goes to a throwaway optimizer, the weights to the model.
+        into = optimizer if keep_optimizer else make_optimizer(model.parameters(), cfg)
+        sharded_checkpoints.load(model, into, str(head_path.parent / head["sharded"]))
+    else:
+        model.load_state_dict(head["model"])
+        if keep_optimizer:
+            optimizer.load_state_dict(head["ranks"][0]["parallel"]["optimizer"])
+    loaders = [
+        ShardLoader(manifest, dataset_dir, "train", r, data_world, cfg.batch_size // data_world, cfg.seed,
+                    remainder=cfg.remainder, shuffle_buffer_rows=cfg.shuffle_buffer_rows)
+        for r in range(data_world)
+    ]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, cfg.epochs * loaders[0].steps_per_epoch()))
+    scheduler.load_state_dict(head["ranks"][0]["scheduler"])
+    autocast = autocast_for(torch.device("cpu"), cfg)
+    for epoch in range(head["epoch"], cfg.epochs):
+        for parts in zip(*(loader.epoch(epoch) for loader in loaders)):
+            x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            model.train()
+            train_step(model, optimizer, autocast, x, y)
+            scheduler.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize(
+    "first, then",
+    [
+        (dict(strategy="fsdp", world_size=4), dict(strategy="fsdp", world_size=2)),
+        (dict(strategy="fsdp", world_size=2), dict(strategy="fsdp", world_size=4, dp=2, dp_shard=2)),
+        (dict(strategy="tensor", world_size=2, model="transformer", hidden=[16, 16], heads=4),
+         dict(strategy="tensor", world_size=4, dp=2, tp=2, model="transformer", hidden=[16, 16], heads=4)),
+        (dict(strategy="ddp", world_size=4), dict(strategy="ddp", world_size=2)),
+    ],
+    ids=["fsdp4-to-2", "fsdp2-to-hsdp2x2", "tp2-to-dp2xtp2", "ddp4-to-2"],
+)
+def test_resume_at_another_world_size_matches_single_process_continuation(prepared4, tmp_path, first, then):
+    from training.strategies import get_strategy
+
+    tracking = TrackingConfig(experiment="resume-world", registered_model="resume-world")
+    before = TrainingConfig(**{**COMMON, **first, "checkpoint_dir": str(tmp_path / "a")})
+    run_training(before, tracking, prepared4.dataset_dir, register=False, epoch_hook=stop_after_first_epoch)
+    saved = _epoch_end(before.checkpoint_dir, 1)
+
+    after = TrainingConfig(**{**COMMON, **then, "resume": True, "checkpoint_dir": str(tmp_path / "b")})
+    _copy_checkpoint(saved, Path(after.checkpoint_dir))
+    resumed = run_training(after, tracking, prepared4.dataset_dir, register=False)
+
+    data_world = get_strategy(after.strategy).data_world(after)
+    reference = continued_single_process(saved, after, data_world, prepared4.dataset_dir)
+    distance = relative_distance(resumed.weights, reference)
+    assert distance <= TOLERANCE, distance
+    lost = continued_single_process(saved, after, data_world, prepared4.dataset_dir, keep_optimizer=False)
+    print(f"resumed vs continued {distance:.3g}, without optimizer state {relative_distance(lost, reference):.3g}")
+    assert relative_distance(lost, reference) > 10 * TOLERANCE  # the optimizer state mattered
+    # The registered model is the plain single-device model.
+    assert resumed.weights.keys() == build_model(load_manifest(prepared4.dataset_dir), after).state_dict().keys()
+
+
+def _config(tmp: Path, dataset_dir: str, checkpoint_dir: str | Path, training: str) -> Path:
+    path = tmp / "job.toml"
+    path.write_text(textwrap.dedent(f"""
+        [pipelines]
+        dataset_dir = "{dataset_dir}"
+        [training]
+        launcher = "local"
+        hidden = [64, 32]
+        batch_size = 128
+        epochs = 2
+        timeout_s = 120
+        keep_checkpoints = 100
+        checkpoint_dir = "{checkpoint_dir}"
+    """) + textwrap.dedent(training))
+    return path
+
+
+@pytest.mark.parametrize(
+    "first, resumed_with, message",
+    [
+        ({"strategy": "fsdp", "world_size": 4}, ["training.strategy=fsdp", "training.world_size=2"],
+         "written mid-epoch (epoch 1, step 5) by 4 data-parallel ranks, resumed with 2 "
+         "(training.world_size 4 -> 2): the loader's order within an epoch depends on how many ranks"),
+        ({"strategy": "ps", "world_size": 3}, ["training.strategy=ps", "training.world_size=2"],
+         "written with training.world_size 3, resumed with 2: strategy 'ps' checkpoints hold each "
+         "rank's own optimizer state laid out for its ranks and cannot be resharded"),
+    ],
+    ids=["mid-epoch-other-data-world", "ps-other-world"],
+)
+def test_cli_refuses_a_resume_that_cannot_reshard(prepared4, tmp_path, first, resumed_with, message):
+    cfg = TrainingConfig(**{**COMMON, **first, "checkpoint_every_steps": 5, "checkpoint_dir": str(tmp_path / "ckpt")})
+    run_training(cfg, TrackingConfig(experiment="resume-refused"), prepared4.dataset_dir, register=False,
+                 epoch_hook=stop_after_first_epoch)
+    # The mid-epoch checkpoint at step 5 alone in a directory: the latest, as a resume takes it.
+    mid = next(Path(p) for p in checkpoints.checkpoint_paths(cfg.checkpoint_dir)
+               if torch.load(p, weights_only=True)["global_step"] == 5)
+    _copy_checkpoint(mid, tmp_path / "mid")
+    work = tmp_path / "work"
+    work.mkdir()
+    config = _config(work, prepared4.dataset_dir, tmp_path / "mid", "")
+    sets = [a for s in [*resumed_with, "training.resume=true"] for a in ("--set", s)]
+    proc = shardline("train", str(config), *sets, cwd=work)
+    assert proc.returncode == 2, proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (work / "mlflow.db").exists()  # refused before the run was opened
+
+
+def test_cli_refuses_dcp_checkpoints_on_an_object_store(prepared4, bucket, tmp_path):
+    """DCP's file-system writer needs a path: fsdp with an s3:// checkpoint_dir is refused
+    before any process starts, and nothing is written there."""
+    work = tmp_path / "work"
+    work.mkdir()
+    config = _config(work, prepared4.dataset_dir, f"{bucket}/ckpt", "")
+    proc = shardline("train", str(config), "--set", "training.strategy=fsdp", "--set", "training.world_size=2", cwd=work)
+    assert proc.returncode == 2, proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and f"training.checkpoint_dir = '{bucket}/ckpt': strategy 'fsdp' writes sharded " \
+        "checkpoints with torch.distributed.checkpoint's file-system writer" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert s3_keys(bucket) == [] and not (work / "mlflow.db").exists()

@@ -1,0 +1,95 @@
+"""FSDP and HSDP: each rank really holds only its shard of parameters, gradients and
+optimizer state; a resume continues exactly; bad meshes are refused before any process.
+(That they match single-process training is tests/test_equivalence.py's.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipelines.errors import ConfigError
+from training.config import TrainingConfig
+from training.launchers.local import launch_local
+from training.strategies import get_strategy
+
+from .dist_helpers import MODELS, global_batches, resumed
+
+
+def held(rank: int, world_size: int, settings: dict) -> dict:
+    """After one AdamW step: the numel of this rank's local parameter, gradient and
+    optimizer-state tensors, and its local parameter values."""
+    from torch.distributed.tensor import DTensor
+
+    cfg = TrainingConfig(world_size=world_size, strategy="fsdp", batch_size=16, **settings)
+    torch.manual_seed(0)
+    parallel = get_strategy("fsdp").setup(
+        MODELS["transformer"](), cfg, rank, world_size, torch.device("cpu"),
+        lambda p: torch.optim.AdamW(p, lr=0.01),
+    )
+    x, y = next(global_batches(1, 16))
+    n = 16 // world_size
+    parallel.step(x[rank * n: (rank + 1) * n], y[rank * n: (rank + 1) * n])
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+    params = dict(parallel.model.named_parameters())
+    state = parallel.optimizer.state
+    return {
+        "kinds": {type(p).__name__ for p in params.values()},
+        "params": {k: local(p).numel() for k, p in params.items()},
+        "grads": {k: local(p.grad).numel() for k, p in params.items()},
+        "moments": {k: local(state[p]["exp_avg"]).numel() + local(state[p]["exp_avg_sq"]).numel()
+                    for k, p in params.items()},
+        "values": {k: local(p).detach().clone() for k, p in params.items()},
+    }
+
+
+def _dim0_shards(full: torch.Tensor, parts: int) -> list[int]:
+    """FSDP2's sharding: dim 0 in torch.chunk's pieces, nothing for ranks past the last piece."""
+    sizes = [c.numel() for c in torch.chunk(full, parts)]
+    return sizes + [0] * (parts - len(sizes))
+
+
+@pytest.mark.parametrize("settings, world, shard", [({}, 2, 2), ({"dp": 2}, 4, 2)])
+def test_each_rank_holds_its_shard_of_parameters_gradients_and_optimizer_state(settings, world, shard):
+    ranks = launch_local(held, settings, world_size=world, timeout_s=180)
+    torch.manual_seed(0)
+    full = dict(MODELS["transformer"]().named_parameters())
+    for rank, got in enumerate(ranks):
+        assert got["kinds"] == {"DTensor"}
+        for name, p in full.items():
+            want = _dim0_shards(p, shard)[rank % shard]
+            assert got["params"][name] == got["grads"][name] == want, name
+            assert got["moments"][name] == 2 * want, name
+    # The whole model once per replica group: the shards add up, nothing twice within one.
+    total = sum(p.numel() for p in full.values())
+    for replica in range(world // shard):
+        group = ranks[replica * shard: (replica + 1) * shard]
+        assert sum(sum(g["params"].values()) for g in group) == total
+    if world > shard:  # HSDP: rank r and r + shard are replicas of the same shard
+        for r in range(shard):
+            for name, v in ranks[r]["values"].items():
+                assert torch.equal(v, ranks[r + shard]["values"][name]), name
+
+
+@pytest.mark.parametrize("settings, world", [({}, 2), ({"dp": 2}, 4)])
+def test_resume_from_sharded_checkpoint_continues_exactly(settings, world, tmp_path):
+    for got in launch_local(resumed, {"strategy": "fsdp", "cfg": settings, "directory": str(tmp_path / "ckpt")},
+                            world_size=world, timeout_s=180):
+        for k, v in got["straight"].items():
+            assert torch.equal(got["resumed"][k], v), k
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"world_size": 4, "dp_shard": 3}, r"^training.dp_shard 3 must divide training.world_size 4$"),
+        ({"world_size": 4, "dp": 3}, r"^training.dp 3 must divide training.world_size 4$"),
+        ({"world_size": 4, "dp": 2, "dp_shard": 3},
+         r"^training.dp 2 x training.dp_shard 3 = 6 must equal training.world_size 4$"),
+        ({"world_size": 2, "tp": 2}, r"^training.tp = 2: strategy 'fsdp' splits the model only by dp_shard"),
+        ({"world_size": 4, "batch_size": 6}, r"^training.batch_size 6 must be a multiple of training.world_size 4"),
+    ],
+)
+def test_check_refuses_a_mesh_that_does_not_fit_the_ranks(settings, message):
+    cfg = TrainingConfig(strategy="fsdp", **settings)
+    with pytest.raises(ConfigError, match=message):
+        get_strategy("fsdp").check(cfg, MODELS["mlp"]())
