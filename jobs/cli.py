@@ -196,33 +196,89 @@ def train(config, overrides, launcher, world_size, resume, allow_changed):
 @click.option("--output", "output_dir", help="Output directory; overrides serving.output_dir.")
 @click.option("--engine", type=click.Choice(["spark", "dask"]), help="Overrides serving.engine.")
 @click.option("--incremental", is_flag=True, help="Score only input files the output's ledger lacks.")
-@click.option("--force", is_flag=True, help="Discard the output's scores (any model); score all.")
-def score(config, overrides, model_uri, input_path, split, output_dir, engine, incremental, force):
-    """Batch-score with a registered model on Spark or Dask, exactly once per input file."""
+@click.option(
+    "--backfill",
+    type=click.Choice(["all", "new"]),
+    help="Input files earlier versions of the model scored and this version has not: "
+    "'new' leaves them (scores only files no version has), 'all' scores them too. "
+    "Overrides serving.backfill (default new).",
+)
+@click.option("--force", is_flag=True, help="Discard the output's scores (every model and version, "
+              "each named as it is discarded); score all.")
+@click.option("--status", "status_dir", metavar="OUTPUT",
+              help="Print, per model version in OUTPUT, units and rows scored and what is pending "
+              "(of --input if given), then exit. Starts no engine.")
+def score(config, overrides, model_uri, input_path, split, output_dir, engine, incremental, backfill, force,
+          status_dir):
+    """Batch-score with a registered model on Spark or Dask, exactly once per input file and
+    model version (OUTPUT/model=NAME/version=V/)."""
     cfg = load_config(config, list(overrides))
-    update = {"model_uri": model_uri, "split": split, "output_dir": output_dir, "engine": engine}
+    update = {"model_uri": model_uri, "split": split, "output_dir": output_dir, "engine": engine,
+              "backfill": backfill}
     update = {k: v for k, v in update.items() if v}
     if incremental:
         update["incremental"] = True
     cfg.serving = cfg.serving.model_copy(update=update)
+    if status_dir:
+        _score_status(cfg, status_dir, input_path)
+        return
     cfg = resolve_paths(cfg, [cfg.serving.engine], (DATASET, OUTPUT), tracking=True)
     s = cfg.serving
     if not s.model_uri:
         raise click.UsageError("no model: pass --model or set serving.model_uri")
     from pipelines.storage import resolve
+    from serving.score import execute, plan
 
     input_path = resolve(input_path, "--input", cluster_of(cfg, [s.engine])) if input_path else cfg.pipelines.dataset_dir
     check_storage(cfg, writes=(OUTPUT,), other_reads=(("--input", input_path),))
-    # The output's lease before the engine starts: a second job is refused at once.
-    with _output_lease(s.output_dir) as lease, _engine_handle(cfg, s.engine) as handle:
-        r = _score(
-            cfg, s.engine, handle, s.model_uri, cfg.tracking.resolved_uri(), input_path,
-            force=force, lease=lease,
-        )
+    # The output's lease first (a second job is refused at once, exit 75), then every check
+    # and the plan, read-only; an engine starts only when there is something to score.
+    with _output_lease(s.output_dir) as lease:
+        p = plan(s.model_uri, cfg.tracking.resolved_uri(), input_path, s.output_dir, split=s.split,
+                 incremental=s.incremental, backfill=s.backfill, force=force)
+        for line in p.describe_discard():
+            console.print(f"  [yellow]{escape(line)}[/]")
+        if not p.todo:
+            console.print(f"  {p.nothing_to_do()}")
+            return
+        with _engine_handle(cfg, s.engine) as handle, stage(
+            f"Scoring {len(p.todo)} file(s) of {input_path} with {p.describe_model()} on {s.engine}"
+        ):
+            r = execute(p, s.engine, handle, batch_size=s.batch_size, threads_per_task=s.threads_per_task,
+                        lease=lease)
+    left = f"; {r.files_left} scored by other versions only (--backfill all scores them)" if r.files_left else ""
     console.print(
-        f"  {r.rows:,} rows from {r.files_scored} file(s) → {r.output_dir}; "
-        f"{r.files_skipped} already scored"
+        f"  {r.rows:,} rows from {r.files_scored} file(s) → {r.version_dir}; "
+        f"{r.files_skipped} already scored{left}"
     )
+
+
+def _score_status(cfg: ShardlineConfig, output_dir: str, input_path: str | None) -> None:
+    from pipelines.storage import resolve
+    from serving.inputs import list_units
+    from serving.status import output_status
+
+    out = resolve(output_dir, "--status")
+    reads = [("--status", out)]
+    if input_path:
+        input_path = resolve(input_path, "--input")
+        reads.append(("--input", input_path))
+    check_storage(cfg, other_reads=tuple(reads))
+    st = output_status(out, list_units(input_path, cfg.serving.split) if input_path else None)
+    pending_of = f"of {input_path}" if input_path else "scored by another version"
+    table = Table(title=f"scores in {st.output_dir}")
+    for col in ("model", "version", "units", "rows", "last scored (UTC)", f"pending ({pending_of})", "interrupted"):
+        table.add_column(col, justify="right" if col in ("units", "rows", "interrupted") else "left")
+    for v in st.versions:
+        version = f"{v.model_version} (flat layout)" if v.legacy else v.model_version
+        table.add_row(v.model_name, version, f"{v.units:,}", f"{v.rows:,}", v.last_scored_at[:19],
+                      f"{v.pending:,}", f"{v.interrupted:,}")
+    Console(highlight=False).print(table)
+    if not st.versions:
+        print(f"{st.output_dir}: no scores yet")
+    if st.new_units is not None:
+        print(f"{st.new_units} file(s) of {input_path} not scored by any version yet")
+    print(f"being written now by {st.holder}" if st.holder else "no job is writing it now")
 
 
 @cli.command()
@@ -691,7 +747,7 @@ def _score(cfg, engine: str, handle, model_uri: str, tracking_uri: str, input_pa
     with stage(f"Scoring {input_path} with {model_uri} on {engine}"):
         return score_input(
             engine, handle, model_uri, tracking_uri, input_path, s.output_dir,
-            split=s.split, incremental=s.incremental, force=force, batch_size=s.batch_size,
+            split=s.split, incremental=s.incremental, backfill=s.backfill, force=force, batch_size=s.batch_size,
             threads_per_task=s.threads_per_task, lease=lease,
         )
 

@@ -31,3 +31,10 @@ class ServingConfig(Section):
         description="Score only input files the output's ledger does not hold yet, adding to "
         "an output that holds other inputs' scores (for scheduled runs).",
     )
+    backfill: Literal["all", "new"] = Field(
+        "new",
+        description="When a model version scores an output that earlier versions of the model "
+        "scored (the alias moved): 'new' scores only input files no version has scored yet; "
+        "'all' also every file earlier versions scored and this one has not. Each version "
+        "writes its own OUTPUT/model=NAME/version=V/; earlier versions' scores are kept.",
+    )

@@ -78,6 +78,20 @@ def training_manifest(model: ResolvedModel, tracking_uri: str) -> ShardManifest 
     return load_manifest(dataset_dir)
 
 
+def list_units(input_path: str, split: str) -> list[Unit]:
+    """The input's units, without a model: a prepared dataset's split (its newest version)
+    or raw Parquet files."""
+    root = storage.resolve(input_path, "--input")
+    if has_manifest(root):
+        return [Unit(storage.join(root, s.path), "shard", s.sha256, s.rows)
+                for s in load_manifest(root).split(split).shards]
+    units = []
+    for f in _raw_files(input_path):
+        info = storage.file_info(f)
+        units.append(Unit(f, "raw", f"{info.size}-{info.mtime_ns}"))
+    return units
+
+
 def discover(
     input_path: str, split: str, model: ResolvedModel, tracking_uri: str
 ) -> tuple[list[Unit], Transform]:
@@ -92,9 +106,12 @@ def discover(
             manifest.feature_spec != trained_on.feature_spec
             or manifest.statistics != trained_on.statistics
         ):
+            cols = spec_difference(manifest.feature_spec, trained_on.feature_spec)
+            what = (f"other feature columns ({', '.join(repr(c) for c in cols)} differ)" if cols
+                    else "other features or statistics")
             raise DataError(
-                f"{storage.display(root)}: prepared with other features or statistics than the data "
-                f"model {model.uri} was trained on; score its raw files instead"
+                f"{storage.display(root)}: prepared with {what} than the data model {model.uri} "
+                f"(version {model.version}) was trained on; score its raw files instead"
             )
         units = [
             Unit(storage.join(root, s.path), "shard", s.sha256, s.rows) for s in manifest.split(split).shards
@@ -105,11 +122,7 @@ def discover(
             f"model {model.uri}: the dataset it was trained on (run param dataset_dir) is not "
             f"readable, so raw input cannot be transformed; score a prepared dataset instead"
         )
-    units = []
-    for f in _raw_files(input_path):
-        info = storage.file_info(f)
-        units.append(Unit(f, "raw", f"{info.size}-{info.mtime_ns}"))
-    return units, Transform.of(trained_on)
+    return list_units(input_path, split), Transform.of(trained_on)
 
 
 def _raw_files(input_path: str) -> list[str]:
@@ -123,8 +136,9 @@ def _raw_files(input_path: str) -> list[str]:
     return [storage.display(f) for f in files]
 
 
-def check_unit(unit: Unit, transform: Transform) -> int:
-    """Rows of `unit`, after checking from its footer that it has the columns we need."""
+def check_unit(unit: Unit, transform: Transform, for_model: str = "") -> int:
+    """Rows of `unit`, after checking from its footer that it has the columns we need;
+    every missing or mistyped column is named at once. for_model: "model M version V"."""
     import pyarrow.parquet as pq
 
     try:
@@ -141,15 +155,31 @@ def check_unit(unit: Unit, transform: Transform) -> int:
         need.update({c: _is_number for c in spec.numeric})
         need.update({c: _is_category for c in spec.categorical})
         need.update({c: _is_numeric_list for c in spec.vectors})
-    for col, ok in need.items():
-        if col not in schema.names:
-            raise DataError(f"{unit.path}: missing feature column '{col}'")
-        if not ok(schema.field(col).type):
-            raise DataError(
-                f"{unit.path}: column '{col}' has type {schema.field(col).type}, "
-                f"which is not a valid type for it"
-            )
+    missing = [c for c in need if c not in schema.names]
+    wrong = [f"'{c}' has type {schema.field(c).type}" for c, ok in need.items()
+             if c in schema.names and not ok(schema.field(c).type)]
+    takes = f" that {for_model} takes" if for_model else ""
+    problems = []
+    if missing:
+        s = "s" if len(missing) > 1 else ""
+        problems.append(f"missing feature column{s} {', '.join(repr(c) for c in missing)}{takes}")
+    if wrong:
+        problems.append(f"column {', '.join(wrong)}, not a valid type for {'them' if len(wrong) > 1 else 'it'}")
+    if problems:
+        raise DataError(f"{unit.path}: {'; '.join(problems)}")
     return meta.num_rows
+
+
+def spec_difference(a: FeatureSpec, b: FeatureSpec) -> list[str]:
+    """Columns whose role differs between two feature specs (added, dropped, retyped)."""
+    def roles(spec: FeatureSpec) -> dict[str, str]:
+        r = {c: "numeric" for c in spec.numeric}
+        r.update({c: "categorical" for c in spec.categorical})
+        r.update({c: f"vector[{n}]" for c, n in spec.vectors.items()})
+        return r
+
+    ra, rb = roles(a), roles(b)
+    return sorted(c for c in ra.keys() | rb.keys() if ra.get(c) != rb.get(c))
 
 
 def _is_number(t: pa.DataType) -> bool:

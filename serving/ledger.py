@@ -1,43 +1,64 @@
-"""The output directory: one Parquet file per input unit, and a ledger saying which are done.
+"""The output directory: scores kept per model version, each with a ledger of what is done.
 
 Layout (a local directory or an object store prefix):
 
-    scores-<unit id>-<model tag>.parquet   one whole-object write (locally: temp name + rename)
-    _ledger/<unit id>.json                 written after its output file: the commit point
-    _lease.json                            the lease of the job writing here (pipelines.lease)
+    model=<name>/version=<V>/scores-<unit id>.parquet   one whole-object write
+    model=<name>/version=<V>/_ledger/<unit id>.json     written after its output file: the commit
+    _lease.json                                         the lease of the job writing here
 
-Both names depend only on the unit and the model, and both contents only on the
+A unit's ledger entry is keyed by the unit and the version (its path names both), so
+when an alias moves to a new version, that version scores into its own directory and
+never touches an earlier version's scores. The `model=`/`version=` names are Hive
+partitions: Spark, pyarrow and DuckDB read the whole output with `model` and `version`
+columns. Names are percent-encoded (a `runs:/` URI has slashes).
+
+Both names depend only on the unit and the version, and both contents only on the
 unit, the model and the job's `scored_at` (fixed on the driver): a retried or
 duplicated task rewrites the same bytes under the same names. An output file no
 ledger entry names is an interrupted unit; the next job removes it or rewrites it
 under the same name. Readers that must not see such a file read through
 `committed_files` (plain Parquet readers skip `_` and `.` names, so they see only
 scores-*.parquet files).
+
+Outputs of shardline before per-version directories hold one version's scores at the
+top (`scores-<unit id>-<tag>.parquet`, `_ledger/`): they are read as that version's,
+left where they are, and discarded only by `--force`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass, field
+from urllib.parse import quote, unquote
 
 from pipelines import storage
 from pipelines.lease import LEASE_NAME, Lease
 
 LEDGER = "_ledger"
 PREFIX = "scores-"
+MODEL_DIR, VERSION_DIR = "model=", "version="
 _OLD_LOCK = "_lock"  # the flock file of outputs written before leases
 
 
-def model_tag(model_name: str, model_version: str) -> str:
-    return hashlib.sha256(f"{model_name}\0{model_version}".encode()).hexdigest()[:8]
+def version_dir(out: str, model_name: str, model_version: str) -> str:
+    return storage.join(
+        str(out), f"{MODEL_DIR}{quote(model_name, safe='')}", f"{VERSION_DIR}{quote(model_version, safe='')}"
+    )
 
 
-def output_name(unit_id: str, model_name: str, model_version: str) -> str:
-    return f"{PREFIX}{unit_id}-{model_tag(model_name, model_version)}.parquet"
+def output_name(unit_id: str) -> str:
+    return f"{PREFIX}{unit_id}.parquet"
+
+
+def legacy_output_name(unit_id: str, model_name: str, model_version: str) -> str:
+    """The flat layout's name (kept so its outputs stay readable)."""
+    tag = hashlib.sha256(f"{model_name}\0{model_version}".encode()).hexdigest()[:8]
+    return f"{PREFIX}{unit_id}-{tag}.parquet"
 
 
 def _ours(n: str) -> bool:
-    return n in (LEDGER, LEASE_NAME, _OLD_LOCK) or n.startswith((PREFIX, f".{PREFIX}"))
+    return n in (LEDGER, LEASE_NAME, _OLD_LOCK) or n.startswith((MODEL_DIR, PREFIX, f".{PREFIX}"))
 
 
 def check_output_dir(out: str) -> None:
@@ -49,23 +70,67 @@ def check_output_dir(out: str) -> None:
     )
 
 
-def read_ledger(out) -> dict[str, dict]:
-    """Committed units by unit id."""
-    d = storage.join(str(out), LEDGER)
+@dataclass
+class Scores:
+    """One model version's committed scores in an output: where, and its ledger by unit id."""
+
+    model_name: str
+    model_version: str
+    dir: str
+    entries: dict[str, dict] = field(default_factory=dict)
+    legacy: bool = False  # the flat layout at the output's top
+
+    @property
+    def rows(self) -> int:
+        return sum(e["rows"] for e in self.entries.values())
+
+    def describe(self) -> str:
+        return (f"model {self.model_name} version {self.model_version}: {len(self.entries)} unit(s), "
+                f"{self.rows:,} rows in {storage.display(self.dir)}")
+
+
+def read_ledger(d) -> dict[str, dict]:
+    """Committed units of one directory (a version's, or a flat legacy output) by unit id."""
+    ledger = storage.join(str(d), LEDGER)
     entries = {}
-    for n in storage.list_dir(d):
+    for n in storage.list_dir(ledger):
         if n.startswith(".") or not n.endswith(".json"):
             continue  # a temp file of an interrupted write: not committed
         try:
-            entry = json.loads(storage.read_bytes(storage.join(d, n)))
+            entry = json.loads(storage.read_bytes(storage.join(ledger, n)))
         except (OSError, json.JSONDecodeError):
             continue  # a torn entry cannot exist (whole-object writes); treat anything odd as uncommitted
         entries[entry["unit_id"]] = entry
     return entries
 
 
+def all_scores(out) -> list[Scores]:
+    """Every model version's scores in the output (legacy flat ones included), by name and version."""
+    out = str(out)
+    found = []
+    for m in storage.list_dir(out):
+        if not m.startswith(MODEL_DIR):
+            continue
+        for v in storage.list_dir(storage.join(out, m)):
+            if v.startswith(VERSION_DIR):
+                d = storage.join(out, m, v)
+                name, version = unquote(m[len(MODEL_DIR):]), unquote(v[len(VERSION_DIR):])
+                found.append(Scores(name, version, d, read_ledger(d)))
+    legacy: dict[tuple[str, str], Scores] = {}
+    for uid, e in read_ledger(out).items():
+        key = (e["model_name"], e["model_version"])
+        legacy.setdefault(key, Scores(*key, out, legacy=True)).entries[uid] = e
+    found += legacy.values()
+    return sorted(found, key=lambda s: (s.model_name, _version_order(s.model_version), s.legacy))
+
+
+def _version_order(v: str) -> tuple:
+    return (0, int(v), "") if v.isdigit() else (1, 0, v)
+
+
 def committed_files(out) -> list[str]:
-    return sorted(storage.join(str(out), e["output"]) for e in read_ledger(out).values())
+    """The committed score files of every version in the output."""
+    return sorted(storage.join(s.dir, e["output"]) for s in all_scores(out) for e in s.entries.values())
 
 
 def entry_bytes(entry: dict) -> bytes:
@@ -73,28 +138,43 @@ def entry_bytes(entry: dict) -> bytes:
     return json.dumps(entry, sort_keys=True).encode()
 
 
-def commit(out: str, entry: dict) -> None:
+def commit(d: str, entry: dict) -> None:
     """Record a unit whose output file is already in place (idempotent: same name, same bytes)."""
-    storage.write_bytes(storage.join(out, LEDGER, f"{entry['unit_id']}.json"), entry_bytes(entry))
+    storage.write_bytes(storage.join(d, LEDGER, f"{entry['unit_id']}.json"), entry_bytes(entry))
 
 
-def forget(out: str, entries: list[dict]) -> None:
+def forget(d: str, entries: list[dict]) -> None:
     """Drop units: ledger entry first, so a crash leaves an orphan file, never a dangling entry."""
     for e in entries:
-        storage.delete(storage.join(out, LEDGER, f"{e['unit_id']}.json"))
+        storage.delete(storage.join(d, LEDGER, f"{e['unit_id']}.json"))
     for e in entries:
-        storage.delete(storage.join(out, e["output"]))
+        storage.delete(storage.join(d, e["output"]))
 
 
-def remove_orphans(out: str, ledger: dict[str, dict]) -> None:
-    """Output and temp files of interrupted units (only ever our own names)."""
+def discard(s: Scores) -> None:
+    """Drop a version's scores whole (--force); its emptied local directories go too, so
+    `--status` no longer lists it. A legacy flat output keeps its top directory."""
+    forget(s.dir, list(s.entries.values()))
+    if s.legacy:
+        return
+    remove_orphans(s.dir, {})  # interrupted units' files: nothing of this version is kept
+    for d in (storage.join(s.dir, LEDGER), s.dir, storage.parent(s.dir)):
+        storage.remove_empty_dir(d)
+
+
+def orphans(d: str, ledger: dict[str, dict]) -> list[str]:
+    """Names in a version directory of interrupted units: outputs no entry names, temp files."""
     named = {e["output"] for e in ledger.values()}
-    for n in storage.list_dir(out):
-        if n.startswith(f".{PREFIX}") or (n.startswith(PREFIX) and n not in named):
-            storage.delete(storage.join(out, n))
-    for n in storage.list_dir(storage.join(out, LEDGER)):
+    return [n for n in storage.list_dir(d) if n.startswith(f".{PREFIX}") or (n.startswith(PREFIX) and n not in named)]
+
+
+def remove_orphans(d: str, ledger: dict[str, dict]) -> None:
+    """Output and temp files of interrupted units (only ever our own names)."""
+    for n in orphans(d, ledger):
+        storage.delete(storage.join(d, n))
+    for n in storage.list_dir(storage.join(d, LEDGER)):
         if n.startswith("."):
-            storage.delete(storage.join(out, LEDGER, n))
+            storage.delete(storage.join(d, LEDGER, n))
 
 
 def output_lease(out) -> Lease:

@@ -30,19 +30,31 @@ def resolve_version(model_uri: str, tracking_uri: str) -> tuple[str, str]:
     if not model_uri.startswith("models:/"):
         return model_uri, ""
     ref = model_uri[len("models:/") :]
+    name, alias = ref.split("@", 1) if "@" in ref else (ref.partition("/")[0], None)
+    where = f"in MLflow at {tracking_uri}"
     try:
-        if "@" in ref:
-            name, alias = ref.split("@", 1)
+        registered = client.get_registered_model(name)
+    except MlflowException:
+        raise ShardlineError(f"model {model_uri}: no registered model '{name}' {where}") from None
+    try:
+        if alias is not None:
             return name, str(client.get_model_version_by_alias(name, alias).version)
-        name, _, version = ref.partition("/")
+        version = ref.partition("/")[2]
         if version in ("", "latest"):
             versions = client.search_model_versions(f"name='{name}'")
             if not versions:
-                raise MlflowException(f"no versions of {name}")
+                raise ShardlineError(f"model {model_uri}: registered model '{name}' has no versions {where}")
             return name, str(max(versions, key=lambda v: int(v.version)).version)
         return name, str(client.get_model_version(name, version).version)
     except MlflowException:
-        raise ShardlineError(f"model {model_uri} not found in MLflow at {tracking_uri}") from None
+        if alias is not None:
+            aliases = ", ".join(f"@{a} → version {v}" for a, v in sorted((registered.aliases or {}).items()))
+            raise ShardlineError(
+                f"model {model_uri}: alias '{alias}' of '{name}' points to no version {where} "
+                f"({'its aliases: ' + aliases if aliases else 'it has no aliases'}); "
+                f"set it with MlflowClient.set_registered_model_alias"
+            ) from None
+        raise ShardlineError(f"model {model_uri}: '{name}' has no version {version} {where}") from None
 
 
 class ResolvedModel:

@@ -1,34 +1,44 @@
-"""Batch scoring, engine-neutral: check everything, lock the output, fan units out, tally.
+"""Batch scoring, engine-neutral: plan (read-only, no engine), lock the output, fan units out.
 
-Exactly once per unit: each input file is scored into one output file whose name
-depends only on the file and the model, then recorded in the ledger. A retried
-task rewrites the same name; a re-run after a crash scores only the units the
-ledger does not hold. An output directory holds one model version's scores.
+Exactly once per unit and model version: each input file is scored into one output
+file whose name depends only on the file and the version's directory, then recorded
+in that version's ledger. A retried task rewrites the same name; a re-run after a
+crash scores only the units the ledger does not hold. Each model version has its own
+directory, so promoting a new version never touches an earlier version's scores.
+
+`plan` does every check and decides what to score without starting an engine or
+writing anything: a run with nothing to score ends there (the CLI exits 0 at once).
 """
 
 from __future__ import annotations
 
+import sys
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Literal
 
 from pipelines import storage
 from pipelines.errors import DataError, ShardlineError
 from pipelines.lease import Lease
 
-from .inputs import check_unit, discover
+from .inputs import Transform, Unit, check_unit, discover
 from .ledger import (
+    Scores,
+    all_scores,
     check_output_dir,
-    forget,
+    discard,
     output_lease,
     output_name,
     read_ledger,
     remove_orphans,
+    version_dir,
 )
-from .models import resolve_model
+from .models import ResolvedModel, resolve_model
 from .worker import UnitTask
 
 ENGINES = ("spark", "dask")
+Backfill = Literal["all", "new"]
 
 
 @dataclass
@@ -39,6 +49,169 @@ class ScoreResult:
     files_skipped: int  # already in the ledger for this model version
     model_name: str
     model_version: str
+    files_left: int = 0  # scored by other versions only, left out by --backfill new
+    version_dir: str = ""
+
+
+@dataclass
+class ScorePlan:
+    """What a job will do, decided before any engine starts or anything is written."""
+
+    model: ResolvedModel
+    tracking_uri: str
+    units: list[Unit]
+    transform: Transform
+    out: str
+    dir: str  # this version's directory in `out`
+    incremental: bool
+    backfill: Backfill
+    force: bool
+    todo: list[Unit] = field(default_factory=list)
+    skipped: list[Unit] = field(default_factory=list)  # scored by this version, unchanged
+    left: list[Unit] = field(default_factory=list)  # scored by another version; --backfill new
+    discard: list[Scores] = field(default_factory=list)  # what --force removes
+    rows: dict[str, int] = field(default_factory=dict)  # unit id -> rows, of checked units
+
+    def describe_model(self) -> str:
+        return f"model {self.model.name} version {self.model.version}"
+
+    def describe_discard(self) -> list[str]:
+        return [f"--force discards the scores of {s.describe()}" for s in self.discard]
+
+    def nothing_to_do(self) -> str:
+        why = f"{len(self.skipped)} file(s) already scored by {self.model.name} version {self.model.version}"
+        if self.left:
+            why += (f"; {len(self.left)} scored by other versions only, left out by --backfill new "
+                    f"(--backfill all scores them with this version)")
+        return f"nothing to score: {why}"
+
+
+def plan(
+    model_uri: str,
+    tracking_uri: str,
+    input_path: str,
+    output_dir: str,
+    *,
+    split: str = "test",
+    incremental: bool = False,
+    backfill: Backfill = "new",
+    force: bool = False,
+) -> ScorePlan:
+    """Resolve the model, list and check the input, read the output's ledgers: read-only.
+
+    incremental: add units not yet scored to a version's scores that hold other inputs'
+    units; without it such an output is refused. backfill: which units a version scores
+    that other versions of the model already scored: "all" (every one it lacks) or "new"
+    (none: only units no version has scored). force: discard whatever the output holds
+    (every model and version) and score everything.
+    """
+    if backfill not in ("all", "new"):
+        raise ShardlineError(f"--backfill {backfill!r}: use 'all' or 'new'")
+    model = resolve_model(model_uri, tracking_uri)
+    units, transform = discover(input_path, split, model, tracking_uri)
+    out = storage.resolve(output_dir, "serving.output_dir")
+    check_output_dir(out)
+    p = ScorePlan(model, tracking_uri, units, transform, out, version_dir(out, model.name, model.version),
+                  incremental, backfill, force)
+    select(p)
+    for u in p.todo:
+        p.rows[u.unit_id] = check_unit(u, transform, p.describe_model())
+    if not p.skipped and not p.left and not any(p.rows.values()):
+        raise DataError(f"{input_path}: input is empty (0 rows)")
+    return p
+
+
+def select(p: ScorePlan) -> None:
+    """Decide todo/skipped/left from the output's ledgers as they are now."""
+    found = all_scores(p.out)
+    mine = [s for s in found if (s.model_name, s.model_version) == (p.model.name, p.model.version)]
+    if p.force:
+        p.discard, found, mine = found, [], []
+    else:
+        _check_owner(p.out, found, p.model)
+    ledger = {uid: e for s in mine for uid, e in s.entries.items()}
+    wanted = {u.unit_id for u in p.units}
+    others = [e for uid, e in ledger.items() if uid not in wanted]
+    if others and not p.incremental:
+        raise DataError(
+            f"{storage.display(p.dir)}: holds scores of {len(others)} input file(s) that are not in this "
+            f"input (e.g. {others[0]['unit']}); pass --incremental to add to them or --force to replace them"
+        )
+    elsewhere = {
+        (uid, e["fingerprint"]) for s in found if s not in mine for uid, e in s.entries.items()
+    }
+    p.todo, p.skipped, p.left = [], [], []
+    for u in p.units:
+        e = ledger.get(u.unit_id)
+        if e and e["fingerprint"] == u.fingerprint:
+            p.skipped.append(u)
+        elif p.backfill == "new" and not e and (u.unit_id, u.fingerprint) in elsewhere:
+            p.left.append(u)
+        else:
+            # A changed file is scored again into the same output name, replacing its old scores.
+            p.todo.append(u)
+
+
+def execute(
+    p: ScorePlan,
+    engine_name: str,
+    spark_or_client,
+    *,
+    batch_size: int = 4096,
+    threads_per_task: int = 1,
+    lease: Lease | None = None,
+) -> ScoreResult:
+    """Run a plan. lease: the output's lease (`ledger.output_lease`), already held (the CLI
+    takes it before planning); else taken here."""
+    if engine_name not in ENGINES:
+        raise ShardlineError(f"unknown engine '{engine_name}' (valid: {', '.join(ENGINES)})")
+    model = p.model
+    # One time for the whole job, so a retried or duplicated task writes the same bytes.
+    scored_at = datetime.now(timezone.utc).isoformat()
+    with nullcontext(lease) if lease is not None else output_lease(p.out) as held:
+        # Again under the lock: another job may have committed since the plan.
+        select(p)
+        for s in p.discard:
+            discard(s)
+        for u in p.todo:
+            if u.unit_id not in p.rows:
+                p.rows[u.unit_id] = check_unit(u, p.transform, p.describe_model())
+        remove_orphans(p.dir, read_ledger(p.dir))
+        tasks = [
+            UnitTask(
+                unit=u,
+                output_dir=p.dir,
+                output_name=output_name(u.unit_id),
+                model_uri=model.pinned_uri,
+                tracking_uri=p.tracking_uri,
+                model_name=model.name,
+                model_version=model.version,
+                transform=p.transform,
+                batch_size=batch_size,
+                threads=threads_per_task,
+                scored_at=scored_at,
+            )
+            for u in p.todo
+        ]
+        entries = _run(engine_name, spark_or_client, tasks) if tasks else []
+        held.check()  # say so if another job took the output over while this one stalled
+        # Every unit is committed now; a temp file left is an attempt that died mid-unit
+        # (a killed worker) and was retried elsewhere. Still under the lock: no job writes.
+        remove_orphans(p.dir, read_ledger(p.dir))
+    errors = [e for e in entries if "error" in e]
+    if errors:
+        done = len(entries) - len(errors)
+        raise DataError(f"{errors[0]['error']} ({done} other file(s) were scored and committed)")
+    return ScoreResult(
+        storage.display(p.out),
+        sum(e["rows"] for e in entries),
+        len(entries),
+        len(p.skipped),
+        model.name,
+        model.version,
+        len(p.left),
+        storage.display(p.dir),
+    )
 
 
 def score(
@@ -51,110 +224,33 @@ def score(
     *,
     split: str = "test",
     incremental: bool = False,
+    backfill: Backfill = "new",
     force: bool = False,
     batch_size: int = 4096,
     threads_per_task: int = 1,
     lease: Lease | None = None,
 ) -> ScoreResult:
-    """Score `input_path` (a prepared dataset's `split`, or raw Parquet) into `output_dir`.
-
-    incremental: add units not yet scored to an output that holds scores of other
-    inputs; without it such an output is refused. force: discard whatever the
-    output holds (another model's scores included) and score everything.
-    lease: the output's lease (`ledger.output_lease`), already held (the CLI takes it
-    before an engine starts); else taken here, after the checks.
-    """
+    """Score `input_path` (a prepared dataset's `split`, or raw Parquet) into `output_dir`
+    (`plan`, then `execute`)."""
     if engine_name not in ENGINES:
         raise ShardlineError(f"unknown engine '{engine_name}' (valid: {', '.join(ENGINES)})")
-    model = resolve_model(model_uri, tracking_uri)
-    units, transform = discover(input_path, split, model, tracking_uri)
-    out = storage.resolve(output_dir, "serving.output_dir")
-    check_output_dir(out)
-    # Everything checkable is checked before the first write, lock file included.
-    ledger = {} if force else read_ledger(out)
-    _check_owner(out, ledger, model, force)
-    todo, skipped = _plan(out, units, ledger, incremental)
-    rows = {u.unit_id: check_unit(u, transform) for u in todo}
-    if not skipped and not any(rows.values()):
-        raise DataError(f"{input_path}: input is empty (0 rows)")
-
-    # One time for the whole job, so a retried or duplicated task writes the same bytes.
-    scored_at = datetime.now(timezone.utc).isoformat()
-    with nullcontext(lease) if lease is not None else output_lease(out) as held:
-        # Again under the lock: another job may have committed since.
-        ledger = read_ledger(out)
-        _check_owner(out, ledger, model, force)
-        if force:
-            forget(out, list(ledger.values()))
-            ledger = {}
-        todo, skipped = _plan(out, units, ledger, incremental)
-        for u in todo:
-            if u.unit_id not in rows:
-                rows[u.unit_id] = check_unit(u, transform)
-        remove_orphans(out, ledger)
-        tasks = [
-            UnitTask(
-                unit=u,
-                output_dir=out,
-                output_name=output_name(u.unit_id, model.name, model.version),
-                model_uri=model.pinned_uri,
-                tracking_uri=tracking_uri,
-                model_name=model.name,
-                model_version=model.version,
-                transform=transform,
-                batch_size=batch_size,
-                threads=threads_per_task,
-                scored_at=scored_at,
-            )
-            for u in todo
-        ]
-        entries = _run(engine_name, spark_or_client, tasks) if tasks else []
-        held.check()  # say so if another job took the output over while this one stalled
-        # Every unit is committed now; a temp file left is an attempt that died mid-unit
-        # (a killed worker) and was retried elsewhere. Still under the lock: no job writes.
-        remove_orphans(out, read_ledger(out))
-    errors = [e for e in entries if "error" in e]
-    if errors:
-        done = len(entries) - len(errors)
-        raise DataError(f"{errors[0]['error']} ({done} other file(s) were scored and committed)")
-    return ScoreResult(
-        storage.display(out),
-        sum(e["rows"] for e in entries),
-        len(entries),
-        len(skipped),
-        model.name,
-        model.version,
-    )
+    p = plan(model_uri, tracking_uri, input_path, output_dir, split=split, incremental=incremental,
+             backfill=backfill, force=force)
+    for line in p.describe_discard():
+        print(f"[shardline] {line}", file=sys.stderr, flush=True)
+    return execute(p, engine_name, spark_or_client, batch_size=batch_size,
+                   threads_per_task=threads_per_task, lease=lease)
 
 
-def _check_owner(out: str, ledger: dict[str, dict], model, force: bool) -> None:
-    other = next(
-        (e for e in ledger.values() if (e["model_name"], e["model_version"]) != (model.name, model.version)),
-        None,
-    )
-    if other and not force:
+def _check_owner(out: str, found: list[Scores], model) -> None:
+    """Versions of one model share an output; another model's scores there are refused."""
+    other = next((s for s in found if s.model_name != model.name), None)
+    if other:
         raise DataError(
-            f"{storage.display(out)}: holds scores of model {other['model_name']} version "
-            f"{other['model_version']}, not {model.name} version {model.version}; "
-            f"choose another output directory or pass --force to replace them"
+            f"{storage.display(out)}: holds scores of model {other.model_name} (version "
+            f"{other.model_version}), not of {model.name}; choose another output directory or "
+            f"pass --force to discard them"
         )
-
-
-def _plan(out: str, units, ledger: dict[str, dict], incremental: bool):
-    """(units to score, units already committed unchanged)."""
-    wanted = {u.unit_id for u in units}
-    others = [e for uid, e in ledger.items() if uid not in wanted]
-    if others and not incremental:
-        raise DataError(
-            f"{storage.display(out)}: holds scores of {len(others)} input file(s) that are not in this input "
-            f"(e.g. {others[0]['unit']}); pass --incremental to add to them or --force to replace them"
-        )
-    todo, skipped = [], []
-    for u in units:
-        e = ledger.get(u.unit_id)
-        # A changed file is scored again into the same output name, replacing its old scores.
-        (skipped if e and e["fingerprint"] == u.fingerprint else todo).append(u)
-    return todo, skipped
 
 
 def _run(engine_name: str, spark_or_client, tasks: list[UnitTask]) -> list[dict]:

@@ -43,6 +43,13 @@ def write_raw(table: pa.Table, directory: Path, files: int, start: int = 0) -> l
     return paths
 
 
+def version_dir(output_dir) -> Path:
+    """The one model version directory of an output a test scored with one version."""
+    dirs = sorted(Path(output_dir).glob("model=*/version=*"))
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
 def read_scores(output_dir) -> pa.Table:
     from serving.ledger import committed_files
 
@@ -94,3 +101,13 @@ def register_wrapped(prepared, tracking_uri: str, name: str, wrap) -> str:
 
 def register_flaky(prepared, tracking_uri: str, marker: Path, name: str) -> str:
     return register_wrapped(prepared, tracking_uri, name, lambda inner: FlakyModel(inner, str(marker)))
+
+
+def promo_model(prepared, tracking_uri: str) -> str:
+    """Registered model `promo` with versions 1 and 2 (the same weights: where scores land
+    is the point, not their values), registered once per session."""
+    if "promo" not in _TRAINED:
+        for _ in range(2):
+            register_wrapped(prepared, tracking_uri, "promo", lambda inner: inner)
+        _TRAINED["promo"] = "promo"
+    return _TRAINED["promo"]

@@ -31,10 +31,11 @@ def test_quickstart_end_to_end(tmp_path):
     assert sum(s.rows for s in manifest.splits.values()) == 20000
     assert all(len(s.shards) % 2 == 0 for s in manifest.splits.values())
 
-    # Scores: the test split, once each, with the contract's columns.
+    # Scores: the test split, once each, with the contract's columns; read from the top,
+    # the output's model=NAME/version=V/ directories add Hive partition columns.
     scores = pq.read_table(tmp_path / "shardline-data/quickstart/scores")
     assert scores.column_names == [
-        "key", "prediction", "probabilities", "model_name", "model_version", "scored_at"
+        "key", "prediction", "probabilities", "model_name", "model_version", "scored_at", "model", "version"
     ]
     test_keys = np.concatenate(
         [

@@ -148,13 +148,16 @@ def test_scores_land_in_the_bucket_exactly_once(data, reference, mlflow_server, 
     r = score(engine, client, model.model_uri, mlflow_server, cfg.dataset_dir, out)
     test = by_spark.splits["test"]
     assert (r.rows, r.files_scored) == (test.rows, len(test.shards))
-    ledger = read_ledger(out)
+    # The model version's own prefix: OUTPUT/model=NAME/version=V/.
+    version = f"model={r.model_name}/version={r.model_version}"
+    assert r.version_dir == f"{out}/{version}"
+    ledger = read_ledger(r.version_dir)
     outputs = sorted(e["output"] for e in ledger.values())
     # Only committed outputs and their entries: no lease left, no temp object.
-    assert s3_keys(out) == sorted(outputs + [f"_ledger/{uid}.json" for uid in ledger])
+    assert s3_keys(out) == sorted([f"{version}/{o}" for o in outputs] + [f"{version}/_ledger/{uid}.json" for uid in ledger])
     keys = []
     for name in outputs:
-        keys += pq.read_table(storage.open_input(f"{out}/{name}")).column("key").to_pylist()
+        keys += pq.read_table(storage.open_input(f"{r.version_dir}/{name}")).column("key").to_pylist()
     assert len(keys) == len(set(keys)) == test.rows  # rows in = rows out, no duplicate keys
     # A second run scores nothing: every unit is in the ledger.
     again = score(engine, client, model.model_uri, mlflow_server, cfg.dataset_dir, out)

@@ -16,7 +16,7 @@ from pipelines.manifest import load_manifest
 from serving.ledger import LEDGER, output_lease, read_ledger
 from serving.score import score
 
-from .serving_helpers import raw_table, read_scores, trained_model, write_raw
+from .serving_helpers import raw_table, read_scores, trained_model, version_dir, write_raw
 
 COLUMNS = ["key", "prediction", "probabilities", "model_name", "model_version", "scored_at"]
 
@@ -50,11 +50,16 @@ def test_prepared_split_scored_once_per_row(engine, request, prepared, model, tr
     assert (result.rows, result.files_scored, result.files_skipped) == (test.rows, len(test.shards), 0)
     assert (result.model_name, result.model_version) == ("serving-test", model.model_version)
 
-    # One output file per input shard, each named in the ledger with its rows.
-    ledger = read_ledger(out)
-    assert len(ledger) == len(test.shards) == len(list(out.glob("scores-*.parquet")))
-    scores = pq.read_table(out)  # a plain reader of the directory sees exactly the scores
+    # One output file per input shard in the version's directory, each named in its ledger.
+    vdir = version_dir(out)
+    assert vdir == out / "model=serving-test" / f"version={model.model_version}"
+    ledger = read_ledger(vdir)
+    assert len(ledger) == len(test.shards) == len(list(vdir.glob("scores-*.parquet")))
+    scores = pq.read_table(vdir)  # a plain reader of the directory sees exactly the scores
     assert scores.column_names == COLUMNS
+    # Read from the top, the model=/version= directories are Hive partition columns.
+    whole = pq.read_table(out)
+    assert whole.num_rows == test.rows and whole.column_names == [*COLUMNS, "model", "version"]
     keys = scores.column("key").to_numpy()
     assert len(keys) == len(set(keys)) == test.rows
     shard_keys = np.concatenate(
@@ -96,12 +101,12 @@ def test_incremental_scores_only_new_files(dask_client, model, raw, tracking_uri
     write_raw(raw.slice(0, half), src, files=2)
     first = score("dask", dask_client, model.model_uri, tracking_uri, str(src), str(out), incremental=True)
     assert (first.files_scored, first.files_skipped, first.rows) == (2, 0, half)
-    before = {p.name: p.stat().st_mtime_ns for p in out.glob("scores-*.parquet")}
+    before = {p.name: p.stat().st_mtime_ns for p in version_dir(out).glob("scores-*.parquet")}
 
     write_raw(raw.slice(half), src, files=2, start=2)  # new data arrives between passes
     second = score("dask", dask_client, model.model_uri, tracking_uri, str(src), str(out), incremental=True)
     assert (second.files_scored, second.files_skipped, second.rows) == (2, 2, raw.num_rows - half)
-    assert {p.name: p.stat().st_mtime_ns for p in out.glob("scores-*.parquet") if p.name in before} == before
+    assert {p.name: p.stat().st_mtime_ns for p in version_dir(out).glob("scores-*.parquet") if p.name in before} == before
     keys = _keys(out)
     assert len(keys) == len(set(keys)) == raw.num_rows
 
@@ -123,7 +128,7 @@ def test_alias_is_pinned_to_its_version(dask_client, model, prepared, tracking_u
     out = tmp_path / "scores"
     r = score("dask", dask_client, "models:/serving-test@champion", tracking_uri, prepared.dataset_dir, str(out))
     assert r.model_version == model.model_version
-    assert {e["model_uri"] for e in read_ledger(out).values()} == {model.model_uri}
+    assert {e["model_uri"] for e in read_ledger(version_dir(out)).values()} == {model.model_uri}
 
 
 def test_second_job_on_same_output_is_refused(dask_client, model, prepared, tracking_uri, tmp_path):
@@ -136,21 +141,31 @@ def test_second_job_on_same_output_is_refused(dask_client, model, prepared, trac
     score("dask", dask_client, model.model_uri, tracking_uri, prepared.dataset_dir, str(out))
 
 
-def test_other_models_scores_refused_unless_force(dask_client, model, prepared, tracking_uri, tmp_path):
+def test_other_models_scores_refused_unless_force_which_names_them(dask_client, model, prepared, tracking_uri, tmp_path):
     out = tmp_path / "scores"
     score("dask", dask_client, model.model_uri, tracking_uri, prepared.dataset_dir, str(out))
-    # The same output, as if another model version had written it.
-    for p in (out / LEDGER).glob("*.json"):
+    # The same output, as if another model had written it.
+    (out / "model=serving-test").rename(out / "model=other-model")
+    for p in (out / "model=other-model").glob(f"*/{LEDGER}/*.json"):
         entry = json.loads(p.read_text())
-        p.write_text(json.dumps({**entry, "model_version": "999"}))
-    snapshot = sorted(p.name for p in out.rglob("*"))
-    with pytest.raises(DataError, match=r"holds scores of model serving-test version 999.*--force"):
+        p.write_text(json.dumps({**entry, "model_name": "other-model"}))
+    snapshot = sorted(str(p) for p in out.rglob("*"))
+    with pytest.raises(DataError, match=r"holds scores of model other-model \(version .*\), not of serving-test; .*--force"):
         score("dask", dask_client, model.model_uri, tracking_uri, prepared.dataset_dir, str(out))
-    assert sorted(p.name for p in out.rglob("*")) == snapshot
+    assert sorted(str(p) for p in out.rglob("*")) == snapshot
 
+    from serving.score import plan
+
+    p = plan(model.model_uri, tracking_uri, prepared.dataset_dir, str(out), force=True)
+    rows = load_manifest(prepared.dataset_dir).splits["test"].rows
+    assert p.describe_discard() == [
+        f"--force discards the scores of model other-model version {model.model_version}: "
+        f"{len(p.units)} unit(s), {rows:,} rows in {out}/model=other-model/version={model.model_version}"
+    ]
     r = score("dask", dask_client, model.model_uri, tracking_uri, prepared.dataset_dir, str(out), force=True)
-    assert r.files_skipped == 0 and r.rows == load_manifest(prepared.dataset_dir).splits["test"].rows
-    assert {e["model_version"] for e in read_ledger(out).values()} == {model.model_version}
+    assert r.files_skipped == 0 and r.rows == rows
+    assert not (out / "model=other-model").exists()
+    assert {e["model_name"] for e in read_ledger(version_dir(out)).values()} == {"serving-test"}
 
 
 def _corrupt(p: Path) -> None:
@@ -160,7 +175,7 @@ def _corrupt(p: Path) -> None:
 @pytest.mark.parametrize(
     "case, message",
     [
-        ("no_model", r"model models:/no-such-model/1 not found in MLflow"),
+        ("no_model", r"model models:/no-such-model/1: no registered model 'no-such-model' in MLflow"),
         ("missing_column", r"part-0001.parquet: missing feature column 'x3'"),
         ("wrong_type", r"part-0000.parquet: column 'x1' has type string"),
         ("empty", r"input is empty \(0 rows\)"),

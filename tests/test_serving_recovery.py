@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from serving.ledger import LEDGER, read_ledger
+from serving.ledger import LEDGER, committed_files, read_ledger
 from serving.score import score
 
 from .conftest import REPO
 from .scoring_faults import DiesBetweenOutputAndLedger, StallsOnce
-from .serving_helpers import raw_table, read_scores, register_flaky, register_wrapped, write_raw
+from .serving_helpers import raw_table, read_scores, register_flaky, register_wrapped, version_dir, write_raw
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,7 @@ def raw(prepared):
 def _assert_exactly_once(out: Path, rows: int, units: int) -> None:
     keys = read_scores(out).column("key").to_numpy()
     assert len(keys) == len(set(keys)) == rows
+    out = version_dir(out)
     ledger = read_ledger(out)
     assert len(ledger) == units
     # No orphans and no temp files: beside the ledger and the job's lock (`_` names), every
@@ -66,7 +67,7 @@ def test_failed_spark_job_rerun_scores_only_missing_units(spark, prepared, raw, 
     out = tmp_path / "scores"
     with pytest.raises(Exception, match="injected failure"):
         score("spark", spark, uri, tracking_uri, str(tmp_path / "in"), str(out), batch_size=256)
-    committed = len(read_ledger(out))
+    committed = len(read_ledger(version_dir(out)))
     assert committed < 6
 
     r = score("spark", spark, uri, tracking_uri, str(tmp_path / "in"), str(out), batch_size=256)
@@ -99,11 +100,11 @@ def test_dask_worker_dying_between_output_and_ledger_ends_once(dask_client, prep
     workers = _worker_pids(dask_client)
     try:
         r = score("dask", dask_client, uri, tracking_uri, str(tmp_path / "in"), str(out), batch_size=256)
-        record = _died_between_output_and_ledger(marker, out)
+        record = _died_between_output_and_ledger(marker, version_dir(out))
         assert record["pid"] in workers.values()  # a Dask worker process died, mid-job
         # The scheduler moved the dead worker's unit elsewhere: the job itself ended whole.
         assert (r.rows, r.files_scored) == (raw.num_rows, 4)
-        assert Path(record["output"]).name in {e["output"] for e in read_ledger(out).values()}
+        assert Path(record["output"]).name in {e["output"] for e in read_ledger(version_dir(out)).values()}
         _assert_exactly_once(out, raw.num_rows, 4)
     finally:
         _wait_for_workers(dask_client, len(workers))
@@ -120,15 +121,15 @@ def test_spark_worker_dying_between_output_and_ledger_rerun_rewrites_that_unit(
     # The session's local[2,1] does not retry a task: the dead Python worker fails the job.
     with pytest.raises(Exception, match="Python worker exited unexpectedly|crashed"):
         score("spark", spark, uri, tracking_uri, str(tmp_path / "in"), str(out))
-    record = _died_between_output_and_ledger(marker, out)
+    record = _died_between_output_and_ledger(marker, version_dir(out))
     lost = Path(record["output"]).name
-    assert (out / lost).is_file() and lost not in {e["output"] for e in read_ledger(out).values()}
+    assert (version_dir(out) / lost).is_file() and lost not in {e["output"] for e in read_ledger(version_dir(out)).values()}
 
     # The failed job's other task may still commit its unit after the abort: count at the re-run.
     r = score("spark", spark, uri, tracking_uri, str(tmp_path / "in"), str(out))
     assert r.files_scored >= 1 and r.files_skipped + r.files_scored == 3
     # The unit is scored again into the very name it had reached, now with its entry.
-    assert lost in {e["output"] for e in read_ledger(out).values()}
+    assert lost in {e["output"] for e in read_ledger(version_dir(out)).values()}
     _assert_exactly_once(out, raw.num_rows, 3)
 
 
@@ -147,11 +148,11 @@ def test_dask_worker_killed_mid_scoring_ends_once(dask_client, prepared, raw, tr
         """Once another unit is committed, SIGKILL the worker stalled inside its unit."""
         while not stop.is_set():
             announced = Path(f"{marker}.json")
-            if announced.exists() and read_ledger(out):
+            if announced.exists() and committed_files(out):
                 pid = json.loads(announced.read_text())["pid"]
                 seen["worker"] = next(a for a, p in workers.items() if p == pid)
-                seen["temp_files"] = [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
-                seen["committed"] = len(read_ledger(out))
+                seen["temp_files"] = [p.name for p in version_dir(out).iterdir() if p.name.endswith(".tmp")]
+                seen["committed"] = len(read_ledger(version_dir(out)))
                 os.kill(pid, signal.SIGKILL)
                 return
             stop.wait(0.01)
@@ -212,13 +213,13 @@ def test_killed_job_rerun_scores_the_rest(spark, prepared, raw, tracking_uri, tm
     deadline = time.monotonic() + 540
     try:
         while time.monotonic() < deadline and proc.poll() is None:
-            if Path(f"{marker}.json").exists() and read_ledger(out):
+            if Path(f"{marker}.json").exists() and committed_files(out):
                 break
             time.sleep(0.05)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    committed = len(read_ledger(out))
+    committed = len(read_ledger(version_dir(out)))
     assert 0 < committed < units, log.read_text()[-2000:]
 
     # Re-run on the other engine: the ledger, not the engine, decides what is done.

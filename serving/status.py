@@ -1,0 +1,73 @@
+"""`shardline score --status OUTPUT`: per model version, what is scored and what is pending.
+
+Read-only and engine-free: it reads the ledgers (and, given an input, lists its
+units) and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipelines import storage
+from pipelines.lease import LEASE_NAME, Lease
+
+from .inputs import Unit
+from .ledger import all_scores, orphans
+
+
+@dataclass
+class VersionStatus:
+    model_name: str
+    model_version: str
+    dir: str
+    units: int
+    rows: int
+    last_scored_at: str
+    pending: int | None  # units (of the input, else of the output) this version has not scored
+    interrupted: int  # output files of units that never committed (the next run replaces them)
+    legacy: bool
+
+
+@dataclass
+class OutputStatus:
+    output_dir: str
+    versions: list[VersionStatus]
+    new_units: int | None  # input units no version has scored (None without an input)
+    holder: str | None  # the job writing here now, if any
+
+
+def output_status(output_dir: str, units: list[Unit] | None = None) -> OutputStatus:
+    out = storage.resolve(output_dir, "--status")
+    found = all_scores(out)
+    scored = {(uid, e["fingerprint"]) for s in found for uid, e in s.entries.items()}
+    if units is None:
+        universe = scored  # every unit some version scored
+        new = None
+    else:
+        universe = {(u.unit_id, u.fingerprint) for u in units}
+        new = len(universe - scored)
+    rows = []
+    for s in found:
+        mine = {(uid, e["fingerprint"]) for uid, e in s.entries.items()}
+        if s.legacy:
+            # A flat legacy version is read together with its per-version directory, if any.
+            continue
+        legacy = [x for x in found if x.legacy and (x.model_name, x.model_version) == (s.model_name, s.model_version)]
+        for x in legacy:
+            mine |= {(uid, e["fingerprint"]) for uid, e in x.entries.items()}
+        rows.append(_row(s, legacy, len(universe - mine)))
+    for x in found:
+        if x.legacy and not any((r.model_name, r.model_version) == (x.model_name, x.model_version) for r in rows):
+            mine = {(uid, e["fingerprint"]) for uid, e in x.entries.items()}
+            rows.append(_row(x, [], len(universe - mine)))
+    holder = Lease.holder(storage.join(out, LEASE_NAME))
+    return OutputStatus(storage.display(out), rows, new, holder.describe() if holder else None)
+
+
+def _row(s, legacy: list, pending: int) -> VersionStatus:
+    entries = [e for x in [s, *legacy] for e in x.entries.values()]
+    return VersionStatus(
+        s.model_name, s.model_version, storage.display(s.dir), len(entries), sum(e["rows"] for e in entries),
+        max((e["scored_at"] for e in entries), default=""), pending,
+        0 if s.legacy else len(orphans(s.dir, s.entries)), s.legacy or bool(legacy),
+    )
