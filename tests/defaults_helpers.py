@@ -13,7 +13,7 @@ import pytest
 from pipelines.config import PipelineConfig
 
 ROWS = 300
-FEATURES = {"numeric": ["a", "b", "c"], "categorical": []}
+FEATURES = {"key": "key", "label": "label", "numeric": ["a", "b", "c"], "categorical": []}
 
 
 @pytest.fixture(scope="module")

@@ -128,7 +128,7 @@ def _base(dataset: str, folder: Path) -> str:
     numeric = ", ".join(f"'{c}'" for c in FEATURES["numeric"])
     return (
         f"[pipelines]\ndataset_dir = '{dataset}'\n"
-        f"[pipelines.features]\nnumeric = [{numeric}]\ncategorical = []\n"
+        f"[pipelines.features]\nkey = 'key'\nlabel = 'label'\nnumeric = [{numeric}]\ncategorical = []\n"
         f"[tracking]\ntracking_uri = 'sqlite:///{folder}/mlflow.db'\n"
         f"[training]\nlauncher = 'spark'\nworld_size = 2\nbatch_size = 64\nepochs = 1\n"
         f"checkpoint_dir = '{folder}/ckpt'\n"
