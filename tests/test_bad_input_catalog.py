@@ -128,6 +128,8 @@ def _base(dataset: str, folder: Path) -> str:
     numeric = ", ".join(f"'{c}'" for c in FEATURES["numeric"])
     return (
         f"[pipelines]\ndataset_dir = '{dataset}'\n"
+        # The raw files the dataset was prepared from (defaults_helpers: beside the dataset).
+        f"[pipelines.source]\nformat = 'parquet'\npath = '{Path(dataset).parent / 'raw'}'\n"
         f"[pipelines.features]\nkey = 'key'\nlabel = 'label'\nnumeric = [{numeric}]\ncategorical = []\n"
         f"[tracking]\ntracking_uri = 'sqlite:///{folder}/mlflow.db'\n"
         f"[training]\nlauncher = 'spark'\nworld_size = 2\nbatch_size = 64\nepochs = 1\n"
