@@ -38,8 +38,12 @@ def test_spark_standalone_cluster_runs_the_barrier_stage(prepared, spark_standal
                      cwd=tmp_path, env=spark_standalone.env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "val_accuracy" in proc.stderr
-    # Too many ranks for the cluster's 2 slots: refused before any task starts.
-    proc = shardline("train", str(QUICKSTART), *_train_args(prepared, tmp_path, *cluster, "--world-size", "4"),
+    # Too many ranks for the cluster's 2 slots: refused before any task starts. Two of the
+    # four are parameter servers, so the dataset's 2 shards feed the 2 data ranks (the
+    # dataset is checked before Spark starts; the slots once it runs).
+    ps = ["--set", "training.strategy='ps'", "--set", "training.ps_servers=2", "--world-size", "4",
+          "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt-ps'}'"]  # not the first job's
+    proc = shardline("train", str(QUICKSTART), *_train_args(prepared, tmp_path, *cluster, *ps),
                      cwd=tmp_path, env=spark_standalone.env)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "world_size 4 is greater than the 2 task slots" in proc.stderr

@@ -96,10 +96,13 @@ def test_a_malformed_remote_is_a_config_error(tmp_path, url, message):
     assert line.startswith(f"error: spark.remote '{url}': ") and message in line, line
 
 
-def test_more_ranks_than_the_servers_slots_are_refused_before_training(connect_server, tmp_path):
+def test_more_ranks_than_the_servers_slots_are_refused_before_training(connect_server, prepared, tmp_path):
+    # One parameter server and 2 data ranks: the dataset's 2 shards pass the check made
+    # before Spark starts; the 3 ranks do not fit the server's 2 slots.
     proc = shardline(
         "train", str(QUICKSTART), "--world-size", "3", "--set", f"spark.remote='{connect_server.url}'",
-        *absolute_paths(tmp_path),
+        *absolute_paths(tmp_path), "--set", f"pipelines.dataset_dir='{prepared.dataset_dir}'",
+        "--set", "training.strategy='ps'", "--set", "training.ps_servers=1", "--set", "training.batch_size=256",
         "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'", cwd=tmp_path,
     )  # fmt: skip
     line = _one_line_error(proc, 1, tmp_path)
