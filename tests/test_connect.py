@@ -176,7 +176,7 @@ def test_killed_rank_on_connect_is_relaunched_and_ends_on_the_same_weights(
         watcher.join()
     assert killed, "the rank was never killed"
     assert proc.returncode == 0, proc.stderr[-3000:] + connect_server.log_tail()
-    assert "Spark barrier stage failed" in proc.stderr and "restarting from" in proc.stderr
+    assert "Spark barrier stage training failed" in proc.stderr and "restarting from" in proc.stderr
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")

@@ -70,7 +70,7 @@ def test_a_port_that_is_not_spark_connect_is_one_line(tmp_path):
         t.start()
         try:
             proc = shardline(
-                "train", str(QUICKSTART), *absolute_paths(tmp_path), cwd=tmp_path, timeout=180,
+                "prepare", str(QUICKSTART), *absolute_paths(tmp_path), cwd=tmp_path, timeout=180,
                 env={"SPARK_REMOTE": f"sc://127.0.0.1:{port}"},
             )  # fmt: skip
         finally:
