@@ -161,13 +161,14 @@ def train(config, overrides, launcher, world_size, resume, allow_changed):
     from training.checkpoints import check_allowed
     from training.job import check_checkpoints, hold_checkpoint_dir, preflight
 
-    # Names, the dataset, world size vs shards, batch vs rows, checkpoint_dir: one line
-    # before an engine starts (the cluster's free slots are checked once it runs).
-    check_checkpoints(cfg.training, preflight(cfg.training, cfg.pipelines.dataset_dir))
     check_allowed(cfg.training.resume_allow_changed, "--allow-changed / training.resume_allow_changed")
-    # One job per checkpoint directory: a second is refused here, before an engine starts.
+    # One job per checkpoint directory: a second is refused here, before an engine starts,
+    # and first: "in use by" says more than what the holder's checkpoints differ in.
     lease = hold_checkpoint_dir(cfg.training)
     try:
+        # Names, the dataset, world size vs shards, batch vs rows, checkpoint_dir: one line
+        # before an engine starts (the cluster's free slots are checked once it runs).
+        check_checkpoints(cfg.training, preflight(cfg.training, cfg.pipelines.dataset_dir))
         if cfg.training.launcher == "dask":
             with _dask(cfg) as client:
                 result = _train(cfg, None, client, lease)
