@@ -16,7 +16,7 @@ import pytest
 from .conftest import REPO
 from .faults_models import AlwaysFails
 from .scoring_faults import DiesBetweenOutputAndLedger
-from .serving_helpers import raw_table, register_wrapped, write_raw
+from .serving_helpers import raw_table, register_wrapped, version_dir, write_raw
 from .test_serving_recovery import _assert_exactly_once, _died_between_output_and_ledger
 
 JOBS = """
@@ -56,7 +56,7 @@ def test_default_local_master_retries_a_killed_worker_and_names_a_unit_that_keep
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "MASTER local[2,4]" in proc.stdout, proc.stdout
     # The worker really died mid-job, and the job still ended whole and exactly once.
-    _died_between_output_and_ledger(marker, out)
+    _died_between_output_and_ledger(marker, version_dir(out))
     assert f"ROWS {raw.num_rows} 3" in proc.stdout, proc.stdout + proc.stderr[-2000:]
     _assert_exactly_once(out, raw.num_rows, 3)
     (error,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("ERROR ")]
