@@ -48,7 +48,7 @@ NAIVE_BATCHES = 100  # ~100k samples: a whole epoch would take minutes
 
 # petastorm 0.12.1 imports pyarrow.filesystem (gone in pyarrow >= 16) and uses
 # np.unicode_ (gone in numpy 2); dask.dataframe needs pyarrow >= 16. So it gets its
-# own venv with the set checked here (../shared/FACTS.md). torch stays exact: a
+# own venv with this set, installed together and checked on the target machine. torch stays exact: a
 # looser spec lets pip fetch a multi-GB CUDA build.
 PETASTORM_REQUIREMENTS = [
     "petastorm==0.12.1",
