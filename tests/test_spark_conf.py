@@ -135,10 +135,12 @@ def test_shardlines_defaults_fill_in_what_nobody_set(tmp_path):
     assert " INFO " not in proc.stderr, proc.stderr[-2000:]
 
 
-def test_task_cpus_leaving_fewer_slots_than_ranks_is_refused_by_name(tmp_path):
+def test_task_cpus_leaving_fewer_slots_than_ranks_is_refused_by_name(prepared, tmp_path):
+    # A prepared dataset and a batch it trains with: those are checked before Spark starts.
     proc = _submit_shardline(
         tmp_path, ["--master", "local[2]", "--conf", "spark.task.cpus=2"],
         "train", "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'",
+        "--set", f"pipelines.dataset_dir='{prepared.dataset_dir}'", "--set", "training.batch_size=256",
     )  # fmt: skip
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert _error_lines(proc.stdout) == [
@@ -148,7 +150,7 @@ def test_task_cpus_leaving_fewer_slots_than_ranks_is_refused_by_name(tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
-def test_dynamic_allocation_is_refused_for_training(tmp_path):
+def test_dynamic_allocation_is_refused_for_training(prepared, tmp_path):
     """Spark refuses barrier stages under dynamic allocation [SPARK-24942]: say so up front.
 
     A real standalone Master with no workers: shardline refuses before it needs one."""
@@ -167,6 +169,7 @@ def test_dynamic_allocation_is_refused_for_training(tmp_path):
             "--set", f"spark.master='spark://127.0.0.1:{port}'",
             "--set", "spark.conf={'spark.dynamicAllocation.enabled' = 'true'}",
             *absolute_paths(tmp_path), "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'",
+            "--set", f"pipelines.dataset_dir='{prepared.dataset_dir}'", "--set", "training.batch_size=256",
             cwd=tmp_path, env=_env(tmp_path), timeout=300,
         )  # fmt: skip
     finally:

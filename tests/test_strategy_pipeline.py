@@ -161,7 +161,7 @@ def test_describe_shows_stages_grid_bubble_and_held_activations():
         ({"world_size": 3, "pipeline_schedule": "zbv", "micro_batches": 3},
          r"training.pp 3 x training.pipeline_stages_per_rank 2: more pipeline stages than the model's 4"),
         ({"world_size": 1}, r"training.pp 1: a pipeline needs at least 2 ranks"),
-        ({"world_size": 4, "dp": 3}, r"training.dp 3 x training.pp"),
+        ({"world_size": 4, "dp": 3}, r"training.dp 3 must divide training.world_size 4"),
         ({"world_size": 2, "tp": 2}, r"training.tp = 2"),
         ({"pipeline_boundaries": [1, 2]}, r"pipeline_boundaries \[1, 2\]: 2 pipeline stages need 1"),
         ({"world_size": 3, "pipeline_boundaries": [2, 2]}, r"pipeline_boundaries \[2, 2\] must be increasing"),
