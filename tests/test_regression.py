@@ -46,7 +46,7 @@ def regression_dataset(dask_client, tmp_path_factory) -> PipelineConfig:
         "dataset_dir": str(tmp / "dataset"),
         "source": {"format": "parquet", "path": str(tmp / "raw")},
         "features": {
-            "task": "regression", "label": "target", "numeric": [f"f{i}" for i in range(len(WEIGHTS))],
+            "task": "regression", "key": "key", "label": "target", "numeric": [f"f{i}" for i in range(len(WEIGHTS))],
             "categorical": [],
         },
         "layout": {"world_size": 2},
@@ -106,7 +106,7 @@ def test_regression_trains_with_mse_matches_least_squares_and_scores_values(
     # The registered model's scores carry the predicted value, and they are as good.
     out = tmp_path / "scores"
     r = score("dask", dask_client, result.model_uri, result.tracking_uri, dataset, str(out), split="test")
-    scores = pq.read_table(sorted(out.glob("scores-*.parquet"))).to_pandas()
+    scores = pq.read_table(sorted(out.glob("model=*/version=*/scores-*.parquet"))).to_pandas()  # one version
     assert r.rows == len(scores) and scores["prediction"].dtype == np.float64
     assert "probabilities" not in scores.columns
     m_test = load_manifest(dataset)

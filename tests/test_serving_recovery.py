@@ -71,7 +71,11 @@ def test_failed_spark_job_rerun_scores_only_missing_units(spark, prepared, raw, 
     assert committed < 6
 
     r = score("spark", spark, uri, tracking_uri, str(tmp_path / "in"), str(out), batch_size=256)
-    assert (r.files_skipped, r.files_scored) == (committed, 6 - committed)
+    # Spark reports the failed job while its other task may still run and commit its unit
+    # (seen in a whole-suite run): the re-run skips at least what was committed when the
+    # failure was reported, scores only the rest, and every row ends scored once.
+    assert r.files_skipped >= committed and r.files_skipped + r.files_scored == 6
+    assert r.files_scored >= 1  # the failed unit itself was not committed
     _assert_exactly_once(out, raw.num_rows, 6)
 
 
