@@ -32,6 +32,8 @@ import resource
 import time
 from typing import Any
 
+from pipelines.environ import restored
+
 D_MODEL, HEADS, LAYERS = 64, 4, 4
 N_NUMERIC, CARDINALITIES, CLASSES = 16, [8, 8], 3
 GLOBAL_BATCH = 256
@@ -146,16 +148,9 @@ def _measure(name: str, world: int, settings: dict, p: dict, progress, env: dict
     from training.launchers.local import launch_local
 
     progress(f"{name}: {world} rank(s), {p['warmup']} warm-up + {p['steps']} timed steps")
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})  # spawned ranks start with this process's environment
-    try:
+    with restored(env or {}):
+        os.environ.update(env or {})  # spawned ranks start with this process's environment
         ranks = launch_local(strategy_rank, {**p, "settings": settings}, world_size=world, timeout_s=300)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     slowest = max(r["elapsed_s"] for r in ranks)
     row = {
         "world_size": world,

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from importlib import resources
 
 from .config import SparkConfig
+from .environ import restored
 from .errors import ConfigError, ShardlineError
 from .spark_user_conf import user_spark_conf
 
@@ -297,20 +298,13 @@ def _launch_env(local: bool):
     """Environment the JVM reads when it starts; put back afterwards, so that a
     spark-submit this process runs later is not steered by it."""
     log4j = resources.files("pipelines") / "log4j2.properties"
-    saved = {k: os.environ.get(k) for k in ("SPARK_LOCAL_IP", "SPARK_SUBMIT_OPTS")}
-    if local:
-        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    opts = os.environ.get("SPARK_SUBMIT_OPTS", "")
-    if "log4j2.configurationFile" not in opts:
-        os.environ["SPARK_SUBMIT_OPTS"] = f"{opts} -Dlog4j2.configurationFile=file:{log4j}".strip()
-    try:
+    with restored(("SPARK_LOCAL_IP", "SPARK_SUBMIT_OPTS")):
+        if local:
+            os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+        opts = os.environ.get("SPARK_SUBMIT_OPTS", "")
+        if "log4j2.configurationFile" not in opts:
+            os.environ["SPARK_SUBMIT_OPTS"] = f"{opts} -Dlog4j2.configurationFile=file:{log4j}".strip()
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 # ---------------------------------------------------------------- code for the executors

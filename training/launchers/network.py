@@ -16,6 +16,7 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from pipelines.environ import restored
 from pipelines.errors import ConfigError
 
 VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -44,13 +45,6 @@ def socket_interface(names: str | None) -> Iterator[None]:
         yield
         return
     check_interfaces(names)
-    before = {v: os.environ.get(v) for v in VARIABLES}
-    os.environ.update(dict.fromkeys(VARIABLES, names))
-    try:
+    with restored(VARIABLES):
+        os.environ.update(dict.fromkeys(VARIABLES, names))
         yield
-    finally:
-        for var, value in before.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
