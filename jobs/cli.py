@@ -421,7 +421,7 @@ def bench_prepare(rows, rounds, as_json):
     result = _bench(run_bench, as_json, rows=rows, rounds=rounds)
     if result is None:
         return
-    table = Table(title=f"prepare, {rows:,} rows, {result['input_mb']} MB raw Parquet, {result['cores']} cores")
+    table = Table(title=f"prepare, {rows:,} rows, {result['input_mb']:.1f} MB raw Parquet, {result['cores']} cores")
     for col in ("", "seconds", "MB/s", "× native", "× pyarrow"):
         table.add_column(col, justify="right")
     for k in ("pyarrow", "spark_native", "spark", "dask_native", "dask"):
