@@ -209,7 +209,8 @@ def _classic(cfg: SparkConfig):
     if submitted:
         # Its settings are in the JVM already; what it was not given stays Spark's default.
         # [spark].conf fills in what is left unset, like shardline's defaults.
-        spark = builder.getOrCreate()
+        with _context_start("spark-submit"):
+            spark = builder.getOrCreate()
         _fill_in(spark, session_defaults(cfg))
         late = _fill_in(spark, cfg.conf)
         if late:
@@ -231,10 +232,30 @@ def _classic(cfg: SparkConfig):
             builder = builder.config(key, value)
     for key, value in cfg.conf.items():
         builder = builder.config(key, value)
-    with _launch_env(local=master.startswith("local")):
+    with _launch_env(local=master.startswith("local")), _context_start("spark.conf"):
         spark = builder.getOrCreate()
     _fill_in(spark, session_defaults(cfg), explicit={**_explicit_session(cfg), **cfg.conf})
     return spark
+
+
+@contextmanager
+def _context_start(given_by: str):
+    """A SparkContext that fails to start (a missing --archives file, a bad --conf value)
+    surfaces as a Py4J error wrapping a Java stack: say its Java cause in one line, and
+    where the setting that caused it was given."""
+    try:
+        yield
+    except Exception as e:
+        java = getattr(e, "java_exception", None)  # py4j.protocol.Py4JJavaError
+        if java is None:
+            raise
+        cause = java
+        while cause.getCause() is not None:
+            cause = cause.getCause()
+        raise ConfigError(
+            f"{given_by}: Spark could not start ({cause.toString()[:300]}); check the files and "
+            "settings given to it (--archives, --files, --py-files, --jars, --conf)"
+        ) from None
 
 
 LOCAL_TASK_ATTEMPTS = 4  # Spark's own spark.task.maxFailures default on a cluster

@@ -150,6 +150,23 @@ def test_task_cpus_leaving_fewer_slots_than_ranks_is_refused_by_name(prepared, t
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_a_missing_archive_under_spark_submit_is_one_line_naming_it(tmp_path):
+    """A SparkContext that cannot start (here: `--archives` names no file) was a Py4J
+    traceback; now one line with Java's own cause, exit 2, and no dataset written."""
+    missing = tmp_path / "nowhere" / "env.tar.gz"
+    proc = _submit_shardline(
+        tmp_path, ["--master", "local[1]", "--archives", f"{missing}#env"],
+        "prepare", *absolute_paths(tmp_path),
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert _error_lines(proc.stdout) == [
+        f"error: spark-submit: Spark could not start (java.nio.file.NoSuchFileException: {missing}); "
+        "check the files and settings given to it (--archives, --files, --py-files, --jars, --conf)"
+    ], proc.stdout[-2000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not any(tmp_path.rglob("*.parquet"))
+
+
 def test_dynamic_allocation_is_refused_for_training(prepared, tmp_path):
     """Spark refuses barrier stages under dynamic allocation [SPARK-24942]: say so up front.
 
