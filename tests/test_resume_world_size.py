@@ -33,7 +33,6 @@ from training.strategies.base import autocast_for, train_step
 from training.worker import lr_factor, make_optimizer
 
 from .conftest import shardline, small_pipeline
-from .fixtures_s3 import s3_keys
 from .dist_helpers import relative_distance
 
 TOLERANCE = 1e-5
@@ -188,18 +187,3 @@ def test_cli_refuses_a_resume_that_cannot_reshard(prepared4, tmp_path, first, re
     assert len(errors) == 1 and message in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (work / "mlflow.db").exists()  # refused before the run was opened
-
-
-def test_cli_refuses_dcp_checkpoints_on_an_object_store(prepared4, bucket, tmp_path):
-    """DCP's file-system writer needs a path: fsdp with an s3:// checkpoint_dir is refused
-    before any process starts, and nothing is written there."""
-    work = tmp_path / "work"
-    work.mkdir()
-    config = _config(work, prepared4.dataset_dir, f"{bucket}/ckpt", "")
-    proc = shardline("train", str(config), "--set", "training.strategy=fsdp", "--set", "training.world_size=2", cwd=work)
-    assert proc.returncode == 2, proc.stderr
-    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and f"training.checkpoint_dir = '{bucket}/ckpt': strategy 'fsdp' writes sharded " \
-        "checkpoints with torch.distributed.checkpoint's file-system writer" in errors[0], proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert s3_keys(bucket) == [] and not (work / "mlflow.db").exists()

@@ -85,8 +85,9 @@ def reference(data, mlflow_server):
 
 
 def _train_cfg(checkpoint_dir: str, **kw):
-    """test_checkpoints' settings (2 ranks, a checkpoint every 10 steps), 3 epochs, in the bucket."""
-    return _cfg(Path("."), checkpoint_dir=checkpoint_dir, epochs=3, **kw)
+    """test_checkpoints' settings (2 ranks, a checkpoint every 10 steps), 3 epochs unless
+    told, in the bucket."""
+    return _cfg(Path("."), checkpoint_dir=checkpoint_dir, **{"epochs": 3, **kw})
 
 
 def test_checkpoints_and_artifacts_live_in_the_buckets(reference, mlflow_server):
@@ -137,6 +138,44 @@ def test_killed_rank_resumes_from_the_bucket_and_ends_on_the_same_weights(
     run = MlflowClient(mlflow_server).get_run(result.run_id)
     assert run.data.metrics.get("restarts") == 1, "the kill did not land mid-training"
     _equal(result.weights, reference[0].weights)
+
+
+def test_fsdp_checkpoints_in_the_bucket_resume_a_killed_rank_to_the_same_weights(data, mlflow_server):
+    """fsdp's ranks write DCP shards straight into the bucket (training.dcp_storage); a rank
+    SIGKILLed after the first checkpoint is relaunched and resumes from them, ending on an
+    uninterrupted fsdp run's weights. Rotation deletes the DCP prefixes it no longer needs,
+    and epoch-end checkpoints reach MLflow's artifacts with their shards."""
+    from mlflow.tracking import MlflowClient
+
+    bucket, cfg, *_ = data
+    ref_cfg = _train_cfg(f"{bucket}/ckpt-fsdp-ref", strategy="fsdp", epochs=2)
+    ref = run_training(ref_cfg, _tracking(mlflow_server, "fsdp-ref"), cfg.dataset_dir, register=False)
+    names = s3_keys(ref_cfg.checkpoint_dir)
+    dcp_dirs = {n.split("/")[0] for n in names if ".dcp/" in n}
+    assert dcp_dirs and all(f"{d}/.metadata" in names for d in dcp_dirs), names
+    assert not any(n.endswith(".tmp") for n in names), names  # DCP's .metadata.tmp was "renamed"
+    stored = s3_keys("s3://mlflow-artifacts/mlflow")
+    assert any(f"{ref.run_id}/artifacts/checkpoints/ckpt-" in k and k.endswith(".dcp/.metadata") for k in stored)
+
+    kill_cfg = _train_cfg(f"{bucket}/ckpt-fsdp-kill", strategy="fsdp", epochs=2, keep_checkpoints=2)
+    done, killed = threading.Event(), []
+    watcher = threading.Thread(
+        target=_kill_rank_after_first_checkpoint, args=(kill_cfg.checkpoint_dir, 1, done, killed)
+    )
+    watcher.start()
+    try:
+        result = run_training(kill_cfg, _tracking(mlflow_server, "fsdp-kill"), cfg.dataset_dir, register=False)
+    finally:
+        done.set()
+        watcher.join()
+    assert killed, "the rank was never killed"
+    assert MlflowClient(mlflow_server).get_run(result.run_id).data.metrics.get("restarts") == 1
+    _equal(result.weights, ref.weights)
+    kept = checkpoints.checkpoint_paths(kill_cfg.checkpoint_dir)
+    assert len(kept) == 2
+    named = {checkpoints.load(p, {})["sharded"] for p in kept}
+    left = {n.split("/")[0] for n in s3_keys(kill_cfg.checkpoint_dir) if ".dcp/" in n}
+    assert left == named, (left, named)  # every older DCP prefix was deleted with its checkpoint
 
 
 @pytest.mark.parametrize("engine", ["spark", "dask"])

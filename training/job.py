@@ -53,7 +53,6 @@ def check_settings(cfg: TrainingConfig) -> None:
     # The mesh (its degrees multiply to world_size; PS leaves workers): needs no model.
     get_strategy(cfg.strategy).data_world(cfg)
     check_model_name(cfg.model)
-    sharded_checkpoints.check_dir(cfg)  # DCP's writer needs a file-system path
 
 
 def preflight(cfg: TrainingConfig, dataset_dir: str) -> ShardManifest:

@@ -25,11 +25,9 @@ checkpoints (replicated state) reshard the same way; ps and pipeline ones (one
 optimizer shard per rank, laid out for its ranks) do not.
 
 Storage: the small file goes through `pipelines.storage` like every checkpoint (the
-LATEST pointer names it: the commit). DCP's own writer takes a file-system path, so
-these strategies need `checkpoint_dir` local or on a shared mount (`_writer` /
-`_reader` are the one seam); an object-store URL is refused before any process starts
-(`check_dir`): s3fs, which DCP's fsspec writer would need, cannot be installed beside
-this project's boto3.
+LATEST pointer names it: the commit). The DCP directory goes through it too
+(`training.dcp_storage`: DCP's file-system seam over pyarrow.fs/boto3), so it may be
+local, a shared mount or an object store.
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from pipelines import storage
 from pipelines.errors import ConfigError
 
-from . import collectives
+from . import collectives, dcp_storage
 from .config import TrainingConfig
 
 SUFFIX = ".dcp"
@@ -54,24 +52,6 @@ SHARDED = ("fsdp", "tensor")
 RESHARDABLE = ("ddp", *SHARDED)
 
 
-def check_dir(cfg: TrainingConfig) -> None:
-    """Refuse an object-store checkpoint_dir for a strategy whose ranks write with DCP."""
-    if cfg.strategy in SHARDED and storage.is_remote(cfg.checkpoint_dir):
-        raise ConfigError(
-            f"training.checkpoint_dir = {storage.display(cfg.checkpoint_dir)!r}: strategy '{cfg.strategy}' "
-            f"writes sharded checkpoints with torch.distributed.checkpoint's file-system writer, which needs "
-            f"a local or shared (mounted) path, not an object store"
-        )
-
-
-def _writer(directory: str) -> dcp.FileSystemWriter:
-    return dcp.FileSystemWriter(storage.local_path(directory))
-
-
-def _reader(directory: str) -> dcp.FileSystemReader:
-    return dcp.FileSystemReader(storage.local_path(directory))
-
-
 def new_name(global_step: int) -> str:
     """A fresh directory name, the same on every rank (rank 0's). Collective."""
     mine = f"ckpt-{global_step:09d}-{uuid.uuid4().hex[:6]}{SUFFIX}"
@@ -81,7 +61,7 @@ def new_name(global_step: int) -> str:
 def save(model, optimizer, directory: str) -> None:
     """Every rank writes its shards of the model and optimizer state. Collective."""
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=_writer(directory))
+    dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=dcp_storage.writer(directory))
 
 
 def load(model, optimizer, directory: str) -> None:
@@ -90,7 +70,7 @@ def load(model, optimizer, directory: str) -> None:
     reads every piece itself): that is how a sharded checkpoint becomes a plain one."""
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, storage_reader=_reader(directory))
+    dcp.load(state, storage_reader=dcp_storage.reader(directory))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 

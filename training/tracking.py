@@ -33,7 +33,7 @@ class MetricsReporter:
 
     def checkpoint(self, url: str, step: int, artifact: bool, sharded: str | None = None) -> None:
         """Record a checkpoint: always by reference (a tag), as an artifact when asked
-        (with its directory of DCP shards, `sharded`, if it has one: always a local path).
+        (with its directory of DCP shards, `sharded`, if it has one).
 
         The artifact goes through the tracking server (proxied artifacts): rank 0 needs
         no credentials of the artifact store, only read access to its own checkpoint.
@@ -45,7 +45,7 @@ class MetricsReporter:
         if not artifact:
             return
         if sharded is not None:
-            self.client.log_artifacts(self.run_id, storage.local_path(sharded), f"checkpoints/{storage.name(sharded)}")
+            self._log_dir(sharded, f"checkpoints/{storage.name(sharded)}")
         if not storage.is_remote(url):
             self.client.log_artifact(self.run_id, storage.local_path(url), "checkpoints")
             return
@@ -54,6 +54,17 @@ class MetricsReporter:
             with open(local, "wb") as f:
                 f.write(storage.read_bytes(url))
             self.client.log_artifact(self.run_id, local, "checkpoints")
+
+    def _log_dir(self, url: str, artifact_path: str) -> None:
+        if not storage.is_remote(url):
+            self.client.log_artifacts(self.run_id, storage.local_path(url), artifact_path)
+            return
+        # Through the tracking server (proxied artifacts), like the checkpoint file.
+        with tempfile.TemporaryDirectory() as d:
+            for f in storage.find_files(url):
+                with open(os.path.join(d, storage.name(f)), "wb") as out:
+                    out.write(storage.read_bytes(f))
+            self.client.log_artifacts(self.run_id, d, artifact_path)
 
 
 def open_experiment(tracking_uri: str, experiment: str) -> str:
