@@ -116,6 +116,11 @@ def describe_spark(spark) -> str:
 _URLS: dict[int, str] = {}
 
 
+def connect_url(spark) -> str | None:
+    """The sc:// URL a Connect session was opened with (None for classic Spark)."""
+    return _URLS.get(id(spark))
+
+
 # ---------------------------------------------------------------- Spark Connect
 
 

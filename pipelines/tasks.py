@@ -26,7 +26,7 @@ from .config import FeatureSpec, SplitConfig
 from .errors import DataError
 from .manifest import FittedStatistics
 from .raw import Unit, first_line, read_unit
-from .rows import BAD_KINDS, INVALID, Parsed, parse, shard_hash
+from .rows import BAD_KINDS, Parsed, parse, shard_hash
 from .splits import SPLITS
 from .sources import display
 from .transform import feature_width, features

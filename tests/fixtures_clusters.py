@@ -40,11 +40,22 @@ class DaskCliCluster:
     address: str  # tcp://127.0.0.1:<port>
 
 
-def _start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+def _start(cmd: list[str], log: Path, env: dict | None = None, cwd: Path | None = None) -> subprocess.Popen:
     # Its own session: stopping the group takes the JVM or worker and all its children.
     with open(log, "wb") as sink:
         return subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **(env or {})})
+                                env={**os.environ, **(env or {})}, cwd=cwd)
+
+
+def _without_shardline(tmp: Path) -> tuple[list[str], dict, Path]:
+    """How to start a Python that has shardline's dependencies but not shardline, as a
+    cluster's workers have: `-S` skips site-packages' .pth files (the editable install is
+    one), PYTHONPATH gives the dependencies back, and the working folder is empty."""
+    import sysconfig
+
+    cwd = tmp / "bare"
+    cwd.mkdir(exist_ok=True)
+    return [sys.executable, "-S"], {"PYTHONPATH": sysconfig.get_paths()["purelib"]}, cwd
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -142,13 +153,24 @@ def dask_cli_cluster(tmp_path_factory) -> DaskCliCluster:
                      "--dashboard-address", ":0"], logs[0])]
     try:
         _wait(lambda: _listening(port), "Dask scheduler", procs, logs)
+        # Workers lacking shardline (its dependencies only): shardline ships its own
+        # packages to them (`upload_file`), and every test on this cluster proves it.
+        python, env, cwd = _without_shardline(tmp)
         for i in range(2):
             logs.append(tmp / f"worker{i}.log")
-            procs.append(_start([str(BIN / "dask"), "worker", address, "--nworkers", "1", "--nthreads",
-                                 "1", "--host", "127.0.0.1", "--no-dashboard"], logs[-1]))
+            procs.append(_start([*python, "-m", "distributed.cli.dask_worker", address, "--nworkers", "1",
+                                 "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"], logs[-1],
+                                env, cwd))  # fmt: skip
         with Client(address, timeout="60s") as client:
             _wait(lambda: len(client.scheduler_info()["workers"]) == 2, "Dask workers registering",
                   procs, logs)
+            def imports_shardline() -> bool:  # nested: pickled by value, the workers lack `tests`
+                import importlib.util
+
+                return importlib.util.find_spec("pipelines") is not None
+
+            has = client.run(imports_shardline)
+            assert not any(has.values()), f"the workers already import shardline: {has}"
         yield DaskCliCluster(address=address)
     finally:
         _stop(procs)

@@ -38,6 +38,8 @@ def test_spark_standalone_cluster_runs_the_barrier_stage(prepared, spark_standal
                      cwd=tmp_path, env=spark_standalone.env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "val_accuracy" in proc.stderr
+    # Executors' stderr goes to the workers' logs: the line came through the progress listener.
+    assert "[shardline] epoch 1/1: " in proc.stderr, proc.stderr[-2000:]
     # Too many ranks for the cluster's 2 slots: refused before any task starts. Two of the
     # four are parameter servers, so the dataset's 2 shards feed the 2 data ranks (the
     # dataset is checked before Spark starts; the slots once it runs).
@@ -59,6 +61,8 @@ def test_dask_cli_cluster_runs_one_rank_per_worker(prepared, dask_cli_cluster, t
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "val_accuracy" in proc.stderr
+    # Dask CLI workers log to their own stderr: the line came through the progress listener.
+    assert "[shardline] epoch 1/1: " in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.slow

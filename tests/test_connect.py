@@ -94,6 +94,9 @@ def test_every_strategy_trains_on_connect(connect_server, connect_dataset, tmp_p
     assert proc.returncode == 0, proc.stderr[-3000:] + connect_server.log_tail()
     assert f"model models:/connect-{strategy}/1" in proc.stderr
     assert "val_accuracy" in proc.stderr
+    # The ranks run in the Connect server's executors, whose stderr is the server's log:
+    # the epoch line reached this console through the driver's progress listener.
+    assert "[shardline] epoch 1/1: " in proc.stderr, proc.stderr[-2000:]
 
 
 def test_sweep_on_connect_runs_two_trials_at_once(connect_server, connect_dataset, tmp_path):

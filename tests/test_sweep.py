@@ -119,6 +119,11 @@ def test_pruning_stops_a_weak_trial_after_its_first_epoch(prepared, tracking_uri
         assert [m.step for m in history] == list(range(epochs))
     assert client.get_run(second.run_id).data.tags["trial_state"] == "pruned"
     assert client.get_model_version_by_alias("sweep-prune", "best").run_id == first.run_id
+    # Runs named for what they are: the sweep, and each trial of it.
+    assert [client.get_run(t.run_id).info.run_name for t in (first, second)] == \
+        ["sweep prune trial 0", "sweep prune trial 1"]
+    parent = client.get_run(first.run_id).data.tags["mlflow.parentRunId"]
+    assert client.get_run(parent).info.run_name == "sweep prune"
 
 
 @pytest.mark.parametrize("pruner", ["median", "halving", "hyperband"])

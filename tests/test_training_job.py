@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pipelines.errors import ConfigError, DataError, ShardlineError
+from pipelines.manifest import load_manifest
 from training.config import TrackingConfig, TrainingConfig
 from training.job import run_training
+from training.tracking import dataset_digest
 
 from .conftest import REPO, shardline
 
@@ -27,7 +31,23 @@ def test_local_launcher_trains_tracks_and_registers(prepared, tracking_uri, capf
     assert 0 <= run.data.metrics["data_wait_fraction"] <= 1  # wait / step time
     assert run.data.metrics["rank1_loader_samples_per_s"] > 0
     assert result.metrics["val_accuracy"] > 0.6
-    assert client.get_model_version("job-test-model", result.model_version).run_id == result.run_id
+    version = client.get_model_version("job-test-model", result.model_version)
+    assert version.run_id == result.run_id
+    # What a user sees in MLflow: a run named for what it is, the dataset as its input
+    # (named for its directory and manifest, digested by content), a described, tagged version.
+    manifest = load_manifest(prepared.dataset_dir)
+    assert run.info.run_name == "train mlp ddp×2"
+    [ds] = run.inputs.dataset_inputs
+    assert ds.dataset.name == f"{Path(prepared.dataset_dir).name}@{manifest.sequence}"
+    assert ds.dataset.digest == dataset_digest(manifest) and len(ds.dataset.digest) == 16
+    assert prepared.dataset_dir in ds.dataset.source
+    assert [t.value for t in ds.tags if t.key == "mlflow.data.context"] == ["training"]
+    assert version.tags["dataset_version"] == manifest.version_id
+    assert version.tags["dataset_digest"] == ds.dataset.digest
+    assert (version.tags["strategy"], version.tags["world_size"], version.tags["model"]) == ("ddp", "2", "mlp")
+    assert float(version.tags["val_accuracy"]) == pytest.approx(result.metrics["val_accuracy"], rel=1e-5)
+    assert version.description.startswith("mlp trained with ddp on 2 rank(s), 2 epoch(s), on dataset ")
+    assert manifest.version_id in version.description
     warnings = [ln for ln in capfd.readouterr().err.splitlines() if "waited for data" in ln]
     assert len(warnings) == 1 and "epoch 1: rank " in warnings[0] and "(over 0%)" in warnings[0], warnings
 

@@ -23,7 +23,8 @@ from .launchers import DriverGuard, TrainingFailed
 from .loader import check_world_size, epoch_steps, rows_per_rank
 from .models import build_model, check_model_name
 from .strategies import get_strategy
-from .tracking import log_curves, open_experiment
+from .progress import ProgressListener, listen_address
+from .tracking import describe_version, log_curves, log_dataset_input, open_experiment, run_name
 from .worker import TrainJob, train_rank
 
 
@@ -187,7 +188,7 @@ def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guar
     outline = describe(cfg, manifest)
     if outline:
         print(outline, file=sys.stderr, flush=True)
-    with mlflow.start_run(run_id=run_id) as run:
+    with mlflow.start_run(run_id=run_id, run_name=None if run_id else run_name(cfg)) as run:
         run_id = run.info.run_id
         if outline:
             mlflow.log_text(outline, f"strategy-{cfg.strategy}.txt")
@@ -201,6 +202,7 @@ def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guar
                     **{f"rows_{s}": info.rows for s, info in manifest.splits.items()},
                 }
             )
+            log_dataset_input(manifest, dataset_dir)
         job = TrainJob(
             cfg=cfg,
             dataset_dir=dataset_dir,
@@ -211,7 +213,10 @@ def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guar
             resume_from=str(resume_from) if resume_from else None,
             epoch_hook=epoch_hook,
         )
-        result = _launch_with_restarts(cfg, job, spark, dask_client, dask_workers, guard)
+        # Ranks' progress lines reach this console wherever they run (training.progress).
+        with ProgressListener(listen_address(cfg.launcher, spark, dask_client)) as listener:
+            job.progress_addr = listener.address
+            result = _launch_with_restarts(cfg, job, spark, dask_client, dask_workers, guard)
         if result.get("steps", 1) == 0:
             # Preflight refuses this; a model that never took a step must not be registered.
             raise ShardlineError(
@@ -223,6 +228,8 @@ def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guar
         model.load_state_dict(torch.load(io.BytesIO(result["state_dict"]), weights_only=True))
         log_curves(run_id, [k for k in result["metrics"] if not k.startswith("rank")])
         version = log_model(model, manifest, tracking.registered_model if register else None)
+        if version:
+            describe_version(tracking.registered_model, version, cfg, manifest, dataset_dir, result["metrics"])
     return TrainResult(
         run_id, uri, tracking.registered_model, version, result["metrics"], model.state_dict(),
         stopped_early=result.get("stopped_early", False), collective_calls=result.get("collective_calls", {}),

@@ -24,7 +24,7 @@ import torch
 
 from pipelines import storage
 from pipelines.errors import DataError
-from pipelines.manifest import BandwidthPlan, ShardManifest, load_manifest
+from pipelines.manifest import BandwidthPlan, ShardManifest
 from pipelines.transform import continuous_width
 
 from .config import TrainingConfig

@@ -22,7 +22,6 @@ import queue
 import sys
 import tempfile
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -349,7 +348,7 @@ def run_sweep(
                 trial = study.ask(dists)
                 run_id = client.create_run(
                     experiment_id,
-                    run_name=f"{sweep.name}-{trial.number}",
+                    run_name=f"sweep {sweep.name} trial {trial.number}",
                     tags={
                         "mlflow.parentRunId": parent,
                         "shardline.sweep": sweep.name,
@@ -485,7 +484,7 @@ def _parent_run(client, study, experiment_id, sweep, direction, storage_url, dat
         except MlflowException:
             pass  # another tracking store: a new parent run
     run_id = client.create_run(
-        experiment_id, run_name=sweep.name, tags={"shardline.sweep": sweep.name}
+        experiment_id, run_name=f"sweep {sweep.name}", tags={"shardline.sweep": sweep.name}
     ).info.run_id
     client.log_batch(
         run_id,

@@ -67,6 +67,65 @@ class MetricsReporter:
             self.client.log_artifacts(self.run_id, d, artifact_path)
 
 
+# ------------------------------------------------------------ what a user sees in MLflow
+
+
+def run_name(cfg) -> str:
+    """What the run is, as its name: `train mlp ddp×2`, `train transformer tensor dp2×tp2`."""
+    dims = [f"{d}{getattr(cfg, d)}" for d in ("dp", "dp_shard", "tp", "pp") if getattr(cfg, d, None)]
+    if dims:
+        return f"train {cfg.model} {cfg.strategy} {'×'.join(dims)}"
+    return f"train {cfg.model} {cfg.strategy}×{cfg.world_size}"
+
+
+def dataset_digest(manifest) -> str:
+    """A digest of the dataset's contents (its shards' sha256s): the same data, the same digest."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for split in sorted(manifest.splits):
+        for shard in manifest.splits[split].shards:
+            h.update(f"{split}/{shard.sha256}".encode())
+    return h.hexdigest()[:16]
+
+
+def log_dataset_input(manifest, dataset_dir: str) -> None:
+    """The prepared dataset as the active run's input (the UI's Dataset column): named for
+    the directory and its version, its source the dataset's URL, digested by content."""
+    import warnings
+
+    import mlflow
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+
+    with warnings.catch_warnings():  # a local path matches two source kinds; either is right
+        warnings.simplefilter("ignore")
+        source = resolve_dataset_source(dataset_dir)
+    name = f"{storage.name(dataset_dir)}@{manifest.sequence}"
+    mlflow.log_input(MetaDataset(source, name=name, digest=dataset_digest(manifest)), context="training")
+
+
+def describe_version(name: str, version: str, cfg, manifest, dataset_dir: str, metrics: dict) -> None:
+    """The registered version's description and tags: what it is and what it was trained on."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    shown = {k: metrics[k] for k in ("val_accuracy", "val_loss", "val_rmse", "val_r2") if k in metrics}
+    client.update_model_version(name, version, description=(
+        f"{cfg.model} trained with {cfg.strategy} on {cfg.world_size} rank(s), {cfg.epochs} epoch(s), "
+        f"on dataset {storage.display(dataset_dir)} version {manifest.version_id} (manifest "
+        f"{manifest.sequence}); " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items())
+    ))
+    tags = {
+        "dataset_dir": storage.display(dataset_dir), "dataset_version": manifest.version_id,
+        "dataset_sequence": str(manifest.sequence), "dataset_digest": dataset_digest(manifest),
+        "model": cfg.model, "strategy": cfg.strategy, "world_size": str(cfg.world_size),
+        **{k: f"{v:.6g}" for k, v in shown.items()},
+    }
+    for k, v in tags.items():
+        client.set_model_version_tag(name, version, k, v)
+
+
 def open_experiment(tracking_uri: str, experiment: str) -> str:
     """Point MLflow at `tracking_uri` and make sure it answers, before any work starts."""
     import mlflow

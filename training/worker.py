@@ -7,7 +7,6 @@ import itertools
 import json
 import os
 import socket
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ import torch
 from pipelines import storage
 from pipelines.manifest import ShardManifest, load_manifest
 
-from . import checkpoints, collectives, sharded_checkpoints, task
+from . import checkpoints, collectives, progress, sharded_checkpoints, task
 from .config import TrainingConfig
 from .loader import ShardLoader
 from .models import apply_activation_checkpointing, build_model
@@ -44,6 +43,8 @@ class TrainJob:
     # Rank 0 calls it after each epoch with (epoch, metrics); True stops every rank
     # after that epoch (a sweep's pruner). Must pickle, like the rest of the job.
     epoch_hook: Callable[[int, dict[str, float]], bool] | None = None
+    # host:port of the driver's progress listener (training.progress); None prints here.
+    progress_addr: str | None = None
 
     @property
     def socket_ifname(self) -> str | None:
@@ -200,10 +201,10 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         if reporter:
             reporter.log(metrics, epoch)
             shown = ", ".join(f"{k} {metrics[k]:.4g}" for k in _shown(metrics))
-            print(f"[shardline] epoch {epoch + 1}/{cfg.epochs}: {shown}", file=sys.stderr, flush=True)
+            progress.say(job.progress_addr, f"[shardline] epoch {epoch + 1}/{cfg.epochs}: {shown}")
             if metrics["data_wait_fraction"] > cfg.data_wait_warning and not warned:
                 # Once per job: later epochs' figures are in MLflow (rank*_data_wait_fraction).
-                _warn_data_wait(epoch, cfg, per_rank[:, 1], loader_settings["workers"])
+                _warn_data_wait(job, epoch, cfg, per_rank[:, 1], loader_settings["workers"])
                 warned = True
         checkpoint(epoch + 1, 0, artifact=True, full=full)
         if job.epoch_hook is not None and _stop_requested(job.epoch_hook, rank, epoch, metrics):
@@ -311,14 +312,14 @@ def set_rng_state(state: dict[str, torch.Tensor] | torch.Tensor, device: torch.d
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def _warn_data_wait(epoch: int, cfg: TrainingConfig, wait: torch.Tensor, workers: int) -> None:
+def _warn_data_wait(job: TrainJob, epoch: int, cfg: TrainingConfig, wait: torch.Tensor, workers: int) -> None:
     worst = int(wait.argmax())
-    print(
+    progress.say(
+        job.progress_addr,
         f"[shardline] warning: epoch {epoch + 1}: rank {worst} waited for data "
         f"{wait[worst].item():.0%} of its step time (over {cfg.data_wait_warning:.0%}): raise "
         f"training.loader_workers (now {workers}) or training.prefetch_depth "
         f"(now {cfg.prefetch_depth}), or re-prepare with larger pipelines.layout.rows_per_row_group",
-        file=sys.stderr, flush=True,
     )
 
 
