@@ -13,12 +13,15 @@ its own stderr as before and stops trying, so training never waits on the consol
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import sys
 import threading
+import time
 from urllib.parse import urlparse
 
 CONNECT_TIMEOUT_S = 2.0
+DRAIN_S = 1.0  # how long the driver waits for lines in flight when the job ends
 
 
 class ProgressListener:
@@ -31,6 +34,7 @@ class ProgressListener:
         self.address = f"{host}:{self._server.getsockname()[1]}"
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._readers: list[tuple[threading.Thread, socket.socket]] = []
         self._thread = threading.Thread(target=self._accept, name="shardline-progress", daemon=True)
 
     def __enter__(self) -> ProgressListener:
@@ -41,6 +45,13 @@ class ProgressListener:
         self._stop.set()
         self._thread.join(timeout=5)
         self._server.close()
+        # Lines still in flight get a moment; then the connections close (a reused Spark
+        # Python worker would hold its end open forever; its next line goes to its log).
+        deadline = time.monotonic() + DRAIN_S
+        for t, conn in self._readers:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
     def _accept(self) -> None:
         while not self._stop.is_set():
@@ -48,7 +59,9 @@ class ProgressListener:
                 conn, _ = self._server.accept()
             except (TimeoutError, OSError):
                 continue
-            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+            t = threading.Thread(target=self._read, args=(conn,), daemon=True)
+            self._readers.append((t, conn))
+            t.start()
 
     def _read(self, conn: socket.socket) -> None:
         with conn, conn.makefile("r", encoding="utf-8", errors="replace") as lines:
