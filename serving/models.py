@@ -25,7 +25,12 @@ def resolve_version(model_uri: str, tracking_uri: str) -> tuple[str, str]:
     from mlflow.tracking import MlflowClient
 
     from pipelines.errors import ShardlineError
+    from training.mlflow_outage import bound_http
+    from training.tracking import check_reachable
 
+    # A dead server: one line now, not minutes of retries and then "not found".
+    bound_http()
+    check_reachable(tracking_uri)
     client = MlflowClient(tracking_uri)
     if not model_uri.startswith("models:/"):
         return model_uri, ""

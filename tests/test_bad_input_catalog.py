@@ -115,6 +115,11 @@ CASES = [
     Case("another job's checkpoints in checkpoint_dir", T, 1,
          "holds another job's checkpoints", setup=_others_checkpoints),
     Case("checkpoint_dir is a file", T, 1, "exists and is not a directory", setup=_file_as_checkpoint_dir),
+    # -- MLflow down (exit 1, in seconds: not minutes of retries, never "not found")
+    Case("score with MLflow unreachable",
+         ["score", "{cfg}", "--model", "models:/m/1", "--output", "{dir}/out", "--engine", "dask",
+          "--set", "tracking.tracking_uri='http://127.0.0.1:9'"], 1,
+         "tracking.tracking_uri: MLflow at http://127.0.0.1:9 is not reachable"),
     # -- held leases (exit 75)
     Case("prepare while another prepare holds the dataset", ["prepare", "{cfg}", "--engine", "dask"], 75,
          "is in use by", setup=_hold_dataset),

@@ -197,6 +197,12 @@ class TrackingConfig(Section):
     registered_model: str = Field(
         "shardline-model", description="Model Registry name the final model is registered as."
     )
+    outage_wait_s: float = Field(
+        300.0, ge=0,
+        description="When training ends while the MLflow server is unreachable: how long the driver "
+        "waits for it to send what was kept and register the model, before ending in one line that "
+        "names the checkpoint holding the trained weights. Training itself never waits on MLflow.",
+    )
 
     def resolved_uri(self) -> str:
         import os

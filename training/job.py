@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import logging
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from . import checkpoints, sharded_checkpoints
 from .config import TrackingConfig, TrainingConfig
 from .launchers import DriverGuard, TrainingFailed
 from .loader import check_world_size, epoch_steps, rows_per_rank
+from .mlflow_outage import Outbox, replay
 from .models import build_model, check_model_name
 from .strategies import get_strategy
 from .progress import ProgressListener, listen_address
@@ -217,6 +219,8 @@ def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guar
         with ProgressListener(listen_address(cfg.launcher, spark, dask_client)) as listener:
             job.progress_addr = listener.address
             result = _launch_with_restarts(cfg, job, spark, dask_client, dask_workers, guard)
+        # What the server was down for, sent now (waiting for it a while, else one line).
+        replay(uri, result.get("mlflow_pending", []), tracking.outage_wait_s, checkpoints.latest(cfg.checkpoint_dir))
         if result.get("steps", 1) == 0:
             # Preflight refuses this; a model that never took a step must not be registered.
             raise ShardlineError(
@@ -303,11 +307,16 @@ def _launch_with_restarts(
     and a Dask task on a killed worker is never resolved (FACTS.md). A permanent
     failure (launchers.guard: permissions, a full disk, bad data) is never retried.
     """
-    import mlflow
+    from mlflow.tracking import MlflowClient
 
+    # Restarts never wait on MLflow: the count is kept while the server is down.
+    outbox = Outbox(MlflowClient(job.tracking_uri)) if job.tracking_uri and job.run_id else None
     for attempt in range(cfg.max_restarts + 1):
         try:
-            return _launch(cfg, job, spark, dask_client, attempt > 0, dask_workers, guard)[0]
+            result = _launch(cfg, job, spark, dask_client, attempt > 0, dask_workers, guard)[0]
+            if outbox is not None:
+                result["mlflow_pending"] = outbox.pending() + result.get("mlflow_pending", [])
+            return result
         except TrainingFailed as e:
             if e.permanent or attempt == cfg.max_restarts:
                 raise
@@ -317,7 +326,8 @@ def _launch_with_restarts(
             found = checkpoints.readable(cfg.checkpoint_dir, job.fingerprint or {}, cfg.resume_allow_changed)
             latest = found[0] if found else None
             job.resume_from = latest
-            mlflow.log_metric("restarts", attempt + 1)
+            if outbox is not None:
+                outbox.send(("batch", job.run_id, [("restarts", float(attempt + 1), int(time.time() * 1000), 0)]))
             where = storage.name(latest) if latest else "the start"
             print(f"[shardline] {e}; restarting from {where}", file=sys.stderr, flush=True)
     raise AssertionError("unreachable")

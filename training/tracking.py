@@ -3,33 +3,47 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 
 from pipelines import storage
 from pipelines.errors import ShardlineError
 
+from .mlflow_outage import Outbox, bound_http, unreachable
+
 
 class MetricsReporter:
-    """Rank 0's handle on the job's one MLflow run (opened by the driver)."""
+    """Rank 0's handle on the job's one MLflow run (opened by the driver).
+
+    Calls go through an `Outbox` (training.mlflow_outage): while the server is
+    unreachable they are kept and training goes on; what is left at the end goes back
+    to the driver (`pending`).
+    """
 
     def __init__(self, tracking_uri: str | None, run_id: str | None):
         self.run_id = run_id
         self.client = None
+        self.outbox = None
         if tracking_uri and run_id:
             from mlflow.tracking import MlflowClient
 
+            bound_http()
             self.client = MlflowClient(tracking_uri)
+            self.outbox = Outbox(self.client)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        if self.client is None:
+        if self.outbox is None:
             return
-        from mlflow.entities import Metric
-
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-        self.client.log_batch(self.run_id, metrics=batch, synchronous=True)
+        self.outbox.send(("batch", self.run_id, [(k, float(v), now, step) for k, v in metrics.items()]))
 
+    def pending(self) -> list[tuple]:
+        """What could not be sent yet (one last try first)."""
+        if self.outbox is None:
+            return []
+        self.outbox.flush(force=True)
+        return self.outbox.pending()
 
     def checkpoint(self, url: str, step: int, artifact: bool, sharded: str | None = None) -> None:
         """Record a checkpoint: always by reference (a tag), as an artifact when asked
@@ -38,12 +52,24 @@ class MetricsReporter:
         The artifact goes through the tracking server (proxied artifacts): rank 0 needs
         no credentials of the artifact store, only read access to its own checkpoint.
         """
-        if self.client is None:
+        if self.outbox is None:
             return
-        self.client.set_tag(self.run_id, "checkpoint_latest", url)
+        self.outbox.send(("tag", self.run_id, "checkpoint_latest", url))
         self.log({"checkpoint_step": step}, step)
         if not artifact:
             return
+        try:
+            if self.outbox.pending():
+                raise ConnectionError("kept calls wait for the server")
+            self._artifacts(url, sharded)
+        except Exception as e:
+            if not unreachable(e):
+                raise
+            # The server is down: the checkpoint itself is safe in checkpoint_dir.
+            print(f"[shardline] MLflow unreachable: checkpoint {storage.name(url)} not logged as an artifact",
+                  file=sys.stderr, flush=True)
+
+    def _artifacts(self, url: str, sharded: str | None) -> None:
         if sharded is not None:
             self._log_dir(sharded, f"checkpoints/{storage.name(sharded)}")
         if not storage.is_remote(url):
@@ -130,8 +156,8 @@ def open_experiment(tracking_uri: str, experiment: str) -> str:
     """Point MLflow at `tracking_uri` and make sure it answers, before any work starts."""
     import mlflow
 
-    if tracking_uri.startswith(("http://", "https://")):
-        _probe(tracking_uri)
+    bound_http()
+    check_reachable(tracking_uri)
     mlflow.set_tracking_uri(tracking_uri)
     try:
         return mlflow.set_experiment(experiment).experiment_id
@@ -142,7 +168,10 @@ def open_experiment(tracking_uri: str, experiment: str) -> str:
         ) from None
 
 
-def _probe(tracking_uri: str, timeout_s: float = 5.0) -> None:
+def check_reachable(tracking_uri: str, timeout_s: float = 5.0) -> None:
+    """One line, in seconds, when an MLflow server URL does not answer (other stores pass)."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return
     # MLflow's client retries a dead server with backoff for minutes; one short
     # probe tells the user at once.
     import urllib.error

@@ -223,6 +223,8 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         "collective_calls": collectives.calls(),
         # The job's optimizer steps in all: the driver never registers a model that took none.
         "steps": step,
+        # Tracking calls the MLflow server was down for: the driver sends them (mlflow_outage).
+        "mlflow_pending": reporter.pending() if reporter else [],
     }
 
 

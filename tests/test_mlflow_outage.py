@@ -1,0 +1,100 @@
+"""An MLflow server that dies mid-training and comes back (#17 item 2): training goes on,
+checkpoints keep being written, the metrics kept meanwhile arrive once it is back, and
+the weights are those of a run that never saw an outage."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from training import checkpoints
+from training.config import TrackingConfig
+from training.job import run_training
+
+from .fixtures_s3 import free_port, stop_group, wait_until
+from .test_checkpoints import _cfg, _equal
+
+BIN = Path(sys.executable).parent
+pytestmark = pytest.mark.slow  # two server starts and two trainings
+
+
+def _server(root: Path, port: int) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    with open(root / "server.log", "a") as log:
+        proc = subprocess.Popen(
+            [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+             "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+             "--artifacts-destination", f"file://{root / 'artifacts'}"],
+            cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+
+    def healthy() -> bool:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+            return r.status == 200
+
+    wait_until(healthy, 300, "mlflow server", proc)
+    return proc
+
+
+def test_training_survives_an_mlflow_outage_and_its_metrics_arrive_after(prepared, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    epochs = 4
+    reference = run_training(_cfg(tmp_path / "ref", epochs=epochs), TrackingConfig(experiment="outage-ref"),
+                             prepared.dataset_dir, register=False)
+
+    root = tmp_path / "server"
+    root.mkdir()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    procs = [_server(root, port)]
+    cfg = _cfg(tmp_path / "outage", epochs=epochs)
+    seen: dict[str, int] = {}
+    done = threading.Event()
+
+    def outage() -> None:
+        """Kill the server after the first checkpoint; bring it back once three more
+        were written while it was down (training went on without it)."""
+        while not done.is_set() and not checkpoints.checkpoint_paths(cfg.checkpoint_dir):
+            time.sleep(0.02)
+        if done.is_set():
+            return
+        stop_group(procs[0])
+        seen["at_kill"] = len(checkpoints.checkpoint_paths(cfg.checkpoint_dir))
+        while not done.is_set() and len(checkpoints.checkpoint_paths(cfg.checkpoint_dir)) < seen["at_kill"] + 3:
+            time.sleep(0.05)
+        seen["at_return"] = len(checkpoints.checkpoint_paths(cfg.checkpoint_dir))
+        procs.append(_server(root, port))
+
+    watcher = threading.Thread(target=outage)
+    watcher.start()
+    try:
+        result = run_training(cfg, TrackingConfig(tracking_uri=url, experiment="outage", registered_model="outage"),
+                              prepared.dataset_dir)
+        done.set()
+        watcher.join()
+        assert seen.get("at_return", 0) >= seen.get("at_kill", 99) + 3, seen  # written while it was down
+        _equal(result.weights, reference.weights)
+        client = MlflowClient(url)
+        run = client.get_run(result.run_id)
+        assert run.info.status == "FINISHED"
+        # Every epoch's figures arrived, those kept during the outage included, in order.
+        assert [m.step for m in client.get_metric_history(result.run_id, "val_accuracy")] == list(range(epochs))
+        # The per-step loss logged while the server was down arrived too: as many points as
+        # the run without an outage has, at the same steps.
+        ref_client = MlflowClient(reference.tracking_uri)
+        steps = [m.step for m in ref_client.get_metric_history(reference.run_id, "train_loss_step")]
+        assert sorted(m.step for m in client.get_metric_history(result.run_id, "train_loss_step")) == sorted(steps)
+        assert client.get_model_version("outage", result.model_version).run_id == result.run_id
+    finally:
+        done.set()
+        watcher.join()
+        for p in procs:
+            stop_group(p)

@@ -1,0 +1,127 @@
+"""MLflow outages: tracking calls that are bounded in time and kept while the server is down.
+
+MLflow's HTTP client retries a dead server with exponential backoff for minutes per
+call (7 retries, a 120 s timeout each, by default). A rank blocked there stops
+training; a driver blocked there cannot restart a lost rank. So:
+
+- `bound_http()` gives every shardline process short MLflow HTTP settings (2 retries,
+  a 10 s timeout) unless the user set them (`MLFLOW_HTTP_REQUEST_*`).
+- `Outbox` tries each tracking call once; when the server is unreachable it keeps the
+  call, in order, and sends everything kept before the next call, at most once per
+  `RETRY_S`, so a down server costs a rank one bounded attempt every half minute and
+  training, checkpoints and restarts go on. Calls that fail for another reason (a bad
+  value) still raise.
+- What rank 0 still holds when it finishes goes back to the driver as plain data
+  (`pending()`); the driver sends it (`replay`), waiting up to
+  `tracking.outage_wait_s` for the server, and otherwise ends in one line naming the
+  checkpoint that holds the trained weights.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+BOUNDED = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
+RETRY_S = 30.0
+
+_UNREACHABLE = ("Max retries exceeded", "Connection refused", "ConnectionError", "timed out",
+                "Read timed out", "RemoteDisconnected", "Connection aborted", "Temporary failure",
+                "Name or service not known", "502", "503", "504")
+
+
+def bound_http() -> None:
+    for k, v in BOUNDED.items():
+        os.environ.setdefault(k, v)
+
+
+def unreachable(e: BaseException) -> bool:
+    """The server did not answer (or answered only as a gateway can): keep the call."""
+    import requests
+
+    if isinstance(e, (requests.exceptions.ConnectionError, requests.exceptions.Timeout, ConnectionError, TimeoutError)):
+        return True
+    text = str(e)
+    return any(marker in text for marker in _UNREACHABLE)
+
+
+def first_line(e: BaseException) -> str:
+    return ((str(e).strip().splitlines() or [type(e).__name__])[0])[:200]
+
+
+class Outbox:
+    """Tracking calls to one server, in order, kept while it is unreachable.
+
+    Entries are plain data (`("batch", run_id, [(key, value, ms, step), ...])`,
+    `("tag", run_id, key, value)`), so what is left can be pickled back to the driver.
+    """
+
+    def __init__(self, client, retry_s: float = RETRY_S):
+        self.client = client
+        self.retry_s = retry_s
+        self._kept: list[tuple] = []
+        self._next_try = 0.0
+        self.down_since: float | None = None
+
+    def send(self, entry: tuple) -> None:
+        self._kept.append(entry)
+        self.flush()
+
+    def flush(self, force: bool = False) -> bool:
+        """Send what is kept, oldest first; False if the server is (still) unreachable."""
+        if not force and time.monotonic() < self._next_try:
+            return not self._kept
+        while self._kept:
+            try:
+                _apply(self.client, self._kept[0])
+            except Exception as e:
+                if not unreachable(e):
+                    raise
+                self._next_try = time.monotonic() + self.retry_s
+                if self.down_since is None:
+                    self.down_since = time.monotonic()
+                return False
+            self._kept.pop(0)
+        self.down_since = None
+        return True
+
+    def pending(self) -> list[tuple]:
+        return list(self._kept)
+
+
+def _apply(client, entry: tuple) -> None:
+    from mlflow.entities import Metric
+
+    kind, run_id, *rest = entry
+    if kind == "batch":
+        client.log_batch(run_id, metrics=[Metric(k, v, ms, step) for k, v, ms, step in rest[0]], synchronous=True)
+    elif kind == "tag":
+        client.set_tag(run_id, rest[0], rest[1])
+    else:
+        raise ValueError(f"unknown tracking entry {kind!r}")
+
+
+def replay(tracking_uri: str, entries: list[tuple], wait_s: float, checkpoint: str | None) -> None:
+    """The driver sends what rank 0 could not, waiting up to `wait_s` for the server."""
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.errors import ShardlineError
+
+    if not entries:
+        return
+    box = Outbox(MlflowClient(tracking_uri), retry_s=5.0)
+    box._kept = list(entries)
+    deadline = time.monotonic() + wait_s
+    while not box.flush(force=True):
+        if time.monotonic() >= deadline:
+            raise ShardlineError(
+                f"tracking.tracking_uri: MLflow at {tracking_uri} has been unreachable since training "
+                f"was running ({len(box.pending())} tracking call(s) not sent, waited {wait_s:.0f} s at "
+                f"the end); the trained weights are in checkpoint {checkpoint or 'training.checkpoint_dir'}, "
+                f"the model is not registered"
+            )
+        time.sleep(5.0)
