@@ -65,6 +65,9 @@ def run(config, overrides):
 
     check_settings(cfg.training)  # a misspelt model or strategy: one line, before Spark starts
     check_storage(cfg, reads=(SOURCE,), writes=(DATASET, CHECKPOINTS, OUTPUT))
+    from training.tracking import check_reachable
+
+    check_reachable(cfg.tracking.resolved_uri())  # a dead MLflow server: now, not after the prepare
     checked = _check_prepare(cfg)
     with ExitStack() as leases:
         # Both leases before Spark starts: a second run on the same dirs is refused at once.

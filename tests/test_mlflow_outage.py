@@ -18,6 +18,7 @@ from training import checkpoints
 from training.config import TrackingConfig
 from training.job import run_training
 
+from .conftest import REPO, absolute_paths, shardline
 from .fixtures_s3 import free_port, stop_group, wait_until
 from .test_checkpoints import _cfg, _equal
 
@@ -98,3 +99,15 @@ def test_training_survives_an_mlflow_outage_and_its_metrics_arrive_after(prepare
         watcher.join()
         for p in procs:
             stop_group(p)
+
+
+def test_run_with_mlflow_unreachable_is_one_line_before_anything_starts(tmp_path):
+    """`shardline run` prepares before it trains: a dead server is said first, in seconds,
+    with nothing generated or prepared."""
+    proc = shardline("run", str(REPO / "jobs" / "configs" / "quickstart.toml"), *absolute_paths(tmp_path),
+                     "--set", "tracking.tracking_uri='http://127.0.0.1:9'", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert errors == ["error: tracking.tracking_uri: MLflow at http://127.0.0.1:9 is not reachable "
+                      "([Errno 111] Connection refused)"], proc.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
