@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 
 import click
 from rich.console import Console
@@ -25,9 +24,9 @@ from .config import (
     load_config,
     resolve_paths,
 )
+from .cli_bench import bench
+from .engines import console, engine_handle, open_dask, open_spark, prepare_engine, spark_ranks, stage
 from .ui import ui_hint
-
-console = Console(stderr=True, highlight=False)
 
 _set_option = click.option(
     "--set",
@@ -36,15 +35,6 @@ _set_option = click.option(
     metavar="SECTION.FIELD=VALUE",
     help="Override any config field, e.g. --set training.epochs=3 (repeatable).",
 )
-
-
-@contextmanager
-def stage(title: str):
-    """One line when a stage starts and one when it ends, with its wall time."""
-    console.print(f"[bold]→[/] {title} …")
-    start = time.perf_counter()
-    yield
-    console.print(f"[green]✓[/] {title} [dim]({time.perf_counter() - start:.1f} s)[/]")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -73,7 +63,7 @@ def run(config, overrides):
         # Both leases before Spark starts: a second run on the same dirs is refused at once.
         dataset = leases.enter_context(_dataset_lease(cfg))
         output = leases.enter_context(_output_lease(cfg.serving.output_dir))
-        spark = _spark(cfg, _spark_ranks(cfg))
+        spark = open_spark(cfg, spark_ranks(cfg))
         from pipelines.engine_spark import SparkEngine
 
         manifest = _prepare(cfg, SparkEngine(spark), lease=dataset, checked=checked)
@@ -129,7 +119,7 @@ def prepare(config, overrides, engine, append, refit, by_plan):
         raise click.UsageError("--plan lays every shard out anew: use it without --append, or with --append --refit")
     check_storage(cfg, reads=(SOURCE,), writes=(DATASET,))
     checked = _check_prepare(cfg, append=append, refit=refit, by_plan=by_plan)
-    with _dataset_lease(cfg) as lease, _prepare_engine(cfg) as eng:
+    with _dataset_lease(cfg) as lease, prepare_engine(cfg) as eng:
         manifest = _prepare(cfg, eng, append=append, refit=refit, by_plan=by_plan, lease=lease, checked=checked)
     for split, info in manifest.splits.items():
         console.print(f"  {split}: {info.rows:,} rows in {len(info.shards)} shards")
@@ -173,10 +163,10 @@ def train(config, overrides, launcher, world_size, resume, allow_changed):
         # before an engine starts (the cluster's free slots are checked once it runs).
         check_checkpoints(cfg.training, preflight(cfg.training, cfg.pipelines.dataset_dir))
         if cfg.training.launcher == "dask":
-            with _dask(cfg) as client:
+            with open_dask(cfg) as client:
                 result = _train(cfg, None, client, lease)
         else:
-            spark = _spark(cfg, _spark_ranks(cfg)) if cfg.training.launcher == "spark" else None
+            spark = open_spark(cfg, spark_ranks(cfg)) if cfg.training.launcher == "spark" else None
             result = _train(cfg, spark, None, lease)
     finally:
         lease.release()
@@ -245,7 +235,7 @@ def score(config, overrides, model_uri, input_path, split, output_dir, engine, i
         if not p.todo:
             console.print(f"  {p.nothing_to_do()}")
             return
-        with _engine_handle(cfg, s.engine) as handle, stage(
+        with engine_handle(cfg, s.engine) as handle, stage(
             f"Scoring {len(p.todo)} file(s) of {input_path} with {p.describe_model()} on {s.engine}"
         ):
             r = execute(p, s.engine, handle, batch_size=s.batch_size, threads_per_task=s.threads_per_task,
@@ -311,7 +301,7 @@ def sweep(config, overrides, trials, parallel, engine, name):
         if where == "local":
             r = run_sweep(*args)
         else:
-            with _engine_handle(cfg, where, _spark_ranks(cfg, where, cfg.sweep.world_size)) as handle:
+            with engine_handle(cfg, where, spark_ranks(cfg, where, cfg.sweep.world_size)) as handle:
                 r = run_sweep(*args, **{"spark" if where == "spark" else "dask_client": handle})
 
     table = Table(title=f"shardline sweep {r.name}", show_header=False, title_justify="left")
@@ -398,233 +388,6 @@ def ui(config, overrides, host, port):
     serve(cfg.tracking.tracking_uri, host, port, lambda line: console.print(escape(line), soft_wrap=True))
 
 
-@cli.group()
-def bench():
-    """Benchmarks: each prints its figure and a baseline measured in the same run."""
-
-
-def _bench(run_bench, as_json: bool, **kwargs) -> dict | None:
-    """Run a benchmark with progress lines; with --json print its one object and return None."""
-    result = run_bench(progress=lambda msg: console.print(f"[dim]… {msg}[/]"), **kwargs)
-    if as_json:
-        click.echo(json.dumps(result))
-        return None
-    return result
-
-
-@bench.command("prepare")
-@click.option("--rows", type=int, default=1_000_000, show_default=True, help="Synthetic rows.")
-@click.option("--rounds", type=int, default=1, show_default=True,
-              help="Runs of every job, interleaved; each keeps its best.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
-def bench_prepare(rows, rounds, as_json):
-    """Prepare MB/s on Spark and Dask vs native Spark SQL, native dask.dataframe and pyarrow."""
-    from benchmarks.prepare import run as run_bench
-
-    result = _bench(run_bench, as_json, rows=rows, rounds=rounds)
-    if result is None:
-        return
-    table = Table(title=f"prepare, {rows:,} rows, {result['input_mb']:.1f} MB raw Parquet, {result['cores']} cores")
-    for col in ("", "seconds", "MB/s", "× native", "× pyarrow"):
-        table.add_column(col, justify="right")
-    for k in ("pyarrow", "spark_native", "spark", "dask_native", "dask"):
-        native = f"{result['ratio_vs_native'][k]:.2f}" if k in result["ratio_vs_native"] else ""
-        ratio = result["ratio_vs_pyarrow"].get(k, 1.0)
-        name = {"spark": "shardline spark", "dask": "shardline dask"}.get(k, k.replace("_", " "))
-        table.add_row(name, f"{result['seconds'][k]:.2f}", f"{result['mb_per_s'][k]:.1f}", native, f"{ratio:.2f}")
-    Console().print(table)
-
-
-@bench.command("score")
-@click.option("--rows", type=int, default=1_000_000, show_default=True, help="Synthetic rows (the train split is scored).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
-def bench_score(rows, as_json):
-    """Scoring rows/s on Spark and Dask vs the limit (1 process x cores) and predict_batch_udf."""
-    from benchmarks.score import run as run_bench
-
-    result = _bench(run_bench, as_json, rows=rows)
-    if result is None:
-        return
-    table = Table(title=f"score, {result['rows_scored']:,} train rows, {result['cores']} cores")
-    for col in ("", "seconds", "rows/s", "× limit", "× processes", "× pbu"):
-        table.add_column(col, justify="right")
-    secs, rps = result["seconds"], result["rows_per_s"]
-    for k in ("spark", "dask"):
-        table.add_row(k, f"{secs[k]:.2f}", f"{rps[k]:,.0f}", f"{result['ratio_vs_limit'][k]:.2f}",
-                      f"{result['ratio_vs_processes'][k]:.2f}", f"{result['ratio_vs_predict_batch_udf'][k]:.2f}")
-    table.add_row("predict_batch_udf (pbu)", f"{secs['predict_batch_udf']:.2f}", f"{rps['predict_batch_udf']:,.0f}",
-                  "", "", "")
-    table.add_row(f"{result['cores']} processes, no engine", f"{secs['processes']:.2f}",
-                  f"{rps['processes']:,.0f}", f"{result['processes_vs_limit']:.2f}", "", "")
-    table.add_row(f"limit (1 proc × {result['cores']})", f"{secs['limit_single_process']:.2f}",
-                  f"{rps['limit']:,.0f}", "", "", "")
-    Console().print(table)
-    t = result["targets"]
-    for k in ("spark", "dask"):
-        met = result["met"][k]
-        console.print(
-            f"  {k}: × limit {result['ratio_vs_limit'][k]:.2f} (target ≥ {t['vs_limit']}: "
-            f"{'met' if met['vs_limit'] else 'NOT met'}), × predict_batch_udf "
-            f"{result['ratio_vs_predict_batch_udf'][k]:.2f} (target ≥ {t['vs_predict_batch_udf']}: "
-            f"{'met' if met['vs_predict_batch_udf'] else 'NOT met'})"
-        )
-    console.print(f"  {result['cores']} plain processes running the limit's loop reach "
-                  f"{result['processes_vs_limit']:.2f} of the limit here: the machine's own parallel "
-                  f"efficiency on this work, before any engine")
-
-
-@bench.command("train")
-@click.option("--rows", type=int, default=100_000, show_default=True, help="Synthetic rows (the train split is read).")
-@click.option("--steps", type=int, default=200, show_default=True, help="DDP steps per step-time run (20 warm-up).")
-@click.option("--rounds", type=int, default=3, show_default=True, help="Step-time runs per launcher (fastest counts).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
-def bench_train(rows, steps, rounds, as_json):
-    """DDP step time, launch to first step and all-reduce bytes/s: ours vs torchrun, TorchDistributor, raw."""
-    from contextlib import redirect_stdout
-
-    from benchmarks.train import run as run_bench
-
-    # TorchDistributor relays its tasks' output with print(): keep stdout for the result.
-    with redirect_stdout(sys.stderr):
-        result = run_bench(rows, progress=lambda msg: console.print(f"[dim]… {msg}[/]"),
-                           steps=steps, warmup=min(20, steps // 2), rounds=rounds)
-    if as_json:  # outside the redirect: the object goes to stdout
-        click.echo(json.dumps(result))
-        return
-    m = result["model"]
-    table = Table(title=f"train, DDP {result['world_size']} ranks × {result['threads_per_rank']} thread(s), "
-                        f"mlp {m['hidden']}, global batch {result['global_batch']}, {result['steps']} steps")
-    for col in ("", "ours", "baseline", "ratio"):
-        table.add_column(col, justify="right")
-    s, ls, ar = result["step_s"], result["launch_to_first_step_s"], result["allreduce"]
-    table.add_row("step time vs torchrun", f"{s['spark'] * 1e3:.2f} ms", f"{s['torchrun'] * 1e3:.2f} ms",
-                  f"{result['step_time_ratio']:.2f}")
-    table.add_row("launch→1st step vs TorchDistributor", f"{ls['spark']:.2f} s",
-                  f"{ls['torch_distributor']:.2f} s", f"{result['launch_ratio']:.2f}")
-    table.add_row("launch→1st step vs torchrun", f"{ls['spark']:.2f} s", f"{ls['torchrun']:.2f} s",
-                  f"{ls['torchrun'] / ls['spark']:.2f}")
-    table.add_row(f"all-reduce {ar['bytes'] / 1e6:.2f} MB vs raw", f"{ar['ddp_bytes_per_s'] / 1e6:.0f} MB/s",
-                  f"{ar['raw_bytes_per_s'] / 1e6:.0f} MB/s", f"{result['allreduce_ratio']:.2f}")
-    Console().print(table)
-    console.print(f"  ours: Spark barrier DDP; ratio > 1: ours better; all-reduce 1.0 = raw. Fastest of "
-                  f"{result['rounds']} rounds; {ar['buckets']} DDP bucket(s); with waiting for the peer "
-                  f"DDP's all-reduce is in flight {ar['ddp_in_flight_s_per_step'] * 1e3:.2f} ms/step")
-
-
-@bench.command("loader")
-@click.option("--rows", type=int, default=1_000_000, show_default=True, help="Synthetic rows (the train split is read).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
-@click.option("--storage", "store", type=click.Choice(["local", "s3"]), default="local", show_default=True,
-              help="s3: the same shards read from S3 and from local disk, and their ratio.")
-@click.option("--s3-url", help="With --storage s3: a bucket prefix the AWS chain reaches (s3://bucket/prefix); "
-              "default: an S3 server (moto) started on loopback for the run.")
-def bench_loader(rows, as_json, store, s3_url):
-    """Loader samples/s: ours vs raw pyarrow (the limit), petastorm (own venv) and a naive Dataset."""
-    if store == "s3":
-        _bench_loader_s3(rows, as_json, s3_url)
-        return
-    if s3_url:
-        raise click.UsageError("--s3-url goes with --storage s3")
-    from benchmarks.loader import run as run_bench
-
-    result = _bench(run_bench, as_json, rows=rows)
-    if result is None:
-        return
-    table = Table(title=f"loader, {result['train_rows']:,} train rows × {result['feature_width']} "
-                        f"features, batch {result['batch_size']}, 1 process")
-    for col in ("", "seconds", "samples/s", "ours ×"):
-        table.add_column(col, justify="right")
-    secs, sps, ratio = result["seconds"], result["samples_per_s"], result["ratio"]
-    labels = {"ours": "ours (ShardLoader)", "raw_pyarrow": "raw pyarrow (limit, no shuffle)",
-              "petastorm": "petastorm BatchedDataLoader",
-              "naive": f"naive Dataset over pandas ({result['naive_batches']} batches)"}
-    for k, text in labels.items():
-        if k in secs:
-            table.add_row(text, f"{secs[k]:.3f}", f"{sps[k]:,.0f}",
-                          "" if k == "ours" else f"{ratio[f'vs_{k}']:.2f}")
-    Console().print(table)
-    if result["petastorm"]["status"] != "measured":
-        console.print(f"  petastorm {result['petastorm']['status']}: {result['petastorm']['reason']}")
-    t, met = result["targets"], result["met"]
-    for k in ("vs_raw_pyarrow", "vs_petastorm"):
-        if met[k] is not None:
-            console.print(f"  ours {k.replace('_', ' ')} {ratio[k]:.2f} (target ≥ {t[k]}: "
-                          f"{'met' if met[k] else 'NOT met'})")
-
-
-def _bench_loader_s3(rows: int, as_json: bool, s3_url: str | None) -> None:
-    from benchmarks.loader_s3 import run as run_bench
-    from pipelines.storage import check_access, resolve
-
-    if s3_url:
-        if not resolve(s3_url, "--s3-url").startswith("s3://"):
-            raise click.UsageError("--s3-url takes an s3:// URL")
-        check_access(s3_url, "--s3-url", write=True)
-    try:
-        result = _bench(run_bench, as_json, rows=rows, s3_url=s3_url)
-    except RuntimeError as e:  # no moto_server to start
-        raise ShardlineError(f"bench loader --storage s3: {e}") from None
-    if result is None:
-        return
-    table = Table(title=f"loader, {result['train_rows']:,} train rows in {result['train_shards']} shards "
-                        f"({result['train_bytes'] / 1e6:.1f} MB), batch {result['batch_size']}, 1 process")
-    for col in ("", "seconds", "samples/s", "× local"):
-        table.add_column(col, justify="right")
-    for k, text in (("local", "ShardLoader, local disk"), ("s3", f"ShardLoader, S3 ({result['s3']})")):
-        ratio = "" if k == "local" else f"{result['ratio_s3_vs_local']:.2f}"
-        table.add_row(text, f"{result['seconds'][k]:.3f}", f"{result['samples_per_s'][k]:,.0f}", ratio)
-    Console().print(table)
-
-
-@bench.command("strategies")
-@click.option("--steps", type=int, default=30, show_default=True, help="Timed steps per strategy (5 warm-up).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
-def bench_strategies(steps, as_json):
-    """Samples/s, peak memory per rank and pipeline bubble of every strategy on one transformer."""
-    from benchmarks.strategies import run as run_bench
-
-    result = _bench(run_bench, as_json, steps=steps)
-    if result is None:
-        return
-    m = result["model"]
-    table = Table(title=f"strategies, transformer d_model {m['d_model']} × {m['layers']} layers, "
-                        f"global batch {result['global_batch']}, {result['steps']} steps, "
-                        f"{result['cores']} cores, {result['device']}")
-    table.add_column("", no_wrap=True)
-    bubbles = ("pipeline_bubble", "pipeline_bubble_predicted", "pipeline_bubble_formula", "pipeline_cpu_wait")
-    for col in ("ranks", "samples/s", "× single", "peak MB (max rank)", "bubble", "predicted", "formula",
-                "cpu wait"):
-        table.add_column(col, justify="right")
-    for name, row in result["strategies"].items():
-        table.add_row(
-            name, str(row["world_size"]), f"{row['samples_per_s']:,.0f}", f"{row['ratio_vs_single']:.2f}",
-            f"{max(row['peak_mb_per_rank']):.0f}",
-            *(f"{row[k]:.2f}" if k in row else "" for k in bubbles),
-        )
-    Console().print(table)
-    console.print("  × single: vs one process training the same model on the same batches, this run. "
-                  "More ranks than cores share them: read ratios with the cores in mind.")
-    console.print(f"  peak MB: {result['memory_measure']} of the rank that grew most (--json: every "
-                  "rank's); bubble: the pipeline's "
-                  "measured idle share; predicted: its schedule replayed with the measured action "
-                  "times, communication free; formula: the schedule's with equal stages; cpu wait: "
-                  "share of the step a rank was ready to run but had no core (outside its actions).")
-    mem = result["memory"]
-    hidden = mem["model"]["hidden"]
-    widths = f"{len(hidden)} × {hidden[0]}" if len(set(hidden)) == 1 else " × ".join(map(str, hidden))
-    table = Table(title=f"memory per rank, mlp {widths} ({mem['model']['parameters'] / 1e6:.1f}M weights), AdamW")
-    table.add_column("", no_wrap=True)
-    for col in ("ranks", "peak MB (max rank)", "× ddp", "samples/s"):
-        table.add_column(col, justify="right")
-    for name, row in mem["strategies"].items():
-        ratio = row["peak_vs_ddp"]
-        table.add_row(name, str(row["world_size"]), f"{max(row['peak_mb_per_rank']):.0f}",
-                      f"{ratio:.2f}" if ratio is not None else "", f"{row['samples_per_s']:,.0f}")
-    Console().print(table)
-    console.print(f"  peak MB: {mem['measure']}; it includes the whole model each rank builds "
-                  "before sharding it.")
-
-
 def _dataset_lease(cfg: ShardlineConfig):
     from pipelines.manifest import check_dataset_dir
     from pipelines.prepare import dataset_lease
@@ -638,70 +401,6 @@ def _output_lease(output_dir: str):
 
     check_output_dir(output_dir)
     return output_lease(output_dir)
-
-
-def _spark(cfg: ShardlineConfig, barrier_ranks: int | None = None):
-    """The session, checked before any work: a barrier stage's slots (`barrier_ranks`),
-    then the executors' environment (one probe task; Connect and cluster masters)."""
-    from pipelines.engines import spark_session
-    from pipelines.spark_probe import check_executors, describe_executors
-    from pipelines.spark_setup import describe_spark, remote_url
-
-    url = remote_url(cfg.spark)
-    with stage(f"Connecting to Spark Connect {url}" if url else "Starting Spark"):
-        spark = spark_session(cfg.spark)
-    # Under spark-submit its --master wins over the config's: say which one runs.
-    console.print(f"  {describe_spark(spark)}")
-    if barrier_ranks:
-        from training.launchers.spark import check_spark_slots
-
-        check_spark_slots(spark, barrier_ranks)
-    report = check_executors(spark, cfg.spark.probe_timeout_s)
-    if report:
-        console.print(f"  {describe_executors(report)}")
-    return spark
-
-
-def _spark_ranks(cfg: ShardlineConfig, launcher: str | None = None, world_size: int | None = None) -> int | None:
-    """Ranks a Spark barrier stage will need, when training runs on Spark."""
-    t = cfg.training
-    return (world_size or t.world_size) if (launcher or t.launcher) == "spark" else None
-
-
-@contextmanager
-def _engine_handle(cfg: ShardlineConfig, engine: str, barrier_ranks: int | None = None):
-    """The SparkSession, or a Dask client (closed, with its embedded cluster, after)."""
-    if engine == "spark":
-        yield _spark(cfg, barrier_ranks)
-        return
-    with _dask(cfg) as client:
-        yield client
-
-
-@contextmanager
-def _prepare_engine(cfg: ShardlineConfig):
-    from pipelines.engine_dask import DaskEngine
-    from pipelines.engine_spark import SparkEngine
-
-    wrap = SparkEngine if cfg.pipelines.engine == "spark" else DaskEngine
-    with _engine_handle(cfg, cfg.pipelines.engine) as handle:
-        yield wrap(handle)
-
-
-@contextmanager
-def _dask(cfg: ShardlineConfig):
-    from pipelines.engines import dask_client
-
-    where = cfg.dask.address or f"LocalCluster of {cfg.dask.n_workers} workers"
-    with stage(f"Starting Dask ({where})"):
-        client = dask_client(cfg.dask)
-    cluster = None if cfg.dask.address else client.cluster
-    try:
-        yield client
-    finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
 
 
 def _check_prepare(cfg: ShardlineConfig, **how):
@@ -754,6 +453,9 @@ def _score(cfg, engine: str, handle, model_uri: str, tracking_uri: str, input_pa
             split=s.split, incremental=s.incremental, backfill=s.backfill, force=force, batch_size=s.batch_size,
             threads_per_task=s.threads_per_task, lease=lease,
         )
+
+
+cli.add_command(bench)
 
 
 def main(argv: list[str] | None = None) -> None:

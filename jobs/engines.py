@@ -1,0 +1,86 @@
+"""The engines a command runs on, opened and described on the console: a SparkSession
+(checked before any work) or a Dask client; plus the console's stage lines."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+from rich.console import Console
+
+from .config import ShardlineConfig
+
+console = Console(stderr=True, highlight=False)
+
+
+@contextmanager
+def stage(title: str):
+    """One line when a stage starts and one when it ends, with its wall time."""
+    console.print(f"[bold]→[/] {title} …")
+    start = time.perf_counter()
+    yield
+    console.print(f"[green]✓[/] {title} [dim]({time.perf_counter() - start:.1f} s)[/]")
+
+
+def open_spark(cfg: ShardlineConfig, barrier_ranks: int | None = None):
+    """The session, checked before any work: a barrier stage's slots (`barrier_ranks`),
+    then the executors' environment (one probe task; Connect and cluster masters)."""
+    from pipelines.engines import spark_session
+    from pipelines.spark_probe import check_executors, describe_executors
+    from pipelines.spark_setup import describe_spark, remote_url
+
+    url = remote_url(cfg.spark)
+    with stage(f"Connecting to Spark Connect {url}" if url else "Starting Spark"):
+        spark = spark_session(cfg.spark)
+    # Under spark-submit its --master wins over the config's: say which one runs.
+    console.print(f"  {describe_spark(spark)}")
+    if barrier_ranks:
+        from training.launchers.spark import check_spark_slots
+
+        check_spark_slots(spark, barrier_ranks)
+    report = check_executors(spark, cfg.spark.probe_timeout_s)
+    if report:
+        console.print(f"  {describe_executors(report)}")
+    return spark
+
+
+def spark_ranks(cfg: ShardlineConfig, launcher: str | None = None, world_size: int | None = None) -> int | None:
+    """Ranks a Spark barrier stage will need, when training runs on Spark."""
+    t = cfg.training
+    return (world_size or t.world_size) if (launcher or t.launcher) == "spark" else None
+
+
+@contextmanager
+def engine_handle(cfg: ShardlineConfig, engine: str, barrier_ranks: int | None = None):
+    """The SparkSession, or a Dask client (closed, with its embedded cluster, after)."""
+    if engine == "spark":
+        yield open_spark(cfg, barrier_ranks)
+        return
+    with open_dask(cfg) as client:
+        yield client
+
+
+@contextmanager
+def prepare_engine(cfg: ShardlineConfig):
+    from pipelines.engine_dask import DaskEngine
+    from pipelines.engine_spark import SparkEngine
+
+    wrap = SparkEngine if cfg.pipelines.engine == "spark" else DaskEngine
+    with engine_handle(cfg, cfg.pipelines.engine) as handle:
+        yield wrap(handle)
+
+
+@contextmanager
+def open_dask(cfg: ShardlineConfig):
+    from pipelines.engines import dask_client
+
+    where = cfg.dask.address or f"LocalCluster of {cfg.dask.n_workers} workers"
+    with stage(f"Starting Dask ({where})"):
+        client = dask_client(cfg.dask)
+    cluster = None if cfg.dask.address else client.cluster
+    try:
+        yield client
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
