@@ -1,0 +1,186 @@
+"""Fault cases run against your own engine, cluster and storage.
+
+    python -m jobs.faults CONFIG [--set SECTION.FIELD=VALUE ...] [--case NAME ...]
+    python -m jobs.faults --list
+
+CONFIG is a training config as for `shardline train` (launcher, cluster, dataset,
+checkpoint_dir, tracking). The runner trains a reference run, then each case, under
+`<checkpoint_dir>/_faults-<id>/` (deleted at the end), and prints one line per case:
+`PASS`, `FAIL` or `SKIP` with what it checked; the exit status is 1 if any case failed.
+Nothing is registered in MLflow; the runs are in the configured experiment.
+
+Cases (each ends on the reference's weights or on the documented refusal):
+- kill-rank: SIGKILL rank 1 after the first checkpoint; the launcher relaunches from
+  the checkpoint and the job ends bit-equal to the reference. The runner can signal only
+  ranks on its own host (local ranks, a local Spark master or Dask LocalCluster); on a
+  remote cluster the case is skipped, saying so.
+- truncated-checkpoint: the reference's newest checkpoint cut short in a copy of its
+  directory; a resume falls back to the previous readable one and ends bit-equal.
+- changed-lr: a resume with another `lr` is refused, naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from contextlib import ExitStack
+
+import torch
+
+from pipelines import storage
+from pipelines.errors import ShardlineError
+
+from .config import CHECKPOINTS, DATASET, check_storage, load_config, resolve_paths
+
+
+def _train(cfg, ckpt: str, handles: dict, **changes):
+    from training.job import run_training
+
+    t = cfg.training.model_copy(update={"checkpoint_dir": ckpt, **changes})
+    return run_training(t, cfg.tracking, cfg.pipelines.dataset_dir, register=False, **handles)
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def kill_rank(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
+    from training import checkpoints
+
+    ckpt = storage.join(root, "kill-rank")
+    done, seen = threading.Event(), {}
+
+    def killer() -> None:
+        info = storage.join(ckpt, "ranks", "rank-1.json")
+        while not done.is_set():
+            if checkpoints.checkpoint_paths(ckpt) and storage.exists(info):
+                rank = json.loads(storage.read_bytes(info))
+                seen["host"] = rank["host"]
+                if rank["host"] == socket.gethostname():
+                    os.kill(rank["pid"], signal.SIGKILL)
+                    seen["killed"] = rank["pid"]
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=killer, daemon=True)
+    watcher.start()
+    try:
+        result = _train(cfg, ckpt, handles)
+    finally:
+        done.set()
+        watcher.join()
+    if "killed" not in seen:
+        host = seen.get("host")
+        if host:
+            return "SKIP", f"rank 1 runs on {host}, not this host: the runner signals only its own host's ranks"
+        return "FAIL", "no checkpoint appeared before training ended: nothing to kill (train longer)"
+    if _equal(result.weights, ref.weights):
+        return "PASS", f"rank 1 (pid {seen['killed']}) SIGKILLed after the first checkpoint; relaunched, bit-equal"
+    return "FAIL", "relaunched after the kill, but the final weights differ from the reference"
+
+
+def _copy_prefix(cfg, ref_dir: str, into: str, keep: int) -> list[str]:
+    """The reference's first `keep` checkpoints (and their DCP shards) into `into`."""
+    from training import checkpoints
+
+    paths = checkpoints.checkpoint_paths(ref_dir)[:keep]
+    for p in paths:
+        storage.write_bytes(storage.join(into, storage.name(p)), storage.read_bytes(p))
+        sharded = checkpoints.load(p, {}).get("sharded")
+        if sharded:
+            for f in storage.find_files(storage.join(ref_dir, sharded)):
+                rel = f[len(ref_dir) + 1:]
+                storage.write_bytes(storage.join(into, rel), storage.read_bytes(f))
+    step = checkpoints.load(paths[-1], {})["global_step"]
+    pointer = {"name": storage.name(paths[-1]), "step": step}
+    storage.write_bytes(storage.join(into, checkpoints.POINTER), json.dumps(pointer).encode())
+    return [storage.join(into, storage.name(p)) for p in paths]
+
+
+def truncated_checkpoint(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
+    from training import checkpoints
+
+    kept = checkpoints.checkpoint_paths(ref.checkpoint_dir)
+    if len(kept) < 3:
+        return "FAIL", f"the reference wrote {len(kept)} checkpoint(s); the case needs 3 (train longer)"
+    ckpt = storage.join(root, "truncated")
+    copied = _copy_prefix(cfg, ref.checkpoint_dir, ckpt, keep=len(kept) // 2 + 1)
+    storage.write_bytes(copied[-1], storage.read_bytes(copied[-1])[:1000])  # a write cut short
+    result = _train(cfg, ckpt, handles, resume=True)
+    if _equal(result.weights, ref.weights):
+        return "PASS", f"newest of {len(copied)} checkpoints truncated; resumed from the previous one, bit-equal"
+    return "FAIL", "resumed past the truncated checkpoint, but the final weights differ from the reference"
+
+
+def changed_lr(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
+    from training import checkpoints
+
+    ckpt = storage.join(root, "changed-lr")
+    _copy_prefix(cfg, ref.checkpoint_dir, ckpt, keep=max(1, len(checkpoints.checkpoint_paths(ref.checkpoint_dir)) // 2))
+    try:
+        _train(cfg, ckpt, handles, resume=True, lr=cfg.training.lr * 10)
+    except ShardlineError as e:
+        line = str(e).splitlines()[0]
+        said = line[line.find("different run"):] if "different run" in line else line  # past the path
+        if "lr=" in line and "--allow-changed lr" in line:
+            return "PASS", f"refused: {said[:200]}"
+        return "FAIL", f"refused, but not naming lr: {said[:200]}"
+    return "FAIL", "a resume with another lr was accepted"
+
+
+CASES = {"kill-rank": kill_rank, "truncated-checkpoint": truncated_checkpoint, "changed-lr": changed_lr}
+
+
+class _Reference:
+    def __init__(self, result, checkpoint_dir: str):
+        self.weights, self.checkpoint_dir = result.weights, checkpoint_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jobs.faults", description=__doc__.split("\n\n")[0])
+    ap.add_argument("config", nargs="?", help="a shardline config (TOML)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    ap.add_argument("--case", dest="cases", action="append", choices=list(CASES), help="(repeatable; default all)")
+    ap.add_argument("--list", action="store_true", help="list the cases and exit")
+    args = ap.parse_args(argv)
+    if args.list:
+        for name, fn in CASES.items():
+            print(name)
+        return 0
+    from .engines import engine_handle, spark_ranks
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        cfg = resolve_paths(cfg, [cfg.training.launcher], (DATASET, CHECKPOINTS), tracking=True)
+        check_storage(cfg, reads=(DATASET,), writes=(CHECKPOINTS,))
+        root = storage.join(cfg.training.checkpoint_dir, f"_faults-{uuid.uuid4().hex[:8]}")
+        failed = False
+        with ExitStack() as stack:
+            handles = {}
+            if cfg.training.launcher in ("spark", "dask"):
+                handle = stack.enter_context(engine_handle(cfg, cfg.training.launcher, spark_ranks(cfg)))
+                handles = {"spark": handle} if cfg.training.launcher == "spark" else {"dask_client": handle}
+            try:
+                ref_dir = storage.join(root, "reference")
+                ref = _Reference(_train(cfg, ref_dir, handles), ref_dir)
+                for name in args.cases or list(CASES):
+                    verdict, detail = CASES[name](cfg, ref, root, handles)
+                    failed |= verdict == "FAIL"
+                    print(f"{name}: {verdict}: {detail}", flush=True)
+            finally:
+                storage.delete_tree(root)
+    except ShardlineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
