@@ -11,8 +11,12 @@ def cached_model(model_uri: str, tracking_uri: str):
         import mlflow
         import torch
 
+        from training.raw_model import load_torch_model
+
         mlflow.set_tracking_uri(tracking_uri)
-        model = mlflow.pytorch.load_model(model_uri, map_location="cpu")
+        # The torch module alone: batch scoring applies the transform itself, and a
+        # prepared split needs none.
+        model = load_torch_model(model_uri)
         if torch.cuda.is_available():
             model = model.cuda()
         _CACHE[key] = model.eval()

@@ -84,7 +84,9 @@ def register_wrapped(prepared, tracking_uri: str, name: str, wrap) -> str:
 
     base = trained_model(prepared)
     mlflow.set_tracking_uri(tracking_uri)
-    inner = mlflow.pytorch.load_model(base.model_uri)
+    from training.raw_model import load_torch_model
+
+    inner = load_torch_model(base.model_uri)
     # Into the training run's experiment: the active one is whichever an earlier test set,
     # and MLflow refuses to reopen a run under another experiment.
     mlflow.set_experiment(experiment_id=mlflow.get_run(base.run_id).info.experiment_id)

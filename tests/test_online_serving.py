@@ -1,4 +1,5 @@
-"""The registered model is a pyfunc that `mlflow models serve` serves over HTTP on loopback."""
+"""The registered model is a pyfunc that `mlflow models serve` serves over HTTP on loopback:
+raw rows in (the dataset's transform inside), the batch job's predictions out."""
 
 from __future__ import annotations
 
@@ -8,17 +9,19 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
-import torch
+import pandas as pd
+import pytest
 
 from pipelines.manifest import load_manifest
+from serving.score import score
 from training.launchers import free_port
 
-from .serving_helpers import trained_model
+from .serving_helpers import raw_table, read_scores, trained_model, write_raw
 
 
 def _post(url: str, body: dict) -> dict:
@@ -29,7 +32,7 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def test_mlflow_models_serve_scores_over_http(prepared, tracking_uri, tmp_path):
+def test_mlflow_models_serve_takes_raw_rows_and_agrees_with_the_batch_job(prepared, tracking_uri, dask_client, tmp_path):
     result = trained_model(prepared)
     port = free_port()
     mlflow_cli = Path(sys.executable).with_name("mlflow")
@@ -62,18 +65,37 @@ def test_mlflow_models_serve_scores_over_http(prepared, tracking_uri, tmp_path):
                 assert time.monotonic() < deadline, "server did not answer /ping in 600 s"
                 time.sleep(0.5)
 
-        m = load_manifest(prepared.dataset_dir)
-        shard = pq.read_table(Path(prepared.dataset_dir) / m.splits["test"].shards[0].path)
-        x = np.stack(shard.column("features").to_numpy(zero_copy_only=False)[:8]).astype(np.float32)
-        got = np.array(_post(f"http://127.0.0.1:{port}/invocations", {"inputs": x.tolist()})["predictions"])
+        # The same raw rows to the served model over HTTP and to the batch job.
+        raw = raw_table(prepared).slice(0, 16)
+        spec = load_manifest(prepared.dataset_dir).feature_spec
+        rows = raw.select([spec.key, *spec.numeric, *spec.categorical, *spec.vectors]).to_pylist()
+        url = f"http://127.0.0.1:{port}/invocations"
+        got = pd.DataFrame(_post(url, {"dataframe_records": rows})["predictions"])
 
-        import mlflow
+        src = tmp_path / "raw"
+        write_raw(raw, src, 1)
+        score("dask", dask_client, result.model_uri, tracking_uri, str(src), str(tmp_path / "scores"))
+        batch = read_scores(tmp_path / "scores").sort_by("key")
+        probs = np.stack(batch.column("probabilities").to_numpy(zero_copy_only=False))
+        assert list(got.columns) == ["key", "prediction", *(f"prob_{i}" for i in range(probs.shape[1]))]
+        assert got["key"].tolist() == batch.column("key").to_pylist()
+        assert got["prediction"].tolist() == batch.column("prediction").to_pylist()
+        # The batch job stores float32 probabilities; the server sends the same float32s as JSON.
+        served = got[[f"prob_{i}" for i in range(probs.shape[1])]].to_numpy().astype(np.float32)
+        np.testing.assert_allclose(served, probs, rtol=1e-6, atol=1e-7)
 
-        mlflow.set_tracking_uri(tracking_uri)
-        model = mlflow.pytorch.load_model(result.model_uri).eval()
-        with torch.no_grad():
-            want = model(torch.from_numpy(x)).numpy()
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        # A row the transform cannot take: HTTP 400 naming the column and the row.
+        bad = [dict(rows[0]), dict(rows[1])]
+        bad[1][spec.numeric[0]] = "twelve"
+        with pytest.raises(urllib.error.HTTPError) as e:
+            _post(url, {"dataframe_records": bad})
+        assert e.value.code == 400
+        message = json.loads(e.value.read())["message"]
+        assert repr(spec.numeric[0]) in message or spec.numeric[0] in message, message
+        missing = [{k: v for k, v in r.items() if k != spec.categorical[0]} for r in rows[:2]]
+        with pytest.raises(urllib.error.HTTPError) as e:
+            _post(url, {"dataframe_records": missing})
+        assert e.value.code == 400 and spec.categorical[0] in json.loads(e.value.read())["message"]
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -81,3 +103,31 @@ def test_mlflow_models_serve_scores_over_http(prepared, tracking_uri, tmp_path):
         except subprocess.TimeoutExpired:  # never leave the server and its workers behind
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_the_registered_model_signature_is_the_raw_schema_and_bad_rows_are_named(prepared, tracking_uri):
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    result = trained_model(prepared)
+    mlflow.set_tracking_uri(tracking_uri)
+    spec = load_manifest(prepared.dataset_dir).feature_spec
+    info = mlflow.models.get_model_info(result.model_uri)
+    assert info.signature.inputs.input_names() == [spec.key, *spec.numeric, *spec.categorical, *spec.vectors]
+    assert info.signature.outputs.input_names()[0] == "prediction"
+    assert "dataframe_split" in json.loads(Path(mlflow.artifacts.download_artifacts(
+        f"{result.model_uri}/serving_input_example.json")).read_text())
+
+    model = mlflow.pyfunc.load_model(result.model_uri)
+    rows = raw_table(prepared).slice(0, 4).to_pandas()
+    out = model.predict(rows.drop(columns=[spec.key]))
+    assert "key" not in out.columns and len(out) == 4
+    probs = out.filter(like="prob_").to_numpy()
+    np.testing.assert_allclose(probs.sum(1), 1.0, rtol=1e-5)
+    assert (out["prediction"].to_numpy() == probs.argmax(1)).all()
+
+    bad = rows.copy()
+    bad[spec.numeric[1]] = bad[spec.numeric[1]].astype(float)
+    bad.loc[2, spec.numeric[1]] = float("nan")
+    with pytest.raises(MlflowException, match=f"column '{spec.numeric[1]}' is null, NaN or inf at row 2"):
+        model.predict(bad)

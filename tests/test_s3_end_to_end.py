@@ -24,6 +24,7 @@ from serving.score import score
 from training import checkpoints
 from training.config import TrackingConfig
 from training.job import run_training
+from training.raw_model import load_torch_model
 
 from .fixtures_s3 import new_bucket, s3_keys
 from .test_checkpoints import _cfg, _equal, _kill_rank_after_first_checkpoint
@@ -251,6 +252,6 @@ def test_cli_train_resume_continues_from_the_checkpoint_in_the_bucket(data, refe
     run_id, model_uri = line.split()[1].rstrip(";"), line.split()[-1]
     assert run_id == result.run_id  # the checkpoint's own MLflow run, continued
     mlflow.set_tracking_uri(mlflow_server)
-    _equal(mlflow.pytorch.load_model(model_uri).state_dict(), result.weights)
+    _equal(load_torch_model(model_uri).state_dict(), result.weights)
     assert checkpoints.latest(resumed_dir) != f"{resumed_dir}/{storage.name(mid)}"  # it went on writing there
     assert not (tmp_path / "shardline-data").exists()  # nothing fell back to a local path

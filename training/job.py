@@ -9,7 +9,6 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -358,35 +357,22 @@ def _launch(
 
 
 def log_model(model: torch.nn.Module, manifest: ShardManifest, registered_name: str | None) -> str:
-    """Log the plain model (torch + pyfunc flavors) with signature; register it if named.
+    """Log the model as a pyfunc that takes raw rows (training.raw_model: the dataset's
+    transform inside, raw-feature signature and input example); register it if named.
 
     Returns the registered version, or "" when not registered.
     """
-    import mlflow
-    from mlflow.models import infer_signature
-
-    import pipelines
-    import training
+    from .raw_model import log_raw_model
 
     model.eval()
-    width = manifest.tensors["features"].shape[0]
-    example = torch.zeros(4, width)
-    with torch.no_grad():
-        out = model(example).numpy()
-    # Pickle, not pt2: pt2 fixes the batch size of the input example into the graph.
-    # MLflow warns about pickle; the class code ships with the model (code_paths).
-    logging.getLogger("mlflow.pytorch").setLevel(logging.ERROR)
-    info = mlflow.pytorch.log_model(
-        model,
-        name="model",
-        signature=infer_signature(example.numpy(), out),
-        input_example=example.numpy(),
-        # Without an explicit list MLflow spends ~10 s inferring one (FACTS.md).
-        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "pydantic", "pyarrow"],
-        # The pickled model's class lives in `training`; ship the code with the model.
-        code_paths=[str(Path(pipelines.__file__).parent), str(Path(training.__file__).parent)],
-        serialization_format="pickle",
-        registered_model_name=registered_name,
+    # MLflow warns that the pyfunc's python_model and the signature's optional key column
+    # are its own choices to document; both are deliberate here.
+    logging.getLogger("mlflow.pyfunc").setLevel(logging.ERROR)
+    logging.getLogger("mlflow.models.model").setLevel(logging.ERROR)
+    info = log_raw_model(
+        model, manifest, registered_name,
+        # Without an explicit list MLflow spends ~10 s inferring one.
+        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "pydantic", "pyarrow", "pandas"],
     )
     return str(info.registered_model_version) if registered_name else ""
 

@@ -1,0 +1,192 @@
+"""The registered model takes raw rows: an MLflow pyfunc with the dataset's transform inside.
+
+A model trained on prepared shards expects standardised numerics, vector elements and
+category indices. A caller of `mlflow models serve` has raw rows, and re-implementing
+the transform outside would let serving skew from training. So the logged model is a
+pyfunc (`RawRowsModel`) holding the torch module and the training dataset's feature spec
+and fitted statistics (manifest), and its `predict` runs the very functions prepare and
+batch scoring run (`pipelines.rows.parse_features`, `pipelines.transform.features`):
+raw columns in, `prediction` and one `prob_<class>` column per class out (regression:
+the value).
+
+Batch scoring of prepared shards does not need the transform: `load_torch_model` gives
+it the torch module alone (from this model or from a plain pytorch-flavor one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from pipelines.config import FeatureSpec
+from pipelines.manifest import FittedStatistics, ShardManifest
+
+WEIGHTS = "model"  # artifact names inside the logged model
+TRANSFORM = "transform"
+
+
+class RawRowsModel(mlflow.pyfunc.PythonModel):
+    """Raw feature columns in, predictions out (see the module docstring)."""
+
+    def load_context(self, context) -> None:
+        import torch
+
+        t = json.loads(Path(context.artifacts[TRANSFORM]).read_text())
+        self.spec = FeatureSpec.model_validate(t["spec"])
+        self.stats = FittedStatistics.model_validate(t["stats"])
+        self.model = torch.load(context.artifacts[WEIGHTS], map_location="cpu", weights_only=False).eval()
+
+    def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
+        return predict_raw(self.model, self.spec, self.stats, model_input)
+
+
+def class_names(spec: FeatureSpec, stats: FittedStatistics) -> list[str]:
+    """The output column per class: `prob_<name>` for named classes, else `prob_<index>`."""
+    if isinstance(spec.classes, list):
+        return [f"prob_{c}" for c in spec.classes]
+    return [f"prob_{i}" for i in range(stats.num_classes)]
+
+
+def predict_raw(model, spec: FeatureSpec, stats: FittedStatistics, rows: pd.DataFrame) -> pd.DataFrame:
+    """Predictions for raw rows; a row the transform cannot take is refused, naming it."""
+    import torch
+
+    from pipelines.rows import INVALID, parse_features
+    from pipelines.transform import features
+
+    table = _table(rows, spec)
+    numeric, categorical, vectors, problems = parse_features(table, spec)
+    impute = spec.on_invalid_features == "impute"
+    for (kind, col), mask in problems.items():
+        if kind == INVALID and impute:
+            continue
+        row = int(np.flatnonzero(mask)[0])
+        what = "does not parse as a number" if kind == "bad" else "is null, NaN or inf"
+        if col in spec.vectors:
+            what = f"is not {spec.vectors[col]} finite numbers"
+        _refuse(f"column '{col}' {what} at row {row} (value {rows[col].iloc[row]!r})")
+    x = features(numeric, categorical, vectors, table.num_rows, spec, stats, impute)
+    with torch.inference_mode():
+        y = model(torch.from_numpy(x))
+        if spec.task == "classification":
+            y = torch.softmax(y, 1)
+    y = y.float().numpy()
+    out = {}
+    if spec.key in rows.columns:  # pass the caller's key through, to join on
+        out["key"] = rows[spec.key].to_numpy()
+    if spec.task == "classification":
+        out["prediction"] = y.argmax(1).astype(np.int64)
+        out.update({name: y[:, i].astype(np.float64) for i, name in enumerate(class_names(spec, stats))})
+    else:
+        out["prediction"] = y[:, 0].astype(np.float64)
+    return pd.DataFrame(out)
+
+
+def _table(rows: pd.DataFrame, spec: FeatureSpec) -> pa.Table:
+    if not isinstance(rows, pd.DataFrame):
+        rows = pd.DataFrame(rows)
+    cols = [*spec.numeric, *spec.categorical, *spec.vectors]
+    missing = [c for c in cols if c not in rows.columns]
+    if missing:
+        _refuse(f"missing feature column(s) {', '.join(repr(c) for c in missing)}")
+    data = {}
+    for c in cols:
+        try:
+            if c in spec.vectors:
+                data[c] = pa.array([None if v is None else list(v) for v in rows[c]], pa.list_(pa.float64()))
+            elif c in spec.categorical:
+                data[c] = pa.array([None if v is None or v != v else str(v) for v in rows[c]], pa.string())
+            else:
+                data[c] = pa.array(rows[c], from_pandas=True)
+        except (pa.ArrowException, TypeError, ValueError) as e:
+            _refuse(f"column '{c}': {str(e).splitlines()[0]}")
+    return pa.table(data)
+
+
+def _refuse(message: str):
+    """A bad request: `mlflow models serve` answers it with HTTP 400 and this message."""
+    from mlflow.exceptions import INVALID_PARAMETER_VALUE, MlflowException
+
+    raise MlflowException(message, error_code=INVALID_PARAMETER_VALUE)
+
+
+def example_rows(spec: FeatureSpec, stats: FittedStatistics, n: int = 2) -> pd.DataFrame:
+    """Raw rows the model takes, built from the training statistics (no raw file is needed):
+    the numeric means, the most frequent categories, zero vectors."""
+    rows: dict[str, list] = {}
+    for c in spec.numeric:
+        rows[c] = [float(stats.numeric[c].mean)] * n
+    for c in spec.categorical:
+        vocab = stats.categorical.get(c) or ["a"]
+        rows[c] = [vocab[i % len(vocab)] for i in range(n)]
+    for c, length in spec.vectors.items():
+        rows[c] = [[0.0] * length for _ in range(n)]
+    return pd.DataFrame(rows)
+
+
+def signature(spec: FeatureSpec, stats: FittedStatistics):
+    """The raw feature schema in (the key optional, passed through), predictions out."""
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import Array, ColSpec, DataType, Schema
+
+    inputs = [ColSpec(DataType.long, spec.key, required=False)] if not spec.generate_key else []
+    inputs += [ColSpec(DataType.double, c) for c in spec.numeric]
+    inputs += [ColSpec(DataType.string, c) for c in spec.categorical]
+    inputs += [ColSpec(Array(DataType.double), c) for c in spec.vectors]
+    if spec.task == "classification":
+        outputs = [ColSpec(DataType.long, "prediction")]
+        outputs += [ColSpec(DataType.double, name) for name in class_names(spec, stats)]
+    else:
+        outputs = [ColSpec(DataType.double, "prediction")]
+    return ModelSignature(Schema(inputs), Schema(outputs))
+
+
+def log_raw_model(model, manifest: ShardManifest, registered_name: str | None, **kwargs):
+    """Log `model` as a RawRowsModel of `manifest`'s transform; MLflow's ModelInfo."""
+    import torch
+
+    import pipelines
+    import training
+
+    spec, stats = manifest.feature_spec, manifest.statistics
+    # MLflow loads the model back to check its input example: no download bars on the console.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    with tempfile.TemporaryDirectory() as d:
+        weights, transform = os.path.join(d, "model.pt"), os.path.join(d, "transform.json")
+        # The whole module pickled: its class ships with the model (code_paths).
+        torch.save(model, weights)
+        Path(transform).write_text(json.dumps(
+            {"spec": spec.model_dump(mode="json"), "stats": stats.model_dump(mode="json")}
+        ))
+        return mlflow.pyfunc.log_model(
+            name="model",
+            python_model=RawRowsModel(),
+            artifacts={WEIGHTS: weights, TRANSFORM: transform},
+            signature=signature(spec, stats),
+            input_example=example_rows(spec, stats),
+            code_paths=[str(Path(pipelines.__file__).parent), str(Path(training.__file__).parent)],
+            registered_model_name=registered_name,
+            **kwargs,
+        )
+
+
+def load_torch_model(model_uri: str):
+    """The torch module of a logged model: a RawRowsModel's weights, or a pytorch-flavor
+    model (one logged by other code). On the CPU; the caller moves it."""
+    import torch
+    from mlflow.models import Model
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a task's log, not a terminal
+    local = mlflow.artifacts.download_artifacts(model_uri)
+    flavors = Model.load(local).flavors
+    if "pytorch" in flavors:
+        return mlflow.pytorch.load_model(local, map_location="cpu")
+    weights = flavors["python_function"]["artifacts"][WEIGHTS]["path"]
+    return torch.load(os.path.join(local, weights), map_location="cpu", weights_only=False)
