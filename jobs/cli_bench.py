@@ -56,7 +56,7 @@ def bench_prepare(rows, rounds, as_json):
 @click.option("--rows", type=int, default=1_000_000, show_default=True, help="Synthetic rows (the train split is scored).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
 def bench_score(rows, as_json):
-    """Scoring rows/s on Spark and Dask vs the limit (1 process x cores) and predict_batch_udf."""
+    """Scoring rows/s on Spark and Dask (prepared splits and raw rows) vs plain processes, the limit and predict_batch_udf."""
     from benchmarks.score import run as run_bench
 
     result = _bench(run_bench, as_json, rows=rows)
@@ -76,14 +76,33 @@ def bench_score(rows, as_json):
     table.add_row(f"limit (1 proc × {result['cores']})", f"{secs['limit_single_process']:.2f}",
                   f"{rps['limit']:,.0f}", "", "", "")
     Console().print(table)
+    raw = Table(title=f"score from raw rows (the model's transform inside), {result['rows_scored_raw']:,} rows")
+    for col in ("", "seconds", "rows/s", "× processes", "× pbu"):
+        raw.add_column(col, justify="right")
+    for k in ("spark", "dask"):
+        raw.add_row(k, f"{secs[k + '_raw']:.2f}", f"{rps[k + '_raw']:,.0f}",
+                    f"{result['raw_ratio_vs_processes'][k]:.2f}", f"{result['raw_ratio_vs_predict_batch_udf'][k]:.2f}")
+    raw.add_row("predict_batch_udf (pbu)", f"{secs['predict_batch_udf_raw']:.2f}",
+                f"{rps['predict_batch_udf_raw']:,.0f}", "", "")
+    raw.add_row(f"{result['cores']} processes, no engine", f"{secs['processes_raw']:.2f}",
+                f"{rps['processes_raw']:,.0f}", "", "")
+    Console().print(raw)
     t = result["targets"]
+
+    def verdict(ratio: float, target: float, met: bool) -> str:
+        return f"{ratio:.2f} (target ≥ {target}: {'met' if met else 'NOT met'})"
+
     for k in ("spark", "dask"):
         met = result["met"][k]
         console.print(
-            f"  {k}: × limit {result['ratio_vs_limit'][k]:.2f} (target ≥ {t['vs_limit']}: "
-            f"{'met' if met['vs_limit'] else 'NOT met'}), × predict_batch_udf "
-            f"{result['ratio_vs_predict_batch_udf'][k]:.2f} (target ≥ {t['vs_predict_batch_udf']}: "
-            f"{'met' if met['vs_predict_batch_udf'] else 'NOT met'})"
+            f"  {k}: × limit {verdict(result['ratio_vs_limit'][k], t['vs_limit'], met['vs_limit'])}, "
+            f"× processes {verdict(result['ratio_vs_processes'][k], t['vs_processes'], met['vs_processes'])}, "
+            f"× predict_batch_udf {verdict(result['ratio_vs_predict_batch_udf'][k], t['vs_predict_batch_udf'], met['vs_predict_batch_udf'])}"
+        )
+        console.print(
+            f"  {k} from raw rows: × processes "
+            f"{verdict(result['raw_ratio_vs_processes'][k], t['vs_processes'], met['raw_vs_processes'])}, "
+            f"× predict_batch_udf {verdict(result['raw_ratio_vs_predict_batch_udf'][k], t['vs_predict_batch_udf'], met['raw_vs_predict_batch_udf'])}"
         )
     console.print(f"  {result['cores']} plain processes running the limit's loop reach "
                   f"{result['processes_vs_limit']:.2f} of the limit here: the machine's own parallel "

@@ -30,9 +30,14 @@ def test_bench_score_figures_keep_their_relations(spark, dask_client, prepared, 
 
     secs, rps = result["seconds"], result["rows_per_s"]
     methods = {"spark", "dask", "predict_batch_udf", "limit_single_process", "processes"}
-    assert set(secs) == methods and set(rps) == methods | {"limit"}
+    raw = {"spark_raw", "dask_raw", "predict_batch_udf_raw", "processes_raw"}
+    assert set(secs) == methods | raw and set(rps) == methods | raw | {"limit"}
     for m in methods:
         assert_quotient(rps[m], result["rows_scored"], secs[m], f"rows_per_s[{m}]")
+    # Raw rows: every row of the dataset's raw files, through the model's transform.
+    assert result["rows_scored_raw"] == result["rows"]
+    for m in raw:
+        assert_quotient(rps[m], result["rows_scored_raw"], secs[m], f"rows_per_s[{m}]")
     # The limit is one process's rate times the cores.
     assert_quotient(rps["limit_single_process"], rps["limit"], result["cores"], "limit / cores")
     assert_quotient(result["processes_vs_limit"], rps["processes"], rps["limit"], "processes_vs_limit")
@@ -45,3 +50,9 @@ def test_bench_score_figures_keep_their_relations(spark, dask_client, prepared, 
         assert_quotient(pbu, rps[k], rps["predict_batch_udf"], f"ratio_vs_predict_batch_udf[{k}]")
         assert_met(result["met"][k]["vs_limit"], result["ratio_vs_limit"][k], targets["vs_limit"], k)
         assert_met(result["met"][k]["vs_predict_batch_udf"], pbu, targets["vs_predict_batch_udf"], k)
+        assert_met(result["met"][k]["vs_processes"], result["ratio_vs_processes"][k], targets["vs_processes"], k)
+        raw_p, raw_pbu = result["raw_ratio_vs_processes"][k], result["raw_ratio_vs_predict_batch_udf"][k]
+        assert_quotient(raw_p, rps[f"{k}_raw"], rps["processes_raw"], f"raw_ratio_vs_processes[{k}]")
+        assert_quotient(raw_pbu, rps[f"{k}_raw"], rps["predict_batch_udf_raw"], f"raw_ratio_vs_pbu[{k}]")
+        assert_met(result["met"][k]["raw_vs_processes"], raw_p, targets["vs_processes"], k)
+        assert_met(result["met"][k]["raw_vs_predict_batch_udf"], raw_pbu, targets["vs_predict_batch_udf"], k)

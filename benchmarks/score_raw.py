@@ -1,0 +1,235 @@
+"""`shardline bench score`, raw rows: scoring the dataset's raw Parquet files through the
+model's transform (the one the registered pyfunc embeds, training.raw_model), so the
+read -> parse -> transform -> infer -> write path is measured, not only inference on
+prepared features.
+
+- spark_raw, dask_raw: `serving.score.score` on the raw files (the whole job).
+- processes_raw: the same read-transform-infer-write loop (`raw_loop`, the functions
+  batch scoring and the pyfunc call) in one plain process per core, no engine: the
+  figure the engines are held to (target: >= 0.95 x).
+- predict_batch_udf_raw: `pyspark.ml.functions.predict_batch_udf` over the raw columns
+  with the same transform inside its predict function (target: engines >= 1.5 x).
+
+Every method scores every row of every raw file (all splits), once unmeasured, then
+measured, as the prepared figures do.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from training.raw_model import load_torch_model
+
+BATCH_SIZE = 4096  # serving.score's default, as for the prepared figures
+
+
+def raw_files(manifest) -> list[str]:
+    """The dataset's raw Parquet files (its manifest's sources)."""
+    files = [str(s["path"]) for s in manifest.sources if s["format"] in ("parquet", "synthetic")]
+    if not files or len(files) != len(manifest.sources):
+        raise RuntimeError("bench score: the dataset's sources are not all Parquet files")
+    return files
+
+
+def raw_loop(model, paths: list[str], out: Path, spec_json: str, stats_json: str, model_name: str,
+             model_version: str) -> int:
+    """Raw files -> features (the training transform) -> probabilities -> Parquet, in this
+    process; `model` is loaded. Returns rows scored."""
+    import torch
+
+    from pipelines.config import FeatureSpec
+    from pipelines.manifest import FittedStatistics
+    from pipelines.transform import features_matrix
+    from serving.worker import output_schema
+
+    spec = FeatureSpec.model_validate_json(spec_json)
+    stats = FittedStatistics.model_validate_json(stats_json)
+    impute = spec.on_invalid_features == "impute"
+    columns = [spec.key, *spec.numeric, *spec.categorical, *spec.vectors]
+    schema = output_schema(classification=True)
+    out.mkdir(parents=True)
+    rows = 0
+    scored_at = datetime.now(timezone.utc)
+    for i, path in enumerate(paths):
+        with pq.ParquetWriter(out / f"part-{i:05d}.parquet", schema) as writer:
+            for batch in pq.ParquetFile(path).iter_batches(BATCH_SIZE, columns=columns, use_threads=False):
+                x = features_matrix(pa.Table.from_batches([batch]), spec, stats, impute)
+                with torch.inference_mode():
+                    p = torch.softmax(model(torch.from_numpy(x)), 1).numpy()
+                m, k = p.shape
+                offsets = pa.array(np.arange(0, m * k + 1, k, dtype=np.int32))
+                writer.write_batch(pa.RecordBatch.from_arrays(
+                    [
+                        batch.column(0).cast(pa.int64()),
+                        pa.array(p.argmax(1), pa.int64()),
+                        pa.ListArray.from_arrays(offsets, pa.array(p.reshape(-1), pa.float32())),
+                        pa.array([model_name] * m, pa.string()),
+                        pa.array([model_version] * m, pa.string()),
+                        pa.array([scored_at] * m, pa.timestamp("us", tz="UTC")),
+                    ],
+                    schema=schema,
+                ))
+                rows += m
+    return rows
+
+
+def _raw_process(barrier, results, model_uri, tracking_uri, paths, out, spec_json, stats_json, name, version):
+    import mlflow
+    import torch
+
+    torch.set_num_threads(1)
+    mlflow.set_tracking_uri(tracking_uri)
+    model = load_torch_model(model_uri).eval()
+    barrier.wait()  # every process loaded: the clock starts now
+    results.put(raw_loop(model, paths, out, spec_json, stats_json, name, version) if paths else 0)
+
+
+def raw_processes(cores: int, model_uri: str, tracking_uri: str, paths: list[str], out: Path,
+                  spec_json: str, stats_json: str, name: str, version: str) -> tuple[int, float]:
+    """`raw_loop` in `cores` plain processes at once, the files dealt round-robin:
+    (rows, seconds from the common start)."""
+    from training.launchers.local import process_context
+
+    ctx = process_context()
+    barrier, results = ctx.Barrier(cores + 1), ctx.Queue()
+    procs = [
+        ctx.Process(target=_raw_process, args=(barrier, results, model_uri, tracking_uri, paths[i::cores],
+                                               out / f"p{i}", spec_json, stats_json, name, version))
+        for i in range(cores)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        barrier.wait(timeout=300)
+        start = time.perf_counter()
+        rows = sum(results.get(timeout=600) for _ in procs)
+        return rows, time.perf_counter() - start
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
+def predict_batch_udf_raw_job(spark, model_uri: str, tracking_uri: str, spec_json: str, stats_json: str):
+    """predict_batch_udf over the raw columns, the training transform in its predict
+    function; a function scoring raw files into a directory (one udf: its per-worker
+    model cache survives from the warm-up to the measured run)."""
+    from pyspark.ml.functions import predict_batch_udf
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import ArrayType, FloatType, LongType, StructField, StructType
+
+    from pipelines.config import FeatureSpec
+
+    spec = FeatureSpec.model_validate_json(spec_json)
+    columns = [*spec.numeric, *spec.categorical, *spec.vectors]
+
+    def make_predict_fn():
+        import mlflow
+        import torch
+
+        from pipelines.manifest import FittedStatistics
+        from pipelines.transform import features_matrix
+
+        stats = FittedStatistics.model_validate_json(stats_json)
+        impute = spec.on_invalid_features == "impute"
+        mlflow.set_tracking_uri(tracking_uri)
+        model = load_torch_model(model_uri).eval()
+
+        def predict(*arrays: np.ndarray) -> dict:
+            data = {}
+            for c, a in zip(columns, arrays):
+                if c in spec.vectors:
+                    data[c] = pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1)), spec.vectors[c])
+                else:
+                    data[c] = pa.array(a, from_pandas=True)
+            x = features_matrix(pa.table(data), spec, stats, impute)
+            with torch.inference_mode():
+                p = torch.softmax(model(torch.from_numpy(x)), 1).numpy()
+            return {"prediction": p.argmax(1).astype(np.int64), "probabilities": p}
+
+        # predict_batch_udf counts the function's parameters to decide how to pass the
+        # columns: one per raw column.
+        predict.__signature__ = inspect.Signature(
+            [inspect.Parameter(f"c{i}", inspect.Parameter.POSITIONAL_ONLY) for i in range(len(columns))]
+        )
+        return predict
+
+    udf = predict_batch_udf(
+        make_predict_fn,
+        return_type=StructType([
+            StructField("prediction", LongType()),
+            StructField("probabilities", ArrayType(FloatType())),
+        ]),
+        batch_size=BATCH_SIZE,
+        input_tensor_shapes=[[spec.vectors[c]] if c in spec.vectors else None for c in columns],
+    )
+
+    def run(paths: list[str], out: Path, model_name: str, model_version: str) -> None:
+        scored_at = datetime.now(timezone.utc)
+        p = F.col("p")
+        (
+            spark.read.parquet(*paths)
+            .select(F.col(spec.key).cast("long").alias("key"), udf(*columns).alias("p"))
+            .select(
+                "key",
+                p["prediction"].alias("prediction"),
+                p["probabilities"].alias("probabilities"),
+                F.lit(model_name).alias("model_name"),
+                F.lit(model_version).alias("model_version"),
+                F.lit(scored_at).alias("scored_at"),
+            )
+            .write.mode("overwrite").parquet(str(out))
+        )
+
+    return run
+
+
+def measure(spark, client, model, tracking_uri: str, manifest, root: Path, cores: int,
+            progress) -> tuple[dict[str, float], dict[str, int], int]:
+    """(seconds per method, rows each scored, rows of the raw files)."""
+    from serving.score import score
+
+    files = raw_files(manifest)
+    n = sum(pq.read_metadata(f).num_rows for f in files)
+    spec_json = manifest.feature_spec.model_dump_json()
+    stats_json = manifest.statistics.model_dump_json()
+    # The raw files as one input (a directory of links: the batch job takes a file,
+    # a directory or a glob, and the sources may sit beside other files).
+    raw = root / "raw-input"
+    raw.mkdir()
+    for i, f in enumerate(files):
+        (raw / f"part-{i:05d}.parquet").symlink_to(Path(f).resolve())
+    seconds: dict[str, float] = {}
+    scored: dict[str, int] = {}
+    for name, handle in (("spark", spark), ("dask", client)):
+        progress(f"{name}: score the raw files twice (a warm-up, then measured)")
+        score(name, handle, model.pinned_uri, tracking_uri, str(raw), str(root / f"warm-raw-{name}"),
+              force=True, batch_size=BATCH_SIZE)
+        start = time.perf_counter()
+        r = score(name, handle, model.pinned_uri, tracking_uri, str(raw), str(root / f"out-raw-{name}"),
+                  force=True, batch_size=BATCH_SIZE)
+        seconds[f"{name}_raw"] = time.perf_counter() - start
+        scored[f"{name}_raw"] = r.rows
+
+    progress("predict_batch_udf on raw columns, the transform inside: twice (a warm-up, then measured)")
+    pbu = predict_batch_udf_raw_job(spark, model.pinned_uri, tracking_uri, spec_json, stats_json)
+    pbu(files, root / "warm-pbu-raw", model.name, model.version)
+    start = time.perf_counter()
+    pbu(files, root / "out-pbu-raw", model.name, model.version)
+    seconds["predict_batch_udf_raw"] = time.perf_counter() - start
+    scored["predict_batch_udf_raw"] = pq.ParquetDataset(str(root / "out-pbu-raw")).read(columns=["key"]).num_rows
+
+    progress(f"processes_raw: the read-transform-infer-write loop in {cores} plain processes at once")
+    scored["processes_raw"], seconds["processes_raw"] = raw_processes(
+        cores, model.pinned_uri, tracking_uri, files, root / "out-processes-raw", spec_json, stats_json,
+        model.name, model.version,
+    )
+    return seconds, scored, n
