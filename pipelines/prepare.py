@@ -39,6 +39,7 @@ from .manifest import (
     new_version_dir,
     sequences,
 )
+from .progress import Counted, ProgressListener, listen_address
 from .raw import Unit, describe, plan_units
 from .rows import BAD_KINDS, INVALID
 from .shards import SHARD_META_SCHEMA, write_parts
@@ -122,7 +123,8 @@ def prepare(
         num_classes=declared_classes(spec, previous, frozen),
         delimiter=src.csv_delimiter,
     )
-    report = merge_reports(engine.run(partial(report_unit, task=task), units))
+    with _listener(engine) as progress, progress.stage("prepare pass 1", len(units), "units read") as read:
+        report = merge_reports(engine.run(Counted(partial(report_unit, task=task), progress.address, read.key), units))
     _check(report, cfg, spec, task.num_classes, frozen)
 
     stats = previous.statistics if frozen else _fit(report, spec)
@@ -140,23 +142,35 @@ def prepare(
 
     version_id, version_dir = new_version_dir(root)
     try:
-        metas = engine.shuffle_write(
-            sources=units + [(i - len(existing), url) for i, url in enumerate(existing)],
-            read=partial(_rows, task=task, stats=stats, parts=parts),
-            schema=transport_schema(spec),
-            parts=parts.total,
-            write=partial(
-                write_parts,
-                parts=parts,
-                dataset_dir=root,
-                version_dir_name=storage.name(version_dir),
-                spec=spec,
-                rows_per_row_group=layout.rows_per_row_group,
-                shard_offsets=offsets,
-                drop_repeats=task.drop_bad,
-            ),
-            out_schema=SHARD_META_SCHEMA,
-        )
+        inputs = units + [(i - len(existing), url) for i, url in enumerate(existing)]
+        with (
+            _listener(engine) as progress,
+            progress.stage("prepare pass 2", len(inputs), "units read and routed") as routed,
+            progress.stage("prepare write", parts.total, "shards written") as shards_out,
+        ):
+            metas = engine.shuffle_write(
+                sources=inputs,
+                read=Counted(partial(_rows, task=task, stats=stats, parts=parts), progress.address, routed.key),
+                schema=transport_schema(spec),
+                parts=parts.total,
+                write=Counted(
+                    partial(
+                        write_parts,
+                        parts=parts,
+                        dataset_dir=root,
+                        version_dir_name=storage.name(version_dir),
+                        spec=spec,
+                        rows_per_row_group=layout.rows_per_row_group,
+                        shard_offsets=offsets,
+                        drop_repeats=task.drop_bad,
+                    ),
+                    progress.address,
+                    shards_out.key,
+                ),
+                out_schema=SHARD_META_SCHEMA,
+            )
+            # One write call per part with rows (a part's rows meet in one partition).
+            shards_out.total = sum(1 for m in metas if m["path"])
         _check_repeats(metas, units, existing, spec)
         written = [m for m in metas if m["path"]]
         if not written:
@@ -200,6 +214,13 @@ def prepare(
     except BaseException:
         storage.delete_tree(version_dir)
         raise
+
+
+def _listener(engine) -> ProgressListener:
+    """The driver's progress listener, where the engine's tasks reach it (pipelines.progress):
+    the passes' counts show on this console wherever the tasks run."""
+    return ProgressListener(listen_address(engine.name, getattr(engine, "spark", None),
+                                           getattr(engine, "client", None)), drain=False)
 
 
 def _moved(previous: ShardManifest | None, root: str) -> bool:

@@ -21,6 +21,7 @@ from typing import Literal
 from pipelines import storage
 from pipelines.errors import DataError, ShardlineError
 from pipelines.lease import Lease
+from pipelines.progress import ProgressListener, listen_address
 
 from .inputs import Transform, Unit, check_unit, discover
 from .ledger import (
@@ -177,23 +178,30 @@ def execute(
             if u.unit_id not in p.rows:
                 p.rows[u.unit_id] = check_unit(u, p.transform, p.describe_model())
         remove_orphans(p.dir, read_ledger(p.dir))
-        tasks = [
-            UnitTask(
-                unit=u,
-                output_dir=p.dir,
-                output_name=output_name(u.unit_id),
-                model_uri=model.pinned_uri,
-                tracking_uri=p.tracking_uri,
-                model_name=model.name,
-                model_version=model.version,
-                transform=p.transform,
-                batch_size=batch_size,
-                threads=threads_per_task,
-                scored_at=scored_at,
-            )
-            for u in p.todo
-        ]
-        entries = _run(engine_name, spark_or_client, tasks) if tasks else []
+        # Units done show on this console as they commit, wherever the tasks run.
+        with (
+            ProgressListener(_listen_address(engine_name, spark_or_client), drain=False) as listener,
+            listener.stage("score", len(p.todo), "units scored") as scored,
+        ):
+            tasks = [
+                UnitTask(
+                    unit=u,
+                    output_dir=p.dir,
+                    output_name=output_name(u.unit_id),
+                    model_uri=model.pinned_uri,
+                    tracking_uri=p.tracking_uri,
+                    model_name=model.name,
+                    model_version=model.version,
+                    transform=p.transform,
+                    batch_size=batch_size,
+                    threads=threads_per_task,
+                    scored_at=scored_at,
+                    progress_addr=listener.address,
+                    progress_key=scored.key,
+                )
+                for u in p.todo
+            ]
+            entries = _run(engine_name, spark_or_client, tasks) if tasks else []
         held.check()  # say so if another job took the output over while this one stalled
         # Every unit is committed now; a temp file left is an attempt that died mid-unit
         # (a killed worker) and was retried elsewhere. Still under the lock: no job writes.
@@ -251,6 +259,12 @@ def _check_owner(out: str, found: list[Scores], model) -> None:
             f"{other.model_version}), not of {model.name}; choose another output directory or "
             f"pass --force to discard them"
         )
+
+
+def _listen_address(engine_name: str, spark_or_client) -> str:
+    if engine_name == "spark":
+        return listen_address("spark", spark=spark_or_client)
+    return listen_address("dask", dask_client=spark_or_client)
 
 
 def _run(engine_name: str, spark_or_client, tasks: list[UnitTask]) -> list[dict]:

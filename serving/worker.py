@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 import numpy as np
 import pyarrow as pa
 
-from pipelines import storage
+from pipelines import progress, storage
 from pipelines.errors import ShardlineError
 
 from .inputs import Transform, Unit
@@ -37,6 +37,8 @@ class UnitTask:
     batch_size: int
     threads: int = 1  # torch intra-op threads while this unit is scored
     scored_at: str = ""  # UTC ISO 8601, one per job (the driver's clock): retries write the same bytes
+    progress_addr: str | None = None  # the driver's progress listener and stage (pipelines.progress)
+    progress_key: str | None = None
 
 
 def output_schema(classification: bool) -> pa.Schema:
@@ -112,6 +114,7 @@ def _score_unit(task: UnitTask) -> dict:
         "scored_at": scored_at.isoformat(),
     }
     commit(task.output_dir, entry)
+    progress.tick(task.progress_addr, task.progress_key, rows)
     return entry
 
 

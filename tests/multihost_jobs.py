@@ -27,6 +27,7 @@ def run_jobs(bed) -> None:
     killed = _job(bed, "run", "ckpt-killed", kill="spark executor's Python worker")
     _check_restarted(killed, bed)
     _check_scores(bed)
+    _check_stage_lines(killed["log"])
     reference = _job(bed, "train", "ckpt-reference")
     _check_same_weights(bed, "ckpt-killed", "ckpt-reference")
     print(f"[bed] spark: a rank on host B killed mid-training (after {killed['kill_step']}); the job "
@@ -161,6 +162,16 @@ def _check_same_weights(bed, ckpt: str, reference: str) -> None:
     differ = [k for k in got if not torch.equal(got[k], want[k])]
     if differ:
         raise RuntimeError(f"{ckpt} ends on other weights than {reference}: {differ}")
+
+
+def _check_stage_lines(log: str) -> None:
+    """Prepare's and scoring's unit counts reached the console on host S from the
+    executors on hosts A and B (pipelines.progress)."""
+    for pattern in (r"\[shardline\] prepare pass 1: (\d+)/\1 units read",
+                    r"\[shardline\] prepare write: \d+/\d+ shards written",
+                    r"\[shardline\] score: (\d+)/\1 units scored \([\d,]+ rows\)"):
+        if not re.search(pattern, log):
+            raise RuntimeError(f"no line matching {pattern!r} on the driver's console")
 
 
 def _check_scores(bed) -> None:

@@ -70,6 +70,9 @@ def test_run_on_connect_prepares_trains_and_scores(connect_server, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:] + connect_server.log_tail()
     # The executors ran the server's Python and imported shardline from the shipped zip.
     assert f"executors: Python 3.{sys.version_info.minor} ({sys.executable}" in proc.stderr
+    # The stages' unit counts came from the server's tasks to this console.
+    assert re.search(r"\[shardline\] prepare pass 1: (\d+)/\1 units read", proc.stderr), proc.stderr[-3000:]
+    assert re.search(r"\[shardline\] score: (\d+)/\1 units scored", proc.stderr), proc.stderr[-3000:]
     test_rows = load_manifest(str(tmp_path / "shardline-data/quickstart/dataset")).splits["test"].rows
     import pyarrow.parquet as pq
 

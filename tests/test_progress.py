@@ -1,4 +1,4 @@
-"""training.progress: ranks' lines reach the driver's console over a socket, and a rank
+"""pipelines.progress: ranks' lines reach the driver's console over a socket, and a rank
 whose driver cannot be reached prints them itself instead of waiting."""
 
 from __future__ import annotations
@@ -8,7 +8,9 @@ import subprocess
 import sys
 import time
 
-from training import progress
+import pytest
+
+from pipelines import progress
 from training.launchers import free_port
 
 from .conftest import REPO
@@ -24,7 +26,7 @@ def test_lines_from_another_process_reach_the_listener_in_order():
     out = io.StringIO()
     with progress.ProgressListener("127.0.0.1", out=out) as listener:
         code = (
-            "from training import progress\n"
+            "from pipelines import progress\n"
             f"for i in range(3): progress.say({listener.address!r}, f'[shardline] epoch {{i + 1}}/3: ok')\n"
         )
         proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -36,7 +38,7 @@ def test_lines_from_another_process_reach_the_listener_in_order():
 
 def test_an_unreachable_driver_makes_the_rank_print_the_line_itself():
     nobody = f"127.0.0.1:{free_port()}"  # nothing listens there
-    code = f"from training import progress\nprogress.say({nobody!r}, 'epoch 1/1: ok')\nprogress.say({nobody!r}, 'epoch 2/2: ok')\n"
+    code = f"from pipelines import progress\nprogress.say({nobody!r}, 'epoch 1/1: ok')\nprogress.say({nobody!r}, 'epoch 2/2: ok')\n"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stderr.splitlines() == ["epoch 1/1: ok", "epoch 2/2: ok"], proc.stderr
 
@@ -44,3 +46,55 @@ def test_an_unreachable_driver_makes_the_rank_print_the_line_itself():
 def test_local_ranks_route_to_loopback():
     assert progress.listen_address("local") == "127.0.0.1"
     assert progress._route_to("localhost") == "127.0.0.1"
+
+
+def test_a_stage_counts_its_units_ticks_and_prints_no_tick():
+    out = io.StringIO()
+    with progress.ProgressListener("127.0.0.1", out=out) as listener:
+        with listener.stage("score", 3, "units scored") as stage:
+            code = (
+                "from pipelines import progress\n"
+                f"for rows in (10, 20, 1000): progress.tick({listener.address!r}, {stage.key!r}, rows)\n"
+            )
+            proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "[shardline] score: 1/3 units scored (10 rows)"  # the first at once
+    assert lines[-1] == "[shardline] score: 3/3 units scored (1,030 rows)"  # the last always
+    assert "\x1e" not in out.getvalue()
+
+
+def test_a_tick_without_a_listener_is_silent():
+    nobody = f"127.0.0.1:{free_port()}"
+    code = f"from pipelines import progress\nprogress.tick({nobody!r}, 's0', 5)\nprogress.tick(None, 's0')\n"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+@pytest.mark.parametrize("engine", ["spark", "dask"])
+def test_prepare_and_scoring_count_their_units_on_the_driver(engine, engines, prepared, tracking_uri, tmp_path, capfd):
+    from pipelines.manifest import load_manifest
+    from pipelines.prepare import prepare
+    from serving.score import score
+
+    from .conftest import small_pipeline
+    from .serving_helpers import trained_model
+
+    cfg = small_pipeline(tmp_path, rows=2000)
+    capfd.readouterr()
+    manifest = prepare(engines[engine], cfg)
+    err = capfd.readouterr().err
+    units = len(manifest.sources)
+    assert f"[shardline] prepare pass 1: {units}/{units} units read" in err, err[-3000:]
+    assert f"[shardline] prepare pass 2: {units}/{units} units read and routed" in err, err[-3000:]
+    shards = sum(len(s.shards) for s in manifest.splits.values())
+    assert f"[shardline] prepare write: {shards}/" in err, err[-3000:]
+
+    model = trained_model(prepared)
+    handle = engines[engine].spark if engine == "spark" else engines[engine].client
+    test = load_manifest(prepared.dataset_dir).splits["test"]
+    capfd.readouterr()
+    score(engine, handle, model.model_uri, tracking_uri, prepared.dataset_dir, str(tmp_path / "scores"))
+    err = capfd.readouterr().err
+    n = len(test.shards)
+    assert f"[shardline] score: {n}/{n} units scored ({test.rows:,} rows)" in err, err[-3000:]

@@ -16,6 +16,7 @@ from pipelines import storage
 from pipelines.errors import ConfigError, DataError, ShardlineError, StorageError
 from pipelines.lease import LEASE_NAME, Lease
 from pipelines.manifest import ShardManifest, load_manifest, sequences
+from pipelines.progress import ProgressListener, listen_address
 
 from . import checkpoints, sharded_checkpoints
 from .config import TrackingConfig, TrainingConfig
@@ -24,7 +25,6 @@ from .loader import check_world_size, epoch_steps, rows_per_rank
 from .mlflow_outage import Outbox, replay
 from .models import build_model, check_model_name
 from .strategies import get_strategy
-from .progress import ProgressListener, listen_address
 from .tracking import describe_version, log_curves, log_dataset_input, open_experiment, run_name
 from .worker import TrainJob, train_rank
 
@@ -214,7 +214,7 @@ def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guar
             resume_from=str(resume_from) if resume_from else None,
             epoch_hook=epoch_hook,
         )
-        # Ranks' progress lines reach this console wherever they run (training.progress).
+        # Ranks' progress lines reach this console wherever they run (pipelines.progress).
         with ProgressListener(listen_address(cfg.launcher, spark, dask_client)) as listener:
             job.progress_addr = listener.address
             result = _launch_with_restarts(cfg, job, spark, dask_client, dask_workers, guard)

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pipelines import storage
+from pipelines import progress, storage
 from pipelines.manifest import ShardManifest, load_manifest
 
-from . import checkpoints, collectives, progress, sharded_checkpoints, task
+from . import checkpoints, collectives, sharded_checkpoints, task
 from .config import TrainingConfig
 from .loader import ShardLoader
 from .models import apply_activation_checkpointing, build_model
@@ -43,7 +43,7 @@ class TrainJob:
     # Rank 0 calls it after each epoch with (epoch, metrics); True stops every rank
     # after that epoch (a sweep's pruner). Must pickle, like the rest of the job.
     epoch_hook: Callable[[int, dict[str, float]], bool] | None = None
-    # host:port of the driver's progress listener (training.progress); None prints here.
+    # host:port of the driver's progress listener (pipelines.progress); None prints here.
     progress_addr: str | None = None
 
     @property
