@@ -35,6 +35,7 @@ CONNECT_TIMEOUT_S = 2.0
 DRAIN_S = 1.0  # at most this long the driver waits for lines in flight when the job ends
 QUIET_S = 0.2  # ... and no longer than this after the last line arrived
 SHOW_EVERY_S = 2.0  # a stage's count is printed at most this often (and always at its end)
+KEEP_SENDERS = 8  # connections a task process keeps open, newest first
 TICK = "\x1e"  # starts a tick: a unit of a stage done (counted, not printed)
 
 
@@ -194,6 +195,12 @@ def _send(address: str | None, line: str) -> bool:
         except OSError:
             sock = None
         _senders[address] = sock
+        # A long-lived worker serves job after job, each with its own listener: keep the
+        # newest few connections, close the rest (their listeners are gone).
+        while len(_senders) > KEEP_SENDERS:
+            old = _senders.pop(next(iter(_senders)))
+            if old is not None:
+                old.close()
     if sock is not None:
         try:
             sock.sendall((line.replace("\n", " ") + "\n").encode())

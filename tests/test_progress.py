@@ -98,3 +98,13 @@ def test_prepare_and_scoring_count_their_units_on_the_driver(engine, engines, pr
     err = capfd.readouterr().err
     n = len(test.shards)
     assert f"[shardline] score: {n}/{n} units scored ({test.rows:,} rows)" in err, err[-3000:]
+
+
+def test_a_long_lived_task_process_keeps_only_its_newest_connections():
+    for i in range(progress.KEEP_SENDERS + 3):  # job after job, each with its own listener
+        out = io.StringIO()
+        with progress.ProgressListener("127.0.0.1", out=out) as listener:
+            progress.say(listener.address, f"job {i}")
+            _wait_for(out, f"job {i}")
+        assert out.getvalue() == f"job {i}\n"
+    assert len(progress._senders) <= progress.KEEP_SENDERS
