@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from .config import DaskConfig, SparkConfig
@@ -36,11 +37,20 @@ def package_zip() -> str:
                     if f.is_file() and "__pycache__" not in f.parts:
                         z.write(f, f.relative_to(here))
         _ZIP = path
+        # Served from this path for the whole application (an executor joining late
+        # fetches it then); gone when this process ends, not left in /tmp run after run.
+        import atexit
+
+        atexit.register(_remove_zip, path)
     return _ZIP
 
 
-_ZIP: str | None = None
+def _remove_zip(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(path)
 
+
+_ZIP: str | None = None
 
 
 def dask_client(cfg: DaskConfig):

@@ -74,3 +74,11 @@ def test_packed_venv_runs_on_workers_without_the_environment(tmp_path):
         # ~6 GB: the archive and an unpacked copy per executor; pytest would keep them.
         archive.unlink(missing_ok=True)
         shutil.rmtree(tmp_path / "work", ignore_errors=True)
+
+
+def test_the_code_zip_is_removed_when_its_process_ends():
+    code = "from pipelines.engines import package_zip\nimport os\np = package_zip()\nassert os.path.getsize(p) > 0\nprint(p)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    path = proc.stdout.strip()
+    assert path.endswith(".zip") and not os.path.exists(path)
