@@ -69,21 +69,28 @@ def limit_loop(model, shard_paths: list[str], out: Path, width: int, model_name:
                 hi = min(lo + BATCH_SIZE, n)
                 with torch.inference_mode():
                     p = torch.softmax(model(torch.from_numpy(x[lo:hi])), 1).numpy()
-                m, k = p.shape
-                offsets = pa.array(np.arange(0, m * k + 1, k, dtype=np.int32))
-                writer.write_batch(pa.RecordBatch.from_arrays(
-                    [
-                        keys.slice(lo, m),
-                        pa.array(p.argmax(1), pa.int64()),
-                        pa.ListArray.from_arrays(offsets, pa.array(p.reshape(-1), pa.float32())),
-                        pa.array([model_name] * m, pa.string()),
-                        pa.array([model_version] * m, pa.string()),
-                        pa.array([scored_at] * m, pa.timestamp("us", tz="UTC")),
-                    ],
-                    schema=schema,
-                ))
+                writer.write_batch(scores_batch(keys.slice(lo, len(p)), p, schema, model_name, model_version,
+                                                scored_at))
         rows += n
     return rows
+
+
+def scores_batch(keys: pa.Array, p: np.ndarray, schema: pa.Schema, model_name: str, model_version: str,
+                 scored_at: datetime) -> pa.RecordBatch:
+    """Class probabilities `p` [rows, classes] as the batch job's output columns."""
+    m, k = p.shape
+    offsets = pa.array(np.arange(0, m * k + 1, k, dtype=np.int32))
+    return pa.RecordBatch.from_arrays(
+        [
+            keys,
+            pa.array(p.argmax(1), pa.int64()),
+            pa.ListArray.from_arrays(offsets, pa.array(p.reshape(-1), pa.float32())),
+            pa.array([model_name] * m, pa.string()),
+            pa.array([model_version] * m, pa.string()),
+            pa.array([scored_at] * m, pa.timestamp("us", tz="UTC")),
+        ],
+        schema=schema,
+    )
 
 
 def _limit_process(barrier, results, model_uri, tracking_uri, paths, out, width, name, version):
@@ -100,17 +107,21 @@ def _limit_process(barrier, results, model_uri, tracking_uri, paths, out, width,
 def limit_processes(cores: int, model_uri: str, tracking_uri: str, paths: list[str], out: Path,
                     width: int, name: str, version: str) -> tuple[int, float]:
     """The limit loop in `cores` plain processes at once: (rows, seconds from the common start)."""
+    return plain_processes(_limit_process, [
+        (model_uri, tracking_uri, paths[i::cores], out / f"p{i}", width, name, version) for i in range(cores)
+    ])
+
+
+def plain_processes(target, args_per_process: list[tuple]) -> tuple[int, float]:
+    """target(barrier, results, *args) in one plain process per args, all started together
+    once each is ready (it waits on the barrier): (rows they put, seconds from the start)."""
     from training.launchers.local import process_context
 
     # Forked from the launcher's fork server (torch imported there once): start-up is
     # outside the timed window anyway (the barrier), this only makes the benchmark start sooner.
     ctx = process_context()
-    barrier, results = ctx.Barrier(cores + 1), ctx.Queue()
-    procs = [
-        ctx.Process(target=_limit_process, args=(barrier, results, model_uri, tracking_uri,
-                                                 paths[i::cores], out / f"p{i}", width, name, version))
-        for i in range(cores)
-    ]
+    barrier, results = ctx.Barrier(len(args_per_process) + 1), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(barrier, results, *args)) for args in args_per_process]
     for p in procs:
         p.start()
     try:
@@ -128,9 +139,7 @@ def limit_processes(cores: int, model_uri: str, tracking_uri: str, paths: list[s
 def predict_batch_udf_job(spark, model_uri: str, tracking_uri: str, width: int):
     """(the udf, a function that scores shard files into a directory); one udf, so its
     per-worker model cache survives from the warm-up to the measured run."""
-    from pyspark.ml.functions import predict_batch_udf
     from pyspark.sql import functions as F
-    from pyspark.sql.types import ArrayType, FloatType, LongType, StructField, StructType
 
     def make_predict_fn():
         import mlflow
@@ -146,34 +155,45 @@ def predict_batch_udf_job(spark, model_uri: str, tracking_uri: str, width: int):
 
         return predict
 
-    udf = predict_batch_udf(
+    udf = probabilities_udf(make_predict_fn, [[width]])
+
+    def run(paths: list[str], out: Path, model_name: str, model_version: str) -> None:
+        frame = spark.read.parquet(*paths)
+        write_udf_scores(frame.select(F.col("key").cast("long").alias("key"), udf("features").alias("p")),
+                         out, model_name, model_version)
+
+    return run
+
+
+def probabilities_udf(make_predict_fn, input_tensor_shapes: list):
+    """predict_batch_udf returning the struct (prediction, probabilities), in batches of BATCH_SIZE."""
+    from pyspark.ml.functions import predict_batch_udf
+    from pyspark.sql.types import ArrayType, FloatType, LongType, StructField, StructType
+
+    return predict_batch_udf(
         make_predict_fn,
         return_type=StructType([
             StructField("prediction", LongType()),
             StructField("probabilities", ArrayType(FloatType())),
         ]),
         batch_size=BATCH_SIZE,
-        input_tensor_shapes=[[width]],
+        input_tensor_shapes=input_tensor_shapes,
     )
 
-    def run(paths: list[str], out: Path, model_name: str, model_version: str) -> None:
-        scored_at = datetime.now(timezone.utc)
-        p = F.col("p")
-        (
-            spark.read.parquet(*paths)
-            .select(F.col("key").cast("long").alias("key"), udf("features").alias("p"))
-            .select(
-                "key",
-                p["prediction"].alias("prediction"),
-                p["probabilities"].alias("probabilities"),
-                F.lit(model_name).alias("model_name"),
-                F.lit(model_version).alias("model_version"),
-                F.lit(scored_at).alias("scored_at"),
-            )
-            .write.mode("overwrite").parquet(str(out))
-        )
 
-    return run
+def write_udf_scores(frame, out: Path, model_name: str, model_version: str) -> None:
+    """`frame` (key, the udf's struct p) as Parquet with the batch job's columns."""
+    from pyspark.sql import functions as F
+
+    p = F.col("p")
+    frame.select(
+        "key",
+        p["prediction"].alias("prediction"),
+        p["probabilities"].alias("probabilities"),
+        F.lit(model_name).alias("model_name"),
+        F.lit(model_version).alias("model_version"),
+        F.lit(datetime.now(timezone.utc)).alias("scored_at"),
+    ).write.mode("overwrite").parquet(str(out))
 
 
 def run(rows: int, workdir: str | None = None, progress=print, *, spark=None, dask_client=None,

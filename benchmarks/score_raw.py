@@ -47,6 +47,7 @@ def raw_loop(model, paths: list[str], out: Path, spec_json: str, stats_json: str
     from pipelines.config import FeatureSpec
     from pipelines.manifest import FittedStatistics
     from pipelines.transform import features_matrix
+    from benchmarks.score import scores_batch
     from serving.worker import output_schema
 
     spec = FeatureSpec.model_validate_json(spec_json)
@@ -63,20 +64,9 @@ def raw_loop(model, paths: list[str], out: Path, spec_json: str, stats_json: str
                 x = features_matrix(pa.Table.from_batches([batch]), spec, stats, impute)
                 with torch.inference_mode():
                     p = torch.softmax(model(torch.from_numpy(x)), 1).numpy()
-                m, k = p.shape
-                offsets = pa.array(np.arange(0, m * k + 1, k, dtype=np.int32))
-                writer.write_batch(pa.RecordBatch.from_arrays(
-                    [
-                        batch.column(0).cast(pa.int64()),
-                        pa.array(p.argmax(1), pa.int64()),
-                        pa.ListArray.from_arrays(offsets, pa.array(p.reshape(-1), pa.float32())),
-                        pa.array([model_name] * m, pa.string()),
-                        pa.array([model_version] * m, pa.string()),
-                        pa.array([scored_at] * m, pa.timestamp("us", tz="UTC")),
-                    ],
-                    schema=schema,
-                ))
-                rows += m
+                writer.write_batch(scores_batch(batch.column(0).cast(pa.int64()), p, schema, model_name,
+                                                model_version, scored_at))
+                rows += len(p)
     return rows
 
 
@@ -95,36 +85,19 @@ def raw_processes(cores: int, model_uri: str, tracking_uri: str, paths: list[str
                   spec_json: str, stats_json: str, name: str, version: str) -> tuple[int, float]:
     """`raw_loop` in `cores` plain processes at once, the files dealt round-robin:
     (rows, seconds from the common start)."""
-    from training.launchers.local import process_context
+    from benchmarks.score import plain_processes
 
-    ctx = process_context()
-    barrier, results = ctx.Barrier(cores + 1), ctx.Queue()
-    procs = [
-        ctx.Process(target=_raw_process, args=(barrier, results, model_uri, tracking_uri, paths[i::cores],
-                                               out / f"p{i}", spec_json, stats_json, name, version))
+    return plain_processes(_raw_process, [
+        (model_uri, tracking_uri, paths[i::cores], out / f"p{i}", spec_json, stats_json, name, version)
         for i in range(cores)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        barrier.wait(timeout=300)
-        start = time.perf_counter()
-        rows = sum(results.get(timeout=600) for _ in procs)
-        return rows, time.perf_counter() - start
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    ])
 
 
 def predict_batch_udf_raw_job(spark, model_uri: str, tracking_uri: str, spec_json: str, stats_json: str):
     """predict_batch_udf over the raw columns, the training transform in its predict
     function; a function scoring raw files into a directory (one udf: its per-worker
     model cache survives from the warm-up to the measured run)."""
-    from pyspark.ml.functions import predict_batch_udf
     from pyspark.sql import functions as F
-    from pyspark.sql.types import ArrayType, FloatType, LongType, StructField, StructType
 
     from pipelines.config import FeatureSpec
 
@@ -162,32 +135,16 @@ def predict_batch_udf_raw_job(spark, model_uri: str, tracking_uri: str, spec_jso
         )
         return predict
 
-    udf = predict_batch_udf(
-        make_predict_fn,
-        return_type=StructType([
-            StructField("prediction", LongType()),
-            StructField("probabilities", ArrayType(FloatType())),
-        ]),
-        batch_size=BATCH_SIZE,
-        input_tensor_shapes=[[spec.vectors[c]] if c in spec.vectors else None for c in columns],
-    )
+    from benchmarks.score import probabilities_udf
+
+    udf = probabilities_udf(make_predict_fn, [[spec.vectors[c]] if c in spec.vectors else None for c in columns])
 
     def run(paths: list[str], out: Path, model_name: str, model_version: str) -> None:
-        scored_at = datetime.now(timezone.utc)
-        p = F.col("p")
-        (
-            spark.read.parquet(*paths)
-            .select(F.col(spec.key).cast("long").alias("key"), udf(*columns).alias("p"))
-            .select(
-                "key",
-                p["prediction"].alias("prediction"),
-                p["probabilities"].alias("probabilities"),
-                F.lit(model_name).alias("model_name"),
-                F.lit(model_version).alias("model_version"),
-                F.lit(scored_at).alias("scored_at"),
-            )
-            .write.mode("overwrite").parquet(str(out))
-        )
+        from benchmarks.score import write_udf_scores
+
+        frame = spark.read.parquet(*paths)
+        write_udf_scores(frame.select(F.col(spec.key).cast("long").alias("key"), udf(*columns).alias("p")),
+                         out, model_name, model_version)
 
     return run
 
