@@ -123,12 +123,24 @@ def log_dataset_input(manifest, dataset_dir: str) -> None:
     import mlflow
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.exceptions import MlflowException
 
     with warnings.catch_warnings():  # a local path matches two source kinds; either is right
         warnings.simplefilter("ignore")
         source = resolve_dataset_source(dataset_dir)
     name = f"{storage.name(dataset_dir)}@{manifest.sequence}"
-    mlflow.log_input(MetaDataset(source, name=name, digest=dataset_digest(manifest)), context="training")
+    dataset = MetaDataset(source, name=name, digest=dataset_digest(manifest))
+    # A sweep's concurrent trials log the same dataset at once, and the store inserts it
+    # after looking for it: the loser of that race fails on the table's unique key (seen on
+    # SQLite in a Dask sweep). By the time it tries again the row exists and is only linked.
+    for attempt in range(4):
+        try:
+            mlflow.log_input(dataset, context="training")
+            return
+        except MlflowException:
+            if attempt == 3:
+                raise
+            time.sleep(0.2 * (attempt + 1))
 
 
 def describe_version(name: str, version: str, cfg, manifest, dataset_dir: str, metrics: dict) -> None:
