@@ -130,7 +130,7 @@ def resolve_paths(
                            "an MLflow tracking server (tracking.tracking_uri = 'http://host:5000')", local)
     sweep_storage = cfg.sweep.storage
     if sweep:
-        from training.sweep import resolve_storage
+        from training.sweep_study import resolve_storage
 
         sweep_storage = _sqlite(resolve_storage(cfg.sweep, tracking_uri), "sweep.storage", cluster,
                                 "a database server every host reaches (sweep.storage = 'postgresql://...')", local)

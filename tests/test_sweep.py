@@ -134,7 +134,7 @@ def test_each_pruner_stops_trials_reporting_worse_than_their_peers(tmp_path, pru
     import optuna
     from optuna.trial import TrialState
 
-    from training.sweep import PruningReporter, make_pruner, open_storage
+    from training.sweep_study import PruningReporter, make_pruner, open_storage
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     epochs = 4

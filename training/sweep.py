@@ -15,15 +15,12 @@ metrics keep their 0-based epoch as step, like any training run.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import queue
 import sys
-import tempfile
 import threading
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 from pipelines.storage import join as join_url, resolve as resolve_path
 from pipelines.errors import ConfigError, DataError, ShardlineError
@@ -31,7 +28,11 @@ from pipelines.errors import ConfigError, DataError, ShardlineError
 from .config import TrackingConfig, TrainingConfig
 from .job import preflight, run_training
 from .task import metric_names, task_of
-from .sweep_config import ParamSpace, SweepConfig
+from .sweep_config import SweepConfig
+from .sweep_report import TrialOutcome, fmt_params, log_summary, outcome, register_best
+from .sweep_study import (
+    PruningReporter, decode, distribution, grid, make_pruner, make_sampler, open_storage, resolve_storage,
+)
 from .tracking import open_experiment
 
 # The per-epoch metrics train_rank logs (training/worker.py); val_* need a val split
@@ -39,18 +40,6 @@ from .tracking import open_experiment
 # Classification's; regression logs train_/val_ loss, rmse, mae and r2 instead (training.task).
 EPOCH_METRICS = ("train_loss", "train_accuracy", "samples_per_s", "data_wait_fraction")
 VAL_METRICS = ("val_loss", "val_accuracy")
-
-
-@dataclass
-class TrialOutcome:
-    number: int
-    state: str  # complete | pruned | failed | running | waiting
-    value: float | None  # objective: final for complete, last reported for pruned
-    params: dict
-    epochs: int  # epochs reported to the pruner
-    run_id: str | None
-    error: str | None
-    seconds: float | None
 
 
 @dataclass
@@ -108,7 +97,7 @@ def check_sweep(sweep: SweepConfig, training: TrainingConfig, dataset_dir: str) 
             except (ConfigError, DataError) as e:
                 raise ConfigError(f"sweep.space.{name}: {value!r} cannot train: {e}") from None
     if sweep.sampler == "grid":
-        _grid(sweep.space)
+        grid(sweep.space)
     if base.launcher == "local":  # the other engines' slots are known once they run
         check_parallel(sweep, base, None, None)
 
@@ -146,137 +135,6 @@ def check_parallel(sweep: SweepConfig, base: TrainingConfig, spark, dask_client)
     if base.launcher == "dask":
         return [workers[i * ws : (i + 1) * ws] for i in range(sweep.parallel)]
     return None
-
-
-def resolve_storage(sweep: SweepConfig, tracking_uri: str) -> str:
-    """sweep.storage, else <stem>-optuna.db beside a SQLite tracking store, else ./optuna.db."""
-    if sweep.storage:
-        return sweep.storage
-    if tracking_uri.startswith("sqlite:///"):
-        db = Path(tracking_uri[len("sqlite:///") :])
-        return f"sqlite:///{db.with_name(db.stem + '-optuna.db')}"
-    return f"sqlite:///{Path.cwd() / 'optuna.db'}"
-
-
-# ---------------------------------------------------------------- Optuna pieces
-
-
-def open_storage(url: str):
-    from optuna.storages import RDBStorage
-
-    # Concurrent trials write to one SQLite file: wait for its lock rather than fail.
-    kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
-    try:
-        return RDBStorage(url, engine_kwargs=kwargs)
-    except Exception as e:  # a bad URL, a missing driver, an unreachable server
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ShardlineError(f"sweep.storage: {url} is not usable ({first[:200]})") from None
-
-
-def make_pruner(sweep: SweepConfig, max_epochs: int):
-    from optuna import pruners
-
-    if sweep.pruner == "median":
-        # Steps count epochs done: "never pruned in its first N epochs" is step < N + 1.
-        return pruners.MedianPruner(
-            n_startup_trials=sweep.pruner_startup_trials, n_warmup_steps=sweep.pruner_warmup_epochs + 1
-        )
-    if sweep.pruner == "halving":
-        return pruners.SuccessiveHalvingPruner(min_resource=1)
-    if sweep.pruner == "hyperband":
-        return pruners.HyperbandPruner(min_resource=1, max_resource=max_epochs)
-    return pruners.NopPruner()
-
-
-def _make_sampler(sweep: SweepConfig, seed: int):
-    from optuna import samplers
-
-    if sweep.sampler == "grid":
-
-        class Grid(samplers.GridSampler):
-            # GridSampler calls study.stop() when the grid is done, which only works
-            # inside study.optimize; the sweep caps its trials at the grid size itself.
-            def after_trial(self, study, trial, state, values) -> None:
-                pass
-
-        return Grid(_grid(sweep.space), seed=seed)
-    if sweep.sampler == "random":
-        return samplers.RandomSampler(seed=seed)
-    return samplers.TPESampler(seed=seed)
-
-
-def _encode(value):
-    # Optuna stores scalars only: a list choice (training.hidden) travels as JSON text.
-    return json.dumps(value) if isinstance(value, list) else value
-
-
-def _decode(name: str, value):
-    from typing import get_origin
-
-    is_list = get_origin(TrainingConfig.model_fields[name].annotation) is list
-    return json.loads(value) if is_list and isinstance(value, str) else value
-
-
-def _distribution(space: ParamSpace):
-    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
-
-    if space.type == "categorical":
-        return CategoricalDistribution([_encode(c) for c in space.choices])
-    if space.type == "int":
-        step = int(space.step or 1)
-        return IntDistribution(int(space.low), int(space.high), log=space.log, step=step)
-    return FloatDistribution(space.low, space.high, log=space.log, step=space.step)
-
-
-def _grid(spaces: dict[str, ParamSpace]) -> dict[str, list]:
-    grid = {}
-    for name, s in spaces.items():
-        if s.type == "categorical":
-            grid[name] = [_encode(c) for c in s.choices]
-        elif s.type == "int":
-            grid[name] = list(range(int(s.low), int(s.high) + 1, int(s.step or 1)))
-        elif s.step is None:
-            raise ConfigError(
-                f"sweep.space.{name}: the grid sampler needs `step` on a float "
-                f"(or type = \"categorical\" with choices)"
-            )
-        else:
-            n = math.floor((s.high - s.low) / s.step + 1e-9) + 1
-            grid[name] = [round(s.low + i * s.step, 12) for i in range(n)]
-    return grid
-
-
-@dataclass
-class PruningReporter:
-    """A trial's epoch hook, run on its rank 0: report the objective, ask the pruner.
-
-    Pickled to the trial's process with the job; opens the study itself there.
-    """
-
-    storage_url: str
-    study_name: str
-    trial_id: int
-    objective: str
-    sweep: SweepConfig
-    max_epochs: int
-    _trial: object = field(default=None, init=False, repr=False, compare=False)
-
-    def __call__(self, epoch: int, metrics: dict[str, float]) -> bool:
-        if self._trial is None:
-            import optuna
-
-            study = optuna.load_study(
-                study_name=self.study_name,
-                storage=open_storage(self.storage_url),
-                sampler=optuna.samplers.RandomSampler(),  # never samples here
-                pruner=make_pruner(self.sweep, self.max_epochs),
-            )
-            self._trial = optuna.trial.Trial(study, self.trial_id)
-        self._trial.report(metrics[self.objective], epoch + 1)  # step: epochs done (0-based epoch)
-        return self._trial.should_prune()
-
-    def __getstate__(self):
-        return {**self.__dict__, "_trial": None}
 
 
 # ---------------------------------------------------------------- the sweep
@@ -320,14 +178,14 @@ def run_sweep(
     )
     _check_same_study(study, sweep, direction)
     # A fresh seed per resume: the same seed would propose the first trials again.
-    study.sampler = _make_sampler(sweep, sweep.seed + len(study.trials))
+    study.sampler = make_sampler(sweep, sweep.seed + len(study.trials))
     parent = _parent_run(client, study, experiment_id, sweep, direction, storage_url, dataset_dir)
     _close_interrupted(study, storage, client, parent)
 
-    dists = {name: _distribution(s) for name, s in sweep.space.items()}
+    dists = {name: distribution(s) for name, s in sweep.space.items()}
     target = sweep.trials
     if sweep.sampler == "grid":
-        size = math.prod(len(v) for v in _grid(sweep.space).values())
+        size = math.prod(len(v) for v in grid(sweep.space).values())
         if target > size:
             _say(f"the grid has {size} points: sweep.trials {target} capped to {size}")
             target = size
@@ -361,8 +219,8 @@ def run_sweep(
                 hook = PruningReporter(
                     storage_url, sweep.name, trial._trial_id, sweep.objective, sweep, max_epochs
                 )
-                params = {n: _decode(n, v) for n, v in trial.params.items()}
-                _say(f"trial {trial.number} started: {_fmt(params)}")
+                params = {n: decode(n, v) for n, v in trial.params.items()}
+                _say(f"trial {trial.number} started: {fmt_params(params)}")
                 threading.Thread(
                     target=_run_trial,
                     args=(results, trial.number, base, sweep.name, params, tracking, dataset_dir,
@@ -385,15 +243,15 @@ def run_sweep(
         raise
 
     trials = study.get_trials(deepcopy=False)
-    outcomes = [_outcome(t) for t in trials]
+    outcomes = [outcome(t) for t in trials]
     counted = [o for t, o in zip(trials, outcomes) if _counts(t)]
     complete = [t for t in outcomes if t.state == "complete"]
     best = version = model_uri = None
     if complete:
-        best = _outcome(study.best_trial)
-        version = _register_best(client, tracking.registered_model, sweep.alias, best.run_id)
+        best = outcome(study.best_trial)
+        version = register_best(client, tracking.registered_model, sweep.alias, best.run_id)
         model_uri = f"models:/{tracking.registered_model}@{sweep.alias}"
-    _log_summary(client, parent, study, outcomes, sweep, direction, best)
+    log_summary(client, parent, study, outcomes, sweep, direction, best)
     if counted and all(t.state == "failed" for t in counted):
         client.set_terminated(parent, "FAILED")
         raise ShardlineError(
@@ -543,156 +401,6 @@ def _close_interrupted(study, storage, client, parent: str) -> None:
             except MlflowException:
                 pass  # another tracking store
         _say(f"trial {t.number} was interrupted: it runs again")
-
-
-def _outcome(t) -> TrialOutcome:
-    from optuna.trial import TrialState
-
-    state = {
-        TrialState.COMPLETE: "complete",
-        TrialState.PRUNED: "pruned",
-        TrialState.FAIL: "failed",
-        TrialState.RUNNING: "running",
-        TrialState.WAITING: "waiting",
-    }[t.state]
-    value = t.value if state == "complete" else None
-    if state == "pruned" and t.intermediate_values:
-        value = t.intermediate_values[max(t.intermediate_values)]
-    seconds = None
-    if t.datetime_start and t.datetime_complete:
-        seconds = (t.datetime_complete - t.datetime_start).total_seconds()
-    return TrialOutcome(
-        t.number, state, value, {n: _decode(n, v) for n, v in t.params.items()},
-        len(t.intermediate_values), t.user_attrs.get("mlflow_run_id"), t.user_attrs.get("error"),
-        seconds,
-    )
-
-
-def _register_best(client, name: str, alias: str, run_id: str) -> str:
-    """Register the best trial's logged model and point the alias at it (once per best run)."""
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    try:
-        current = client.get_model_version_by_alias(name, alias)
-        if current.run_id == run_id:
-            return str(current.version)
-    except MlflowException:
-        pass  # no such model or alias yet
-    # MLflow 3 keeps a logged model under its own id (models:/m-...), not in the run's artifacts.
-    run = client.get_run(run_id)
-    logged = client.search_logged_models(
-        [run.info.experiment_id], filter_string=f"source_run_id = '{run_id}'"
-    )
-    source = logged[0].model_uri if logged else f"runs:/{run_id}/model"
-    version = mlflow.register_model(source, name).version
-    client.set_registered_model_alias(name, alias, version)
-    return str(version)
-
-
-# ---------------------------------------------------------------- the summary artifact
-
-
-def _log_summary(client, parent: str, study, outcomes, sweep, direction, best) -> None:
-    """sweep/trials.csv, sweep/trials.md and sweep/sweep.png on the parent run; counts as metrics."""
-    import csv
-
-    importances = _importances(study)
-    names = list(sweep.space)
-    header = ["trial", "state", sweep.objective, "epochs", "seconds", *names, "run_id", "error"]
-    rows = [
-        [t.number, t.state, _num(t.value), t.epochs, _num(t.seconds),
-         *[_cell(t.params.get(n)) for n in names], t.run_id or "", t.error or ""]
-        for t in outcomes
-    ]  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(Path(tmp) / "trials.csv", "w", newline="") as f:
-            csv.writer(f).writerows([header, *rows])
-        md = [f"# sweep {sweep.name}: {sweep.objective} ({direction})", ""]
-        if best:
-            md += [f"best: trial {best.number}, {sweep.objective} {best.value:.4g}, {_fmt(best.params)}", ""]
-        md += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        md += ["| " + " | ".join(_short(c).replace("|", "/") for c in r) + " |" for r in rows]
-        if importances:
-            md += ["", "parameter importance: " + ", ".join(f"{k} {v:.2f}" for k, v in importances.items())]
-        (Path(tmp) / "trials.md").write_text("\n".join(md) + "\n")
-        _plot(Path(tmp) / "sweep.png", outcomes, sweep.objective, direction, importances)
-        client.log_artifacts(parent, tmp, "sweep")
-    metrics = {f"trials_{s}": sum(t.state == s for t in outcomes) for s in ("complete", "pruned", "failed")}
-    if best:
-        metrics[f"best_{sweep.objective}"] = best.value
-    metrics.update({f"importance.{k}": v for k, v in importances.items()})
-    for k, v in metrics.items():
-        client.log_metric(parent, k, v)
-
-
-def _importances(study) -> dict[str, float]:
-    import optuna
-    from optuna.trial import TrialState
-
-    if len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))) < 2:
-        return {}
-    try:
-        return optuna.importance.get_param_importances(study)
-    except (ValueError, RuntimeError, ZeroDivisionError):
-        return {}  # e.g. every completed trial had the same parameters
-
-
-def _plot(path: Path, outcomes, objective: str, direction: str, importances: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.8))
-    styles = {"complete": ("o", "tab:blue"), "pruned": ("x", "tab:orange")}
-    for state, (marker, color) in styles.items():
-        pts = [(t.number, t.value) for t in outcomes if t.state == state and t.value is not None]
-        if pts:
-            ax.scatter(*zip(*pts), marker=marker, color=color, label=state)
-    complete = sorted((t.number, t.value) for t in outcomes if t.state == "complete")
-    if complete:
-        pick = max if direction == "maximize" else min
-        best = [pick(v for _, v in complete[: i + 1]) for i in range(len(complete))]
-        ax.step([n for n, _ in complete], best, where="post", color="tab:green", label="best so far")
-    failed = [t.number for t in outcomes if t.state == "failed"]
-    for n in failed:
-        ax.axvline(n, color="tab:red", alpha=0.3, lw=3, label="failed" if n == failed[0] else None)
-    ax.set(xlabel="trial", ylabel=objective, title=f"{objective} per trial")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend()
-    ax.grid(alpha=0.3)
-    if importances:
-        keys = list(importances)[::-1]
-        bx.barh(keys, [importances[k] for k in keys], color="tab:purple")
-        bx.set(xlabel="importance", title="parameter importance")
-    else:
-        bx.text(0.5, 0.5, "needs 2 or more complete trials\nwith different parameters",
-                ha="center", va="center", transform=bx.transAxes)
-        bx.set_axis_off()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def _num(v) -> str:
-    return "" if v is None else f"{v:.6g}"
-
-
-def _short(cell) -> str:
-    try:
-        return f"{float(cell):.4g}" if "." in cell else cell
-    except (TypeError, ValueError):
-        return str(cell)
-
-
-def _cell(v) -> str:
-    return "" if v is None else json.dumps(v) if isinstance(v, list) else str(v)
-
-
-def _fmt(params: dict) -> str:
-    return ", ".join(f"{k}={_cell(v) if not isinstance(v, float) else f'{v:.4g}'}" for k, v in params.items())
 
 
 def _say(msg: str) -> None:
