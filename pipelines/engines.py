@@ -22,27 +22,61 @@ def spark_session(cfg: SparkConfig):
 
 def package_zip() -> str:
     """pipelines, training and serving as one zip, for executors and Dask workers."""
-    global _ZIP
+    global _ZIP, _ZIP_LOCK
     if _ZIP is None:
+        import atexit
         import tempfile
         import zipfile
         from pathlib import Path
 
         here = Path(__file__).resolve().parent.parent
-        fd, path = tempfile.mkstemp(prefix="shardline-", suffix=".zip")
-        os.close(fd)
-        with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        _remove_orphan_zips(tempfile.gettempdir())
+        # Made under a name the orphan sweep ignores, locked, then renamed: another
+        # process's sweep never sees it unlocked.
+        fd, tmp = tempfile.mkstemp(prefix=".shardline-new-", suffix=".zip")
+        _ZIP_LOCK = _hold(fd)
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
             for pkg in ("pipelines", "training", "serving"):
                 for f in sorted((here / pkg).rglob("*")):
                     if f.is_file() and "__pycache__" not in f.parts:
                         z.write(f, f.relative_to(here))
+        path = os.path.join(os.path.dirname(tmp), _LOCKED + os.path.basename(tmp).removeprefix(".shardline-new-"))
+        os.rename(tmp, path)
         _ZIP = path
         # Served from this path for the whole application (an executor joining late
         # fetches it then); gone when this process ends, not left in /tmp run after run.
-        import atexit
-
         atexit.register(_remove_zip, path)
     return _ZIP
+
+
+def _hold(fd: int) -> int:
+    """Lock the zip for this process's life: the kernel drops the lock when the process
+    dies, however it dies, so a zip nobody holds is an orphan (a SIGKILLed driver's)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no sweep either
+        return fd
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def _remove_orphan_zips(folder: str) -> None:
+    """Remove code zips whose process is gone (atexit does not run on SIGKILL)."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    import glob
+
+    # Only zips named by code that locks them: an older shardline's are unlocked while in use.
+    for path in glob.glob(os.path.join(folder, f"{_LOCKED}*.zip")):
+        with contextlib.suppress(OSError):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while its process lives
+                os.remove(path)
+            finally:
+                os.close(fd)
 
 
 def _remove_zip(path: str) -> None:
@@ -51,6 +85,8 @@ def _remove_zip(path: str) -> None:
 
 
 _ZIP: str | None = None
+_ZIP_LOCK: int | None = None  # the open, locked descriptor of _ZIP
+_LOCKED = "shardline-code-"  # the name of a zip its process holds locked
 
 
 def dask_client(cfg: DaskConfig):
