@@ -34,15 +34,15 @@ def _log_rounds(uri: str, dataset_dir: str, barrier, results) -> None:
 
 
 def test_runs_logging_the_same_dataset_at_once_all_keep_it(tmp_path):
-    import mlflow
     from mlflow.tracking import MlflowClient
 
     from training.tracking import dataset_digest
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     dataset_dir = str(tmp_path / "dataset")
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_experiment("concurrent-inputs")  # created once, before the race on datasets
+    # Created once, before the race on datasets. Through a client: this process's global
+    # tracking URI belongs to the session's store, which later tests read.
+    MlflowClient(uri).create_experiment("concurrent-inputs")
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(PROCESSES), ctx.Queue()
     procs = [ctx.Process(target=_log_rounds, args=(uri, dataset_dir, barrier, results)) for _ in range(PROCESSES)]
