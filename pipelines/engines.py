@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 
 from .config import DaskConfig, SparkConfig
@@ -22,7 +23,7 @@ def spark_session(cfg: SparkConfig):
 
 def package_zip() -> str:
     """pipelines, training and serving as one zip, for executors and Dask workers."""
-    global _ZIP, _ZIP_LOCK
+    global _ZIP
     if _ZIP is None:
         import atexit
         import tempfile
@@ -33,14 +34,16 @@ def package_zip() -> str:
         _remove_orphan_zips(tempfile.gettempdir())
         # Made under a name the orphan sweep ignores, locked, then renamed: another
         # process's sweep never sees it unlocked.
-        fd, tmp = tempfile.mkstemp(prefix=".shardline-new-", suffix=".zip")
-        _ZIP_LOCK = _hold(fd)
+        fd, tmp = tempfile.mkstemp(prefix=_NEW, suffix=".zip")
+        # Locked for this process's life (the descriptor is never closed): the kernel drops
+        # the lock when the process dies, however it dies, so a zip nobody holds is an orphan.
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
             for pkg in ("pipelines", "training", "serving"):
                 for f in sorted((here / pkg).rglob("*")):
                     if f.is_file() and "__pycache__" not in f.parts:
                         z.write(f, f.relative_to(here))
-        path = os.path.join(os.path.dirname(tmp), _LOCKED + os.path.basename(tmp).removeprefix(".shardline-new-"))
+        path = os.path.join(os.path.dirname(tmp), _LOCKED + os.path.basename(tmp).removeprefix(_NEW))
         os.rename(tmp, path)
         _ZIP = path
         # Served from this path for the whole application (an executor joining late
@@ -49,23 +52,8 @@ def package_zip() -> str:
     return _ZIP
 
 
-def _hold(fd: int) -> int:
-    """Lock the zip for this process's life: the kernel drops the lock when the process
-    dies, however it dies, so a zip nobody holds is an orphan (a SIGKILLed driver's)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no sweep either
-        return fd
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    return fd
-
-
 def _remove_orphan_zips(folder: str) -> None:
     """Remove code zips whose process is gone (atexit does not run on SIGKILL)."""
-    try:
-        import fcntl
-    except ImportError:
-        return
     import glob
 
     # Only zips named by code that locks them: an older shardline's are unlocked while in use.
@@ -85,8 +73,8 @@ def _remove_zip(path: str) -> None:
 
 
 _ZIP: str | None = None
-_ZIP_LOCK: int | None = None  # the open, locked descriptor of _ZIP
 _LOCKED = "shardline-code-"  # the name of a zip its process holds locked
+_NEW = ".shardline-new-"  # its name while written: the sweep never sees it unlocked
 
 
 def dask_client(cfg: DaskConfig):

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -106,7 +107,7 @@ def test_a_killed_processs_code_zip_is_removed_by_the_next_one_and_a_live_ones_i
         for p in (live, killed):
             p.kill()
             p.wait(timeout=30)
-    from pipelines.engines import _remove_orphan_zips
+        from pipelines.engines import _remove_orphan_zips
 
-    _remove_orphan_zips(os.path.dirname(live_zip))  # now an orphan too: swept, nothing left behind
+        _remove_orphan_zips(tempfile.gettempdir())  # the live one is an orphan now: nothing left behind
     assert not os.path.exists(live_zip)
