@@ -14,6 +14,11 @@ ROUNDS = 5
 PROCESSES = 4
 
 
+def _manifest(r: int):
+    """Round r's dataset: what log_dataset_input reads of a manifest (its shards' sha256s, its sequence)."""
+    return SimpleNamespace(splits={"train": SimpleNamespace(shards=[SimpleNamespace(sha256=f"round{r}")])}, sequence=r)
+
+
 def _log_rounds(uri: str, dataset_dir: str, barrier, results) -> None:
     import mlflow
 
@@ -22,12 +27,10 @@ def _log_rounds(uri: str, dataset_dir: str, barrier, results) -> None:
     mlflow.set_tracking_uri(uri)
     mlflow.set_experiment("concurrent-inputs")
     for r in range(ROUNDS):
-        manifest = SimpleNamespace(splits={"train": SimpleNamespace(shards=[SimpleNamespace(sha256=f"round{r}")])},
-                                   sequence=r)
         with mlflow.start_run() as run:
             barrier.wait()
             try:
-                log_dataset_input(manifest, dataset_dir)
+                log_dataset_input(_manifest(r), dataset_dir)
                 results.put((r, run.info.run_id, "ok"))
             except Exception as e:  # the test reports what failed, in which round
                 results.put((r, run.info.run_id, f"{type(e).__name__}: {str(e)[:160]}"))
@@ -59,6 +62,5 @@ def test_runs_logging_the_same_dataset_at_once_all_keep_it(tmp_path):
     for r, run_id, _ in got:
         inputs = client.get_run(run_id).inputs.dataset_inputs
         assert len(inputs) == 1
-        manifest = SimpleNamespace(splits={"train": SimpleNamespace(shards=[SimpleNamespace(sha256=f"round{r}")])})
-        assert inputs[0].dataset.digest == dataset_digest(manifest)
+        assert inputs[0].dataset.digest == dataset_digest(_manifest(r))
         assert inputs[0].dataset.name == f"dataset@{r}"
