@@ -4,7 +4,9 @@ see the launcher as it is at that launch, as freshly spawned processes would."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 
 import pytest
 
@@ -42,3 +44,25 @@ def test_ranks_see_the_launchers_environment_folder_and_output_of_now(tmp_path, 
 def test_a_failing_rank_fails_the_launch_with_its_error():
     with pytest.raises(TrainingFailed, match=r"rank 1 on \S+: ValueError: rank 1 fails as asked"):
         launch_local(report, {"fail_rank": 1}, world_size=2, timeout_s=60)
+
+
+def die_or_wait_unaware(rank: int, world_size: int, pid_dir: str) -> None:
+    """Rank 1 is SIGKILLed; rank 0 waits in a way that never notices a dead peer (as a wait on
+    a store key or a hung device would), far longer than this test may take."""
+    with open(os.path.join(pid_dir, f"rank-{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(3600)
+
+
+def test_a_killed_rank_ends_the_launch_without_waiting_for_its_survivor(tmp_path):
+    # Without the launcher stopping the survivor this waits out the hour and the suite's
+    # timeout fails it; no time is measured here.
+    with pytest.raises(TrainingFailed) as failed:
+        launch_local(die_or_wait_unaware, str(tmp_path), world_size=2, timeout_s=3600)
+    assert "rank 1 exit code -9" in str(failed.value) and "rank 0 stopped by the launcher" in str(failed.value)
+    assert not failed.value.permanent  # a lost rank: the job restarts
+    survivor = int((tmp_path / "rank-0").read_text())
+    with pytest.raises(ProcessLookupError):  # ended and reaped, not left running
+        os.kill(survivor, 0)

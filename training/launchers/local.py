@@ -16,14 +16,20 @@ import os
 import pickle
 import queue
 import sys
+import time
 import traceback
 from typing import Any
 
-from . import DriverGuard, RankFn, TrainingFailed, free_port, run_in_group
+from . import LOST_PEER_GRACE_S, DriverGuard, RankFn, TrainingFailed, free_port, run_in_group
 from .guard import die_with_parent
 
 # Imported once by the fork server; a module that fails to import is skipped there.
 PRELOAD = ["torch", "torch.distributed", "training.worker", "mlflow.tracking"]
+
+# Once a rank has failed, the others get this long to end on their own (a survivor that saw
+# the lost peer reports it after LOST_PEER_GRACE_S) before the launcher kills them, as
+# torchrun's agent does: the restart never waits on a survivor stuck in a wait.
+FAILED_RANK_GRACE_S = 3 * LOST_PEER_GRACE_S
 
 
 def process_context():
@@ -106,24 +112,42 @@ def launch_local(
     ]
     for p in procs:
         p.start()
-    got, errors = {}, []
+    got, errors = {}, {}
+    failed_at = None  # when a rank first failed: from then on the others have a grace to end
     # Drain before join: a process with a large result in the queue cannot exit first.
     while len(got) + len(errors) < world_size:
         try:
-            rank, result, err = results.get(timeout=2)
+            rank, result, err = results.get(timeout=1)
         except queue.Empty:
             if all(not p.is_alive() for p in procs):
                 break
-            continue
-        if err:
-            errors.append(f"rank {rank}: {err}")
         else:
-            got[rank] = pickle.loads(result)
-    for p in procs:
+            if err:
+                errors[rank] = err
+            else:
+                got[rank] = pickle.loads(result)
+        if failed_at is None and (errors or any(p.exitcode for p in procs)):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > FAILED_RANK_GRACE_S:
+            break
+    stopped = []
+    for r, p in enumerate(procs):
+        if failed_at is not None and p.is_alive() and r not in got.keys() | errors.keys():
+            # A survivor still waiting on the failed rank: a wait that does not notice a dead
+            # peer (a store key, a hung device) would hold the restart for training.timeout_s.
+            p.kill()
+            stopped.append(r)
         p.join(timeout=30)
         if p.is_alive():
             p.kill()
     if errors or len(got) < world_size:
-        dead = [f"rank {r} exit code {p.exitcode}" for r, p in enumerate(procs) if p.exitcode]
-        raise TrainingFailed.from_ranks("local", "; ".join(errors), "; ".join(dead or ["no result"]))
+        # Ranks that could not say why (killed) are named beside the ones that did.
+        ended = [f"rank {r} exit code {p.exitcode}" for r, p in enumerate(procs)
+                 if p.exitcode and r not in got.keys() | errors.keys() | set(stopped)]
+        ended += [f"rank {r} stopped by the launcher" for r in stopped]
+        text = "; ".join(f"rank {r}: {e}" for r, e in errors.items())
+        failed = TrainingFailed.from_ranks("local", text, "; ".join(ended or ["no result"]))
+        if errors and ended:
+            failed = TrainingFailed(f"{failed} ({'; '.join(ended)})", failed.permanent)
+        raise failed
     return [got[r] for r in range(world_size)]
