@@ -4,6 +4,7 @@ the weights are those of a run that never saw an outage."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from training.job import run_training
 
 from .conftest import REPO, absolute_paths, shardline
 from .fixtures_s3 import free_port, stop_group, wait_until
+from .storage_helpers import hold_until_exists
 from .test_checkpoints import _cfg, _equal
 
 BIN = Path(sys.executable).parent
@@ -57,6 +59,7 @@ def test_training_survives_an_mlflow_outage_and_its_metrics_arrive_after(prepare
     url = f"http://127.0.0.1:{port}"
     procs = [_server(root, port)]
     cfg = _cfg(tmp_path / "outage", epochs=epochs)
+    killed = tmp_path / "server-killed"
     seen: dict[str, int] = {}
     done = threading.Event()
 
@@ -69,6 +72,7 @@ def test_training_survives_an_mlflow_outage_and_its_metrics_arrive_after(prepare
             return
         stop_group(procs[0])
         seen["at_kill"] = len(checkpoints.checkpoint_paths(cfg.checkpoint_dir))
+        killed.write_text("down")
         while not done.is_set() and len(checkpoints.checkpoint_paths(cfg.checkpoint_dir)) < seen["at_kill"] + 3:
             time.sleep(0.05)
         seen["at_return"] = len(checkpoints.checkpoint_paths(cfg.checkpoint_dir))
@@ -77,8 +81,11 @@ def test_training_survives_an_mlflow_outage_and_its_metrics_arrive_after(prepare
     watcher = threading.Thread(target=outage)
     watcher.start()
     try:
+        # Rank 0 waits after its first epoch until the server is down: the outage falls inside
+        # training however slow the watcher is (a run beside CPU hogs once saw the server
+        # killed only as the job ended).
         result = run_training(cfg, TrackingConfig(tracking_uri=url, experiment="outage", registered_model="outage"),
-                              prepared.dataset_dir)
+                              prepared.dataset_dir, epoch_hook=functools.partial(hold_until_exists, str(killed)))
         done.set()
         watcher.join()
         assert seen.get("at_return", 0) >= seen.get("at_kill", 99) + 3, seen  # written while it was down
@@ -111,3 +118,30 @@ def test_run_with_mlflow_unreachable_is_one_line_before_anything_starts(tmp_path
     assert errors == ["error: tracking.tracking_uri: MLflow at http://127.0.0.1:9 is not reachable "
                       "([Errno 111] Connection refused)"], proc.stderr[-2000:]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_drivers_last_calls_wait_for_a_server_that_went_away():
+    """After training the driver's own calls (curves, model, version) are tried again while the
+    server is unreachable: answered once it is back, one line naming the checkpoint if never."""
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.errors import ShardlineError
+    from training.mlflow_outage import when_reachable
+
+    nobody = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    attempts = []
+
+    def down_twice():  # the real client's failure twice, then an answer
+        attempts.append(1)
+        if len(attempts) <= 2:
+            return MlflowClient(nobody).search_experiments()
+        return "answered"
+
+    assert when_reachable(down_twice, nobody, wait_s=300, checkpoint="ck", retry_s=0.1) == "answered"
+    assert len(attempts) == 3
+    with pytest.raises(ShardlineError) as gone:
+        when_reachable(lambda: MlflowClient(nobody).search_experiments(), nobody, wait_s=0, checkpoint="/ck/ckpt-1.pt")
+    assert str(gone.value).startswith(f"tracking.tracking_uri: MLflow at {nobody} has been unreachable")
+    assert "the trained weights are in checkpoint /ck/ckpt-1.pt, the model is not registered" in str(gone.value)
+    with pytest.raises(ValueError):  # not an outage: raised at once, not retried
+        when_reachable(lambda: int("x"), nobody, wait_s=300, checkpoint=None, retry_s=0.1)

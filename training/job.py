@@ -22,7 +22,7 @@ from . import checkpoints, sharded_checkpoints
 from .config import TrackingConfig, TrainingConfig
 from .launchers import DriverGuard, TrainingFailed
 from .loader import check_world_size, epoch_steps, rows_per_rank
-from .mlflow_outage import Outbox, replay
+from .mlflow_outage import Outbox, replay, when_reachable
 from .models import build_model, check_model_name
 from .strategies import get_strategy
 from .tracking import describe_version, log_curves, log_dataset_input, open_experiment, run_name
@@ -229,10 +229,15 @@ def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guar
 
         model = build_model(manifest, cfg)
         model.load_state_dict(torch.load(io.BytesIO(result["state_dict"]), weights_only=True))
-        log_curves(run_id, [k for k in result["metrics"] if not k.startswith("rank")])
-        version = log_model(model, manifest, tracking.registered_model if register else None)
+        # The driver's own calls: a server down as training ends is waited for like one down during it.
+        def reachable(call):
+            return when_reachable(call, uri, tracking.outage_wait_s, checkpoints.latest(cfg.checkpoint_dir))
+
+        reachable(lambda: log_curves(run_id, [k for k in result["metrics"] if not k.startswith("rank")]))
+        version = reachable(lambda: log_model(model, manifest, tracking.registered_model if register else None))
         if version:
-            describe_version(tracking.registered_model, version, cfg, manifest, dataset_dir, result["metrics"])
+            reachable(lambda: describe_version(tracking.registered_model, version, cfg, manifest, dataset_dir,
+                                               result["metrics"]))
     return TrainResult(
         run_id, uri, tracking.registered_model, version, result["metrics"], model.state_dict(),
         stopped_early=result.get("stopped_early", False), collective_calls=result.get("collective_calls", {}),

@@ -109,8 +109,6 @@ def replay(tracking_uri: str, entries: list[tuple], wait_s: float, checkpoint: s
     """The driver sends what rank 0 could not, waiting up to `wait_s` for the server."""
     from mlflow.tracking import MlflowClient
 
-    from pipelines.errors import ShardlineError
-
     if not entries:
         return
     box = Outbox(MlflowClient(tracking_uri), retry_s=5.0)
@@ -118,10 +116,33 @@ def replay(tracking_uri: str, entries: list[tuple], wait_s: float, checkpoint: s
     deadline = time.monotonic() + wait_s
     while not box.flush(force=True):
         if time.monotonic() >= deadline:
-            raise ShardlineError(
-                f"tracking.tracking_uri: MLflow at {tracking_uri} has been unreachable since training "
-                f"was running ({len(box.pending())} tracking call(s) not sent, waited {wait_s:.0f} s at "
-                f"the end); the trained weights are in checkpoint {checkpoint or 'training.checkpoint_dir'}, "
-                f"the model is not registered"
-            )
+            raise _gone(tracking_uri, wait_s, checkpoint, f"{len(box.pending())} tracking call(s) not sent")
         time.sleep(5.0)
+
+
+def when_reachable(call, tracking_uri: str, wait_s: float, checkpoint: str | None, retry_s: float = 5.0):
+    """`call()`, one of the driver's own calls after training (the curves, the model and its
+    version), tried again every `retry_s` while the server is unreachable, up to `wait_s`: a
+    server that goes down as training ends is waited for as one that went down during it.
+    (A call whose answer was lost after the server acted on it is made twice: for the
+    model, a second version; a refused connection, the usual outage, never acted.)"""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return call()
+        except Exception as e:
+            if not unreachable(e):
+                raise
+            if time.monotonic() >= deadline:
+                raise _gone(tracking_uri, wait_s, checkpoint, first_line(e)) from None
+        time.sleep(retry_s)
+
+
+def _gone(tracking_uri: str, wait_s: float, checkpoint: str | None, detail: str):
+    from pipelines.errors import ShardlineError
+
+    return ShardlineError(
+        f"tracking.tracking_uri: MLflow at {tracking_uri} has been unreachable since training "
+        f"was running ({detail}, waited {wait_s:.0f} s at the end); the trained weights are in "
+        f"checkpoint {checkpoint or 'training.checkpoint_dir'}, the model is not registered"
+    )
