@@ -104,6 +104,17 @@ def read_ledger(d) -> dict[str, dict]:
     return entries
 
 
+def read_entry(d: str, unit_id: str) -> dict | None:
+    """One unit's committed entry in a version directory, None if it has none."""
+    path = storage.join(d, LEDGER, f"{unit_id}.json")
+    if not storage.exists(path):
+        return None
+    try:
+        return json.loads(storage.read_bytes(path))
+    except (OSError, json.JSONDecodeError):
+        return None  # as read_ledger: anything odd is uncommitted
+
+
 def all_scores(out) -> list[Scores]:
     """Every model version's scores in the output (legacy flat ones included), by name and version."""
     out = str(out)

@@ -46,7 +46,9 @@ def test_default_local_master_retries_a_killed_worker_and_names_a_unit_that_keep
                             lambda inner: DiesBetweenOutputAndLedger(inner, str(marker)))
     fails = register_wrapped(prepared, tracking_uri, "faults-always-fails", AlwaysFails)
     raw = raw_table(prepared)
-    write_raw(raw, tmp_path / "in", files=3)
+    # Six units on two slots are dealt into two tasks of three (serving.engine_spark.deal):
+    # the retried task holds units besides the one that died.
+    write_raw(raw, tmp_path / "in", files=6)
     out, out_failed = tmp_path / "scores", tmp_path / "scores-failed"
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(JOBS), dies, fails, tracking_uri, str(tmp_path / "in"),
@@ -57,8 +59,8 @@ def test_default_local_master_retries_a_killed_worker_and_names_a_unit_that_keep
     assert "MASTER local[2,4]" in proc.stdout, proc.stdout
     # The worker really died mid-job, and the job still ended whole and exactly once.
     _died_between_output_and_ledger(marker, version_dir(out))
-    assert f"ROWS {raw.num_rows} 3" in proc.stdout, proc.stdout + proc.stderr[-2000:]
-    _assert_exactly_once(out, raw.num_rows, 3)
+    assert f"ROWS {raw.num_rows} 6" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    _assert_exactly_once(out, raw.num_rows, 6)
     (error,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("ERROR ")]
     names = [p.name for p in Path(tmp_path / "in").iterdir()]
     assert error.startswith("ERROR Spark scoring job failed on unit "), error
