@@ -18,10 +18,10 @@ from .worker import UnitTask, score_unit
 TASKS_PER_SLOT = 1
 
 
-def run_units(spark, tasks: list[UnitTask], slots: int | None = None) -> list[dict]:
+def run_units(spark, tasks: list[UnitTask]) -> list[dict]:
     # DataFrame operations, no RDD: Connect has none. A range of n rows in n partitions holds
     # one index each: one group of units per task. Only ledger entries come back to the driver.
-    groups = deal(tasks, slots if slots is not None else _slots(spark))
+    groups = deal(tasks, _slots(spark))
 
     def score_partition(batches):
         import pyarrow as pa
@@ -59,12 +59,13 @@ def deal(tasks: list[UnitTask], slots: int | None) -> list[list[int]]:
     one unit per task, as many tasks as Spark can run."""
     if not slots or len(tasks) <= slots * TASKS_PER_SLOT:
         return [[i] for i in range(len(tasks))]
+    weight = [t.unit.rows or 1 for t in tasks]  # a unit of unknown size counts as one row
     groups: list[list[int]] = [[] for _ in range(slots * TASKS_PER_SLOT)]
     load = [0] * len(groups)
-    for i in sorted(range(len(tasks)), key=lambda i: -(tasks[i].unit.rows or 1)):
+    for i in sorted(range(len(tasks)), key=lambda i: -weight[i]):
         g = load.index(min(load))
         groups[g].append(i)
-        load[g] += tasks[i].unit.rows or 1
+        load[g] += weight[i]
     return groups
 
 

@@ -96,23 +96,23 @@ def read_ledger(d) -> dict[str, dict]:
     for n in storage.list_dir(ledger):
         if n.startswith(".") or not n.endswith(".json"):
             continue  # a temp file of an interrupted write: not committed
-        try:
-            entry = json.loads(storage.read_bytes(storage.join(ledger, n)))
-        except (OSError, json.JSONDecodeError):
-            continue  # a torn entry cannot exist (whole-object writes); treat anything odd as uncommitted
-        entries[entry["unit_id"]] = entry
+        entry = _load_entry(storage.join(ledger, n))
+        if entry is not None:
+            entries[entry["unit_id"]] = entry
     return entries
 
 
 def read_entry(d: str, unit_id: str) -> dict | None:
     """One unit's committed entry in a version directory, None if it has none."""
     path = storage.join(d, LEDGER, f"{unit_id}.json")
-    if not storage.exists(path):
-        return None
+    return _load_entry(path) if storage.exists(path) else None
+
+
+def _load_entry(path: str) -> dict | None:
     try:
         return json.loads(storage.read_bytes(path))
     except (OSError, json.JSONDecodeError):
-        return None  # as read_ledger: anything odd is uncommitted
+        return None  # a torn entry cannot exist (whole-object writes); treat anything odd as uncommitted
 
 
 def all_scores(out) -> list[Scores]:
