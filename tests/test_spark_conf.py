@@ -14,10 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from training.launchers import free_port
 
 from .conftest import REPO, absolute_paths, shardline
-from .fixtures_clusters import _start, _stop, _wait_port
 
 BIN = Path(sys.executable).parent
 QUICKSTART = REPO / "jobs" / "configs" / "quickstart.toml"
@@ -80,31 +81,24 @@ def _driver(tmp: Path) -> Path:
     return script
 
 
-def test_spark_submit_conf_wins_over_shardlines_defaults(tmp_path):
+def test_spark_submit_conf_and_spark_defaults_conf_win_over_shardlines_defaults(tmp_path):
+    """One spark-submit JVM for both of the user's sources (each JVM costs ~15 s): the UI from
+    spark-defaults.conf, the shuffle partitions from --conf, which also beats the file's
+    value (Spark's own order); shardline's value only where nobody set one."""
     ui = free_port()
+    env = _env(tmp_path, ["spark.ui.enabled true", f"spark.ui.port={ui}", "spark.sql.shuffle.partitions : 5"])
     cmd = [
-        str(BIN / "spark-submit"), "--master", "local[1]",
-        "--conf", "spark.ui.enabled=true", "--conf", f"spark.ui.port={ui}",
-        "--conf", "spark.sql.shuffle.partitions=7",
+        str(BIN / "spark-submit"), "--master", "local[1]", "--conf", "spark.sql.shuffle.partitions=7",
         # The documented form for what must be set before the JVM starts (README).
         "--driver-java-options", f"-Dlog4j2.configurationFile=file:{LOG4J}",
         str(_driver(tmp_path)), "{}", str(ui),
     ]  # fmt: skip
-    got, proc = _run(cmd, tmp_path, _env(tmp_path))
-    assert got["spark.ui.enabled"] == "true" and got["ui_listening"], got
-    assert got["spark.sql.shuffle.partitions"] == "7"
+    got, proc = _run(cmd, tmp_path, env)
+    assert got["spark.ui.enabled"] == "true" and got["ui_listening"], got  # spark-defaults.conf's
+    assert got["spark.sql.shuffle.partitions"] == "7"  # --conf's (shardline's is 4, the file's 5)
     assert got["spark.sql.execution.arrow.maxRecordsPerBatch"] == "65536"  # unset: shardline's
     assert got["spark.master"] == "local[1]"
     assert " INFO " not in proc.stdout + proc.stderr  # the log4j configuration took effect
-
-
-def test_spark_defaults_conf_wins_under_spark_submit(tmp_path):
-    ui = free_port()
-    env = _env(tmp_path, ["spark.ui.enabled true", f"spark.ui.port={ui}", "spark.sql.shuffle.partitions : 7"])
-    cmd = [str(BIN / "spark-submit"), "--master", "local[1]", str(_driver(tmp_path)), "{}", str(ui)]
-    got, _ = _run(cmd, tmp_path, env)
-    assert got["spark.ui.enabled"] == "true" and got["ui_listening"], got
-    assert got["spark.sql.shuffle.partitions"] == "7"
 
 
 def test_spark_defaults_conf_wins_when_shardline_starts_spark(tmp_path):
@@ -167,30 +161,18 @@ def test_a_missing_archive_under_spark_submit_is_one_line_naming_it(tmp_path):
     assert not any(tmp_path.rglob("*.parquet"))
 
 
-def test_dynamic_allocation_is_refused_for_training(prepared, tmp_path):
-    """Spark refuses barrier stages under dynamic allocation [SPARK-24942]: say so up front.
-
-    A real standalone Master with no workers: shardline refuses before it needs one."""
-    port = free_port()
-    master = _start(
-        [str(BIN / "spark-class"), "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-         "--port", str(port), "--webui-port", str(free_port())],
-        tmp_path / "master.log",
-        {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PYSPARK_PYTHON": sys.executable,
-         "SPARK_LOCAL_IP": "127.0.0.1"},
+@pytest.mark.cluster
+def test_dynamic_allocation_is_refused_for_training(prepared, spark_standalone, tmp_path):
+    """Spark refuses barrier stages under dynamic allocation [SPARK-24942]: say so up front,
+    on a real standalone master (the session's), before any executor is asked for."""
+    proc = shardline(
+        "train", str(QUICKSTART),
+        "--set", f"spark.master='{spark_standalone.master}'",
+        "--set", "spark.conf={'spark.dynamicAllocation.enabled' = 'true'}",
+        *absolute_paths(tmp_path), "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'",
+        "--set", f"pipelines.dataset_dir='{prepared.dataset_dir}'", "--set", "training.batch_size=256",
+        cwd=tmp_path, env={**_env(tmp_path), **spark_standalone.env}, timeout=300,
     )  # fmt: skip
-    try:
-        _wait_port(port)
-        proc = shardline(
-            "train", str(QUICKSTART),
-            "--set", f"spark.master='spark://127.0.0.1:{port}'",
-            "--set", "spark.conf={'spark.dynamicAllocation.enabled' = 'true'}",
-            *absolute_paths(tmp_path), "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'",
-            "--set", f"pipelines.dataset_dir='{prepared.dataset_dir}'", "--set", "training.batch_size=256",
-            cwd=tmp_path, env=_env(tmp_path), timeout=300,
-        )  # fmt: skip
-    finally:
-        _stop([master])
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert _error_lines(proc.stderr) == [
         "error: spark.dynamicAllocation.enabled is true: Spark refuses barrier stages (shardline's "
@@ -199,40 +181,29 @@ def test_dynamic_allocation_is_refused_for_training(prepared, tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
-def test_a_cluster_with_fewer_slots_than_ranks_is_one_line_from_sparks_own_check(prepared, tmp_path):
-    """Nothing in the settings bounds a standalone cluster's slots, so Spark's own barrier
-    check decides: with shardline's defaults it gives up after 15 tries 2 s apart (Spark's
-    own: 40 tries 15 s apart), and the error names the setting. The test sets 3 tries
-    itself (a user's value wins, as every user conf does): the message is the same and
-    the suite is 25 s shorter."""
-    env = {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PYSPARK_PYTHON": sys.executable,
-           "SPARK_LOCAL_IP": "127.0.0.1"}
-    port = free_port()
-    procs = [_start(
-        [str(BIN / "spark-class"), "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-         "--port", str(port), "--webui-port", str(free_port())], tmp_path / "master.log", env,
-    )]  # fmt: skip
-    try:
-        _wait_port(port)
-        procs.append(_start(
-            [str(BIN / "spark-class"), "org.apache.spark.deploy.worker.Worker", f"spark://127.0.0.1:{port}",
-             "--cores", "1", "--memory", "1g", "--work-dir", str(tmp_path / "work"), "--host", "127.0.0.1",
-             "--webui-port", str(free_port())], tmp_path / "worker.log", env,
-        ))  # fmt: skip
-        proc = shardline(
-            "train", str(QUICKSTART), "--set", f"spark.master='spark://127.0.0.1:{port}'",
-            "--set", "spark.conf={'spark.driver.host' = '127.0.0.1', 'spark.driver.bindAddress' = '127.0.0.1', "
-                      "'spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures' = '3'}",
-            "--set", f"pipelines.dataset_dir='{prepared.dataset_dir}'",
-            "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'",
-            cwd=tmp_path, env={**_env(tmp_path), **env}, timeout=400,
-        )  # fmt: skip
-    finally:
-        _stop(procs)
+@pytest.mark.cluster
+def test_a_cluster_with_fewer_slots_than_ranks_is_one_line_from_sparks_own_check(prepared, spark_standalone,
+                                                                                  tmp_path):
+    """Nothing in the settings bounds a standalone cluster's slots (no spark.cores.max here),
+    so Spark's own barrier check decides: with shardline's defaults it gives up after 15 tries
+    2 s apart (Spark's own: 40 tries 15 s apart), and the error names the setting. The test
+    sets 3 tries itself (a user's value wins, as every user conf does): the message is the
+    same and the suite is 25 s shorter. The session's cluster has 2 one-core workers; three
+    ranks, one a parameter server, so the dataset's 2 shards feed the 2 data ranks."""
+    master = spark_standalone.master
+    proc = shardline(
+        "train", str(QUICKSTART), "--set", f"spark.master='{master}'",
+        "--set", "spark.conf={'spark.driver.host' = '127.0.0.1', 'spark.driver.bindAddress' = '127.0.0.1', "
+                  "'spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures' = '3'}",
+        "--set", "training.strategy='ps'", "--set", "training.ps_servers=1", "--world-size", "3",
+        "--set", f"pipelines.dataset_dir='{prepared.dataset_dir}'", "--set", "training.batch_size=256",
+        "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'",
+        cwd=tmp_path, env={**_env(tmp_path), **spark_standalone.env}, timeout=400,
+    )  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert _error_lines(proc.stderr) == [
-        "error: training.world_size 2: Spark could not give the barrier stage 2 task slots at once "
-        f"(Spark master spark://127.0.0.1:{port} has fewer)"
+        "error: training.world_size 3: Spark could not give the barrier stage 3 task slots at once "
+        f"(Spark master {master} has fewer)"
     ], proc.stderr[-2000:]
 
 
