@@ -27,10 +27,13 @@ def pack_venv(venv: Path, out: Path) -> None:
     """What docs/deploy.md says to run. -h: Spark refuses archive entries that are symlinks
     leading outside the archive (bin/python is one); .tar.gz: Spark unpacks it with `tar`,
     which keeps the executable bits (a plain .tar lost them here). The editable install of
-    shardline stays out: shardline ships its own packages."""
+    shardline stays out: shardline ships its own packages. pyspark's jars stay out too (462 MB of
+    the 2.5 GB): an executor's JVM is its worker's own Spark, and the Python workers it
+    starts need no jars (this test shows it)."""
     entries = [e.name for e in venv.iterdir() if e.name != "lib64"]
     subprocess.run(
-        f"tar -h --exclude='__editable__*' --exclude='shardline-*.dist-info' -cf - {' '.join(entries)} "
+        f"tar -h --exclude='__editable__*' --exclude='shardline-*.dist-info' --exclude='pyspark/jars' "
+        f"-cf - {' '.join(entries)} "
         f"| gzip -1 > {out}", shell=True, cwd=venv, check=True, timeout=1200,
     )
 
