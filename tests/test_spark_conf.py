@@ -164,7 +164,7 @@ def test_a_missing_archive_under_spark_submit_is_one_line_naming_it(tmp_path):
 @pytest.mark.cluster
 def test_dynamic_allocation_is_refused_for_training(prepared, spark_standalone, tmp_path):
     """Spark refuses barrier stages under dynamic allocation [SPARK-24942]: say so up front,
-    on a real standalone master (the session's), before any executor is asked for."""
+    on a real standalone master (the session's), before any task runs."""
     proc = shardline(
         "train", str(QUICKSTART),
         "--set", f"spark.master='{spark_standalone.master}'",
