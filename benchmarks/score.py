@@ -20,14 +20,20 @@ the train split once unmeasured, then again measured. The warm-up must be the sa
 job: a smaller one (the val split) may run all its tasks in one Python worker,
 leaving the measured job to start another and load the model there (seconds).
 The limit loads its model before its clock starts.
+
+Every method is then measured `rounds` times (5 unless told), round by round
+(`measure_rounds`), and its median run is the figure: on this shared 2-core machine one
+run of a job of a second or two moved a ratio by up to ±0.3, the median of 3 by ±0.15.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -43,6 +49,26 @@ TARGET_VS_LIMIT = 0.9
 TARGET_VS_PROCESSES = 0.95  # issue 18: the engines against plain processes doing the same work
 TARGET_VS_PREDICT_BATCH_UDF = 1.5
 BATCH_SIZE = 4096  # serving.score's default; every method infers in batches of this size
+
+
+def measure_rounds(methods: dict[str, Callable[[Path], tuple[int, float]]], root: Path, rounds: int,
+           progress) -> tuple[dict[str, float], dict[str, int], dict[str, list[float]]]:
+    """Each method `measure(out) -> (rows, seconds)` run `rounds` times, round by round
+    (every method once, then again), so a spell in which the shared machine is slower
+    falls on every method alike: (median seconds, rows, every run's seconds) per method.
+    Each run writes into a directory of its own, removed after it."""
+    runs: dict[str, list[float]] = {name: [] for name in methods}
+    scored: dict[str, int] = {}
+    for r in range(rounds):
+        progress(f"round {r + 1} of {rounds}: {', '.join(methods)}")
+        for name, measure in methods.items():
+            out = root / f"{name}-{r}"
+            rows, seconds = measure(out)
+            shutil.rmtree(out, ignore_errors=True)
+            if scored.setdefault(name, rows) != rows:
+                raise RuntimeError(f"bench score: {name} scored {rows} rows, {scored[name]} in its first run")
+            runs[name].append(seconds)
+    return {k: statistics.median(v) for k, v in runs.items()}, scored, runs
 
 
 def limit_loop(model, shard_paths: list[str], out: Path, width: int, model_name: str,
@@ -198,10 +224,13 @@ def write_udf_scores(frame, out: Path, model_name: str, model_version: str) -> N
 
 def run(rows: int, workdir: str | None = None, progress=print, *, spark=None, dask_client=None,
         dataset_dir: str | None = None, model_uri: str | None = None,
-        tracking_uri: str | None = None) -> dict:
-    """Prepare `rows`, train a model, measure. Given running engines (`spark`, `dask_client`),
-    a prepared `dataset_dir` and a registered `model_uri` in `tracking_uri`, it measures on
-    those instead (the tests pass the session's): the same figures, less set-up."""
+        tracking_uri: str | None = None, rounds: int = 5) -> dict:
+    """Prepare `rows`, train a model, measure every method `rounds` times (`measure_rounds`).
+    Given running engines (`spark`, `dask_client`), a prepared `dataset_dir` and a registered
+    `model_uri` in `tracking_uri`, it measures on those instead (the tests pass the
+    session's): the same figures, less set-up."""
+    if rounds < 1:
+        raise ValueError(f"bench score: rounds must be at least 1, not {rounds}")
     import mlflow
     import torch
 
@@ -237,6 +266,10 @@ def run(rows: int, workdir: str | None = None, progress=print, *, spark=None, da
         if model_uri is None:
             progress("training a small model (1 epoch, local)")
             tracking_uri = f"sqlite:///{root / 'mlflow.db'}"
+            # The model's artifacts beside its database, in the scratch directory: with a
+            # sqlite store MLflow would put them in ./mlruns, left behind in the user's folder.
+            mlflow.set_tracking_uri(tracking_uri)
+            mlflow.create_experiment("bench", artifact_location=(root / "mlruns").as_uri())
             model_uri = run_training(
                 TrainingConfig(launcher="local", world_size=1, epochs=1, batch_size=1024,
                                checkpoint_dir=str(root / "ckpt")),
@@ -249,50 +282,56 @@ def run(rows: int, workdir: str | None = None, progress=print, *, spark=None, da
             progress("starting Spark")
             spark = spark_session(SparkConfig())
 
-        seconds: dict[str, float] = {}
-        scored: dict[str, int] = {}
-        for name, handle in (("spark", spark), ("dask", client)):
-            progress(f"{name}: score train twice (a warm-up, then measured)")
-            score(name, handle, model_uri, tracking_uri, dataset_dir, str(root / f"warm-{name}"),
-                  split="train", force=True, batch_size=BATCH_SIZE)
-            start = time.perf_counter()
-            r = score(name, handle, model_uri, tracking_uri, dataset_dir, str(root / f"out-{name}"),
-                      split="train", force=True, batch_size=BATCH_SIZE)
-            seconds[name] = time.perf_counter() - start
-            scored[name] = r.rows
+        def score_job(name: str, handle):
+            def measure(out: Path) -> tuple[int, float]:
+                start = time.perf_counter()
+                r = score(name, handle, model_uri, tracking_uri, dataset_dir, str(out),
+                          split="train", force=True, batch_size=BATCH_SIZE)
+                return r.rows, time.perf_counter() - start
+            return measure
 
-        progress("predict_batch_udf: score train twice (a warm-up, then measured)")
+        for name, handle in (("spark", spark), ("dask", client)):
+            progress(f"{name}: score train once unmeasured (the warm-up)")
+            score_job(name, handle)(root / f"warm-{name}")
+        progress("predict_batch_udf: score train once unmeasured (the warm-up)")
         pbu = predict_batch_udf_job(spark, model_uri, tracking_uri, width)
         pbu(train_paths, root / "warm-pbu", model_name, model_version)
-        start = time.perf_counter()
-        pbu(train_paths, root / "out-pbu", model_name, model_version)
-        seconds["predict_batch_udf"] = time.perf_counter() - start
-        scored["predict_batch_udf"] = pq.ParquetDataset(str(root / "out-pbu")).read(columns=["key"]).num_rows
 
-        progress("limit: single-process torch loop, one thread")
+        def pbu_measure(out: Path) -> tuple[int, float]:
+            start = time.perf_counter()
+            pbu(train_paths, out, model_name, model_version)
+            seconds = time.perf_counter() - start
+            return pq.ParquetDataset(str(out)).read(columns=["key"]).num_rows, seconds
+
         mlflow.set_tracking_uri(tracking_uri)
         model = load_torch_model(model_uri).eval()
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            start = time.perf_counter()
-            scored["limit"] = limit_loop(model, train_paths, root / "out-limit", width,
-                                         model_name, model_version)
-            seconds["limit_single_process"] = time.perf_counter() - start
-        finally:
-            torch.set_num_threads(threads)
+
+        def limit_measure(out: Path) -> tuple[int, float]:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                start = time.perf_counter()
+                n = limit_loop(model, train_paths, out, width, model_name, model_version)
+                return n, time.perf_counter() - start
+            finally:
+                torch.set_num_threads(threads)
 
         cores = len(os.sched_getaffinity(0))
-        progress(f"processes: the same loop in {cores} plain processes at once")
-        scored["processes"], seconds["processes"] = limit_processes(
-            cores, model_uri, tracking_uri, train_paths, root / "out-processes", width,
-            model_name, model_version,
-        )
+        seconds, scored, runs = measure_rounds({
+            "spark": score_job("spark", spark),
+            "dask": score_job("dask", client),
+            "predict_batch_udf": pbu_measure,
+            # the single-process torch loop, one thread
+            "limit_single_process": limit_measure,
+            # the same loop in one plain process per core, all at once
+            "processes": lambda out: limit_processes(cores, model_uri, tracking_uri, train_paths, out, width,
+                                                     model_name, model_version),
+        }, root / "runs", rounds, progress)
 
         from benchmarks import score_raw
 
-        raw_seconds, raw_scored, n_raw = score_raw.measure(spark, client, resolved, tracking_uri, manifest,
-                                                           root, cores, progress)
+        raw_seconds, raw_scored, raw_runs, n_raw = score_raw.measure(
+            spark, client, resolved, tracking_uri, manifest, root, cores, rounds, progress)
     finally:
         if own_client is not None:
             cluster = own_client.cluster
@@ -323,7 +362,9 @@ def run(rows: int, workdir: str | None = None, progress=print, *, spark=None, da
         "split": "train",
         "cores": cores,
         "batch_size": BATCH_SIZE,
-        "seconds": {k: significant(v) for k, v in seconds.items()},
+        "rounds": rounds,
+        "seconds": {k: significant(v) for k, v in seconds.items()},  # each method's median run
+        "seconds_runs": {k: [significant(x) for x in v] for k, v in {**runs, **raw_runs}.items()},
         "rows_per_s": {k: significant(v) for k, v in rps.items()},
         "ratio_vs_limit": {k: significant(v) for k, v in vs_limit.items()},
         "ratio_vs_predict_batch_udf": {k: significant(v) for k, v in vs_pbu.items()},

@@ -11,7 +11,7 @@ prepared features.
   with the same transform inside its predict function (target: engines >= 1.5 x).
 
 Every method scores every row of every raw file (all splits), once unmeasured, then
-measured, as the prepared figures do.
+measured `rounds` times, as the prepared figures do.
 """
 
 from __future__ import annotations
@@ -149,9 +149,10 @@ def predict_batch_udf_raw_job(spark, model_uri: str, tracking_uri: str, spec_jso
     return run
 
 
-def measure(spark, client, model, tracking_uri: str, manifest, root: Path, cores: int,
-            progress) -> tuple[dict[str, float], dict[str, int], int]:
-    """(seconds per method, rows each scored, rows of the raw files)."""
+def measure(spark, client, model, tracking_uri: str, manifest, root: Path, cores: int, rounds: int,
+            progress) -> tuple[dict[str, float], dict[str, int], dict[str, list[float]], int]:
+    """(median seconds per method, rows each scored, every run's seconds, rows of the raw
+    files); every method `rounds` times (benchmarks.score.measure_rounds)."""
     from serving.score import score
 
     files = raw_files(manifest)
@@ -164,29 +165,35 @@ def measure(spark, client, model, tracking_uri: str, manifest, root: Path, cores
     raw.mkdir()
     for i, f in enumerate(files):
         (raw / f"part-{i:05d}.parquet").symlink_to(Path(f).resolve())
-    seconds: dict[str, float] = {}
-    scored: dict[str, int] = {}
-    for name, handle in (("spark", spark), ("dask", client)):
-        progress(f"{name}: score the raw files twice (a warm-up, then measured)")
-        score(name, handle, model.pinned_uri, tracking_uri, str(raw), str(root / f"warm-raw-{name}"),
-              force=True, batch_size=BATCH_SIZE)
-        start = time.perf_counter()
-        r = score(name, handle, model.pinned_uri, tracking_uri, str(raw), str(root / f"out-raw-{name}"),
-                  force=True, batch_size=BATCH_SIZE)
-        seconds[f"{name}_raw"] = time.perf_counter() - start
-        scored[f"{name}_raw"] = r.rows
+    def score_job(name: str, handle):
+        def measure(out: Path) -> tuple[int, float]:
+            start = time.perf_counter()
+            r = score(name, handle, model.pinned_uri, tracking_uri, str(raw), str(out), force=True,
+                      batch_size=BATCH_SIZE)
+            return r.rows, time.perf_counter() - start
+        return measure
 
-    progress("predict_batch_udf on raw columns, the transform inside: twice (a warm-up, then measured)")
+    for name, handle in (("spark", spark), ("dask", client)):
+        progress(f"{name}: score the raw files once unmeasured (the warm-up)")
+        score_job(name, handle)(root / f"warm-raw-{name}")
+    progress("predict_batch_udf on raw columns, the transform inside: once unmeasured (the warm-up)")
     pbu = predict_batch_udf_raw_job(spark, model.pinned_uri, tracking_uri, spec_json, stats_json)
     pbu(files, root / "warm-pbu-raw", model.name, model.version)
-    start = time.perf_counter()
-    pbu(files, root / "out-pbu-raw", model.name, model.version)
-    seconds["predict_batch_udf_raw"] = time.perf_counter() - start
-    scored["predict_batch_udf_raw"] = pq.ParquetDataset(str(root / "out-pbu-raw")).read(columns=["key"]).num_rows
 
-    progress(f"processes_raw: the read-transform-infer-write loop in {cores} plain processes at once")
-    scored["processes_raw"], seconds["processes_raw"] = raw_processes(
-        cores, model.pinned_uri, tracking_uri, files, root / "out-processes-raw", spec_json, stats_json,
-        model.name, model.version,
-    )
-    return seconds, scored, n
+    def pbu_measure(out: Path) -> tuple[int, float]:
+        start = time.perf_counter()
+        pbu(files, out, model.name, model.version)
+        seconds = time.perf_counter() - start
+        return pq.ParquetDataset(str(out)).read(columns=["key"]).num_rows, seconds
+
+    from benchmarks.score import measure_rounds
+
+    seconds, scored, runs = measure_rounds({
+        "spark_raw": score_job("spark", spark),
+        "dask_raw": score_job("dask", client),
+        "predict_batch_udf_raw": pbu_measure,
+        # the read-transform-infer-write loop in one plain process per core, all at once
+        "processes_raw": lambda out: raw_processes(cores, model.pinned_uri, tracking_uri, files, out, spec_json,
+                                                   stats_json, model.name, model.version),
+    }, root / "runs-raw", rounds, progress)
+    return seconds, scored, runs, n

@@ -54,15 +54,18 @@ def bench_prepare(rows, rounds, as_json):
 
 @bench.command("score")
 @click.option("--rows", type=int, default=1_000_000, show_default=True, help="Synthetic rows (the train split is scored).")
+@click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Measured runs of every method, in rounds; each figure is its method's median run.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
-def bench_score(rows, as_json):
+def bench_score(rows, rounds, as_json):
     """Scoring rows/s on Spark and Dask (prepared splits and raw rows) vs plain processes, the limit and predict_batch_udf."""
     from benchmarks.score import run as run_bench
 
-    result = _bench(run_bench, as_json, rows=rows)
+    result = _bench(run_bench, as_json, rows=rows, rounds=rounds)
     if result is None:
         return
-    table = Table(title=f"score, {result['rows_scored']:,} train rows, {result['cores']} cores")
+    table = Table(title=f"score, {result['rows_scored']:,} train rows, {result['cores']} cores, "
+                        f"median of {result['rounds']} runs")
     for col in ("", "seconds", "rows/s", "× limit", "× processes", "× pbu"):
         table.add_column(col, justify="right")
     secs, rps = result["seconds"], result["rows_per_s"]
