@@ -52,7 +52,7 @@ BATCH_SIZE = 4096  # serving.score's default; every method infers in batches of 
 
 
 def measure_rounds(methods: dict[str, Callable[[Path], tuple[int, float]]], root: Path, rounds: int,
-           progress) -> tuple[dict[str, float], dict[str, int], dict[str, list[float]]]:
+                   progress) -> tuple[dict[str, float], dict[str, int], dict[str, list[float]]]:
     """Each method `measure(out) -> (rows, seconds)` run `rounds` times, round by round
     (every method once, then again), so a spell in which the shared machine is slower
     falls on every method alike: (median seconds, rows, every run's seconds) per method.

@@ -165,6 +165,7 @@ def measure(spark, client, model, tracking_uri: str, manifest, root: Path, cores
     raw.mkdir()
     for i, f in enumerate(files):
         (raw / f"part-{i:05d}.parquet").symlink_to(Path(f).resolve())
+
     def score_job(name: str, handle):
         def measure(out: Path) -> tuple[int, float]:
             start = time.perf_counter()
