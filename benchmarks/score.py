@@ -71,6 +71,31 @@ def measure_rounds(methods: dict[str, Callable[[Path], tuple[int, float]]], root
     return {k: statistics.median(v) for k, v in runs.items()}, scored, runs
 
 
+def score_measure(engine: str, handle, model_uri: str, tracking_uri: str, input_path: str,
+                  **options) -> Callable[[Path], tuple[int, float]]:
+    """A `measure` for `measure_rounds`: the whole batch job (`serving.score.score`) of
+    `input_path` into `out`, timed."""
+    from serving.score import score
+
+    def measure(out: Path) -> tuple[int, float]:
+        start = time.perf_counter()
+        r = score(engine, handle, model_uri, tracking_uri, input_path, str(out), force=True,
+                  batch_size=BATCH_SIZE, **options)
+        return r.rows, time.perf_counter() - start
+    return measure
+
+
+def udf_measure(job, paths: list[str], model_name: str, model_version: str) -> Callable[[Path], tuple[int, float]]:
+    """A `measure` for `measure_rounds`: a predict_batch_udf `job` scoring `paths` into `out`,
+    timed; its rows counted from what it wrote, after the clock stops."""
+    def measure(out: Path) -> tuple[int, float]:
+        start = time.perf_counter()
+        job(paths, out, model_name, model_version)
+        seconds = time.perf_counter() - start
+        return pq.ParquetDataset(str(out)).read(columns=["key"]).num_rows, seconds
+    return measure
+
+
 def limit_loop(model, shard_paths: list[str], out: Path, width: int, model_name: str,
                model_version: str) -> int:
     """The single-process loop; `model` is already loaded. Returns rows scored."""
@@ -240,7 +265,6 @@ def run(rows: int, workdir: str | None = None, progress=print, *, spark=None, da
     from pipelines.manifest import load_manifest
     from pipelines.prepare import prepare
     from serving.models import resolve_model
-    from serving.score import score
     from training.config import TrackingConfig, TrainingConfig
     from training.job import run_training
 
@@ -282,26 +306,15 @@ def run(rows: int, workdir: str | None = None, progress=print, *, spark=None, da
             progress("starting Spark")
             spark = spark_session(SparkConfig())
 
-        def score_job(name: str, handle):
-            def measure(out: Path) -> tuple[int, float]:
-                start = time.perf_counter()
-                r = score(name, handle, model_uri, tracking_uri, dataset_dir, str(out),
-                          split="train", force=True, batch_size=BATCH_SIZE)
-                return r.rows, time.perf_counter() - start
-            return measure
-
-        for name, handle in (("spark", spark), ("dask", client)):
+        jobs = {name: score_measure(name, handle, model_uri, tracking_uri, dataset_dir, split="train")
+                for name, handle in (("spark", spark), ("dask", client))}
+        for name, measure in jobs.items():
             progress(f"{name}: score train once unmeasured (the warm-up)")
-            score_job(name, handle)(root / f"warm-{name}")
+            measure(root / f"warm-{name}")
         progress("predict_batch_udf: score train once unmeasured (the warm-up)")
-        pbu = predict_batch_udf_job(spark, model_uri, tracking_uri, width)
-        pbu(train_paths, root / "warm-pbu", model_name, model_version)
-
-        def pbu_measure(out: Path) -> tuple[int, float]:
-            start = time.perf_counter()
-            pbu(train_paths, out, model_name, model_version)
-            seconds = time.perf_counter() - start
-            return pq.ParquetDataset(str(out)).read(columns=["key"]).num_rows, seconds
+        pbu = udf_measure(predict_batch_udf_job(spark, model_uri, tracking_uri, width), train_paths,
+                          model_name, model_version)
+        pbu(root / "warm-pbu")
 
         mlflow.set_tracking_uri(tracking_uri)
         model = load_torch_model(model_uri).eval()
@@ -318,9 +331,8 @@ def run(rows: int, workdir: str | None = None, progress=print, *, spark=None, da
 
         cores = len(os.sched_getaffinity(0))
         seconds, scored, runs = measure_rounds({
-            "spark": score_job("spark", spark),
-            "dask": score_job("dask", client),
-            "predict_batch_udf": pbu_measure,
+            **jobs,
+            "predict_batch_udf": pbu,
             # the single-process torch loop, one thread
             "limit_single_process": limit_measure,
             # the same loop in one plain process per core, all at once

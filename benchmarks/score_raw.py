@@ -17,7 +17,6 @@ measured `rounds` times, as the prepared figures do.
 from __future__ import annotations
 
 import inspect
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -153,8 +152,6 @@ def measure(spark, client, model, tracking_uri: str, manifest, root: Path, cores
             progress) -> tuple[dict[str, float], dict[str, int], dict[str, list[float]], int]:
     """(median seconds per method, rows each scored, every run's seconds, rows of the raw
     files); every method `rounds` times (benchmarks.score.measure_rounds)."""
-    from serving.score import score
-
     files = raw_files(manifest)
     n = sum(pq.read_metadata(f).num_rows for f in files)
     spec_json = manifest.feature_spec.model_dump_json()
@@ -166,33 +163,21 @@ def measure(spark, client, model, tracking_uri: str, manifest, root: Path, cores
     for i, f in enumerate(files):
         (raw / f"part-{i:05d}.parquet").symlink_to(Path(f).resolve())
 
-    def score_job(name: str, handle):
-        def measure(out: Path) -> tuple[int, float]:
-            start = time.perf_counter()
-            r = score(name, handle, model.pinned_uri, tracking_uri, str(raw), str(out), force=True,
-                      batch_size=BATCH_SIZE)
-            return r.rows, time.perf_counter() - start
-        return measure
+    from benchmarks.score import measure_rounds, score_measure, udf_measure
 
-    for name, handle in (("spark", spark), ("dask", client)):
+    jobs = {f"{name}_raw": score_measure(name, handle, model.pinned_uri, tracking_uri, str(raw))
+            for name, handle in (("spark", spark), ("dask", client))}
+    for name, measure in jobs.items():
         progress(f"{name}: score the raw files once unmeasured (the warm-up)")
-        score_job(name, handle)(root / f"warm-raw-{name}")
+        measure(root / f"warm-{name}")
     progress("predict_batch_udf on raw columns, the transform inside: once unmeasured (the warm-up)")
-    pbu = predict_batch_udf_raw_job(spark, model.pinned_uri, tracking_uri, spec_json, stats_json)
-    pbu(files, root / "warm-pbu-raw", model.name, model.version)
-
-    def pbu_measure(out: Path) -> tuple[int, float]:
-        start = time.perf_counter()
-        pbu(files, out, model.name, model.version)
-        seconds = time.perf_counter() - start
-        return pq.ParquetDataset(str(out)).read(columns=["key"]).num_rows, seconds
-
-    from benchmarks.score import measure_rounds
+    pbu = udf_measure(predict_batch_udf_raw_job(spark, model.pinned_uri, tracking_uri, spec_json, stats_json),
+                      files, model.name, model.version)
+    pbu(root / "warm-pbu-raw")
 
     seconds, scored, runs = measure_rounds({
-        "spark_raw": score_job("spark", spark),
-        "dask_raw": score_job("dask", client),
-        "predict_batch_udf_raw": pbu_measure,
+        **jobs,
+        "predict_batch_udf_raw": pbu,
         # the read-transform-infer-write loop in one plain process per core, all at once
         "processes_raw": lambda out: raw_processes(cores, model.pinned_uri, tracking_uri, files, out, spec_json,
                                                    stats_json, model.name, model.version),
