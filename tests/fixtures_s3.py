@@ -82,7 +82,9 @@ def mlflow_server(s3, tmp_path_factory) -> str:
     s3_client().create_bucket(Bucket="mlflow-artifacts")
     root = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
-    env = {**os.environ, **AWS_ENV, "MLFLOW_S3_ENDPOINT_URL": S3_ENDPOINT}
+    # No job runner: MLflow 3 starts one beside each server (a huey consumer and 8 more
+    # processes, for GenAI jobs tracking never uses); it doubled the server's start.
+    env = {**os.environ, **AWS_ENV, "MLFLOW_S3_ENDPOINT_URL": S3_ENDPOINT, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     env.pop("MLFLOW_TRACKING_URI", None)
     proc = subprocess.Popen(
         [

@@ -202,7 +202,8 @@ class Inside:
             str(BIN / "mlflow"), "server", "--host", addr, "--port", str(MLFLOW_PORT), "--workers", "1",
             "--backend-store-uri", f"sqlite:///{self.bed.work}/mlflow.db",
             "--artifacts-destination", "s3://mlflow/artifacts",
-        ], MLFLOW_S3_ENDPOINT_URL=self.env["AWS_ENDPOINT_URL"])
+        ], MLFLOW_S3_ENDPOINT_URL=self.env["AWS_ENDPOINT_URL"],
+           MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")  # no job runner: 8 processes tracking never uses
         self.tracking_uri = f"http://{addr}:{MLFLOW_PORT}"
         self.wait(lambda: _http_ok(f"{self.tracking_uri}/health"), "MLflow server")
 

@@ -28,36 +28,62 @@ BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow  # two server starts and two trainings
 
 
-def _server(root: Path, port: int) -> subprocess.Popen:
+# MLflow's HTTP client sleeps between its retries of a dead server (under shardline's bounded
+# settings, 2-5 s a failing call: backoff 1 s doubling, plus jitter): time the outage costs
+# rank 0 and the driver waiting, proving nothing. These are user settings that bound_http()
+# leaves alone; the number of attempts and the timeout stay shardline's own.
+NO_BACKOFF = {"MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"}
+
+
+def _start_server(root: Path, port: int) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    # No job runner: MLflow 3 starts one beside each server (a huey consumer and its workers,
+    # 8 more processes) for its GenAI jobs, which tracking never uses. It doubled the CPU and
+    # the time of each of the test's two server starts.
+    env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
     with open(root / "server.log", "a") as log:
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
              "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
              "--artifacts-destination", f"file://{root / 'artifacts'}"],
             cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
 
+
+def _wait_healthy(proc: subprocess.Popen, port: int) -> None:
     def healthy() -> bool:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
             return r.status == 200
 
     wait_until(healthy, 300, "mlflow server", proc)
+
+
+def _server(root: Path, port: int) -> subprocess.Popen:
+    proc = _start_server(root, port)
+    _wait_healthy(proc, port)
     return proc
 
 
-def test_training_survives_an_mlflow_outage_and_its_metrics_arrive_after(prepared, tmp_path):
+def test_training_survives_an_mlflow_outage_and_its_metrics_arrive_after(prepared, tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
+    for k, v in NO_BACKOFF.items():  # the driver's calls, and the ranks' (they get this environment)
+        monkeypatch.setenv(k, v)
     epochs = 4
-    reference = run_training(_cfg(tmp_path / "ref", epochs=epochs), TrackingConfig(experiment="outage-ref"),
-                             prepared.dataset_dir, register=False)
-
     root = tmp_path / "server"
     root.mkdir()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    procs = [_server(root, port)]
+    # The server starts while the reference trains (it takes as long): the outage run needs it
+    # only after, and it is waited for healthy before that run starts, as before.
+    procs = [_start_server(root, port)]
+    try:
+        reference = run_training(_cfg(tmp_path / "ref", epochs=epochs), TrackingConfig(experiment="outage-ref"),
+                                 prepared.dataset_dir, register=False)
+        _wait_healthy(procs[0], port)
+    except BaseException:
+        stop_group(procs[0])
+        raise
     cfg = _cfg(tmp_path / "outage", epochs=epochs)
     killed = tmp_path / "server-killed"
     seen: dict[str, int] = {}
@@ -120,7 +146,7 @@ def test_run_with_mlflow_unreachable_is_one_line_before_anything_starts(tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_drivers_last_calls_wait_for_a_server_that_went_away():
+def test_the_drivers_last_calls_wait_for_a_server_that_went_away(monkeypatch):
     """After training the driver's own calls (curves, model, version) are tried again while the
     server is unreachable: answered once it is back, one line naming the checkpoint if never."""
     from mlflow.tracking import MlflowClient
@@ -128,6 +154,10 @@ def test_the_drivers_last_calls_wait_for_a_server_that_went_away():
     from pipelines.errors import ShardlineError
     from training.mlflow_outage import when_reachable
 
+    # Each failing call is the real client's, attempts and all, without its sleeps between
+    # them (2-5 s a call here; minutes under MLflow's own defaults when no training ran first).
+    for k, v in NO_BACKOFF.items():
+        monkeypatch.setenv(k, v)
     nobody = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     attempts = []
 
