@@ -232,30 +232,5 @@ def test_killed_job_rerun_scores_the_rest(spark, prepared, raw, tracking_uri, tm
     _assert_exactly_once(out, raw.num_rows, units)
 
 
-SPARK_RETRY_JOB = """
-import sys
-from pipelines.config import SparkConfig
-from pipelines.engines import spark_session
-from serving.score import score
-# local[2,2]: two attempts per task, as a cluster's spark.task.maxFailures would allow.
-spark = spark_session(SparkConfig(master="local[2,2]", shuffle_partitions=2))
-r = score("spark", spark, sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], batch_size=256)
-print("ROWS", r.rows, r.files_scored)
-"""
-
-
-@pytest.mark.slow
-def test_spark_task_retry_commits_each_unit_once(prepared, raw, tracking_uri, tmp_path):
-    uri = register_flaky(prepared, tracking_uri, tmp_path / "failed-once", "flaky-spark-retry")
-    write_raw(raw, tmp_path / "in", files=4)
-    out = tmp_path / "scores"
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(SPARK_RETRY_JOB), uri, tracking_uri,
-         str(tmp_path / "in"), str(out)],
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (tmp_path / "failed-once").exists()
-    assert f"ROWS {raw.num_rows} 4" in proc.stdout
-    _assert_exactly_once(out, raw.num_rows, 4)
+# A Spark task retried within its job (the session's local[2,1] never retries) needs a JVM
+# of its own: test_faults_spark.py runs it in the JVM its other default-master jobs use.
