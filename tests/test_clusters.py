@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,8 @@ from .conftest import REPO, shardline
 
 BIN = Path(sys.executable).parent
 QUICKSTART = REPO / "jobs" / "configs" / "quickstart.toml"
+# What conftest.shardline allows a CLI run; the same bound for waiting on one here.
+CLI_TIMEOUT_S = 600
 
 
 def _train_args(prepared, tmp_path, *more: str) -> list[str]:
@@ -29,26 +33,82 @@ def _train_args(prepared, tmp_path, *more: str) -> list[str]:
     return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")] + list(more)
 
 
+def _shardline_in_background(*args: str, cwd: Path, env: dict) -> tuple[subprocess.Popen, Path]:
+    """The real CLI as conftest.shardline runs it (default store cwd/mlflow.db), not waited
+    for: its stderr goes to a file the test reads while the job runs."""
+    base = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    stderr = cwd / "shardline.stderr"
+    with open(cwd / "shardline.stdout", "wb") as out, open(stderr, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", *args], cwd=cwd, env={**base, **env},
+                                stdout=out, stderr=err)
+    return proc, stderr
+
+
+def _until_printed(proc: subprocess.Popen, log: Path, text: str) -> None:
+    """Until `text` is in `log`, or `proc` exited (its output is asserted on afterwards)."""
+    deadline = time.monotonic() + CLI_TIMEOUT_S
+    while text not in log.read_text(errors="replace") and proc.poll() is None:
+        assert time.monotonic() < deadline, f"{text!r} not printed within {CLI_TIMEOUT_S} s"
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
 @pytest.mark.cluster
 def test_spark_standalone_cluster_runs_the_barrier_stage(prepared, spark_standalone, tmp_path):
+    """A job trains on the cluster's 2 slots; a job wanting 4 ranks is refused before any
+    task starts; and spark-submit's --master wins over the configured one.
+
+    The refused job is the spark-submit one (one driver JVM for both proofs: each costs
+    ~15 s): the quickstart config says local[2], spark-submit names the cluster, and the
+    refusal names the cluster. It runs while the first job trains: that job holds both of
+    the cluster's cores by then (its executors ran the environment probe), so the second
+    application gets no executor and cannot disturb it; the refusal needs none (the slots
+    come from spark.cores.max)."""
     cluster = [a for s in (f"spark.master='{spark_standalone.master}'", f"spark.conf={spark_standalone.conf}")
                for a in ("--set", s)]
-    proc = shardline("train", str(QUICKSTART), *_train_args(prepared, tmp_path, *cluster),
-                     cwd=tmp_path, env=spark_standalone.env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "val_accuracy" in proc.stderr
+    train, train_log = _shardline_in_background("train", str(QUICKSTART), *_train_args(prepared, tmp_path, *cluster),
+                                                cwd=tmp_path, env=spark_standalone.env)
+    try:
+        _until_printed(train, train_log, "Training mlp with ddp on 2 spark ranks")
+        if train.poll() is not None:  # it failed before training: say why, start nothing more
+            assert train.returncode == 0, train_log.read_text(errors="replace")[-3000:]
+        # Too many ranks for the cluster's 2 slots: refused before any task starts. Two of the
+        # four are parameter servers, so the dataset's 2 shards feed the 2 data ranks (the
+        # dataset is checked before Spark starts; the slots once it runs). The cluster's
+        # settings go to spark-submit itself: it started the JVM, so they cannot come later.
+        conf = tomllib.loads(f"conf = {spark_standalone.conf}")["conf"]
+        submit = tmp_path / "submitted"
+        submit.mkdir()
+        ps = ["--set", "training.strategy='ps'", "--set", "training.ps_servers=2", "--world-size", "4",
+              "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt-ps'}'"]  # not the first job's
+        submitted = subprocess.run(
+            [str(BIN / "spark-submit"), "--master", spark_standalone.master,
+             *[a for k, v in conf.items() for a in ("--conf", f"{k}={v}")],
+             str(REPO / "jobs" / "spark_submit.py"), "train", str(QUICKSTART), *_train_args(prepared, tmp_path, *ps)],
+            cwd=submit, env={**os.environ, **spark_standalone.env}, capture_output=True, text=True,
+            timeout=CLI_TIMEOUT_S,
+        )  # fmt: skip
+        train.wait(timeout=CLI_TIMEOUT_S)
+    finally:
+        if train.poll() is None:
+            train.kill()
+            train.wait()
+    stderr = train_log.read_text(errors="replace")
+    assert train.returncode == 0, stderr[-3000:]
+    assert "val_accuracy" in stderr
     # Executors' stderr goes to the workers' logs: the line came through the progress listener.
-    assert "[shardline] epoch 1/1: " in proc.stderr, proc.stderr[-2000:]
-    # Too many ranks for the cluster's 2 slots: refused before any task starts. Two of the
-    # four are parameter servers, so the dataset's 2 shards feed the 2 data ranks (the
-    # dataset is checked before Spark starts; the slots once it runs).
-    ps = ["--set", "training.strategy='ps'", "--set", "training.ps_servers=2", "--world-size", "4",
-          "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt-ps'}'"]  # not the first job's
-    proc = shardline("train", str(QUICKSTART), *_train_args(prepared, tmp_path, *cluster, *ps),
-                     cwd=tmp_path, env=spark_standalone.env)
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "world_size 4 is greater than the 2 task slots" in proc.stderr
+    assert "[shardline] epoch 1/1: " in stderr, stderr[-2000:]
+
+    assert submitted.returncode == 1, submitted.stdout[-2000:] + submitted.stderr[-2000:]
+    # spark-submit merges the Python driver's stderr into its stdout.
+    master = spark_standalone.master
+    errors = [ln for ln in submitted.stdout.splitlines() if ln.startswith("error:")]
+    assert errors == [
+        f"error: training.world_size 4 is greater than the 2 task slots of Spark master {master} "
+        "(spark.cores.max=2): a barrier stage needs them all at once"
+    ], submitted.stdout[-1500:]
+    # The session's own line: the master spark-submit named, not the config's local[2].
+    assert f"  Spark master {master}" in submitted.stdout.splitlines(), submitted.stdout[-1500:]
 
 
 @pytest.mark.slow
@@ -63,22 +123,3 @@ def test_dask_cli_cluster_runs_one_rank_per_worker(prepared, dask_cli_cluster, t
     assert "val_accuracy" in proc.stderr
     # Dask CLI workers log to their own stderr: the line came through the progress listener.
     assert "[shardline] epoch 1/1: " in proc.stderr, proc.stderr[-2000:]
-
-
-@pytest.mark.slow
-def test_spark_submit_master_wins_over_the_config(prepared, tmp_path):
-    # The config says local[2]; spark-submit says local[1]: one slot, so two ranks are refused.
-    env = {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
-    proc = subprocess.run(
-        [str(BIN / "spark-submit"), "--master", "local[1]", str(REPO / "jobs" / "spark_submit.py"),
-         "train", str(QUICKSTART), *_train_args(prepared, tmp_path)],
-        cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    # spark-submit merges the Python driver's stderr into its stdout.
-    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
-    assert errors == [
-        "error: training.world_size 2 is greater than the 1 task slots of Spark master "
-        "local[1]: a barrier stage needs them all at once"
-    ], proc.stdout[-1500:]
-    assert "Spark master local[1]" in proc.stdout
