@@ -86,12 +86,9 @@ def reference(data, mlflow_server):
 
 
 def _train_cfg(checkpoint_dir: str, **kw):
-    """test_checkpoints' settings (2 ranks, a checkpoint every 10 steps), 2 epochs unless
-    told, in the bucket. Two epochs are all the proofs here need: the kill lands after the
-    first checkpoint (step 10 of ~50), so the relaunch resumes mid-epoch and carries the
-    loader across an epoch end; the CLI resume starts inside epoch 2 and skips epoch 1.
-    Each further epoch only added checkpoint uploads and validation."""
-    return _cfg(Path("."), checkpoint_dir=checkpoint_dir, **{"epochs": 2, **kw})
+    """test_checkpoints' settings (2 ranks, a checkpoint every 10 steps), 3 epochs unless
+    told, in the bucket."""
+    return _cfg(Path("."), checkpoint_dir=checkpoint_dir, **{"epochs": 3, **kw})
 
 
 def test_checkpoints_and_artifacts_live_in_the_buckets(reference, mlflow_server):
@@ -101,9 +98,9 @@ def test_checkpoints_and_artifacts_live_in_the_buckets(reference, mlflow_server)
     names = s3_keys(cfg.checkpoint_dir)
     assert {"LATEST", "ranks/rank-0.json", "ranks/rank-1.json"} <= set(names)
     ckpts = checkpoints.checkpoint_paths(cfg.checkpoint_dir)
-    assert len(ckpts) == 6  # every 10 of 48 steps (24 an epoch), and 2 epoch ends
+    assert len(ckpts) == 10  # every 10 of 75 steps, and 3 epoch ends
     latest = checkpoints.latest(cfg.checkpoint_dir)
-    assert latest == ckpts[-1] and checkpoints.load(latest, {})["epoch"] == 2
+    assert latest == ckpts[-1] and checkpoints.load(latest, {})["epoch"] == 3
     # Artifacts went through the tracking server into its bucket (proxied): the run knows
     # them by an mlflow-artifacts: URI, and the objects are in s3://mlflow-artifacts.
     client = MlflowClient(mlflow_server)
@@ -250,7 +247,7 @@ def test_cli_train_resume_continues_from_the_checkpoint_in_the_bucket(data, refe
     )
     proc = shardline("train", str(config), "--resume", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "epoch 1/2" not in proc.stderr and "epoch 2/2" in proc.stderr
+    assert "epoch 1/3" not in proc.stderr and "epoch 2/3" in proc.stderr and "epoch 3/3" in proc.stderr
     line = next(ln for ln in proc.stderr.splitlines() if ln.strip().startswith("run "))
     run_id, model_uri = line.split()[1].rstrip(";"), line.split()[-1]
     assert run_id == result.run_id  # the checkpoint's own MLflow run, continued
