@@ -10,7 +10,6 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -155,42 +154,32 @@ def _kill_rank_after_first_checkpoint(ckpt: Path, rank: int, done: threading.Eve
 def test_killed_rank_on_connect_is_relaunched_and_ends_on_the_same_weights(
     connect_server, connect_dataset, tmp_path
 ):
-    # Two epochs (~74 steps): the kill lands after the first checkpoint (step 10), so the
-    # relaunch resumes mid-epoch and crosses an epoch end; more epochs only add steps,
-    # checkpoints and validation to both runs.
     settings = dict(
-        world_size=2, epochs=2, batch_size=128, hidden=[64, 32], checkpoint_every_steps=10,
+        world_size=2, epochs=4, batch_size=128, hidden=[64, 32], checkpoint_every_steps=10,
         keep_checkpoints=100, max_restarts=2, timeout_s=60,
     )
     # The reference: the same training, uninterrupted, on local processes (launchers agree
-    # bit for bit: CPU, one thread per rank; see test_checkpoints). It runs in this process
-    # while the Connect job runs in its CLI subprocess: nothing is shared (own checkpoint
-    # folder, MLflow store and ports; the watcher looks only at the Connect job's folder),
-    # and the Connect job spends much of its time waiting (its server's scheduling, the
-    # relaunch), which the reference fills instead of running before it.
+    # bit for bit: CPU, one thread per rank; see test_checkpoints).
+    ref = run_training(
+        TrainingConfig(launcher="local", checkpoint_dir=str(tmp_path / "ref"), **settings),
+        TrackingConfig(experiment="connect-kill-ref", registered_model="connect-kill-ref"),
+        str(connect_dataset),
+    )
     ckpt = tmp_path / "ckpt"
     done, killed = threading.Event(), []
     watcher = threading.Thread(target=_kill_rank_after_first_checkpoint, args=(ckpt, 1, done, killed))
-    with ThreadPoolExecutor(1) as pool:
-        reference = pool.submit(
-            run_training,
-            TrainingConfig(launcher="local", checkpoint_dir=str(tmp_path / "ref"), **settings),
-            TrackingConfig(experiment="connect-kill-ref", registered_model="connect-kill-ref"),
-            str(connect_dataset),
-        )
-        watcher.start()
-        try:
-            proc = shardline(
-                "train", str(QUICKSTART), "--set", f"spark.remote='{connect_server.url}'",
-                *sets("pipelines", {"dataset_dir": str(connect_dataset)}),
-                *sets("training", {**settings, "launcher": "spark", "checkpoint_dir": str(ckpt)}),
-                *sets("tracking", {"experiment": "connect-kill", "registered_model": "connect-kill"}),
-                cwd=tmp_path,
-            )  # fmt: skip
-        finally:
-            done.set()
-            watcher.join()
-        ref = reference.result()
+    watcher.start()
+    try:
+        proc = shardline(
+            "train", str(QUICKSTART), "--set", f"spark.remote='{connect_server.url}'",
+            *sets("pipelines", {"dataset_dir": str(connect_dataset)}),
+            *sets("training", {**settings, "launcher": "spark", "checkpoint_dir": str(ckpt)}),
+            *sets("tracking", {"experiment": "connect-kill", "registered_model": "connect-kill"}),
+            cwd=tmp_path,
+        )  # fmt: skip
+    finally:
+        done.set()
+        watcher.join()
     assert killed, "the rank was never killed"
     assert proc.returncode == 0, proc.stderr[-3000:] + connect_server.log_tail()
     assert "Spark barrier stage training failed" in proc.stderr and "restarting from" in proc.stderr
