@@ -37,6 +37,12 @@ os.environ.update(AWS_ENV)
 # No ~/.aws of the machine's user may change what the tests see.
 os.environ["AWS_CONFIG_FILE"] = os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
 
+# For every `mlflow server` a test starts: no job runner. MLflow 3 starts one beside each
+# server (a huey consumer and 8 more processes, for GenAI jobs tracking never uses); it
+# doubled a server's start. (`shardline ui` leaves it off too; tests/multihost_bed.py, which
+# must not import this module's environment, says the same for its own server.)
+NO_JOB_RUNNER = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
 _BIN = Path(sys.executable).parent
 
 
@@ -82,9 +88,7 @@ def mlflow_server(s3, tmp_path_factory) -> str:
     s3_client().create_bucket(Bucket="mlflow-artifacts")
     root = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
-    # No job runner: MLflow 3 starts one beside each server (a huey consumer and 8 more
-    # processes, for GenAI jobs tracking never uses); it doubled the server's start.
-    env = {**os.environ, **AWS_ENV, "MLFLOW_S3_ENDPOINT_URL": S3_ENDPOINT, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    env = {**os.environ, **AWS_ENV, "MLFLOW_S3_ENDPOINT_URL": S3_ENDPOINT, **NO_JOB_RUNNER}
     env.pop("MLFLOW_TRACKING_URI", None)
     proc = subprocess.Popen(
         [

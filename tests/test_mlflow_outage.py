@@ -20,7 +20,7 @@ from training.config import TrackingConfig
 from training.job import run_training
 
 from .conftest import REPO, absolute_paths, shardline
-from .fixtures_s3 import free_port, stop_group, wait_until
+from .fixtures_s3 import NO_JOB_RUNNER, free_port, stop_group, wait_until
 from .storage_helpers import hold_until_exists
 from .test_checkpoints import _cfg, _equal
 
@@ -36,11 +36,7 @@ NO_BACKOFF = {"MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0", "MLFLOW_HTTP_REQUEST_BA
 
 
 def _start_server(root: Path, port: int) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    # No job runner: MLflow 3 starts one beside each server (a huey consumer and its workers,
-    # 8 more processes) for its GenAI jobs, which tracking never uses. It doubled the CPU and
-    # the time of each of the test's two server starts.
-    env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
+    env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, **NO_JOB_RUNNER}
     with open(root / "server.log", "a") as log:
         return subprocess.Popen(
             [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
