@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 
 import pytest
 
 from .conftest import REPO, shardline
+from .faults_helpers import stop_group, wait_for
 
 BIN = Path(sys.executable).parent
 QUICKSTART = REPO / "jobs" / "configs" / "quickstart.toml"
@@ -35,21 +35,14 @@ def _train_args(prepared, tmp_path, *more: str) -> list[str]:
 
 def _shardline_in_background(*args: str, cwd: Path, env: dict) -> tuple[subprocess.Popen, Path]:
     """The real CLI as conftest.shardline runs it (default store cwd/mlflow.db), not waited
-    for: its stderr goes to a file the test reads while the job runs."""
+    for: its stderr goes to a file the test reads while the job runs. Its own session, so
+    that stop_group ends its ranks with it."""
     base = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     stderr = cwd / "shardline.stderr"
     with open(cwd / "shardline.stdout", "wb") as out, open(stderr, "wb") as err:
         proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", *args], cwd=cwd, env={**base, **env},
-                                stdout=out, stderr=err)
+                                stdout=out, stderr=err, start_new_session=True)
     return proc, stderr
-
-
-def _until_printed(proc: subprocess.Popen, log: Path, text: str) -> None:
-    """Until `text` is in `log`, or `proc` exited (its output is asserted on afterwards)."""
-    deadline = time.monotonic() + CLI_TIMEOUT_S
-    while text not in log.read_text(errors="replace") and proc.poll() is None:
-        assert time.monotonic() < deadline, f"{text!r} not printed within {CLI_TIMEOUT_S} s"
-        time.sleep(0.5)
 
 
 @pytest.mark.slow
@@ -69,9 +62,9 @@ def test_spark_standalone_cluster_runs_the_barrier_stage(prepared, spark_standal
     train, train_log = _shardline_in_background("train", str(QUICKSTART), *_train_args(prepared, tmp_path, *cluster),
                                                 cwd=tmp_path, env=spark_standalone.env)
     try:
-        _until_printed(train, train_log, "Training mlp with ddp on 2 spark ranks")
-        if train.poll() is not None:  # it failed before training: say why, start nothing more
-            assert train.returncode == 0, train_log.read_text(errors="replace")[-3000:]
+        # An exit before this line fails here with the job's log: nothing more is started.
+        wait_for(lambda: "Training mlp with ddp on 2 spark ranks" in train_log.read_text(errors="replace"),
+                 "the first job's training line", within_s=CLI_TIMEOUT_S, proc=train, log=train_log)
         # Too many ranks for the cluster's 2 slots: refused before any task starts. Two of the
         # four are parameter servers, so the dataset's 2 shards feed the 2 data ranks (the
         # dataset is checked before Spark starts; the slots once it runs). The cluster's
@@ -91,8 +84,7 @@ def test_spark_standalone_cluster_runs_the_barrier_stage(prepared, spark_standal
         train.wait(timeout=CLI_TIMEOUT_S)
     finally:
         if train.poll() is None:
-            train.kill()
-            train.wait()
+            stop_group(train)
     stderr = train_log.read_text(errors="replace")
     assert train.returncode == 0, stderr[-3000:]
     assert "val_accuracy" in stderr
