@@ -24,7 +24,9 @@ from . import LOST_PEER_GRACE_S, DriverGuard, RankFn, TrainingFailed, free_port,
 from .guard import die_with_parent
 
 # Imported once by the fork server; a module that fails to import is skipped there.
-PRELOAD = ["torch", "torch.distributed", "training.worker", "mlflow.tracking"]
+# torch.distributed.checkpoint (with DTensor) is named itself: training.worker imports it only
+# when a sharded strategy saves or loads, and here it costs the server once, not each rank.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "training.worker", "mlflow.tracking"]
 
 # Once a rank has failed, the others get this long to end on their own (a survivor that saw
 # the lost peer reports it after LOST_PEER_GRACE_S) before the launcher kills them, as
