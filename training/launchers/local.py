@@ -23,10 +23,15 @@ from typing import Any
 from . import LOST_PEER_GRACE_S, DriverGuard, RankFn, TrainingFailed, free_port, run_in_group
 from .guard import die_with_parent
 
-# Imported once by the fork server; a module that fails to import is skipped there.
-# torch.distributed.checkpoint (with DTensor) is named itself: training.worker imports it only
-# when a sharded strategy saves or loads, and here it costs the server once, not each rank.
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "training.worker", "mlflow.tracking"]
+# Imported once by the fork server; a module that fails to import is skipped there. Two are
+# named for what they cost each rank that imports them itself (CPU-s, 2-core machine):
+# torch._dynamo, ~0.45 s, which torch imports lazily during every strategy's first steps, and
+# torch.distributed.checkpoint with DTensor, ~0.6 s, which training.worker imports only when
+# a sharded strategy saves or loads.
+PRELOAD = [
+    "torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint", "training.worker",
+    "mlflow.tracking",
+]  # fmt: skip
 
 # Once a rank has failed, the others get this long to end on their own (a survivor that saw
 # the lost peer reports it after LOST_PEER_GRACE_S) before the launcher kills them, as
