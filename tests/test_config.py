@@ -7,7 +7,7 @@ import pytest
 from jobs.config import load_config
 from pipelines.errors import ConfigError
 
-from .conftest import REPO, shardline
+from .conftest import REPO, shardline, shardline_here
 
 QUICKSTART = REPO / "jobs" / "configs" / "quickstart.toml"
 
@@ -84,7 +84,7 @@ def test_help_lists_the_commands(tmp_path):
 
 def test_error_text_in_brackets_is_printed_verbatim(tmp_path):
     # rich would read "[v1]" as markup and drop it from the message.
-    proc = shardline(
+    proc = shardline_here(
         "train", str(QUICKSTART), "--launcher", "local", "--set", 'pipelines.dataset_dir="data[v1]"',
         cwd=tmp_path,
     )

@@ -14,7 +14,7 @@ from training import checkpoints
 from training.config import TrackingConfig, TrainingConfig
 from training.job import run_training
 
-from .conftest import REPO, shardline
+from .conftest import REPO, shardline, shardline_here
 from .defaults_helpers import small_dataset  # noqa: F401 (a fixture)
 
 
@@ -31,11 +31,10 @@ def _config(tmp_path: Path, dataset_dir: str, extra: str = "") -> Path:
 # -- item 1: no silent non-training -------------------------------------------------------
 
 
-@pytest.mark.slow  # the CLI in a subprocess
 def test_zero_steps_is_refused_before_any_engine_starts(small_dataset, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
-    proc = shardline("train", str(_config(tmp_path, small_dataset.dataset_dir)), cwd=work)
+    proc = shardline_here("train", str(_config(tmp_path, small_dataset.dataset_dir)), cwd=work)
     assert proc.returncode == 1, proc.stderr  # a refused run
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr

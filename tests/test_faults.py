@@ -26,7 +26,7 @@ from training.config import TrackingConfig, TrainingConfig
 from training.job import run_training
 from training.launchers import TrainingFailed
 
-from .conftest import shardline
+from .conftest import shardline, shardline_here
 from .faults_helpers import (
     alive, error_lines, mounted_tmpfs, rank_pids, start_driver, stop_group, train_args, wait_for,
 )
@@ -49,7 +49,7 @@ def test_local_ranks_die_with_their_driver_and_a_second_job_is_refused(prepared,
     try:
         pids = wait_for(lambda: rank_pids(ckpt), "the first checkpoint", proc=driver, log=log)
         # A second job on the same directory: one line naming the holder, before any engine.
-        second = shardline(*train_args(prepared.dataset_dir, ckpt), cwd=tmp_path)
+        second = shardline_here(*train_args(prepared.dataset_dir, ckpt), cwd=tmp_path)
         assert second.returncode == 75, second.stderr[-2000:]
         assert error_lines(second.stderr) == [ln for ln in second.stderr.splitlines() if ln.strip()][-1:]
         line = error_lines(second.stderr)[0]

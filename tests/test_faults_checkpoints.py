@@ -16,7 +16,7 @@ from training import checkpoints
 from training.config import TrackingConfig, TrainingConfig
 from training.job import run_training
 
-from .conftest import shardline
+from .conftest import shardline_here
 from .faults_helpers import error_lines, train_args
 
 
@@ -106,13 +106,13 @@ def test_cli_allow_changed_is_checked_before_anything_starts(prepared, reference
     _copy_up_to(ref_ckpt, tmp_path / "ckpt", keep=3)
     args = train_args(prepared.dataset_dir, tmp_path / "ckpt",
                       **{"training.hidden": "[64, 32]", "training.epochs": "3", "training.lr": "0.01"})
-    proc = shardline(*args, "--resume", "--allow-changed", "hidden", cwd=tmp_path)
+    proc = shardline_here(*args, "--resume", "--allow-changed", "hidden", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert error_lines(proc.stderr) == [
         "error: --allow-changed / training.resume_allow_changed: hidden cannot change on resume; fields that "
         "can: lr, weight_decay, lr_schedule, warmup_steps, epochs, dataset_version"
     ], proc.stderr[-2000:]
-    proc = shardline(*args, "--resume", cwd=tmp_path)
+    proc = shardline_here(*args, "--resume", cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr[-2000:]
     (line,) = error_lines(proc.stderr)
     assert "lr='0.003' (config has '0.01')" in line and "--allow-changed lr" in line, line

@@ -19,7 +19,7 @@ from training import checkpoints
 from training.config import TrackingConfig
 from training.job import run_training
 
-from .conftest import REPO, absolute_paths, shardline
+from .conftest import REPO, absolute_paths, shardline, shardline_here
 from .fixtures_s3 import NO_JOB_RUNNER, free_port, stop_group, wait_until
 from .storage_helpers import hold_until_exists
 from .test_checkpoints import _cfg, _equal
@@ -133,8 +133,8 @@ def test_training_survives_an_mlflow_outage_and_its_metrics_arrive_after(prepare
 def test_run_with_mlflow_unreachable_is_one_line_before_anything_starts(tmp_path):
     """`shardline run` prepares before it trains: a dead server is said first, in seconds,
     with nothing generated or prepared."""
-    proc = shardline("run", str(REPO / "jobs" / "configs" / "quickstart.toml"), *absolute_paths(tmp_path),
-                     "--set", "tracking.tracking_uri='http://127.0.0.1:9'", cwd=tmp_path)
+    proc = shardline_here("run", str(REPO / "jobs" / "configs" / "quickstart.toml"), *absolute_paths(tmp_path),
+                          "--set", "tracking.tracking_uri='http://127.0.0.1:9'", cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr[-2000:]
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert errors == ["error: tracking.tracking_uri: MLflow at http://127.0.0.1:9 is not reachable "

@@ -14,7 +14,7 @@ from pipelines.manifest import BandwidthPlan, load_manifest, store_plan
 from training.config import TrainingConfig
 from training.plan import MIN_SHARD_ROWS, choose_layout, plan_dataset, plan_from_measurements
 
-from .conftest import shardline, small_pipeline
+from .conftest import shardline, shardline_here, small_pipeline
 
 ROWS = 20_000
 # Row groups far below any the planner chooses: `prepare --plan` visibly lays shards out anew.
@@ -240,7 +240,7 @@ def test_prepare_by_a_plan_sets_train_shards_and_row_groups(slow_loading, dask_c
 )
 def test_no_dataset_is_one_line_and_writes_nothing(tmp_path, args, message):
     config = _config(tmp_path, small_pipeline(tmp_path))
-    proc = shardline(args[0], str(config), *args[1:], cwd=tmp_path)
+    proc = shardline_here(args[0], str(config), *args[1:], cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr, proc.stderr

@@ -16,7 +16,7 @@ from pipelines.errors import ConfigError, DataError
 from pipelines.manifest import load_manifest
 from pipelines.prepare import prepare
 
-from .conftest import shardline, small_pipeline
+from .conftest import shardline, shardline_here, small_pipeline
 from .test_prepare_inputs import _fails, config, raw_frame, rows_by_split, write_raw
 
 
@@ -158,7 +158,7 @@ def test_the_cli_says_what_it_inferred_and_checks_before_an_engine_starts(tmp_pa
         f'[pipelines.source]\nformat = "csv"\npath = "{tmp_path / "raw"}"\n'
         '[pipelines.features]\nlabel = "y"\n[dask]\nn_workers = 1\n'
     )
-    r = shardline("prepare", str(conf), cwd=tmp_path)
+    r = shardline_here("prepare", str(conf), cwd=tmp_path)
     assert r.returncode == 2, r.stderr
     assert "pipelines.features.key is not set" in r.stderr and "Starting" not in r.stderr  # no engine
 

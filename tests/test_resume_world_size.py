@@ -32,7 +32,7 @@ from training.models import build_model
 from training.strategies.base import autocast_for, train_step
 from training.worker import lr_factor, make_optimizer
 
-from .conftest import shardline, small_pipeline
+from .conftest import shardline_here, small_pipeline
 from .dist_helpers import relative_distance
 
 TOLERANCE = 1e-5
@@ -181,7 +181,7 @@ def test_cli_refuses_a_resume_that_cannot_reshard(prepared4, tmp_path, first, re
     work.mkdir()
     config = _config(work, prepared4.dataset_dir, tmp_path / "mid", "")
     sets = [a for s in [*resumed_with, "training.resume=true"] for a in ("--set", s)]
-    proc = shardline("train", str(config), *sets, cwd=work)
+    proc = shardline_here("train", str(config), *sets, cwd=work)
     assert proc.returncode == 2, proc.stderr
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], proc.stderr

@@ -20,7 +20,7 @@ import pytest
 from pipelines.lease import Holder
 from serving.ledger import output_lease, read_ledger
 
-from .conftest import shardline
+from .conftest import shardline, shardline_here
 from .serving_helpers import promo_model, raw_table, write_raw
 
 ENGINE_STARTED = ("Starting Dask", "Starting Spark")
@@ -159,7 +159,8 @@ def test_bad_input_one_line_nonzero_nothing_written(promo, raw, tracking_uri, tm
 
     def check(args, code, message, out, *more):
         """One CLI run: `code`, one line, `message` and each of `more` in it, no engine."""
-        r = _cli(tracking_uri, tmp_path, *args, "--input", str(src), "--output", str(out), *DASK)
+        r = shardline_here("score", *args, "--input", str(src), "--output", str(out), *DASK, cwd=tmp_path,
+                           env={"MLFLOW_TRACKING_URI": tracking_uri})
         assert r.returncode == code, r.stderr
         err = r.stderr.strip()
         assert "\n" not in err and err.startswith("error: ") and message in err, err

@@ -18,7 +18,7 @@ from training.job import run_training
 from training.launchers.spark import launch_spark_barrier
 from training.models import build_model
 
-from .conftest import REPO, shardline
+from .conftest import REPO, shardline, shardline_here
 from .dist_helpers import train_steps
 
 # Small versions of each strategy on this 2-core machine; world 3 for a server and 2 workers.
@@ -163,7 +163,7 @@ def test_async_ps_reaches_the_accuracy_of_synchronous_training(prepared, tmp_pat
 def test_cli_refuses_a_bad_mesh_before_any_process(prepared, tmp_path, settings, message):
     config = REPO / "jobs" / "configs" / "quickstart.toml"
     sets = [a for s in [*settings, f"pipelines.dataset_dir='{prepared.dataset_dir}'"] for a in ("--set", s)]
-    proc = shardline("train", str(config), *sets, "--set", "training.launcher=local", cwd=tmp_path)
+    proc = shardline_here("train", str(config), *sets, "--set", "training.launcher=local", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     # One error line (after at most the progress line of the stage it stopped), no traceback.
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]

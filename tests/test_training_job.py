@@ -12,7 +12,7 @@ from training.config import TrackingConfig, TrainingConfig
 from training.job import run_training
 from training.tracking import dataset_digest
 
-from .conftest import REPO, shardline
+from .conftest import REPO, shardline, shardline_here
 
 
 def test_local_launcher_trains_tracks_and_registers(prepared, tracking_uri, capfd):
@@ -134,7 +134,7 @@ def test_transformer_heads_must_divide_width(prepared):
 def test_cli_refuses_a_bad_name_before_spark_starts(prepared, tmp_path, command, setting, message):
     config = REPO / "jobs" / "configs" / "quickstart.toml"
     where = f"pipelines.dataset_dir='{prepared.dataset_dir}'"
-    proc = shardline(command, str(config), "--set", setting, "--set", where, cwd=tmp_path)
+    proc = shardline_here(command, str(config), "--set", setting, "--set", where, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr  # a setting at fault, as for any bad config
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
