@@ -56,7 +56,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def run_in_group(
     fn: RankFn, rank: int, world_size: int, init_method: str, payload: Any, timeout_s: float,
-    guard: DriverGuard | None = None,
+    guard: DriverGuard | None = None, lost_peer_grace_s: float = LOST_PEER_GRACE_S,
 ) -> Any:
     """Join the process group, call `fn`, leave the group.
 
@@ -66,7 +66,7 @@ def run_in_group(
 
     `fn` keeps every model and tensor in its own frame, and the group is left
     (barrier, destroy) before returning: a model or group still alive when a
-    Spark barrier task yields made later jobs hang (FACTS.md). The timeout bounds
+    Spark barrier task yields made later jobs hang (seen with Spark 4.3). The timeout bounds
     how long a stopped peer can hang the others. `guard` ends this process if the
     job's driver goes away; a failure is raised as a `RankError` the driver can read.
     """
@@ -95,8 +95,9 @@ def run_in_group(
         error = RankError.of(rank, e)
         if not is_permanent(e):
             # This rank only saw a peer vanish: let the peer's own error be the first one
-            # the launcher hears (Spark reports only the first failed task of a stage).
-            time.sleep(LOST_PEER_GRACE_S)
+            # the launcher hears (Spark reports only the first failed task of a stage, Dask's
+            # gather the first failed rank). The local launcher hears every rank and passes 0.
+            time.sleep(lost_peer_grace_s)
         raise error from e
     finally:
         if stop_guard is not None:

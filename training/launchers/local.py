@@ -33,9 +33,11 @@ PRELOAD = [
     "mlflow.tracking",
 ]  # fmt: skip
 
-# Once a rank has failed, the others get this long to end on their own (a survivor that saw
-# the lost peer reports it after LOST_PEER_GRACE_S) before the launcher kills them, as
-# torchrun's agent does: the restart never waits on a survivor stuck in a wait.
+# Once a rank has failed, the others get this long to end on their own before the launcher
+# kills them, as torchrun's agent does: the restart never waits on a survivor stuck in a wait.
+# A survivor that saw the lost peer reports it at once: this launcher hears every rank's
+# error and exit code, so none need hold back for a peer's to come first (Spark and Dask
+# report only the first; their ranks wait LOST_PEER_GRACE_S).
 FAILED_RANK_GRACE_S = 3 * LOST_PEER_GRACE_S
 
 
@@ -80,7 +82,8 @@ def _rank_main(fn, rank, world_size, init_method, payload, timeout_s, results, e
     os.environ.update(env)
     os.chdir(cwd)
     try:
-        result = run_in_group(fn, rank, world_size, init_method, payload, timeout_s, guard)
+        result = run_in_group(fn, rank, world_size, init_method, payload, timeout_s, guard,
+                              lost_peer_grace_s=0)
         # Plain pickle bytes: a queue would pass tensors as shared memory that dies
         # with this process before the parent reads it.
         results.put((rank, pickle.dumps(result), None))
