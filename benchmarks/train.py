@@ -68,7 +68,7 @@ def ddp_rank(rank: int, world_size: int, p: dict) -> dict:
     """Train `p["steps"]` steps of DDP inside an initialised group; return plain figures.
 
     The model lives only in `_measure`'s frame and is collected before returning:
-    a model alive when a Spark barrier task yields made later jobs hang (FACTS.md).
+    a model alive when a Spark barrier task yields made later jobs hang (seen with Spark 4.3).
     """
     out = _measure(rank, world_size, p)
     gc.collect()

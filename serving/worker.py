@@ -136,7 +136,7 @@ def _batches(task: UnitTask, spec):
         if key.null_count:
             raise ShardlineError(f"{unit.path}: column '{spec.key}' has null keys")
         if unit.kind == "shard":
-            # On a sliced list array `.values` is the whole parent: flatten() (FACTS.md).
+            # On a sliced list array `.values` is the whole parent: flatten().
             flat = batch.column(1).flatten().to_numpy(zero_copy_only=False)
             x = flat.astype(np.float32).reshape(len(key), task.transform.width)
         else:

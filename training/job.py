@@ -308,8 +308,9 @@ def _launch_with_restarts(
     """Launch; when a rank is lost, relaunch from the latest checkpoint, max_restarts times.
 
     The launcher owns restarts: Spark does not retry a failed barrier result stage,
-    and a Dask task on a killed worker is never resolved (FACTS.md). A permanent
-    failure (launchers.guard: permissions, a full disk, bad data) is never retried.
+    and a Dask task on a killed worker is never resolved (both seen with Spark 4.3 and
+    Dask 2026.8). A permanent failure (launchers.guard: permissions, a full disk, bad
+    data) is never retried.
     """
     from mlflow.tracking import MlflowClient
 

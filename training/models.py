@@ -294,7 +294,7 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
 
     The layer's forward is replaced on the instance, so parameter names (and so
     checkpoints and the logged model) do not change. use_reentrant=False: the
-    reentrant variant drops gradients when inputs do not require grad (FACTS.md).
+    reentrant variant drops gradients when inputs do not require grad.
     """
     from torch.utils.checkpoint import checkpoint
 
