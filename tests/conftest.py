@@ -122,7 +122,9 @@ def shardline_here(*args: str, cwd: Path, env: dict | None = None) -> subprocess
     from jobs.cli import main
 
     out, err, saved_env, saved_cwd = io.StringIO(), io.StringIO(), dict(os.environ), os.getcwd()
-    os.environ.pop("MLFLOW_TRACKING_URI", None)  # as in shardline(): the default store is cwd's
+    # As in shardline(): the default store is cwd's, whatever an earlier test set in MLflow.
+    _forget_tracking_uri()
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
     os.environ.update(env or {})
     os.chdir(cwd)
     code = 0
@@ -132,9 +134,14 @@ def shardline_here(*args: str, cwd: Path, env: dict | None = None) -> subprocess
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
-        if "mlflow" in sys.modules:  # the command's store, set for the process, is dropped too
-            sys.modules["mlflow"].set_tracking_uri(None)
+        _forget_tracking_uri()  # the command's store, set for the process: the environment's again
         os.chdir(saved_cwd)
-        os.environ.clear()
-        os.environ.update(saved_env)
+        for key in set(os.environ) - set(saved_env):  # key by key: other threads read it meanwhile
+            del os.environ[key]
+        os.environ.update({k: v for k, v in saved_env.items() if os.environ.get(k) != v})
     return subprocess.CompletedProcess(["shardline", *args], code, out.getvalue(), err.getvalue())
+
+
+def _forget_tracking_uri() -> None:
+    if "mlflow" in sys.modules:
+        sys.modules["mlflow"].set_tracking_uri(None)
