@@ -242,7 +242,7 @@ class Inside:
 def _quietly(ready) -> bool:
     try:
         return bool(ready())
-    except OSError:
+    except (OSError, ValueError, KeyError):  # ValueError: a Spark master's /json/ still serving HTML
         return False
 
 
