@@ -113,12 +113,18 @@ def shardline(*args: str, cwd: Path, env: dict | None = None, timeout: int = 600
 
 
 def shardline_here(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    """The CLI in this process (`jobs.cli.main`), for a command refused before any engine
-    starts or anything is written: the same output and exit code as `shardline()` without
-    a Python start and its imports (~3 s a case on a 2-core machine). The process's exit
-    code itself is proven by `shardline()` cases (test_defaults.test_exit_codes_from_the_cli);
-    a command meant to get further belongs there too. The working folder and environment
-    are put back afterwards, whatever the command set."""
+    """The CLI in this process (`jobs.cli.main`): the same output and exit code as
+    `shardline()` without a Python start and its imports (~3 s a case on a 2-core machine).
+
+    For a command refused before any engine starts, and for one that runs on the session's
+    engines: the active SparkSession (the `spark` fixture's, which `pipelines.spark_setup`
+    reuses; request the fixture, or the CLI's own session becomes the session's) or the
+    session's Dask scheduler (`--set dask.address=...`, with absolute paths; the CLI closes
+    only its client). Not for Spark Connect: pyspark refuses a remote session beside the
+    classic one (SESSION_ALREADY_EXIST). Kills, the process's own exit codes
+    (test_defaults.test_exit_codes_from_the_cli), spark-submit and a JVM's own settings
+    stay with `shardline()`. The working folder and environment are put back afterwards,
+    whatever the command set."""
     from jobs.cli import main
 
     out, err, saved_env, saved_cwd = io.StringIO(), io.StringIO(), dict(os.environ), os.getcwd()

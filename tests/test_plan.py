@@ -14,7 +14,7 @@ from pipelines.manifest import BandwidthPlan, load_manifest, store_plan
 from training.config import TrainingConfig
 from training.plan import MIN_SHARD_ROWS, choose_layout, plan_dataset, plan_from_measurements
 
-from .conftest import shardline, shardline_here, small_pipeline
+from .conftest import shardline_here, small_pipeline
 
 ROWS = 20_000
 # Row groups far below any the planner chooses: `prepare --plan` visibly lays shards out anew.
@@ -165,14 +165,15 @@ def _config(tmp: Path, cfg) -> Path:
     return path
 
 
-def test_cli_plan_stores_the_plan_and_prepare_lays_shards_out_by_it(slow_loading, tmp_path):
+def test_cli_plan_stores_the_plan_and_prepare_lays_shards_out_by_it(slow_loading, dask_client, tmp_path):
+    """The CLI in this process (shardline_here), preparing on the session's Dask cluster."""
     cfg = _copy(slow_loading, tmp_path)
     config = _config(tmp_path, cfg)
     before = load_manifest(cfg.dataset_dir)
     assert before.plan is None
 
     # Wide enough that rich does not wrap the table's cells.
-    proc = shardline("plan", str(config), cwd=tmp_path, env={"COLUMNS": "200"})
+    proc = shardline_here("plan", str(config), cwd=tmp_path, env={"COLUMNS": "200"})
     assert proc.returncode == 0, proc.stderr
     for line in ("training (measured)", "loader (measured)", "loader workers per rank",
                  "predicted data-wait", "train shards", "rows per row group"):
@@ -185,13 +186,14 @@ def test_cli_plan_stores_the_plan_and_prepare_lays_shards_out_by_it(slow_loading
     # Only the plan changed: same version, same shards.
     assert planned.model_dump(exclude={"plan"}) == before.model_dump(exclude={"plan"})
 
-    proc = shardline("plan", str(config), "--json", cwd=tmp_path)
+    proc = shardline_here("plan", str(config), "--json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     printed = BandwidthPlan.model_validate(json.loads(proc.stdout))
     assert printed == load_manifest(cfg.dataset_dir).plan
     p = printed
 
-    proc = shardline("prepare", str(config), "--plan", cwd=tmp_path)
+    proc = shardline_here("prepare", str(config), "--plan", "--set",
+                          f"dask.address='{dask_client.scheduler.address}'", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     after = load_manifest(cfg.dataset_dir)
     assert after.version_id != before.version_id and after.plan == p

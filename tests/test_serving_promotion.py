@@ -1,8 +1,11 @@
 """Scoring across model promotion, through the real CLI: per-version outputs, --backfill,
 --status, the fast paths (nothing to score, a held lease, a stale lease) and bad input.
 
-The CLI runs as a user runs it (a subprocess); "no engine started" is read from its
-own report: it prints a line when Spark or Dask starts.
+The CLI runs in the test's process (`shardline_here`) on the session's Dask cluster
+(`dask.address`): each scoring run in a fresh Python with its own LocalCluster cost several
+seconds of imports and worker starts. The process's own exit codes are test_defaults'.
+"No engine started" is read from the CLI's report: it prints a line when Spark or Dask
+starts. A job SIGKILLed while holding the lease is a real process (`_dead_jobs_lease`).
 """
 
 from __future__ import annotations
@@ -20,11 +23,17 @@ import pytest
 from pipelines.lease import Holder
 from serving.ledger import output_lease, read_ledger
 
-from .conftest import shardline, shardline_here
+from .conftest import absolute_paths, shardline_here
 from .serving_helpers import promo_model, raw_table, write_raw
 
 ENGINE_STARTED = ("Starting Dask", "Starting Spark")
-DASK = ("--engine", "dask", "--set", "dask.n_workers=1")
+DASK = ("--engine", "dask", "--set", "dask.n_workers=1")  # refused before Dask would start
+
+
+@pytest.fixture(scope="module")
+def on_session_dask(dask_client) -> tuple[str, ...]:
+    """The engine arguments of a run that scores: the session's Dask scheduler."""
+    return ("--engine", "dask", "--set", f"dask.address='{dask_client.scheduler.address}'")
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +54,13 @@ def _alias(tracking_uri: str, version: int) -> None:
 
 def _cli(tracking_uri: str, cwd: Path, *args: str):
     # COLUMNS: rich lays --status's table out for a wide terminal, not the default 80.
-    return shardline("score", *args, cwd=cwd, env={"MLFLOW_TRACKING_URI": tracking_uri, "COLUMNS": "250"})
+    return shardline_here("score", *args, cwd=cwd, env={"MLFLOW_TRACKING_URI": tracking_uri, "COLUMNS": "250"})
 
 
-def _score(tracking_uri, tmp_path, src, out, *extra):
+def _score(tracking_uri, tmp_path, src, out, engine, *extra):
+    # Absolute paths: a scheduler's workers may be on other hosts (the CLI refuses relative ones).
     return _cli(tracking_uri, tmp_path, "--model", "models:/promo@champion", "--input", str(src),
-                "--output", str(out), "--incremental", *DASK, *extra)
+                "--output", str(out), "--incremental", *absolute_paths(tmp_path), *engine, *extra)
 
 
 def _snapshot(d: Path) -> dict[str, int]:
@@ -58,18 +68,18 @@ def _snapshot(d: Path) -> dict[str, int]:
 
 
 def test_promotion_scores_each_version_into_its_own_place_and_takes_over_a_dead_jobs_lease(
-    promo, raw, tracking_uri, tmp_path
+    promo, raw, tracking_uri, on_session_dask, tmp_path
 ):
     """Per-version outputs, --status, --backfill all and nothing-to-score, through the CLI.
 
     The --backfill run also finds the lease of a job SIGKILLed before it (no release): it
     takes the lease over and scores. That run is the stale-lease case's own CLI run, not a
-    separate one: each scoring run starts Python, MLflow and Dask afresh (several seconds).
+    separate one: each scoring run loads the model on the workers again.
     """
     src, out = tmp_path / "incoming", tmp_path / "scores"
     write_raw(raw.slice(0, 200), src, files=2)
     _alias(tracking_uri, 1)
-    r = _score(tracking_uri, tmp_path, src, out)
+    r = _score(tracking_uri, tmp_path, src, out, on_session_dask)
     assert r.returncode == 0, r.stderr
     v1 = out / "model=promo" / "version=1"
     assert len(read_ledger(v1)) == 2
@@ -78,7 +88,7 @@ def test_promotion_scores_each_version_into_its_own_place_and_takes_over_a_dead_
     # New data arrives, and the alias moves to version 2: no --force, version 1 untouched.
     write_raw(raw.slice(200, 100), src, files=1, start=2)
     _alias(tracking_uri, 2)
-    r = _score(tracking_uri, tmp_path, src, out)
+    r = _score(tracking_uri, tmp_path, src, out, on_session_dask)
     assert r.returncode == 0, r.stderr
     assert "100 rows from 1 file(s)" in r.stderr and "2 scored by other versions only" in r.stderr
     v2 = out / "model=promo" / "version=2"
@@ -99,7 +109,7 @@ def test_promotion_scores_each_version_into_its_own_place_and_takes_over_a_dead_
     # A job took the lease, then was SIGKILLed (no release): the next job takes it over.
     before = _dead_jobs_lease(out)
     # --backfill all: version 2 also scores what only version 1 had.
-    r = _score(tracking_uri, tmp_path, src, out, "--backfill", "all")
+    r = _score(tracking_uri, tmp_path, src, out, on_session_dask, "--backfill", "all")
     assert r.returncode == 0, r.stderr
     assert f"took over the lease of {out}/_lease.json from shardline score (host" in r.stderr
     assert f"pid {before.pid}" in r.stderr and "is gone" in r.stderr
@@ -112,7 +122,7 @@ def test_promotion_scores_each_version_into_its_own_place_and_takes_over_a_dead_
     )
 
     # Nothing left: exit 0 at once, no engine started.
-    r = _score(tracking_uri, tmp_path, src, out)
+    r = _score(tracking_uri, tmp_path, src, out, on_session_dask)
     assert r.returncode == 0, r.stderr
     assert "nothing to score: 3 file(s) already scored by promo version 2" in r.stderr
     assert not any(s in r.stderr for s in ENGINE_STARTED), r.stderr
@@ -125,7 +135,7 @@ def test_held_lease_refused_before_any_engine_with_exit_75(promo, raw, tracking_
     out.mkdir()
     with output_lease(out):  # a job holding the output, as another process would
         holder = _holder(out)
-        r = _score(tracking_uri, tmp_path, src, out)
+        r = _score(tracking_uri, tmp_path, src, out, DASK)
     assert r.returncode == 75, r.stderr
     line = r.stderr.strip()
     assert "\n" not in line and "Traceback" not in line
@@ -153,7 +163,7 @@ def _dead_jobs_lease(out: Path) -> Holder:
     return holder
 
 
-def test_bad_input_one_line_nonzero_nothing_written(promo, raw, tracking_uri, tmp_path):
+def test_bad_input_one_line_nonzero_nothing_written(promo, raw, tracking_uri, on_session_dask, tmp_path):
     src = tmp_path / "incoming"
     write_raw(raw.slice(0, 100), src, files=1)
 
@@ -200,7 +210,7 @@ def test_bad_input_one_line_nonzero_nothing_written(promo, raw, tracking_uri, tm
     assert _snapshot(out) == before
 
     r = _cli(tracking_uri, tmp_path, "--model", "models:/promo/1", "--input", str(src), "--output", str(out),
-             "--force", *DASK)
+             "--force", *absolute_paths(tmp_path), *on_session_dask)
     assert r.returncode == 0, r.stderr
     assert (f"--force discards the scores of model someone-else version 7: 1 unit(s), 5 rows in {other}"
             in r.stderr)

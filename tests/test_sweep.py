@@ -18,7 +18,7 @@ from training.config import TrackingConfig, TrainingConfig
 from training.sweep import EPOCH_METRICS, VAL_METRICS, run_sweep
 from training.sweep_config import SweepConfig
 
-from .conftest import shardline
+from .conftest import shardline_here
 
 
 def sweep_config(name: str, space: dict, **kw) -> SweepConfig:
@@ -293,7 +293,8 @@ def study_trials(db, name: str):
 
 
 @pytest.mark.slow
-def test_killed_sweep_resumes_without_rerunning_completed_trials_and_best_scores(prepared, tmp_path):
+def test_killed_sweep_resumes_without_rerunning_completed_trials_and_best_scores(prepared, dask_client,
+                                                                                tmp_path):
     cfg = write_config(tmp_path, prepared, LR_SPACE)
     db = tmp_path / "mlflow-optuna.db"  # beside the default tracking store, ./mlflow.db
     cmd = [sys.executable, "-m", "jobs.cli", "sweep", str(cfg), "--trials", "2", "--parallel", "1", "--name", "resume"]
@@ -332,7 +333,8 @@ def test_killed_sweep_resumes_without_rerunning_completed_trials_and_best_scores
     )
     before = study_trials(db, "resume")
 
-    done = shardline(*cmd[3:], cwd=tmp_path)
+    # The rest in this process (shardline_here): the kill above is what needed a process.
+    done = shardline_here(*cmd[3:], cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "1 trial(s) done, 1 to run" in done.stderr
     after = study_trials(db, "resume")
@@ -352,11 +354,12 @@ def test_killed_sweep_resumes_without_rerunning_completed_trials_and_best_scores
     sweeps = client.search_runs([runs[0].info.experiment_id], "tags.`shardline.sweep` = 'resume'")
     assert [r.info.run_id for r in sweeps if "mlflow.parentRunId" not in r.data.tags] == [parent]
 
-    # One Dask worker: a second one would only load the model again (torch and MLflow's pyfunc,
-    # ~5 CPU-seconds) to score the other of the test split's two files.
-    scored = shardline(
+    # On the session's Dask cluster (a LocalCluster of its own would start and load the
+    # model afresh); a scheduler's workers may be on other hosts: absolute paths only.
+    scored = shardline_here(
         "score", str(cfg), "--model", "models:/sweep-cli@best", "--engine", "dask",
-        "--output", str(tmp_path / "scores"), "--set", "dask.n_workers=1", cwd=tmp_path,
+        "--output", str(tmp_path / "scores"), "--set", f"dask.address='{dask_client.scheduler.address}'",
+        "--set", f"pipelines.source.path='{tmp_path / 'raw'}'", cwd=tmp_path,
     )  # fmt: skip
     assert scored.returncode == 0, scored.stderr[-2000:]
     test_rows = load_manifest(prepared.dataset_dir).splits["test"].rows
@@ -372,7 +375,7 @@ def test_every_trial_failing_exits_non_zero(prepared, tmp_path):
         '[sweep.space.model]\ntype = "categorical"\nchoices = ["transformer"]\n'
         '[sweep.space.heads]\ntype = "categorical"\nchoices = [3, 5]\n',
     )
-    r = shardline("sweep", str(cfg), "--set", "training.hidden=[16]", "--name", "all-fail", cwd=tmp_path)
+    r = shardline_here("sweep", str(cfg), "--set", "training.hidden=[16]", "--name", "all-fail", cwd=tmp_path)
     assert r.returncode == 1
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: sweep 'all-fail': all 2 trial(s) failed; trial 0:"), r.stderr[-2000:]
