@@ -24,7 +24,7 @@ from training import checkpoints
 from training.config import TrackingConfig, TrainingConfig
 from training.job import run_training
 
-from .conftest import REPO, shardline
+from .conftest import REPO, shardline_here
 from .storage_helpers import hold_until_exists
 
 
@@ -124,7 +124,7 @@ def test_a_held_directory_is_refused_at_once_naming_its_holder(tmp_path, command
     extra = ["--model", "models:/m/1", "--input", str(REPO / "tests")] if command == "score" else []
     with lease:
         holder = lease.holder(lease.url)
-        proc = shardline(command, str(_config(tmp_path)), *extra, cwd=tmp_path)
+        proc = shardline_here(command, str(_config(tmp_path)), *extra, cwd=tmp_path)
     assert proc.returncode == 75, proc.stderr  # EX_TEMPFAIL: try again later
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr

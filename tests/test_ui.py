@@ -14,7 +14,7 @@ import mlflow
 import pytest
 
 from jobs.ui import ui_hint
-from tests.conftest import shardline
+from tests.conftest import shardline_here
 from tests.fixtures_clusters import _start, _stop, _wait
 from training.launchers import free_port
 
@@ -83,7 +83,7 @@ def test_ui_shows_the_run_in_chromium(tmp_path):
         assert "ui-check-run" in dom and "val_accuracy" in dom, dom[-2000:]
 
         # A server URL as the store: the server is the UI; `shardline ui` checks it and says so.
-        served = shardline("ui", "--set", f"tracking.tracking_uri='{url}'", cwd=tmp_path, timeout=120)
+        served = shardline_here("ui", "--set", f"tracking.tracking_uri='{url}'", cwd=tmp_path)
         assert served.returncode == 0, served.stderr
         assert f"open {url}" in served.stderr
         assert ui_hint(url) == url
@@ -93,7 +93,7 @@ def test_ui_shows_the_run_in_chromium(tmp_path):
 
 def test_ui_refuses_a_missing_store(tmp_path):
     """Run from the wrong folder: one line naming the setting, not an empty UI."""
-    proc = shardline("ui", cwd=tmp_path, timeout=120)
+    proc = shardline_here("ui", cwd=tmp_path)
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "tracking.tracking_uri" in lines[0] and "no MLflow store" in lines[0], proc.stderr
@@ -102,7 +102,7 @@ def test_ui_refuses_a_missing_store(tmp_path):
 
 def test_ui_refuses_an_unreachable_server_and_a_busy_port(tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"
-    proc = shardline("ui", "--set", f"tracking.tracking_uri='{dead}'", cwd=tmp_path, timeout=120)
+    proc = shardline_here("ui", "--set", f"tracking.tracking_uri='{dead}'", cwd=tmp_path)
     assert proc.returncode == 1
     assert proc.stderr.count("\n") == 1 and dead in proc.stderr and "/health" in proc.stderr, proc.stderr
 
@@ -112,7 +112,7 @@ def test_ui_refuses_an_unreachable_server_and_a_busy_port(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc = shardline("ui", "--port", str(port), cwd=tmp_path, timeout=120)
+        proc = shardline_here("ui", "--port", str(port), cwd=tmp_path)
     assert proc.returncode == 1
     assert proc.stderr.count("\n") == 1 and f"--port {port}" in proc.stderr, proc.stderr
 
@@ -124,5 +124,5 @@ def test_summary_hint_is_the_short_form_for_this_folders_store(tmp_path, monkeyp
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     assert ui_hint(store) == "shardline ui"
-    proc = shardline("ui", cwd=tmp_path, timeout=120)  # no store yet: the error names the same file
+    proc = shardline_here("ui", cwd=tmp_path)  # no store yet: the error names the same file
     assert proc.returncode == 1 and repr(store) in proc.stderr, proc.stderr
