@@ -226,7 +226,7 @@ def test_cli_train_resume_continues_from_the_checkpoint_in_the_bucket(data, refe
     weights of the uninterrupted run, in that run."""
     import mlflow
 
-    from .conftest import shardline
+    from .conftest import shardline_here
 
     bucket, cfg, *_ = data
     result, ref_cfg = reference
@@ -245,7 +245,7 @@ def test_cli_train_resume_continues_from_the_checkpoint_in_the_bucket(data, refe
         + f"[tracking]\ntracking_uri = {json.dumps(mlflow_server)}\nexperiment = 's3-ref'\n"
         "registered_model = 's3-ref'\n"
     )
-    proc = shardline("train", str(config), "--resume", cwd=tmp_path)
+    proc = shardline_here("train", str(config), "--resume", cwd=tmp_path)  # the process has the S3 settings
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "epoch 1/3" not in proc.stderr and "epoch 2/3" in proc.stderr and "epoch 3/3" in proc.stderr
     line = next(ln for ln in proc.stderr.splitlines() if ln.strip().startswith("run "))
