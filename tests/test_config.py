@@ -66,7 +66,7 @@ def test_cli_bad_config_one_line_exit_2_nothing_written(tmp_path, content, messa
         config.write_text(content)
     before = sorted(p.name for p in tmp_path.iterdir())
     for command in ("run", "prepare", "train"):
-        proc = shardline(command, str(config), cwd=tmp_path)
+        proc = shardline_here(command, str(config), cwd=tmp_path)
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1, proc.stderr
