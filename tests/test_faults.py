@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from training.config import TrackingConfig, TrainingConfig
 from training.job import run_training
 from training.launchers import TrainingFailed
 
-from .conftest import shardline, shardline_here
+from .conftest import shardline_here
 from .faults_helpers import (
     alive, error_lines, mounted_tmpfs, rank_pids, start_driver, stop_group, train_args, wait_for,
 )
@@ -66,8 +65,8 @@ def test_local_ranks_die_with_their_driver_and_a_second_job_is_refused(prepared,
         # A resume now takes the dead driver's lease over and finishes (one more epoch: the
         # epochs may change on resume when the user says so).
         epoch = torch.load(checkpoints.latest(str(ckpt)), weights_only=True)["epoch"]
-        resumed = shardline(*train_args(prepared.dataset_dir, ckpt, **{"training.epochs": str(epoch + 1)}),
-                            "--resume", "--allow-changed", "epochs", cwd=tmp_path / "first")
+        resumed = shardline_here(*train_args(prepared.dataset_dir, ckpt, **{"training.epochs": str(epoch + 1)}),
+                                 "--resume", "--allow-changed", "epochs", cwd=tmp_path / "first")
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert f"took over the lease of {ckpt}/_lease.json" in resumed.stderr
         assert not (ckpt / "_lease.json").exists()  # released at the end
@@ -127,7 +126,7 @@ def test_a_read_only_checkpoint_dir_ends_at_once_in_one_line(prepared, tmp_path)
         with pytest.raises(StorageError, match=rf"training.checkpoint_dir {ckpt}: cannot write there "
                                                r"\(Read-only file system\)"):
             run_training(_cfg(ckpt), TrackingConfig(experiment="ro"), prepared.dataset_dir)
-        proc = shardline(*train_args(prepared.dataset_dir, ckpt), cwd=tmp_path)
+        proc = shardline_here(*train_args(prepared.dataset_dir, ckpt), cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert error_lines(proc.stderr) == [
         f"error: training.checkpoint_dir: {ckpt}: read-only file system (cannot write in {ckpt})"
@@ -147,8 +146,9 @@ def test_read_only_outputs_of_prepare_and_score_end_in_one_line(prepared, tmp_pa
             args = ["score", str(train_args("x", out)[1]), "--model", "models:/faults/1",
                     "--input", prepared.dataset_dir, "--output", str(out)]
             setting = "serving.output_dir"
-        proc = shardline(*args, cwd=tmp_path)
+        proc = shardline_here(*args, cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr[-2000:]
     lines = error_lines(proc.stderr)
     assert len(lines) == 1 and setting in lines[0] and str(out) in lines[0], proc.stderr[-2000:]
     assert "read-only file system" in lines[0] and "Traceback" not in proc.stderr
+    assert "Starting" not in proc.stderr  # refused before an engine started
