@@ -16,7 +16,7 @@ from pipelines.errors import ConfigError, DataError
 from pipelines.manifest import load_manifest
 from pipelines.prepare import prepare
 
-from .conftest import shardline, shardline_here, small_pipeline
+from .conftest import shardline_here, small_pipeline
 from .test_prepare_inputs import _fails, config, raw_frame, rows_by_split, write_raw
 
 
@@ -150,7 +150,7 @@ def test_null_tokens_and_exact_keys(engines, tmp_path):
     _fails(engines, "spark", cfg, rf"r\.csv: column 'a', key {big + 4}: value '-': value does not parse")
 
 
-def test_the_cli_says_what_it_inferred_and_checks_before_an_engine_starts(tmp_path):
+def test_the_cli_says_what_it_inferred_and_checks_before_an_engine_starts(dask_client, tmp_path):
     write_raw(raw_frame(300), tmp_path / "raw", "csv")
     conf = tmp_path / "job.toml"
     conf.write_text(
@@ -162,7 +162,8 @@ def test_the_cli_says_what_it_inferred_and_checks_before_an_engine_starts(tmp_pa
     assert r.returncode == 2, r.stderr
     assert "pipelines.features.key is not set" in r.stderr and "Starting" not in r.stderr  # no engine
 
-    r = shardline("prepare", str(conf), "--set", "pipelines.features.key=id", cwd=tmp_path)
+    r = shardline_here("prepare", str(conf), "--set", "pipelines.features.key=id",  # on the session's Dask
+                       "--set", f"dask.address='{dask_client.scheduler.address}'", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     out = " ".join(r.stderr.split())
     assert "pipelines.features.numeric = a, b (inferred from" in out
