@@ -2,8 +2,8 @@
 
 A user's `spark.ui.enabled` and `spark.sql.shuffle.partitions`, given with
 spark-submit `--conf` or in `spark-defaults.conf`, are what the running Spark
-has; shardline fills in only what nobody set. Each case starts its own JVM in a
-subprocess, as a user's command would.
+has; shardline fills in only what nobody set. Each case about how a JVM starts runs its
+own in a subprocess, as a user's command would; a session setting is set on the session's.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 from training.launchers import free_port
 
-from .conftest import REPO, absolute_paths, shardline
+from .conftest import REPO, absolute_paths, shardline, small_pipeline
 
 BIN = Path(sys.executable).parent
 QUICKSTART = REPO / "jobs" / "configs" / "quickstart.toml"
@@ -222,16 +222,21 @@ def test_a_standalone_master_nobody_answers_at_is_one_line(tmp_path):
     assert not (tmp_path / "shardline-data").exists()
 
 
-def test_arrow_disabled_for_pandas_conversions_changes_nothing(tmp_path):
-    """shardline's stages are mapInArrow/mapInPandas, which use Arrow whatever this says."""
-    proc = _submit_shardline(
-        tmp_path, ["--master", "local[2]", "--conf", "spark.sql.execution.arrow.pyspark.enabled=false"],
-        "prepare", "--set", "pipelines.source.synthetic.rows=2000",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    from pipelines.manifest import load_manifest
+def test_arrow_disabled_for_pandas_conversions_changes_nothing(spark, tmp_path):
+    """shardline's stages are mapInArrow/mapInPandas, which use Arrow whatever this says.
 
-    manifest = load_manifest(str(tmp_path / "shardline-data" / "quickstart" / "dataset"))
+    A session (SQL) setting: set on the session's own Spark for one prepare. That a user's
+    spark-submit --conf reaches the session is test_spark_submit_conf_and_spark_defaults_conf_win_over_shardlines_defaults'."""
+    from pipelines.engine_spark import SparkEngine
+    from pipelines.prepare import prepare
+
+    key = "spark.sql.execution.arrow.pyspark.enabled"
+    before = spark.conf.get(key)
+    spark.conf.set(key, "false")
+    try:
+        manifest = prepare(SparkEngine(spark), small_pipeline(tmp_path, rows=2000))
+    finally:
+        spark.conf.set(key, before)
     assert sum(s.rows for s in manifest.splits.values()) == 2000
 
 
