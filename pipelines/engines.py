@@ -77,6 +77,19 @@ _LOCKED = "shardline-code-"  # the name of a zip its process holds locked
 _NEW = ".shardline-new-"  # its name while written: the sweep never sees it unlocked
 
 
+def _ship_code(client) -> None:
+    """Workers started elsewhere import our packages from this zip, also those that join later.
+
+    To the workers only (`client.upload_file` sends it to the scheduler too, which runs no
+    task): a scheduler in the driver's own process (a notebook's LocalCluster given by its
+    address) would put the zip first on the driver's path and re-import shardline from it.
+    """
+    from distributed.diagnostics.plugin import UploadFile
+
+    path = package_zip()
+    client.register_plugin(UploadFile(path), name=f"shardline-code-{os.path.basename(path)}")
+
+
 def dask_client(cfg: DaskConfig):
     """A Dask client: on the scheduler at `cfg.address`, or on an embedded LocalCluster."""
     import logging
@@ -87,8 +100,7 @@ def dask_client(cfg: DaskConfig):
     logging.getLogger("distributed.shuffle").setLevel(logging.ERROR)
     if cfg.address:
         client = Client(cfg.address, timeout="30s")
-        # Workers started elsewhere import our packages from this zip.
-        client.upload_file(package_zip())
+        _ship_code(client)
         return client
     import dask
 

@@ -156,7 +156,7 @@ def dask_cli_cluster(tmp_path_factory) -> DaskCliCluster:
     try:
         _wait(lambda: _listening(port), "Dask scheduler", procs, logs)
         # Workers lacking shardline (its dependencies only): shardline ships its own
-        # packages to them (`upload_file`), and every test on this cluster proves it.
+        # packages to them (a worker plugin), and every test on this cluster proves it.
         python, env, cwd = _without_shardline(tmp)
         for i in range(2):
             logs.append(tmp / f"worker{i}.log")

@@ -1,6 +1,8 @@
 """The embedded Dask cluster (`pipelines.engines.dask_client` with no address) and the
 environment: Dask's nanny passes its pre-spawn variables to a worker by setting them in
-the driver's own environment, where a Spark JVM started later would inherit them."""
+the driver's own environment, where a Spark JVM started later would inherit them. And a
+scheduler in the driver's own process, given by its address: shardline's code zip goes to
+its workers, never into the driver."""
 
 from __future__ import annotations
 
@@ -35,3 +37,23 @@ def test_embedded_workers_get_dasks_variables_but_not_the_trim_threshold_and_the
         cluster = client.cluster
         client.close()
         cluster.close()
+
+
+def test_a_scheduler_in_this_process_gets_no_code_zip_only_its_workers_do(dask_client):
+    """The session's LocalCluster runs its scheduler in this process, as a notebook's does.
+    `client.upload_file` sent the zip to the scheduler too, which put it first on this
+    process's path and re-imported pipelines, training and serving from it: a later model
+    logged its code from the zip's temporary path and MLflow refused to copy it."""
+    import sys
+
+    import pipelines
+    from pipelines.engines import dask_client as connect
+
+    before = (pipelines.__file__, list(sys.path))
+    client = connect(DaskConfig(address=dask_client.scheduler.address))
+    try:
+        on_workers = client.run(lambda: [p for p in __import__("sys").path if "shardline-code" in p])
+    finally:
+        client.close()
+    assert len(on_workers) == 2 and all(on_workers.values()), on_workers
+    assert (pipelines.__file__, sys.path) == before
