@@ -1,6 +1,8 @@
 """Bad storage input through the real CLI: one line, non-zero exit, before any engine starts,
 nothing written. Credentials are checked for real: a second S3 server runs with moto's IAM
-authentication on, with an admin and a read-only user.
+authentication on, with an admin and a read-only user. Every case that reaches an S3
+endpoint runs the CLI in a process of its own, with its own AWS variables (this process
+caches its S3 clients); the refusals that read no bucket run in the test's process.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import shardline
+from .conftest import shardline, shardline_here
 from .fixtures_s3 import AWS_ENV, free_port, start_moto, stop_group
 
 ENGINE_STARTED = ("Starting Spark", "Starting Dask")
@@ -153,7 +155,7 @@ def test_relative_path_on_a_cluster_says_what_to_use(tmp_path, args, setting):
     # Only the paths a command uses are checked: train never reads the raw source.
     config = _config(tmp_path, pipelines={"dataset_dir": "s3://b/ds"}, training={"checkpoint_dir": "ckpt"},
                      **{"pipelines.source": {"path": "raw"}})
-    proc = shardline(args[0], str(config), *args[1:], cwd=tmp_path)
+    proc = shardline_here(args[0], str(config), *args[1:], cwd=tmp_path)
     line = _one_line(proc, 2, f"error: {setting} is a relative path")
     assert "runs tasks on other hosts" in line and "s3://bucket/prefix" in line
     assert [p.name for p in tmp_path.iterdir()] == ["job.toml"]
@@ -162,7 +164,7 @@ def test_relative_path_on_a_cluster_says_what_to_use(tmp_path, args, setting):
 def test_relative_sqlite_tracking_on_a_cluster_says_to_use_a_server(tmp_path):
     config = _config(tmp_path, pipelines={"dataset_dir": "s3://b/ds"}, training={"checkpoint_dir": "s3://b/ckpt"},
                      tracking={"tracking_uri": "sqlite:///mlflow.db"})
-    proc = shardline("train", str(config), "--set", "spark.master='spark://10.1.2.3:7077'", cwd=tmp_path)
+    proc = shardline_here("train", str(config), "--set", "spark.master='spark://10.1.2.3:7077'", cwd=tmp_path)
     line = _one_line(proc, 2, "tracking.tracking_uri = 'sqlite:///mlflow.db' is a SQLite file relative to this folder")
     assert "use an MLflow tracking server" in line
     assert [p.name for p in tmp_path.iterdir()] == ["job.toml"]
@@ -173,8 +175,8 @@ def test_local_paths_on_a_cluster_get_a_note(tmp_path):
     config = _config(tmp_path, pipelines={"dataset_dir": str(tmp_path / "missing")},
                      training={"checkpoint_dir": str(tmp_path / "ckpt")})
     # A misspelt model stops the job right after the note, before Spark would try the master.
-    proc = shardline("train", str(config), "--set", "spark.master='spark://10.1.2.3:7077'",
-                     "--set", "training.model=nope", cwd=tmp_path)
+    proc = shardline_here("train", str(config), "--set", "spark.master='spark://10.1.2.3:7077'",
+                          "--set", "training.model=nope", cwd=tmp_path)
     assert proc.returncode == 2 and "unknown model 'nope'" in proc.stderr, proc.stderr
     notes = [ln for ln in proc.stderr.splitlines() if ln.startswith("[shardline] note:")]
     assert len(notes) == 1 and "pipelines.dataset_dir, training.checkpoint_dir and tracking.tracking_uri " \
@@ -192,7 +194,7 @@ def test_manifest_shard_paths_outside_the_dataset_are_refused(prepared, tmp_path
     raw["splits"]["train"]["shards"][1]["path"] = bad
     Path(manifest_url(str(dataset), src.sequence)).write_text(json.dumps(raw))
     config = _config(tmp_path, pipelines={"dataset_dir": str(dataset)}, training={"checkpoint_dir": str(tmp_path / "c")})
-    proc = shardline("train", str(config), "--launcher", "local", cwd=tmp_path)
+    proc = shardline_here("train", str(config), "--launcher", "local", cwd=tmp_path)
     _one_line(proc, 1, f"invalid manifest at splits.train.shards.1.path: shard path {bad!r} is not a "
                        f"relative path inside the dataset")
     assert not (tmp_path / "c").exists()
