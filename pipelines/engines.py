@@ -87,7 +87,7 @@ def _ship_code(client) -> None:
     from distributed.diagnostics.plugin import UploadFile
 
     path = package_zip()
-    client.register_plugin(UploadFile(path), name=f"shardline-code-{os.path.basename(path)}")
+    client.register_plugin(UploadFile(path), name=os.path.basename(path))  # shardline-code-<unique>.zip
 
 
 def dask_client(cfg: DaskConfig):
