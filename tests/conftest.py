@@ -82,6 +82,13 @@ def dask_client():
 
 
 @pytest.fixture(scope="session")
+def on_session_dask(dask_client) -> tuple[str, ...]:
+    """`--set` arguments that run a CLI command in this process (`shardline_here`) on the
+    session's Dask scheduler instead of a LocalCluster of its own."""
+    return ("--set", f"dask.address='{dask_client.scheduler.address}'")
+
+
+@pytest.fixture(scope="session")
 def engines(spark, dask_client):
     from pipelines.engine_dask import DaskEngine
     from pipelines.engine_spark import SparkEngine

@@ -165,7 +165,7 @@ def _config(tmp: Path, cfg) -> Path:
     return path
 
 
-def test_cli_plan_stores_the_plan_and_prepare_lays_shards_out_by_it(slow_loading, dask_client, tmp_path):
+def test_cli_plan_stores_the_plan_and_prepare_lays_shards_out_by_it(slow_loading, on_session_dask, tmp_path):
     """The CLI in this process (shardline_here), preparing on the session's Dask cluster."""
     cfg = _copy(slow_loading, tmp_path)
     config = _config(tmp_path, cfg)
@@ -192,8 +192,7 @@ def test_cli_plan_stores_the_plan_and_prepare_lays_shards_out_by_it(slow_loading
     assert printed == load_manifest(cfg.dataset_dir).plan
     p = printed
 
-    proc = shardline_here("prepare", str(config), "--plan", "--set",
-                          f"dask.address='{dask_client.scheduler.address}'", cwd=tmp_path)
+    proc = shardline_here("prepare", str(config), "--plan", *on_session_dask, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     after = load_manifest(cfg.dataset_dir)
     assert after.version_id != before.version_id and after.plan == p

@@ -150,7 +150,7 @@ def test_null_tokens_and_exact_keys(engines, tmp_path):
     _fails(engines, "spark", cfg, rf"r\.csv: column 'a', key {big + 4}: value '-': value does not parse")
 
 
-def test_the_cli_says_what_it_inferred_and_checks_before_an_engine_starts(dask_client, tmp_path):
+def test_the_cli_says_what_it_inferred_and_checks_before_an_engine_starts(on_session_dask, tmp_path):
     write_raw(raw_frame(300), tmp_path / "raw", "csv")
     conf = tmp_path / "job.toml"
     conf.write_text(
@@ -163,7 +163,7 @@ def test_the_cli_says_what_it_inferred_and_checks_before_an_engine_starts(dask_c
     assert "pipelines.features.key is not set" in r.stderr and "Starting" not in r.stderr  # no engine
 
     r = shardline_here("prepare", str(conf), "--set", "pipelines.features.key=id",  # on the session's Dask
-                       "--set", f"dask.address='{dask_client.scheduler.address}'", cwd=tmp_path)
+                       *on_session_dask, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     out = " ".join(r.stderr.split())
     assert "pipelines.features.numeric = a, b (inferred from" in out

@@ -31,9 +31,9 @@ DASK = ("--engine", "dask", "--set", "dask.n_workers=1")  # refused before Dask 
 
 
 @pytest.fixture(scope="module")
-def on_session_dask(dask_client) -> tuple[str, ...]:
+def session_dask(on_session_dask) -> tuple[str, ...]:
     """The engine arguments of a run that scores: the session's Dask scheduler."""
-    return ("--engine", "dask", "--set", f"dask.address='{dask_client.scheduler.address}'")
+    return ("--engine", "dask", *on_session_dask)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def _snapshot(d: Path) -> dict[str, int]:
 
 
 def test_promotion_scores_each_version_into_its_own_place_and_takes_over_a_dead_jobs_lease(
-    promo, raw, tracking_uri, on_session_dask, tmp_path
+    promo, raw, tracking_uri, session_dask, tmp_path
 ):
     """Per-version outputs, --status, --backfill all and nothing-to-score, through the CLI.
 
@@ -79,7 +79,7 @@ def test_promotion_scores_each_version_into_its_own_place_and_takes_over_a_dead_
     src, out = tmp_path / "incoming", tmp_path / "scores"
     write_raw(raw.slice(0, 200), src, files=2)
     _alias(tracking_uri, 1)
-    r = _score(tracking_uri, tmp_path, src, out, on_session_dask)
+    r = _score(tracking_uri, tmp_path, src, out, session_dask)
     assert r.returncode == 0, r.stderr
     v1 = out / "model=promo" / "version=1"
     assert len(read_ledger(v1)) == 2
@@ -88,7 +88,7 @@ def test_promotion_scores_each_version_into_its_own_place_and_takes_over_a_dead_
     # New data arrives, and the alias moves to version 2: no --force, version 1 untouched.
     write_raw(raw.slice(200, 100), src, files=1, start=2)
     _alias(tracking_uri, 2)
-    r = _score(tracking_uri, tmp_path, src, out, on_session_dask)
+    r = _score(tracking_uri, tmp_path, src, out, session_dask)
     assert r.returncode == 0, r.stderr
     assert "100 rows from 1 file(s)" in r.stderr and "2 scored by other versions only" in r.stderr
     v2 = out / "model=promo" / "version=2"
@@ -109,7 +109,7 @@ def test_promotion_scores_each_version_into_its_own_place_and_takes_over_a_dead_
     # A job took the lease, then was SIGKILLed (no release): the next job takes it over.
     before = _dead_jobs_lease(out)
     # --backfill all: version 2 also scores what only version 1 had.
-    r = _score(tracking_uri, tmp_path, src, out, on_session_dask, "--backfill", "all")
+    r = _score(tracking_uri, tmp_path, src, out, session_dask, "--backfill", "all")
     assert r.returncode == 0, r.stderr
     assert f"took over the lease of {out}/_lease.json from shardline score (host" in r.stderr
     assert f"pid {before.pid}" in r.stderr and "is gone" in r.stderr
@@ -122,7 +122,7 @@ def test_promotion_scores_each_version_into_its_own_place_and_takes_over_a_dead_
     )
 
     # Nothing left: exit 0 at once, no engine started.
-    r = _score(tracking_uri, tmp_path, src, out, on_session_dask)
+    r = _score(tracking_uri, tmp_path, src, out, session_dask)
     assert r.returncode == 0, r.stderr
     assert "nothing to score: 3 file(s) already scored by promo version 2" in r.stderr
     assert not any(s in r.stderr for s in ENGINE_STARTED), r.stderr
@@ -163,7 +163,7 @@ def _dead_jobs_lease(out: Path) -> Holder:
     return holder
 
 
-def test_bad_input_one_line_nonzero_nothing_written(promo, raw, tracking_uri, on_session_dask, tmp_path):
+def test_bad_input_one_line_nonzero_nothing_written(promo, raw, tracking_uri, session_dask, tmp_path):
     src = tmp_path / "incoming"
     write_raw(raw.slice(0, 100), src, files=1)
 
@@ -210,7 +210,7 @@ def test_bad_input_one_line_nonzero_nothing_written(promo, raw, tracking_uri, on
     assert _snapshot(out) == before
 
     r = _cli(tracking_uri, tmp_path, "--model", "models:/promo/1", "--input", str(src), "--output", str(out),
-             "--force", *absolute_paths(tmp_path), *on_session_dask)
+             "--force", *absolute_paths(tmp_path), *session_dask)
     assert r.returncode == 0, r.stderr
     assert (f"--force discards the scores of model someone-else version 7: 1 unit(s), 5 rows in {other}"
             in r.stderr)

@@ -293,7 +293,7 @@ def study_trials(db, name: str):
 
 
 @pytest.mark.slow
-def test_killed_sweep_resumes_without_rerunning_completed_trials_and_best_scores(prepared, dask_client,
+def test_killed_sweep_resumes_without_rerunning_completed_trials_and_best_scores(prepared, on_session_dask,
                                                                                 tmp_path):
     cfg = write_config(tmp_path, prepared, LR_SPACE)
     db = tmp_path / "mlflow-optuna.db"  # beside the default tracking store, ./mlflow.db
@@ -358,7 +358,7 @@ def test_killed_sweep_resumes_without_rerunning_completed_trials_and_best_scores
     # model afresh); a scheduler's workers may be on other hosts: absolute paths only.
     scored = shardline_here(
         "score", str(cfg), "--model", "models:/sweep-cli@best", "--engine", "dask",
-        "--output", str(tmp_path / "scores"), "--set", f"dask.address='{dask_client.scheduler.address}'",
+        "--output", str(tmp_path / "scores"), *on_session_dask,
         "--set", f"pipelines.source.path='{tmp_path / 'raw'}'", cwd=tmp_path,
     )  # fmt: skip
     assert scored.returncode == 0, scored.stderr[-2000:]
