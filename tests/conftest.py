@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import subprocess
 import sys
@@ -12,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from pipelines.config import PipelineConfig, SparkConfig
+
+from .cli_inprocess import run_cli
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -128,33 +128,9 @@ def shardline_here(*args: str, cwd: Path, env: dict | None = None) -> subprocess
     reuses; request the fixture, or the CLI's own session becomes the session's) or the
     session's Dask scheduler (`--set dask.address=...`, with absolute paths; the CLI closes
     only its client). Not for Spark Connect: pyspark refuses a remote session beside the
-    classic one (SESSION_ALREADY_EXIST). Kills, the process's own exit codes
+    classic one (SESSION_ALREADY_EXIST); `connect_cli` runs those in a client process. Kills, the process's own exit codes
     (test_defaults.test_exit_codes_from_the_cli), spark-submit and a JVM's own settings
     stay with `shardline()`. The working folder and environment are put back afterwards,
     whatever the command set."""
-    from jobs.cli import main
-
-    out, err, saved_env, saved_cwd = io.StringIO(), io.StringIO(), dict(os.environ), os.getcwd()
-    # As in shardline(): the default store is cwd's, whatever an earlier test set in MLflow.
-    _forget_tracking_uri()
-    os.environ.pop("MLFLOW_TRACKING_URI", None)
-    os.environ.update(env or {})
-    os.chdir(cwd)
-    code = 0
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            main(list(args))
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        _forget_tracking_uri()  # the command's store, set for the process: the environment's again
-        os.chdir(saved_cwd)
-        for key in set(os.environ) - set(saved_env):  # key by key: other threads read it meanwhile
-            del os.environ[key]
-        os.environ.update({k: v for k, v in saved_env.items() if os.environ.get(k) != v})
-    return subprocess.CompletedProcess(["shardline", *args], code, out.getvalue(), err.getvalue())
-
-
-def _forget_tracking_uri() -> None:
-    if "mlflow" in sys.modules:
-        sys.modules["mlflow"].set_tracking_uri(None)
+    code, out, err = run_cli(list(args), cwd, env)
+    return subprocess.CompletedProcess(["shardline", *args], code, out, err)

@@ -4,9 +4,11 @@
 It is its own JVM (beside the classic `local[2]` session of conftest). Its
 executors run this venv's Python but do not see this repo on their PYTHONPATH:
 shardline's packages reach them only as the client's artifacts, as on a real
-server. Tests talk to it through the CLI in subprocesses: one Python process
+server. Tests talk to it through the CLI in another process: one Python process
 cannot hold a classic and a Connect session at once (pyspark's functions pick
-their implementation per process).
+their implementation per process). `connect_cli` is one such process for the whole
+session (tests/connect_client.py); a command that must start its own client (a
+setting that would stay in the shared session) runs in a subprocess of its own.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from .connect_client import ConnectClient
 
 SPARK_HOME = Path(__import__("pyspark").__file__).parent
 LOG4J = Path(__file__).resolve().parent.parent / "pipelines" / "log4j2.properties"
@@ -116,3 +120,13 @@ def connect_server(tmp_path_factory) -> ConnectServer:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def connect_cli(connect_server, tmp_path_factory) -> ConnectClient:
+    """`connect_cli.run(*args, cwd=...)`: the CLI in the session's one Connect client process."""
+    client = ConnectClient(tmp_path_factory.mktemp("connect-client") / "client.log")
+    try:
+        yield client
+    finally:
+        client.close()

@@ -1,5 +1,7 @@
 """shardline on a real Spark Connect server: prepare, train every strategy, sweep, score,
-and a killed rank that resumes. Each step is the CLI a user runs, as a Connect client."""
+and a killed rank that resumes. Each step is the CLI a user runs, as a Connect client: the
+session's one client process (`connect_cli`), so the commands share a session as a
+notebook user's would."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from training import checkpoints
 from training.config import TrackingConfig, TrainingConfig
 from training.job import run_training
 
-from .conftest import REPO, absolute_paths, shardline
+from .conftest import REPO, absolute_paths
 
 QUICKSTART = REPO / "jobs" / "configs" / "quickstart.toml"
 
@@ -34,13 +36,13 @@ def sets(section: str, values: dict) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def connect_dataset(connect_server, prepared, tmp_path_factory) -> Path:
+def connect_dataset(connect_server, connect_cli, prepared, tmp_path_factory) -> Path:
     """The session's small dataset (conftest's `prepared`), prepared again on Connect,
     the server named by the standard SPARK_REMOTE variable."""
     tmp = tmp_path_factory.mktemp("connect-prepare")
     layout = prepared.layout.model_dump(include={"world_size"})
     synthetic = prepared.source.synthetic.model_dump(include={"rows", "partitions"})
-    proc = shardline(
+    proc = connect_cli.run(
         "prepare", str(QUICKSTART),
         *sets("pipelines", {"dataset_dir": str(tmp / "dataset")}),
         *sets("pipelines.source", {"path": str(tmp / "raw")}),
@@ -61,8 +63,8 @@ def test_prepare_on_connect_writes_the_same_dataset_as_classic_spark(connect_dat
         ], split
 
 
-def test_run_on_connect_prepares_trains_and_scores(connect_server, tmp_path):
-    proc = shardline(
+def test_run_on_connect_prepares_trains_and_scores(connect_server, connect_cli, tmp_path):
+    proc = connect_cli.run(
         "run", str(QUICKSTART), "--set", f"spark.remote='{connect_server.url}'", *absolute_paths(tmp_path),
         *sets("pipelines.source.synthetic", {"rows": 4000}), *sets("training", {"epochs": 1}),
         cwd=tmp_path,
@@ -85,8 +87,8 @@ def test_run_on_connect_prepares_trains_and_scores(connect_server, tmp_path):
     "strategy, extra",
     [("ps", {"ps_servers": 1}), ("pipeline", {"micro_batches": 4}), ("tensor", {})],
 )
-def test_every_strategy_trains_on_connect(connect_server, connect_dataset, tmp_path, strategy, extra):
-    proc = shardline(
+def test_every_strategy_trains_on_connect(connect_server, connect_cli, connect_dataset, tmp_path, strategy, extra):
+    proc = connect_cli.run(
         "train", str(QUICKSTART), "--set", f"spark.remote='{connect_server.url}'",
         *sets("pipelines", {"dataset_dir": str(connect_dataset)}),
         *sets("training", {"strategy": strategy, "epochs": 1, "batch_size": 256,
@@ -102,7 +104,7 @@ def test_every_strategy_trains_on_connect(connect_server, connect_dataset, tmp_p
     assert "[shardline] epoch 1/1: " in proc.stderr, proc.stderr[-2000:]
 
 
-def test_sweep_on_connect_runs_two_trials_at_once(connect_server, connect_dataset, tmp_path):
+def test_sweep_on_connect_runs_two_trials_at_once(connect_server, connect_cli, connect_dataset, tmp_path):
     cfg = tmp_path / "sweep.toml"
     cfg.write_text(f"""
 [spark]
@@ -133,7 +135,7 @@ low = 1e-3
 high = 3e-2
 log = true
 """)
-    proc = shardline("sweep", str(cfg), cwd=tmp_path)
+    proc = connect_cli.run("sweep", str(cfg), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:] + connect_server.log_tail()
     assert "2 complete, 0 pruned, 0 failed (2 run now)" in proc.stdout
     assert "models:/connect-sweep@best" in proc.stdout
@@ -152,7 +154,7 @@ def _kill_rank_after_first_checkpoint(ckpt: Path, rank: int, done: threading.Eve
 
 
 def test_killed_rank_on_connect_is_relaunched_and_ends_on_the_same_weights(
-    connect_server, connect_dataset, tmp_path
+    connect_server, connect_cli, connect_dataset, tmp_path
 ):
     settings = dict(
         world_size=2, epochs=4, batch_size=128, hidden=[64, 32], checkpoint_every_steps=10,
@@ -170,7 +172,7 @@ def test_killed_rank_on_connect_is_relaunched_and_ends_on_the_same_weights(
     watcher = threading.Thread(target=_kill_rank_after_first_checkpoint, args=(ckpt, 1, done, killed))
     watcher.start()
     try:
-        proc = shardline(
+        proc = connect_cli.run(
             "train", str(QUICKSTART), "--set", f"spark.remote='{connect_server.url}'",
             *sets("pipelines", {"dataset_dir": str(connect_dataset)}),
             *sets("training", {**settings, "launcher": "spark", "checkpoint_dir": str(ckpt)}),

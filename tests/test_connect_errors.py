@@ -96,10 +96,11 @@ def test_a_malformed_remote_is_a_config_error(tmp_path, url, message):
     assert line.startswith(f"error: spark.remote '{url}': ") and message in line, line
 
 
-def test_more_ranks_than_the_servers_slots_are_refused_before_training(connect_server, prepared, tmp_path):
+def test_more_ranks_than_the_servers_slots_are_refused_before_training(connect_server, connect_cli, prepared,
+                                                                      tmp_path):
     # One parameter server and 2 data ranks: the dataset's 2 shards pass the check made
     # before Spark starts; the 3 ranks do not fit the server's 2 slots.
-    proc = shardline(
+    proc = connect_cli.run(
         "train", str(QUICKSTART), "--world-size", "3", "--set", f"spark.remote='{connect_server.url}'",
         *absolute_paths(tmp_path), "--set", f"pipelines.dataset_dir='{prepared.dataset_dir}'",
         "--set", "training.strategy='ps'", "--set", "training.ps_servers=1", "--set", "training.batch_size=256",
@@ -114,6 +115,7 @@ def test_more_ranks_than_the_servers_slots_are_refused_before_training(connect_s
 
 
 def test_a_jvm_setting_cannot_come_from_a_connect_client(connect_server, tmp_path):
+    # A client of its own: the session-wide setting it sets first would stay in connect_cli's.
     proc = shardline(
         "prepare", str(QUICKSTART), "--set", f"spark.remote='{connect_server.url}'",
         "--set", "spark.conf={'spark.sql.shuffle.partitions' = '3', 'spark.ui.enabled' = 'true'}",
