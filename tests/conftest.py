@@ -128,9 +128,9 @@ def shardline_here(*args: str, cwd: Path, env: dict | None = None) -> subprocess
     reuses; request the fixture, or the CLI's own session becomes the session's) or the
     session's Dask scheduler (`--set dask.address=...`, with absolute paths; the CLI closes
     only its client). Not for Spark Connect: pyspark refuses a remote session beside the
-    classic one (SESSION_ALREADY_EXIST); `connect_cli` runs those in a client process. Kills, the process's own exit codes
-    (test_defaults.test_exit_codes_from_the_cli), spark-submit and a JVM's own settings
-    stay with `shardline()`. The working folder and environment are put back afterwards,
-    whatever the command set."""
+    classic one (SESSION_ALREADY_EXIST); the `connect_cli` fixture runs those in one client
+    process. Kills, the process's own exit codes (test_defaults.test_exit_codes_from_the_cli),
+    spark-submit and a JVM's own settings stay with `shardline()`. The working folder and
+    environment are put back afterwards, whatever the command set."""
     code, out, err = run_cli(list(args), cwd, env)
     return subprocess.CompletedProcess(["shardline", *args], code, out, err)
