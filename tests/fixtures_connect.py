@@ -7,8 +7,8 @@ shardline's packages reach them only as the client's artifacts, as on a real
 server. Tests talk to it through the CLI in another process: one Python process
 cannot hold a classic and a Connect session at once (pyspark's functions pick
 their implementation per process). `connect_cli` is one such process for the whole
-session (tests/connect_client.py); a command that must start its own client (a
-setting that would stay in the shared session) runs in a subprocess of its own.
+session (tests/connect_client.py); a command for another server, or one whose setting
+would stay in the shared session, runs in a subprocess of its own.
 """
 
 from __future__ import annotations
