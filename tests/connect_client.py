@@ -22,7 +22,6 @@ import os
 import select
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 
@@ -68,11 +67,10 @@ class ConnectClient:
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        proc.stdin.close()
-        deadline = time.monotonic() + 30
-        while proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if proc.poll() is None:
+        proc.stdin.close()  # its loop ends at end of input, after the command it may be running
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
 
