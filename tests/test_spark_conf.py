@@ -18,7 +18,7 @@ import pytest
 
 from training.launchers import free_port
 
-from .conftest import REPO, absolute_paths, shardline, small_pipeline
+from .conftest import REPO, TEST_JVM_OPTS, absolute_paths, shardline, small_pipeline
 
 BIN = Path(sys.executable).parent
 QUICKSTART = REPO / "jobs" / "configs" / "quickstart.toml"
@@ -52,9 +52,10 @@ def _env(tmp: Path, conf_lines: list[str] | None = None) -> dict:
     conf_dir = tmp / "conf"
     conf_dir.mkdir(exist_ok=True)
     (conf_dir / "spark-defaults.conf").write_text("\n".join(conf_lines or []) + "\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("SPARK_LOCAL_IP", "SPARK_SUBMIT_OPTS")}
+    env = {k: v for k, v in os.environ.items() if k != "SPARK_LOCAL_IP"}
+    # A user's SPARK_SUBMIT_OPTS: the suite's JVM flags only (conftest.TEST_JVM_OPTS).
     return {**env, "SPARK_CONF_DIR": str(conf_dir), "PYSPARK_PYTHON": sys.executable,
-            "PYSPARK_DRIVER_PYTHON": sys.executable}
+            "PYSPARK_DRIVER_PYTHON": sys.executable, "SPARK_SUBMIT_OPTS": TEST_JVM_OPTS}
 
 
 def _run(cmd: list[str], tmp: Path, env: dict) -> tuple[dict, subprocess.CompletedProcess]:
