@@ -33,7 +33,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get
 # them: a user's long-lived JVMs want C2. A user's own value is kept, after ours.
 TEST_JVM_OPTS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 for _var in ("SPARK_SUBMIT_OPTS", "SPARK_DAEMON_JAVA_OPTS"):
-    os.environ[_var] = f"{TEST_JVM_OPTS} {os.environ.get(_var, '')}".strip()
+    if TEST_JVM_OPTS not in os.environ.get(_var, ""):  # once, if a child imports this again
+        os.environ[_var] = f"{TEST_JVM_OPTS} {os.environ.get(_var, '')}".strip()
 
 
 @pytest.fixture(scope="session")
