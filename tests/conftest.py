@@ -29,8 +29,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get
 # and 11.6 with C1 only and the serial collector, 12 s of wall time against 10. Both
 # are HotSpot flags that change speed, not behaviour. SPARK_SUBMIT_OPTS reaches every
 # JVM that spark-submit starts (the session's, the CLI's, the Connect server's);
-# SPARK_DAEMON_JAVA_OPTS a standalone master's and workers'. shardline never sets
-# them: a user's long-lived JVMs want C2. A user's own value is kept, after ours.
+# SPARK_DAEMON_JAVA_OPTS a standalone master's and workers'. shardline never adds
+# these flags (only its log4j setting): a user's long-lived JVMs want C2. A user's own
+# value is kept, after ours.
 TEST_JVM_OPTS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 for _var in ("SPARK_SUBMIT_OPTS", "SPARK_DAEMON_JAVA_OPTS"):
     if TEST_JVM_OPTS not in os.environ.get(_var, ""):  # once, if a child imports this again
