@@ -38,6 +38,24 @@ for _var in ("SPARK_SUBMIT_OPTS", "SPARK_DAEMON_JAVA_OPTS"):
         os.environ[_var] = f"{TEST_JVM_OPTS} {os.environ.get(_var, '')}".strip()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def jvm_class_archive() -> str:
+    """The suite's JVMs map Spark's classes from an archive (tests/jvm_archive.py), set up
+    before any test or fixture starts one; written on a clone's first run."""
+    import warnings
+
+    from .jvm_archive import archive_flags
+
+    flags, why = archive_flags(REPO / ".pytest_cache" / "shardline", TEST_JVM_OPTS)
+    if not flags:
+        warnings.warn(f"the suite's JVMs run without a class archive: {why}", stacklevel=1)
+        return ""
+    for var in ("SPARK_SUBMIT_OPTS", "SPARK_DAEMON_JAVA_OPTS"):
+        if flags not in os.environ[var]:
+            os.environ[var] = os.environ[var].replace(TEST_JVM_OPTS, f"{TEST_JVM_OPTS} {flags}", 1)
+    return flags
+
+
 @pytest.fixture(scope="session")
 def spark():
     from pipelines.engines import spark_session
