@@ -6,7 +6,8 @@ verified. Most of the suite's JVMs live seconds, so that is much of their cost.
 HotSpot can instead map classes, already parsed and verified, from an archive that an
 earlier JVM wrote as it exited (`-XX:ArchiveClassesAtExit`, JDK 13+). Measured here on a
 `local[2]` session that groups, writes and reads 200,000 rows, with the suite's JVM flags:
-11.7 CPU-s and 9.3 s without the archive, 7.5 CPU-s and 5.4 s with it.
+11.7–13.5 CPU-s and 9.3–10.6 s without the archive, 7.3–7.7 CPU-s and 5.3–5.4 s with
+it (three runs each).
 
 The archive is written by one short Spark job the first time the suite runs on a clone
 (about 30 s here, half of it the JVM writing 186 MB as it exits) and kept in
