@@ -385,7 +385,7 @@ def ui(config, overrides, host, port):
     from .ui import serve
 
     cfg = resolve_paths(load_config(config, list(overrides)), [])
-    serve(cfg.tracking.tracking_uri, host, port, lambda line: console.print(escape(line), soft_wrap=True))
+    serve(cfg.tracking.tracking_uri, host, port, lambda line: console.print(escape(line)))
 
 
 def _dataset_lease(cfg: ShardlineConfig):
@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except ShardlineError as e:
         # escape: messages quote settings like [pipelines] that rich would eat as markup
-        console.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
+        console.print(f"[red]error:[/] {escape(str(e))}")
         sys.exit(e.exit_code)
 
 

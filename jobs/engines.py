@@ -10,7 +10,9 @@ from rich.console import Console
 
 from .config import ShardlineConfig
 
-console = Console(stderr=True, highlight=False)
+# soft_wrap: the lines go unbroken to a log (spark-submit's, a scheduler's) as to a terminal.
+# Rich otherwise breaks them at 80 columns when stderr is no terminal, paths mid-word.
+console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 @contextmanager

@@ -12,11 +12,11 @@ it (three runs each).
 The archive is written by one short Spark job the first time the suite runs on a clone
 (about 30 s here, half of it the JVM writing 186 MB as it exits) and kept in
 `.pytest_cache/shardline/` under a key of the JDK's version and the jars' names and
-sizes: another JDK or pyspark writes a new one. A JVM whose classpath differs from the
-archive's (one given a `SPARK_CONF_DIR` with files in it, as `test_spark_conf`'s are)
-cannot use it and starts as before: `-Xlog:cds*=off` keeps HotSpot from saying so on
-the JVM's stdout. Like the JIT flags (conftest.TEST_JVM_OPTS), the archive changes how
-fast classes load, not which: shardline never uses it.
+sizes: another JDK or pyspark writes a new one, and the old one is removed. A JVM whose
+classpath differs from the archive's (one given a `SPARK_CONF_DIR` with files in it, as
+`test_spark_conf`'s are) cannot use it and starts as before: `-Xlog:cds*=off` keeps
+HotSpot from saying so on the JVM's stdout. Like the JIT flags (conftest.TEST_JVM_OPTS),
+the archive changes how fast classes load, not which: shardline never uses it.
 """
 
 from __future__ import annotations
@@ -77,6 +77,9 @@ def archive_flags(cache: Path, jvm_opts: str) -> tuple[str, str]:
                 if why:
                     return "", why
                 os.replace(Path(tmp) / "spark.jsa", archive)  # whole or not at all, also beside another run
+            for old in cache.glob("spark-*.jsa"):  # another JDK's or pyspark's, 186 MB each
+                if old != archive:
+                    old.unlink(missing_ok=True)  # a JVM that maps it keeps its pages
     except (OSError, subprocess.TimeoutExpired) as e:
         return "", f"{type(e).__name__}: {e}"
     return f"-XX:SharedArchiveFile={archive} -Xlog:cds*=off", ""

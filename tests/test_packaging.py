@@ -38,11 +38,27 @@ def pack_venv(venv: Path, out: Path) -> None:
     )
 
 
+def _unpacked_bytes(venv: Path) -> int:
+    """What pack_venv's archive holds once unpacked (symlinks followed, as tar -h does)."""
+    skip = {venv / "lib64", *venv.glob("lib/python*/site-packages/pyspark/jars")}
+    total = 0
+    for root, dirs, files in os.walk(venv, followlinks=True):
+        dirs[:] = [d for d in dirs if Path(root, d) not in skip]
+        total += sum(os.stat(os.path.join(root, f)).st_size for f in files if os.path.exists(os.path.join(root, f)))
+    return total
+
+
 @pytest.mark.slow
 @pytest.mark.cluster
 def test_packed_venv_runs_on_workers_without_the_environment(tmp_path):
     lacks = subprocess.run([str(PLAIN), "-c", "import pyarrow"], capture_output=True, text=True)
     assert lacks.returncode != 0, f"{PLAIN} has pyarrow: it cannot stand for a worker without the environment"
+    # spark-submit unpacks the archive twice on this one machine: for the driver (client mode,
+    # in Spark's scratch under the temp folder) and for the executor (in the worker's folder).
+    # Short of room, tar fails file by file deep in a JVM's stack trace: say so first, instead.
+    need = 2 * _unpacked_bytes(VENV) + 2**30  # + the archive itself, under 1 GB
+    free = shutil.disk_usage(tmp_path).free
+    assert free > need, f"{tmp_path}: {free / 2**30:.1f} GB free, this test needs {need / 2**30:.1f} GB"
     archive = tmp_path / "env.tar.gz"
     pack_venv(VENV, archive)
 
@@ -79,7 +95,8 @@ def test_packed_venv_runs_on_workers_without_the_environment(tmp_path):
         _stop([cluster])
         # Gigabytes: the archive and the executor's unpacked copy; pytest would keep them.
         archive.unlink(missing_ok=True)
-        shutil.rmtree(tmp_path / "work", ignore_errors=True)
+        for work in tmp_path.glob("work-*"):  # spark-standalone.sh gives worker i `--work-dir`-i
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def test_the_code_zip_is_removed_when_its_process_ends():

@@ -34,6 +34,8 @@ def test_kill_during_shard_writes(engines, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "jobs.cli", "prepare", str(REPO / "jobs/configs/quickstart.toml"), *args],
         cwd=tmp_path,
+        # Spark's scratch (a killed JVM leaves its shuffle files, ~50 MB) in pytest's folder, not /tmp.
+        env={**os.environ, "SPARK_LOCAL_DIRS": str(tmp_path / "spark-local")},
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

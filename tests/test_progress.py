@@ -108,3 +108,13 @@ def test_a_long_lived_task_process_keeps_only_its_newest_connections():
             _wait_for(out, f"job {i}")
         assert out.getvalue() == f"job {i}\n"
     assert len(progress._senders) <= progress.KEEP_SENDERS
+
+
+def test_console_lines_reach_a_log_unbroken():
+    """spark-submit's and a scheduler's logs are no terminal: a long path stays on its line."""
+    path = "/data/" + "/".join(["a-long-folder-name"] * 8) + "/env/bin/python"
+    code = f"from jobs.engines import console, stage\nwith stage('Preparing into {path}'):\n    console.print('  {path} on vm')\n"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 3 and all(path in line for line in lines), lines
