@@ -44,7 +44,7 @@ def _unpacked_bytes(venv: Path) -> int:
     total = 0
     for root, dirs, files in os.walk(venv, followlinks=True):
         dirs[:] = [d for d in dirs if Path(root, d) not in skip]
-        total += sum(os.stat(os.path.join(root, f)).st_size for f in files if os.path.exists(os.path.join(root, f)))
+        total += sum(p.stat().st_size for p in (Path(root, f) for f in files) if p.exists())
     return total
 
 

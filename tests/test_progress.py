@@ -1,5 +1,6 @@
 """pipelines.progress: ranks' lines reach the driver's console over a socket, and a rank
-whose driver cannot be reached prints them itself instead of waiting."""
+whose driver cannot be reached prints them itself instead of waiting. The console's own
+lines reach a log unbroken."""
 
 from __future__ import annotations
 
