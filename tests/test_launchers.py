@@ -46,6 +46,21 @@ def test_a_failing_rank_fails_the_launch_with_its_error():
         launch_local(report, {"fail_rank": 1}, world_size=2, timeout_s=60)
 
 
+def crash_in_native_code(rank: int, world_size: int, payload: None) -> None:
+    if rank == 1:
+        import ctypes
+
+        ctypes.string_at(0)  # reads address 0: SIGSEGV, as a crash inside torch or gloo would be
+
+
+def test_a_rank_killed_by_native_code_prints_where_it_was(capfd):
+    with pytest.raises(TrainingFailed) as failed:
+        launch_local(crash_in_native_code, None, world_size=2, timeout_s=60)
+    assert "rank 1 exit code -11" in str(failed.value)  # the signal still ends it
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Segmentation fault" in err and "in crash_in_native_code" in err, err[-2000:]
+
+
 def die_or_wait_unaware(rank: int, world_size: int, pid_dir: str) -> None:
     """Rank 1 is SIGKILLed; rank 0 waits in a way that never notices a dead peer (as a wait on
     a store key or a hung device would), far longer than this test may take."""

@@ -11,6 +11,7 @@ child; nothing in training draws from numpy's or torch's global generators unsee
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -82,6 +83,9 @@ def _rank_main(fn, rank, world_size, init_method, payload, timeout_s, results, e
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    # A rank that native code kills (SIGSEGV in torch, gloo or a library) prints its threads'
+    # Python stacks first, on the launcher's stderr: the launcher alone sees only "exit code -11".
+    faulthandler.enable()
     try:
         result = run_in_group(fn, rank, world_size, init_method, payload, timeout_s, guard,
                               lost_peer_grace_s=0)
