@@ -83,3 +83,18 @@ def test_a_killed_rank_ends_the_launch_without_waiting_for_its_survivor(tmp_path
     survivor = int((tmp_path / "rank-0").read_text())
     with pytest.raises(ProcessLookupError):  # ended and reaped, not left running
         os.kill(survivor, 0)
+
+
+def torch_threads(rank: int, world_size: int, payload: None) -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: torch's default is already one thread a rank")
+def test_ranks_share_the_cores_instead_of_each_taking_them_all():
+    # torch's default would give every rank one thread per core: oversubscribed, OpenMP's
+    # spinning threads wait for each other's cores.
+    cores = os.cpu_count()
+    assert launch_local(torch_threads, None, world_size=2, timeout_s=60) == [max(1, cores // 2)] * 2
+    assert launch_local(torch_threads, None, world_size=2 * cores, timeout_s=60) == [1] * (2 * cores)
