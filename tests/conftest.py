@@ -38,22 +38,71 @@ for _var in ("SPARK_SUBMIT_OPTS", "SPARK_DAEMON_JAVA_OPTS"):
         os.environ[_var] = f"{TEST_JVM_OPTS} {os.environ.get(_var, '')}".strip()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def jvm_class_archive() -> str:
-    """The suite's JVMs map Spark's classes from an archive (tests/jvm_archive.py), set up
-    before any test or fixture starts one; written on a clone's first run."""
-    import warnings
+# The class archive being written in the background (see jvm_class_archive).
+_ARCHIVE: dict = {}
 
+
+@pytest.fixture(scope="session", autouse=True)
+def jvm_class_archive():
+    """The suite's JVMs map Spark's classes from an archive (tests/jvm_archive.py).
+
+    On a clone's first run a short Spark job writes it, about 30 s, half of them the JVM
+    writing the file on one core: in a thread, beside the first tests, not before them.
+    A JVM started before it is ready starts without it, only slower; every test set up
+    after that gets the flags (`pytest_runtest_setup` below). The session waits for it at
+    its end, so the next run has it even if this one was a single quick test."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .jvm_archive import find_archive, write_archive
+
+    archive, why = find_archive(REPO / ".pytest_cache" / "shardline", TEST_JVM_OPTS)
+    if archive is None:
+        _without_archive(why)
+        yield
+        return
+    if archive.exists():
+        _use_archive(archive)
+        yield
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="jvm-archive") as pool:
+        # The job's environment is copied here: only this thread changes os.environ.
+        pending = pool.submit(write_archive, archive, TEST_JVM_OPTS, dict(os.environ))
+        _ARCHIVE.update(archive=archive, pending=pending)
+        yield
+        pending.result()
+        _use_archive_if_ready()  # if no test was set up after it was done: says why, if it failed
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _use_archive_if_ready()
+
+
+def _use_archive_if_ready() -> None:
+    pending = _ARCHIVE.get("pending")
+    if pending is None or not pending.done():
+        return
+    del _ARCHIVE["pending"]  # once
+    why = pending.result()
+    if why:
+        _without_archive(why)
+    else:
+        _use_archive(_ARCHIVE["archive"])
+
+
+def _use_archive(archive: Path) -> None:
     from .jvm_archive import archive_flags
 
-    flags, why = archive_flags(REPO / ".pytest_cache" / "shardline", TEST_JVM_OPTS)
-    if not flags:
-        warnings.warn(f"the suite's JVMs run without a class archive: {why}", stacklevel=1)
-        return ""
+    flags = archive_flags(archive)
     for var in ("SPARK_SUBMIT_OPTS", "SPARK_DAEMON_JAVA_OPTS"):
         if flags not in os.environ[var]:
             os.environ[var] = os.environ[var].replace(TEST_JVM_OPTS, f"{TEST_JVM_OPTS} {flags}", 1)
-    return flags
+
+
+def _without_archive(why: str) -> None:
+    import warnings
+
+    warnings.warn(f"the suite's JVMs run without a class archive: {why}", stacklevel=2)
 
 
 @pytest.fixture(scope="session")

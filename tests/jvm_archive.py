@@ -10,7 +10,8 @@ earlier JVM wrote as it exited (`-XX:ArchiveClassesAtExit`, JDK 13+). Measured h
 it (three runs each).
 
 The archive is written by one short Spark job the first time the suite runs on a clone
-(about 30 s here, half of it the JVM writing 186 MB as it exits) and kept in
+(about 30 s here, half of it the JVM writing 186 MB as it exits; in a thread beside the
+first tests, conftest.jvm_class_archive) and kept in
 `.pytest_cache/shardline/` under a key of the JDK's version and the jars' names and
 sizes: another JDK or pyspark writes a new one, and the old one is removed. A JVM whose
 classpath differs from the archive's (one given a `SPARK_CONF_DIR` with files in it, as
@@ -48,8 +49,8 @@ jvm.wait()         # wait for it, or the archive could be taken half-written
 """
 
 
-def _java() -> str | None:
-    home = os.environ.get("JAVA_HOME")  # what spark-class runs
+def _java(env: dict[str, str]) -> str | None:
+    home = env.get("JAVA_HOME")  # what spark-class runs
     return str(Path(home) / "bin" / "java") if home else shutil.which("java")
 
 
@@ -62,32 +63,44 @@ def _key(java: str, jvm_opts: str) -> str:
     return hashlib.sha256("\n".join([version, jvm_opts, *listing]).encode()).hexdigest()[:16]
 
 
-def archive_flags(cache: Path, jvm_opts: str) -> tuple[str, str]:
-    """The JVM flags that use the archive, writing it first if this JDK and jars have none;
-    ("", why) if it cannot be written (the suite then runs without it, only slower)."""
-    java = _java()
+def find_archive(cache: Path, jvm_opts: str) -> tuple[Path | None, str]:
+    """Where this JDK's and jars' archive is, or will be once written (a second: the key
+    asks `java -version`); (None, why) if there can be none."""
+    java = _java(dict(os.environ))
     if java is None:
-        return "", "no java found"
+        return None, "no java found"
     try:
-        archive = cache / f"spark-{_key(java, jvm_opts)}.jsa"
-        if not archive.exists():
-            cache.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=cache) as tmp:
-                why = _dump(Path(tmp), jvm_opts)
-                if why:
-                    return "", why
-                os.replace(Path(tmp) / "spark.jsa", archive)  # whole or not at all, also beside another run
-            for old in cache.glob("spark-*.jsa"):  # another JDK's or pyspark's, 186 MB each
-                if old != archive:
-                    old.unlink(missing_ok=True)  # a JVM that maps it keeps its pages
+        return cache / f"spark-{_key(java, jvm_opts)}.jsa", ""
     except (OSError, subprocess.TimeoutExpired) as e:
-        return "", f"{type(e).__name__}: {e}"
-    return f"-XX:SharedArchiveFile={archive} -Xlog:cds*=off", ""
+        return None, f"{type(e).__name__}: {e}"
 
 
-def _dump(tmp: Path, jvm_opts: str) -> str:
+def write_archive(archive: Path, jvm_opts: str, env: dict[str, str]) -> str:
+    """Write `archive` (its job runs in `env`) and remove other JDKs' and jars' archives;
+    "" once written, or why not (the suite then runs without it, only slower)."""
+    try:
+        archive.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=archive.parent) as tmp:
+            why = _dump(Path(tmp), jvm_opts, env)
+            if why:
+                return why
+            os.replace(Path(tmp) / "spark.jsa", archive)  # whole or not at all, also beside another run
+        for old in archive.parent.glob("spark-*.jsa"):  # another JDK's or pyspark's, 186 MB each
+            if old != archive:
+                old.unlink(missing_ok=True)  # a JVM that maps it keeps its pages
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def archive_flags(archive: Path) -> str:
+    """The JVM flags that map classes from `archive`."""
+    return f"-XX:SharedArchiveFile={archive} -Xlog:cds*=off"
+
+
+def _dump(tmp: Path, jvm_opts: str, env: dict[str, str]) -> str:
     """Run DUMP_JOB with a JVM that writes tmp/spark.jsa as it exits; why not, if it did not."""
-    env = {k: v for k, v in os.environ.items() if k != "SPARK_CONF_DIR"}  # Spark's default classpath
+    env = {k: v for k, v in env.items() if k != "SPARK_CONF_DIR"}  # Spark's default classpath
     env["SPARK_SUBMIT_OPTS"] = f"{jvm_opts} -XX:ArchiveClassesAtExit={tmp / 'spark.jsa'}"
     env["PYSPARK_PYTHON"] = sys.executable  # the workers import pyarrow, as this Python does
     proc = subprocess.run([sys.executable, "-c", DUMP_JOB, str(tmp / "out")], cwd=tmp, env=env,
