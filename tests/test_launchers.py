@@ -92,9 +92,13 @@ def torch_threads(rank: int, world_size: int, payload: None) -> int:
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: torch's default is already one thread a rank")
-def test_ranks_share_the_cores_instead_of_each_taking_them_all():
+def test_ranks_share_the_cores_instead_of_each_taking_them_all(monkeypatch):
     # torch's default would give every rank one thread per core: oversubscribed, OpenMP's
     # spinning threads wait for each other's cores.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cores = os.cpu_count()
     assert launch_local(torch_threads, None, world_size=2, timeout_s=60) == [max(1, cores // 2)] * 2
     assert launch_local(torch_threads, None, world_size=2 * cores, timeout_s=60) == [1] * (2 * cores)
+    # A user's own OMP_NUM_THREADS, set after the fork server started, is what the ranks get.
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert launch_local(torch_threads, None, world_size=2, timeout_s=60) == [3, 3]

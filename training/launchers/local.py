@@ -108,10 +108,14 @@ def _rank_main(fn, rank, world_size, init_method, payload, timeout_s, results, e
 
 
 def _torch_threads(world_size: int) -> None:
-    """This machine's cores shared among the ranks: at least one thread each."""
+    """This machine's cores shared among the ranks, at least one thread each; or the
+    launcher's OMP_NUM_THREADS if it has one (torchrun, too, keeps a value it is given).
+    Set here, not left to torch: torch read the fork server's environment, of its start."""
     import torch  # the fork server's, already imported
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(int(given) if given.isdigit() and int(given) > 0
+                          else max(1, (os.cpu_count() or 1) // world_size))
 
 
 def _is_bug(e: BaseException) -> bool:
