@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from training.launchers import TrainingFailed, local
+from training.launchers import TrainingFailed, available_cores, local
 from training.launchers.local import launch_local
 
 
@@ -91,12 +91,12 @@ def torch_threads(rank: int, world_size: int, payload: None) -> int:
     return torch.get_num_threads()
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: torch's default is already one thread a rank")
+@pytest.mark.skipif(available_cores() < 2, reason="one core: torch's default is already one thread a rank")
 def test_ranks_share_the_cores_instead_of_each_taking_them_all(monkeypatch):
     # torch's default would give every rank one thread per core: oversubscribed, OpenMP's
     # spinning threads wait for each other's cores.
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    cores = os.cpu_count()
+    cores = available_cores()
     assert launch_local(torch_threads, None, world_size=2, timeout_s=60) == [max(1, cores // 2)] * 2
     assert launch_local(torch_threads, None, world_size=2 * cores, timeout_s=60) == [1] * (2 * cores)
     # A user's own OMP_NUM_THREADS, set after the fork server started, is what the ranks get.

@@ -29,6 +29,7 @@ from pipelines.transform import continuous_width
 
 from .config import TrainingConfig
 from .job import preflight
+from .launchers import available_cores
 from .loader import ShardLoader
 from .strategies import get_strategy
 from .strategies.base import autocast_for, train_step
@@ -252,11 +253,6 @@ def measure_loader(
 def training_device() -> torch.device:
     """The device a rank trains on (training.worker): a GPU when there is one."""
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def available_cores() -> int:
-    """Cores this process may run on (a container's or taskset's limit, not the host's)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _synthetic_batch(manifest: ShardManifest, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ initialised process group; `train_rank` (training.worker) is the one jobs use.
 from __future__ import annotations
 
 import datetime as dt
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -17,6 +18,11 @@ from pipelines.errors import ShardlineError
 from .guard import DriverGuard, RankError, is_permanent
 
 LOST_PEER_GRACE_S = 5.0
+
+
+def available_cores() -> int:
+    """Cores this process may run on (a container's or taskset's limit, not the host's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 RankFn = Callable[[int, int, Any], Any]
 

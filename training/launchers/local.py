@@ -21,7 +21,7 @@ import time
 import traceback
 from typing import Any
 
-from . import LOST_PEER_GRACE_S, DriverGuard, RankFn, TrainingFailed, free_port, run_in_group
+from . import LOST_PEER_GRACE_S, DriverGuard, RankFn, TrainingFailed, available_cores, free_port, run_in_group
 from .guard import die_with_parent
 
 # Imported once by the fork server; a module that fails to import is skipped there. Three are
@@ -115,7 +115,7 @@ def _torch_threads(world_size: int) -> None:
 
     given = os.environ.get("OMP_NUM_THREADS", "")
     torch.set_num_threads(int(given) if given.isdigit() and int(given) > 0
-                          else max(1, (os.cpu_count() or 1) // world_size))
+                          else max(1, available_cores() // world_size))
 
 
 def _is_bug(e: BaseException) -> bool:
