@@ -16,7 +16,6 @@ metrics keep their 0-based epoch as step, like any training run.
 from __future__ import annotations
 
 import math
-import os
 import queue
 import sys
 import threading
@@ -27,6 +26,7 @@ from pipelines.errors import ConfigError, DataError, ShardlineError
 
 from .config import TrackingConfig, TrainingConfig
 from .job import preflight, run_training
+from .launchers import available_cores
 from .task import metric_names, task_of
 from .sweep_config import SweepConfig
 from .sweep_report import TrialOutcome, fmt_params, log_summary, outcome, register_best
@@ -122,8 +122,7 @@ def check_parallel(sweep: SweepConfig, base: TrainingConfig, spark, dask_client)
         total, per_trial = len(workers), ws
         where = f"{total} Dask workers of {dask_client.scheduler.address}"
     else:
-        # The cores this process may use (a container or taskset may give it fewer).
-        total = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        total = available_cores()  # a container or taskset may give this process fewer
         per_trial = ws * base.threads_per_rank
         where = f"{total} cores of this machine"
     slots = total // per_trial
