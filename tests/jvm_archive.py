@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 # What the suite's JVMs do, in small: a session, a shuffle, Parquet written and read,
@@ -49,7 +50,7 @@ jvm.wait()         # wait for it, or the archive could be taken half-written
 """
 
 
-def _java(env: dict[str, str]) -> str | None:
+def _java(env: Mapping[str, str]) -> str | None:
     home = env.get("JAVA_HOME")  # what spark-class runs
     return str(Path(home) / "bin" / "java") if home else shutil.which("java")
 
@@ -66,7 +67,7 @@ def _key(java: str, jvm_opts: str) -> str:
 def find_archive(cache: Path, jvm_opts: str) -> tuple[Path | None, str]:
     """Where this JDK's and jars' archive is, or will be once written (a second: the key
     asks `java -version`); (None, why) if there can be none."""
-    java = _java(dict(os.environ))
+    java = _java(os.environ)
     if java is None:
         return None, "no java found"
     try:
