@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from pipelines.config import PipelineConfig
+from shardline.pipelines.config import PipelineConfig
 
 
 def significant(x: float, digits: int = 4) -> float:
@@ -25,10 +25,10 @@ def synthetic_pipeline(root: Path, rows: int, partitions: int = 4, world_size: i
 
 def prepare_with_dask(cfg: PipelineConfig, progress=print):
     """Generate and prepare `cfg` on an embedded Dask cluster, closed after; the manifest."""
-    from pipelines.config import DaskConfig
-    from pipelines.engine_dask import DaskEngine
-    from pipelines.engines import dask_client
-    from pipelines.prepare import prepare
+    from shardline.pipelines.config import DaskConfig
+    from shardline.pipelines.engine_dask import DaskEngine
+    from shardline.pipelines.engines import dask_client
+    from shardline.pipelines.prepare import prepare
 
     client = dask_client(DaskConfig())
     try:

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from benchmarks import prepare_with_dask, significant, synthetic_pipeline
+from shardline.benchmarks import prepare_with_dask, significant, synthetic_pipeline
 
 TARGET_VS_RAW = 0.85
 TARGET_VS_PETASTORM = 3.0
@@ -166,7 +166,7 @@ def naive_loader(paths: list[str], feature: str, label: str, batch: int, seed: i
 
 def ours_batches(manifest, dataset_dir: str, batch: int, seed: int):
     """One epoch of ShardLoader: rank 0 of 1, shuffle on, its defaults otherwise."""
-    from training.loader import ShardLoader
+    from shardline.training.loader import ShardLoader
 
     yield from ShardLoader(manifest, dataset_dir, "train", 0, 1, batch, seed).epoch(0)
 
@@ -210,8 +210,8 @@ def run(rows: int, workdir: str | None = None, progress=print, petastorm: bool =
 
     import torch
 
-    from pipelines.manifest import load_manifest
-    from training.loader import ShardLoader
+    from shardline.pipelines.manifest import load_manifest
+    from shardline.training.loader import ShardLoader
 
     cores = len(os.sched_getaffinity(0))
     defaults = {k: p.default for k, p in inspect.signature(ShardLoader).parameters.items()

@@ -21,16 +21,16 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from benchmarks import prepare_with_dask, synthetic_pipeline
-from benchmarks.loader import BATCH_SIZE, REPEATS, SEED, ours_batches, timed_epoch
-from benchmarks.s3_server import loopback_bucket, stop_loopback
+from shardline.benchmarks import prepare_with_dask, synthetic_pipeline
+from shardline.benchmarks.loader import BATCH_SIZE, REPEATS, SEED, ours_batches, timed_epoch
+from shardline.benchmarks.s3_server import loopback_bucket, stop_loopback
 
 
 def run(rows: int, s3_url: str | None = None, workdir: str | None = None, progress=print) -> dict:
     import torch
 
-    from pipelines import storage
-    from pipelines.manifest import load_manifest
+    from shardline.pipelines import storage
+    from shardline.pipelines.manifest import load_manifest
 
     root = Path(tempfile.mkdtemp(prefix="shardline-bench-s3-", dir=workdir))
     server, saved_env = None, dict(os.environ)

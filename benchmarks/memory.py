@@ -1,7 +1,7 @@
 """Peak memory of the driver/client process during a prepare, to show it does not grow with rows.
 
-    python -m benchmarks.memory --engine dask --rows 10000000 --workdir /tmp
-    python -m benchmarks.memory --engine spark --rows 10000000 --s3     # raw data and dataset on S3
+    python -m shardline.benchmarks.memory --engine dask --rows 10000000 --workdir /tmp
+    python -m shardline.benchmarks.memory --engine spark --rows 10000000 --s3     # raw data and dataset on S3
 
 --s3: the raw files and the dataset in a bucket of an S3 server (moto) started on
 loopback for the run; --s3-url s3://bucket/prefix uses the AWS chain's store instead.
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipelines.config import DaskConfig, PipelineConfig, SparkConfig
+from shardline.pipelines.config import DaskConfig, PipelineConfig, SparkConfig
 
 
 def main() -> None:
@@ -34,13 +34,13 @@ def main() -> None:
     ap.add_argument("--s3-url", default=None, help="data under this s3:// prefix (the AWS chain's store)")
     args = ap.parse_args()
 
-    from pipelines import storage
-    from pipelines.prepare import prepare
+    from shardline.pipelines import storage
+    from shardline.pipelines.prepare import prepare
 
     root = Path(tempfile.mkdtemp(prefix="shardline-mem-", dir=args.workdir))
     server, saved_env, where = None, dict(os.environ), str(root)
     if args.s3 and not args.s3_url:
-        from benchmarks.s3_server import loopback_bucket
+        from shardline.benchmarks.s3_server import loopback_bucket
 
         # Before any engine starts: its workers inherit the AWS variables.
         server, where = loopback_bucket(root, progress=lambda msg: None)
@@ -59,13 +59,13 @@ def main() -> None:
     )
     try:
         if args.engine == "spark":
-            from pipelines.engine_spark import SparkEngine
-            from pipelines.engines import spark_session
+            from shardline.pipelines.engine_spark import SparkEngine
+            from shardline.pipelines.engines import spark_session
 
             engine = SparkEngine(spark_session(SparkConfig()))
         else:
-            from pipelines.engine_dask import DaskEngine
-            from pipelines.engines import dask_client
+            from shardline.pipelines.engine_dask import DaskEngine
+            from shardline.pipelines.engines import dask_client
 
             engine = DaskEngine(dask_client(DaskConfig()))
         start = time.perf_counter()
@@ -75,7 +75,7 @@ def main() -> None:
         if storage.is_remote(where):
             storage.delete_tree(where)
         if server is not None:
-            from benchmarks.s3_server import stop_loopback
+            from shardline.benchmarks.s3_server import stop_loopback
 
             stop_loopback(server, saved_env)
         shutil.rmtree(root, ignore_errors=True)

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipelines.config import DaskConfig, PipelineConfig, SparkConfig
+from shardline.pipelines.config import DaskConfig, PipelineConfig, SparkConfig
 
 from .prepare_native import native_dask, native_pyarrow, native_spark
 
@@ -38,11 +38,11 @@ def bench_config(root: Path, rows: int, partitions: int = 4) -> PipelineConfig:
 
 
 def run(rows: int, rounds: int = 1, workdir: str | None = None, progress=print) -> dict:
-    from pipelines.engine_dask import DaskEngine
-    from pipelines.engine_spark import SparkEngine
-    from pipelines.engines import dask_client, spark_session
-    from pipelines.prepare import prepare
-    from pipelines.synthetic import generate
+    from shardline.pipelines.engine_dask import DaskEngine
+    from shardline.pipelines.engine_spark import SparkEngine
+    from shardline.pipelines.engines import dask_client, spark_session
+    from shardline.pipelines.prepare import prepare
+    from shardline.pipelines.synthetic import generate
 
     root = Path(tempfile.mkdtemp(prefix="shardline-bench-", dir=workdir))
     client = None

@@ -23,11 +23,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipelines.config import PipelineConfig
-from pipelines.manifest import FittedStatistics, NumericStats
-from pipelines.rows import categories, split_of
-from pipelines.splits import BUCKETS, split_thresholds
-from pipelines.transform import features, features_column
+from shardline.pipelines.config import PipelineConfig
+from shardline.pipelines.manifest import FittedStatistics, NumericStats
+from shardline.pipelines.rows import categories, split_of
+from shardline.pipelines.splits import BUCKETS, split_thresholds
+from shardline.pipelines.transform import features, features_column
 
 SPLIT_NAMES = ("train", "val", "test")
 SHARD_SEED = 1_234_567

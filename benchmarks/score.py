@@ -41,9 +41,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from benchmarks import significant, synthetic_pipeline
-from pipelines.config import DaskConfig, SparkConfig
-from training.raw_model import load_torch_model
+from shardline.benchmarks import significant, synthetic_pipeline
+from shardline.pipelines.config import DaskConfig, SparkConfig
+from shardline.training.raw_model import load_torch_model
 
 TARGET_VS_LIMIT = 0.9
 TARGET_VS_PROCESSES = 0.95  # issue 18: the engines against plain processes doing the same work
@@ -75,7 +75,7 @@ def score_measure(engine: str, handle, model_uri: str, tracking_uri: str, input_
                   **options) -> Callable[[Path], tuple[int, float]]:
     """A `measure` for `measure_rounds`: the whole batch job (`serving.score.score`) of
     `input_path` into `out`, timed."""
-    from serving.score import score
+    from shardline.serving.score import score
 
     def measure(out: Path) -> tuple[int, float]:
         start = time.perf_counter()
@@ -101,7 +101,7 @@ def limit_loop(model, shard_paths: list[str], out: Path, width: int, model_name:
     """The single-process loop; `model` is already loaded. Returns rows scored."""
     import torch
 
-    from serving.worker import output_schema
+    from shardline.serving.worker import output_schema
 
     schema = output_schema(classification=True)
     out.mkdir(parents=True)
@@ -166,7 +166,7 @@ def limit_processes(cores: int, model_uri: str, tracking_uri: str, paths: list[s
 def plain_processes(target, args_per_process: list[tuple]) -> tuple[int, float]:
     """target(barrier, results, *args) in one plain process per args, all started together
     once each is ready (it waits on the barrier): (rows they put, seconds from the start)."""
-    from training.launchers.local import process_context
+    from shardline.training.launchers.local import process_context
 
     # Forked from the launcher's fork server (torch imported there once): start-up is
     # outside the timed window anyway (the barrier), this only makes the benchmark start sooner.
@@ -259,14 +259,14 @@ def run(rows: int, workdir: str | None = None, progress=print, *, spark=None, da
     import mlflow
     import torch
 
-    from pipelines.engine_dask import DaskEngine
-    from pipelines.engines import dask_client as make_dask_client
-    from pipelines.engines import spark_session
-    from pipelines.manifest import load_manifest
-    from pipelines.prepare import prepare
-    from serving.models import resolve_model
-    from training.config import TrackingConfig, TrainingConfig
-    from training.job import run_training
+    from shardline.pipelines.engine_dask import DaskEngine
+    from shardline.pipelines.engines import dask_client as make_dask_client
+    from shardline.pipelines.engines import spark_session
+    from shardline.pipelines.manifest import load_manifest
+    from shardline.pipelines.prepare import prepare
+    from shardline.serving.models import resolve_model
+    from shardline.training.config import TrackingConfig, TrainingConfig
+    from shardline.training.job import run_training
 
     root = Path(tempfile.mkdtemp(prefix="shardline-bench-score-", dir=workdir))
     previous_uri = mlflow.get_tracking_uri()
@@ -340,7 +340,7 @@ def run(rows: int, workdir: str | None = None, progress=print, *, spark=None, da
                                                      model_name, model_version),
         }, root / "runs", rounds, progress)
 
-        from benchmarks import score_raw
+        from shardline.benchmarks import score_raw
 
         raw_seconds, raw_scored, raw_runs, n_raw = score_raw.measure(
             spark, client, resolved, tracking_uri, manifest, root, cores, rounds, progress)

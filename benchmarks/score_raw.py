@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from training.raw_model import load_torch_model
+from shardline.training.raw_model import load_torch_model
 
 BATCH_SIZE = 4096  # serving.score's default, as for the prepared figures
 
@@ -43,11 +43,11 @@ def raw_loop(model, paths: list[str], out: Path, spec_json: str, stats_json: str
     process; `model` is loaded. Returns rows scored."""
     import torch
 
-    from pipelines.config import FeatureSpec
-    from pipelines.manifest import FittedStatistics
-    from pipelines.transform import features_matrix
-    from benchmarks.score import scores_batch
-    from serving.worker import output_schema
+    from shardline.pipelines.config import FeatureSpec
+    from shardline.pipelines.manifest import FittedStatistics
+    from shardline.pipelines.transform import features_matrix
+    from shardline.benchmarks.score import scores_batch
+    from shardline.serving.worker import output_schema
 
     spec = FeatureSpec.model_validate_json(spec_json)
     stats = FittedStatistics.model_validate_json(stats_json)
@@ -84,7 +84,7 @@ def raw_processes(cores: int, model_uri: str, tracking_uri: str, paths: list[str
                   spec_json: str, stats_json: str, name: str, version: str) -> tuple[int, float]:
     """`raw_loop` in `cores` plain processes at once, the files dealt round-robin:
     (rows, seconds from the common start)."""
-    from benchmarks.score import plain_processes
+    from shardline.benchmarks.score import plain_processes
 
     return plain_processes(_raw_process, [
         (model_uri, tracking_uri, paths[i::cores], out / f"p{i}", spec_json, stats_json, name, version)
@@ -98,7 +98,7 @@ def predict_batch_udf_raw_job(spark, model_uri: str, tracking_uri: str, spec_jso
     model cache survives from the warm-up to the measured run)."""
     from pyspark.sql import functions as F
 
-    from pipelines.config import FeatureSpec
+    from shardline.pipelines.config import FeatureSpec
 
     spec = FeatureSpec.model_validate_json(spec_json)
     columns = [*spec.numeric, *spec.categorical, *spec.vectors]
@@ -107,8 +107,8 @@ def predict_batch_udf_raw_job(spark, model_uri: str, tracking_uri: str, spec_jso
         import mlflow
         import torch
 
-        from pipelines.manifest import FittedStatistics
-        from pipelines.transform import features_matrix
+        from shardline.pipelines.manifest import FittedStatistics
+        from shardline.pipelines.transform import features_matrix
 
         stats = FittedStatistics.model_validate_json(stats_json)
         impute = spec.on_invalid_features == "impute"
@@ -134,12 +134,12 @@ def predict_batch_udf_raw_job(spark, model_uri: str, tracking_uri: str, spec_jso
         )
         return predict
 
-    from benchmarks.score import probabilities_udf
+    from shardline.benchmarks.score import probabilities_udf
 
     udf = probabilities_udf(make_predict_fn, [[spec.vectors[c]] if c in spec.vectors else None for c in columns])
 
     def run(paths: list[str], out: Path, model_name: str, model_version: str) -> None:
-        from benchmarks.score import write_udf_scores
+        from shardline.benchmarks.score import write_udf_scores
 
         frame = spark.read.parquet(*paths)
         write_udf_scores(frame.select(F.col(spec.key).cast("long").alias("key"), udf(*columns).alias("p")),
@@ -163,7 +163,7 @@ def measure(spark, client, model, tracking_uri: str, manifest, root: Path, cores
     for i, f in enumerate(files):
         (raw / f"part-{i:05d}.parquet").symlink_to(Path(f).resolve())
 
-    from benchmarks.score import measure_rounds, score_measure, udf_measure
+    from shardline.benchmarks.score import measure_rounds, score_measure, udf_measure
 
     jobs = {f"{name}_raw": score_measure(name, handle, model.pinned_uri, tracking_uri, str(raw))
             for name, handle in (("spark", spark), ("dask", client))}

@@ -32,7 +32,7 @@ import resource
 import time
 from typing import Any
 
-from pipelines.environ import restored
+from shardline.pipelines.environ import restored
 
 D_MODEL, HEADS, LAYERS = 64, 4, 4
 N_NUMERIC, CARDINALITIES, CLASSES = 16, [8, 8], 3
@@ -93,9 +93,9 @@ def _rss_mb() -> float:
 def strategy_rank(rank: int, world_size: int, p: dict) -> dict:
     import torch
 
-    from training.config import TrainingConfig
-    from training.models import FeatureTransformer, TabularMLP
-    from training.strategies import get_strategy
+    from shardline.training.config import TrainingConfig
+    from shardline.training.models import FeatureTransformer, TabularMLP
+    from shardline.training.strategies import get_strategy
 
     torch.set_num_threads(1)
     cuda = torch.cuda.is_available()
@@ -145,7 +145,7 @@ def strategy_rank(rank: int, world_size: int, p: dict) -> dict:
 
 def _measure(name: str, world: int, settings: dict, p: dict, progress, env: dict | None = None) -> dict:
     """One row: `world` ranks of strategy_rank, launched with `env` added to the environment."""
-    from training.launchers.local import launch_local
+    from shardline.training.launchers.local import launch_local
 
     progress(f"{name}: {world} rank(s), {p['warmup']} warm-up + {p['steps']} timed steps")
     with restored(env or {}):
@@ -213,6 +213,6 @@ def run(progress=print, steps: int = 30, warmup: int = 5, global_batch: int = GL
 
 
 def _mlp_parameters(hidden: list[int]) -> int:
-    from training.models import TabularMLP
+    from shardline.training.models import TabularMLP
 
     return sum(p.numel() for p in TabularMLP(N_NUMERIC, CARDINALITIES, hidden, CLASSES).parameters())

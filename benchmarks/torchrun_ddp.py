@@ -14,7 +14,7 @@ from pathlib import Path
 # Run as a script, Python puts benchmarks/ first on sys.path; the repo root is wanted.
 sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from benchmarks.train import RESULT_MARK, env_rank  # noqa: E402
+from shardline.benchmarks.train import RESULT_MARK, env_rank  # noqa: E402
 
 
 def main() -> None:

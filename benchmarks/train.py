@@ -95,8 +95,8 @@ def _rank_data(p: dict, rank: int, world_size: int):
     import pyarrow.parquet as pq
     import torch
 
-    from pipelines.manifest import load_manifest
-    from training.loader import rank_shards
+    from shardline.pipelines.manifest import load_manifest
+    from shardline.training.loader import rank_shards
 
     manifest = load_manifest(p["dataset_dir"])
     label = manifest.feature_spec.label
@@ -115,9 +115,9 @@ def _measure(rank: int, world_size: int, p: dict) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from training.config import TrainingConfig
-    from training.models import build_model
-    from training.strategies import get_strategy
+    from shardline.training.config import TrainingConfig
+    from shardline.training.models import build_model
+    from shardline.training.strategies import get_strategy
 
     torch.set_num_threads(p["threads"])
     manifest, x, y = _rank_data(p, rank, world_size)
@@ -229,7 +229,7 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 
 def run_torchrun(payload: dict, world_size: int = 2) -> tuple[dict, float]:
     """Plain torchrun on this machine; (rank 0's result, the caller's start wall time)."""
-    from training.launchers import free_port
+    from shardline.training.launchers import free_port
 
     script = Path(__file__).with_name("torchrun_ddp.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
@@ -246,7 +246,7 @@ def run_torchrun(payload: dict, world_size: int = 2) -> tuple[dict, float]:
 
 
 def run_spark(spark, payload: dict, world_size: int = 2) -> tuple[dict, float]:
-    from training.launchers.spark import launch_spark_barrier
+    from shardline.training.launchers.spark import launch_spark_barrier
 
     started = time.time()
     results = launch_spark_barrier(spark, ddp_rank, payload, world_size, payload["timeout_s"])
@@ -269,12 +269,12 @@ def run(rows: int = 100_000, workdir: str | None = None, progress=print, *, step
         warmup: int = WARMUP, allreduce_iters: int = ALLREDUCE_ITERS,
         hidden: list[int] | None = None, rounds: int = ROUNDS, dataset_dir: str | None = None) -> dict:
     """Run every leg once per round; `dataset_dir` (prepared for 2 ranks) skips preparing `rows`."""
-    from benchmarks import significant, synthetic_pipeline
-    from pipelines.config import SparkConfig
-    from pipelines.engine_spark import SparkEngine
-    from pipelines.engines import spark_session
-    from pipelines.manifest import load_manifest
-    from pipelines.prepare import prepare
+    from shardline.benchmarks import significant, synthetic_pipeline
+    from shardline.pipelines.config import SparkConfig
+    from shardline.pipelines.engine_spark import SparkEngine
+    from shardline.pipelines.engines import spark_session
+    from shardline.pipelines.manifest import load_manifest
+    from shardline.pipelines.prepare import prepare
 
     world_size = 2
     threads = max(1, len(os.sched_getaffinity(0)) // world_size)

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from pipelines.errors import ShardlineError
+from shardline.pipelines.errors import ShardlineError
 
 from .config import (
     CHECKPOINTS,
@@ -51,11 +51,11 @@ def run(config, overrides):
     """Generate/prepare data, train with DDP on a Spark barrier stage, register, score."""
     cfg = load_config(config, list(overrides))
     cfg = resolve_paths(cfg, ["spark", cfg.training.launcher], (SOURCE, DATASET, CHECKPOINTS, OUTPUT), tracking=True)
-    from training.job import check_settings
+    from shardline.training.job import check_settings
 
     check_settings(cfg.training)  # a misspelt model or strategy: one line, before Spark starts
     check_storage(cfg, reads=(SOURCE,), writes=(DATASET, CHECKPOINTS, OUTPUT))
-    from training.tracking import check_reachable
+    from shardline.training.tracking import check_reachable
 
     check_reachable(cfg.tracking.resolved_uri())  # a dead MLflow server: now, not after the prepare
     checked = _check_prepare(cfg)
@@ -64,7 +64,7 @@ def run(config, overrides):
         dataset = leases.enter_context(_dataset_lease(cfg))
         output = leases.enter_context(_output_lease(cfg.serving.output_dir))
         spark = open_spark(cfg, spark_ranks(cfg))
-        from pipelines.engine_spark import SparkEngine
+        from shardline.pipelines.engine_spark import SparkEngine
 
         manifest = _prepare(cfg, SparkEngine(spark), lease=dataset, checked=checked)
         dataset.release()
@@ -151,8 +151,8 @@ def train(config, overrides, launcher, world_size, resume, allow_changed):
             update={"resume_allow_changed": [*t.resume_allow_changed, *named]})})
     cfg = resolve_paths(cfg, [cfg.training.launcher], (DATASET, CHECKPOINTS), tracking=True)
     check_storage(cfg, reads=(DATASET,), writes=(CHECKPOINTS,))
-    from training.checkpoints import check_allowed
-    from training.job import check_checkpoints, hold_checkpoint_dir, preflight
+    from shardline.training.checkpoints import check_allowed
+    from shardline.training.job import check_checkpoints, hold_checkpoint_dir, preflight
 
     check_allowed(cfg.training.resume_allow_changed, "--allow-changed / training.resume_allow_changed")
     # One job per checkpoint directory: a second is refused here, before an engine starts,
@@ -220,8 +220,8 @@ def score(config, overrides, model_uri, input_path, split, output_dir, engine, i
     s = cfg.serving
     if not s.model_uri:
         raise click.UsageError("no model: pass --model or set serving.model_uri")
-    from pipelines.storage import resolve
-    from serving.score import execute, plan
+    from shardline.pipelines.storage import resolve
+    from shardline.serving.score import execute, plan
 
     input_path = resolve(input_path, "--input", cluster_of(cfg, [s.engine])) if input_path else cfg.pipelines.dataset_dir
     check_storage(cfg, writes=(OUTPUT,), other_reads=(("--input", input_path),))
@@ -248,9 +248,9 @@ def score(config, overrides, model_uri, input_path, split, output_dir, engine, i
 
 
 def _score_status(cfg: ShardlineConfig, output_dir: str, input_path: str | None) -> None:
-    from pipelines.storage import resolve
-    from serving.inputs import list_units
-    from serving.status import output_status
+    from shardline.pipelines.storage import resolve
+    from shardline.serving.inputs import list_units
+    from shardline.serving.status import output_status
 
     out = resolve(output_dir, "--status")
     reads = [("--status", out)]
@@ -292,7 +292,7 @@ def sweep(config, overrides, trials, parallel, engine, name):
     cfg = resolve_paths(cfg, [cfg.sweep.engine or cfg.training.launcher], (DATASET, CHECKPOINTS),
                         tracking=True, sweep=True)
     check_storage(cfg, reads=(DATASET,), writes=(CHECKPOINTS,))
-    from training.sweep import check_sweep, run_sweep
+    from shardline.training.sweep import check_sweep, run_sweep
 
     check_sweep(cfg.sweep, cfg.training, cfg.pipelines.dataset_dir)  # before any engine starts
     where = cfg.sweep.engine or cfg.training.launcher
@@ -331,10 +331,10 @@ def plan(config, overrides, as_json):
     """
     cfg = resolve_paths(load_config(config, list(overrides)), [])  # measured here, in this process
     check_storage(cfg, writes=(DATASET,))
-    from pipelines.manifest import manifest_url, store_plan
-    from pipelines.storage import display
-    from training.job import preflight
-    from training.plan import plan_dataset
+    from shardline.pipelines.manifest import manifest_url, store_plan
+    from shardline.pipelines.storage import display
+    from shardline.training.job import preflight
+    from shardline.training.plan import plan_dataset
 
     t, where = cfg.training, cfg.pipelines.dataset_dir
     preflight(t, where)  # no dataset, bad settings: one line, before the stage starts
@@ -389,15 +389,15 @@ def ui(config, overrides, host, port):
 
 
 def _dataset_lease(cfg: ShardlineConfig):
-    from pipelines.manifest import check_dataset_dir
-    from pipelines.prepare import dataset_lease
+    from shardline.pipelines.manifest import check_dataset_dir
+    from shardline.pipelines.prepare import dataset_lease
 
     check_dataset_dir(cfg.pipelines.dataset_dir)  # a foreign directory: refused before we write
     return dataset_lease(cfg.pipelines.dataset_dir)
 
 
 def _output_lease(output_dir: str):
-    from serving.ledger import check_output_dir, output_lease
+    from shardline.serving.ledger import check_output_dir, output_lease
 
     check_output_dir(output_dir)
     return output_lease(output_dir)
@@ -405,7 +405,7 @@ def _output_lease(output_dir: str):
 
 def _check_prepare(cfg: ShardlineConfig, **how):
     """Input, columns and feature spec, checked before an engine starts; says what it inferred."""
-    from pipelines.checks import check_prepare
+    from shardline.pipelines.checks import check_prepare
 
     checked = check_prepare(cfg.pipelines, **how)
     for note in checked.notes:
@@ -414,7 +414,7 @@ def _check_prepare(cfg: ShardlineConfig, **how):
 
 
 def _prepare(cfg: ShardlineConfig, engine, append=False, refit=False, by_plan=False, lease=None, checked=None):
-    from pipelines.prepare import prepare
+    from shardline.pipelines.prepare import prepare
 
     src = cfg.pipelines.source
     what = f"{src.synthetic.rows:,} synthetic rows" if src.format == "synthetic" else src.path
@@ -432,7 +432,7 @@ def _prepare(cfg: ShardlineConfig, engine, append=False, refit=False, by_plan=Fa
 
 
 def _train(cfg: ShardlineConfig, spark, dask_client=None, lease=None):
-    from training.job import run_training
+    from shardline.training.job import run_training
 
     t = cfg.training
     title = f"Training {t.model} with {t.strategy} on {t.world_size} {t.launcher} ranks"
@@ -444,7 +444,7 @@ def _train(cfg: ShardlineConfig, spark, dask_client=None, lease=None):
 
 
 def _score(cfg, engine: str, handle, model_uri: str, tracking_uri: str, input_path: str, force=False, lease=None):
-    from serving.score import score as score_input
+    from shardline.serving.score import score as score_input
 
     s = cfg.serving
     with stage(f"Scoring {input_path} with {model_uri} on {engine}"):

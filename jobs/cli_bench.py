@@ -10,7 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from pipelines.errors import ShardlineError
+from shardline.pipelines.errors import ShardlineError
 
 from .engines import console
 
@@ -36,7 +36,7 @@ def _bench(run_bench, as_json: bool, **kwargs) -> dict | None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
 def bench_prepare(rows, rounds, as_json):
     """Prepare MB/s on Spark and Dask vs native Spark SQL, native dask.dataframe and pyarrow."""
-    from benchmarks.prepare import run as run_bench
+    from shardline.benchmarks.prepare import run as run_bench
 
     result = _bench(run_bench, as_json, rows=rows, rounds=rounds)
     if result is None:
@@ -59,7 +59,7 @@ def bench_prepare(rows, rounds, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
 def bench_score(rows, rounds, as_json):
     """Scoring rows/s on Spark and Dask (prepared splits and raw rows) vs plain processes, the limit and predict_batch_udf."""
-    from benchmarks.score import run as run_bench
+    from shardline.benchmarks.score import run as run_bench
 
     result = _bench(run_bench, as_json, rows=rows, rounds=rounds)
     if result is None:
@@ -121,7 +121,7 @@ def bench_train(rows, steps, rounds, as_json):
     """DDP step time, launch to first step and all-reduce bytes/s: ours vs torchrun, TorchDistributor, raw."""
     from contextlib import redirect_stdout
 
-    from benchmarks.train import run as run_bench
+    from shardline.benchmarks.train import run as run_bench
 
     # TorchDistributor relays its tasks' output with print(): keep stdout for the result.
     with redirect_stdout(sys.stderr):
@@ -164,7 +164,7 @@ def bench_loader(rows, as_json, store, s3_url):
         return
     if s3_url:
         raise click.UsageError("--s3-url goes with --storage s3")
-    from benchmarks.loader import run as run_bench
+    from shardline.benchmarks.loader import run as run_bench
 
     result = _bench(run_bench, as_json, rows=rows)
     if result is None:
@@ -192,8 +192,8 @@ def bench_loader(rows, as_json, store, s3_url):
 
 
 def _bench_loader_s3(rows: int, as_json: bool, s3_url: str | None) -> None:
-    from benchmarks.loader_s3 import run as run_bench
-    from pipelines.storage import check_access, resolve
+    from shardline.benchmarks.loader_s3 import run as run_bench
+    from shardline.pipelines.storage import check_access, resolve
 
     if s3_url:
         if not resolve(s3_url, "--s3-url").startswith("s3://"):
@@ -220,7 +220,7 @@ def _bench_loader_s3(rows: int, as_json: bool, s3_url: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
 def bench_strategies(steps, as_json):
     """Samples/s, peak memory per rank and pipeline bubble of every strategy on one transformer."""
-    from benchmarks.strategies import run as run_bench
+    from shardline.benchmarks.strategies import run as run_bench
 
     result = _bench(run_bench, as_json, steps=steps)
     if result is None:

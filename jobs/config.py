@@ -9,12 +9,12 @@ from pathlib import Path
 
 from pydantic import Field, ValidationError
 
-from pipelines.config import DaskConfig, PipelineConfig, Section, SparkConfig
-from pipelines.errors import ConfigError
-from pipelines.storage import is_remote, resolve
-from serving.config import ServingConfig
-from training.config import TrackingConfig, TrainingConfig
-from training.sweep_config import SweepConfig
+from shardline.pipelines.config import DaskConfig, PipelineConfig, Section, SparkConfig
+from shardline.pipelines.errors import ConfigError
+from shardline.pipelines.storage import is_remote, resolve
+from shardline.serving.config import ServingConfig
+from shardline.training.config import TrackingConfig, TrainingConfig
+from shardline.training.sweep_config import SweepConfig
 
 
 class ShardlineConfig(Section):
@@ -84,7 +84,7 @@ def cluster_of(cfg: ShardlineConfig, engines: list[str]) -> str | None:
     when every task runs on this machine (embedded Spark `local[...]`, a LocalCluster)."""
     for engine in engines:
         if engine == "spark":
-            from pipelines.spark_setup import remote_url
+            from shardline.pipelines.spark_setup import remote_url
 
             remote = remote_url(cfg.spark)  # a malformed one: a config error, said first
             if remote:
@@ -130,7 +130,7 @@ def resolve_paths(
                            "an MLflow tracking server (tracking.tracking_uri = 'http://host:5000')", local)
     sweep_storage = cfg.sweep.storage
     if sweep:
-        from training.sweep_study import resolve_storage
+        from shardline.training.sweep_study import resolve_storage
 
         sweep_storage = _sqlite(resolve_storage(cfg.sweep, tracking_uri), "sweep.storage", cluster,
                                 "a database server every host reaches (sweep.storage = 'postgresql://...')", local)
@@ -157,7 +157,7 @@ def _checkpoint_dir(cfg: ShardlineConfig) -> str:
     t = cfg.training
     if "checkpoint_dir" in t.model_fields_set:
         return t.checkpoint_dir
-    from training.checkpoints import job_dir
+    from shardline.training.checkpoints import job_dir
 
     return job_dir(t, cfg.tracking.experiment, cfg.tracking.registered_model, cfg.pipelines.dataset_dir)
 
@@ -177,7 +177,7 @@ def check_storage(
     """Every store the command reads or writes answers, with access, in seconds, before an
     engine starts (pipelines.storage.check_access). A synthetic source is written, not read.
     other_reads: (what to call it, URL) of paths given on the command line."""
-    from pipelines.storage import check_access
+    from shardline.pipelines.storage import check_access
 
     if SOURCE in reads and cfg.pipelines.source.format == "synthetic":
         reads, writes = tuple(r for r in reads if r != SOURCE), (*writes, SOURCE)

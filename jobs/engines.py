@@ -27,9 +27,9 @@ def stage(title: str):
 def open_spark(cfg: ShardlineConfig, barrier_ranks: int | None = None):
     """The session, checked before any work: a barrier stage's slots (`barrier_ranks`),
     then the executors' environment (one probe task; Connect and cluster masters)."""
-    from pipelines.engines import spark_session
-    from pipelines.spark_probe import check_executors, describe_executors
-    from pipelines.spark_setup import describe_spark, remote_url
+    from shardline.pipelines.engines import spark_session
+    from shardline.pipelines.spark_probe import check_executors, describe_executors
+    from shardline.pipelines.spark_setup import describe_spark, remote_url
 
     url = remote_url(cfg.spark)
     with stage(f"Connecting to Spark Connect {url}" if url else "Starting Spark"):
@@ -37,7 +37,7 @@ def open_spark(cfg: ShardlineConfig, barrier_ranks: int | None = None):
     # Under spark-submit its --master wins over the config's: say which one runs.
     console.print(f"  {describe_spark(spark)}")
     if barrier_ranks:
-        from training.launchers.spark import check_spark_slots
+        from shardline.training.launchers.spark import check_spark_slots
 
         check_spark_slots(spark, barrier_ranks)
     report = check_executors(spark, cfg.spark.probe_timeout_s)
@@ -64,8 +64,8 @@ def engine_handle(cfg: ShardlineConfig, engine: str, barrier_ranks: int | None =
 
 @contextmanager
 def prepare_engine(cfg: ShardlineConfig):
-    from pipelines.engine_dask import DaskEngine
-    from pipelines.engine_spark import SparkEngine
+    from shardline.pipelines.engine_dask import DaskEngine
+    from shardline.pipelines.engine_spark import SparkEngine
 
     wrap = SparkEngine if cfg.pipelines.engine == "spark" else DaskEngine
     with engine_handle(cfg, cfg.pipelines.engine) as handle:
@@ -74,7 +74,7 @@ def prepare_engine(cfg: ShardlineConfig):
 
 @contextmanager
 def open_dask(cfg: ShardlineConfig):
-    from pipelines.engines import dask_client
+    from shardline.pipelines.engines import dask_client
 
     where = cfg.dask.address or f"LocalCluster of {cfg.dask.n_workers} workers"
     with stage(f"Starting Dask ({where})"):

@@ -1,7 +1,7 @@
 """Fault cases run against your own engine, cluster and storage.
 
-    python -m jobs.faults CONFIG [--set SECTION.FIELD=VALUE ...] [--case NAME ...]
-    python -m jobs.faults --list
+    python -m shardline.jobs.faults CONFIG [--set SECTION.FIELD=VALUE ...] [--case NAME ...]
+    python -m shardline.jobs.faults --list
 
 CONFIG is a training config as for `shardline train` (launcher, cluster, dataset,
 checkpoint_dir, tracking). The runner trains a reference run, then each case, under
@@ -34,14 +34,14 @@ from contextlib import ExitStack
 
 import torch
 
-from pipelines import storage
-from pipelines.errors import ShardlineError
+from shardline.pipelines import storage
+from shardline.pipelines.errors import ShardlineError
 
 from .config import CHECKPOINTS, DATASET, check_storage, load_config, resolve_paths
 
 
 def _train(cfg, ckpt: str, handles: dict, **changes):
-    from training.job import run_training
+    from shardline.training.job import run_training
 
     t = cfg.training.model_copy(update={"checkpoint_dir": ckpt, **changes})
     return run_training(t, cfg.tracking, cfg.pipelines.dataset_dir, register=False, **handles)
@@ -52,7 +52,7 @@ def _equal(a: dict, b: dict) -> bool:
 
 
 def kill_rank(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
-    from training import checkpoints
+    from shardline.training import checkpoints
 
     ckpt = storage.join(root, "kill-rank")
     done, seen = threading.Event(), {}
@@ -88,7 +88,7 @@ def kill_rank(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
 
 def _copy_prefix(cfg, ref_dir: str, into: str, keep: int) -> list[str]:
     """The reference's first `keep` checkpoints (and their DCP shards) into `into`."""
-    from training import checkpoints
+    from shardline.training import checkpoints
 
     paths = checkpoints.checkpoint_paths(ref_dir)[:keep]
     for p in paths:
@@ -105,7 +105,7 @@ def _copy_prefix(cfg, ref_dir: str, into: str, keep: int) -> list[str]:
 
 
 def truncated_checkpoint(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
-    from training import checkpoints
+    from shardline.training import checkpoints
 
     kept = checkpoints.checkpoint_paths(ref.checkpoint_dir)
     if len(kept) < 3:
@@ -120,7 +120,7 @@ def truncated_checkpoint(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
 
 
 def changed_lr(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
-    from training import checkpoints
+    from shardline.training import checkpoints
 
     ckpt = storage.join(root, "changed-lr")
     _copy_prefix(cfg, ref.checkpoint_dir, ckpt, keep=max(1, len(checkpoints.checkpoint_paths(ref.checkpoint_dir)) // 2))
@@ -144,7 +144,7 @@ class _Reference:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jobs.faults", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m shardline.jobs.faults", description=__doc__.split("\n\n")[0])
     ap.add_argument("config", nargs="?", help="a shardline config (TOML)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     ap.add_argument("--case", dest="cases", action="append", choices=list(CASES), help="(repeatable; default all)")

@@ -13,7 +13,7 @@ log configuration) is given to spark-submit as above. Our packages are shipped
 to the executors by shardline itself (no --py-files needed).
 """
 
-from jobs.cli import main
+from shardline.jobs.cli import main
 
 if __name__ == "__main__":
     main()

@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pipelines.errors import ShardlineError, StorageError
+from shardline.pipelines.errors import ShardlineError, StorageError
 
 SETTING = "tracking.tracking_uri"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -28,7 +28,7 @@ def is_server(uri: str) -> bool:
 
 def ui_hint(tracking_uri: str) -> str:
     """What the run summary tells a user to type (or open) to see the run."""
-    from training.config import TrackingConfig
+    from shardline.training.config import TrackingConfig
 
     if is_server(tracking_uri):
         return tracking_uri

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib
 import os
 
 from .config import DaskConfig, SparkConfig
@@ -21,8 +22,29 @@ def spark_session(cfg: SparkConfig):
     return start_spark(cfg)
 
 
+ENGINE_PACKAGES = ("pipelines", "training", "serving")
+
+
+def code_files():
+    """(name in the archive, file) for shardline's code that runs on executors: the
+    `shardline` package with pipelines, training and serving inside it, laid out as
+    installed, whether this process runs from a checkout or an installed package."""
+    from pathlib import Path
+
+    import shardline
+
+    top = Path(shardline.__file__).resolve().parent
+    yield "shardline/__init__.py", top / "__init__.py"
+    for pkg in ENGINE_PACKAGES:
+        folder = Path(importlib.import_module(f"shardline.{pkg}").__file__).resolve().parent
+        for f in sorted(folder.rglob("*")):
+            if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc":
+                yield f"shardline/{pkg}/{f.relative_to(folder).as_posix()}", f
+
+
 def package_zip() -> str:
-    """pipelines, training and serving as one zip, for executors and Dask workers."""
+    """The `shardline` package with pipelines, training and serving as one zip, for
+    executors and Dask workers."""
     global _ZIP
     if _ZIP is None:
         import atexit
@@ -30,7 +52,6 @@ def package_zip() -> str:
         import zipfile
         from pathlib import Path
 
-        here = Path(__file__).resolve().parent.parent
         _remove_orphan_zips(tempfile.gettempdir())
         # Made under a name the orphan sweep ignores, locked, then renamed: another
         # process's sweep never sees it unlocked.
@@ -39,10 +60,8 @@ def package_zip() -> str:
         # the lock when the process dies, however it dies, so a zip nobody holds is an orphan.
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
-            for pkg in ("pipelines", "training", "serving"):
-                for f in sorted((here / pkg).rglob("*")):
-                    if f.is_file() and "__pycache__" not in f.parts:
-                        z.write(f, f.relative_to(here))
+            for arcname, f in code_files():
+                z.write(f, arcname)
         path = os.path.join(os.path.dirname(tmp), _LOCKED + os.path.basename(tmp).removeprefix(_NEW))
         os.rename(tmp, path)
         _ZIP = path

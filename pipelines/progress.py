@@ -216,7 +216,7 @@ def listen_address(launcher: str, spark=None, dask_client=None) -> str:
     if launcher == "dask" and dask_client is not None:
         return _route_to(urlparse(dask_client.scheduler.address).hostname)
     if launcher == "spark" and spark is not None:
-        from pipelines.spark_setup import connect_url, is_connect, spark_master, spark_setting
+        from shardline.pipelines.spark_setup import connect_url, is_connect, spark_master, spark_setting
 
         if is_connect(spark):  # the ranks run on the Connect server's cluster
             return _route_to(urlparse((connect_url(spark) or "").replace("sc://", "http://")).hostname)

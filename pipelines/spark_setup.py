@@ -323,7 +323,7 @@ def _fill_in(spark, defaults: dict[str, str], explicit: dict[str, str] | None = 
 def _launch_env(local: bool):
     """Environment the JVM reads when it starts; put back afterwards, so that a
     spark-submit this process runs later is not steered by it."""
-    log4j = resources.files("pipelines") / "log4j2.properties"
+    log4j = resources.files("shardline.pipelines") / "log4j2.properties"
     with restored(("SPARK_LOCAL_IP", "SPARK_SUBMIT_OPTS")):
         if local:
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")

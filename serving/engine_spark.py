@@ -5,8 +5,8 @@ from __future__ import annotations
 import pickle
 import re
 
-from pipelines.errors import ShardlineError
-from pipelines.spark_probe import failed_task, spark_error_line
+from shardline.pipelines.errors import ShardlineError
+from shardline.pipelines.spark_probe import failed_task, spark_error_line
 
 from .ledger import read_entry
 from .worker import UnitTask, score_unit
@@ -70,7 +70,7 @@ def deal(tasks: list[UnitTask], slots: int | None) -> list[list[int]]:
 
 
 def _slots(spark) -> int | None:
-    from training.launchers.spark import spark_task_slots
+    from shardline.training.launchers.spark import spark_task_slots
 
     return spark_task_slots(spark).count
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from pipelines import storage
-from pipelines.config import FeatureSpec, SourceConfig
-from pipelines.errors import DataError, ShardlineError
-from pipelines.manifest import FittedStatistics, ShardManifest, has_manifest, load_manifest, sequences
-from pipelines.sources import list_files
+from shardline.pipelines import storage
+from shardline.pipelines.config import FeatureSpec, SourceConfig
+from shardline.pipelines.errors import DataError, ShardlineError
+from shardline.pipelines.manifest import FittedStatistics, ShardManifest, has_manifest, load_manifest, sequences
+from shardline.pipelines.sources import list_files
 
 from .models import ResolvedModel
 

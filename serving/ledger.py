@@ -32,8 +32,8 @@ import json
 from dataclasses import dataclass, field
 from urllib.parse import quote, unquote
 
-from pipelines import storage
-from pipelines.lease import LEASE_NAME, Lease
+from shardline.pipelines import storage
+from shardline.pipelines.lease import LEASE_NAME, Lease
 
 LEDGER = "_ledger"
 PREFIX = "scores-"

@@ -13,7 +13,7 @@ def cached_model(model_uri: str, tracking_uri: str):
         import mlflow
         import torch
 
-        from training.raw_model import load_torch_model
+        from shardline.training.raw_model import load_torch_model
 
         mlflow.set_tracking_uri(tracking_uri)
         # The torch module alone: batch scoring applies the transform itself, and a
@@ -38,9 +38,9 @@ def resolve_version(model_uri: str, tracking_uri: str) -> tuple[str, str]:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from pipelines.errors import ShardlineError
-    from training.mlflow_outage import bound_http
-    from training.tracking import check_reachable
+    from shardline.pipelines.errors import ShardlineError
+    from shardline.training.mlflow_outage import bound_http
+    from shardline.training.tracking import check_reachable
 
     # A dead server: one line now, not minutes of retries and then "not found".
     bound_http()
@@ -90,7 +90,7 @@ def resolve_model(model_uri: str, tracking_uri: str) -> ResolvedModel:
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from pipelines.errors import ShardlineError
+    from shardline.pipelines.errors import ShardlineError
 
     name, version = resolve_version(model_uri, tracking_uri)
     pinned = f"models:/{name}/{version}" if model_uri.startswith("models:/") else model_uri

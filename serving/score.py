@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Literal
 
-from pipelines import storage
-from pipelines.errors import DataError, ShardlineError
-from pipelines.lease import Lease
-from pipelines.progress import ProgressListener, listen_address
+from shardline.pipelines import storage
+from shardline.pipelines.errors import DataError, ShardlineError
+from shardline.pipelines.lease import Lease
+from shardline.pipelines.progress import ProgressListener, listen_address
 
 from .inputs import Transform, Unit, check_unit, discover
 from .ledger import (

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipelines import storage
-from pipelines.lease import LEASE_NAME, Lease
+from shardline.pipelines import storage
+from shardline.pipelines.lease import LEASE_NAME, Lease
 
 from .inputs import Unit
 from .ledger import all_scores, orphans

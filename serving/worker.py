@@ -16,8 +16,8 @@ from datetime import datetime, timezone
 import numpy as np
 import pyarrow as pa
 
-from pipelines import progress, storage
-from pipelines.errors import ShardlineError
+from shardline.pipelines import progress, storage
+from shardline.pipelines.errors import ShardlineError
 
 from .inputs import Transform, Unit
 from .ledger import commit
@@ -122,7 +122,7 @@ def _batches(task: UnitTask, spec):
     """(int64 keys, float32 [n, width] features) per batch, bounded in memory."""
     import pyarrow.parquet as pq
 
-    from pipelines.transform import features_matrix
+    from shardline.pipelines.transform import features_matrix
 
     unit = task.unit
     if unit.kind == "shard":

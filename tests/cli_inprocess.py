@@ -15,7 +15,7 @@ from pathlib import Path
 def run_cli(args: list[str], cwd: Path | str, env: dict | None = None) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of `shardline ARGS` run in `cwd`. The working folder and
     environment are put back afterwards, whatever the command set."""
-    from jobs.cli import main
+    from shardline.jobs.cli import main
 
     out, err, saved_env, saved_cwd = io.StringIO(), io.StringIO(), dict(os.environ), os.getcwd()
     # As in a fresh process: the default store is cwd's, whatever an earlier command set in MLflow.

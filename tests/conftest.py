@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.config import PipelineConfig, SparkConfig
+from shardline.pipelines.config import PipelineConfig, SparkConfig
 
 from .cli_inprocess import run_cli
 
@@ -107,7 +107,7 @@ def _without_archive(why: str) -> None:
 
 @pytest.fixture(scope="session")
 def spark():
-    from pipelines.engines import spark_session
+    from shardline.pipelines.engines import spark_session
 
     # local[2,1]: one attempt per task, said explicitly (shardline's own local masters retry
     # each task 4 times): the recovery tests place a fault and watch the whole job fail.
@@ -143,8 +143,8 @@ def small_pipeline(tmp: Path, rows: int = 4000, **layout) -> PipelineConfig:
 @pytest.fixture(scope="session")
 def prepared(spark, tmp_path_factory) -> PipelineConfig:
     """A small synthetic dataset prepared once with Spark; tests must not modify it."""
-    from pipelines.engine_spark import SparkEngine
-    from pipelines.prepare import prepare
+    from shardline.pipelines.engine_spark import SparkEngine
+    from shardline.pipelines.prepare import prepare
 
     cfg = small_pipeline(tmp_path_factory.mktemp("prepared"), rows=6000)
     prepare(SparkEngine(spark), cfg)
@@ -153,8 +153,8 @@ def prepared(spark, tmp_path_factory) -> PipelineConfig:
 
 @pytest.fixture(scope="session")
 def dask_client():
-    from pipelines.config import DaskConfig
-    from pipelines.engines import dask_client as make_client
+    from shardline.pipelines.config import DaskConfig
+    from shardline.pipelines.engines import dask_client as make_client
 
     client = make_client(DaskConfig(n_workers=2, memory_limit="3GiB"))
     yield client
@@ -172,8 +172,8 @@ def on_session_dask(dask_client) -> tuple[str, ...]:
 
 @pytest.fixture(scope="session")
 def engines(spark, dask_client):
-    from pipelines.engine_dask import DaskEngine
-    from pipelines.engine_spark import SparkEngine
+    from shardline.pipelines.engine_dask import DaskEngine
+    from shardline.pipelines.engine_spark import SparkEngine
 
     return {"spark": SparkEngine(spark), "dask": DaskEngine(dask_client)}
 
@@ -192,7 +192,7 @@ def shardline(*args: str, cwd: Path, env: dict | None = None, timeout: int = 600
     """Run the real CLI in a subprocess, as a user would: default store is cwd/mlflow.db."""
     base = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     return subprocess.run(
-        [sys.executable, "-m", "jobs.cli", *args],
+        [sys.executable, "-m", "shardline.jobs.cli", *args],
         cwd=cwd,
         env={**base, **(env or {})},
         capture_output=True,

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.config import PipelineConfig
+from shardline.pipelines.config import PipelineConfig
 
 ROWS = 300
 FEATURES = {"key": "key", "label": "label", "numeric": ["a", "b", "c"], "categorical": []}
@@ -18,8 +18,8 @@ FEATURES = {"key": "key", "label": "label", "numeric": ["a", "b", "c"], "categor
 
 @pytest.fixture(scope="module")
 def small_dataset(dask_client, tmp_path_factory) -> PipelineConfig:
-    from pipelines.engine_dask import DaskEngine
-    from pipelines.prepare import prepare
+    from shardline.pipelines.engine_dask import DaskEngine
+    from shardline.pipelines.prepare import prepare
 
     tmp = tmp_path_factory.mktemp("small")
     rng = np.random.default_rng(5)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from training.config import TrainingConfig
-from training.models import FeatureCNN, FeatureTransformer, TabularMLP, apply_activation_checkpointing
-from training.strategies import get_strategy
+from shardline.training.config import TrainingConfig
+from shardline.training.models import FeatureCNN, FeatureTransformer, TabularMLP, apply_activation_checkpointing
+from shardline.training.strategies import get_strategy
 
 MODELS = {
     "mlp": lambda: TabularMLP(5, [4], [16, 8], 3, embedding_dim=3),

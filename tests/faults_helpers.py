@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from pipelines.lease import _alive
-from training import checkpoints
+from shardline.pipelines.lease import _alive
+from shardline.training import checkpoints
 
 from .conftest import REPO
 
@@ -43,7 +43,7 @@ def start_driver(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
     cwd.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     with open(log, "wb") as sink:
-        return subprocess.Popen([sys.executable, "-m", "jobs.cli", *args], cwd=cwd, env=env,
+        return subprocess.Popen([sys.executable, "-m", "shardline.jobs.cli", *args], cwd=cwd, env=env,
                                 stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from training.launchers import free_port
+from shardline.training.launchers import free_port
 
 BIN = Path(sys.executable).parent
 # Starting a JVM or a worker on a loaded 2-core machine takes minutes; a live cluster

@@ -65,7 +65,7 @@ def start_connect_server(root: Path, python: str = sys.executable, name: str = "
                          conf: dict[str, str] | None = None) -> ConnectServer:
     """Start a Connect server on a free loopback port, its executors running `python`;
     return once it accepts connections. The caller stops it (also on failure)."""
-    from training.launchers import free_port
+    from shardline.training.launchers import free_port
 
     port = free_port()
     for d in ("pid", "log", "conf"):

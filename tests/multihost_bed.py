@@ -191,7 +191,7 @@ class Inside:
         print("[bed] working folders are private to each host", flush=True)
 
     def start_services(self) -> None:
-        from pipelines.object_stores import s3_client
+        from shardline.pipelines.object_stores import s3_client
 
         addr = self.s.address
         self.start("s", "moto", [str(BIN / "moto_server"), "-H", addr, "-p", str(S3_PORT)])

@@ -68,7 +68,7 @@ def _settings(bed, ckpt: str) -> list[str]:
 def _job(bed, command: str, ckpt: str, kill: str | None = None, more: list[str] = ()) -> dict:
     """Run `shardline COMMAND quickstart.toml` on host S; with `kill`, SIGKILL the rank on host B
     once the first checkpoint is in the bucket."""
-    cmd = [sys.executable, "-m", "jobs.cli", command, str(QUICKSTART), *_settings(bed, ckpt), *more]
+    cmd = [sys.executable, "-m", "shardline.jobs.cli", command, str(QUICKSTART), *_settings(bed, ckpt), *more]
     log = bed.logs / f"{command}-{ckpt}.log"
     print(f"[bed] shardline {command} quickstart.toml ({ckpt}) ...", flush=True)
     start = time.monotonic()
@@ -102,8 +102,8 @@ def _job(bed, command: str, ckpt: str, kill: str | None = None, more: list[str] 
 def _kill_rank_on_b(bed, ckpt_dir: str, done: threading.Event, outcome: dict) -> None:
     """When a checkpoint is in the bucket, SIGKILL the rank whose process is on host B (its
     /proc/<pid>/ns/net is B's namespace): the Spark Python worker or Dask worker running it."""
-    from pipelines import storage
-    from training import checkpoints
+    from shardline.pipelines import storage
+    from shardline.training import checkpoints
 
     on_b = bed.bed.hosts["b"].netns_inode
     while not done.is_set():
@@ -142,7 +142,7 @@ def _check_restarted(job: dict, bed) -> None:
 
 
 def _final_weights(bed, ckpt: str) -> dict:
-    from training import checkpoints
+    from shardline.training import checkpoints
 
     latest = checkpoints.latest(f"{bed.bucket}/quickstart/{ckpt}")
     if latest is None:
@@ -178,8 +178,8 @@ def _check_scores(bed) -> None:
     """Every test row scored once, in the bucket (the quickstart's last stage)."""
     import pyarrow.parquet as pq
 
-    from pipelines import storage
-    from pipelines.manifest import load_manifest
+    from shardline.pipelines import storage
+    from shardline.pipelines.manifest import load_manifest
 
     out = f"{bed.bucket}/quickstart/scores"
     files = [f for f in storage.find_files(out) if f.endswith(".parquet")]

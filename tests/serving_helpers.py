@@ -16,8 +16,8 @@ _TRAINED: dict[str, object] = {}
 def trained_model(prepared) -> object:
     """A model registered as `serving-test`, trained once per session (1 rank, 1 epoch)."""
     if "result" not in _TRAINED:
-        from training.config import TrackingConfig, TrainingConfig
-        from training.job import run_training
+        from shardline.training.config import TrackingConfig, TrainingConfig
+        from shardline.training.job import run_training
 
         _TRAINED["result"] = run_training(
             TrainingConfig(launcher="local", world_size=1, epochs=1, batch_size=256),
@@ -51,7 +51,7 @@ def version_dir(output_dir) -> Path:
 
 
 def read_scores(output_dir) -> pa.Table:
-    from serving.ledger import committed_files
+    from shardline.serving.ledger import committed_files
 
     return pa.concat_tables(pq.read_table(f) for f in committed_files(output_dir))
 
@@ -84,7 +84,7 @@ def register_wrapped(prepared, tracking_uri: str, name: str, wrap) -> str:
 
     base = trained_model(prepared)
     mlflow.set_tracking_uri(tracking_uri)
-    from training.raw_model import load_torch_model
+    from shardline.training.raw_model import load_torch_model
 
     inner = load_torch_model(base.model_uri)
     # Into the training run's experiment: the active one is whichever an earlier test set,

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from jobs.cli import main
-from training import checkpoints
-from training.config import TrainingConfig
+from shardline.jobs.cli import main
+from shardline.training import checkpoints
+from shardline.training.config import TrainingConfig
 
 from .conftest import REPO
 from .defaults_helpers import FEATURES, small_dataset, tree  # noqa: F401 (a fixture)
@@ -50,13 +50,13 @@ def _bad_manifest(folder: Path, _dataset: str) -> None:
 
 
 def _hold_dataset(folder: Path, dataset: str):
-    from pipelines.prepare import dataset_lease
+    from shardline.pipelines.prepare import dataset_lease
 
     return dataset_lease(dataset)
 
 
 def _hold_output(folder: Path, _dataset: str):
-    from serving.ledger import output_lease
+    from shardline.serving.ledger import output_lease
 
     return output_lease(str(folder / "out"))
 

@@ -9,14 +9,14 @@ import os
 
 import pytest
 
-from pipelines.manifest import load_manifest
+from shardline.pipelines.manifest import load_manifest
 
 from .bench_figures import REL, assert_met, assert_quotient
 from .serving_helpers import trained_model
 
 
 def test_bench_score_figures_keep_their_relations(spark, dask_client, prepared, tracking_uri, tmp_path):
-    from benchmarks.score import run
+    from shardline.benchmarks.score import run
 
     model = trained_model(prepared)
     result = run(0, workdir=str(tmp_path), progress=lambda msg: None, spark=spark,
@@ -65,7 +65,7 @@ def test_bench_score_figures_keep_their_relations(spark, dask_client, prepared, 
 
 
 def test_measure_rounds_runs_every_method_once_per_round_and_keeps_its_median(tmp_path):
-    from benchmarks.score import measure_rounds
+    from shardline.benchmarks.score import measure_rounds
 
     order, seconds = [], {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 9.0, 7.0])}
 
@@ -86,7 +86,7 @@ def test_measure_rounds_runs_every_method_once_per_round_and_keeps_its_median(tm
 
 
 def test_measure_rounds_refuses_a_method_whose_rows_change(tmp_path):
-    from benchmarks.score import measure_rounds
+    from shardline.benchmarks.score import measure_rounds
 
     rows = iter([10, 9])
     with pytest.raises(RuntimeError, match="b scored 9 rows, 10 in its first run"):

@@ -12,7 +12,7 @@ from .bench_figures import assert_met, assert_quotient
 
 
 def test_bench_loader_tiny(tmp_path):
-    from benchmarks.loader import BATCH_SIZE, NAIVE_BATCHES, run
+    from shardline.benchmarks.loader import BATCH_SIZE, NAIVE_BATCHES, run
 
     result = run(20_000, workdir=str(tmp_path), progress=lambda msg: None, petastorm=False)
     json.dumps(result)  # one JSON object
@@ -43,7 +43,7 @@ def test_bench_loader_tiny(tmp_path):
 
 def test_petastorm_venv_failure_is_one_line(tmp_path, monkeypatch):
     """A venv that cannot be made: one line naming the step and the log, nothing left."""
-    from benchmarks.loader import petastorm_venv
+    from shardline.benchmarks.loader import petastorm_venv
 
     blocker = tmp_path / "venv"
     blocker.write_text("a file where the venv should go")

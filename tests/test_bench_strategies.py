@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks.strategies import CONFIGS, MEMORY_CONFIGS, run
+from shardline.benchmarks.strategies import CONFIGS, MEMORY_CONFIGS, run
 
 
 def test_bench_strategies_tiny():

@@ -11,7 +11,7 @@ from .bench_figures import assert_quotient
 def test_bench_train_tiny(spark, prepared, tmp_path):
     # `spark`: the session's own SparkSession, which the benchmark's spark_session reuses;
     # `prepared`: the session's small dataset (2 ranks), so nothing is prepared here.
-    from benchmarks.train import run
+    from shardline.benchmarks.train import run
 
     result = run(workdir=str(tmp_path), progress=lambda msg: None, dataset_dir=prepared.dataset_dir,
                  steps=6, warmup=2, allreduce_iters=5, hidden=[32], rounds=1)

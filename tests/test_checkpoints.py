@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines import storage
-from pipelines.errors import DataError
-from training import checkpoints
-from training.config import TrackingConfig, TrainingConfig
-from training.job import run_training
+from shardline.pipelines import storage
+from shardline.pipelines.errors import DataError
+from shardline.training import checkpoints
+from shardline.training.config import TrackingConfig, TrainingConfig
+from shardline.training.job import run_training
 
 
 def _cfg(tmp: Path, **kw) -> TrainingConfig:

@@ -40,7 +40,7 @@ def _shardline_in_background(*args: str, cwd: Path, env: dict) -> tuple[subproce
     base = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     stderr = cwd / "shardline.stderr"
     with open(cwd / "shardline.stdout", "wb") as out, open(stderr, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", *args], cwd=cwd, env={**base, **env},
+        proc = subprocess.Popen([sys.executable, "-m", "shardline.jobs.cli", *args], cwd=cwd, env={**base, **env},
                                 stdout=out, stderr=err, start_new_session=True)
     return proc, stderr
 

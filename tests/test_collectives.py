@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from training import collectives
-from training.collectives import DeviceContractError
-from training.launchers.local import launch_local
+from shardline.training import collectives
+from shardline.training.collectives import DeviceContractError
+from shardline.training.launchers.local import launch_local
 
 TRAINING = Path(__file__).resolve().parent.parent / "training"
 

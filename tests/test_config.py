@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.config import load_config
-from pipelines.errors import ConfigError
+from shardline.jobs.config import load_config
+from shardline.pipelines.errors import ConfigError
 
 from .conftest import REPO, shardline, shardline_here
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines.manifest import load_manifest
-from training import checkpoints
-from training.config import TrackingConfig, TrainingConfig
-from training.job import run_training
+from shardline.pipelines.manifest import load_manifest
+from shardline.training import checkpoints
+from shardline.training.config import TrackingConfig, TrainingConfig
+from shardline.training.job import run_training
 
 from .conftest import REPO, absolute_paths
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from training.launchers import free_port
+from shardline.training.launchers import free_port
 
 from .conftest import REPO, absolute_paths, shardline
 from .fixtures_connect import start_connect_server

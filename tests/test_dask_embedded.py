@@ -11,8 +11,8 @@ import os
 import dask
 import distributed  # noqa: F401  (registers its config: distributed.nanny.*)
 
-from pipelines.config import DaskConfig
-from pipelines.engines import dask_client
+from shardline.pipelines.config import DaskConfig
+from shardline.pipelines.engines import dask_client
 
 
 def _spawn_names() -> list[str]:
@@ -46,8 +46,8 @@ def test_a_scheduler_in_this_process_gets_no_code_zip_only_its_workers_do(dask_c
     logged its code from the zip's temporary path and MLflow refused to copy it."""
     import sys
 
-    import pipelines
-    from pipelines.engines import dask_client as connect
+    from shardline import pipelines
+    from shardline.pipelines.engines import dask_client as connect
 
     before = (pipelines.__file__, list(sys.path))
     client = connect(DaskConfig(address=dask_client.scheduler.address))

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from jobs.config import load_config, resolve_paths
-from pipelines.errors import ConfigError, DataError, LeaseHeld, ShardlineError
-from training import checkpoints
-from training.config import TrackingConfig, TrainingConfig
-from training.job import run_training
+from shardline.jobs.config import load_config, resolve_paths
+from shardline.pipelines.errors import ConfigError, DataError, LeaseHeld, ShardlineError
+from shardline.training import checkpoints
+from shardline.training.config import TrackingConfig, TrainingConfig
+from shardline.training.job import run_training
 
 from .conftest import REPO, shardline, shardline_here
 from .defaults_helpers import small_dataset  # noqa: F401 (a fixture)
@@ -70,9 +70,9 @@ def test_a_job_that_took_no_step_is_never_registered(small_dataset, tracking_uri
     with no step there was no wait to warn about."""
     from mlflow.tracking import MlflowClient
 
-    import training.job
+    from shardline.training import job as training_job
 
-    monkeypatch.setattr(training.job, "check_steps", lambda *a: None)  # a hole in preflight
+    monkeypatch.setattr(training_job, "check_steps", lambda *a: None)  # a hole in preflight
     cfg = TrainingConfig(launcher="local", world_size=2, epochs=2, data_wait_warning=0.0)
     tracking = TrackingConfig(experiment="defaults", registered_model="defaults-untrained")
     with pytest.raises(ShardlineError, match=r"took 0 optimizer steps in 2 epoch\(s\).*not logged or registered"):

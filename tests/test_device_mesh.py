@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.launchers.local import launch_local
-from training.strategies.base import Mesh
+from shardline.training.launchers.local import launch_local
+from shardline.training.strategies.base import Mesh
 
 
 def mesh_ranks(rank: int, world_size: int, degrees: tuple[int, int]) -> dict:

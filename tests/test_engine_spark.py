@@ -6,10 +6,10 @@ its ledger entry and its task is retried; test_serving_recovery.py)."""
 
 from __future__ import annotations
 
-from serving.engine_spark import TASKS_PER_SLOT, _committed, deal
-from serving.inputs import Transform, Unit
-from serving.ledger import commit
-from serving.worker import UnitTask
+from shardline.serving.engine_spark import TASKS_PER_SLOT, _committed, deal
+from shardline.serving.inputs import Transform, Unit
+from shardline.serving.ledger import commit
+from shardline.serving.worker import UnitTask
 
 
 def _task(path: str, rows: int | None, out: str = "/nowhere", scored_at: str = "", fingerprint: str = "f") -> UnitTask:

@@ -16,13 +16,13 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.config import SplitConfig
-from pipelines.errors import DataError
-from pipelines.hashing import hash64
-from pipelines.manifest import load_manifest, manifest_url, sequences
-from pipelines.prepare import prepare
-from pipelines.rows import shard_hash, split_of
-from pipelines.splits import SHARD_SALT, SPLIT_SALT
+from shardline.pipelines.config import SplitConfig
+from shardline.pipelines.errors import DataError
+from shardline.pipelines.hashing import hash64
+from shardline.pipelines.manifest import load_manifest, manifest_url, sequences
+from shardline.pipelines.prepare import prepare
+from shardline.pipelines.rows import shard_hash, split_of
+from shardline.pipelines.splits import SHARD_SALT, SPLIT_SALT
 
 from .conftest import small_pipeline
 from .test_prepare_inputs import config, raw_frame, rows_by_split, write_raw
@@ -256,7 +256,7 @@ def test_append_adds_shards_and_keeps_splits_and_statistics(engines, engine, tmp
 def test_spark_routes_each_part_to_its_own_partition(spark):
     from pyspark.sql import functions as F
 
-    from pipelines.engine_spark import spark_partition, spark_routes
+    from shardline.pipelines.engine_spark import spark_partition, spark_routes
 
     for n in (1, 2, 6, 13):
         got = spark.range(0, 200).select(F.pmod(F.hash(F.col("id").cast("int")), F.lit(n)).alias("p")).collect()

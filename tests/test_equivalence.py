@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import pytest
 
-from training.launchers.local import launch_local
+from shardline.training.launchers.local import launch_local
 
 from .dist_helpers import relative_distance, train_steps, train_variants, unsynchronised
 

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines.errors import StorageError
-from training import checkpoints
-from training.config import TrackingConfig, TrainingConfig
-from training.job import run_training
-from training.launchers import TrainingFailed
+from shardline.pipelines.errors import StorageError
+from shardline.training import checkpoints
+from shardline.training.config import TrackingConfig, TrainingConfig
+from shardline.training.job import run_training
+from shardline.training.launchers import TrainingFailed
 
 from .conftest import shardline_here
 from .faults_helpers import (

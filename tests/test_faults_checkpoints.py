@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines.errors import ConfigError, DataError
-from training import checkpoints
-from training.config import TrackingConfig, TrainingConfig
-from training.job import run_training
+from shardline.pipelines.errors import ConfigError, DataError
+from shardline.training import checkpoints
+from shardline.training.config import TrackingConfig, TrainingConfig
+from shardline.training.job import run_training
 
 from .conftest import shardline_here
 from .faults_helpers import error_lines, train_args

@@ -35,7 +35,7 @@ timeout_s = 60
 tracking_uri = "sqlite:///{tmp_path / 'mlflow.db'}"
 experiment = "faults-runner"
 """)
-    proc = subprocess.run([sys.executable, "-m", "jobs.faults", str(config)], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "shardline.jobs.faults", str(config)], cwd=tmp_path,
                           capture_output=True, text=True, timeout=900)
     verdicts = [ln for ln in proc.stdout.splitlines() if ln.split(":")[0] in ("kill-rank", "truncated-checkpoint", "changed-lr")]
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -48,8 +48,8 @@ experiment = "faults-runner"
 
 
 def test_the_runner_lists_its_cases_and_refuses_an_unknown_one(tmp_path):
-    listed = subprocess.run([sys.executable, "-m", "jobs.faults", "--list"], cwd=REPO, capture_output=True, text=True)
+    listed = subprocess.run([sys.executable, "-m", "shardline.jobs.faults", "--list"], cwd=REPO, capture_output=True, text=True)
     assert listed.returncode == 0 and listed.stdout.split() == ["kill-rank", "truncated-checkpoint", "changed-lr"]
-    bad = subprocess.run([sys.executable, "-m", "jobs.faults", "x.toml", "--case", "nope"], cwd=REPO,
+    bad = subprocess.run([sys.executable, "-m", "shardline.jobs.faults", "x.toml", "--case", "nope"], cwd=REPO,
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "invalid choice: 'nope'" in bad.stderr

@@ -25,11 +25,11 @@ from .test_serving_recovery import _assert_exactly_once, _died_between_output_an
 
 JOBS = """
 import sys
-from pipelines.config import SparkConfig
-from pipelines.engines import spark_session
-from pipelines.errors import ShardlineError
-from pipelines.spark_setup import spark_master
-from serving.score import score
+from shardline.pipelines.config import SparkConfig
+from shardline.pipelines.engines import spark_session
+from shardline.pipelines.errors import ShardlineError
+from shardline.pipelines.spark_setup import spark_master
+from shardline.serving.score import score
 flaky, dies, fails, tracking_uri, src, src_failed, out_flaky, out_dies, out_failed = sys.argv[1:]
 spark = spark_session(SparkConfig(shuffle_partitions=2))  # shardline's default master
 print("MASTER", spark_master(spark), flush=True)

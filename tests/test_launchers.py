@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from training.launchers import TrainingFailed, available_cores, local
-from training.launchers.local import launch_local
+from shardline.training.launchers import TrainingFailed, available_cores, local
+from shardline.training.launchers.local import launch_local
 
 
 def report(rank: int, world_size: int, payload: dict) -> dict:

@@ -12,10 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipelines.errors import ConfigError, DataError
-from pipelines.manifest import ShardInfo, load_manifest
-from pipelines.prepare import prepare
-from training.loader import ShardLoader, check_world_size, rank_shards
+from shardline.pipelines.errors import ConfigError, DataError
+from shardline.pipelines.manifest import ShardInfo, load_manifest
+from shardline.pipelines.prepare import prepare
+from shardline.training.loader import ShardLoader, check_world_size, rank_shards
 
 from .conftest import small_pipeline
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from training import checkpoints
-from training.config import TrackingConfig
-from training.job import run_training
+from shardline.training import checkpoints
+from shardline.training.config import TrackingConfig
+from shardline.training.job import run_training
 
 from .conftest import REPO, absolute_paths, shardline, shardline_here
 from .fixtures_s3 import NO_JOB_RUNNER, free_port, stop_group, wait_until
@@ -147,8 +147,8 @@ def test_the_drivers_last_calls_wait_for_a_server_that_went_away(monkeypatch):
     server is unreachable: answered once it is back, one line naming the checkpoint if never."""
     from mlflow.tracking import MlflowClient
 
-    from pipelines.errors import ShardlineError
-    from training.mlflow_outage import when_reachable
+    from shardline.pipelines.errors import ShardlineError
+    from shardline.training.mlflow_outage import when_reachable
 
     # Each failing call is the real client's, attempts and all, without its sleeps between
     # them (2-5 s a call here; minutes under MLflow's own defaults when no training ran first).

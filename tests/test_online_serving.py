@@ -17,9 +17,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipelines.manifest import load_manifest
-from serving.score import score
-from training.launchers import free_port
+from shardline.pipelines.manifest import load_manifest
+from shardline.serving.score import score
+from shardline.training.launchers import free_port
 
 from .serving_helpers import raw_table, read_scores, trained_model, write_raw
 

@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.fixtures_clusters import _start, _stop, _wait
-from training.launchers import free_port
+from shardline.training.launchers import free_port
 
 VENV = Path(sys.executable).parent.parent
 # The interpreter the venv was made from: the same Python, none of the packages.
@@ -100,7 +100,7 @@ def test_packed_venv_runs_on_workers_without_the_environment(tmp_path):
 
 
 def test_the_code_zip_is_removed_when_its_process_ends():
-    code = "from pipelines.engines import package_zip\nimport os\np = package_zip()\nassert os.path.getsize(p) > 0\nprint(p)"
+    code = "from shardline.pipelines.engines import package_zip\nimport os\np = package_zip()\nassert os.path.getsize(p) > 0\nprint(p)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     path = proc.stdout.strip()
@@ -110,7 +110,7 @@ def test_the_code_zip_is_removed_when_its_process_ends():
 def test_a_killed_processs_code_zip_is_removed_by_the_next_one_and_a_live_ones_is_kept():
     # atexit never runs on SIGKILL: the next process to make a zip sweeps up the orphans,
     # and only them (a zip stays locked while the process that made it lives).
-    make = "from pipelines.engines import package_zip\nimport sys, time\nprint(package_zip(), flush=True)\n"
+    make = "from shardline.pipelines.engines import package_zip\nimport sys, time\nprint(package_zip(), flush=True)\n"
     live = subprocess.Popen([sys.executable, "-c", make + "time.sleep(600)"], cwd=REPO,
                             stdout=subprocess.PIPE, text=True)
     killed = subprocess.Popen([sys.executable, "-c", make + "time.sleep(600)"], cwd=REPO,
@@ -129,7 +129,7 @@ def test_a_killed_processs_code_zip_is_removed_by_the_next_one_and_a_live_ones_i
         for p in (live, killed):
             p.kill()
             p.wait(timeout=30)
-        from pipelines.engines import _remove_orphan_zips
+        from shardline.pipelines.engines import _remove_orphan_zips
 
         _remove_orphan_zips(tempfile.gettempdir())  # the live one is an orphan now: nothing left behind
     assert not os.path.exists(live_zip)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.errors import DataError
-from pipelines.manifest import BandwidthPlan, load_manifest, store_plan
-from training.config import TrainingConfig
-from training.plan import MIN_SHARD_ROWS, choose_layout, plan_dataset, plan_from_measurements
+from shardline.pipelines.errors import DataError
+from shardline.pipelines.manifest import BandwidthPlan, load_manifest, store_plan
+from shardline.training.config import TrainingConfig
+from shardline.training.plan import MIN_SHARD_ROWS, choose_layout, plan_dataset, plan_from_measurements
 
 from .conftest import shardline_here, small_pipeline
 
@@ -85,8 +85,8 @@ def test_training_takes_the_plans_workers_unless_set():
 @pytest.fixture(scope="module")
 def slow_loading(dask_client, tmp_path_factory):
     """A dataset with tiny row groups, prepared once; tests copy it before changing it."""
-    from pipelines.engine_dask import DaskEngine
-    from pipelines.prepare import prepare
+    from shardline.pipelines.engine_dask import DaskEngine
+    from shardline.pipelines.prepare import prepare
 
     root = tmp_path_factory.mktemp("plan")
     prepare(DaskEngine(dask_client), small_pipeline(root, rows=ROWS, rows_per_row_group=TINY_ROW_GROUPS))
@@ -204,8 +204,8 @@ def test_cli_plan_stores_the_plan_and_prepare_lays_shards_out_by_it(slow_loading
 
 
 def test_prepare_by_a_plan_sets_train_shards_and_row_groups(slow_loading, dask_client, tmp_path):
-    from pipelines.engine_dask import DaskEngine
-    from pipelines.prepare import prepare
+    from shardline.pipelines.engine_dask import DaskEngine
+    from shardline.pipelines.prepare import prepare
 
     cfg = _copy(slow_loading, tmp_path)
     version = load_manifest(cfg.dataset_dir).version_id

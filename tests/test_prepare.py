@@ -10,9 +10,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.errors import DataError
-from pipelines.manifest import load_manifest
-from pipelines.prepare import prepare
+from shardline.pipelines.errors import DataError
+from shardline.pipelines.manifest import load_manifest
+from shardline.pipelines.prepare import prepare
 
 from .conftest import small_pipeline
 
@@ -109,8 +109,8 @@ def test_unknown_manifest_version_is_refused(tmp_path):  # a dataset of the sing
 def test_shard_assignment_is_balanced_where_a_split_has_enough_rows():
     import numpy as np
 
-    from pipelines.config import SplitConfig
-    from pipelines.rows import shard_hash, shard_of, split_of
+    from shardline.pipelines.config import SplitConfig
+    from shardline.pipelines.rows import shard_hash, shard_of, split_of
 
     keys = np.arange(1_000_000, 1_200_000)
     splits = split_of(keys, SplitConfig())

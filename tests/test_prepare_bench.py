@@ -10,10 +10,10 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
-from benchmarks.prepare import JOBS, bench_config, run
-from benchmarks.prepare_native import native_dask, native_pyarrow, native_spark
-from pipelines.engine_dask import DaskEngine
-from pipelines.synthetic import generate
+from shardline.benchmarks.prepare import JOBS, bench_config, run
+from shardline.benchmarks.prepare_native import native_dask, native_pyarrow, native_spark
+from shardline.pipelines.engine_dask import DaskEngine
+from shardline.pipelines.synthetic import generate
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.config import PipelineConfig
-from pipelines.errors import DataError
-from pipelines.manifest import load_manifest
-from pipelines.prepare import prepare
+from shardline.pipelines.config import PipelineConfig
+from shardline.pipelines.errors import DataError
+from shardline.pipelines.manifest import load_manifest
+from shardline.pipelines.prepare import prepare
 
 ENGINES = ["spark", "dask"]
 

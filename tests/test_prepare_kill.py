@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from pipelines.manifest import load_manifest, manifest_url
-from pipelines.prepare import prepare
+from shardline.pipelines.manifest import load_manifest, manifest_url
+from shardline.pipelines.prepare import prepare
 
 from .conftest import REPO, small_pipeline
 
@@ -32,7 +32,7 @@ def test_kill_during_shard_writes(engines, tmp_path):
     }
     args = [a for k, v in overrides.items() for a in ("--set", f"{k}={v}")]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jobs.cli", "prepare", str(REPO / "jobs/configs/quickstart.toml"), *args],
+        [sys.executable, "-m", "shardline.jobs.cli", "prepare", str(REPO / "jobs/configs/quickstart.toml"), *args],
         cwd=tmp_path,
         # Spark's scratch (a killed JVM leaves its shuffle files, ~50 MB) in pytest's folder, not /tmp.
         env={**os.environ, "SPARK_LOCAL_DIRS": str(tmp_path / "spark-local")},

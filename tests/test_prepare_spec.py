@@ -10,11 +10,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipelines.checks import check_prepare
-from pipelines.config import PipelineConfig
-from pipelines.errors import ConfigError, DataError
-from pipelines.manifest import load_manifest
-from pipelines.prepare import prepare
+from shardline.pipelines.checks import check_prepare
+from shardline.pipelines.config import PipelineConfig
+from shardline.pipelines.errors import ConfigError, DataError
+from shardline.pipelines.manifest import load_manifest
+from shardline.pipelines.prepare import prepare
 
 from .conftest import shardline_here, small_pipeline
 from .test_prepare_inputs import _fails, config, raw_frame, rows_by_split, write_raw

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from pipelines import progress
-from training.launchers import free_port
+from shardline.pipelines import progress
+from shardline.training.launchers import free_port
 
 from .conftest import REPO
 
@@ -27,7 +27,7 @@ def test_lines_from_another_process_reach_the_listener_in_order():
     out = io.StringIO()
     with progress.ProgressListener("127.0.0.1", out=out) as listener:
         code = (
-            "from pipelines import progress\n"
+            "from shardline.pipelines import progress\n"
             f"for i in range(3): progress.say({listener.address!r}, f'[shardline] epoch {{i + 1}}/3: ok')\n"
         )
         proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -39,7 +39,7 @@ def test_lines_from_another_process_reach_the_listener_in_order():
 
 def test_an_unreachable_driver_makes_the_rank_print_the_line_itself():
     nobody = f"127.0.0.1:{free_port()}"  # nothing listens there
-    code = f"from pipelines import progress\nprogress.say({nobody!r}, 'epoch 1/1: ok')\nprogress.say({nobody!r}, 'epoch 2/2: ok')\n"
+    code = f"from shardline.pipelines import progress\nprogress.say({nobody!r}, 'epoch 1/1: ok')\nprogress.say({nobody!r}, 'epoch 2/2: ok')\n"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stderr.splitlines() == ["epoch 1/1: ok", "epoch 2/2: ok"], proc.stderr
 
@@ -54,7 +54,7 @@ def test_a_stage_counts_its_units_ticks_and_prints_no_tick():
     with progress.ProgressListener("127.0.0.1", out=out) as listener:
         with listener.stage("score", 3, "units scored") as stage:
             code = (
-                "from pipelines import progress\n"
+                "from shardline.pipelines import progress\n"
                 f"for rows in (10, 20, 1000): progress.tick({listener.address!r}, {stage.key!r}, rows)\n"
             )
             proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -67,16 +67,16 @@ def test_a_stage_counts_its_units_ticks_and_prints_no_tick():
 
 def test_a_tick_without_a_listener_is_silent():
     nobody = f"127.0.0.1:{free_port()}"
-    code = f"from pipelines import progress\nprogress.tick({nobody!r}, 's0', 5)\nprogress.tick(None, 's0')\n"
+    code = f"from shardline.pipelines import progress\nprogress.tick({nobody!r}, 's0', 5)\nprogress.tick(None, 's0')\n"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
 
 
 @pytest.mark.parametrize("engine", ["spark", "dask"])
 def test_prepare_and_scoring_count_their_units_on_the_driver(engine, engines, prepared, tracking_uri, tmp_path, capfd):
-    from pipelines.manifest import load_manifest
-    from pipelines.prepare import prepare
-    from serving.score import score
+    from shardline.pipelines.manifest import load_manifest
+    from shardline.pipelines.prepare import prepare
+    from shardline.serving.score import score
 
     from .conftest import small_pipeline
     from .serving_helpers import trained_model
@@ -114,7 +114,7 @@ def test_a_long_lived_task_process_keeps_only_its_newest_connections():
 def test_console_lines_reach_a_log_unbroken():
     """spark-submit's and a scheduler's logs are no terminal: a long path stays on its line."""
     path = "/data/" + "/".join(["a-long-folder-name"] * 8) + "/env/bin/python"
-    code = f"from jobs.engines import console, stage\nwith stage('Preparing into {path}'):\n    console.print('  {path} on vm')\n"
+    code = f"from shardline.jobs.engines import console, stage\nwith stage('Preparing into {path}'):\n    console.print('  {path} on vm')\n"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stderr.splitlines()

@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.manifest import load_manifest
+from shardline.pipelines.manifest import load_manifest
 
 from .conftest import REPO, shardline
 

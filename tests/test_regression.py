@@ -16,9 +16,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.config import PipelineConfig
-from pipelines.manifest import load_manifest
-from training.config import TrackingConfig, TrainingConfig
+from shardline.pipelines.config import PipelineConfig
+from shardline.pipelines.manifest import load_manifest
+from shardline.training.config import TrackingConfig, TrainingConfig
 
 ROWS, WEIGHTS, BIAS, NOISE = 4000, np.array([1.5, -2.0, 0.5, 3.0]), 10.0, 0.3
 
@@ -36,8 +36,8 @@ def _write_raw(path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def regression_dataset(dask_client, tmp_path_factory) -> PipelineConfig:
-    from pipelines.engine_dask import DaskEngine
-    from pipelines.prepare import prepare
+    from shardline.pipelines.engine_dask import DaskEngine
+    from shardline.pipelines.prepare import prepare
 
     tmp = tmp_path_factory.mktemp("regression")
     _write_raw(tmp / "raw")
@@ -77,8 +77,8 @@ def test_regression_trains_with_mse_matches_least_squares_and_scores_values(
 ):
     from mlflow.tracking import MlflowClient
 
-    from serving.score import score
-    from training.job import run_training
+    from shardline.serving.score import score
+    from shardline.training.job import run_training
 
     dataset = regression_dataset.dataset_dir
     assert load_manifest(dataset).tensors["label"].dtype == "float32"
@@ -119,8 +119,8 @@ def test_regression_trains_with_mse_matches_least_squares_and_scores_values(
 
 
 def test_regression_sweep_minimises_rmse(regression_dataset, tmp_path):
-    from training.sweep import check_sweep, run_sweep
-    from training.sweep_config import SweepConfig
+    from shardline.training.sweep import check_sweep, run_sweep
+    from shardline.training.sweep_config import SweepConfig
 
     dataset = regression_dataset.dataset_dir
     sweep = SweepConfig.model_validate({
@@ -147,7 +147,7 @@ def test_regression_figures_reduce_like_numpy_over_uneven_parts():
     [n, 1] outputs against [n] labels into [n, n]."""
     import torch
 
-    from training import task
+    from shardline.training import task
 
     rng = np.random.default_rng(2)
     y, pred = rng.normal(3, 2, size=101), rng.normal(3, 2, size=101)

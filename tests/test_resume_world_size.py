@@ -23,14 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines.manifest import load_manifest
-from training import checkpoints, sharded_checkpoints
-from training.config import TrackingConfig, TrainingConfig
-from training.job import run_training
-from training.loader import ShardLoader
-from training.models import build_model
-from training.strategies.base import autocast_for, train_step
-from training.worker import lr_factor, make_optimizer
+from shardline.pipelines.manifest import load_manifest
+from shardline.training import checkpoints, sharded_checkpoints
+from shardline.training.config import TrackingConfig, TrainingConfig
+from shardline.training.job import run_training
+from shardline.training.loader import ShardLoader
+from shardline.training.models import build_model
+from shardline.training.strategies.base import autocast_for, train_step
+from shardline.training.worker import lr_factor, make_optimizer
 
 from .conftest import shardline_here, small_pipeline
 from .dist_helpers import relative_distance
@@ -42,8 +42,8 @@ COMMON = dict(launcher="local", epochs=2, batch_size=128, hidden=[64, 32], timeo
 @pytest.fixture(scope="module")
 def prepared4(spark, tmp_path_factory):
     """4 train shards: enough for 4 data-parallel ranks."""
-    from pipelines.engine_spark import SparkEngine
-    from pipelines.prepare import prepare
+    from shardline.pipelines.engine_spark import SparkEngine
+    from shardline.pipelines.prepare import prepare
 
     cfg = small_pipeline(tmp_path_factory.mktemp("prepared4"), rows=6000, world_size=4)
     prepare(SparkEngine(spark), cfg)
@@ -118,7 +118,7 @@ def continued_single_process(head_path: Path, cfg: TrainingConfig, data_world: i
     ids=["fsdp4-to-2", "fsdp2-to-hsdp2x2", "tp2-to-dp2xtp2", "ddp4-to-2"],
 )
 def test_resume_at_another_world_size_matches_single_process_continuation(prepared4, tmp_path, first, then):
-    from training.strategies import get_strategy
+    from shardline.training.strategies import get_strategy
 
     tracking = TrackingConfig(experiment="resume-world", registered_model="resume-world")
     before = TrainingConfig(**{**COMMON, **first, "checkpoint_dir": str(tmp_path / "a")})

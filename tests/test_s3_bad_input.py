@@ -79,7 +79,7 @@ def _cli_without_aws(*args, cwd: Path, env: dict):
     import sys
 
     base = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k != "MLFLOW_TRACKING_URI"}
-    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=cwd, env={**base, **env},
+    return subprocess.run([sys.executable, "-m", "shardline.jobs.cli", *args], cwd=cwd, env={**base, **env},
                           capture_output=True, text=True, timeout=600)
 
 
@@ -185,7 +185,7 @@ def test_local_paths_on_a_cluster_get_a_note(tmp_path):
 
 @pytest.mark.parametrize("bad", ["../outside/shard-00000.parquet", "/etc/passwd", "s3://elsewhere/x.parquet"])
 def test_manifest_shard_paths_outside_the_dataset_are_refused(prepared, tmp_path, bad):
-    from pipelines.manifest import load_manifest, manifest_url
+    from shardline.pipelines.manifest import load_manifest, manifest_url
 
     src = load_manifest(prepared.dataset_dir)
     dataset = tmp_path / "ds"

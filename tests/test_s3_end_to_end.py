@@ -15,16 +15,16 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines import storage
-from pipelines.config import PipelineConfig
-from pipelines.manifest import load_manifest, sequences
-from pipelines.prepare import prepare
-from serving.ledger import read_ledger
-from serving.score import score
-from training import checkpoints
-from training.config import TrackingConfig
-from training.job import run_training
-from training.raw_model import load_torch_model
+from shardline.pipelines import storage
+from shardline.pipelines.config import PipelineConfig
+from shardline.pipelines.manifest import load_manifest, sequences
+from shardline.pipelines.prepare import prepare
+from shardline.serving.ledger import read_ledger
+from shardline.serving.score import score
+from shardline.training import checkpoints
+from shardline.training.config import TrackingConfig
+from shardline.training.job import run_training
+from shardline.training.raw_model import load_torch_model
 
 from .fixtures_s3 import new_bucket, s3_keys
 from .test_checkpoints import _cfg, _equal, _kill_rank_after_first_checkpoint

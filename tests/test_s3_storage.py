@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines import storage
-from pipelines.errors import LeaseHeld
-from pipelines.lease import LEASE_NAME, Lease, LeaseLost
+from shardline.pipelines import storage
+from shardline.pipelines.errors import LeaseHeld
+from shardline.pipelines.lease import LEASE_NAME, Lease, LeaseLost
 
 from .storage_helpers import create_only_race
 
@@ -94,7 +94,7 @@ def test_expired_lease_on_s3_is_taken_over_by_exactly_one(bucket):
     # Each contender stays alive until all have answered: a winner that exited would
     # leave a dead holder's lease, which the next one may rightly take over.
     code = (
-        "import sys; from pipelines.lease import Lease; from pipelines.errors import LeaseHeld\n"
+        "import sys; from shardline.pipelines.lease import Lease; from shardline.pipelines.errors import LeaseHeld\n"
         "try:\n    Lease(sys.argv[1], 'contender', ttl_s=600).acquire(); print('won', flush=True)\n"
         "except LeaseHeld:\n    print('refused', flush=True)\n"
         "sys.stdin.read()"
@@ -117,7 +117,7 @@ def test_expired_lease_on_s3_is_taken_over_by_exactly_one(bucket):
 def test_compressed_raw_files_stream_decompressed_from_both_stores(bucket, tmp_path):
     import gzip
 
-    from pipelines.sources import open_raw
+    from shardline.pipelines.sources import open_raw
 
     text = b"key,x\n" + b"".join(b"%d,%d.5\n" % (i, i) for i in range(50_000))
     for url in (storage.join(bucket, "raw", "a.csv.gz"), str(tmp_path / "a.csv.gz")):

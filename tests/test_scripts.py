@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.fixtures_clusters import UP_WITHIN_S, _start, _stop, _wait
-from training.launchers import free_port
+from shardline.training.launchers import free_port
 
 SCRIPTS = REPO / "jobs" / "scripts"
 VENV = str(Path(sys.executable).parent.parent)

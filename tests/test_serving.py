@@ -11,10 +11,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.errors import DataError, ShardlineError
-from pipelines.manifest import load_manifest
-from serving.ledger import LEDGER, output_lease, read_ledger
-from serving.score import score
+from shardline.pipelines.errors import DataError, ShardlineError
+from shardline.pipelines.manifest import load_manifest
+from shardline.serving.ledger import LEDGER, output_lease, read_ledger
+from shardline.serving.score import score
 
 from .serving_helpers import raw_table, read_scores, trained_model, version_dir, write_raw
 
@@ -154,7 +154,7 @@ def test_other_models_scores_refused_unless_force_which_names_them(dask_client, 
         score("dask", dask_client, model.model_uri, tracking_uri, prepared.dataset_dir, str(out))
     assert sorted(str(p) for p in out.rglob("*")) == snapshot
 
-    from serving.score import plan
+    from shardline.serving.score import plan
 
     p = plan(model.model_uri, tracking_uri, prepared.dataset_dir, str(out), force=True)
     rows = load_manifest(prepared.dataset_dir).splits["test"].rows

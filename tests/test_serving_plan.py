@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.errors import DataError
-from serving.inputs import list_units
-from serving.ledger import entry_bytes, legacy_output_name, output_name, version_dir
-from serving.score import plan
-from serving.status import output_status
+from shardline.pipelines.errors import DataError
+from shardline.serving.inputs import list_units
+from shardline.serving.ledger import entry_bytes, legacy_output_name, output_name, version_dir
+from shardline.serving.score import plan
+from shardline.serving.status import output_status
 
 from .serving_helpers import promo_model, raw_table, write_raw
 

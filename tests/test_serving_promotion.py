@@ -20,8 +20,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.lease import Holder
-from serving.ledger import output_lease, read_ledger
+from shardline.pipelines.lease import Holder
+from shardline.serving.ledger import output_lease, read_ledger
 
 from .conftest import absolute_paths, shardline_here
 from .serving_helpers import promo_model, raw_table, write_raw
@@ -152,7 +152,7 @@ def _holder(out: Path) -> Holder:
 def _dead_jobs_lease(out: Path) -> Holder:
     """Leave `out` with the lease of a job that took it and was then SIGKILLed: a real
     process, now gone. Its holder record."""
-    code = ("import os, signal, sys; from serving.ledger import output_lease; "
+    code = ("import os, signal, sys; from shardline.serving.ledger import output_lease; "
             "output_lease(sys.argv[1]).acquire(); print(os.getpid(), flush=True); "
             "os.kill(os.getpid(), signal.SIGKILL)")
     dead = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=300,

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from serving.ledger import LEDGER, committed_files, read_ledger
-from serving.score import score
+from shardline.serving.ledger import LEDGER, committed_files, read_ledger
+from shardline.serving.score import score
 
 from .conftest import REPO
 from .scoring_faults import DiesBetweenOutputAndLedger, StallsOnce
@@ -188,9 +188,9 @@ def _wait_for_workers(client, n: int) -> None:
 
 
 KILLED_JOB = """
-from pipelines.config import DaskConfig
-from pipelines.engines import dask_client
-from serving.score import score
+from shardline.pipelines.config import DaskConfig
+from shardline.pipelines.engines import dask_client
+from shardline.serving.score import score
 import sys
 client = dask_client(DaskConfig(n_workers=2))
 score("dask", client, sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], batch_size=64)

@@ -8,10 +8,10 @@ import os
 
 import pytest
 
-from pipelines.errors import ConfigError
-from training.config import TrainingConfig
-from training.launchers import run_in_group
-from training.launchers.network import VARIABLES, socket_interface
+from shardline.pipelines.errors import ConfigError
+from shardline.training.config import TrainingConfig
+from shardline.training.launchers import run_in_group
+from shardline.training.launchers.network import VARIABLES, socket_interface
 
 
 def _seen(rank, world_size, payload):
@@ -19,12 +19,12 @@ def _seen(rank, world_size, payload):
 
 
 def test_the_setting_is_exported_while_the_group_lives_and_put_back_after(monkeypatch):
-    from training.worker import TrainJob
+    from shardline.training.worker import TrainJob
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "before")
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     job = TrainJob(cfg=TrainingConfig(socket_ifname="lo"), dataset_dir="unused")
-    from training.launchers import free_port
+    from shardline.training.launchers import free_port
 
     seen = run_in_group(_seen, 0, 1, f"tcp://127.0.0.1:{free_port()}", job, 30)
     assert seen == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}

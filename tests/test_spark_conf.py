@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from training.launchers import free_port
+from shardline.training.launchers import free_port
 
 from .conftest import REPO, TEST_JVM_OPTS, absolute_paths, shardline, small_pipeline
 
@@ -30,8 +30,8 @@ KEYS = [
 # A driver that starts Spark through shardline's session factory and reports what Spark has.
 DRIVER = f"""
 import json, socket, sys
-from pipelines.config import SparkConfig
-from pipelines.engines import spark_session
+from shardline.pipelines.config import SparkConfig
+from shardline.pipelines.engines import spark_session
 spark = spark_session(SparkConfig.model_validate(json.loads(sys.argv[1])))
 out = {{k: spark.conf.get(k, None) for k in {KEYS!r}}}
 with socket.socket() as s:  # the web UI, if Spark runs one, listens on spark.ui.port
@@ -229,8 +229,8 @@ def test_arrow_disabled_for_pandas_conversions_changes_nothing(spark, tmp_path):
 
     A session (SQL) setting: set on the session's own Spark for one prepare. That a user's
     spark-submit --conf reaches the session is test_spark_submit_conf_and_spark_defaults_conf_win_over_shardlines_defaults'."""
-    from pipelines.engine_spark import SparkEngine
-    from pipelines.prepare import prepare
+    from shardline.pipelines.engine_spark import SparkEngine
+    from shardline.pipelines.prepare import prepare
 
     key = "spark.sql.execution.arrow.pyspark.enabled"
     before = spark.conf.get(key)
@@ -257,7 +257,7 @@ def test_a_jvm_setting_only_the_config_names_is_refused_under_spark_submit(tmp_p
 
 def test_user_settings_are_read_as_spark_submit_reads_them(tmp_path, monkeypatch):
     """No JVM: the sources shardline reads before starting one, in spark-submit's order."""
-    from pipelines.spark_user_conf import user_spark_conf
+    from shardline.pipelines.spark_user_conf import user_spark_conf
 
     conf_dir = tmp_path / "conf"
     conf_dir.mkdir()

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines import storage
-from pipelines.config import PipelineConfig, RetentionConfig
-from pipelines.manifest import load_manifest, prune, sequences
-from pipelines.prepare import dataset_lease, prepare
-from serving.ledger import output_lease
-from training import checkpoints
-from training.config import TrackingConfig, TrainingConfig
-from training.job import run_training
+from shardline.pipelines import storage
+from shardline.pipelines.config import PipelineConfig, RetentionConfig
+from shardline.pipelines.manifest import load_manifest, prune, sequences
+from shardline.pipelines.prepare import dataset_lease, prepare
+from shardline.serving.ledger import output_lease
+from shardline.training import checkpoints
+from shardline.training.config import TrackingConfig, TrainingConfig
+from shardline.training.job import run_training
 
 from .conftest import REPO, shardline_here
 from .storage_helpers import hold_until_exists

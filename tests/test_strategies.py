@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipelines.errors import ConfigError
-from training.launchers.local import launch_local
-from training.launchers.spark import launch_spark_barrier
-from training.strategies import get_strategy
+from shardline.pipelines.errors import ConfigError
+from shardline.training.launchers.local import launch_local
+from shardline.training.launchers.spark import launch_spark_barrier
+from shardline.training.strategies import get_strategy
 
 from .dist_helpers import train_steps
 
@@ -42,7 +42,7 @@ def test_ddp_on_spark_barrier_stage_matches_single_process(spark):
 
 
 def test_ddp_on_dask_workers_matches_single_process(dask_client):
-    from training.launchers.dask import launch_dask
+    from shardline.training.launchers.dask import launch_dask
 
     ranks = launch_dask(dask_client, train_steps, ARGS, world_size=2, timeout_s=120)
     _assert_close(ranks[0], _single_process())

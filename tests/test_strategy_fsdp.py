@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipelines.errors import ConfigError
-from training.config import TrainingConfig
-from training.launchers.local import launch_local
-from training.strategies import get_strategy
+from shardline.pipelines.errors import ConfigError
+from shardline.training.config import TrainingConfig
+from shardline.training.launchers.local import launch_local
+from shardline.training.strategies import get_strategy
 
 from .dist_helpers import MODELS, global_batches, resumed
 

@@ -11,12 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipelines.manifest import load_manifest
-from training import checkpoints
-from training.config import TrackingConfig, TrainingConfig
-from training.job import run_training
-from training.launchers.spark import launch_spark_barrier
-from training.models import build_model
+from shardline.pipelines.manifest import load_manifest
+from shardline.training import checkpoints
+from shardline.training.config import TrackingConfig, TrainingConfig
+from shardline.training.job import run_training
+from shardline.training.launchers.spark import launch_spark_barrier
+from shardline.training.models import build_model
 
 from .conftest import REPO, shardline, shardline_here
 from .dist_helpers import train_steps
@@ -42,7 +42,7 @@ def _cfg(tmp: Path, name: str, **kw) -> TrainingConfig:
 def test_strategy_job_resumes_exactly_and_its_model_scores(name, prepared, dask_client, tracking_uri, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from serving.score import score
+    from shardline.serving.score import score
 
     cfg = _cfg(tmp_path / "a", name)
     tracking = TrackingConfig(experiment=f"strategy-{name}", registered_model=f"strategy-{name}")
@@ -108,7 +108,7 @@ def test_strategy_on_spark_barrier_tasks_matches_single_process(name, spark):
 
 @pytest.mark.parametrize("name", sorted(JOBS))
 def test_strategy_on_dask_workers_matches_single_process(name, dask_client):
-    from training.launchers.dask import launch_dask
+    from shardline.training.launchers.dask import launch_dask
 
     args = {"strategy": name, "steps": 4, "batch": 32, "cfg": {"ps_servers": 1} if name == "ps" else {}}
     ranks = launch_dask(dask_client, train_steps, args, world_size=2, timeout_s=120)

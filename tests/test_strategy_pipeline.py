@@ -12,14 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipelines.errors import ConfigError
-from training.config import TrainingConfig
-from training.launchers.local import launch_local
-from training.models import TabularMLP
-from training.strategies.base import autocast_for, train_step
-from training.strategies.pipeline import Pipeline, balanced_bounds, pipeline_layout
-from training.strategies.pipeline_timing import step_bubbles
-from training.strategies.schedule import (
+from shardline.pipelines.errors import ConfigError
+from shardline.training.config import TrainingConfig
+from shardline.training.launchers.local import launch_local
+from shardline.training.models import TabularMLP
+from shardline.training.strategies.base import autocast_for, train_step
+from shardline.training.strategies.pipeline import Pipeline, balanced_bounds, pipeline_layout
+from shardline.training.strategies.pipeline_timing import step_bubbles
+from shardline.training.strategies.schedule import (
     SCHEDULES, Layout, ReplayStuck, closed_form, grid, in_flight, layout, replay, schedule_bubble,
     unit_timeline,
 )

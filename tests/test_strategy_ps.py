@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipelines.errors import ConfigError
-from training.config import TrainingConfig
-from training.launchers.local import launch_local
-from training.strategies import get_strategy
-from training.strategies.ps import shard_names
+from shardline.pipelines.errors import ConfigError
+from shardline.training.config import TrainingConfig
+from shardline.training.launchers.local import launch_local
+from shardline.training.strategies import get_strategy
+from shardline.training.strategies.ps import shard_names
 
 from .dist_helpers import MODELS, global_batches, train_steps
 

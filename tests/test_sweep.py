@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.errors import ShardlineError
-from pipelines.manifest import load_manifest
-from training.config import TrackingConfig, TrainingConfig
-from training.sweep import EPOCH_METRICS, VAL_METRICS, run_sweep
-from training.sweep_config import SweepConfig
+from shardline.pipelines.errors import ShardlineError
+from shardline.pipelines.manifest import load_manifest
+from shardline.training.config import TrackingConfig, TrainingConfig
+from shardline.training.sweep import EPOCH_METRICS, VAL_METRICS, run_sweep
+from shardline.training.sweep_config import SweepConfig
 
 from .conftest import shardline_here
 
@@ -134,7 +134,7 @@ def test_each_pruner_stops_trials_reporting_worse_than_their_peers(tmp_path, pru
     import optuna
     from optuna.trial import TrialState
 
-    from training.sweep_study import PruningReporter, make_pruner, open_storage
+    from shardline.training.sweep_study import PruningReporter, make_pruner, open_storage
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     epochs = 4
@@ -297,7 +297,7 @@ def test_killed_sweep_resumes_without_rerunning_completed_trials_and_best_scores
                                                                                 tmp_path):
     cfg = write_config(tmp_path, prepared, LR_SPACE)
     db = tmp_path / "mlflow-optuna.db"  # beside the default tracking store, ./mlflow.db
-    cmd = [sys.executable, "-m", "jobs.cli", "sweep", str(cfg), "--trials", "2", "--parallel", "1", "--name", "resume"]
+    cmd = [sys.executable, "-m", "shardline.jobs.cli", "sweep", str(cfg), "--trials", "2", "--parallel", "1", "--name", "resume"]
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     log = tmp_path / "sweep.log"
     import optuna
@@ -410,7 +410,7 @@ def test_every_trial_failing_exits_non_zero(prepared, tmp_path):
 def test_bad_input_is_one_line_exit_2_and_starts_nothing(prepared, tmp_path, monkeypatch, capsys, extra, args, message):
     import re
 
-    from jobs.cli import main
+    from shardline.jobs.cli import main
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI")

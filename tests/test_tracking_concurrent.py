@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from training.launchers.local import process_context
+from shardline.training.launchers.local import process_context
 
 ROUNDS = 5
 PROCESSES = 4
@@ -23,7 +23,7 @@ def _manifest(r: int):
 def _log_rounds(uri: str, dataset_dir: str, barrier, results) -> None:
     import mlflow
 
-    from training.tracking import log_dataset_input
+    from shardline.training.tracking import log_dataset_input
 
     mlflow.set_tracking_uri(uri)
     mlflow.set_experiment("concurrent-inputs")
@@ -40,7 +40,7 @@ def _log_rounds(uri: str, dataset_dir: str, barrier, results) -> None:
 def test_runs_logging_the_same_dataset_at_once_all_keep_it(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from training.tracking import dataset_digest
+    from shardline.training.tracking import dataset_digest
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     dataset_dir = str(tmp_path / "dataset")

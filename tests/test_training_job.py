@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.errors import ConfigError, DataError, ShardlineError
-from pipelines.manifest import load_manifest
-from training.config import TrackingConfig, TrainingConfig
-from training.job import run_training
-from training.tracking import dataset_digest
+from shardline.pipelines.errors import ConfigError, DataError, ShardlineError
+from shardline.pipelines.manifest import load_manifest
+from shardline.training.config import TrackingConfig, TrainingConfig
+from shardline.training.job import run_training
+from shardline.training.tracking import dataset_digest
 
 from .conftest import REPO, shardline, shardline_here
 

@@ -13,10 +13,10 @@ import urllib.request
 import mlflow
 import pytest
 
-from jobs.ui import ui_hint
+from shardline.jobs.ui import ui_hint
 from tests.conftest import shardline_here
 from tests.fixtures_clusters import _start, _stop, _wait
-from training.launchers import free_port
+from shardline.training.launchers import free_port
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -63,7 +63,7 @@ def test_ui_shows_the_run_in_chromium(tmp_path):
     assert hint.startswith("shardline ui --set tracking.tracking_uri=")
     port = free_port()
     log = tmp_path / "ui.log"
-    proc = _start([sys.executable, "-m", "jobs.cli", *shlex.split(hint)[1:], "--port", str(port)], log)
+    proc = _start([sys.executable, "-m", "shardline.jobs.cli", *shlex.split(hint)[1:], "--port", str(port)], log)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait(lambda: _healthy(url), "shardline ui", [proc], [log])

@@ -42,8 +42,8 @@ import uuid
 # No `import torch` here: save() and load() import it. Every CLI command resolves its job's
 # checkpoint folder (job_dir) through this module, and prepare and score never need torch
 # (its import was 1.1 s of each such command here).
-from pipelines import storage
-from pipelines.errors import ConfigError, DataError, StorageError
+from shardline.pipelines import storage
+from shardline.pipelines.errors import ConfigError, DataError, StorageError
 
 from .config import TrainingConfig
 

@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from pipelines.config import Section
-from pipelines.manifest import BandwidthPlan
+from shardline.pipelines.config import Section
+from shardline.pipelines.manifest import BandwidthPlan
 
 
 class TrainingConfig(Section):

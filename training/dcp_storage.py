@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
-from pipelines import storage
+from shardline.pipelines import storage
 
 
 class StoreFileSystem(FileSystemBase):

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipelines import storage
-from pipelines.errors import ConfigError, DataError, ShardlineError, StorageError
-from pipelines.lease import LEASE_NAME, Lease
-from pipelines.manifest import ShardManifest, load_manifest, sequences
-from pipelines.progress import ProgressListener, listen_address
+from shardline.pipelines import storage
+from shardline.pipelines.errors import ConfigError, DataError, ShardlineError, StorageError
+from shardline.pipelines.lease import LEASE_NAME, Lease
+from shardline.pipelines.manifest import ShardManifest, load_manifest, sequences
+from shardline.pipelines.progress import ProgressListener, listen_address
 
 from . import checkpoints, sharded_checkpoints
 from .config import TrackingConfig, TrainingConfig
@@ -247,7 +247,7 @@ def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guar
 def _check_capacity(cfg: TrainingConfig, spark, dask_client) -> None:
     """Enough task slots or workers for every rank, before anything starts."""
     if cfg.launcher == "spark" and spark is not None:
-        from pipelines.spark_probe import check_executors
+        from shardline.pipelines.spark_probe import check_executors
 
         from .launchers.spark import check_spark_slots
 

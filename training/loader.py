@@ -53,9 +53,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from pipelines import storage
-from pipelines.errors import ConfigError, DataError
-from pipelines.manifest import ShardInfo, ShardManifest
+from shardline.pipelines import storage
+from shardline.pipelines.errors import ConfigError, DataError
+from shardline.pipelines.manifest import ShardInfo, ShardManifest
 
 from .loader_batches import ShuffleBuffer, cut_batches
 

@@ -139,7 +139,7 @@ def when_reachable(call, tracking_uri: str, wait_s: float, checkpoint: str | Non
 
 
 def _gone(tracking_uri: str, wait_s: float, checkpoint: str | None, detail: str):
-    from pipelines.errors import ShardlineError
+    from shardline.pipelines.errors import ShardlineError
 
     return ShardlineError(
         f"tracking.tracking_uri: MLflow at {tracking_uri} has been unreachable since training "

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipelines.errors import ConfigError
-from pipelines.manifest import ShardManifest
-from pipelines.transform import continuous_width
+from shardline.pipelines.errors import ConfigError
+from shardline.pipelines.manifest import ShardManifest
+from shardline.pipelines.transform import continuous_width
 
 from .config import TrainingConfig
 

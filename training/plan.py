@@ -22,10 +22,10 @@ import time
 
 import torch
 
-from pipelines import storage
-from pipelines.errors import DataError
-from pipelines.manifest import BandwidthPlan, ShardManifest
-from pipelines.transform import continuous_width
+from shardline.pipelines import storage
+from shardline.pipelines.errors import DataError
+from shardline.pipelines.manifest import BandwidthPlan, ShardManifest
+from shardline.pipelines.transform import continuous_width
 
 from .config import TrainingConfig
 from .job import preflight

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -25,8 +26,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from pipelines.config import FeatureSpec
-from pipelines.manifest import FittedStatistics, ShardManifest
+from shardline.pipelines.config import FeatureSpec
+from shardline.pipelines.manifest import FittedStatistics, ShardManifest
 
 WEIGHTS = "model"  # artifact names inside the logged model
 TRANSFORM = "transform"
@@ -58,8 +59,8 @@ def predict_raw(model, spec: FeatureSpec, stats: FittedStatistics, rows: pd.Data
     """Predictions for raw rows; a row the transform cannot take is refused, naming it."""
     import torch
 
-    from pipelines.rows import INVALID, parse_features
-    from pipelines.transform import features
+    from shardline.pipelines.rows import INVALID, parse_features
+    from shardline.pipelines.transform import features
 
     table = _table(rows, spec)
     numeric, categorical, vectors, problems = parse_features(table, spec)
@@ -152,13 +153,16 @@ def log_raw_model(model, manifest: ShardManifest, registered_name: str | None, *
     """Log `model` as a RawRowsModel of `manifest`'s transform; MLflow's ModelInfo."""
     import torch
 
-    import pipelines
-    import training
+    from shardline.pipelines.engines import code_files
 
     spec, stats = manifest.feature_spec, manifest.statistics
     # MLflow loads the model back to check its input example: no download bars on the console.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     with tempfile.TemporaryDirectory() as d:
+        code = os.path.join(d, "code")
+        for arcname, f in code_files():  # shardline/{__init__.py,pipelines,training,serving}
+            os.makedirs(os.path.dirname(os.path.join(code, arcname)), exist_ok=True)
+            shutil.copyfile(f, os.path.join(code, arcname))
         weights, transform = os.path.join(d, "model.pt"), os.path.join(d, "transform.json")
         # The whole module pickled: its class ships with the model (code_paths).
         torch.save(model, weights)
@@ -171,7 +175,7 @@ def log_raw_model(model, manifest: ShardManifest, registered_name: str | None, *
             artifacts={WEIGHTS: weights, TRANSFORM: transform},
             signature=signature(spec, stats),
             input_example=example_rows(spec, stats),
-            code_paths=[str(Path(pipelines.__file__).parent), str(Path(training.__file__).parent)],
+            code_paths=[os.path.join(code, "shardline")],
             registered_model_name=registered_name,
             **kwargs,
         )

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import uuid
 
-from pipelines import storage
-from pipelines.errors import ConfigError
+from shardline.pipelines import storage
+from shardline.pipelines.errors import ConfigError
 
 from . import collectives
 from .config import TrainingConfig

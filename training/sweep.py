@@ -21,8 +21,8 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from pipelines.storage import join as join_url, resolve as resolve_path
-from pipelines.errors import ConfigError, DataError, ShardlineError
+from shardline.pipelines.storage import join as join_url, resolve as resolve_path
+from shardline.pipelines.errors import ConfigError, DataError, ShardlineError
 
 from .config import TrackingConfig, TrainingConfig
 from .job import preflight, run_training

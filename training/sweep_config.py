@@ -7,7 +7,7 @@ from typing import Literal, get_origin
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from pipelines.config import Section
+from shardline.pipelines.config import Section
 
 from .config import TrainingConfig
 

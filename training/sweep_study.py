@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipelines.errors import ConfigError, ShardlineError
+from shardline.pipelines.errors import ConfigError, ShardlineError
 
 from .config import TrainingConfig
 from .sweep_config import ParamSpace, SweepConfig

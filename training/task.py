@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from pipelines.manifest import ShardManifest
+from shardline.pipelines.manifest import ShardManifest
 
 CLASSIFICATION, REGRESSION = "classification", "regression"
 # Per-epoch figures each task logs for a split ("train", "val"), the loss first.

@@ -7,8 +7,8 @@ import sys
 import tempfile
 import time
 
-from pipelines import storage
-from pipelines.errors import ShardlineError
+from shardline.pipelines import storage
+from shardline.pipelines.errors import ShardlineError
 
 from .mlflow_outage import Outbox, bound_http, unreachable
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pipelines import progress, storage
-from pipelines.manifest import ShardManifest, load_manifest
+from shardline.pipelines import progress, storage
+from shardline.pipelines.manifest import ShardManifest, load_manifest
 
 from . import checkpoints, collectives, sharded_checkpoints, task
 from .config import TrainingConfig

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pipelines.errors import ShardlineError
+from shardline.pipelines.errors import ShardlineError
 
 from .guard import DriverGuard, RankError, is_permanent
 

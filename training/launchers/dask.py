@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipelines.errors import ShardlineError
+from shardline.pipelines.errors import ShardlineError
 
 from . import DriverGuard, RankFn, TrainingFailed, free_port, run_in_group
 

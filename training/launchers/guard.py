@@ -60,7 +60,7 @@ def error_line(e: BaseException) -> str:
 
 def is_permanent(e: BaseException) -> bool:
     """Would a relaunch from the last checkpoint fail the same way?"""
-    from pipelines.errors import ShardlineError
+    from shardline.pipelines.errors import ShardlineError
 
     from . import TrainingFailed
 
@@ -119,7 +119,7 @@ class DriverGuard:
 
     @classmethod
     def for_this_process(cls, lease_url: str, job: str, ttl_s: float) -> DriverGuard:
-        from pipelines.lease import _me, _start_ticks
+        from shardline.pipelines.lease import _me, _start_ticks
 
         me = _me()
         return cls(lease_url, job, ttl_s, me["host"], me["boot_id"], me["pid_ns"], os.getpid(),
@@ -133,7 +133,7 @@ class DriverGuard:
 
     def gone(self) -> str | None:
         """Why this rank's job is over, or None while its driver holds the lease."""
-        from pipelines.lease import Lease
+        from shardline.pipelines.lease import Lease
 
         try:
             holder = Lease.holder(self.lease_url)
@@ -149,7 +149,7 @@ class DriverGuard:
         return None
 
     def _driver_dead(self) -> bool:
-        from pipelines.lease import _alive, _me
+        from shardline.pipelines.lease import _alive, _me
 
         # A Dask worker or Spark executor on this host may sit in another pid namespace
         # (a container): there the driver's pid means nothing, and only the lease counts.

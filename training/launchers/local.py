@@ -31,7 +31,7 @@ from .guard import die_with_parent
 # a sharded strategy saves or loads; MLflow's SQL store, ~0.85 s, which rank 0 imports to
 # report to the default (SQLite) tracking store (opening the store after that: ~0.06 s).
 PRELOAD = [
-    "torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint", "training.worker",
+    "torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint", "shardline.training.worker",
     "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store",
 ]  # fmt: skip
 
@@ -120,7 +120,7 @@ def _torch_threads(world_size: int) -> None:
 
 def _is_bug(e: BaseException) -> bool:
     """A failure the user cannot fix from its one line (not bad input or storage, not a lost peer)."""
-    from pipelines.errors import ShardlineError
+    from shardline.pipelines.errors import ShardlineError
 
     from .guard import is_permanent
 

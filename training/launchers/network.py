@@ -16,8 +16,8 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from pipelines.environ import restored
-from pipelines.errors import ConfigError
+from shardline.pipelines.environ import restored
+from shardline.pipelines.errors import ConfigError
 
 VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 

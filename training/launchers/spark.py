@@ -12,9 +12,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pipelines.errors import ShardlineError
-from pipelines.spark_probe import failed_task, spark_error_line
-from pipelines.spark_setup import spark_master, spark_setting
+from shardline.pipelines.errors import ShardlineError
+from shardline.pipelines.spark_probe import failed_task, spark_error_line
+from shardline.pipelines.spark_setup import spark_master, spark_setting
 
 from . import DriverGuard, RankFn, TrainingFailed, free_port, run_in_group
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib import import_module
 
-from pipelines.errors import ConfigError
+from shardline.pipelines.errors import ConfigError
 
 from .base import Strategy
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from pipelines.errors import ConfigError
+from shardline.pipelines.errors import ConfigError
 
 from .. import collectives
 from ..config import TrainingConfig

@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from pipelines.errors import ConfigError
+from shardline.pipelines.errors import ConfigError
 
 from ..config import TrainingConfig
 from .base import OptimizerFactory, autocast_for, mesh_for, train_step

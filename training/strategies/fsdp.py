@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from pipelines.errors import ConfigError
+from shardline.pipelines.errors import ConfigError
 
 from .. import sharded_checkpoints
 from ..config import TrainingConfig

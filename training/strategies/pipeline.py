@@ -21,7 +21,7 @@ from statistics import fmean
 import torch
 from torch import nn
 
-from pipelines.errors import ConfigError
+from shardline.pipelines.errors import ConfigError
 
 from .. import collectives
 from ..config import TrainingConfig

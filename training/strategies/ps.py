@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipelines.errors import ConfigError
+from shardline.pipelines.errors import ConfigError
 
 from .. import collectives
 from ..config import TrainingConfig

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from pipelines.errors import ConfigError
+from shardline.pipelines.errors import ConfigError
 
 from ..config import TrainingConfig
 from ..models import TP_PLANS, Attention, TabularMLP, tp_plan
