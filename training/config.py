@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -72,7 +72,28 @@ class TrainingConfig(Section):
         2, ge=0, description="ps async: a worker may run at most this many steps ahead of the "
         "slowest worker (stale synchronous parallel); 0 is lockstep.",
     )
-    model: str = Field("mlp", description="Model, by name (training.models).")
+    model: str = Field(
+        "mlp", description="The model: a built-in name (mlp, cnn, transformer) or the import path "
+        "of your own factory, 'package.module:callable', which receives the prepared inputs' "
+        "description and training.model_args and returns an nn.Module.",
+    )
+    model_args: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for the model factory (a free-form table).",
+    )
+    loss: str | None = Field(
+        None, description="Your own loss, 'package.module:callable' taking (output, target) and "
+        "returning a scalar tensor; unset: cross-entropy for classification, MSE for regression.",
+    )
+    metrics: list[str] = Field(
+        default_factory=list, description="Your own metrics, each 'package.module:callable' taking "
+        "(output, target) and returning a number; computed on the validation split and logged to "
+        "MLflow under the callable's name.",
+    )
+    code_paths: list[str] = Field(
+        default_factory=list, description="Folders (or .py files) of your own code shipped to every "
+        "rank and executor and stored with the registered model, beside the package that "
+        "training.model's import path names (found from the folder the command runs in).",
+    )
     hidden: list[int] = Field(
         default_factory=lambda: [128, 64],
         description="mlp: hidden widths; cnn: hidden[0] channels; transformer: hidden[0] is "

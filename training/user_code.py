@@ -1,0 +1,89 @@
+"""The user's own code: objects named by import path, and the folders that hold them.
+
+`training.model`, `training.loss` and `training.metrics` may name the user's callables as
+'package.module:callable'. They are imported on the driver first (a bad path is one line
+before any engine starts), and the folders holding them travel with the job: to local
+ranks, Spark executors, Dask workers, and into the registered model.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+from shardline.pipelines.errors import ConfigError
+
+
+def is_import_path(name: str) -> bool:
+    return ":" in name
+
+
+def cwd_on_path() -> None:
+    """The folder the command runs from is importable, as with `python -m` (a console
+    script's sys.path[0] is its bin folder, not the user's project)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+
+
+def import_object(path: str, setting: str):
+    """The object `path` ('package.module:attr.attr') names; one ConfigError line if not."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"{setting}: {path!r} is not an import path 'package.module:callable'")
+    cwd_on_path()
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - any error in the user's module is theirs to see
+        raise ConfigError(f"{setting}: cannot import module {module_name!r} ({type(e).__name__}: {e})") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ConfigError(f"{setting}: module {module_name!r} has no attribute {attr!r}") from None
+    return obj
+
+
+def _installed_roots() -> set[Path]:
+    paths = sysconfig.get_paths()
+    return {Path(paths[k]).resolve() for k in ("purelib", "platlib", "stdlib", "platstdlib") if k in paths}
+
+
+def package_location(path: str) -> Path | None:
+    """The folder (or single .py file) of the top-level package `path` imports from, when
+    it is the user's own code: None for shardline itself and for installed packages."""
+    top = path.partition(":")[0].split(".")[0]
+    if top == "shardline":
+        return None
+    cwd_on_path()
+    spec = importlib.util.find_spec(top)
+    if spec is None or spec.origin in (None, "built-in", "frozen"):
+        return None
+    origin = Path(spec.origin).resolve()
+    where = origin.parent if origin.name == "__init__.py" else origin
+    roots = _installed_roots()
+    if any(root == where or root in where.parents for root in roots):
+        return None
+    return where
+
+
+def user_code_folders(import_paths: list[str], code_paths: list[str]) -> list[str]:
+    """Absolute folders/files of the user's code: each import path's own package (unless
+    installed) and every `training.code_paths` entry, resolved on the driver."""
+    out: list[str] = []
+    for p in import_paths:
+        if p and is_import_path(p):
+            where = package_location(p)
+            if where is not None and str(where) not in out:
+                out.append(str(where))
+    for c in code_paths:
+        where = Path(c).expanduser().resolve()
+        if not where.exists():
+            raise ConfigError(f"training.code_paths: {c!r} does not exist (resolved to {where})")
+        if str(where) not in out:
+            out.append(str(where))
+    return out
