@@ -169,7 +169,7 @@ def dask_cli_cluster(tmp_path_factory) -> DaskCliCluster:
             def imports_shardline() -> bool:  # nested: pickled by value, the workers lack `tests`
                 import importlib.util
 
-                return importlib.util.find_spec("pipelines") is not None
+                return importlib.util.find_spec("shardline") is not None
 
             has = client.run(imports_shardline)
             assert not any(has.values()), f"the workers already import shardline: {has}"
