@@ -101,7 +101,9 @@ def strategy_rank(rank: int, world_size: int, p: dict) -> dict:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     shape = p.get("model") or {"model": "transformer", "hidden": [D_MODEL] * LAYERS, "heads": HEADS}
-    cfg = TrainingConfig(world_size=world_size, batch_size=p["global_batch"], **shape, **p["settings"])
+    # The bench measures the pipeline's bubble: timing on (a training run has it off).
+    cfg = TrainingConfig(world_size=world_size, batch_size=p["global_batch"], pipeline_timing=True, **shape,
+                         **p["settings"])
     # The strategy's modules first: importing FSDP2's or DTensor's adds 35-50 MB of RSS,
     # which is code, not what the strategy's training holds.
     strategy = get_strategy(cfg.strategy)

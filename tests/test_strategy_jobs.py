@@ -50,8 +50,10 @@ def test_strategy_job_resumes_exactly_and_its_model_scores(name, prepared, dask_
     assert result.metrics["val_accuracy"] > 0.5  # 3 classes: it learned
     run = MlflowClient(tracking_uri).get_run(result.run_id)
     # The strategy's own figures (tensor's and fsdp's collectives run inside torch: none).
-    own = {"ps": "ps_push_ms", "pipeline": "pipeline_bubble"}.get(name)
+    own = {"ps": "ps_push_ms", "pipeline": "pipeline_bubble_formula"}.get(name)
     assert own is None or own in run.data.metrics, sorted(run.data.metrics)
+    # A training run does not time its pipeline (training.pipeline_timing): no measured bubble.
+    assert "pipeline_bubble" not in run.data.metrics, sorted(run.data.metrics)
     # Every tensor the job handed to training.collectives passed its device check (here the
     # CPU: a wrong device raises): the worker's metrics and evaluation, and the strategy's own.
     calls = result.collective_calls

@@ -60,6 +60,12 @@ class TrainingConfig(Section):
         None, description="pipeline: index of the first layer of each stage after the first "
         "(pp x pipeline_stages_per_rank - 1 increasing numbers); unset: stages balanced by parameter count.",
     )
+    pipeline_timing: bool = Field(
+        False, description="pipeline: time every stage action and report the measured bubble "
+        "(pipeline_bubble, _predicted, pipeline_cpu_wait, held activations) per epoch. Off by "
+        "default: it waits for the device at every action, which on a GPU removes the overlap "
+        "of compute and communication; `shardline bench strategies` turns it on.",
+    )
     ps_servers: int = Field(
         1, ge=1, description="strategy ps: ranks that hold the parameters (the last ones); "
         "the others are workers.",

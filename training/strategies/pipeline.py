@@ -27,6 +27,8 @@ from .. import collectives
 from ..config import TrainingConfig
 from ..task import task_loss
 from .base import OptimizerFactory, average_gradients, mesh_for
+from torch.distributed.pipelining import PipelineStage
+
 from .pipeline_timing import RankClock, StepLog, TimedStage, step_bubbles
 from .schedule import SCHEDULES, Layout, ReplayStuck, closed_form, grid, in_flight, layout, schedule_bubble
 
@@ -200,14 +202,17 @@ class PipelineRank:
         self.layout = lay = pipeline_layout(cfg)
         self.pp_rank = mesh.inner_index(rank)  # position in the pipeline
         bounds = stage_bounds(cfg, model, lay.stages)
-        self.clock = RankClock(device)
-        self.stages = [
-            TimedStage(
-                StageLayers(model, bounds[s], bounds[s + 1], cfg.precision == "bf16").to(device),
-                s, lay.stages, device, group=self.pp_group, clock=self.clock,
-            )
-            for s in lay.rank_stages(self.pp_rank)
-        ]
+        # Timing is opt-in (training.pipeline_timing): it synchronises the device around
+        # every action, which a GPU run cannot afford; the plain stage keeps the overlap.
+        self.clock = RankClock(device) if cfg.pipeline_timing else None
+
+        def stage(s: int) -> PipelineStage:
+            layers = StageLayers(model, bounds[s], bounds[s + 1], cfg.precision == "bf16").to(device)
+            if self.clock is None:
+                return PipelineStage(layers, s, lay.stages, device, group=self.pp_group)
+            return TimedStage(layers, s, lay.stages, device, group=self.pp_group, clock=self.clock)
+
+        self.stages = [stage(s) for s in lay.rank_stages(self.pp_rank)]
         self.params = [p for stage in self.stages for p in stage.submod.parameters()]
         # A rank of parameterless layers (a reshape) has nothing to optimise.
         self.optimizer = make_optimizer(self.params) if self.params else None
@@ -224,7 +229,8 @@ class PipelineRank:
 
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = task_loss(logits, y)
-        self.clock.extend_last_forward()
+        if self.clock is not None:
+            self.clock.extend_last_forward()
         return loss
 
     def step(self, x, y):
@@ -232,14 +238,16 @@ class PipelineRank:
             stage.submod.train()
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
-        # The pipeline's ranks start the step together: its span is then the longest
-        # rank's time in it (pipeline_timing.py). Every rank waits on the first one anyway.
-        collectives.barrier(group=self.pp_group)
-        self.clock.begin(first=self.steps_run == 0)
+        if self.clock is not None:
+            # Timed, the pipeline's ranks start the step together: its span is then the
+            # longest rank's time in it (pipeline_timing.py).
+            collectives.barrier(group=self.pp_group)
+            self.clock.begin(first=self.steps_run == 0)
         args = (x,) if self.first else ()
         losses: list[torch.Tensor] = []  # each micro-batch's mean loss, on the last stage
         logits = self.schedule.step(*args, target=y if self.last else None, losses=losses)
-        self.clock.end()
+        if self.clock is not None:
+            self.clock.end()
         self.steps_run += 1
         # The replicas' pipelines average their gradients: no pipeline bubble, outside the step.
         average_gradients(self.params, self.dp_group, self.dp)
@@ -273,14 +281,18 @@ class PipelineRank:
         """Every rank of this pipeline's step logs since the last call, logs[rank][step].
         Collective over the pipeline's group. The schedule's first step also measured
         shapes and connected the stages: it is left out."""
+        if self.clock is None:
+            return []
         mine = [log for log in self.clock.take() if not log.first]
         return collectives.all_gather_object(mine, group=self.pp_group)
 
     def epoch_metrics(self) -> dict[str, float]:
         """Collective over the pipeline's group (every rank calls it at an epoch's end)."""
+        metrics = {"pipeline_bubble_formula": self.bubble_formula}
+        if self.clock is None:
+            return metrics
         logs = self.gathered_steps()
         me = self.pp_rank
-        metrics = {"pipeline_bubble_formula": self.bubble_formula}
         bubbles = step_bubbles(self.layout, logs)
         if bubbles:
             metrics["pipeline_bubble"] = fmean(b.measured[me] for b in bubbles)
