@@ -104,9 +104,8 @@ def _walk(model, prefix: str, out: list) -> None:
     leaves, subsections = [], []
     for name, field in model.model_fields.items():
         sub, many = _section_of(field.annotation)
-        if sub is None:
-            leaves.append((name, field))
-        else:
+        leaves.append((name, field))  # a section too gets its row, pointing at its own table
+        if sub is not None:
             subsections.append((f"{prefix}.{name}" + (".<name>" if many else ""), sub, field))
     out.append((prefix, model, leaves))
     for path, sub, _field in subsections:
@@ -128,16 +127,25 @@ def settings_page() -> str:
         "setting or a wrong type is refused in one line naming it, exit code 2, before anything "
         "starts.\n\n",
     ]
+    lines.append("| section | owned by | |\n|---|---|---|\n")
+    for name, field in ShardlineConfig.model_fields.items():
+        owner = field.annotation.__module__.removeprefix("shardline.").split(".")[0]
+        lines.append(f"| `{name}` | `{owner}` | see [`[{name}]`](#{name}) |\n")
+    lines.append("\n")
     for path, model, leaves in sections:
         lines.append(f"## `[{path}]`\n\n")
         doc = inspect.getdoc(model) if model.__doc__ else ""
         if doc and not doc.startswith(("Base for", "A base")):
             lines.append(" ".join(doc.split()) + "\n\n")
-        if not leaves:
-            lines.append("Holds only the sections below.\n\n")
-            continue
         lines.append("| setting | type | default | description |\n|---|---|---|---|\n")
         for name, field in leaves:
+            sub, many = _section_of(field.annotation)
+            if sub is not None:
+                title = f"{path}.{name}" + (".<name>" if many else "")
+                what = "a table of sections, one per name" if many else "a section"
+                anchor = "".join(c for c in title.lower() if c.isalnum() or c in "-_")
+                lines.append(f"| `{path}.{name}` | {what} | | see [`[{title}]`](#{anchor}) |\n")
+                continue
             kind = _type(field.annotation)
             limits = _limits(field)
             kind = f"{kind} ({limits})" if limits else kind
