@@ -143,13 +143,19 @@ class _Reference:
         self.weights, self.checkpoint_dir = result.weights, checkpoint_dir
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The runner's flags (also rendered into docs/reference/cli.md by docs/gen_ref.py)."""
     ap = argparse.ArgumentParser(prog="python -m shardline.jobs.faults", description=__doc__.split("\n\n")[0])
     ap.add_argument("config", nargs="?", help="a shardline config (TOML)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                    help="override any config field (repeatable)")
     ap.add_argument("--case", dest="cases", action="append", choices=list(CASES), help="(repeatable; default all)")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.list:
         for name, fn in CASES.items():
             print(name)

@@ -1,5 +1,6 @@
 """Safe defaults on a user's own small data (#16 items 1 and 7): no silent non-training,
-checkpoints per job, and the exit codes the README's table promises."""
+checkpoints per job, and the exit codes the reference page promises (its table is
+tests/bad_input_cases.py: EXIT_CODES, rendered into docs/reference/errors.md)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from shardline.training import checkpoints
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 
+from .bad_input_cases import EXIT_CODES
 from .conftest import REPO, shardline, shardline_here
 from .defaults_helpers import small_dataset  # noqa: F401 (a fixture)
 
@@ -134,11 +136,12 @@ def test_a_pointer_without_fingerprint_falls_back_to_the_checkpoint(tmp_path):
 # -- item 5: the exit-code table ----------------------------------------------------------
 
 
-def test_readme_exit_code_table_matches_the_errors():
-    text = (REPO / "README.md").read_text()
-    table = text.split("### Exit codes", 1)[1].split("\n\n", 2)[1]
+def test_exit_code_table_matches_the_errors():
+    assert EXIT_CODES.keys() == {0, 1, 2, 75, 130}
+    text = (REPO / "docs" / "reference" / "errors.md").read_text()
+    table = text.split("## Exit codes", 1)[1].split("\n\n", 2)[1]
     rows = {int(m.group(1)): m.group(2) for m in re.finditer(r"^\| `?(\d+)`? \|(.*)$", table, re.M)}
-    assert rows.keys() == {0, 1, 2, 75, 130}, rows
+    assert rows.keys() == EXIT_CODES.keys(), rows
     assert ConfigError.exit_code == 2 and "ConfigError" in rows[2]
     assert ShardlineError.exit_code == DataError.exit_code == 1 and "DataError" in rows[1]
     assert LeaseHeld.exit_code == 75 and "LeaseHeld" in rows[75]

@@ -1,0 +1,138 @@
+"""The bad-input catalog and the exit codes: one table each, the source of truth for both
+the test that runs every case (tests/test_bad_input_catalog.py, tests/test_defaults.py)
+and the reference page generated from them (docs/reference/errors.md, `python
+docs/gen_ref.py`). A case added here is run by the test and listed on the page.
+
+Each case is a user's mistake run through the real CLI: its exit code, a fragment of its one
+line on stderr, and what it needs in place first (a config addition, a setup).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardline.training import checkpoints
+from shardline.training.config import TrainingConfig
+
+# code -> (meaning, the exception classes or click errors that raise it). tests/test_defaults.py
+# checks each class's exit_code against this table.
+EXIT_CODES: dict[int, tuple[str, str]] = {
+    0: ("done", ""),
+    1: ("bad data or a refused run: a missing or unreadable input, a dataset that cannot train as "
+        "configured (world size over shards, a global batch that gives a rank 0 steps an epoch), a "
+        "checkpoint of another job, unreachable storage or MLflow",
+        "`ShardlineError`, `DataError`, `StorageError` (`pipelines/errors.py`)"),
+    2: ("a config or usage error: a missing or invalid config file, an unknown setting, a wrong type or "
+        "value, a bad flag", "`ConfigError`, click's usage errors"),
+    75: ("another job holds the lease of the dataset, checkpoint or output directory: try again later "
+         "(EX_TEMPFAIL)", "`LeaseHeld`"),
+    130: ("interrupted (Ctrl-C)", ""),
+}
+
+
+@dataclass
+class Case:
+    what: str  # the mistake, as the reference page says it
+    args: list[str]  # after `shardline`; {cfg} is the case's config file, {dir} its folder
+    code: int
+    message: str  # a fragment of the one line on stderr
+    toml: str = ""  # appended to the base config (a section header, then its settings)
+    setup: Callable[[Path, str], object] | None = None  # (case dir, dataset dir) -> context or None
+
+
+def _others_checkpoints(folder: Path, _dataset: str) -> None:
+    cfg = TrainingConfig(hidden=[16], batch_size=64)
+    checkpoints.save(str(folder / "ckpt"), 5, {"fingerprint": checkpoints.fingerprint(cfg, "v")}, keep=3)
+
+
+def _file_as_checkpoint_dir(folder: Path, _dataset: str) -> None:
+    (folder / "ckpt").write_text("not a folder")
+
+
+def _bad_manifest(folder: Path, _dataset: str) -> None:
+    (folder / "ds").mkdir()
+    (folder / "ds" / "manifest.json").write_text("{not json")
+
+
+def _hold_dataset(folder: Path, dataset: str):
+    from shardline.pipelines.prepare import dataset_lease
+
+    return dataset_lease(dataset)
+
+
+def _hold_output(folder: Path, _dataset: str):
+    from shardline.serving.ledger import output_lease
+
+    return output_lease(str(folder / "out"))
+
+
+T = ["train", "{cfg}"]
+CASES = [
+    # -- the config file and --set (exit 2)
+    Case("config file missing", ["train", "{dir}/nope.toml"], 2, "nope.toml: config file not found"),
+    Case("config is not TOML", T, 2, "invalid TOML", toml="[training\n"),
+    Case("unknown setting", T, 2, "unknown setting 'training.epochz'", toml="epochz = 3\n"),
+    Case("wrong type", T, 2, "training.seed: Input should be a valid integer", toml="seed = 'zero'\n"),
+    Case("--set without =", [*T, "--set", "training.epochs"], 2, "expected section.field=value"),
+    Case("--set into a value", [*T, "--set", "training.epochs.x=1"], 2, "'epochs' is a value, not a section"),
+    Case("world size 0", [*T, "--set", "training.world_size=0"], 2,
+         "training.world_size: Input should be greater than or equal to 1"),
+    Case("negative learning rate", [*T, "--set", "training.lr=-1"], 2, "training.lr: Input should be greater than 0"),
+    Case("unknown launcher in the config", [*T, "--set", "training.launcher='yarn'"], 2,
+         "training.launcher: Input should be 'spark', 'dask' or 'local'"),
+    Case("a column used twice", [*T, "--set", "pipelines.features.numeric=['a','a']"], 2,
+         "column(s) used twice in the feature spec: a"),
+    Case("no feature column", [*T, "--set", "pipelines.features.numeric=[]"], 2,
+         "the feature spec names no feature column"),
+    Case("split fractions off", [*T, "--set", "pipelines.split.val=0.5"], 2, "split fractions must sum to 1"),
+    # -- flags (exit 2)
+    Case("unknown launcher flag", [*T, "--launcher", "yarn"], 2, "Invalid value for '--launcher'"),
+    Case("world size not a number", [*T, "--world-size", "two"], 2, "Invalid value for '--world-size'"),
+    Case("--refit without --append", ["prepare", "{cfg}", "--refit"], 2, "--refit goes with --append"),
+    Case("score without a model", ["score", "{cfg}"], 2, "no model: pass --model or set serving.model_uri"),
+    Case("unknown command", ["trian", "{cfg}"], 2, "No such command 'trian'"),
+    Case("benchmark rounds below 1", ["bench", "score", "--rounds", "0"], 2, "Invalid value for '--rounds'"),
+    # -- training settings against the dataset (exit 2: a setting at fault)
+    Case("unknown model", [*T, "--set", "training.model=resnet"], 2, "unknown model 'resnet'"),
+    Case("unknown strategy", [*T, "--set", "training.strategy=zero"], 2, "unknown strategy 'zero'"),
+    Case("batch not a multiple of the ranks", [*T, "--set", "training.batch_size=101"], 2,
+         "training.batch_size 101 must be a multiple"),
+    Case("attention heads do not divide the width",
+         [*T, "--set", "training.model=transformer", "--set", "training.hidden=[30]"], 2,
+         "must be divisible by training.heads 4"),
+    Case("sweep with nothing to search", ["sweep", "{cfg}"], 2, "sweep.space is empty"),
+    Case("sweep objective not logged", ["sweep", "{cfg}", "--set", "sweep.objective='val_f1'"], 2,
+         "training does not produce 'val_f1'",
+         toml="[sweep.space.lr]\ntype = 'float'\nlow = 0.001\nhigh = 0.1\n"),
+    Case("relative path on a cluster", [*T, "--set", "spark.master='spark://10.1.2.3:7077'",
+                                        "--set", "training.checkpoint_dir='ckpt'"], 2,
+         "training.checkpoint_dir = 'ckpt' is a relative path"),
+    # -- the data or a refused run (exit 1)
+    Case("default batch over a small dataset (0 steps)", [*T, "--set", "training.batch_size=512"], 1,
+         "every epoch would take 0 optimizer steps"),
+    Case("more ranks than shards", [*T, "--world-size", "8"], 1, "world size 8 is greater than the 2 shard(s)"),
+    Case("no prepared dataset", [*T, "--set", "pipelines.dataset_dir='{dir}/none'"], 1,
+         "no manifest; run `shardline prepare` first"),
+    Case("manifest is not JSON", [*T, "--set", "pipelines.dataset_dir='{dir}/ds'"], 1, "not valid JSON",
+         setup=_bad_manifest),
+    Case("plan without a dataset", ["plan", "{cfg}", "--set", "pipelines.dataset_dir='{dir}/none'"], 1,
+         "no manifest"),
+    Case("resume with no checkpoint", [*T, "--resume"], 1, "no checkpoint to resume from"),
+    Case("another job's checkpoints in checkpoint_dir", T, 1,
+         "holds another job's checkpoints", setup=_others_checkpoints),
+    Case("checkpoint_dir is a file", T, 1, "exists and is not a directory", setup=_file_as_checkpoint_dir),
+    # -- MLflow down (exit 1, in seconds: not minutes of retries, never "not found")
+    Case("score with MLflow unreachable",
+         ["score", "{cfg}", "--model", "models:/m/1", "--output", "{dir}/out", "--engine", "dask",
+          "--set", "tracking.tracking_uri='http://127.0.0.1:9'"], 1,
+         "tracking.tracking_uri: MLflow at http://127.0.0.1:9 is not reachable"),
+    # -- held leases (exit 75)
+    Case("prepare while another prepare holds the dataset", ["prepare", "{cfg}", "--engine", "dask"], 75,
+         "is in use by", setup=_hold_dataset),
+    Case("score into an output another job holds",
+         ["score", "{cfg}", "--model", "models:/m/1", "--output", "{dir}/out", "--engine", "dask"], 75,
+         "is in use by", setup=_hold_output),
+]
+
