@@ -109,12 +109,11 @@ def class_files(root: str, shown: str) -> list[str]:
     hidden = [r for r in rel if any(p.startswith((".", "_")) for p in r.split("/"))]
     rel = [r for r in rel if r not in hidden]
     loose = [r for r in rel if "/" not in r]
+    if len(loose) == len(rel):
+        found = f"; found {len(loose)} image(s) directly in it" if loose else ""
+        raise DataError(f"{shown}: no class folders with images (images go in {shown}/<class name>/*.png{found})")
     if loose:
-        raise DataError(
-            f"{shown}: image '{loose[0]}' is not in a class folder (images go in {shown}/<class name>/)"
-        )
-    if not rel:
-        raise DataError(f"{shown}: no class folders with images (images go in {shown}/<class name>/*.png)")
+        raise DataError(f"{shown}: image '{loose[0]}' is not in a class folder (images go in {shown}/<class name>/)")
     return sorted(f"{root}/{r}" for r in rel)
 
 

@@ -63,8 +63,10 @@ def describe(files: list[str], fmt: str, delimiter: str) -> list[RawFile]:
     RawFile: its folder, with every image file in it.
     """
     if fmt == "images":
-        from .images import IMAGE_SCHEMA
+        from .images import IMAGE_SCHEMA, SUFFIXES, class_files
 
+        if len(files) == 1 and not files[0].lower().endswith(SUFFIXES):  # the folder (a source of old)
+            files = class_files(files[0], display(files[0]))
         root = files[0].rsplit("/", 2)[0]  # files are <root>/<class>/<name>
         return [RawFile(root, fmt, IMAGE_SCHEMA, files=tuple(files))]
     out = []

@@ -33,7 +33,7 @@ dicts, one entry per `manifest.tensors` name: `features` (float32 [B, d], when t
 spec has tabular columns), each tensor column (its dtype, [B, *shape]), each image
 column (uint8 [B, C, H, W], decoded from PNG/JPEG in the decoding threads) and `label`
 (int64 or float32 [B]). Tabular datasets keep yielding `(x, y)`. The shuffle buffer
-holds decoded rows: size `shuffle_buffer_rows` for images' memory (rows x C x H x W bytes).
+holds decoded rows, at most BUFFER_BYTES of them (`shuffle_buffer_rows` is lowered to fit).
 
 Prefetch: with `workers` >= 1 a producer thread assembles batches into a queue of
 `prefetch` batches, and `workers` threads decode up to 2 x workers row groups
@@ -72,6 +72,9 @@ _STATE_VERSION = 1
 # Settings that shape the sample order: a state saved under others cannot resume.
 _ORDER_KEYS = ("seed", "world_size", "local_batch", "shuffle_buffer_rows", "remainder", "steps")
 _DONE = object()  # the end of the read-ahead queue
+# Decoded rows the shuffle buffer may hold, in bytes: 65,536 rows of 224 x 224 RGB images
+# would be 9.9 GB. Tabular rows stay far below it (65,536 rows of 1,000 floats: 262 MB).
+BUFFER_BYTES = 1 << 30
 
 
 def _np_dtype(t: TensorSpec) -> np.dtype:
@@ -147,6 +150,10 @@ class ShardLoader:
         self._inputs: list[tuple[str, TensorSpec]] = [(n, t) for n, t in manifest.tensors.items() if n != "label"]
         self._images = manifest.feature_spec.images
         self._layout = [(tuple(t.shape), _np_dtype(t)) for _, t in self._inputs] + [((), self._y_dtype)]
+        row_bytes = sum(d.itemsize * math.prod(s) for s, d in self._layout)
+        # Capped by memory, not by chance: the cap depends on the manifest alone, so the
+        # order (and a saved state's shuffle_buffer_rows) is the same on every run.
+        self.shuffle_buffer_rows = min(shuffle_buffer_rows, max(1, BUFFER_BYTES // row_bytes))
 
         shards = manifest.split(split).shards
         mine = rank_shards(shards, rank, world_size)
