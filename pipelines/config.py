@@ -129,6 +129,11 @@ class TensorColumn(Section):
     truncate: bool = Field(
         False, description="1-D sequences only: cut a longer sequence to the declared length."
     )
+    pack: bool = Field(
+        False,
+        description="1-D sequences only: a row's value is a list of sequences (documents), "
+        "packed end to end into one row of the declared length (with pad_id / truncate).",
+    )
     vocab_size: int | None = Field(
         None, ge=1, description="Integer dtypes: an id at or above it (or below 0) is bad input."
     )
@@ -137,11 +142,14 @@ class TensorColumn(Section):
     def _valid(self) -> TensorColumn:
         if any(d < 1 for d in self.shape):
             raise ValueError(f"shape {self.shape}: every dimension must be >= 1")
-        sequence = self.pad_id is not None or self.truncate
+        sequence = self.pad_id is not None or self.truncate or self.pack
         if sequence and (len(self.shape) != 1 or self.dtype not in ("uint8", "int32", "int64")):
-            raise ValueError("pad_id and truncate are for 1-D integer (token id) tensors")
+            raise ValueError("pad_id, truncate and pack are for 1-D integer (token id) tensors")
         if self.vocab_size is not None and self.dtype not in ("uint8", "int32", "int64"):
             raise ValueError("vocab_size is for integer tensors")
+        bits = {"uint8": (0, 255), "int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
+        if self.pad_id is not None and not bits[self.dtype][0] <= self.pad_id <= bits[self.dtype][1]:
+            raise ValueError(f"pad_id {self.pad_id} does not fit dtype {self.dtype}")
         if self.pad_id is not None and self.vocab_size is not None and not 0 <= self.pad_id < self.vocab_size:
             raise ValueError(f"pad_id {self.pad_id} is outside the vocabulary 0..{self.vocab_size - 1}")
         return self

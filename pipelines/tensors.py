@@ -70,6 +70,8 @@ def parse_tensor(col, spec: TensorColumn, nulls: list[str]) -> tuple[np.ndarray,
     width = elements(spec)
     out = np.zeros((n, width), storage_dtype(spec.dtype))
     invalid = np.zeros(n, bool)
+    if spec.pad_id is not None:  # under the ids: what they leave uncovered (an empty sequence too)
+        out[:] = spec.pad_id
     if values is not None and len(values):
         flat, bad_value, not_finite, vocab = _typed(values, spec)
         for mask, target in ((bad_value, dtype_bad), (not_finite, invalid)):
@@ -79,7 +81,7 @@ def parse_tensor(col, spec: TensorColumn, nulls: list[str]) -> tuple[np.ndarray,
         problems["out_of_vocab"] = out_of_vocab & ~dtype_bad & ~shape_bad
         dtype_bad &= ~shape_bad
         good = ~shape_bad[row_of] & ~dtype_bad[row_of]
-        _scatter(out, flat[good], row_of[good], spec)
+        _scatter(out, flat[good], row_of[good])
     problems["bad_dtype"] = dtype_bad
     problems["invalid"] = invalid & ~shape_bad & ~dtype_bad
     bad = shape_bad | dtype_bad | problems.get("out_of_vocab", np.zeros(n, bool))
@@ -97,7 +99,18 @@ def _flatten_lists(col: pa.Array, spec: TensorColumn):
     bad = np.zeros(n, bool)
     row_of = np.arange(n)
     cur = col
-    sequence = spec.pad_id is not None or spec.truncate
+    if spec.pack:  # a list of sequences per row: their ids end to end, as one sequence
+        if not _is_list(cur.type.value_type):
+            return None, row_of, np.ones(n, bool)
+        null = pc.is_null(cur).to_numpy(zero_copy_only=False).astype(bool)
+        inner = cur.flatten()
+        parents = pc.list_parent_indices(cur).to_numpy(zero_copy_only=False)
+        np.logical_or.at(bad, parents[pc.is_null(inner).to_numpy(zero_copy_only=False).astype(bool)], True)
+        lengths = pc.fill_null(pc.list_value_length(inner), 0).to_numpy(zero_copy_only=False)
+        per_row = np.bincount(parents, weights=lengths, minlength=n).astype(np.int64)
+        offsets = np.r_[0, np.cumsum(per_row)].astype(np.int64)
+        cur = pa.LargeListArray.from_arrays(pa.array(offsets), inner.flatten(), mask=pa.array(null))
+    sequence = spec.pad_id is not None or spec.truncate or spec.pack
     for want in spec.shape:
         if not _is_list(cur.type):
             return None, row_of, np.ones(n, bool)  # fewer dimensions than declared
@@ -129,6 +142,8 @@ def _from_text(col: pa.Array, spec: TensorColumn, nulls: list[str], dtype_bad: n
     for i, v in enumerate(col.to_pylist() if is_text else [None] * n):
         try:
             v = json.loads(v) if isinstance(v, str) and v.strip().lower() not in null_set else None
+            if spec.pack and isinstance(v, list):
+                v = [x for seq in v for x in seq] if all(isinstance(s, list) for s in v) else None
             arr = np.asarray(v) if isinstance(v, list) else None
         except ValueError:  # not JSON, or ragged nesting
             arr = None
@@ -165,7 +180,7 @@ class _MixedRows:
 
 
 def _shape_ok(shape: tuple, spec: TensorColumn) -> bool:
-    if spec.pad_id is not None or spec.truncate:
+    if spec.pad_id is not None or spec.truncate or spec.pack:
         return len(shape) == 1 and (
             shape[0] == spec.shape[0]
             or (shape[0] < spec.shape[0] and spec.pad_id is not None)
@@ -208,16 +223,13 @@ def _typed(values, spec: TensorColumn):
     return x.astype(target), bad, ~finite, no
 
 
-def _scatter(out: np.ndarray, flat: np.ndarray, rows: np.ndarray, spec: TensorColumn) -> None:
-    """Put each good row's elements in place: padded with pad_id, cut at the declared length."""
+def _scatter(out: np.ndarray, flat: np.ndarray, rows: np.ndarray) -> None:
+    """Put each good row's elements in place, cut at the declared length."""
     if not len(rows):
         return
     starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])
     pos = np.arange(len(rows)) - np.repeat(starts, np.diff(np.r_[starts, len(rows)]))
     keep = pos < out.shape[1]
-    if spec.pad_id is not None:
-        padded = np.unique(rows)
-        out[padded] = np.asarray(spec.pad_id).astype(out.dtype)
     out[rows[keep], pos[keep]] = flat[keep]
 
 

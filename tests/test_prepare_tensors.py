@@ -287,3 +287,14 @@ def test_text_and_parquet_tensors_store_the_same_bytes():
     bf, _ = parse_tensor(pa.array(x.tolist()), TensorColumn(dtype="bfloat16", shape=[6]), [])
     want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     assert bf.view(np.uint16).tolist() == want.tolist()
+
+
+def test_packed_token_sequences_fill_the_declared_length():
+    spec = TensorColumn(dtype="int32", shape=[6], pad_id=9, truncate=True, pack=True)
+    rows = [[[1, 2], [3]], [[1, 2, 3], [4, 5, 6], [7]], None, [[]], [[5], None]]
+    arrow, found = parse_tensor(pa.array(rows), spec, [])
+    text, found_text = parse_tensor(pa.array([None if r is None else str(r).replace("None", "null") for r in rows]),
+                                    spec, ["null"])
+    assert arrow.tobytes() == text.tobytes()
+    assert arrow.view(np.int32).tolist()[:4] == [[1, 2, 3, 9, 9, 9], [1, 2, 3, 4, 5, 6], [0] * 6, [9] * 6]
+    assert found["bad_shape"].tolist() == found_text["bad_shape"].tolist() == [False, False, True, False, True]
