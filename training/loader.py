@@ -63,9 +63,9 @@ import torch
 from shardline.pipelines import storage
 from shardline.pipelines.errors import ConfigError, DataError
 from shardline.pipelines.manifest import ShardInfo, ShardManifest, TensorSpec
-from shardline.pipelines.tensors import decode_raw, storage_dtype
 
 from .loader_batches import ShuffleBuffer, cut_batches
+from .loader_columns import decode_column, held_dtype, to_torch
 
 REMAINDER_POLICIES = ("drop", "pad")
 _STATE_VERSION = 1
@@ -75,11 +75,6 @@ _DONE = object()  # the end of the read-ahead queue
 # Decoded rows the shuffle buffer may hold, in bytes: 65,536 rows of 224 x 224 RGB images
 # would be 9.9 GB. Tabular rows stay far below it (65,536 rows of 1,000 floats: 262 MB).
 BUFFER_BYTES = 1 << 30
-
-
-def _np_dtype(t: TensorSpec) -> np.dtype:
-    """How a decoded column is held: its stored dtype (bfloat16 as uint16 bits)."""
-    return storage_dtype(t.dtype) if t.encoding == "raw" else np.dtype(t.dtype)
 
 
 def rank_shards(shards: list[ShardInfo], rank: int, world_size: int) -> list[ShardInfo]:
@@ -149,7 +144,7 @@ class ShardLoader:
         # The inputs in shard column order, then the label: the columns of every chunk.
         self._inputs: list[tuple[str, TensorSpec]] = [(n, t) for n, t in manifest.tensors.items() if n != "label"]
         self._images = manifest.feature_spec.images
-        self._layout = [(tuple(t.shape), _np_dtype(t)) for _, t in self._inputs] + [((), self._y_dtype)]
+        self._layout = [(tuple(t.shape), held_dtype(t)) for _, t in self._inputs] + [((), self._y_dtype)]
         row_bytes = sum(d.itemsize * math.prod(s) for s, d in self._layout)
         # Capped by memory, not by chance: the cap depends on the manifest alone, so the
         # order (and a saved state's shuffle_buffer_rows) is the same on every run.
@@ -400,25 +395,9 @@ class ShardLoader:
         y = np.asarray(labels.to_numpy(zero_copy_only=False), dtype=self._y_dtype)
         if len(y) != rows:
             raise DataError(f"{path}: row group {g} holds {len(y)} rows; the manifest says {rows}")
-        chunk = [self._column(table.column(t.column).combine_chunks(), t, rows, f"{path}: row group {g}")
+        chunk = [decode_column(table.column(t.column), t, self._images, rows, f"{path}: row group {g}")
                  for _, t in self._inputs]
         return (*chunk, y)
-
-    def _column(self, arr, t: TensorSpec, rows: int, where: str) -> np.ndarray:
-        if t.encoding == "image":
-            from shardline.pipelines.images import decode_images
-
-            return decode_images(arr, self._images[t.column], f"{where}, column '{t.column}'")
-        if t.encoding == "raw":
-            return decode_raw(arr, t.dtype, t.shape)
-        width = t.shape[0]
-        # .flatten(), not .values: on a sliced list array .values is the whole parent.
-        x = np.asarray(arr.flatten().to_numpy(zero_copy_only=False), dtype=np.float32)
-        if len(x) != rows * width:
-            raise DataError(
-                f"{where} holds {len(x)} feature values; the manifest says {rows} rows of {width} features"
-            )
-        return x.reshape(rows, width)
 
     def _file(self, si: int) -> pq.ParquetFile:
         files = self._files.__dict__.setdefault("by_shard", {})
@@ -431,17 +410,7 @@ class ShardLoader:
         return files[si]
 
     def _to_torch(self, cols: tuple[np.ndarray, ...]):
-        out = []
-        for (_, t), c in zip([*self._inputs, ("label", None)], cols):
-            tensor = torch.from_numpy(c)
-            if t is not None and t.dtype == "bfloat16":
-                tensor = tensor.view(torch.bfloat16)  # stored as its 16 bits
-            if self.pin_memory:  # page-locked, so the host-to-GPU copy can be non-blocking
-                tensor = tensor.pin_memory()
-            out.append(tensor)
-        if not self._typed:
-            return out[0], out[1]
-        return {name: tensor for name, tensor in zip([n for n, _ in self._inputs] + ["label"], out)}
+        return to_torch(cols, self._inputs, self._typed, self.pin_memory)
 
     # -- the background producer -------------------------------------------------
 
