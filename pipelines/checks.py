@@ -55,6 +55,10 @@ def check_prepare(cfg: PipelineConfig, append: bool = False, refit: bool = False
         names = [generated.key, *kinds, generated.label]
         where = f"the synthetic source ({src.path})"
         notes = _inferred(cfg.features, spec, where) if not append else []
+    elif src.format == "images":
+        files = describe(list_files(src), src.format, src.csv_delimiter)
+        spec, notes = _images_spec(spec, files[0], src.path)
+        names = list(files[0].schema.names)
     else:
         files = describe(list_files(src), src.format, src.csv_delimiter)
         names = list(files[0].schema.names)
@@ -67,6 +71,27 @@ def check_prepare(cfg: PipelineConfig, append: bool = False, refit: bool = False
             f"{root}: pipelines.features differ from the dataset's; append needs the same spec"
         )
     return CheckedInput(spec, files, previous, plan, notes)
+
+
+def _images_spec(spec: FeatureSpec, folder: RawFile, path: str) -> tuple[FeatureSpec, list[str]]:
+    """The images source's columns: key, path, label (the class folder), image. Classes are
+    the class folders' names, sorted, unless declared."""
+    from .images import class_names
+
+    if not spec.images:
+        raise ConfigError(
+            "pipelines.features.images: declare the image column of the images source, "
+            "e.g. image = {shape = [3, 32, 32]}"
+        )
+    update = {f: v for f, v in (("key", "key"), ("label", "label"), ("numeric", []), ("categorical", []))
+              if getattr(spec, f) is None}
+    if spec.classes is None and spec.task == "classification":
+        update["classes"] = class_names(list(folder.files), folder.url)
+    resolved = spec.model_copy(update=update)
+    notes = _inferred(spec, resolved, f"the images source ({path})")
+    if "classes" in update:
+        notes.append(f"pipelines.features.classes = {', '.join(update['classes'])}  (the class folders of {path})")
+    return resolved, notes
 
 
 def _fill(spec: FeatureSpec, base: FeatureSpec) -> FeatureSpec:
@@ -106,7 +131,8 @@ def _resolve(spec: FeatureSpec, names: list[str], kinds: dict[str, str], where: 
     if spec.label is None:
         raise ConfigError(f"pipelines.features.label is not set: name the label column (columns of {where}: {have})")
     key = spec.key or "key"
-    named = {key, spec.label, *(spec.numeric or []), *(spec.categorical or []), *spec.vectors}
+    named = {key, spec.label, *(spec.numeric or []), *(spec.categorical or []), *spec.vectors, *spec.tensors,
+             *spec.images}
     update = {"key": key}
     if spec.numeric is None:
         update["numeric"] = [c for c in names if kinds.get(c) == "numeric" and c not in named]
@@ -114,7 +140,7 @@ def _resolve(spec: FeatureSpec, names: list[str], kinds: dict[str, str], where: 
         update["categorical"] = [c for c in names if kinds.get(c) == "text" and c not in named]
     resolved = spec.model_copy(update=update)
     notes = _inferred(spec, resolved, where)
-    if not (resolved.numeric or resolved.categorical or resolved.vectors):
+    if not (resolved.numeric or resolved.categorical or resolved.vectors or resolved.typed):
         raise ConfigError(
             f"pipelines.features: no feature column (columns of {where}: {have}); "
             f"set numeric, categorical or vectors"
@@ -134,7 +160,7 @@ def _inferred(given: FeatureSpec, resolved: FeatureSpec, where: str) -> list[str
 
 def _check_columns(spec: FeatureSpec, files: list[RawFile], names: list[str], fmt: str) -> None:
     """Every column the spec names is in every file (JSON: in the first rows of each)."""
-    required = [spec.label, *spec.numeric, *spec.categorical, *spec.vectors]
+    required = [spec.label, *spec.numeric, *spec.categorical, *spec.vectors, *spec.tensors, *spec.images]
     if not spec.generate_key:
         required.insert(0, spec.key)
     for f in files or [None]:

@@ -81,11 +81,13 @@ DEFAULT_NULL_VALUES = ["", "na", "n/a", "null", "none", "nan"]
 
 
 class SourceConfig(Section):
-    format: Literal["parquet", "csv", "json", "synthetic"] = Field(
+    format: Literal["parquet", "csv", "json", "synthetic", "images"] = Field(
         "parquet",
-        description="parquet, csv, json (JSON lines), or synthetic: generate raw Parquet at "
+        description="parquet, csv, json (JSON lines), synthetic: generate raw Parquet at "
         "`path` first (only into a directory that is absent or that shardline generated), "
-        "then prepare it.",
+        "then prepare it; or images: a folder of class folders, `path/<class>/*.png|jpg`, "
+        "read as the columns `key` (a hash of the file's path under `path`), `path`, "
+        "`label` (the class folder's name) and `image` (the file's bytes).",
     )
     path: str = Field(
         "shardline-data/raw",
@@ -101,6 +103,79 @@ class SourceConfig(Section):
     )
     csv_delimiter: str = Field(",", min_length=1, max_length=1, description="CSV delimiter.")
     synthetic: SyntheticSource = Field(default_factory=SyntheticSource)
+
+
+TENSOR_DTYPES = ("uint8", "int32", "int64", "float16", "bfloat16", "float32")
+# Names the loader's batches use for the tabular vector and the label.
+RESERVED_COLUMNS = ("features", "label")
+
+
+class TensorColumn(Section):
+    """A fixed-shape tensor column, stored in its own dtype (no widening to float32).
+
+    Raw values: nested lists (Parquet list columns; JSON arrays, also as text in CSV and
+    JSON) of exactly `shape`. A 1-D integer sequence may be shorter (`pad_id`) or longer
+    (`truncate`) than its declared length: token ids."""
+
+    dtype: Literal["uint8", "int32", "int64", "float16", "bfloat16", "float32"] = Field(
+        description="Element type, kept in the shards and in the loader's tensors."
+    )
+    shape: list[int] = Field(min_length=1, description="Fixed shape of one row's tensor.")
+    pad_id: int | None = Field(
+        None,
+        description="1-D integer sequences only: a sequence shorter than shape[0] is padded "
+        "with this id to the declared length. None: it must have exactly that length.",
+    )
+    truncate: bool = Field(
+        False, description="1-D sequences only: cut a longer sequence to the declared length."
+    )
+    pack: bool = Field(
+        False,
+        description="1-D sequences only: a row's value is a list of sequences (documents), "
+        "packed end to end into one row of the declared length (with pad_id / truncate).",
+    )
+    vocab_size: int | None = Field(
+        None, ge=1, description="Integer dtypes: an id at or above it (or below 0) is bad input."
+    )
+
+    @model_validator(mode="after")
+    def _valid(self) -> TensorColumn:
+        if any(d < 1 for d in self.shape):
+            raise ValueError(f"shape {self.shape}: every dimension must be >= 1")
+        sequence = self.pad_id is not None or self.truncate or self.pack
+        if sequence and (len(self.shape) != 1 or self.dtype not in ("uint8", "int32", "int64")):
+            raise ValueError("pad_id, truncate and pack are for 1-D integer (token id) tensors")
+        if self.vocab_size is not None and self.dtype not in ("uint8", "int32", "int64"):
+            raise ValueError("vocab_size is for integer tensors")
+        bits = {"uint8": (0, 255), "int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
+        if self.pad_id is not None and not bits[self.dtype][0] <= self.pad_id <= bits[self.dtype][1]:
+            raise ValueError(f"pad_id {self.pad_id} does not fit dtype {self.dtype}")
+        if self.pad_id is not None and self.vocab_size is not None and not 0 <= self.pad_id < self.vocab_size:
+            raise ValueError(f"pad_id {self.pad_id} is outside the vocabulary 0..{self.vocab_size - 1}")
+        return self
+
+
+class ImageColumn(Section):
+    """Encoded images (PNG or JPEG bytes, or paths to image files), kept encoded in the
+    shards; the loader's threads decode them to uint8 [C, H, W]."""
+
+    shape: list[int] = Field(
+        min_length=3, max_length=3, description="[C, H, W]: C = 1 (gray), 3 (RGB) or 4 (RGBA)."
+    )
+    resize: bool = Field(
+        False,
+        description="Resize images of another size to H x W when the loader decodes them. "
+        "False: an image of another size is bad input.",
+    )
+
+    @model_validator(mode="after")
+    def _valid(self) -> ImageColumn:
+        c, h, w = self.shape
+        if c not in (1, 3, 4):
+            raise ValueError(f"image shape {self.shape}: channels must be 1, 3 or 4")
+        if h < 1 or w < 1:
+            raise ValueError(f"image shape {self.shape}: height and width must be >= 1")
+        return self
 
 
 class FeatureSpec(Section):
@@ -145,6 +220,16 @@ class FeatureSpec(Section):
         description="Fixed-length float vector columns and their lengths (list<float>); "
         "passed through unscaled. Never inferred.",
     )
+    tensors: dict[str, TensorColumn] = Field(
+        default_factory=dict,
+        description="Fixed-shape tensor columns: name = {dtype, shape} (token ids: int32 with "
+        "pad_id / truncate / vocab_size). Never inferred.",
+    )
+    images: dict[str, ImageColumn] = Field(
+        default_factory=dict,
+        description="Encoded image columns (PNG/JPEG bytes, or paths to image files, relative "
+        "to the raw file's folder): name = {shape = [C, H, W]}. Never inferred.",
+    )
     task: Literal["classification", "regression"] = Field(
         "classification",
         description="classification: integer labels 0..K-1 (or the names in `classes`); "
@@ -172,11 +257,17 @@ class FeatureSpec(Section):
     @model_validator(mode="after")
     def _distinct(self) -> FeatureSpec:
         cols = [c for c in (self.key, self.label) if c]
-        cols += [*(self.numeric or []), *(self.categorical or []), *self.vectors]
+        cols += [*(self.numeric or []), *(self.categorical or []), *self.vectors, *self.tensors, *self.images]
         dup = sorted({c for c in cols if cols.count(c) > 1})
         if dup:
             raise ValueError(f"column(s) used twice in the feature spec: {', '.join(dup)}")
-        if self.numeric == [] and self.categorical == [] and not self.vectors:
+        reserved = [c for c in (*self.tensors, *self.images) if c in RESERVED_COLUMNS]
+        if reserved:
+            raise ValueError(
+                f"tensor column '{reserved[0]}': 'features' and 'label' name the loader's "
+                "tabular vector and label; rename the column"
+            )
+        if self.numeric == [] and self.categorical == [] and not (self.vectors or self.typed):
             raise ValueError("the feature spec names no feature column")
         bad = [c for c, n in self.vectors.items() if n < 1]
         if bad:
@@ -198,6 +289,11 @@ class FeatureSpec(Section):
         """Every column named: what a manifest holds and the row code needs."""
         return self.key is not None and self.label is not None and self.numeric is not None \
             and self.categorical is not None
+
+    @property
+    def typed(self) -> bool:
+        """Tensor or image columns: the loader yields named tensors, not (x, y)."""
+        return bool(self.tensors or self.images)
 
     @property
     def class_names(self) -> list[str] | None:

@@ -86,9 +86,20 @@ class FittedStatistics(_Model):
 
 
 class TensorSpec(_Model):
+    """One model input (or the label): the shard column holding it and what it decodes to."""
+
     column: str
-    dtype: Literal["float32", "int64"]
-    shape: list[int]
+    dtype: Literal["uint8", "int32", "int64", "float16", "bfloat16", "float32"] = Field(
+        description="Element type of the decoded tensor (the loader's torch dtype)."
+    )
+    shape: list[int] = Field(description="Shape of one row's tensor ([] for a scalar).")
+    encoding: Literal["plain", "raw", "image"] = Field(
+        "plain",
+        description="plain: Arrow values of `dtype` (a list for `features`, a scalar label); "
+        "raw: fixed_size_binary, each row's elements in C order, little-endian (bfloat16 as "
+        "the top 16 bits of its float32); image: PNG or JPEG bytes, decoded to uint8 "
+        "[C, H, W] (resized when feature_spec.images[column].resize).",
+    )
 
 
 class BandwidthPlan(_Model):
@@ -135,8 +146,9 @@ class ShardManifest(_Model):
     arrow_schema: list[dict[str, str]]
     feature_spec: FeatureSpec
     tensors: dict[str, TensorSpec] = Field(
-        description="Model inputs: `features` (float32: standardised numerics, vector "
-        "elements, then categorical indices) and `label`."
+        description="Model inputs by name: `features` (float32: standardised numerics, vector "
+        "elements, then categorical indices; absent when a spec of tensor/image columns has "
+        "no tabular column), every tensor and image column under its own name, and `label`."
     )
     statistics: FittedStatistics
     layout: LayoutConfig

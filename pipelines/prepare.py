@@ -55,6 +55,7 @@ from .tasks import (
     shuffle_rows,
     transport_schema,
 )
+from .tensors import row_bytes as tensor_bytes
 from .transform import feature_width
 
 
@@ -128,7 +129,9 @@ def prepare(
     _check(report, cfg, spec, task.num_classes, frozen)
 
     stats = previous.statistics if frozen else _fit(report, spec)
-    row_bytes = 4 * feature_width(spec) + 16
+    rows = max(1, sum(report["rows"]))
+    row_bytes = 4 * feature_width(spec) + 16 + sum(tensor_bytes(t) for t in spec.tensors.values()) \
+        + report["payload"] // rows
     counts = {s: _shard_count(n, row_bytes, cfg) for s, n in zip(SPLITS, report["rows"])}
     layout = cfg.layout
     if plan is not None:
@@ -194,14 +197,7 @@ def prepare(
                 for f in pq.read_schema(storage.open_input(storage.join(root, written[0]["path"])))
             ],
             feature_spec=spec,
-            tensors={
-                "features": TensorSpec(column="features", dtype="float32", shape=[feature_width(spec)]),
-                "label": TensorSpec(
-                    column=spec.label,
-                    dtype="int64" if spec.task == "classification" else "float32",
-                    shape=[],
-                ),
-            },
+            tensors=tensor_specs(spec),
             statistics=stats,
             layout=layout,
             splits=splits,
@@ -214,6 +210,21 @@ def prepare(
     except BaseException:
         storage.delete_tree(version_dir)
         raise
+
+
+def tensor_specs(spec: FeatureSpec) -> dict[str, TensorSpec]:
+    """The manifest's model inputs, in shard column order: what the loader yields."""
+    out = {}
+    if feature_width(spec) or not spec.typed:
+        out["features"] = TensorSpec(column="features", dtype="float32", shape=[feature_width(spec)])
+    for c, t in spec.tensors.items():
+        out[c] = TensorSpec(column=c, dtype=t.dtype, shape=list(t.shape), encoding="raw")
+    for c, im in spec.images.items():
+        out[c] = TensorSpec(column=c, dtype="uint8", shape=list(im.shape), encoding="image")
+    out["label"] = TensorSpec(
+        column=spec.label, dtype="int64" if spec.task == "classification" else "float32", shape=[]
+    )
+    return out
 
 
 def _listener(engine) -> ProgressListener:
@@ -243,7 +254,29 @@ _WHAT = {
     "null_label": "label is null",
     "negative_label": "class label is negative (classes are 0..K-1)",
     INVALID: "feature is NaN, inf or null (pipelines.features.on_invalid_features = 'impute' fills it)",
+    "bad_image": "not a decodable PNG or JPEG image",
 }
+_DROP = " (pipelines.source.on_bad_rows = 'drop' skips such rows)"
+
+
+def _typed_problem(kind: str, col: str, spec: FeatureSpec) -> str | None:
+    """What is wrong with a tensor or image value, from its declaration."""
+    if col in spec.tensors:
+        t = spec.tensors[col]
+        if kind == "bad_shape":
+            return f"tensor's shape differs from the declared {t.shape}{_DROP}"
+        if kind == "bad_dtype":
+            return f"tensor's values do not fit the declared dtype {t.dtype}{_DROP}"
+        if kind == "out_of_vocab":
+            return f"token id outside the vocabulary 0..{t.vocab_size - 1} (vocab_size = {t.vocab_size}){_DROP}"
+    if col in spec.images:
+        c, h, w = spec.images[col].shape
+        if kind == "bad_image":
+            return f"{_WHAT[kind]}{_DROP}"
+        if kind == "image_size":
+            return (f"image is not {h}x{w} (height x width) and pipelines.features.images.{col}.resize "
+                    f"is off{_DROP}")
+    return None
 
 
 def _check(report: dict, cfg: PipelineConfig, spec: FeatureSpec, num_classes: int | None, frozen: bool) -> None:
@@ -264,7 +297,7 @@ def _check(report: dict, cfg: PipelineConfig, spec: FeatureSpec, num_classes: in
                 else f"label is outside pipelines.features.classes = {num_classes} (0..{num_classes - 1})"
             )
         else:
-            what = _WHAT[kind]
+            what = _typed_problem(kind, col, spec) or _WHAT[kind]
         raise DataError(
             f"{display(p['file'])}: column '{col}', key {p['key']!r}: value {p['value']!r}: "
             f"{what} ({p['count']} row(s) like this)"

@@ -40,6 +40,7 @@ class RawFile:
     fmt: str
     schema: pa.Schema  # Parquet: the file's; CSV and JSON: every column text
     row_groups: tuple[int, ...] = ()  # rows per row group (Parquet only)
+    files: tuple[str, ...] = ()  # the images source: its image files (url is its folder)
 
 
 @dataclass(frozen=True)
@@ -52,13 +53,22 @@ class Unit:
     first_row_group: int = 0
     row_groups: int = 0
     first_row: int = 0  # of the file: error messages name rows in the file
+    files: tuple[str, ...] = ()  # the images source: this unit's image files
 
 
 def describe(files: list[str], fmt: str, delimiter: str) -> list[RawFile]:
     """Each file's columns (and Parquet row groups), from its footer or first lines.
 
-    Names the first file that cannot be read as its format.
+    Names the first file that cannot be read as its format. The images source is one
+    RawFile: its folder, with every image file in it.
     """
+    if fmt == "images":
+        from .images import IMAGE_SCHEMA, SUFFIXES, class_files
+
+        if len(files) == 1 and not files[0].lower().endswith(SUFFIXES):  # the folder (a source of old)
+            files = class_files(files[0], display(files[0]))
+        root = files[0].rsplit("/", 2)[0]  # files are <root>/<class>/<name>
+        return [RawFile(root, fmt, IMAGE_SCHEMA, files=tuple(files))]
     out = []
     for url in files:
         try:
@@ -83,6 +93,12 @@ def plan_units(described: list[RawFile]) -> list[Unit]:
     units: list[Unit] = []
     for f in described:
         fmt = f.fmt
+        if fmt == "images":
+            from .images import UNIT_FILES
+
+            for i in range(0, len(f.files), UNIT_FILES):
+                units.append(Unit(len(units), f.url, fmt, first_row=i, files=f.files[i : i + UNIT_FILES]))
+            continue
         if not _parquet(fmt):
             units.append(Unit(len(units), f.url, fmt))
             continue
@@ -105,7 +121,11 @@ def read_unit(unit: Unit, columns: list[str], delimiter: str) -> Iterator[pa.Tab
     code applies `null_values` and number parsing, the same for every format).
     JSON scalars come as their JSON text too, lists as lists.
     """
-    if _parquet(unit.fmt):
+    if unit.fmt == "images":
+        from .images import read_images
+
+        yield read_images(unit.url, unit.files, columns)
+    elif _parquet(unit.fmt):
         with open_raw(unit.url) as f:
             pf = pq.ParquetFile(f)
             present = [c for c in columns if c in pf.schema_arrow.names]

@@ -25,11 +25,13 @@ import pyarrow.compute as pc
 
 from .config import FeatureSpec, SplitConfig
 from .hashing import bucket, hash64
+from .images import IMAGE_KINDS, parse_images
+from .tensors import TENSOR_KINDS, parse_tensor
 from .splits import BUCKETS, SHARD_SALT, SPLIT_SALT, SPLITS, split_thresholds
 
 # Problems that make a row unusable (fail, or dropped with on_bad_rows = "drop");
 # "invalid" (NaN/inf/null features) follows on_invalid_features instead.
-BAD_KINDS = ("bad", "null_key", "null_label", "negative_label", "unknown_label")
+BAD_KINDS = ("bad", "null_key", "null_label", "negative_label", "unknown_label", *TENSOR_KINDS, *IMAGE_KINDS)
 INVALID = "invalid"
 
 _NUMBER = r"(?i)^[+-]?((\d+\.?\d*|\.\d+)(e[+-]?\d+)?|inf|infinity|nan)$"
@@ -50,6 +52,8 @@ class Parsed:
     vectors: dict[str, np.ndarray]  # float64 [n, length]
     split: np.ndarray  # int8 index into SPLITS
     problems: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)  # (kind, column) -> mask
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)  # uint8 [n, row bytes], stored form
+    images: dict[str, pa.Array] = field(default_factory=dict)  # binary: encoded, empty where bad
 
     def mask(self, kinds) -> np.ndarray:
         out = np.zeros(self.n, bool)
@@ -60,10 +64,11 @@ class Parsed:
 
 
 def parse(
-    table: pa.Table, spec: FeatureSpec, split: SplitConfig, num_classes: int | None
+    table: pa.Table, spec: FeatureSpec, split: SplitConfig, num_classes: int | None, base: str | None = None
 ) -> Parsed:
     """Parse `table` (raw columns) by `spec`. `num_classes`: labels at or above it are
-    unknown (declared classes, or a dataset's classes on append); None infers them."""
+    unknown (declared classes, or a dataset's classes on append); None infers them.
+    `base`: the raw file's folder, which relative image paths start from."""
     problems: dict[tuple[str, str], np.ndarray] = {}
 
     def note(kind: str, col: str, mask: np.ndarray) -> None:
@@ -84,14 +89,25 @@ def parse(
     numeric, categorical, vectors, feature_problems = parse_features(table, spec)
     for (kind, c), mask in feature_problems.items():
         note(kind, c, mask)
+    tensors, images = {}, {}
+    for c, col in spec.tensors.items():
+        tensors[c], found = parse_tensor(table.column(c), col, spec.null_values)
+        for kind, mask in found.items():
+            note(kind, c, mask)
+    for c, col in spec.images.items():
+        images[c], found = parse_images(table.column(c), col, base)
+        for kind, mask in found.items():
+            note(kind, c, mask)
 
     if spec.generate_key:
-        key = content_key(label, numeric, categorical, vectors, spec)
+        blobs = {**tensors, **{c: a.to_pylist() for c, a in images.items()}}
+        key = content_key(label, numeric, categorical, {**vectors, **blobs}, spec)
     else:
         key, null, bad = keys(table.column(spec.key), spec.null_values)
         note("bad", spec.key, bad)
         note("null_key", spec.key, null)
-    return Parsed(table.num_rows, key, label, numeric, categorical, vectors, split_codes(key, split), problems)
+    return Parsed(table.num_rows, key, label, numeric, categorical, vectors, split_codes(key, split), problems,
+                  tensors=tensors, images=images)
 
 
 def parse_features(table: pa.Table, spec: FeatureSpec):
@@ -277,8 +293,8 @@ def content_key(label, numeric, categorical, vectors, spec: FeatureSpec) -> np.n
     for c, (codes, values) in categorical.items():
         names = np.array([*values, None], dtype=object)
         parts[c] = names[np.where(codes >= 0, codes, len(values))]
-    for c, v in vectors.items():
-        parts[c] = np.array([row.tobytes() for row in v], dtype=object)
+    for c, v in vectors.items():  # also tensors' bytes and encoded images
+        parts[c] = np.array([row if isinstance(row, bytes) else row.tobytes() for row in v], dtype=object)
     h = pd.util.hash_pandas_object(pd.DataFrame(parts), index=False).to_numpy()
     return (h >> np.uint64(1)).astype(np.int64)
 

@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 from . import storage
 from .config import FeatureSpec
 from .tasks import PART_COL, POS_COL, Parts
+from .tensors import row_bytes, tensor_array
 from .transform import feature_width, features_column
 
 SHARD_META_SCHEMA = pa.schema(
@@ -83,34 +84,46 @@ def write_parts(
         new = order[~repeat & (p >= 0)]  # positions into `rows`, sorted by key
         if len(new):
             part_table = table.take(rows[new])
-            feats = _feature_rows(part_table.column("features"), feature_width(spec))
-            label_type = pa.int64() if spec.task == "classification" else pa.float32()
-            shard_table = pa.table(
-                {
-                    spec.key: part_table.column(spec.key),
-                    "features": features_column(feats),
-                    spec.label: part_table.column(spec.label).cast(label_type),
-                }
-            ).combine_chunks()  # one chunk: the file's bytes cannot depend on how rows arrived
             rel = shard_relpath(version_dir_name, split, shard)
-            meta.update(path=rel, **_write_one(shard_table, storage.join(dataset_dir, rel), rows_per_row_group))
+            shard_table = shard_columns(part_table, spec)
+            meta.update(path=rel, **_write_one(shard_table, storage.join(dataset_dir, rel), rows_per_row_group, spec))
         yield pa.RecordBatch.from_pylist([meta], schema=SHARD_META_SCHEMA)
 
 
-def _feature_rows(col, width: int) -> np.ndarray:
-    """A binary column of float32 rows (tasks.shuffle_rows) as float32 [rows, width]."""
+def shard_columns(part_table: pa.Table, spec: FeatureSpec) -> pa.Table:
+    """A shard's columns: key, the tabular `features` (when the spec has any), each tensor
+    column (fixed_size_binary, its stored dtype's bytes), each image column (binary, as
+    encoded), label."""
+    width = feature_width(spec)
+    cols = {spec.key: part_table.column(spec.key)}
+    if width or not spec.typed:
+        cols["features"] = features_column(_feature_rows(part_table.column("features"), width))
+    for c, t in spec.tensors.items():
+        cols[c] = tensor_array(_feature_rows(part_table.column(c), row_bytes(t), np.uint8))
+    for c in spec.images:
+        cols[c] = part_table.column(c).cast(pa.binary())
+    label_type = pa.int64() if spec.task == "classification" else pa.float32()
+    cols[spec.label] = part_table.column(spec.label).cast(label_type)
+    return pa.table(cols).combine_chunks()  # one chunk: the file's bytes cannot depend on how rows arrived
+
+
+def _feature_rows(col, width: int, dtype=np.float32) -> np.ndarray:
+    """A binary column of fixed-size rows (tasks.shuffle_rows) as [rows, width] of `dtype`."""
     arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
     offset_type = np.int64 if pa.types.is_large_binary(arr.type) else np.int32
     offsets = np.frombuffer(arr.buffers()[1], offset_type)[arr.offset : arr.offset + len(arr) + 1]
     data = np.frombuffer(arr.buffers()[2], np.uint8)[offsets[0] : offsets[-1]]
-    return data.view(np.float32).reshape(len(arr), width)
+    return data.view(dtype).reshape(len(arr), width)
 
 
-def _write_one(table: pa.Table, url: str, rows_per_row_group: int) -> dict:
+def _write_one(table: pa.Table, url: str, rows_per_row_group: int, spec: FeatureSpec) -> dict:
     # Encoded in memory (a shard is bounded by target_shard_bytes, and smaller than the
     # table it comes from), so its checksum and footer need no second read.
     buf = pa.BufferOutputStream()
-    pq.write_table(table, buf, row_group_size=rows_per_row_group, compression="snappy")
+    # Tensors and images rarely repeat: a dictionary of them is wasted work and bytes.
+    plain = {*spec.tensors, *spec.images}
+    dictionary = [c for c in table.column_names if c not in plain] if plain else True
+    pq.write_table(table, buf, row_group_size=rows_per_row_group, compression="snappy", use_dictionary=dictionary)
     data = buf.getvalue()
     storage.write_bytes(url, data)
     return {

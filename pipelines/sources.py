@@ -19,6 +19,7 @@ SUFFIXES = {
     "synthetic": (".parquet",),
     "csv": (".csv", ".csv.gz", ".tsv"),
     "json": (".json", ".jsonl", ".ndjson", ".json.gz", ".jsonl.gz"),
+    "images": (".png", ".jpg", ".jpeg"),
 }
 
 
@@ -26,6 +27,12 @@ def list_files(source: SourceConfig) -> list[str]:
     """Input files as full URLs (file:// for local ones), sorted; hidden and `_`-prefixed
     files are skipped."""
     url = source.path if "://" in source.path else storage.resolve(source.path, "pipelines.source.path")
+    if source.format == "images":
+        from .images import class_files
+
+        if not storage.is_dir(url):
+            raise DataError(f"{source.path}: images folder not found")
+        return [f if "://" in f else f"file://{f}" for f in class_files(url, source.path)]
     cut = min((url.index(ch) for ch in "*?[" if ch in url), default=-1)
     if cut >= 0:
         base = url[: url.rindex("/", 0, cut)]

@@ -29,7 +29,15 @@ from .raw import Unit, first_line, read_unit
 from .rows import BAD_KINDS, Parsed, parse, shard_hash
 from .splits import SPLITS
 from .sources import display
+from .tensors import binary_rows
 from .transform import feature_width, features
+
+
+def _payload_bytes(arr: pa.Array) -> int:
+    """Bytes of a binary column's values."""
+    import pyarrow.compute as pc
+
+    return pc.sum(pc.binary_length(arr)).as_py() or 0
 
 POS_COL = "_pos"  # unit index << 32 | row in unit; negative for an existing dataset's rows
 PART_COL = "_part"  # the shard a row goes to, numbered over splits (see Parts)
@@ -48,11 +56,12 @@ class PrepareTask:
     @property
     def columns(self) -> list[str]:
         s = self.spec
-        cols = [s.label, *s.numeric, *s.categorical, *s.vectors]
+        cols = [s.label, *s.numeric, *s.categorical, *s.vectors, *s.tensors, *s.images]
         return cols if s.generate_key else [s.key, *cols]
 
-    def parse(self, table: pa.Table) -> Parsed:
-        return parse(table, self.spec, self.split, self.num_classes)
+    def parse(self, table: pa.Table, unit: Unit | None = None) -> Parsed:
+        base = storage.parent(unit.url) if unit is not None and unit.fmt != "images" else None
+        return parse(table, self.spec, self.split, self.num_classes, base)
 
 
 @dataclass(frozen=True)
@@ -87,7 +96,7 @@ def report_unit(unit: Unit, task: PrepareTask) -> dict:
     offset = 0
     try:
         for table in read_unit(unit, task.columns, task.delimiter):
-            p = task.parse(table)
+            p = task.parse(table, unit)
             _merge(rep, _report_batch(p, table, unit, offset, task))
             offset += p.n
     except Exception as e:  # the file's fault (unreadable, malformed), reported in order
@@ -113,13 +122,17 @@ def _report_batch(p: Parsed, raw: pa.Table, unit: Unit, offset: int, task: Prepa
             p.problems.get((k, spec.key), np.zeros(p.n, bool))[i] for k in ("bad", "null_key")
         )
         key = int(p.key[i]) if key_ok else raw.column(spec.key)[i].as_py()
+        value = raw.column(col)[i].as_py()
         rep["problems"].setdefault(kind, {})[col] = {
             "count": int(mask.sum()),
             "at": [unit.index, offset + i],
-            "file": unit.url,
+            # The images source: the image file itself, not its folder.
+            "file": unit.files[offset + i] if unit.files else unit.url,
             "key": _plain(key),
-            "value": _plain(raw.column(col)[i].as_py()),
+            "value": f"<{len(value)} bytes>" if isinstance(value, bytes) else _plain(value),
         }
+    # Bytes of images per row vary: shard counts are sized by what prepare saw.
+    rep["payload"] = sum(int(_payload_bytes(a.filter(pa.array(keep)))) for a in p.images.values())
     labels = p.label[keep & (p.label >= 0)] if spec.task == "classification" else np.array([])
     if len(labels):
         rep["label_max"] = int(labels.max())
@@ -136,7 +149,7 @@ def _report_batch(p: Parsed, raw: pa.Table, unit: Unit, offset: int, task: Prepa
 
 
 def _empty_report() -> dict:
-    return {"rows": [0, 0, 0], "dropped": 0, "problems": {}, "moments": {}, "categories": {}}
+    return {"rows": [0, 0, 0], "dropped": 0, "payload": 0, "problems": {}, "moments": {}, "categories": {}}
 
 
 def merge_reports(reports: list[dict]) -> dict:
@@ -154,6 +167,7 @@ def _merge(out: dict, r: dict) -> None:
         out["error"] = r["error"]
     out["rows"] = [a + b for a, b in zip(out["rows"], r["rows"])]
     out["dropped"] += r["dropped"]
+    out["payload"] += r["payload"]
     for kind, by_col in r["problems"].items():
         for col, p in by_col.items():
             have = out["problems"].setdefault(kind, {}).get(col)
@@ -219,6 +233,8 @@ def transport_schema(spec: FeatureSpec) -> pa.Schema:
             (spec.key, pa.int64()),
             (spec.label, label),
             ("features", pa.binary()),
+            # Tensors (their stored bytes) and encoded images: one binary value a row.
+            *((c, pa.binary()) for c in (*spec.tensors, *spec.images)),
             (POS_COL, pa.int64()),
             (PART_COL, pa.int32()),
         ]
@@ -233,20 +249,22 @@ def shuffle_rows(unit: Unit, task: PrepareTask, stats: FittedStatistics, parts: 
     impute = spec.on_invalid_features == "impute"
     offset = 0
     for table in read_unit(unit, task.columns, task.delimiter):
-        p = task.parse(table)
+        p = task.parse(table, unit)
         keep = ~p.mask(BAD_KINDS)
         if not task.drop_bad and not keep.all():
             raise DataError(f"{display(unit.url)}: changed since it was checked")
         feats = features(p.numeric, p.categorical, p.vectors, p.n, spec, stats, impute)[keep]
         rows = np.flatnonzero(keep)
         m = len(rows)
-        offsets = pa.array(np.arange(0, (m + 1) * width, width, dtype=np.int32))
+        offsets = pa.array(np.arange(m + 1, dtype=np.int32) * width)  # width 0: no tabular column
         label = p.label[keep] if spec.task == "classification" else p.label[keep].astype(np.float32)
         yield pa.Table.from_arrays(
             [
                 pa.array(p.key[keep]),
                 pa.array(label),
                 pa.Array.from_buffers(pa.binary(), m, [None, offsets.buffers()[1], pa.py_buffer(feats)]),
+                *(binary_rows(p.tensors[c][keep]) for c in spec.tensors),
+                *(p.images[c].filter(pa.array(keep)) for c in spec.images),
                 pa.array((np.int64(unit.index) << 32) | (rows + offset)),
                 pa.array(parts.of(p.split[keep], shard_hash(p.key[keep]))),
             ],
@@ -265,11 +283,13 @@ def existing_rows(url: str, index: int, spec: FeatureSpec, parts: Parts, split: 
     with storage.open_input(url) as f:  # a shard: Parquet read by byte ranges
         keys = pq.read_table(f, columns=[spec.key]).column(spec.key).to_numpy()
     n = len(keys)
+    empty = pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(np.zeros(n + 1, np.int32)), pa.py_buffer(b"")])
     yield pa.Table.from_arrays(
         [
             pa.array(keys),
             pa.array(np.zeros(n, schema.field(spec.label).type.to_pandas_dtype())),
-            pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(np.zeros(n + 1, np.int32)), pa.py_buffer(b"")]),
+            empty,
+            *(empty for _ in (*spec.tensors, *spec.images)),
             pa.array((np.int64(index) << 32) | np.arange(n, dtype=np.int64)),
             pa.array(parts.of(split_codes(keys, split), shard_hash(keys))),
         ],

@@ -56,6 +56,16 @@ def _bad_manifest(folder: Path, _dataset: str) -> None:
     (folder / "ds" / "manifest.json").write_text("{not json")
 
 
+def _loose_images(folder: Path, _dataset: str) -> None:
+    (folder / "imgs").mkdir()
+    (folder / "imgs" / "a.png").write_bytes(b"\x89PNG")  # no class folder around it
+
+
+def _class_folder(folder: Path, _dataset: str) -> None:
+    (folder / "imgs" / "cat").mkdir(parents=True)
+    (folder / "imgs" / "cat" / "a.png").write_bytes(b"\x89PNG")
+
+
 def _hold_dataset(folder: Path, dataset: str):
     from shardline.pipelines.prepare import dataset_lease
 
@@ -69,6 +79,8 @@ def _hold_output(folder: Path, _dataset: str):
 
 
 T = ["train", "{cfg}"]
+P = ["prepare", "{cfg}", "--engine", "dask"]
+IMAGES = [*P, "--set", "pipelines.source.format='images'", "--set", "pipelines.source.path='{dir}/imgs'"]
 CASES = [
     # -- the config file and --set (exit 2)
     Case("config file missing", ["train", "{dir}/nope.toml"], 2, "nope.toml: config file not found"),
@@ -87,6 +99,12 @@ CASES = [
     Case("no feature column", [*T, "--set", "pipelines.features.numeric=[]"], 2,
          "the feature spec names no feature column"),
     Case("split fractions off", [*T, "--set", "pipelines.split.val=0.5"], 2, "split fractions must sum to 1"),
+    Case("tensor shape with a zero dimension", P, 2, "shape [0]: every dimension must be >= 1",
+         toml="[pipelines.features.tensors.tokens]\ndtype = 'int32'\nshape = [0]\n"),
+    Case("unknown tensor dtype", P, 2, "pipelines.features.tensors.tokens.dtype: Input should be 'uint8'",
+         toml="[pipelines.features.tensors.tokens]\ndtype = 'float64'\nshape = [8]\n"),
+    Case("images source without an image column", IMAGES, 2, "declare the image column of the images source",
+         setup=_class_folder),
     # -- flags (exit 2)
     Case("unknown launcher flag", [*T, "--launcher", "yarn"], 2, "Invalid value for '--launcher'"),
     Case("world size not a number", [*T, "--world-size", "two"], 2, "Invalid value for '--world-size'"),
@@ -119,6 +137,9 @@ CASES = [
          setup=_bad_manifest),
     Case("plan without a dataset", ["plan", "{cfg}", "--set", "pipelines.dataset_dir='{dir}/none'"], 1,
          "no manifest"),
+    Case("a tensor column that is missing", P, 1, "column 'tokens' not found",
+         toml="[pipelines.features.tensors.tokens]\ndtype = 'int32'\nshape = [8]\n"),
+    Case("images folder with no class subfolders", IMAGES, 1, "no class folders with images", setup=_loose_images),
     Case("resume with no checkpoint", [*T, "--resume"], 1, "no checkpoint to resume from"),
     Case("another job's checkpoints in checkpoint_dir", T, 1,
          "holds another job's checkpoints", setup=_others_checkpoints),

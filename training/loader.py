@@ -28,6 +28,13 @@ same on every rank, plus the settings that shape the order. After
 without decoding anything, reads just the row groups that still have rows in the
 buffer, and yields exactly the remaining batches, mid-row-group included.
 
+Named tensors: a dataset with tensor or image columns (`feature_spec.typed`) yields
+dicts, one entry per `manifest.tensors` name: `features` (float32 [B, d], when the
+spec has tabular columns), each tensor column (its dtype, [B, *shape]), each image
+column (uint8 [B, C, H, W], decoded from PNG/JPEG in the decoding threads) and `label`
+(int64 or float32 [B]). Tabular datasets keep yielding `(x, y)`. The shuffle buffer
+holds decoded rows, at most BUFFER_BYTES of them (`shuffle_buffer_rows` is lowered to fit).
+
 Prefetch: with `workers` >= 1 a producer thread assembles batches into a queue of
 `prefetch` batches, and `workers` threads decode up to 2 x workers row groups
 ahead of it (pyarrow releases the GIL); they are consumed in plan order,
@@ -55,15 +62,19 @@ import torch
 
 from shardline.pipelines import storage
 from shardline.pipelines.errors import ConfigError, DataError
-from shardline.pipelines.manifest import ShardInfo, ShardManifest
+from shardline.pipelines.manifest import ShardInfo, ShardManifest, TensorSpec
 
 from .loader_batches import ShuffleBuffer, cut_batches
+from .loader_columns import decode_column, held_dtype, to_torch
 
 REMAINDER_POLICIES = ("drop", "pad")
 _STATE_VERSION = 1
 # Settings that shape the sample order: a state saved under others cannot resume.
 _ORDER_KEYS = ("seed", "world_size", "local_batch", "shuffle_buffer_rows", "remainder", "steps")
 _DONE = object()  # the end of the read-ahead queue
+# Decoded rows the shuffle buffer may hold, in bytes: 65,536 rows of 224 x 224 RGB images
+# would be 9.9 GB. Tabular rows stay far below it (65,536 rows of 1,000 floats: 262 MB).
+BUFFER_BYTES = 1 << 30
 
 
 def rank_shards(shards: list[ShardInfo], rank: int, world_size: int) -> list[ShardInfo]:
@@ -93,7 +104,8 @@ def epoch_steps(per_rank: list[int], local_batch: int, remainder: str) -> int:
 
 
 class ShardLoader:
-    """Local batches `(x float32 [local_batch, d], y [local_batch])` of one rank for one split."""
+    """Local batches of one rank for one split: `(x float32 [local_batch, d], y [local_batch])`
+    for tabular data, a dict of named tensors for data with tensor or image columns."""
 
     def __init__(
         self,
@@ -128,7 +140,15 @@ class ShardLoader:
         self.pin_memory = torch.cuda.is_available() and pin_memory is not False
         self._label = manifest.tensors["label"].column
         self._y_dtype = np.dtype(manifest.tensors["label"].dtype)
-        self._width = manifest.tensors["features"].shape[0]
+        self._typed = manifest.feature_spec.typed
+        # The inputs in shard column order, then the label: the columns of every chunk.
+        self._inputs: list[tuple[str, TensorSpec]] = [(n, t) for n, t in manifest.tensors.items() if n != "label"]
+        self._images = manifest.feature_spec.images
+        self._layout = [(tuple(t.shape), held_dtype(t)) for _, t in self._inputs] + [((), self._y_dtype)]
+        row_bytes = sum(d.itemsize * math.prod(s) for s, d in self._layout)
+        # Capped by memory, not by chance: the cap depends on the manifest alone, so the
+        # order (and a saved state's shuffle_buffer_rows) is the same on every run.
+        self.shuffle_buffer_rows = min(shuffle_buffer_rows, max(1, BUFFER_BYTES // row_bytes))
 
         shards = manifest.split(split).shards
         mine = rank_shards(shards, rank, world_size)
@@ -233,7 +253,7 @@ class ShardLoader:
             self._busy += time.perf_counter() - t
             if batch is None:
                 return
-            self._produced += len(batch[1])
+            self._produced += len(batch["label"] if isinstance(batch, dict) else batch[1])
             yield batch
 
     def epoch_stats(self) -> dict[str, float]:
@@ -250,13 +270,9 @@ class ShardLoader:
         pool = ThreadPoolExecutor(self.workers) if self.workers else None
         try:
             chunks = self._decoded(units, pool)
-            for x, y in cut_batches(chunks, batch_size, self.rows, partial=True):
+            for cols in cut_batches(chunks, batch_size, self.rows, partial=True):
                 # A view of decoded Arrow memory is read-only; torch wants writable arrays.
-                if not x.flags.writeable:
-                    x = x.copy()
-                if not y.flags.writeable:
-                    y = y.copy()
-                yield self._to_torch(x, y)
+                yield self._to_torch(tuple(c if c.flags.writeable else c.copy() for c in cols))
         finally:
             if pool:
                 pool.shutdown(cancel_futures=True)
@@ -276,8 +292,8 @@ class ShardLoader:
         limit = (self._steps - start) * self.local_batch
         chunks = self._chunks(epoch, start * self.local_batch, pool)
         try:
-            for x, y in cut_batches(chunks, self.local_batch, limit, partial=False):
-                yield self._to_torch(x, y)
+            for cols in cut_batches(chunks, self.local_batch, limit, partial=False):
+                yield self._to_torch(cols)
         finally:
             chunks.close()
 
@@ -299,7 +315,7 @@ class ShardLoader:
         largest = max(n for _, _, n in units)
         # It never holds more than capacity + one row group, nor more than the pass.
         slots = min(self.shuffle_buffer_rows + largest, self.rows)
-        buf = ShuffleBuffer(self.shuffle_buffer_rows, slots, self._width, self._y_dtype)
+        buf = ShuffleBuffer(self.shuffle_buffer_rows, slots, self._layout)
         first = 0  # the first row group to decode live
         if skip:
             # Replay the draws on row ids alone until the stream passes `skip`.
@@ -317,8 +333,8 @@ class ShardLoader:
                 ids = buf.emit_ids(buf.draw(rng, final=True))
                 pending, first = ids[skip - emitted :], len(units)
             yield from self._materialise(buf, pending, units, offsets, pool)
-        for x, y in self._decoded(units[first:], pool):
-            buf.add_rows(x, y)
+        for chunk in self._decoded(units[first:], pool):
+            buf.add_rows(chunk)
             take = buf.draw(rng)
             if take is not None:
                 yield buf.emit_rows(take)
@@ -330,17 +346,17 @@ class ShardLoader:
         need = np.concatenate([buf.ids[: buf.n], pending])
         which = np.searchsorted(offsets, need, side="right") - 1
         wanted = np.unique(which)
-        px = np.empty((len(pending), buf.x.shape[1]), np.float32)
-        py = np.empty(len(pending), buf.y.dtype)
-        for p, (x, y) in zip(wanted, self._decoded([units[p] for p in wanted], pool)):
+        out = tuple(np.empty((len(pending), *c.shape[1:]), c.dtype) for c in buf.cols)
+        for p, chunk in zip(wanted, self._decoded([units[p] for p in wanted], pool)):
             slots = np.flatnonzero(which[: buf.n] == p)
             rows = buf.ids[slots] - offsets[p]
-            buf.x[slots], buf.y[slots] = x[rows], y[rows]
             rest = np.flatnonzero(which[buf.n :] == p)
-            rows = pending[rest] - offsets[p]
-            px[rest], py[rest] = x[rows], y[rows]
+            wanted_rows = pending[rest] - offsets[p]
+            for col, o, part in zip(buf.cols, out, chunk):
+                col[slots] = part[rows]
+                o[rest] = part[wanted_rows]
         if len(pending):
-            yield px, py
+            yield out
 
     # -- reading -----------------------------------------------------------------
 
@@ -366,24 +382,22 @@ class ShardLoader:
             for f in window:
                 f.cancel()
 
-    def _decode(self, unit: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray]:
+    def _decode(self, unit: tuple[int, int, int]) -> tuple[np.ndarray, ...]:
+        """One row group as its chunk: every input column decoded, then the label."""
         si, g, rows = unit
         path = storage.display(self._paths[si])
+        columns = [t.column for _, t in self._inputs] + [self._label]
         try:
-            table = self._file(si).read_row_group(g, columns=["features", self._label], use_threads=False)
+            table = self._file(si).read_row_group(g, columns=columns, use_threads=False)
         except Exception as e:
             raise DataError(f"{path}: row group {g} cannot be read ({e})") from None
-        feats = table.column("features").combine_chunks()
-        # .flatten(), not .values: on a sliced list array .values is the whole parent.
-        x = np.asarray(feats.flatten().to_numpy(zero_copy_only=False), dtype=np.float32)
         labels = table.column(self._label).combine_chunks()
         y = np.asarray(labels.to_numpy(zero_copy_only=False), dtype=self._y_dtype)
-        if len(y) != rows or len(x) != rows * self._width:
-            raise DataError(
-                f"{path}: row group {g} holds {len(y)} rows and {len(x)} feature values; "
-                f"the manifest says {rows} rows of {self._width} features"
-            )
-        return x.reshape(rows, self._width), y
+        if len(y) != rows:
+            raise DataError(f"{path}: row group {g} holds {len(y)} rows; the manifest says {rows}")
+        chunk = [decode_column(table.column(t.column), t, self._images, rows, f"{path}: row group {g}")
+                 for _, t in self._inputs]
+        return (*chunk, y)
 
     def _file(self, si: int) -> pq.ParquetFile:
         files = self._files.__dict__.setdefault("by_shard", {})
@@ -395,11 +409,8 @@ class ShardLoader:
             )
         return files[si]
 
-    def _to_torch(self, x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        tx, ty = torch.from_numpy(x), torch.from_numpy(y)
-        if self.pin_memory:  # page-locked, so the host-to-GPU copy can be non-blocking
-            tx, ty = tx.pin_memory(), ty.pin_memory()
-        return tx, ty
+    def _to_torch(self, cols: tuple[np.ndarray, ...]):
+        return to_torch(cols, self._inputs, self._typed, self.pin_memory)
 
     # -- the background producer -------------------------------------------------
 

@@ -1,5 +1,8 @@
 """The loader's two row movers: the shuffle buffer (which rows leave next, decided from
-counts alone so a resume can replay it) and the re-cutting of chunks into batches."""
+counts alone so a resume can replay it) and the re-cutting of chunks into batches.
+
+A chunk is a tuple of column arrays of equal length (the inputs, then the label): (x, y)
+for tabular data, one array per tensor or image column otherwise."""
 
 from __future__ import annotations
 
@@ -17,21 +20,25 @@ class ShuffleBuffer:
     replayed buffer live by filling its slots from their ids.
     """
 
-    def __init__(self, capacity: int, slots: int, width: int, y_dtype):
+    def __init__(self, capacity: int, slots: int, layout: list[tuple[tuple[int, ...], np.dtype]]):
+        """layout: (row shape, dtype) per column of the chunks."""
         self.capacity, self.n = capacity, 0
         self.ids = np.empty(slots, np.int64)
-        self.x = np.empty((slots, width), np.float32)
-        self.y = np.empty(slots, y_dtype)
+        self.cols = [np.empty((slots, *shape), dtype) for shape, dtype in layout]
         # Rows as single items: scattering them is several times faster than 2-D fancy indexing.
-        self._rows = self.x.view(np.dtype((np.void, 4 * width))).reshape(slots)
+        self._rows = [
+            c.reshape(slots, -1).view(np.dtype((np.void, c[:1].nbytes))).reshape(slots) if c.ndim > 1 else c
+            for c in self.cols
+        ]
 
     def add_ids(self, first_id: int, rows: int) -> None:
         self.ids[self.n : self.n + rows] = np.arange(first_id, first_id + rows)
         self.n += rows
 
-    def add_rows(self, x: np.ndarray, y: np.ndarray) -> None:
-        a, b = self.n, self.n + len(y)
-        self.x[a:b], self.y[a:b] = x, y
+    def add_rows(self, chunk: tuple[np.ndarray, ...]) -> None:
+        a, b = self.n, self.n + len(chunk[-1])
+        for col, part in zip(self.cols, chunk):
+            col[a:b] = part
         self.n = b
 
     def draw(self, rng: np.random.Generator, final: bool = False) -> np.ndarray | None:
@@ -46,10 +53,11 @@ class ShuffleBuffer:
         self.ids[holes] = self.ids[movers]
         return ids
 
-    def emit_rows(self, take: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        out = np.take(self.x, take, axis=0), self.y[take]
+    def emit_rows(self, take: np.ndarray) -> tuple[np.ndarray, ...]:
+        out = tuple(np.take(c, take, axis=0) for c in self.cols)
         holes, movers = self._refill(take)
-        self._rows[holes], self.y[holes] = self._rows[movers], self.y[movers]
+        for rows in self._rows:
+            rows[holes] = rows[movers]
         return out
 
     def _refill(self, take: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -62,41 +70,44 @@ class ShuffleBuffer:
 
 
 def cut_batches(chunks, batch: int, limit: int, partial: bool):
-    """Re-cut (x, y) chunks into batches of `batch` rows, `limit` rows in all.
+    """Re-cut chunks (tuples of column arrays) into batches of `batch` rows, `limit` rows in all.
 
     Whole batches inside a chunk are views of it; only a batch that straddles
     two chunks is copied.
     """
-    carry_x: list = []
-    carry_y: list = []
+    carry: list[tuple] = []
     have = 0
+
+    def joined():
+        return tuple(np.concatenate(parts) for parts in zip(*carry))
+
     try:
         if limit <= 0:
             return
-        for x, y in chunks:
-            if len(y) > limit:
-                x, y = x[:limit], y[:limit]
-            limit -= len(y)
+        for chunk in chunks:
+            n = len(chunk[-1])
+            if n > limit:
+                chunk, n = tuple(c[:limit] for c in chunk), limit
+            limit -= n
             i = 0
             if have:
-                i = min(batch - have, len(y))
-                carry_x.append(x[:i])
-                carry_y.append(y[:i])
+                i = min(batch - have, n)
+                carry.append(tuple(c[:i] for c in chunk))
                 have += i
                 if have < batch:
                     if limit == 0:
                         break
                     continue
-                yield np.concatenate(carry_x), np.concatenate(carry_y)
-                carry_x, carry_y, have = [], [], 0
-            while i + batch <= len(y):
-                yield x[i : i + batch], y[i : i + batch]
+                yield joined()
+                carry, have = [], 0
+            while i + batch <= n:
+                yield tuple(c[i : i + batch] for c in chunk)
                 i += batch
-            if i < len(y):
-                carry_x, carry_y, have = [x[i:]], [y[i:]], len(y) - i
+            if i < n:
+                carry, have = [tuple(c[i:] for c in chunk)], n - i
             if limit == 0:
                 break  # before asking for another chunk: it may start a whole new pass
         if have and partial:
-            yield np.concatenate(carry_x), np.concatenate(carry_y)
+            yield joined()
     finally:
         chunks.close()
