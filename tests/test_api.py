@@ -69,7 +69,7 @@ def test_run_on_dask_starts_no_spark(tmp_path):
     cfg = _dask_run_config(tmp_path)
     no_java = {"JAVA_HOME": str(tmp_path / "no-java")}
     control = shardline_cli("prepare", str(cfg), "--engine", "spark", cwd=tmp_path, env=no_java)
-    assert control.returncode != 0, control.stderr[-2000:]
+    assert control.returncode != 0 and "no-java/bin/java" in control.stderr, control.stderr[-2000:]
     assert not (tmp_path / "data" / "dataset" / "manifest.json").exists()
 
     # serving.engine by --set, as the issue ran it; the other two from the file.
