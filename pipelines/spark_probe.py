@@ -21,7 +21,7 @@ from .spark_setup import is_connect, spark_master
 
 # What ranks and scoring tasks import on an executor (the last three are shipped by
 # spark_setup as a zip; the others must be installed in the executors' Python).
-REQUIRED = ("pyarrow", "numpy", "pandas", "torch", "mlflow", "optuna", "pipelines", "training", "serving")
+REQUIRED = ("pyarrow", "numpy", "pandas", "torch", "mlflow", "optuna", "shardline.pipelines", "shardline.training", "shardline.serving")
 
 _REPORTS: dict[int, dict] = {}
 
