@@ -43,7 +43,10 @@ class ShardlineEstimator(Estimator, HasLabelCol, HasPredictionCol, HasProbabilit
         from shardline import api
         from shardline.jobs.engines import stage
 
+        from shardline.pipelines.spark_setup import adopt_session
+
         spark = dataset.sparkSession
+        adopt_session(spark)  # the write below runs our code on the executors already
         plan = plan_fit(self.config, self.overrides, spark_kinds(dataset.schema), label_col=self._label_given,
                         feature_cols=self.feature_cols, key_col=self.key_col, raw_dir=self.raw_dir,
                         engine="spark", spark=spark)

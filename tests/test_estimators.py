@@ -86,3 +86,49 @@ def test_dask_estimator_fits_and_predicts(dask_client, tmp_path):
     np.testing.assert_allclose(probs.to_numpy().sum(1), 1.0, atol=1e-5)
     assert (probs.to_numpy().argmax(1) == got.to_numpy()).all()
     assert dask_client.status == "running"
+
+
+CONNECT_FIT = """
+import json, sys
+import pandas as pd
+from pyspark.sql import SparkSession
+
+from shardline.spark import ShardlineEstimator
+
+url, data, config = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+spark = SparkSession.builder.remote(url).getOrCreate()
+pdf = pd.read_parquet(data)
+df = spark.createDataFrame(pdf)
+model = ShardlineEstimator(config, label_col="label").fit(df)
+scored = model.transform(df).toPandas()
+print(json.dumps({
+    "session": type(spark).__module__, "model_uri": model.model_uri, "launcher": model.trained.launcher,
+    "columns": list(scored.columns), "rows": len(scored),
+    "accuracy": float((scored["prediction"] == scored["label"]).mean()),
+}))
+"""
+
+
+@pytest.mark.slow
+def test_spark_estimator_on_spark_connect(connect_server, tmp_path):
+    """The same pair on a Spark Connect session: its executors have shardline only as the
+    client's artifacts, so fit and transform ship all they run. A process of its own: this
+    one holds the classic session."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    data = tmp_path / "frame.parquet"
+    _frame().to_parquet(data)
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "SPARK_REMOTE")}
+    proc = subprocess.run(
+        [sys.executable, "-c", CONNECT_FIT, connect_server.url, str(data), json.dumps(_config(tmp_path))],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:] + connect_server.log_tail()
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["session"].startswith("pyspark.sql.connect")
+    assert out["model_uri"] == "models:/estimator/1" and out["launcher"] == "spark"
+    assert out["columns"] == ["x0", "x1", "x2", "color", "label", "prediction", "probability"]
+    assert out["rows"] == ROWS and out["accuracy"] > 0.9, out
