@@ -1,31 +1,31 @@
-"""The `shardline` command: parse, call, report. No logic of its own."""
+"""The `shardline` command: parse, call the Python API (shardline.api), report. No logic of its own."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import sys
-from contextlib import ExitStack
+from contextlib import contextmanager
 
 import click
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from shardline import api
 from shardline.pipelines.errors import ShardlineError
 
+from .cli_bench import bench
 from .config import (
     CHECKPOINTS,
     DATASET,
-    OUTPUT,
-    SOURCE,
     ShardlineConfig,
     check_storage,
-    cluster_of,
     load_config,
     resolve_paths,
 )
-from .cli_bench import bench
-from .engines import console, engine_handle, open_dask, open_spark, prepare_engine, spark_ranks, stage
+from .engines import console, engine_handle, spark_ranks, stage
 from .ui import ui_hint
 
 _set_option = click.option(
@@ -35,6 +35,39 @@ _set_option = click.option(
     metavar="SECTION.FIELD=VALUE",
     help="Override any config field, e.g. --set training.epochs=3 (repeatable).",
 )
+_json_option = click.option(
+    "--json", "as_json", is_flag=True,
+    help="Print the result as one JSON object on stdout; progress stays on stderr.",
+)
+
+
+@contextmanager
+def _json_out(as_json: bool):
+    """With --json, stdout carries the result alone, as one JSON document: while the work
+    runs, whatever prints to stdout (our code, a library, a child process started meanwhile:
+    ranks, a JVM, Dask workers) goes to stderr instead. Yields `emit(result)`."""
+    if not as_json:
+        yield lambda result: None
+        return
+    results: list = []
+    sys.stdout.flush()
+    saved, saved_fd = sys.stdout, os.dup(1)
+    try:
+        os.dup2(2, 1)
+        sys.stdout = sys.stderr
+        yield results.append
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved_fd, 1)
+        os.close(saved_fd)
+        sys.stdout = saved
+    click.echo(json.dumps(_jsonable(results[0]), indent=2, default=str))
+
+
+def _jsonable(result):
+    if hasattr(result, "to_dict"):
+        return result.to_dict()
+    return dataclasses.asdict(result)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -47,34 +80,16 @@ def cli():
 @cli.command()
 @click.argument("config", type=click.Path(dir_okay=False))
 @_set_option
-def run(config, overrides):
-    """Generate/prepare data, train with DDP on a Spark barrier stage, register, score."""
-    cfg = load_config(config, list(overrides))
-    cfg = resolve_paths(cfg, ["spark", cfg.training.launcher], (SOURCE, DATASET, CHECKPOINTS, OUTPUT), tracking=True)
-    from shardline.training.job import check_settings
-
-    check_settings(cfg.training)  # a misspelt model or strategy: one line, before Spark starts
-    check_storage(cfg, reads=(SOURCE,), writes=(DATASET, CHECKPOINTS, OUTPUT))
-    from shardline.training.tracking import check_reachable
-
-    check_reachable(cfg.tracking.resolved_uri())  # a dead MLflow server: now, not after the prepare
-    checked = _check_prepare(cfg)
-    with ExitStack() as leases:
-        # Both leases before Spark starts: a second run on the same dirs is refused at once.
-        dataset = leases.enter_context(_dataset_lease(cfg))
-        output = leases.enter_context(_output_lease(cfg.serving.output_dir))
-        spark = open_spark(cfg, spark_ranks(cfg))
-        from shardline.pipelines.engine_spark import SparkEngine
-
-        manifest = _prepare(cfg, SparkEngine(spark), lease=dataset, checked=checked)
-        dataset.release()
-        result = _train(cfg, spark)
-        # force: each run trains a new model version and re-scores its own output with it.
-        score = _score(
-            cfg, "spark", spark, result.model_uri, result.tracking_uri, cfg.pipelines.dataset_dir,
-            force=True, lease=output,
-        )
-
+@_json_option
+def run(config, overrides, as_json):
+    """Generate/prepare data (pipelines.engine), train (training.launcher), register the
+    model, and score with it (serving.engine): each stage on the engine its setting names."""
+    with _json_out(as_json) as emit:
+        r = api.run(config, list(overrides))
+        emit(r)
+    if as_json:
+        return
+    manifest, result, score = r.prepare.manifest, r.train, r.score
     table = Table(title="shardline run", show_header=False, title_justify="left")
     for split, info in manifest.splits.items():
         table.add_row(f"rows {split}", f"{info.rows:,} in {len(info.shards)} shards")
@@ -84,7 +99,7 @@ def run(config, overrides):
     table.add_row("MLflow run", result.run_id)
     table.add_row("MLflow store", result.tracking_uri)
     table.add_row("model", f"{result.model_uri}")
-    table.add_row("dataset", cfg.pipelines.dataset_dir)
+    table.add_row("dataset", r.prepare.dataset_dir)
     table.add_row("scores", f"{score.output_dir} ({score.rows:,} rows)")
     table.add_row("open the UI", ui_hint(result.tracking_uri))
     Console().print(table)
@@ -108,23 +123,21 @@ def run(config, overrides):
     "(`shardline plan`): train gets shards_per_rank x world_size shards, every split the plan's "
     "rows per row group (val/test shard counts keep the size rule); the new manifest keeps the plan.",
 )
-def prepare(config, overrides, engine, append, refit, by_plan):
+@_json_option
+def prepare(config, overrides, engine, append, refit, by_plan, as_json):
     """Validate, split, transform and shard raw data into a prepared dataset."""
-    extra = [f"pipelines.engine='{engine}'"] if engine else []
-    cfg = load_config(config, list(overrides) + extra)
-    cfg = resolve_paths(cfg, [cfg.pipelines.engine], (SOURCE, DATASET))
     if refit and not append:
         raise click.UsageError("--refit goes with --append")
     if by_plan and append and not refit:
         raise click.UsageError("--plan lays every shard out anew: use it without --append, or with --append --refit")
-    check_storage(cfg, reads=(SOURCE,), writes=(DATASET,))
-    checked = _check_prepare(cfg, append=append, refit=refit, by_plan=by_plan)
-    with _dataset_lease(cfg) as lease, prepare_engine(cfg) as eng:
-        manifest = _prepare(cfg, eng, append=append, refit=refit, by_plan=by_plan, lease=lease, checked=checked)
-    for split, info in manifest.splits.items():
+    extra = [f"pipelines.engine='{engine}'"] if engine else []
+    with _json_out(as_json) as emit:
+        r = api.prepare(config, list(overrides) + extra, append=append, refit=refit, by_plan=by_plan)
+        emit(r)
+    for split, info in r.manifest.splits.items():
         console.print(f"  {split}: {info.rows:,} rows in {len(info.shards)} shards")
-    if manifest.dropped_rows:
-        console.print(f"  dropped {manifest.dropped_rows:,} row(s) that could not be used")
+    if r.manifest.dropped_rows:
+        console.print(f"  dropped {r.manifest.dropped_rows:,} row(s) that could not be used")
 
 
 @cli.command()
@@ -138,38 +151,19 @@ def prepare(config, overrides, engine, append, refit, by_plan):
               help="With --resume: fingerprint fields that may differ from the checkpoint's (comma-separated, "
               "repeatable: lr, weight_decay, lr_schedule, warmup_steps, epochs, dataset_version); adds to "
               "training.resume_allow_changed.")
-def train(config, overrides, launcher, world_size, resume, allow_changed):
-    """Train on a prepared dataset; track in MLflow; register the model."""
+@_json_option
+def train(config, overrides, launcher, world_size, resume, allow_changed, as_json):
+    """Train on a prepared dataset on training.launcher's engine; track in MLflow; register the model."""
     extra = [f"training.launcher='{launcher}'"] if launcher else []
     extra += [f"training.world_size={world_size}"] if world_size else []
     extra += ["training.resume=true"] if resume else []
-    cfg = load_config(config, list(overrides) + extra)
+    cfg = api.load_config(config, list(overrides) + extra)
     if allow_changed:
         named = [f.strip() for arg in allow_changed for f in arg.split(",") if f.strip()]
-        t = cfg.training
-        cfg = cfg.model_copy(update={"training": t.model_copy(
-            update={"resume_allow_changed": [*t.resume_allow_changed, *named]})})
-    cfg = resolve_paths(cfg, [cfg.training.launcher], (DATASET, CHECKPOINTS), tracking=True)
-    check_storage(cfg, reads=(DATASET,), writes=(CHECKPOINTS,))
-    from shardline.training.checkpoints import check_allowed
-    from shardline.training.job import check_checkpoints, hold_checkpoint_dir, preflight
-
-    check_allowed(cfg.training.resume_allow_changed, "--allow-changed / training.resume_allow_changed")
-    # One job per checkpoint directory: a second is refused here, before an engine starts,
-    # and first: "in use by" says more than what the holder's checkpoints differ in.
-    lease = hold_checkpoint_dir(cfg.training)
-    try:
-        # Names, the dataset, world size vs shards, batch vs rows, checkpoint_dir: one line
-        # before an engine starts (the cluster's free slots are checked once it runs).
-        check_checkpoints(cfg.training, preflight(cfg.training, cfg.pipelines.dataset_dir))
-        if cfg.training.launcher == "dask":
-            with open_dask(cfg) as client:
-                result = _train(cfg, None, client, lease)
-        else:
-            spark = open_spark(cfg, spark_ranks(cfg)) if cfg.training.launcher == "spark" else None
-            result = _train(cfg, spark, None, lease)
-    finally:
-        lease.release()
+        cfg = api.load_config(cfg, {"training.resume_allow_changed": [*cfg.training.resume_allow_changed, *named]})
+    with _json_out(as_json) as emit:
+        result = api.train(cfg)
+        emit(result)
     console.print(f"  run {result.run_id}; model {result.model_uri}")
     for k in ("val_loss", "val_accuracy", "val_rmse", "val_mae", "val_r2"):
         if k in result.metrics:
@@ -202,44 +196,29 @@ def train(config, overrides, launcher, world_size, resume, allow_changed):
 @click.option("--status", "status_dir", metavar="OUTPUT",
               help="Print, per model version in OUTPUT, units and rows scored and what is pending "
               "(of --input if given), then exit. Starts no engine.")
+@_json_option
 def score(config, overrides, model_uri, input_path, split, output_dir, engine, incremental, backfill, force,
-          status_dir):
+          status_dir, as_json):
     """Batch-score with a registered model on Spark or Dask, exactly once per input file and
     model version (OUTPUT/model=NAME/version=V/)."""
-    cfg = load_config(config, list(overrides))
+    cfg = api.load_config(config, list(overrides))
     update = {"model_uri": model_uri, "split": split, "output_dir": output_dir, "engine": engine,
               "backfill": backfill}
-    update = {k: v for k, v in update.items() if v}
+    update = {f"serving.{k}": v for k, v in update.items() if v}
     if incremental:
-        update["incremental"] = True
-    cfg.serving = cfg.serving.model_copy(update=update)
+        update["serving.incremental"] = True
+    cfg = api.load_config(cfg, update)
     if status_dir:
-        _score_status(cfg, status_dir, input_path)
+        _score_status(cfg, status_dir, input_path, as_json)
         return
-    cfg = resolve_paths(cfg, [cfg.serving.engine], (DATASET, OUTPUT), tracking=True)
-    s = cfg.serving
-    if not s.model_uri:
+    if not cfg.serving.model_uri:
         raise click.UsageError("no model: pass --model or set serving.model_uri")
-    from shardline.pipelines.storage import resolve
-    from shardline.serving.score import execute, plan
-
-    input_path = resolve(input_path, "--input", cluster_of(cfg, [s.engine])) if input_path else cfg.pipelines.dataset_dir
-    check_storage(cfg, writes=(OUTPUT,), other_reads=(("--input", input_path),))
-    # The output's lease first (a second job is refused at once, exit 75), then every check
-    # and the plan, read-only; an engine starts only when there is something to score.
-    with _output_lease(s.output_dir) as lease:
-        p = plan(s.model_uri, cfg.tracking.resolved_uri(), input_path, s.output_dir, split=s.split,
-                 incremental=s.incremental, backfill=s.backfill, force=force)
-        for line in p.describe_discard():
-            console.print(f"  [yellow]{escape(line)}[/]")
-        if not p.todo:
-            console.print(f"  {p.nothing_to_do()}")
-            return
-        with engine_handle(cfg, s.engine) as handle, stage(
-            f"Scoring {len(p.todo)} file(s) of {input_path} with {p.describe_model()} on {s.engine}"
-        ):
-            r = execute(p, s.engine, handle, batch_size=s.batch_size, threads_per_task=s.threads_per_task,
-                        lease=lease)
+    with _json_out(as_json) as emit:
+        r = api.score(cfg, input_path=input_path, force=force)
+        emit(r)
+    if r.engine is None:
+        console.print(f"  {r.note}")
+        return
     left = f"; {r.files_left} scored by other versions only (--backfill all scores them)" if r.files_left else ""
     console.print(
         f"  {r.rows:,} rows from {r.files_scored} file(s) → {r.version_dir}; "
@@ -247,18 +226,12 @@ def score(config, overrides, model_uri, input_path, split, output_dir, engine, i
     )
 
 
-def _score_status(cfg: ShardlineConfig, output_dir: str, input_path: str | None) -> None:
-    from shardline.pipelines.storage import resolve
-    from shardline.serving.inputs import list_units
-    from shardline.serving.status import output_status
-
-    out = resolve(output_dir, "--status")
-    reads = [("--status", out)]
-    if input_path:
-        input_path = resolve(input_path, "--input")
-        reads.append(("--input", input_path))
-    check_storage(cfg, other_reads=tuple(reads))
-    st = output_status(out, list_units(input_path, cfg.serving.split) if input_path else None)
+def _score_status(cfg: ShardlineConfig, output_dir: str, input_path: str | None, as_json: bool) -> None:
+    with _json_out(as_json) as emit:
+        st = api.score_status(cfg, output_dir=output_dir, input_path=input_path)
+        emit(st)
+    if as_json:
+        return
     pending_of = f"of {input_path}" if input_path else "scored by another version"
     table = Table(title=f"scores in {st.output_dir}")
     for col in ("model", "version", "units", "rows", "last scored (UTC)", f"pending ({pending_of})", "interrupted"):
@@ -386,73 +359,6 @@ def ui(config, overrides, host, port):
 
     cfg = resolve_paths(load_config(config, list(overrides)), [])
     serve(cfg.tracking.tracking_uri, host, port, lambda line: console.print(escape(line)))
-
-
-def _dataset_lease(cfg: ShardlineConfig):
-    from shardline.pipelines.manifest import check_dataset_dir
-    from shardline.pipelines.prepare import dataset_lease
-
-    check_dataset_dir(cfg.pipelines.dataset_dir)  # a foreign directory: refused before we write
-    return dataset_lease(cfg.pipelines.dataset_dir)
-
-
-def _output_lease(output_dir: str):
-    from shardline.serving.ledger import check_output_dir, output_lease
-
-    check_output_dir(output_dir)
-    return output_lease(output_dir)
-
-
-def _check_prepare(cfg: ShardlineConfig, **how):
-    """Input, columns and feature spec, checked before an engine starts; says what it inferred."""
-    from shardline.pipelines.checks import check_prepare
-
-    checked = check_prepare(cfg.pipelines, **how)
-    for note in checked.notes:
-        console.print(f"  {escape(note)}")
-    return checked
-
-
-def _prepare(cfg: ShardlineConfig, engine, append=False, refit=False, by_plan=False, lease=None, checked=None):
-    from shardline.pipelines.prepare import prepare
-
-    src = cfg.pipelines.source
-    what = f"{src.synthetic.rows:,} synthetic rows" if src.format == "synthetic" else src.path
-    how = " by its bandwidth plan" if by_plan else ""
-    with stage(f"Preparing {what} into {cfg.pipelines.dataset_dir}{how} with {engine.name}"):
-        manifest = prepare(engine, cfg.pipelines, append=append, refit=refit, by_plan=by_plan, lease=lease,
-                           checked=checked)
-    spec = manifest.feature_spec
-    if spec.task == "classification" and spec.classes is None:
-        console.print(
-            f"  pipelines.features.classes = {manifest.statistics.num_classes}  "
-            "(inferred: the largest label + 1; declare it to have other labels refused)"
-        )
-    return manifest
-
-
-def _train(cfg: ShardlineConfig, spark, dask_client=None, lease=None):
-    from shardline.training.job import run_training
-
-    t = cfg.training
-    title = f"Training {t.model} with {t.strategy} on {t.world_size} {t.launcher} ranks"
-    console.print(f"  checkpoints: {escape(t.checkpoint_dir)}")
-    with stage(title):
-        return run_training(
-            t, cfg.tracking, cfg.pipelines.dataset_dir, spark=spark, dask_client=dask_client, lease=lease
-        )
-
-
-def _score(cfg, engine: str, handle, model_uri: str, tracking_uri: str, input_path: str, force=False, lease=None):
-    from shardline.serving.score import score as score_input
-
-    s = cfg.serving
-    with stage(f"Scoring {input_path} with {model_uri} on {engine}"):
-        return score_input(
-            engine, handle, model_uri, tracking_uri, input_path, s.output_dir,
-            split=s.split, incremental=s.incremental, backfill=s.backfill, force=force, batch_size=s.batch_size,
-            threads_per_task=s.threads_per_task, lease=lease,
-        )
 
 
 cli.add_command(bench)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import tomllib
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field, ValidationError
 
@@ -27,12 +30,26 @@ class ShardlineConfig(Section):
     sweep: SweepConfig = Field(default_factory=SweepConfig)
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> ShardlineConfig:
-    """Read, override, validate. Every failure is one ConfigError naming file and field."""
-    where = str(path) if path else "defaults"
+def load_config(
+    source: str | Path | ShardlineConfig | Mapping | None,
+    overrides: Iterable[str] | Mapping[str, Any] = (),
+) -> ShardlineConfig:
+    """Read, override, validate. Every failure is one ConfigError naming file and field.
+
+    source: a TOML file, a config object (its settings as written: fields left unset stay
+    unset, so "not written" still means "default"), a dict of sections, or None (defaults).
+    overrides: `section.field=value` strings as `--set` takes them (the value is TOML), or
+    a mapping {"section.field": value} of Python values.
+    """
+    where = "defaults"
     data: dict = {}
-    if path is not None:
-        p = Path(path)
+    if isinstance(source, ShardlineConfig):
+        where, data = "config", source.model_dump(exclude_unset=True)
+    elif isinstance(source, Mapping):
+        where, data = "config", copy.deepcopy(dict(source))
+    elif source is not None:
+        p = Path(source)
+        where = str(source)
         if not p.is_file():
             raise ConfigError(f"{p}: config file not found")
         try:
@@ -41,8 +58,12 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Shardline
             raise ConfigError(f"{p}: invalid TOML: {e}") from None
         except UnicodeDecodeError:
             raise ConfigError(f"{p}: config file is not UTF-8 text") from None
-    for item in overrides:
-        _apply_override(data, item)
+    if isinstance(overrides, Mapping):
+        for key, value in overrides.items():
+            _set(data, str(key), value, f"{key}={value!r}")
+    else:
+        for item in overrides:
+            _apply_override(data, item)
     try:
         return ShardlineConfig.model_validate(data)
     except ValidationError as e:
@@ -64,6 +85,10 @@ def _apply_override(data: dict, item: str) -> None:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw  # a bare word is a string: --set training.model=mlp
+    _set(data, key, value, item)
+
+
+def _set(data: dict, key: str, value: Any, item: str) -> None:
     *parents, leaf = key.strip().split(".")
     node = data
     for part in parents:
@@ -79,11 +104,23 @@ def _apply_override(data: dict, item: str) -> None:
 _ENGINE_OF = {"spark": "spark", "dask": "dask", "local": None}
 
 
-def cluster_of(cfg: ShardlineConfig, engines: list[str]) -> str | None:
+def cluster_of(cfg: ShardlineConfig, engines: list[str], spark=None, client=None) -> str | None:
     """The setting that sends tasks to other hosts, among the engines a command uses; None
-    when every task runs on this machine (embedded Spark `local[...]`, a LocalCluster)."""
+    when every task runs on this machine (embedded Spark `local[...]`, a LocalCluster).
+    spark, client: a SparkSession or Dask client the caller gave (the API's `spark=`,
+    `client=`): where it runs, not the config, says."""
     for engine in engines:
-        if engine == "spark":
+        if engine == "spark" and spark is not None:
+            from shardline.pipelines.spark_setup import is_connect, spark_master
+
+            if is_connect(spark):
+                return "the Spark Connect session given"
+            if not spark_master(spark).startswith("local"):
+                return f"the SparkSession given (master {spark_master(spark)!r})"
+        elif engine == "dask" and client is not None:
+            if getattr(client, "cluster", None) is None:  # a scheduler reached by its address
+                return f"the Dask client given (scheduler {client.scheduler.address})"
+        elif engine == "spark":
             from shardline.pipelines.spark_setup import remote_url
 
             remote = remote_url(cfg.spark)  # a malformed one: a config error, said first
@@ -91,7 +128,7 @@ def cluster_of(cfg: ShardlineConfig, engines: list[str]) -> str | None:
                 return f"Spark Connect at {remote!r}"
             if not cfg.spark.master.startswith("local"):
                 return f"spark.master = {cfg.spark.master!r}"
-        if engine == "dask" and cfg.dask.address:
+        if engine == "dask" and client is None and cfg.dask.address:
             return f"dask.address = {cfg.dask.address!r}"
     return None
 
@@ -103,15 +140,16 @@ SOURCE, DATASET, CHECKPOINTS, OUTPUT = (
 
 def resolve_paths(
     cfg: ShardlineConfig, engines: list[str | None], uses: tuple[str, ...] = (), *,
-    tracking: bool = False, sweep: bool = False,
+    tracking: bool = False, sweep: bool = False, spark=None, client=None,
 ) -> ShardlineConfig:
     """Every path setting as every host will open it (pipelines.storage.resolve): local
     paths absolute, URLs as they are. When `engines` run tasks on other hosts, a relative
     path among the settings the command `uses` is refused, and so is a relative SQLite
     file as the MLflow store (`tracking`) or the Optuna storage (`sweep`) its tasks open;
     absolute local ones get a note (every host must see them: a shared filesystem).
+    spark, client: the caller's own engines (see cluster_of).
     """
-    cluster = cluster_of(cfg, [e for e in engines if e])
+    cluster = cluster_of(cfg, [e for e in engines if e], spark, client)
     local: list[str] = []
 
     def path(value: str, setting: str) -> str:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 from rich.console import Console
 
@@ -86,3 +86,57 @@ def open_dask(cfg: ShardlineConfig):
         client.close()
         if cluster is not None:
             cluster.close()
+
+
+class Engines:
+    """The engines one API call uses, each opened on first use: the caller's own SparkSession
+    or Dask client when given (used as they are, never stopped or closed here), else started
+    from the config. A Dask cluster started here is closed at the end; a SparkSession started
+    here stays the process's active session (the next call reuses it, as pyspark does).
+
+    barrier_ranks: slots a Spark barrier stage will need, checked when Spark is started here
+    (a given session is checked by the training job itself).
+    """
+
+    def __init__(self, cfg: ShardlineConfig, spark=None, client=None, barrier_ranks: int | None = None):
+        self._cfg, self._spark, self._client, self._ranks = cfg, spark, client, barrier_ranks
+        self._adopted: set[str] = set()
+        self._stack = ExitStack()
+
+    def __enter__(self) -> Engines:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def spark(self):
+        if self._spark is None:
+            self._spark = open_spark(self._cfg, self._ranks)
+        elif "spark" not in self._adopted:
+            from shardline.pipelines.spark_setup import adopt_session, describe_spark
+
+            adopt_session(self._spark)
+            console.print(f"  using the SparkSession given: {describe_spark(self._spark)}")
+        self._adopted.add("spark")
+        return self._spark
+
+    def dask(self):
+        if self._client is None:
+            self._client = self._stack.enter_context(open_dask(self._cfg))
+        elif "dask" not in self._adopted:
+            from shardline.pipelines.engines import adopt_client
+
+            adopt_client(self._client)
+            console.print(f"  using the Dask client given: scheduler {self._client.scheduler.address}")
+        self._adopted.add("dask")
+        return self._client
+
+    def handle(self, engine: str):
+        """The SparkSession or the Dask client; None for the local launcher."""
+        return self.spark() if engine == "spark" else self.dask() if engine == "dask" else None
+
+    def prepare_engine(self, engine: str):
+        from shardline.pipelines.engine_dask import DaskEngine
+        from shardline.pipelines.engine_spark import SparkEngine
+
+        return SparkEngine(self.spark()) if engine == "spark" else DaskEngine(self.dask())

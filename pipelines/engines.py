@@ -109,6 +109,14 @@ def _ship_code(client) -> None:
     client.register_plugin(UploadFile(path), name=os.path.basename(path))  # shardline-code-<unique>.zip
 
 
+def adopt_client(client) -> None:
+    """A client the caller made (the Python API's `client=`): workers it reaches by address
+    get our code as `dask.address` clients do; a LocalCluster's in this process run this
+    machine's environment already."""
+    if getattr(client, "cluster", None) is None:
+        _ship_code(client)
+
+
 def dask_client(cfg: DaskConfig):
     """A Dask client: on the scheduler at `cfg.address`, or on an embedded LocalCluster."""
     import logging

@@ -116,3 +116,41 @@ def _glob_regex(pattern: str) -> re.Pattern:
 def _first_line(e: Exception) -> str:
     text = str(e).strip().splitlines()
     return (text[0] if text else type(e).__name__)[:200]
+
+
+def write_raw_part(batches, raw_dir: str, index: int) -> int:
+    """One partition of a DataFrame (the estimators' fit input, its Arrow batches) as
+    `raw_dir/part-NNNNN.parquet`, through storage: any store; a retried task rewrites the
+    same name. Rows written; an empty partition writes nothing."""
+    from contextlib import ExitStack
+
+    rows, writer = 0, None
+    with ExitStack() as stack:
+        for batch in batches:
+            if batch.num_rows == 0:
+                continue
+            if writer is None:
+                f = stack.enter_context(storage.write(storage.join(raw_dir, f"part-{index:05d}.parquet")))
+                writer = stack.enter_context(pq.ParquetWriter(f, batch.schema))
+            writer.write_batch(batch)
+            rows += batch.num_rows
+    return rows
+
+
+def with_row_key(part, name: str, partition_info=None):
+    """A pandas partition with an int64 key column `name`: unique over partitions (up to
+    2**32 rows each) and stable for the DataFrame's partitioning (Dask passes partition_info)."""
+    import numpy as np
+
+    number = (partition_info or {}).get("number", 0)
+    return part.assign(**{name: (np.int64(number) << 32) + np.arange(len(part), dtype=np.int64)})
+
+
+def write_pandas_part(part, raw_dir: str, partition_info=None):
+    """write_raw_part of a pandas partition (Dask's map_partitions); its rows, as a Series."""
+    import pandas as pd
+    import pyarrow as pa
+
+    table = pa.Table.from_pandas(part, preserve_index=False)
+    rows = write_raw_part(table.to_batches(), raw_dir, (partition_info or {}).get("number", 0))
+    return pd.Series([rows], name="rows", dtype="int64")

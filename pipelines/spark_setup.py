@@ -90,6 +90,12 @@ def start_spark(cfg: SparkConfig):
     return spark
 
 
+def adopt_session(spark) -> None:
+    """A session the caller started (the Python API's `spark=`, classic or Connect): used as
+    it is, its settings untouched; only our packages go to executors that need them."""
+    _ship_packages(spark)
+
+
 def is_connect(spark) -> bool:
     return type(spark).__module__.startswith("pyspark.sql.connect")
 

@@ -25,8 +25,8 @@ if not _os.path.isdir(_os.path.join(_here, "pipelines")):
 __version__ = "0.1.0"
 
 _API = {
-    "prepare": "api", "train": "api", "score": "api", "load_config": "api",
-    "PrepareResult": "api", "TrainResult": "api", "ScoreResult": "api",
+    "prepare": "api", "train": "api", "score": "api", "run": "api", "score_status": "api", "load_config": "api",
+    "PrepareResult": "api", "TrainResult": "api", "ScoreResult": "api", "RunResult": "api",
 }
 
 

@@ -1,0 +1,76 @@
+"""The stages of the API's calls (shardline.api), each between its console lines: the checks
+before an engine starts, the leases, and the prepare, training and scoring runs."""
+
+from __future__ import annotations
+
+from rich.markup import escape
+
+from .config import ShardlineConfig
+from .engines import Engines, console, stage
+
+
+def dataset_lease(cfg: ShardlineConfig):
+    from shardline.pipelines.manifest import check_dataset_dir
+    from shardline.pipelines.prepare import dataset_lease as lease
+
+    check_dataset_dir(cfg.pipelines.dataset_dir)  # a foreign directory: refused before we write
+    return lease(cfg.pipelines.dataset_dir)
+
+
+def output_lease(output_dir: str):
+    from shardline.serving.ledger import check_output_dir, output_lease as lease
+
+    check_output_dir(output_dir)
+    return lease(output_dir)
+
+
+def check_prepare(cfg: ShardlineConfig, **how):
+    """Input, columns and feature spec, checked before an engine starts; says what it inferred."""
+    from shardline.pipelines.checks import check_prepare as check
+
+    checked = check(cfg.pipelines, **how)
+    for note in checked.notes:
+        console.print(f"  {escape(note)}")
+    return checked
+
+
+def run_prepare(cfg: ShardlineConfig, engine, append=False, refit=False, by_plan=False, lease=None, checked=None):
+    from shardline.pipelines.prepare import prepare
+
+    src = cfg.pipelines.source
+    what = f"{src.synthetic.rows:,} synthetic rows" if src.format == "synthetic" else src.path
+    how = " by its bandwidth plan" if by_plan else ""
+    with stage(f"Preparing {what} into {cfg.pipelines.dataset_dir}{how} with {engine.name}"):
+        manifest = prepare(engine, cfg.pipelines, append=append, refit=refit, by_plan=by_plan, lease=lease,
+                           checked=checked)
+    spec = manifest.feature_spec
+    if spec.task == "classification" and spec.classes is None:
+        console.print(
+            f"  pipelines.features.classes = {manifest.statistics.num_classes}  "
+            "(inferred: the largest label + 1; declare it to have other labels refused)"
+        )
+    return manifest
+
+
+def run_train(cfg: ShardlineConfig, engines: Engines, lease=None):
+    """training.job.run_training on training.launcher's engine (none for `local`)."""
+    from shardline.training.job import run_training
+
+    t = cfg.training
+    handle = engines.handle(t.launcher)
+    spark = handle if t.launcher == "spark" else None
+    client = handle if t.launcher == "dask" else None
+    console.print(f"  checkpoints: {escape(t.checkpoint_dir)}")
+    with stage(f"Training {t.model} with {t.strategy} on {t.world_size} {t.launcher} ranks"):
+        return run_training(t, cfg.tracking, cfg.pipelines.dataset_dir, spark=spark, dask_client=client, lease=lease)
+
+
+def run_score(cfg: ShardlineConfig, engines: Engines, p, input_path: str, lease=None):
+    """serving.score.execute of plan `p` on serving.engine."""
+    from shardline.serving.score import execute
+
+    s = cfg.serving
+    handle = engines.handle(s.engine)
+    with stage(f"Scoring {len(p.todo)} file(s) of {input_path} with {p.describe_model()} on {s.engine}"):
+        return execute(p, s.engine, handle, batch_size=s.batch_size, threads_per_task=s.threads_per_task,
+                       lease=lease)

@@ -1,0 +1,117 @@
+"""What the Spark and Dask estimators share: the config of a fit (its DataFrame is the source,
+written as raw Parquet first) and the fitted model's description."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from dataclasses import dataclass
+
+from shardline.jobs.config import ShardlineConfig, cluster_of
+from shardline.pipelines.errors import ConfigError
+
+GENERATED_KEY = "shardline_key"
+
+
+@dataclass(frozen=True)
+class FitPlan:
+    cfg: ShardlineConfig  # with pipelines.source and pipelines.features set for this DataFrame
+    raw_dir: str  # where the DataFrame is written (resolved: absolute path or URL)
+    columns: list[str]  # the DataFrame's columns to write (a generated key among them)
+    generated_key: str | None  # a key column to add before writing, when the data has none
+
+
+def plan_fit(
+    config, overrides, kinds: dict[str, str | None], *, label_col: str | None, feature_cols: list[str] | None,
+    key_col: str | None, raw_dir: str | None, engine: str, spark=None, client=None,
+) -> FitPlan:
+    """The fit's config: the estimator's arguments fill in what the config leaves unset; a
+    column named both ways, differently, is refused (a written setting is never ignored).
+
+    kinds: column -> "numeric", "categorical" or None (a type shardline cannot use).
+    """
+    from shardline.api import load_config
+    from shardline.pipelines.storage import join, resolve
+
+    cfg = load_config(config, overrides)
+    f, src = cfg.pipelines.features, cfg.pipelines.source
+    written = f.model_fields_set
+    if "format" in src.model_fields_set and src.format != "parquet":
+        raise ConfigError(f"pipelines.source.format = {src.format!r}: an estimator's source is the DataFrame "
+                          "given to fit (written as Parquet); leave it unset")
+    label = _one("label_col", label_col, "pipelines.features.label", f.label if "label" in written else None) \
+        or "label"
+    _column(label, kinds, "label_col")
+    key = _one("key_col", key_col, "pipelines.features.key", f.key if "key" in written else None)
+    generated = None
+    if key is None and not f.generate_key:
+        generated = key = GENERATED_KEY
+        if key in kinds:
+            raise ConfigError(f"the DataFrame has a column '{key}' already: name its key with key_col")
+    elif key is not None:
+        _column(key, kinds, "key_col")
+    named = {c for c in (label, key) if c}
+    if feature_cols is not None and written & {"numeric", "categorical"}:
+        raise ConfigError("feature_cols and pipelines.features.numeric/categorical both name the features: "
+                          "give them once")
+    update: dict = {}
+    if not written & {"numeric", "categorical"}:
+        cols = list(feature_cols) if feature_cols is not None else \
+            [c for c in kinds if c not in named and c not in f.vectors]
+        for c in cols:
+            _column(c, kinds, "feature_cols")
+            if kinds[c] is None:
+                raise ConfigError(f"column '{c}': its type is neither numeric nor text; leave it out of "
+                                  "feature_cols (or name it in pipelines.features.vectors with its length)")
+        update["pipelines.features.numeric"] = [c for c in cols if kinds[c] == "numeric"]
+        update["pipelines.features.categorical"] = [c for c in cols if kinds[c] == "categorical"]
+    features = [*(update.get("pipelines.features.numeric") or f.numeric or []),
+                *(update.get("pipelines.features.categorical") or f.categorical or []), *f.vectors]
+    if raw_dir is None:
+        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
+        raw_dir = join(src.path, f"fit-{stamp}-{uuid.uuid4().hex[:8]}")
+    raw = resolve(raw_dir, "pipelines.source.path", cluster_of(cfg, [engine], spark, client))
+    update |= {"pipelines.source.format": "parquet", "pipelines.source.path": raw,
+               "pipelines.features.label": label}
+    if key is not None:
+        update["pipelines.features.key"] = key
+    cfg = load_config(cfg, update)
+    columns = list(dict.fromkeys(c for c in (key, label, *features) if c))
+    return FitPlan(cfg, raw, columns, generated)
+
+
+def _one(arg: str, given: str | None, setting: str, written: str | None) -> str | None:
+    if given is not None and written is not None and given != written:
+        raise ConfigError(f"{arg} = {given!r} but {setting} = {written!r}: give it once")
+    return given if given is not None else written
+
+
+def _column(name: str, kinds: dict, arg: str) -> None:
+    if name not in kinds:
+        raise ConfigError(f"{arg}: the DataFrame has no column '{name}' (its columns: {', '.join(kinds)})")
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """A trained, registered model and what scoring new rows with it needs."""
+
+    model_uri: str  # pinned: models:/NAME/VERSION
+    tracking_uri: str
+    run_id: str
+    transform_json: tuple[str, str, int]  # serving.inputs.Transform's fields: spec, statistics, width
+    classification: bool
+
+    @classmethod
+    def of(cls, prepared, trained) -> Fitted:
+        from shardline.serving.inputs import Transform
+
+        t = Transform.of(prepared.manifest)
+        return cls(trained.model_uri, trained.tracking_uri, trained.run_id, (t.spec_json, t.stats_json, t.width),
+                   prepared.manifest.feature_spec.task == "classification")
+
+    @property
+    def transform(self):
+        from shardline.serving.inputs import Transform
+
+        return Transform(*self.transform_json)
+
