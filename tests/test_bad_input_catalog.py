@@ -62,6 +62,14 @@ def _hold_output(folder: Path, _dataset: str):
 
 
 T = ["train", "{cfg}"]
+# The user's own model package (tests/usermodels/usernets), found through training.code_paths.
+USER = f"code_paths = ['{Path(__file__).parent / 'usermodels' / 'usernets'}']\n"
+
+
+def _user(what: str, settings: list[str], message: str) -> Case:
+    return Case(what, [*T, *(a for s in settings for a in ("--set", s))], 2, message, toml=USER)
+
+
 CASES = [
     # -- the config file and --set (exit 2)
     Case("config file missing", ["train", "{dir}/nope.toml"], 2, "nope.toml: config file not found"),
@@ -95,6 +103,23 @@ CASES = [
     Case("attention heads do not divide the width",
          [*T, "--set", "training.model=transformer", "--set", "training.hidden=[30]"], 2,
          "must be divisible by training.heads 4"),
+    # -- the user's own model, loss and metrics (exit 2, before any engine starts)
+    _user("model import path does not import", ["training.model='nosuchpkg.nets:build'"],
+          "training.model: cannot import module 'nosuchpkg.nets' (ModuleNotFoundError: No module named 'nosuchpkg')"),
+    _user("model is not callable", ["training.model='usernets.nets:NOT_CALLABLE'"],
+          "training.model: usernets.nets:NOT_CALLABLE is not callable"),
+    _user("model factory returns no nn.Module", ["training.model='usernets.nets:not_a_module'"],
+          "returned a dict, not a torch.nn.Module"),
+    _user("model_args the factory rejects", ["training.model='usernets.nets:build'", "training.model_args={{depth=0}}"],
+          "raised ValueError: depth must be at least 1, got 0"),
+    _user("loss with the wrong signature", ["training.model='usernets.nets:build'",
+                                            "training.loss='usernets.losses:one_argument'"],
+          "training.loss: usernets.losses:one_argument must take (output, target)"),
+    _user("strategy needs a plan the model does not declare",
+          ["training.model='usernets.nets:plain'", "training.strategy='pipeline'"],
+          "is no nn.Sequential and declares no pipeline_layers()"),
+    _user("model output width does not match the classes", ["training.model='usernets.nets:wrong_width'"],
+          "the output must be [batch, 3]"),
     Case("sweep with nothing to search", ["sweep", "{cfg}"], 2, "sweep.space is empty"),
     Case("sweep objective not logged", ["sweep", "{cfg}", "--set", "sweep.objective='val_f1'"], 2,
          "training does not produce 'val_f1'",

@@ -37,7 +37,7 @@ class TrainingConfig(Section):
     tp_plan: dict[str, Literal["colwise", "rowwise"]] | None = Field(
         None, description="strategy tensor: module path -> colwise (output features split) or "
         "rowwise (input features split, outputs summed), each colwise run closed by a rowwise "
-        "layer; unset: the model's own plan (training.models.TP_PLANS).",
+        "layer; unset: the model's own plan (its tp_plan(), training.model_plans).",
     )
     pp: int | None = Field(
         None, ge=1, description="strategy pipeline: pipeline stages; unset: world_size / dp.",
