@@ -40,8 +40,8 @@ def factory_path(cfg: TrainingConfig) -> str:
         return BUILTINS[cfg.model][0]
     if not is_import_path(cfg.model):
         raise ConfigError(
-            f"training.model: unknown model '{cfg.model}' (valid: {', '.join(sorted(BUILTINS))}, "
-            "or your own factory as 'package.module:callable')"
+            f"training.model: unknown model '{cfg.model}' (valid: {', '.join(sorted(BUILTINS))}); "
+            "or name your own factory as 'package.module:callable'"
         )
     return cfg.model
 
