@@ -78,7 +78,9 @@ class TrainingConfig(Section):
         "description and training.model_args and returns an nn.Module.",
     )
     model_args: dict[str, Any] = Field(
-        default_factory=dict, description="Keyword arguments for the model factory (a free-form table).",
+        default_factory=dict, description="Keyword arguments for the model factory, called as "
+        "factory(inputs, **model_args) (inputs: training.model_inputs.ModelInputs). A built-in takes "
+        "training.hidden, heads and embedding_dim as its defaults, which these override.",
     )
     loss: str | None = Field(
         None, description="Your own loss, 'package.module:callable' taking (output, target) and "
