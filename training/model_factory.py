@@ -74,14 +74,26 @@ def load_factory(cfg: TrainingConfig) -> Callable[..., nn.Module]:
 
 def create_model(inputs: ModelInputs, cfg: TrainingConfig) -> nn.Module:
     """The factory's module for `inputs`, seeded so every rank starts equal."""
-    factory, path, args = load_factory(cfg), factory_path(cfg), factory_args(cfg)
-    torch.manual_seed(cfg.seed)
+    factory = load_factory(cfg)
+    return _call(factory, factory_path(cfg), inputs, factory_args(cfg), cfg.model_args, cfg.seed)
+
+
+def rebuild_model(path: str, inputs: ModelInputs, args: dict, code_paths: list[str] = ()) -> nn.Module:
+    """The module a job built, from what a registered model stores: the factory's import
+    path (`factory_path(cfg)`), its inputs and its arguments (`factory_args(cfg)`). The
+    weights are then loaded into it (so the seed does not matter)."""
+    factory = import_user_object(path, "training.model", list(code_paths))
+    return _call(factory, path, inputs, args, args, 0)
+
+
+def _call(factory, path: str, inputs: ModelInputs, args: dict, shown_args: dict, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
     try:
         model = factory(inputs, **args)
     except ConfigError:
         raise  # a built-in's own check names its setting
     except Exception as e:  # noqa: BLE001 - the user's factory: its message is theirs to see
-        shown = f" with training.model_args {cfg.model_args}" if cfg.model_args else ""
+        shown = f" with training.model_args {shown_args}" if shown_args else ""
         raise ConfigError(f"training.model: {path}{shown} raised {type(e).__name__}: {one_line(e)}") from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"training.model: {path} returned a {type(model).__name__}, not a torch.nn.Module")
