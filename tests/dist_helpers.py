@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from shardline.training.config import TrainingConfig
+from shardline.training.model_factory import create_model
+from shardline.training.model_inputs import ModelInputs, TensorInput
 from shardline.training.models import FeatureCNN, FeatureTransformer, TabularMLP, apply_activation_checkpointing
 from shardline.training.strategies import get_strategy
 
@@ -13,6 +15,21 @@ MODELS = {
     "cnn": lambda: FeatureCNN(5, [4], channels=8, n_classes=3),
     "transformer": lambda: FeatureTransformer(5, [4], d_model=16, heads=4, layers=2, n_classes=3),
 }
+
+# What a factory is told about global_batches' data: 5 numerics, 1 category of 4, 3 classes.
+INPUTS = ModelInputs(
+    task="classification", num_classes=3, class_names=["0", "1", "2"], numeric=[f"n{i}" for i in range(5)],
+    vectors={}, categorical=["c"], cardinalities=[4], inputs={"features": TensorInput(dtype="float32", shape=[6])},
+    label=TensorInput(dtype="int64", shape=[]),
+)
+
+
+def _model(args: dict, cfg: TrainingConfig):
+    """args["model"]: a MODELS name, or an import path built by the factory (cfg's model_args)."""
+    name = args.get("model", "mlp")
+    if ":" in name:
+        return create_model(INPUTS, cfg.model_copy(update={"model": name}))
+    return MODELS[name]()
 
 
 # AdamW divides each update by sqrt(v): a gradient that is zero in exact arithmetic
@@ -45,7 +62,7 @@ def train_steps(rank: int, world_size: int, args: dict) -> dict:
     settings = args.get("cfg", {}) if world_size > 1 else _numerics(args.get("cfg", {}))
     cfg = TrainingConfig(world_size=world_size, strategy=strategy, batch_size=args["batch"], **settings)
     torch.manual_seed(0)
-    model = MODELS[args.get("model", "mlp")]()
+    model = _model(args, cfg)
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
     get_strategy(strategy).check(cfg, model)
@@ -64,7 +81,7 @@ def train_steps(rank: int, world_size: int, args: dict) -> dict:
 
 def _numerics(cfg: dict) -> dict:
     """The settings that change single-process arithmetic (the reference keeps them)."""
-    keep = ("precision", "activation_checkpointing")
+    keep = ("precision", "activation_checkpointing", "loss", "model_args", "code_paths")
     return {k: v for k, v in cfg.items() if k in keep}
 
 
@@ -81,7 +98,7 @@ def unsynchronised(args: dict, parts: int) -> dict:
     others'. A tolerance that accepts this cannot tell a broken strategy from a working one."""
     cfg = TrainingConfig(world_size=1, batch_size=args["batch"], **_numerics(args.get("cfg", {})))
     torch.manual_seed(0)
-    model = MODELS[args.get("model", "mlp")]()
+    model = _model(args, cfg)
     parallel = get_strategy("ddp").setup(
         model, cfg, 0, 1, torch.device("cpu"), OPTIMIZERS[args.get("optimizer", "sgd")]
     )

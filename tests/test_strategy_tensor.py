@@ -104,7 +104,7 @@ def _check(model: str, **settings):
         ("mlp", {"world_size": 4, "tp": 2, "batch_size": 9},
          r"^training.batch_size 9 must be a multiple of training.dp 2$"),
         ("cnn", {"world_size": 2},
-         r"^training.strategy tensor: training.model cnn has no tensor-parallel plan"),
+         r"^training.strategy tensor: training.model cnn declares no tensor-parallel plan"),
         ("mlp", {"world_size": 2, "tp_plan": {"1.linear": "colwise", "9.linear": "rowwise"}},
          r"^training.tp_plan: module '9.linear' is not in training.model mlp \(its Linear layers: "
          r"1.linear, 2.linear, 3\)$"),

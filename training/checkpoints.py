@@ -53,7 +53,7 @@ POINTER = "LATEST"
 # Settings a checkpoint must agree with to be resumed from: they shape the
 # weights, the optimizer state or the order of batches.
 FINGERPRINT_FIELDS = (
-    "model", "hidden", "heads", "embedding_dim", "strategy", "world_size", "batch_size", "seed", "epochs",
+    "model", "model_args", "loss", "hidden", "heads", "embedding_dim", "strategy", "world_size", "batch_size", "seed", "epochs",
     "shuffle_buffer_rows", "remainder", "dp", "tp", "pp", "dp_shard", "tp_plan", "ps_servers", "ps_mode",
     "micro_batches", "pipeline_boundaries", "pipeline_schedule", "pipeline_stages_per_rank",
     # the optimisation itself: a resume with another lr or schedule would quietly keep the old one

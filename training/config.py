@@ -37,7 +37,7 @@ class TrainingConfig(Section):
     tp_plan: dict[str, Literal["colwise", "rowwise"]] | None = Field(
         None, description="strategy tensor: module path -> colwise (output features split) or "
         "rowwise (input features split, outputs summed), each colwise run closed by a rowwise "
-        "layer; unset: the model's own plan (training.models.TP_PLANS).",
+        "layer; unset: the model's own plan (its tp_plan(), training.model_plans).",
     )
     pp: int | None = Field(
         None, ge=1, description="strategy pipeline: pipeline stages; unset: world_size / dp.",
@@ -84,7 +84,9 @@ class TrainingConfig(Section):
         "description and training.model_args and returns an nn.Module.",
     )
     model_args: dict[str, Any] = Field(
-        default_factory=dict, description="Keyword arguments for the model factory (a free-form table).",
+        default_factory=dict, description="Keyword arguments for the model factory, called as "
+        "factory(inputs, **model_args) (inputs: training.model_inputs.ModelInputs). A built-in takes "
+        "training.hidden, heads and embedding_dim as its defaults, which these override.",
     )
     loss: str | None = Field(
         None, description="Your own loss, 'package.module:callable' taking (output, target) and "

@@ -23,7 +23,9 @@ from .config import TrackingConfig, TrainingConfig
 from .launchers import DriverGuard, TrainingFailed
 from .loader import check_world_size, epoch_steps, rows_per_rank
 from .mlflow_outage import Outbox, replay, when_reachable
-from .models import build_model, check_model_name
+from .model_check import check_callables, check_model
+from .model_inputs import ModelInputs
+from .models import build_model
 from .strategies import get_strategy
 from .tracking import describe_version, log_curves, log_dataset_input, open_experiment, run_name
 from .worker import TrainJob, train_rank
@@ -54,7 +56,9 @@ def check_settings(cfg: TrainingConfig) -> None:
     prepares the dataset first, so its preflight comes only after Spark is up)."""
     # The mesh (its degrees multiply to world_size; PS leaves workers): needs no model.
     get_strategy(cfg.strategy).data_world(cfg)
-    check_model_name(cfg.model)
+    # The model, loss and metrics import and take their arguments (the user's code: the cwd
+    # and training.code_paths on sys.path).
+    check_callables(cfg)
 
 
 def preflight(cfg: TrainingConfig, dataset_dir: str) -> ShardManifest:
@@ -64,7 +68,9 @@ def preflight(cfg: TrainingConfig, dataset_dir: str) -> ShardManifest:
     manifest = load_manifest(dataset_dir)
     manifest.split("train")
     strategy = get_strategy(cfg.strategy)
-    strategy.check(cfg, build_model(manifest, cfg))
+    model = build_model(manifest, cfg)
+    check_model(cfg, ModelInputs.from_manifest(manifest), model)  # one forward pass, its output's width
+    strategy.check(cfg, model)  # the plans the strategy needs, declared by the model
     check_world_size(manifest, "train", strategy.data_world(cfg))
     check_steps(cfg, manifest, strategy.data_world(cfg))
     return manifest

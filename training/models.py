@@ -1,15 +1,17 @@
-"""Models by name. A model never knows how it is parallelised.
+"""The built-in models, each behind a factory (`mlp`, `cnn`, `transformer`) of the same
+protocol as a user's: factory(inputs: ModelInputs, **model_args) -> nn.Module
+(training.model_factory, which `training.model = "mlp"` goes through like any import path).
 
-Every model is an `nn.Sequential` of layers, the input layer first: that order is
-all a pipeline needs to cut it into stages, and the layers' own submodule names
-(`linear`, `attn.q`, `ff1` ...) are all a tensor-parallel plan needs. Each model that
-can be split by tensor parallelism has its plan here, beside it (as torchtitan keeps
-one beside each model): module path -> "colwise" / "rowwise" (see `TP_PLANS`).
+A model never knows how it is parallelised, but declares the plans a strategy needs
+(training.model_plans), as torchtitan keeps them beside each model: every built-in is an
+`nn.Sequential` of layers, the input layer first (all a pipeline needs to cut it into
+stages, and its children with parameters are its FSDP units); `recompute_units()` names
+the hidden layers worth recomputing; the mlp and the transformer declare `tp_plan()`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from functools import partial
 
 import torch
@@ -17,10 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardline.pipelines.errors import ConfigError
-from shardline.pipelines.manifest import ShardManifest
-from shardline.pipelines.transform import continuous_width
 
-from .config import TrainingConfig
+from .model_factory import build_model  # noqa: F401 - the entry point, where callers import it
+from .model_inputs import ModelInputs
+from .model_plans import recompute_units
 
 
 class FeatureInput(nn.Module):
@@ -75,6 +77,17 @@ class TabularMLP(nn.Sequential):
         layers.append(nn.Linear(width, n_classes))
         super().__init__(*layers)
 
+    def tp_plan(self) -> dict[str, str]:
+        """Consecutive Dense layers in pairs; an odd last one and the head stay whole."""
+        dense = [i for i, layer in enumerate(self) if isinstance(layer, Dense)]
+        plan = {}
+        for a, b in zip(dense[0::2], dense[1::2]):
+            plan.update({f"{a}.linear": "colwise", f"{b}.linear": "rowwise"})
+        return plan
+
+    def recompute_units(self) -> list[nn.Module]:
+        return [layer for layer in self if isinstance(layer, Dense)]
+
 
 class Channels(nn.Module):
     """[batch, features] -> [batch, 1, features]: the feature vector as a 1-channel signal."""
@@ -113,6 +126,9 @@ class FeatureCNN(nn.Sequential):
             ConvBlock(channels, channels),
             PoolHead(channels, n_classes),
         )
+
+    def recompute_units(self) -> list[nn.Module]:
+        return [layer for layer in self if isinstance(layer, ConvBlock)]
 
 
 class Tokens(nn.Module):
@@ -202,95 +218,44 @@ class FeatureTransformer(nn.Sequential):
             MeanHead(d_model, n_classes),
         )
 
+    def tp_plan(self) -> dict[str, str]:
+        """Per block: q, k, v by heads then the output projection; ff1 then ff2."""
+        blocks = [i for i, layer in enumerate(self) if isinstance(layer, Block)]
+        per_block = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.out": "rowwise",
+                     "ff1": "colwise", "ff2": "rowwise"}
+        return {f"{i}.{path}": style for i in blocks for path, style in per_block.items()}
 
-def _shape(manifest: ShardManifest) -> tuple[int, list[int], int]:
-    spec, stats = manifest.feature_spec, manifest.statistics
-    return continuous_width(spec), [stats.cardinality[c] for c in spec.categorical], stats.num_classes
-
-
-def _mlp(manifest: ShardManifest, cfg: TrainingConfig) -> nn.Module:
-    n, cards, k = _shape(manifest)
-    return TabularMLP(n, cards, cfg.hidden, k, embedding_dim=cfg.embedding_dim)
-
-
-def _cnn(manifest: ShardManifest, cfg: TrainingConfig) -> nn.Module:
-    n, cards, k = _shape(manifest)
-    return FeatureCNN(n, cards, channels=cfg.hidden[0], n_classes=k)
+    def recompute_units(self) -> list[nn.Module]:
+        return [layer for layer in self if isinstance(layer, Block)]
 
 
-def _transformer(manifest: ShardManifest, cfg: TrainingConfig) -> nn.Module:
-    if cfg.hidden[0] % cfg.heads:
+# The built-in factories: training.model_factory's protocol, factory(inputs, **model_args).
+# A built-in name passes the settings (training.hidden, heads, embedding_dim) as these arguments.
+
+
+def mlp(inputs: ModelInputs, hidden: Sequence[int] = (128, 64), embedding_dim: int = 8) -> TabularMLP:
+    return TabularMLP(inputs.n_numeric, inputs.cardinalities, list(hidden), inputs.output_width,
+                      embedding_dim=embedding_dim)
+
+
+def cnn(inputs: ModelInputs, hidden: Sequence[int] = (128, 64)) -> FeatureCNN:
+    """hidden[0] channels."""
+    return FeatureCNN(inputs.n_numeric, inputs.cardinalities, channels=hidden[0], n_classes=inputs.output_width)
+
+
+def transformer(inputs: ModelInputs, hidden: Sequence[int] = (128, 64), heads: int = 4) -> FeatureTransformer:
+    """hidden[0] is d_model, len(hidden) the encoder blocks."""
+    if hidden[0] % heads:
         raise ConfigError(
-            f"training.hidden[0] (d_model {cfg.hidden[0]}) must be divisible by training.heads {cfg.heads}"
+            f"training.hidden[0] (d_model {hidden[0]}) must be divisible by training.heads {heads}"
         )
-    n, cards, k = _shape(manifest)
-    return FeatureTransformer(n, cards, d_model=cfg.hidden[0], heads=cfg.heads, layers=len(cfg.hidden), n_classes=k)
-
-
-MODELS: dict[str, Callable[[ShardManifest, TrainingConfig], nn.Module]] = {
-    "mlp": _mlp,
-    "cnn": _cnn,
-    "transformer": _transformer,
-}
-
-
-# Tensor-parallel plans: module path -> style. "colwise" splits a Linear's output features
-# (its input is whole on every rank); "rowwise" splits its input features and sums the
-# ranks' partial outputs. Each colwise run is closed by a rowwise one with only
-# elementwise work (or, in attention, per-head work) between: one all-reduce forward and
-# one backward per pair, and everything off the plan sees whole activations.
-
-
-def mlp_tp_plan(model: TabularMLP) -> dict[str, str]:
-    """Consecutive Dense layers in pairs; an odd last one and the head stay whole."""
-    dense = [i for i, layer in enumerate(model) if isinstance(layer, Dense)]
-    plan = {}
-    for a, b in zip(dense[0::2], dense[1::2]):
-        plan.update({f"{a}.linear": "colwise", f"{b}.linear": "rowwise"})
-    return plan
-
-
-def transformer_tp_plan(model: FeatureTransformer) -> dict[str, str]:
-    """Per block: q, k, v by heads then the output projection; ff1 then ff2."""
-    blocks = [i for i, layer in enumerate(model) if isinstance(layer, Block)]
-    per_block = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.out": "rowwise",
-                 "ff1": "colwise", "ff2": "rowwise"}
-    return {f"{i}.{path}": style for i in blocks for path, style in per_block.items()}
-
-
-# Model name -> (its class, its plan).
-TP_PLANS: dict[str, tuple[type[nn.Module], Callable[[nn.Module], dict[str, str]]]] = {
-    "mlp": (TabularMLP, mlp_tp_plan),
-    "transformer": (FeatureTransformer, transformer_tp_plan),
-}
-
-
-def tp_plan(model: nn.Module) -> dict[str, str] | None:
-    """The model's own tensor-parallel plan; None if its kind has none."""
-    for cls, plan in TP_PLANS.values():
-        if isinstance(model, cls):
-            return plan(model)
-    return None
-
-
-def check_model_name(name: str) -> None:
-    if name not in MODELS:
-        raise ConfigError(f"training.model: unknown model '{name}' (valid: {', '.join(sorted(MODELS))})")
-
-
-def build_model(manifest: ShardManifest, cfg: TrainingConfig) -> nn.Module:
-    """Build `cfg.model` for the dataset's shape, seeded so every rank starts equal."""
-    check_model_name(cfg.model)
-    torch.manual_seed(cfg.seed)
-    return MODELS[cfg.model](manifest, cfg)
-
-
-# Layers worth recomputing: the rest (inputs, reshapes, heads) hold little activation.
-_RECOMPUTED = (Dense, ConvBlock, Block)
+    return FeatureTransformer(inputs.n_numeric, inputs.cardinalities, d_model=hidden[0], heads=heads,
+                              layers=len(hidden), n_classes=inputs.output_width)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
-    """Recompute the activations of each hidden layer in backward instead of storing them.
+    """Recompute the activations of the model's `recompute_units()` (training.model_plans)
+    in backward instead of storing them.
 
     The layer's forward is replaced on the instance, so parameter names (and so
     checkpoints and the logged model) do not change. use_reentrant=False: the
@@ -298,7 +263,12 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
     """
     from torch.utils.checkpoint import checkpoint
 
-    for layer in model.modules():
-        if isinstance(layer, _RECOMPUTED):
-            layer.forward = partial(checkpoint, type(layer).forward.__get__(layer), use_reentrant=False)
+    units = recompute_units(model)
+    if units is None:
+        raise ConfigError(
+            f"training.activation_checkpointing: the model ({type(model).__name__}) declares no "
+            "recompute_units() or fsdp_units() (the submodules to recompute)"
+        )
+    for layer in units:
+        layer.forward = partial(checkpoint, type(layer).forward.__get__(layer), use_reentrant=False)
     return model

@@ -33,6 +33,7 @@ from .launchers import available_cores
 from .loader import ShardLoader
 from .strategies import get_strategy
 from .strategies.base import autocast_for, train_step
+from .task import loss_for
 from .worker import make_optimizer, trainable_model
 
 HEADROOM = 1.2  # loading >= 1.2 x training: measurement noise and imperfect worker scaling
@@ -184,6 +185,7 @@ def measure_training(
         model.train()
         optimizer = make_optimizer(model.parameters(), cfg)
         autocast = autocast_for(device, cfg)
+        loss_fn = loss_for(cfg)
         # A few distinct batches, cycled: realistic inputs without generating one per step.
         batches = [_synthetic_batch(manifest, local_batch, seed) for seed in range(4)]
         if device.type == "cuda":
@@ -192,7 +194,7 @@ def measure_training(
         def step(i: int) -> None:
             x, y = batches[i % len(batches)]
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            _, loss = train_step(model, optimizer, autocast, x, y)
+            _, loss = train_step(model, optimizer, autocast, x, y, loss_fn)
             loss.item()  # the worker reads the loss every step, which also syncs a GPU
 
         for i in range(2):

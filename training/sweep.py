@@ -27,7 +27,7 @@ from shardline.pipelines.errors import ConfigError, DataError, ShardlineError
 from .config import TrackingConfig, TrainingConfig
 from .job import preflight, run_training
 from .launchers import available_cores
-from .task import metric_names, task_of
+from .task import metric_names, task_of, user_metric_names
 from .sweep_config import SweepConfig
 from .sweep_report import TrialOutcome, fmt_params, log_summary, outcome, register_best
 from .sweep_study import (
@@ -83,7 +83,7 @@ def check_sweep(sweep: SweepConfig, training: TrainingConfig, dataset_dir: str) 
     produced = [*metric_names(kind, "train"), *EPOCH_METRICS[2:]]
     val = manifest.splits.get("val")
     if val is not None and len(val.shards) >= base.world_size:
-        produced += metric_names(kind, "val")
+        produced += metric_names(kind, "val") + user_metric_names(base)
     if sweep.objective not in produced:
         raise ConfigError(
             f"sweep.objective: training does not produce '{sweep.objective}' on this dataset "

@@ -8,16 +8,28 @@ no strategy needs to know the task.
 classification: cross-entropy over the model's K logits; accuracy.
 regression: mean squared error of the model's single output; RMSE, MAE and R^2
 (1 - SSE/SST, SST about the mean of the same rows) reported beside the loss.
+
+The user's own (training.loss, training.metrics: 'package.module:callable'): a loss
+`fn(output, target) -> scalar tensor` replaces the task's, in training and in val_loss;
+each metric `fn(output, target) -> number` is computed once per epoch over the whole
+validation split (every rank's outputs gathered) and logged as `val_<name>`, the name
+its import path ends with.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from shardline.pipelines.manifest import ShardManifest
+
+from .config import TrainingConfig
+from .user_code import import_user_object
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 CLASSIFICATION, REGRESSION = "classification", "regression"
 # Per-epoch figures each task logs for a split ("train", "val"), the loss first.
@@ -38,6 +50,25 @@ def task_loss(outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # The model has one output per row; [n, 1] against [n] would broadcast to [n, n].
         return F.mse_loss(outputs.float().squeeze(-1), y.float())
     return F.cross_entropy(outputs, y)
+
+
+def loss_for(cfg: TrainingConfig) -> LossFn:
+    """training.loss if set (imported here: on the driver and in each rank), else the task's."""
+    if cfg.loss is None:
+        return task_loss
+    return import_user_object(cfg.loss, "training.loss", cfg.code_paths)
+
+
+def user_metrics(cfg: TrainingConfig) -> dict[str, Callable]:
+    """training.metrics, imported, by the name each is logged under (user_metric_names)."""
+    fns = [import_user_object(p, f"training.metrics[{i}]", cfg.code_paths) for i, p in enumerate(cfg.metrics)]
+    return dict(zip(user_metric_names(cfg), fns))
+
+
+def user_metric_names(cfg: TrainingConfig) -> list[str]:
+    """What training.metrics log: val_<the callable's name as its import path spells it>
+    ('pkg.mod:f1' logs val_f1), known without importing it."""
+    return [f"val_{path.rpartition(':')[2].rpartition('.')[2]}" for path in cfg.metrics]
 
 
 def metric_names(task: str, split: str) -> list[str]:

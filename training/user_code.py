@@ -87,3 +87,20 @@ def user_code_folders(import_paths: list[str], code_paths: list[str]) -> list[st
         if str(where) not in out:
             out.append(str(where))
     return out
+
+
+def code_paths_on_path(code_paths: list[str]) -> None:
+    """Each `training.code_paths` entry importable as MLflow's code_paths are: its parent
+    folder on sys.path (a folder `src/mypkg` is the package `mypkg`). Relative entries are
+    the command's folder's (a local rank runs in it too); an entry that is not here is left
+    to whoever ships it (Spark executors, Dask workers)."""
+    for c in code_paths:
+        where = Path(c).expanduser().resolve()
+        if where.exists() and str(where.parent) not in sys.path:
+            sys.path.insert(0, str(where.parent))
+
+
+def import_user_object(path: str, setting: str, code_paths: list[str]):
+    """import_object, with the cwd and `training.code_paths` on sys.path first."""
+    code_paths_on_path(code_paths)
+    return import_object(path, setting)

@@ -89,6 +89,8 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
     )
     eval_model = build_model(manifest, cfg).to(device) if val is not None else None
     kind = task.task_of(manifest)
+    # training.loss and training.metrics (the user's, if set), imported here in the rank.
+    loss_fn, user_metrics = task.loss_for(cfg), task.user_metrics(cfg)
 
     optimizer = parallel.optimizer
     schedule = lr_factor(cfg, cfg.epochs * train.steps_per_epoch())
@@ -197,7 +199,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         if evaluated:
             if eval_model is not None:
                 eval_model.load_state_dict(full)
-            metrics.update(_evaluate(eval_model, val, device, kind))
+            metrics.update(_evaluate(eval_model, val, device, kind, loss_fn, user_metrics))
         if reporter:
             reporter.log(metrics, epoch)
             shown = ", ".join(f"{k} {metrics[k]:.4g}" for k in _shown(metrics))
@@ -333,18 +335,35 @@ def _stop_requested(hook, rank: int, epoch: int, metrics: dict[str, float]) -> b
 
 
 @torch.no_grad()
-def _evaluate(model, val: ShardLoader | None, device, kind: str) -> dict[str, float]:
-    """Every rank calls it; ranks without a share of the split (val None) add nothing."""
+def _evaluate(model, val: ShardLoader | None, device, kind: str, loss_fn, user_metrics: dict) -> dict[str, float]:
+    """Every rank calls it; ranks without a share of the split (val None) add nothing.
+    The user's metrics (rank 0's figures) see the whole split's outputs at once."""
     sums = task.zero_sums(kind)
+    kept = []  # (outputs, targets) on the CPU, only when there are user metrics
     if model is not None:
         model.eval()
     for x, y in val.all_batches(4096) if val is not None else ():
         outputs = model(x.to(device))
         y = y.to(device)
         # Summed on the device: no host round trip per batch.
-        sums += task.batch_sums(kind, outputs, y, task.task_loss(outputs, y))
+        sums += task.batch_sums(kind, outputs, y, loss_fn(outputs, y))
+        if user_metrics:
+            kept.append((outputs.float().cpu(), y.cpu()))
     collectives.all_reduce(sums)
-    return task.figures(kind, "val", sums)
+    figures = task.figures(kind, "val", sums)
+    if user_metrics:
+        figures.update(_user_figures(user_metrics, kept))
+    return figures
+
+
+def _user_figures(fns: dict, kept: list) -> dict[str, float]:
+    """Each training.metrics function on the whole validation split, on rank 0 (collective)."""
+    parts = collectives.gather_object(kept, dst=0)
+    pairs = [pair for part in parts or () for pair in part]
+    if not pairs:
+        return {}
+    out, y = torch.cat([o for o, _ in pairs]), torch.cat([t for _, t in pairs])
+    return {name: float(fn(out, y)) for name, fn in fns.items()}
 
 
 def _announce(checkpoint_dir: str, rank: int) -> None:

@@ -23,7 +23,7 @@ from shardline.pipelines.errors import ConfigError
 
 from .. import collectives
 from ..config import TrainingConfig
-from ..task import task_loss
+from ..task import LossFn, task_loss
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -178,11 +178,12 @@ def autocast_for(device: torch.device, cfg: TrainingConfig) -> torch.autocast:
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
 
 
-def train_step(model, optimizer, autocast, x: torch.Tensor, y: torch.Tensor):
-    """Forward, loss, backward, optimizer step; returns (logits, loss)."""
+def train_step(model, optimizer, autocast, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn = task_loss):
+    """Forward, loss (the task's, or training.loss: task.loss_for), backward, optimizer
+    step; returns (logits, loss)."""
     with autocast:
         logits = model(x)
-        loss = task_loss(logits, y)
+        loss = loss_fn(logits, y)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shardline.pipelines.errors import ConfigError
 
 from ..config import TrainingConfig
+from ..task import loss_for
 from .base import OptimizerFactory, autocast_for, mesh_for, train_step
 
 
@@ -47,11 +48,12 @@ class DataParallelRank:
             self.ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         self.optimizer = make_optimizer(self.ddp.parameters())
         self.autocast = autocast_for(device, cfg)
+        self.loss = loss_for(cfg)
         self.data_rank, self.data_world, self.reports = rank, world_size, True
 
     def step(self, x, y):
         self.ddp.train()
-        return train_step(self.ddp, self.optimizer, self.autocast, x, y)
+        return train_step(self.ddp, self.optimizer, self.autocast, x, y, self.loss)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return self.model.state_dict()

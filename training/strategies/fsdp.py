@@ -10,8 +10,9 @@ batches' mean-loss gradients is the global batch's: single-process training on i
 HSDP (dp > 1): the mesh is dp replicas x dp_shard; each replica group shards as above
 and the replicas all-reduce their gradient shards. FSDP2 takes the 2-D mesh as it is.
 
-Each child of the model's Sequential is its own FSDP unit (its parameters gathered
-just before it runs, freed after), then the root: at most one layer is whole at a time.
+The model's FSDP units (training.model_plans.fsdp_units: its `fsdp_units()`, else each
+child of a Sequential) are sharded each on its own (parameters gathered just before it
+runs, freed after), then the root: at most one unit is whole at a time.
 """
 
 from __future__ import annotations
@@ -26,17 +27,19 @@ from shardline.pipelines.errors import ConfigError
 
 from .. import sharded_checkpoints
 from ..config import TrainingConfig
+from ..model_plans import fsdp_units
+from ..task import loss_for
 from .base import OptimizerFactory, autocast_for, mesh_for, train_step
 
 # Full (unsharded) tensors on every rank: what a checkpoint's plain model and evaluation need.
 _FULL = StateDictOptions(full_state_dict=True)
 
 
-def shard_layers(model: nn.Sequential, mesh: DeviceMesh) -> None:
-    """FSDP2 on each child that has parameters, then on the whole model (the rest)."""
-    for layer in model:
-        if any(True for _ in layer.parameters()):
-            fully_shard(layer, mesh=mesh)
+def shard_layers(model: nn.Module, mesh: DeviceMesh) -> None:
+    """FSDP2 on each of the model's units that has parameters, then on the whole model (the rest)."""
+    for unit in fsdp_units(model):
+        if any(True for _ in unit.parameters()):
+            fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
 
 
@@ -76,11 +79,12 @@ class ShardedRank:
         self.model = model
         self.optimizer = make_optimizer(model.parameters())
         self.autocast = autocast_for(device, cfg)
+        self.loss = loss_for(cfg)
         self.data_rank, self.data_world, self.reports = data_rank, data_world, reports
 
     def step(self, x, y):
         self.model.train()
-        out = train_step(self.model, self.optimizer, self.autocast, x, y)
+        out = train_step(self.model, self.optimizer, self.autocast, x, y, self.loss)
         return out if self.reports else None
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -1,7 +1,8 @@
 """Pipeline parallel on torch.distributed.pipelining: the model's layers cut into stages,
 each a `PipelineStage`, run by one of torch's schedules (schedule.py).
 
-The model (an nn.Sequential) is cut at stage bounds (from the config, else balanced by
+The model's layers (training.model_plans.pipeline_layers: an nn.Sequential's children,
+or the children its `pipeline_layers()` names, in forward order) are cut at stage bounds (from the config, else balanced by
 parameter count) into p x v stages: v per rank of a pipeline of p ranks, placed as the
 schedule wants them (rank r holds stage r for GPipe and 1F1B, r, r+p, ... for
 interleaved 1F1B, r and 2p-1-r for ZBV). Every rank of one pipeline reads the same batch
@@ -20,15 +21,15 @@ from statistics import fmean
 
 import torch
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
 from shardline.pipelines.errors import ConfigError
 
 from .. import collectives
 from ..config import TrainingConfig
-from ..task import task_loss
+from ..model_plans import pipeline_layers
+from ..task import loss_for
 from .base import OptimizerFactory, average_gradients, mesh_for
-from torch.distributed.pipelining import PipelineStage
-
 from .pipeline_timing import RankClock, StepLog, TimedStage, step_bubbles
 from .schedule import SCHEDULES, Layout, ReplayStuck, closed_form, grid, in_flight, layout, schedule_bubble
 
@@ -56,11 +57,22 @@ def balanced_bounds(sizes: list[int], stages: int) -> list[int]:
     return [0, *best(0, stages)[1]]
 
 
-def stage_bounds(cfg: TrainingConfig, model: nn.Sequential, stages: int) -> list[int]:
-    """[0, first layer of stage 1, ..., len(model)]: from the config, else balanced."""
-    n = len(model)
+def model_layers(cfg: TrainingConfig, model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's layers in forward order, (name, module); one line if it declares none."""
+    layers = pipeline_layers(model, f"training.model {cfg.model}")
+    if layers is None:
+        raise ConfigError(
+            f"training.strategy pipeline: training.model {cfg.model} is no nn.Sequential and declares no "
+            "pipeline_layers() (the names of its child modules, in the order its forward runs them)"
+        )
+    return layers
+
+
+def stage_bounds(cfg: TrainingConfig, layers: list[tuple[str, nn.Module]], stages: int) -> list[int]:
+    """[0, first layer of stage 1, ..., len(layers)]: from the config, else balanced."""
+    n = len(layers)
     if cfg.pipeline_boundaries is None:
-        return balanced_bounds([_parameters([layer]) for layer in model], stages)
+        return balanced_bounds([_parameters([layer]) for _, layer in layers], stages)
     cuts = list(cfg.pipeline_boundaries)
     if len(cuts) != stages - 1:
         raise ConfigError(
@@ -105,7 +117,7 @@ def pipeline_layout(cfg: TrainingConfig) -> Layout:
 class Pipeline:
     name = "pipeline"
 
-    def check(self, cfg: TrainingConfig, model: nn.Sequential) -> None:
+    def check(self, cfg: TrainingConfig, model: nn.Module) -> None:
         mesh = mesh_for(cfg, "pp")
         if mesh.inner < 2:
             raise ConfigError(
@@ -113,12 +125,13 @@ class Pipeline:
                 "replica per rank is strategy ddp)"
             )
         v = stages_per_rank(cfg)
-        if mesh.inner * v > len(model):
+        layers = model_layers(cfg, model)
+        if mesh.inner * v > len(layers):
             split = f"training.pp {mesh.inner}" + (
                 f" x training.pipeline_stages_per_rank {v}" if v > 1 else ""
             )
-            raise ConfigError(f"{split}: more pipeline stages than the model's {len(model)} layers")
-        stage_bounds(cfg, model, mesh.inner * v)
+            raise ConfigError(f"{split}: more pipeline stages than the model's {len(layers)} layers")
+        stage_bounds(cfg, layers, mesh.inner * v)
         if cfg.batch_size % mesh.dp:
             raise ConfigError(
                 f"training.batch_size {cfg.batch_size} must be a multiple of training.dp {mesh.dp}"
@@ -134,11 +147,12 @@ class Pipeline:
     def data_world(self, cfg: TrainingConfig) -> int:
         return mesh_for(cfg, "pp").dp
 
-    def describe(self, cfg: TrainingConfig, model: nn.Sequential) -> str:
+    def describe(self, cfg: TrainingConfig, model: nn.Module) -> str:
         """Stages, the schedule's grid and its bubble: printed on the driver at start."""
         mesh, lay = mesh_for(cfg, "pp"), pipeline_layout(cfg)
         p, m = mesh.inner, cfg.micro_batches
-        bounds = stage_bounds(cfg, model, lay.stages)
+        all_layers = model_layers(cfg, model)
+        bounds = stage_bounds(cfg, all_layers, lay.stages)
         lines = [
             f"pipeline: {p} ranks x dp {mesh.dp}, {cfg.pipeline_schedule} "
             f"({SCHEDULES[cfg.pipeline_schedule].summary}), {lay.stages} stages, {m} micro-batches "
@@ -148,7 +162,7 @@ class Pipeline:
         at = [", ".join(str(d * p + r) for d in range(mesh.dp)) for r in range(p)]
         for s in range(lay.stages):
             lo, hi = bounds[s], bounds[s + 1] - 1
-            layers = [model[i] for i in range(lo, hi + 1)]
+            layers = [all_layers[i][1] for i in range(lo, hi + 1)]
             names = ", ".join(type(layer).__name__ for layer in layers)
             lines.append(
                 f"  stage {s} (rank{'s' if mesh.dp > 1 else ''} {at[lay.stage_rank[s]]}): "
@@ -172,20 +186,20 @@ class Pipeline:
         return "\n".join(lines)
 
     def setup(
-        self, model: nn.Sequential, cfg: TrainingConfig, rank: int, world_size: int,
+        self, model: nn.Module, cfg: TrainingConfig, rank: int, world_size: int,
         device: torch.device, make_optimizer: OptimizerFactory,
     ) -> PipelineRank:
         return PipelineRank(model, cfg, rank, device, make_optimizer)
 
 
 class StageLayers(nn.Sequential):
-    """Layers lo..hi-1 of the model, under their own indices (so state keys stay the plain
+    """Layers lo..hi-1 of the model, under their own names (so state keys stay the plain
     model's, "3.linear.weight"), run under bf16 autocast when configured. The output leaves
     as float32: the next stage or the loss gets what single-process autocast would give it,
     and the wire and the gradient coming back are float32."""
 
-    def __init__(self, model: nn.Sequential, lo: int, hi: int, bf16: bool):
-        super().__init__(OrderedDict((str(i), model[i]) for i in range(lo, hi)))
+    def __init__(self, layers: list[tuple[str, nn.Module]], lo: int, hi: int, bf16: bool):
+        super().__init__(OrderedDict(layers[lo:hi]))
         self.bf16 = bf16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -200,17 +214,19 @@ class PipelineRank:
         self.dp = mesh.dp
         self.dp_group, self.pp_group = mesh.groups(rank)
         self.layout = lay = pipeline_layout(cfg)
+        self.loss = loss_for(cfg)
         self.pp_rank = mesh.inner_index(rank)  # position in the pipeline
-        bounds = stage_bounds(cfg, model, lay.stages)
+        layers = model_layers(cfg, model)
+        bounds = stage_bounds(cfg, layers, lay.stages)
         # Timing is opt-in (training.pipeline_timing): it synchronises the device around
         # every action, which a GPU run cannot afford; the plain stage keeps the overlap.
         self.clock = RankClock(device) if cfg.pipeline_timing else None
 
         def stage(s: int) -> PipelineStage:
-            layers = StageLayers(model, bounds[s], bounds[s + 1], cfg.precision == "bf16").to(device)
+            part = StageLayers(layers, bounds[s], bounds[s + 1], cfg.precision == "bf16").to(device)
             if self.clock is None:
-                return PipelineStage(layers, s, lay.stages, device, group=self.pp_group)
-            return TimedStage(layers, s, lay.stages, device, group=self.pp_group, clock=self.clock)
+                return PipelineStage(part, s, lay.stages, device, group=self.pp_group)
+            return TimedStage(part, s, lay.stages, device, group=self.pp_group, clock=self.clock)
 
         self.stages = [stage(s) for s in lay.rank_stages(self.pp_rank)]
         self.params = [p for stage in self.stages for p in stage.submod.parameters()]
@@ -228,7 +244,7 @@ class PipelineRank:
         self.steps_run = 0
 
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = task_loss(logits, y)
+        loss = self.loss(logits, y)
         if self.clock is not None:
             self.clock.extend_last_forward()
         return loss

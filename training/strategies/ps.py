@@ -26,7 +26,7 @@ from shardline.pipelines.errors import ConfigError
 
 from .. import collectives
 from ..config import TrainingConfig
-from ..task import task_loss
+from ..task import loss_for
 from .base import OptimizerFactory, autocast_for
 
 
@@ -161,6 +161,7 @@ class WorkerRank:
     def __init__(self, model, cfg, rank, layout: Layout, device):
         self.model, self.layout, self.device = model, layout, device
         self.autocast = autocast_for(device, cfg)
+        self.loss = loss_for(cfg)
         params = dict(model.named_parameters())
         self.shards = [[params[n] for n in names] for names in layout.shards]
         self.data_rank, self.data_world, self.reports = rank, layout.workers, True
@@ -172,7 +173,7 @@ class WorkerRank:
         self.model.train()
         with self.autocast:
             logits = self.model(x)
-            loss = task_loss(logits, y)
+            loss = self.loss(logits, y)
         self.model.zero_grad(set_to_none=True)
         loss.backward()
         grads = [

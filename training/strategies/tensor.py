@@ -1,7 +1,7 @@
 """Tensor parallel on DTensor: the planned Linear layers split over the tp ranks of a DeviceMesh.
 
-The plan (module path -> "colwise" / "rowwise") is the model's own
-(`training.models.TP_PLANS`) or `training.tp_plan`; torch's `parallelize_module`
+The plan (module path -> "colwise" / "rowwise") is the model's own (its `tp_plan()`,
+training.model_plans) or `training.tp_plan`; torch's `parallelize_module`
 applies it with `ColwiseParallel` (output features split, the input whole on every
 rank) and `RowwiseParallel` (input features split, the partial outputs all-reduced).
 Everything off the plan (embeddings, norms, heads, rowwise biases) stays whole and
@@ -26,7 +26,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from shardline.pipelines.errors import ConfigError
 
 from ..config import TrainingConfig
-from ..models import TP_PLANS, Attention, TabularMLP, tp_plan
+from ..model_plans import tp_plan
+from ..models import Attention, TabularMLP
 from .base import OptimizerFactory, mesh_for
 from .fsdp import ShardedRank, shard_layers
 
@@ -36,15 +37,15 @@ STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 def checked_plan(cfg: TrainingConfig, model: nn.Module, tp: int) -> dict[str, str]:
     """The plan `cfg` asks for, refused (one line naming the setting) unless it splits
     this model correctly over `tp` ranks."""
-    own = tp_plan(model)
     if cfg.tp_plan is not None:
         plan, setting = dict(cfg.tp_plan), "training.tp_plan"
-    elif own is not None:
+    elif (own := tp_plan(model, f"training.model {cfg.model}")) is not None:
         plan, setting = own, f"training.model {cfg.model}'s plan"
     else:
         raise ConfigError(
-            f"training.strategy tensor: training.model {cfg.model} has no tensor-parallel plan "
-            f"(tensor splits: {', '.join(sorted(TP_PLANS))}; or set training.tp_plan)"
+            f"training.strategy tensor: training.model {cfg.model} declares no tensor-parallel plan "
+            "(a tp_plan() method: module path -> colwise/rowwise; built-in: mlp, transformer); "
+            "or set training.tp_plan"
         )
     if not plan:
         what = f"training.hidden {cfg.hidden} has" if isinstance(model, TabularMLP) else f"{setting} has"

@@ -1,0 +1,147 @@
+"""A user's own model, loss and metrics, by import path (tests/usermodels/usernets, a
+package as a user writes it): every strategy trains it as single-process training would,
+a tracked job uses its loss and logs its metrics, and the driver's checks refuse what
+cannot run in one line before any process starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardline.pipelines.errors import ConfigError
+from shardline.pipelines.manifest import load_manifest
+from shardline.training.config import TrackingConfig, TrainingConfig
+from shardline.training.job import preflight, run_training
+from shardline.training.launchers.local import launch_local
+from shardline.training.model_check import check_callables, check_model
+from shardline.training.model_factory import build_model, create_model
+from shardline.training.model_inputs import ModelInputs
+from shardline.training.strategies import get_strategy
+
+from .defaults_helpers import small_dataset  # noqa: F401 (a fixture)
+from .dist_helpers import INPUTS, relative_distance, train_steps, train_variants, unsynchronised
+
+USERMODELS = Path(__file__).parent / "usermodels"
+PACKAGE = str(USERMODELS / "usernets")
+MODEL, LOSS = "usernets.nets:build", "usernets.losses:smoothed_ce"
+# Every strategy on 2 ranks (ps: a server and a worker), one after the other in one group.
+STRATEGIES = {
+    "ddp": {}, "fsdp": {}, "tensor": {}, "pipeline": {"micro_batches": 4}, "ps": {"ps_servers": 1},
+}
+TOLERANCE = 1e-6  # SGD in fp32, as tests/test_equivalence.py
+
+
+def test_every_strategy_trains_a_user_model_with_its_loss_as_single_process_does(monkeypatch):
+    # Ranks import the user's package from the folder the job runs in (the cwd on sys.path).
+    monkeypatch.chdir(USERMODELS)
+    common = {"steps": 6, "batch": 32, "model": MODEL}
+    variants = [{"strategy": s, "cfg": {**settings, "loss": LOSS}} for s, settings in STRATEGIES.items()]
+    ranks = launch_local(train_variants, {**common, "variants": variants}, world_size=2, timeout_s=300)
+    reference = train_steps(0, 1, {**common, "cfg": {"loss": LOSS}})
+    for i, variant in enumerate(variants):
+        for rank, weights in enumerate(ranks):
+            distance = relative_distance(weights[i], reference)
+            assert distance <= TOLERANCE, (variant["strategy"], rank, distance)
+    # The tolerance has teeth: a lost gradient sync, or the task's loss in place of the
+    # user's, lands outside it.
+    assert relative_distance(unsynchronised({**common, "cfg": {"loss": LOSS}}, 2), reference) > 3 * TOLERANCE
+    assert relative_distance(train_steps(0, 1, common), reference) > 3 * TOLERANCE
+
+
+def test_a_job_trains_a_user_model_with_its_loss_and_logs_its_metrics(small_dataset, tmp_path):  # noqa: F811
+    from mlflow.tracking import MlflowClient
+
+    # The package found through training.code_paths (the job's folder is not its parent).
+    cfg = TrainingConfig(
+        launcher="local", world_size=2, strategy="pipeline", micro_batches=2, batch_size=32, epochs=2,
+        model=MODEL, model_args={"width": 8, "depth": 2}, loss="usernets.losses:shifted_ce",
+        metrics=["usernets.losses:ce", "usernets.losses:top1"], code_paths=[PACKAGE],
+        checkpoint_dir=str(tmp_path / "ckpt"), timeout_s=120,
+    )
+    tracking = TrackingConfig(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", experiment="user-model")
+    result = run_training(cfg, tracking, small_dataset.dataset_dir, register=False)
+    logged = MlflowClient(tracking.tracking_uri).get_run(result.run_id).data.metrics
+    assert {"val_ce", "val_top1", "val_loss", "val_accuracy"} <= logged.keys(), sorted(logged)
+    # val_loss is the user's loss (cross-entropy + 1) on the same rows val_ce covers at once.
+    assert logged["val_loss"] - logged["val_ce"] == pytest.approx(1.0, abs=1e-4)
+    assert logged["val_top1"] == pytest.approx(logged["val_accuracy"], abs=1e-6)
+    # The final weights are the user's model's: the factory's module loads them.
+    model = build_model(load_manifest(small_dataset.dataset_dir), cfg)
+    model.load_state_dict(result.weights)
+    assert type(model).__name__ == "Net" and "block1.up.weight" in result.weights
+
+
+def test_a_built_in_name_is_its_import_path_with_the_settings_as_arguments():
+    cfg = TrainingConfig(model="transformer", hidden=[16, 16], heads=2)
+    by_name = create_model(INPUTS, cfg)
+    by_path = create_model(INPUTS, cfg.model_copy(update={
+        "model": "shardline.training.models:transformer", "model_args": {"hidden": [16, 16], "heads": 2},
+    }))
+    assert type(by_name) is type(by_path)
+    for (k, a), (_, b) in zip(by_name.state_dict().items(), by_path.state_dict().items()):
+        assert torch.equal(a, b), k
+    # model_args override a built-in's settings.
+    wide = create_model(INPUTS, cfg.model_copy(update={"model_args": {"hidden": [32]}}))
+    assert wide[1].ff1.in_features == 32 and len(wide) == 3
+
+
+def test_model_inputs_describe_the_manifest_and_round_trip_through_json(small_dataset):  # noqa: F811
+    inputs = ModelInputs.from_manifest(load_manifest(small_dataset.dataset_dir))
+    assert (inputs.task, inputs.num_classes, inputs.class_names) == ("classification", 3, ["0", "1", "2"])
+    assert inputs.numeric == ["a", "b", "c"] and inputs.categorical == [] and inputs.feature_width == 3
+    assert inputs.inputs["features"].shape == [3] and inputs.label.dtype == "int64"
+    assert ModelInputs.model_validate_json(inputs.model_dump_json()) == inputs
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"model": "usernets.nets:plain", "strategy": "pipeline", "world_size": 2},
+         "training.strategy pipeline: training.model usernets.nets:plain is no nn.Sequential and declares no "
+         "pipeline_layers()"),
+        ({"model": "usernets.nets:plain", "strategy": "tensor", "world_size": 2},
+         "training.strategy tensor: training.model usernets.nets:plain declares no tensor-parallel plan"),
+        ({"model": "usernets.nets:plain", "activation_checkpointing": True},
+         "training.activation_checkpointing: training.model usernets.nets:plain declares no recompute_units()"),
+        ({"model": "usernets.nets:wrong_width"},
+         "training.model usernets.nets:wrong_width: its output for a batch of 2 rows is [2, 4], but the "
+         "dataset's task is 3 classes: the output must be [batch, 3]"),
+        ({"model": "usernets.nets:not_a_module"},
+         "training.model: usernets.nets:not_a_module returned a dict, not a torch.nn.Module"),
+        ({"model_args": {"depth": 0}},
+         "training.model: usernets.nets:build with training.model_args {'depth': 0} raised ValueError: "
+         "depth must be at least 1, got 0"),
+        ({"model_args": {"colour": "red"}},
+         "training.model_args: usernets.nets:build does not take them as factory(inputs, **model_args) "
+         "(got an unexpected keyword argument 'colour')"),
+        ({"loss": "usernets.losses:one_argument"},
+         "training.loss: usernets.losses:one_argument must take (output, target) (too many positional arguments)"),
+        ({"loss": "usernets.losses:ce"},
+         "training.loss: usernets.losses:ce returned a float, not a scalar tensor"),
+        ({"metrics": ["usernets.losses:top1", "usernets.nets:build"]},
+         "training.metrics[1]: usernets.nets:build fails on the model's output"),
+        ({"metrics": ["usernets.losses:top1", "usernets.losses:top1"]},
+         "training.metrics[1]: usernets.losses:top1 would be logged as val_top1, which another metric is"),
+        ({"model": "usernets.nets:NOT_CALLABLE"}, "training.model: usernets.nets:NOT_CALLABLE is not callable (it is a int)"),
+        ({"model": "usernets.nowhere:build"},
+         "training.model: cannot import module 'usernets.nowhere' (ModuleNotFoundError: No module named "
+         "'usernets.nowhere')"),
+    ],
+)
+def test_the_driver_refuses_what_cannot_run_in_one_line(small_dataset, settings, message):  # noqa: F811
+    cfg = TrainingConfig(**{"model": MODEL, "code_paths": [PACKAGE], "world_size": 2, **settings})
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg, small_dataset.dataset_dir)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_pipeline_refuses_layers_that_do_not_compose_into_the_forward():
+    cfg = TrainingConfig(model=MODEL, code_paths=[PACKAGE], strategy="pipeline", world_size=2)
+    check_callables(cfg)
+    model = create_model(INPUTS, cfg)
+    model.pipeline_layers = lambda: ["features", "head", "block0"]  # another order than forward's
+    with pytest.raises(ConfigError, match="pipeline_layers\\(\\) run one after the other do not give"):
+        check_model(cfg, INPUTS, model)
+    get_strategy("pipeline").check(cfg, create_model(INPUTS, cfg))  # its own order passes

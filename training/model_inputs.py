@@ -1,0 +1,100 @@
+"""What a model factory is told about the data: `ModelInputs`, read from the dataset's manifest.
+
+A model is any callable `factory(inputs: ModelInputs, **training.model_args) -> nn.Module`
+(training.model_factory). Its forward takes the `features` tensor the loader yields,
+[batch, feature_width] float32 — the standardised numerics, then the vector columns'
+elements, then one category index per categorical column (0: unknown) — and returns
+[batch, output_width]: one logit per class for classification, one value for regression.
+
+`ModelInputs` is a plain pydantic model: it pickles to ranks and round-trips through
+JSON (`model_dump_json` / `model_validate_json`), so a registered model can store it and
+rebuild the module from the factory's import path without the manifest.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shardline.pipelines.manifest import ShardManifest
+
+
+class TensorInput(BaseModel):
+    """One tensor of a row, as the loader yields it (the batch dimension comes first)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    dtype: str = Field(description="torch dtype name: float32, int64, ...")
+    shape: list[int] = Field(description="Shape of one row's tensor (no batch dimension).")
+
+
+class ModelInputs(BaseModel):
+    """The prepared inputs a model is built for. Feature order is the `features` tensor's."""
+
+    model_config = ConfigDict(frozen=True)
+
+    task: Literal["classification", "regression"]
+    num_classes: int = Field(description="Classes K (classification); 1 for regression.")
+    class_names: list[str] = Field(
+        description="Name of each class, in logit order ('0'..'K-1' when classes are counts); [] for regression."
+    )
+    numeric: list[str] = Field(description="Numeric columns, standardised: features[:, :len(numeric)].")
+    vectors: dict[str, int] = Field(description="Vector columns and their lengths, after the numerics.")
+    categorical: list[str] = Field(description="Categorical columns: the last len(categorical) features.")
+    cardinalities: list[int] = Field(
+        description="Per categorical column (same order), its distinct indices 1..c; 0 is the "
+        "unknown bucket, so an embedding table needs c + 1 rows."
+    )
+    inputs: dict[str, TensorInput] = Field(
+        description="Each tensor the model's forward gets, by name: today {'features': float32 [feature_width]}."
+    )
+    label: TensorInput = Field(description="The target: int64 [] class index or float32 [] value.")
+
+    @property
+    def n_numeric(self) -> int:
+        """The leading float features (numerics and vector elements); category indices follow."""
+        return len(self.numeric) + sum(self.vectors.values())
+
+    @property
+    def feature_width(self) -> int:
+        return self.n_numeric + len(self.categorical)
+
+    @property
+    def output_width(self) -> int:
+        """What the model's output must be wide: K logits, or 1 value for regression."""
+        return self.num_classes if self.task == "classification" else 1
+
+    @classmethod
+    def from_manifest(cls, manifest: ShardManifest) -> ModelInputs:
+        spec, stats = manifest.feature_spec, manifest.statistics
+        task = "regression" if manifest.tensors["label"].dtype == "float32" else "classification"
+        if task == "regression":
+            names: list[str] = []
+        elif isinstance(spec.classes, list):
+            names = list(spec.classes)
+        else:
+            names = [str(i) for i in range(stats.num_classes)]
+        return cls(
+            task=task,
+            num_classes=stats.num_classes if task == "classification" else 1,
+            class_names=names,
+            numeric=list(spec.numeric or []),
+            vectors=dict(spec.vectors),
+            categorical=list(spec.categorical or []),
+            cardinalities=[stats.cardinality[c] for c in spec.categorical or []],
+            inputs={
+                name: TensorInput(dtype=t.dtype, shape=list(t.shape))
+                for name, t in manifest.tensors.items() if name != "label"
+            },
+            label=TensorInput(dtype=manifest.tensors["label"].dtype, shape=list(manifest.tensors["label"].shape)),
+        )
+
+    def sample_batch(self, rows: int = 2):
+        """(features, target) of `rows` rows of this shape: zeros (category 0, the unknown
+        bucket, is valid for every column). For the driver's checks of a model, loss, metrics."""
+        import torch
+
+        x = torch.zeros(rows, self.feature_width, dtype=torch.float32)
+        y = torch.zeros(rows, dtype=torch.float32 if self.task == "regression" else torch.int64)
+        return x, y
