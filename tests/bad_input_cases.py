@@ -81,6 +81,14 @@ def _hold_output(folder: Path, _dataset: str):
 T = ["train", "{cfg}"]
 P = ["prepare", "{cfg}", "--engine", "dask"]
 IMAGES = [*P, "--set", "pipelines.source.format='images'", "--set", "pipelines.source.path='{dir}/imgs'"]
+# The user's own model package (tests/usermodels/usernets), found through training.code_paths.
+USER = f"code_paths = ['{Path(__file__).parent / 'usermodels' / 'usernets'}']\n"
+
+
+def _user(what: str, settings: list[str], message: str) -> Case:
+    return Case(what, [*T, *(a for s in settings for a in ("--set", s))], 2, message, toml=USER)
+
+
 CASES = [
     # -- the config file and --set (exit 2)
     Case("config file missing", ["train", "{dir}/nope.toml"], 2, "nope.toml: config file not found"),
