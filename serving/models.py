@@ -4,14 +4,69 @@ from __future__ import annotations
 
 import gc
 
-_CACHE: dict[tuple[str, str], object] = {}
+_CACHE: dict[tuple[str, str, str], object] = {}
 
 
-def cached_model(model_uri: str, tracking_uri: str):
-    key = (model_uri, tracking_uri)
+def spark_task_gpus(resources: dict | None) -> list[str]:
+    """The GPU addresses in a Spark task's resources (TaskContext.resources()): what
+    spark.task.resource.gpu.amount gave it; [] without GPU scheduling or outside Spark."""
+    gpu = (resources or {}).get("gpu")
+    return list(gpu.addresses) if gpu is not None else []
+
+
+def choose_scoring_device(task_gpus: list[str], device_count: int, current: int):
+    """The Spark task's first GPU, else the current CUDA device (a dask-cuda worker's own
+    GPU is its device 0), else the CPU."""
+    import torch
+
+    from shardline.pipelines.errors import ShardlineError
+
+    if device_count == 0:
+        return torch.device("cpu")
+    if task_gpus:
+        given = task_gpus[0]
+        if not given.isdigit() or int(given) >= device_count:
+            raise ShardlineError(
+                f"Spark gave this scoring task GPU {given!r}, which is not one of the {device_count} "
+                "CUDA device(s) its process sees: the GPU discovery script "
+                "(spark.executor.resource.gpu.discoveryScript) must list their indices"
+            )
+        return torch.device("cuda", int(given))
+    return torch.device("cuda", current)
+
+
+def scoring_device():
+    """Where this task scores: see choose_scoring_device."""
+    import sys
+
+    import torch
+
+    resources = None
+    if "pyspark" in sys.modules:  # a Spark task imported it; a Dask worker need not
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        resources = ctx.resources() if ctx is not None else None
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    gpus = spark_task_gpus(resources)
+    # Asked only without a Spark GPU: a Spark task's process needs nothing from CUDA's current one.
+    current = 0 if gpus else torch.cuda.current_device()
+    return choose_scoring_device(gpus, torch.cuda.device_count(), current)
+
+
+def cached_model(model_uri: str, tracking_uri: str, device=None):
+    """The model on `device` (scoring_device() when None), loaded once per process and device:
+    Spark reuses a Python worker for tasks that may have been given different GPUs. A GPU
+    becomes the calling thread's current device, so nothing of the task lands on GPU 0."""
+    import torch
+
+    device = device if device is not None else scoring_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    key = (model_uri, tracking_uri, str(device))
     if key not in _CACHE:
         import mlflow
-        import torch
 
         from shardline.training.raw_model import load_torch_model
 
@@ -19,9 +74,7 @@ def cached_model(model_uri: str, tracking_uri: str):
         # The torch module alone: batch scoring applies the transform itself, and a
         # prepared split needs none.
         model = load_torch_model(model_uri)
-        if torch.cuda.is_available():
-            model = model.cuda()
-        _CACHE[key] = model.eval()
+        _CACHE[key] = model.to(device).eval()
         # What loading brought in (torch, MLflow, the model: ~430k objects) lives as long as
         # the process: frozen out of the collector, so neither later collections nor the
         # process's exit walk it again. The exit's collections took over 4 s in a Dask

@@ -111,8 +111,15 @@ def test_a_host_memory_group_takes_cpu_tensors_whatever_the_rank_device():
 def test_backend_is_gloo_without_cuda_and_per_device_with_it():
     expected = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     assert collectives.backend() == expected
-    assert collectives.rank_device(1) == (torch.device("cuda", 1 % torch.cuda.device_count())
-                                          if torch.cuda.is_available() else torch.device("cpu"))
+
+
+def test_using_the_cpu_binds_the_contract_and_touches_no_cuda():
+    before = collectives.device()
+    try:
+        collectives.bind(torch.device("meta"))
+        assert collectives.use(torch.device("cpu")) == collectives.device() == torch.device("cpu")
+    finally:
+        collectives.bind(before)
 
 
 def test_object_collectives_send_host_copies():

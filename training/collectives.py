@@ -5,8 +5,8 @@ host memory. A CPU tensor handed to an NCCL group fails at run time, on a GPU ho
 only — which this project has never had. So every tensor collective in training
 (worker metrics, evaluation, epoch end, stop flags, gathers, the strategies' own
 exchanges) goes through this module, and the module checks, before the call, that the
-tensor is on the rank's device (`rank_device`), or in host memory for a group created
-host-only (`new_host_group`). A wrong one is refused with `DeviceContractError`,
+tensor is on the rank's device (`use`: the one training.placement chose), or in host
+memory for a group created host-only (`new_host_group`). A wrong one is refused with `DeviceContractError`,
 naming the call and both devices, on CPU as on GPU: that check, and a test that no
 module in `training/` calls torch.distributed's collectives except this one, are what
 guard the GPU path here.
@@ -20,7 +20,6 @@ issue their collectives themselves on the mesh's device type; they are not route
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from typing import Any
 
@@ -44,16 +43,22 @@ def backend() -> str:
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
-def rank_device(rank: int) -> torch.device:
-    """Choose this rank's device and bind the contract to it: the GPU its Spark task was
-    given (SHARDLINE_CUDA_DEVICE), else GPU `rank % count`; the CPU without CUDA."""
-    if not torch.cuda.is_available():
-        return bind(torch.device("cpu"))
-    given = os.environ.get("SHARDLINE_CUDA_DEVICE")
-    index = int(given) if given else rank % torch.cuda.device_count()
-    # NCCL and the object collectives use the current device: make it this rank's.
-    torch.cuda.set_device(index)
-    return bind(torch.device("cuda", index))
+def use(device: torch.device) -> torch.device:
+    """Make `device` this rank's (chosen by training.placement before the group exists):
+    the current CUDA device of the calling thread, and the device of every collective."""
+    if device.type == "cuda":
+        # NCCL and the object collectives use the current device: make it this rank's.
+        torch.cuda.set_device(device)
+    return bind(device)
+
+
+def enter_rank_device(set_device=None) -> None:
+    """In a thread the rank started (the loader's producer), make the rank's GPU the current
+    device: CUDA's current device is per thread, and a new thread's is GPU 0, where pinning
+    memory or any other CUDA call would open a context of its own. Nothing on the CPU.
+    `set_device`: torch.cuda.set_device unless given (tests pass a recorder)."""
+    if _device.type == "cuda":
+        (set_device or torch.cuda.set_device)(_device)
 
 
 def bind(device: torch.device) -> torch.device:

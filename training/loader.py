@@ -64,6 +64,7 @@ from shardline.pipelines import storage
 from shardline.pipelines.errors import ConfigError, DataError
 from shardline.pipelines.manifest import ShardInfo, ShardManifest, TensorSpec
 
+from . import collectives
 from .loader_batches import ShuffleBuffer, cut_batches
 from .loader_columns import decode_column, held_dtype, to_torch
 
@@ -432,6 +433,9 @@ class ShardLoader:
             stop.set()
             thread.join()
 
+    # Called first in the producer thread (collectives.enter_rank_device; a test swaps it).
+    on_thread_start = staticmethod(collectives.enter_rank_device)
+
     def _produce(self, epoch: int, start: int, q: queue.Queue, stop: threading.Event) -> None:
         def put(item) -> bool:
             while not stop.is_set():
@@ -445,6 +449,8 @@ class ShardLoader:
         pool = ThreadPoolExecutor(self.workers, thread_name_prefix="shardline-decode")
         batches = self._torch_batches(epoch, start, pool)
         try:
+            # This thread pins the batches: on the rank's GPU, not on GPU 0 (a thread's default).
+            self.on_thread_start()
             for batch in self._timed(batches):
                 if not put(batch):
                     return

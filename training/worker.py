@@ -56,7 +56,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
     """The rank function of a training job (see training.launchers)."""
     cfg = job.cfg
     torch.set_num_threads(cfg.threads_per_rank)
-    device = collectives.rank_device(rank)
+    device = collectives.device()  # chosen by run_in_group before the group (training.placement)
     manifest = load_manifest(job.dataset_dir, job.dataset_sequence)
     model = trainable_model(manifest, cfg, device)
     parallel = get_strategy(cfg.strategy).setup(

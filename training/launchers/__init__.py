@@ -15,6 +15,7 @@ from typing import Any
 
 from shardline.pipelines.errors import ShardlineError
 
+from ..placement import Slot
 from .guard import DriverGuard, RankError, is_permanent
 
 LOST_PEER_GRACE_S = 5.0
@@ -63,8 +64,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 def run_in_group(
     fn: RankFn, rank: int, world_size: int, init_method: str, payload: Any, timeout_s: float,
     guard: DriverGuard | None = None, lost_peer_grace_s: float = LOST_PEER_GRACE_S,
+    slot: Slot | None = None,
 ) -> Any:
-    """Join the process group, call `fn`, leave the group.
+    """Take the rank's device, join the process group, call `fn`, leave the group.
+
+    `slot`: where the rank runs on its host (training.placement; None: the local
+    launcher's, every rank on this machine). The rank's GPU is chosen from it and made
+    current before the group exists, and handed to the group as its `device_id`; a host
+    with more ranks than GPUs is refused here, a permanent error. `fn` finds the device
+    in training.collectives.device().
 
     A payload with a `socket_ifname` (a TrainJob: training.socket_ifname) names the
     network interface(s) the collectives use (launchers.network); None keeps the
@@ -78,11 +86,14 @@ def run_in_group(
     """
     import torch.distributed as dist
 
-    from .. import collectives
+    from .. import collectives, placement
     from .network import socket_interface
 
     stop_guard = guard.start() if guard is not None else None
     try:
+        slot = slot or placement.local_slot(rank, world_size)
+        device = collectives.use(placement.rank_device(slot))
+        placement.enter(slot)
         with socket_interface(getattr(payload, "socket_ifname", None)):
             dist.init_process_group(
                 collectives.backend(),
@@ -90,6 +101,7 @@ def run_in_group(
                 rank=rank,
                 world_size=world_size,
                 timeout=dt.timedelta(seconds=timeout_s),
+                **placement.group_device(device),
             )
             try:
                 result = fn(rank, world_size, payload)

@@ -6,6 +6,7 @@ from typing import Any
 
 from shardline.pipelines.errors import ShardlineError
 
+from ..placement import Slot, host_of, own_visible_gpus, slots
 from . import DriverGuard, RankFn, TrainingFailed, free_port, run_in_group
 
 
@@ -13,8 +14,27 @@ def _rendezvous_address() -> str:
     # Runs on rank 0's worker: the port must be free where the store will bind it.
     from distributed import get_worker
 
-    host = get_worker().address.split("://", 1)[-1].rsplit(":", 1)[0]
+    host = host_of(get_worker().address)
     return f"tcp://{host}:{free_port(host)}"
+
+
+def _visible_devices() -> str | None:
+    import os
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def dask_slots(client, chosen: list[str]) -> list[Slot]:
+    """Each rank's slot: its host from its worker's address, and device 0 for a worker
+    whose CUDA_VISIBLE_DEVICES lists a GPU of its own first (dask-cuda: each worker sees
+    its own GPU as device 0; by local rank, two ranks would share one)."""
+    try:
+        visible = client.run(_visible_devices, workers=chosen)
+    except Exception as e:  # a worker lost since it was chosen: a relaunch picks others
+        raise TrainingFailed(f"Dask training failed: {type(e).__name__}: {e}") from e
+    hosts = [host_of(a) for a in chosen]
+    own = own_visible_gpus(hosts, [visible.get(a) for a in chosen])
+    return slots(hosts, own, "its Dask worker's CUDA_VISIBLE_DEVICES (dask-cuda)")
 
 
 def check_dask_workers(client, world_size: int) -> list[str]:
@@ -54,11 +74,12 @@ def launch_dask(
         # None given, or one is gone (a nanny restarts a killed worker under a new
         # address): a task pinned to a gone worker would wait forever.
         chosen = live[:world_size]
+    placed = dask_slots(client, chosen)
     init = client.submit(_rendezvous_address, workers=[chosen[0]], allow_other_workers=False, pure=False)
     init_method = init.result()
     futures = [
         client.submit(
-            run_in_group, fn, rank, world_size, init_method, payload, timeout_s, guard,
+            run_in_group, fn, rank, world_size, init_method, payload, timeout_s, guard, slot=placed[rank],
             workers=[addr], allow_other_workers=False, pure=False, key=f"shardline-rank-{rank}-{init.key}",
         )
         for rank, addr in enumerate(chosen)

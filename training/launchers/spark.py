@@ -16,7 +16,9 @@ from shardline.pipelines.errors import ShardlineError
 from shardline.pipelines.spark_probe import failed_task, spark_error_line
 from shardline.pipelines.spark_setup import spark_master, spark_setting
 
+from ..placement import Slot, host_of, slots
 from . import DriverGuard, RankFn, TrainingFailed, free_port, run_in_group
+from .guard import RankError
 
 
 @dataclass(frozen=True)
@@ -109,12 +111,13 @@ def launch_spark_barrier(
             pass
         ctx = BarrierTaskContext.get()
         rank = ctx.partitionId()
-        _use_task_gpu(ctx)
-        host = ctx.getTaskInfos()[0].address.rsplit(":", 1)[0]
+        slot = spark_slot(rank, [info.address for info in ctx.getTaskInfos()], _use_task_gpu(ctx))
+        host = host_of(ctx.getTaskInfos()[0].address)
         # Rank 0 picks the port on its own host, where the store will bind it.
         mine = f"{rank}:{free_port(host) if rank == 0 else 0}"
         port = next(int(m.split(":")[1]) for m in ctx.allGather(mine) if m.startswith("0:"))
-        result = run_in_group(fn, rank, world_size, f"tcp://{host}:{port}", payload, timeout_s, guard)
+        result = run_in_group(fn, rank, world_size, f"tcp://{host}:{port}", payload, timeout_s, guard,
+                              slot=slot)
         yield pa.RecordBatch.from_pydict(
             {"rank": [rank], "result": [pickle.dumps(result)]},
             schema=pa.schema([("rank", pa.int32()), ("result", pa.binary())]),
@@ -144,17 +147,33 @@ def _lost_task(e: BaseException) -> str:
     return where + spark_error_line(e)
 
 
-def _use_task_gpu(ctx) -> None:
-    """With GPU scheduling (spark.task.resource.gpu.amount), use the GPU Spark gave this task.
+def spark_slot(rank: int, addresses: list[str], task_gpu: str | None) -> Slot:
+    """The rank's slot: its host's ranks from the barrier stage's task addresses (in
+    partition order, which is rank order), and the GPU Spark gave its task, which wins."""
+    hosts = [host_of(a) for a in addresses]
+    gpus: list[int | None] = [None] * len(hosts)
+    if task_gpu is not None:
+        if not task_gpu.isdigit():  # a discovery script's own naming: not a CUDA index
+            raise RankError.of(rank, ShardlineError(
+                f"Spark gave rank {rank}'s task GPU address {task_gpu!r}, not a CUDA device index: "
+                "the GPU discovery script (spark.executor.resource.gpu.discoveryScript) must list indices"
+            ))
+        gpus[rank] = int(task_gpu)
+    return slots(hosts, gpus, "Spark's task resources (spark.task.resource.gpu.amount)")[rank]
+
+
+def _use_task_gpu(ctx) -> str | None:
+    """With GPU scheduling (spark.task.resource.gpu.amount), the GPU Spark gave this task.
 
     An index, not CUDA_VISIBLE_DEVICES: Spark reuses Python workers, and CUDA may
-    already be initialised in this one. training.worker reads it; NCCL ranks then
-    never share a GPU.
+    already be initialised in this one. It is also exported as SHARDLINE_CUDA_DEVICE,
+    for code the rank runs; NCCL ranks then never share a GPU.
     """
     import os
 
     gpu = ctx.resources().get("gpu")
     if gpu is not None and gpu.addresses:
         os.environ["SHARDLINE_CUDA_DEVICE"] = gpu.addresses[0]
-    else:
-        os.environ.pop("SHARDLINE_CUDA_DEVICE", None)
+        return gpu.addresses[0]
+    os.environ.pop("SHARDLINE_CUDA_DEVICE", None)
+    return None
