@@ -149,10 +149,24 @@ def resolve_model(model_uri: str, tracking_uri: str) -> ResolvedModel:
     pinned = f"models:/{name}/{version}" if model_uri.startswith("models:/") else model_uri
     mlflow.set_tracking_uri(tracking_uri)
     try:
-        info = mlflow.models.get_model_info(pinned)
+        info = _model_info(pinned)
     except (MlflowException, OSError):
         raise ShardlineError(f"model {model_uri} not found in MLflow at {tracking_uri}") from None
     if not version and info.run_id:
         # runs:/ and path URIs have no registry version; the run id identifies them.
         version = f"run-{info.run_id}"
     return ResolvedModel(model_uri, pinned, name, version, info.run_id)
+
+
+def _model_info(model_uri: str):
+    """mlflow.models.get_model_info, its MLmodel file read in a folder removed after: MLflow's
+    own call leaves a copy in the temp folder for every runs:/ or remote model."""
+    import posixpath
+    import tempfile
+
+    import mlflow
+    from mlflow.models import Model
+
+    with tempfile.TemporaryDirectory(prefix="shardline-model-") as tmp:
+        local = mlflow.artifacts.download_artifacts(posixpath.join(model_uri, "MLmodel"), dst_path=tmp)
+        return Model.load(local).get_model_info()

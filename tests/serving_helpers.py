@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import torch
 
 _TRAINED: dict[str, object] = {}
+TRAINING = dict(launcher="local", world_size=1, epochs=1, batch_size=256)  # the session's model's
 
 
 def trained_model(prepared) -> object:
@@ -20,7 +21,7 @@ def trained_model(prepared) -> object:
         from shardline.training.job import run_training
 
         _TRAINED["result"] = run_training(
-            TrainingConfig(launcher="local", world_size=1, epochs=1, batch_size=256),
+            TrainingConfig(**TRAINING),
             TrackingConfig(experiment="serving-test", registered_model="serving-test"),
             prepared.dataset_dir,
         )

@@ -131,3 +131,29 @@ def test_the_registered_model_signature_is_the_raw_schema_and_bad_rows_are_named
     bad.loc[2, spec.numeric[1]] = float("nan")
     with pytest.raises(MlflowException, match=f"column '{spec.numeric[1]}' is null, NaN or inf at row 2"):
         model.predict(bad)
+
+
+def test_the_served_model_takes_integer_columns_read_from_json_lines(prepared, tracking_uri, tmp_path):
+    """Raw rows whose numeric columns hold integers (as pandas reads them from JSON lines:
+    int64) are scored, as the same values as floats would be; not refused by the signature."""
+    import mlflow
+
+    result = trained_model(prepared)
+    mlflow.set_tracking_uri(tracking_uri)
+    spec = load_manifest(prepared.dataset_dir).feature_spec
+    rows = raw_table(prepared).slice(0, 16).to_pandas()[[spec.key, *spec.numeric, *spec.categorical]]
+    whole = rows.copy()
+    for c in spec.numeric:
+        whole[c] = (whole[c] * 3).round().astype("int64")
+    whole.to_json(tmp_path / "raw.jsonl", orient="records", lines=True)
+    read = pd.read_json(tmp_path / "raw.jsonl", lines=True)
+    assert all(read[c].dtype == np.int64 for c in spec.numeric)  # the case MLflow refused
+
+    model = mlflow.pyfunc.load_model(result.model_uri)
+    got = model.predict(read)
+    want = model.predict(read.astype({c: np.float64 for c in spec.numeric}))
+    assert got["key"].tolist() == rows[spec.key].tolist()
+    pd.testing.assert_frame_equal(got, want)
+    # Categories that are integers are taken too (prepare takes any type, as text).
+    codes = read.assign(**{spec.categorical[0]: np.arange(len(read), dtype=np.int64)})
+    assert len(model.predict(codes)) == len(read)

@@ -16,7 +16,7 @@ from shardline.pipelines.manifest import load_manifest
 from shardline.serving.ledger import LEDGER, output_lease, read_ledger
 from shardline.serving.score import score
 
-from .serving_helpers import raw_table, read_scores, trained_model, version_dir, write_raw
+from .serving_helpers import TRAINING, raw_table, read_scores, trained_model, version_dir, write_raw
 
 COLUMNS = ["key", "prediction", "probabilities", "model_name", "model_version", "scored_at"]
 
@@ -235,3 +235,49 @@ def test_runs_uri_is_scored_under_its_run_id(dask_client, model, prepared, track
         score("dask", dask_client, "runs:/0123456789abcdef/model", tracking_uri, prepared.dataset_dir,
               str(tmp_path / "other"))
     assert not (tmp_path / "other").exists()
+
+
+def _model_copies(folders: set[str], run_id: str) -> set[Path]:
+    """Entries of `folders` holding a download of the run's model (an MLmodel file naming the
+    run, a few levels down): other processes' temp files are not this test's business."""
+    found = set()
+    for folder in folders:
+        for entry in Path(folder).iterdir():
+            try:
+                for depth in ("MLmodel", "*/MLmodel", "*/*/MLmodel", "*/*/*/MLmodel"):
+                    if any(run_id in m.read_text(errors="replace") for m in entry.glob(depth)):
+                        found.add(entry)
+                        break
+            except OSError:  # another user's folder, or one removed while looked at
+                continue
+    return found
+
+
+@pytest.mark.parametrize("engine", ["spark", "dask"])
+def test_scoring_leaves_no_model_copy_in_the_temp_folder(engine, request, model, prepared, tracking_uri, tmp_path):
+    import tempfile
+
+    import mlflow
+
+    from shardline.training.config import TrainingConfig
+    from shardline.training.raw_model import load_torch_model, log_raw_model
+
+    client = request.getfixturevalue(engine if engine == "spark" else "dask_client")
+    # The temp folders of every process that loads the model: the workers' and this one's.
+    if engine == "spark":
+        temps = set(client.sparkContext.parallelize(range(2), 2).map(lambda _: tempfile.gettempdir()).collect())
+    else:
+        temps = set(client.run(tempfile.gettempdir).values())
+    temps.add(tempfile.gettempdir())
+    # A model no worker has loaded yet (a worker loads each model once), by a runs:/ URI:
+    # MLflow copies those even from a local store (a models:/ one there it reads in place).
+    mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_experiment(experiment_id=mlflow.get_run(model.run_id).info.experiment_id)
+    with mlflow.start_run() as run:
+        log_raw_model(load_torch_model(model.model_uri), load_manifest(prepared.dataset_dir),
+                      TrainingConfig(**TRAINING), None, pip_requirements=["torch"])
+    before = _model_copies(temps, run.info.run_id)
+    r = score(engine, client, f"runs:/{run.info.run_id}/model", tracking_uri, prepared.dataset_dir,
+              str(tmp_path / "scores"))
+    assert r.rows == load_manifest(prepared.dataset_dir).splits["test"].rows
+    assert _model_copies(temps, run.info.run_id) - before == set()

@@ -240,7 +240,7 @@ def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guar
             return when_reachable(call, uri, tracking.outage_wait_s, checkpoints.latest(cfg.checkpoint_dir))
 
         reachable(lambda: log_curves(run_id, [k for k in result["metrics"] if not k.startswith("rank")]))
-        version = reachable(lambda: log_model(model, manifest, tracking.registered_model if register else None))
+        version = reachable(lambda: log_model(model, manifest, cfg, tracking.registered_model if register else None))
         if version:
             reachable(lambda: describe_version(tracking.registered_model, version, cfg, manifest, dataset_dir,
                                                result["metrics"]))
@@ -368,7 +368,8 @@ def _launch(
     return launch_local(train_rank, job, cfg.world_size, cfg.timeout_s, guard)
 
 
-def log_model(model: torch.nn.Module, manifest: ShardManifest, registered_name: str | None) -> str:
+def log_model(model: torch.nn.Module, manifest: ShardManifest, cfg: TrainingConfig,
+              registered_name: str | None) -> str:
     """Log the model as a pyfunc that takes raw rows (training.raw_model: the dataset's
     transform inside, raw-feature signature and input example); register it if named.
 
@@ -381,10 +382,13 @@ def log_model(model: torch.nn.Module, manifest: ShardManifest, registered_name: 
     # are its own choices to document; both are deliberate here.
     logging.getLogger("mlflow.pyfunc").setLevel(logging.ERROR)
     logging.getLogger("mlflow.models.model").setLevel(logging.ERROR)
+    import safetensors
+
     info = log_raw_model(
-        model, manifest, registered_name,
+        model, manifest, cfg, registered_name,
         # Without an explicit list MLflow spends ~10 s inferring one.
-        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "pydantic", "pyarrow", "pandas"],
+        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"safetensors=={safetensors.__version__}",
+                          "pydantic", "pyarrow", "pandas"],
     )
     return str(info.registered_model_version) if registered_name else ""
 

@@ -11,6 +11,10 @@ the value).
 
 Batch scoring of prepared shards does not need the transform: `load_torch_model` gives
 it the torch module alone (from this model or from a plain pytorch-flavor one).
+
+Nothing in the model is a pickle: the module is safetensors weights plus the JSON that
+rebuilds it (training.model_files), the pyfunc is "models from code" (raw_model_code.py,
+run on loading, instead of a pickled python_model).
 """
 
 from __future__ import annotations
@@ -27,22 +31,26 @@ import pandas as pd
 import pyarrow as pa
 
 from shardline.pipelines.config import FeatureSpec
+from shardline.pipelines.errors import ShardlineError
 from shardline.pipelines.manifest import FittedStatistics, ShardManifest
 
-WEIGHTS = "model"  # artifact names inside the logged model
+WEIGHTS = "weights"  # artifact names inside the logged model
+MODULE = "module"
 TRANSFORM = "transform"
+ENTRY = Path(__file__).with_name("raw_model_code.py")
 
 
 class RawRowsModel(mlflow.pyfunc.PythonModel):
     """Raw feature columns in, predictions out (see the module docstring)."""
 
     def load_context(self, context) -> None:
-        import torch
+        from .model_files import read_module
 
         t = json.loads(Path(context.artifacts[TRANSFORM]).read_text())
         self.spec = FeatureSpec.model_validate(t["spec"])
         self.stats = FittedStatistics.model_validate(t["stats"])
-        self.model = torch.load(context.artifacts[WEIGHTS], map_location="cpu", weights_only=False).eval()
+        # MLflow has put the model's code folder (shardline's and the user's) on sys.path.
+        self.model = read_module(context.artifacts[WEIGHTS], context.artifacts[MODULE])
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
         return predict_raw(self.model, self.spec, self.stats, model_input)
@@ -133,14 +141,20 @@ def example_rows(spec: FeatureSpec, stats: FittedStatistics, n: int = 2) -> pd.D
 
 
 def signature(spec: FeatureSpec, stats: FittedStatistics):
-    """The raw feature schema in (the key optional, passed through), predictions out."""
+    """The raw feature schema in (the key optional, passed through), predictions out.
+
+    Feature columns are declared by name with any type: the model takes what prepare
+    takes (numbers as integers, floats or numeric text; categories of any type), and its
+    own transform names a value it cannot take, with its row. A declared double would
+    have MLflow refuse integer columns before the model sees them ("Can not safely
+    convert int64 to float64"), a declared long refuse floats and nulls.
+    """
     from mlflow.models import ModelSignature
-    from mlflow.types.schema import Array, ColSpec, DataType, Schema
+    from mlflow.types.schema import AnyType, Array, ColSpec, DataType, Schema
 
     inputs = [ColSpec(DataType.long, spec.key, required=False)] if not spec.generate_key else []
-    inputs += [ColSpec(DataType.double, c) for c in spec.numeric]
-    inputs += [ColSpec(DataType.string, c) for c in spec.categorical]
-    inputs += [ColSpec(Array(DataType.double), c) for c in spec.vectors]
+    inputs += [ColSpec(AnyType(), c) for c in [*spec.numeric, *spec.categorical]]
+    inputs += [ColSpec(Array(AnyType()), c) for c in spec.vectors]
     if spec.task == "classification":
         outputs = [ColSpec(DataType.long, "prediction")]
         outputs += [ColSpec(DataType.double, name) for name in class_names(spec, stats)]
@@ -149,33 +163,36 @@ def signature(spec: FeatureSpec, stats: FittedStatistics):
     return ModelSignature(Schema(inputs), Schema(outputs))
 
 
-def log_raw_model(model, manifest: ShardManifest, registered_name: str | None, **kwargs):
-    """Log `model` as a RawRowsModel of `manifest`'s transform; MLflow's ModelInfo."""
-    import torch
-
+def log_raw_model(model, manifest: ShardManifest, cfg, registered_name: str | None, **kwargs):
+    """Log `model` (built by `build_model(manifest, cfg)`) as a RawRowsModel of
+    `manifest`'s transform, with the user's code; MLflow's ModelInfo."""
     from shardline.pipelines.engines import code_files
+
+    from .model_files import code_folders, write_module
 
     spec, stats = manifest.feature_spec, manifest.statistics
     # MLflow loads the model back to check its input example: no download bars on the console.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    user_code = code_folders(cfg)  # before anything is written: a missing code_paths entry is one line
     with tempfile.TemporaryDirectory() as d:
         code = os.path.join(d, "code")
         for arcname, f in code_files():  # shardline/{__init__.py,pipelines,training,serving}
             os.makedirs(os.path.dirname(os.path.join(code, arcname)), exist_ok=True)
             shutil.copyfile(f, os.path.join(code, arcname))
-        weights, transform = os.path.join(d, "model.pt"), os.path.join(d, "transform.json")
-        # The whole module pickled: its class ships with the model (code_paths).
-        torch.save(model, weights)
+        weights, module = write_module(model, manifest, cfg, d)
+        transform = os.path.join(d, "transform.json")
         Path(transform).write_text(json.dumps(
             {"spec": spec.model_dump(mode="json"), "stats": stats.model_dump(mode="json")}
         ))
         return mlflow.pyfunc.log_model(
             name="model",
-            python_model=RawRowsModel(),
-            artifacts={WEIGHTS: weights, TRANSFORM: transform},
+            python_model=str(ENTRY),
+            artifacts={WEIGHTS: weights, MODULE: module, TRANSFORM: transform},
             signature=signature(spec, stats),
             input_example=example_rows(spec, stats),
-            code_paths=[os.path.join(code, "shardline")],
+            # Each folder lands in the model's code/ by its own name: code/shardline, and the
+            # user's packages beside it, importable as they were in training.
+            code_paths=[os.path.join(code, "shardline"), *user_code],
             registered_model_name=registered_name,
             **kwargs,
         )
@@ -183,14 +200,30 @@ def log_raw_model(model, manifest: ShardManifest, registered_name: str | None, *
 
 def load_torch_model(model_uri: str):
     """The torch module of a logged model: a RawRowsModel's weights, or a pytorch-flavor
-    model (one logged by other code). On the CPU; the caller moves it."""
-    import torch
+    model (one logged by other code). On the CPU; the caller moves it.
+
+    The model is downloaded into a temporary folder removed before returning: a scorer that
+    loads models for days must not fill its disk with copies. The module is built by then,
+    and the user's modules it imported stay imported.
+    """
     from mlflow.models import Model
 
+    from .model_files import code_on_path, read_module
+
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a task's log, not a terminal
-    local = mlflow.artifacts.download_artifacts(model_uri)
-    flavors = Model.load(local).flavors
-    if "pytorch" in flavors:
-        return mlflow.pytorch.load_model(local, map_location="cpu")
-    weights = flavors["python_function"]["artifacts"][WEIGHTS]["path"]
-    return torch.load(os.path.join(local, weights), map_location="cpu", weights_only=False)
+    with tempfile.TemporaryDirectory(prefix="shardline-model-") as tmp:
+        local = mlflow.artifacts.download_artifacts(model_uri, dst_path=tmp)
+        flavors = Model.load(local).flavors
+        if "pytorch" in flavors:
+            # A model logged by other code with mlflow.pytorch: MLflow's own loader.
+            return mlflow.pytorch.load_model(local, map_location="cpu")
+        pyfunc = flavors["python_function"]
+        artifacts = pyfunc.get("artifacts", {})
+        if MODULE not in artifacts:
+            raise ShardlineError(
+                f"model {model_uri} holds no safetensors weights (one logged by an older shardline "
+                "as a pickled module, which is never loaded): train it again or log it with this version"
+            )
+        with code_on_path(os.path.join(local, pyfunc["code"]) if pyfunc.get("code") else None):
+            return read_module(os.path.join(local, artifacts[WEIGHTS]["path"]),
+                               os.path.join(local, artifacts[MODULE]["path"]))

@@ -1,0 +1,172 @@
+"""The registered model carries the user's model safely: safetensors weights and JSON that
+rebuilds the module (never a pickle), the user's code inside it, loaded in a fresh process
+that has the user's package only through the model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shardline.pipelines.manifest import load_manifest
+
+from .serving_helpers import raw_table, trained_model
+
+PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".joblib")
+
+
+def _pickles(root: Path) -> list[str]:
+    """Files under `root` that are pickles: by name, by a pickle's first bytes (protocol 2+
+    starts with 0x80 and the protocol), or a zip (torch.save's format) holding one."""
+    found = []
+    for p in root.rglob("*"):
+        if not p.is_file():
+            continue
+        head = p.read_bytes()[:2]
+        if p.suffix in PICKLE_SUFFIXES or "pickle" in p.name or (head[:1] == b"\x80" and head[1:2] in b"\x02\x03\x04\x05"):
+            found.append(str(p.relative_to(root)))
+        elif head == b"PK" and zipfile.is_zipfile(p):
+            with zipfile.ZipFile(p) as z:
+                if any(n.endswith(".pkl") for n in z.namelist()):
+                    found.append(str(p.relative_to(root)))
+    return found
+
+
+def test_the_registered_model_holds_safetensors_and_json_not_a_pickle(prepared, tracking_uri, tmp_path):
+    import mlflow
+    from safetensors import safe_open
+
+    from shardline.training.raw_model import load_torch_model
+
+    result = trained_model(prepared)
+    mlflow.set_tracking_uri(tracking_uri)
+    local = Path(mlflow.artifacts.download_artifacts(result.model_uri, dst_path=str(tmp_path / "model")))
+    assert _pickles(local) == []
+    assert (local / "code" / "shardline" / "training" / "model_files.py").is_file()
+
+    weights = list(local.rglob("*.safetensors"))
+    assert len(weights) == 1
+    with safe_open(str(weights[0]), framework="pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    assert set(stored) == set(result.weights)
+    for k, v in result.weights.items():
+        assert (stored[k] == v).all(), k
+    module = json.loads(next(local.rglob("module.json")).read_text())
+    assert module["training"]["model"] == "mlp" and module["manifest"]["feature_spec"]
+
+    loaded = load_torch_model(result.model_uri)
+    assert set(loaded.state_dict()) == set(result.weights)
+    for k, v in loaded.state_dict().items():
+        assert (v == result.weights[k]).all(), k
+
+
+USER_FACTORY = '''
+from torch import nn
+
+
+def build(inputs, width, classes, hidden=16, **kw):
+    # Any description of the inputs will do: its shape comes from model_args here.
+    return nn.Sequential(nn.Linear(width, hidden), nn.Tanh(), nn.Linear(hidden, classes))
+'''
+
+# Run in a fresh Python whose sys.path lacks the user's package: found only in the model.
+FRESH = '''
+import importlib.util, json, sys
+import numpy as np, pandas as pd, torch, mlflow
+assert importlib.util.find_spec(sys.argv[1]) is None, "the user's package is importable without the model"
+from shardline.training.raw_model import load_torch_model
+x = torch.from_numpy(np.load(sys.argv[3]))
+with torch.inference_mode():
+    torch_out = load_torch_model(sys.argv[2])(x).numpy()
+rows = pd.read_json(sys.argv[4], orient="records", lines=True)
+pyfunc_out = mlflow.pyfunc.load_model(sys.argv[2]).predict(rows)
+np.savez(sys.argv[5], torch=torch_out, pyfunc=pyfunc_out.filter(like="prob_").to_numpy())
+'''
+
+
+@pytest.mark.parametrize("factory", [
+    "builtin",
+    pytest.param("user", marks=pytest.mark.xfail(
+        strict=True, reason="build_model on this branch takes built-in names only; the import-path "
+        "support is another helper's branch (drop this mark once merged)")),
+])
+def test_model_with_user_code_round_trips_in_a_fresh_process(factory, prepared, tracking_uri, tmp_path, monkeypatch):
+    import mlflow
+    import torch
+
+    from shardline.pipelines.transform import features_matrix
+    from shardline.training.config import TrainingConfig
+    from shardline.training.models import build_model
+    from shardline.training.raw_model import log_raw_model, predict_raw
+
+    pkg = f"shardline_user_{factory}_{os.getpid()}"  # a name no other test imports
+    (tmp_path / "proj" / pkg).mkdir(parents=True)
+    (tmp_path / "proj" / pkg / "__init__.py").write_text("")
+    (tmp_path / "proj" / pkg / "factory.py").write_text(USER_FACTORY)
+    manifest = load_manifest(prepared.dataset_dir)
+    spec, stats = manifest.feature_spec, manifest.statistics
+    rows = raw_table(prepared).slice(0, 8)
+    x = features_matrix(rows, spec, stats, False)
+    if factory == "user":
+        cfg = TrainingConfig(model=f"{pkg}.factory:build",
+                             model_args={"width": x.shape[1], "classes": stats.num_classes})
+    else:  # a built-in model, the user's package shipped by code_paths
+        cfg = TrainingConfig(model="mlp", hidden=[8], code_paths=[str(tmp_path / "proj" / pkg)])
+
+    # As a user runs it: from their project folder, their package found there.
+    monkeypatch.chdir(tmp_path / "proj")
+    saved_path = list(sys.path)
+    try:
+        model = build_model(manifest, cfg).eval()
+        mlflow.set_tracking_uri(tracking_uri)
+        mlflow.set_experiment("model-files-test")
+        with mlflow.start_run():
+            info = log_raw_model(model, manifest, cfg, None, pip_requirements=["torch"])
+    finally:
+        sys.path[:] = saved_path
+        for name in [m for m in sys.modules if m == pkg or m.startswith(pkg + ".")]:
+            del sys.modules[name]
+    local = Path(mlflow.artifacts.download_artifacts(info.model_uri, dst_path=str(tmp_path / "model")))
+    assert (local / "code" / pkg / "factory.py").is_file()
+    assert _pickles(local) == []
+
+    with torch.inference_mode():
+        want_torch = model(torch.from_numpy(x)).numpy()
+    want_pyfunc = predict_raw(model, spec, stats, rows.to_pandas()).filter(like="prob_").to_numpy()
+    np.save(tmp_path / "x.npy", x)
+    rows.to_pandas().drop(columns=[spec.label]).to_json(tmp_path / "rows.jsonl", orient="records", lines=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", FRESH, pkg, info.model_uri, str(tmp_path / "x.npy"), str(tmp_path / "rows.jsonl"),
+         str(tmp_path / "out.npz")],
+        cwd=elsewhere, env={**os.environ, "MLFLOW_TRACKING_URI": tracking_uri},
+        capture_output=True, text=True, timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = np.load(tmp_path / "out.npz")
+    np.testing.assert_array_equal(got["torch"], want_torch)
+    np.testing.assert_allclose(got["pyfunc"], want_pyfunc, rtol=1e-6)
+
+
+def test_a_model_of_an_older_shardline_is_refused_in_one_line(tracking_uri, tmp_path):
+    """One logged as a pickled module (no safetensors weights): refused, never unpickled."""
+    import mlflow
+
+    from shardline.pipelines.errors import ShardlineError
+    from shardline.training.raw_model import RawRowsModel, load_torch_model
+
+    mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_experiment("model-files-test")
+    (tmp_path / "model.pt").write_bytes(b"a pickle would be here")
+    with mlflow.start_run():
+        info = mlflow.pyfunc.log_model(name="old", python_model=RawRowsModel(), pip_requirements=["torch"],
+                                       artifacts={"model": str(tmp_path / "model.pt")})
+    with pytest.raises(ShardlineError, match=r"holds no safetensors weights .*pickled module, which is never loaded"):
+        load_torch_model(info.model_uri)
