@@ -92,9 +92,7 @@ np.savez(sys.argv[5], torch=torch_out, pyfunc=pyfunc_out.filter(like="prob_").to
 
 @pytest.mark.parametrize("factory", [
     "builtin",
-    pytest.param("user", marks=pytest.mark.xfail(
-        strict=True, reason="build_model on this branch takes built-in names only; the import-path "
-        "support is another helper's branch (drop this mark once merged)")),
+    "user",
 ])
 def test_model_with_user_code_round_trips_in_a_fresh_process(factory, prepared, tracking_uri, tmp_path, monkeypatch):
     import mlflow
