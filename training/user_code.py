@@ -87,3 +87,19 @@ def user_code_folders(import_paths: list[str], code_paths: list[str]) -> list[st
         if str(where) not in out:
             out.append(str(where))
     return out
+
+
+def job_code_folders(cfg) -> list[str]:
+    """The folders (and .py files) of the user's code a training job ships to its ranks:
+    the packages of `training.model`, `training.loss` and `training.metrics` (when they are
+    the user's own) and every `training.code_paths` entry. Two of one name are refused:
+    both would be imported as that name."""
+    from shardline.pipelines.code_travel import top_names
+    from shardline.pipelines.errors import ShardlineError
+
+    folders = user_code_folders([cfg.model, cfg.loss or "", *cfg.metrics], cfg.code_paths)
+    try:
+        top_names(folders)
+    except ShardlineError as e:
+        raise ConfigError(f"training.code_paths: {e}") from None
+    return folders

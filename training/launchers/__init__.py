@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from shardline.pipelines.code_travel import UserCode, use_code
 from shardline.pipelines.errors import ShardlineError
 
 from .guard import DriverGuard, RankError, is_permanent
@@ -63,6 +64,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def run_in_group(
     fn: RankFn, rank: int, world_size: int, init_method: str, payload: Any, timeout_s: float,
     guard: DriverGuard | None = None, lost_peer_grace_s: float = LOST_PEER_GRACE_S,
+    code: UserCode | None = None,
 ) -> Any:
     """Join the process group, call `fn`, leave the group.
 
@@ -75,6 +77,8 @@ def run_in_group(
     Spark barrier task yields made later jobs hang (seen with Spark 4.3). The timeout bounds
     how long a stopped peer can hang the others. `guard` ends this process if the
     job's driver goes away; a failure is raised as a `RankError` the driver can read.
+    `code`: the user's code the launcher shipped (pipelines.code_travel), made current in
+    this process before `fn` runs, so `fn` imports this job's version of it.
     """
     import torch.distributed as dist
 
@@ -83,6 +87,7 @@ def run_in_group(
 
     stop_guard = guard.start() if guard is not None else None
     try:
+        use_code(code)
         with socket_interface(getattr(payload, "socket_ifname", None)):
             dist.init_process_group(
                 collectives.backend(),

@@ -1,0 +1,163 @@
+"""The user's code travels with the job (#36 item 3): zipped on the driver under a name its
+content decides, shipped to Spark executors (classic, Connect) and Dask workers that do
+not have it, and made current in each worker before the user's code is imported, so a
+change between two runs of one long-lived session reaches them (no stale copy).
+
+The standalone-cluster case (workers whose Python has neither shardline nor the user's
+package) is in tests/test_packaging.py, beside the packed-venv machinery it reuses.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from shardline.pipelines.code_travel import code_zip, local_code, use_code
+from shardline.pipelines.config import DaskConfig
+from shardline.training.launchers.local import launch_local
+
+from .conftest import REPO
+from .user_code_helpers import MODULE, read_value, value_rank, write_package
+
+CLIENT = Path(__file__).resolve().parent / "user_code_client.py"
+
+
+@pytest.fixture
+def clean_imports():
+    """What a test put on this process's path or imported of the user's package goes."""
+    path = list(sys.path)
+    try:
+        yield
+    finally:
+        sys.path[:] = path
+        for name in [n for n in sys.modules if n.split(".")[0] in ("shipped_pkg", "helper_mod")]:
+            del sys.modules[name]
+        importlib.invalidate_caches()
+
+
+def test_the_zip_holds_each_folder_under_its_name_and_is_named_by_its_content(tmp_path):
+    pkg = write_package(tmp_path / "v1", 1)
+    (pkg / "__pycache__").mkdir()
+    (pkg / "__pycache__" / "model.cpython-311.pyc").write_bytes(b"stale")
+    helper = tmp_path / "helper_mod.py"
+    helper.write_text("X = 1\n")
+    path, code = code_zip([str(pkg), str(helper)])
+    assert code.packages == ("shipped_pkg", "helper_mod")
+    assert os.path.basename(path) == code.zip_name and code.zip_name.startswith("shardline-user-")
+    with zipfile.ZipFile(path) as z:
+        assert sorted(z.namelist()) == [
+            "helper_mod.py", "shipped_pkg/__init__.py", "shipped_pkg/consts.py", "shipped_pkg/model.py",
+        ]
+    # The same content elsewhere (another checkout): the same name, the same bytes.
+    again, same = code_zip([str(write_package(tmp_path / "copy", 1)), str(helper)])
+    assert same.zip_name == code.zip_name and Path(again).read_bytes() == Path(path).read_bytes()
+    # Changed content: another name, so Spark and Dask see a new artifact.
+    _, changed = code_zip([str(write_package(tmp_path / "v1", 2)), str(helper)])
+    assert changed.zip_name != code.zip_name
+
+
+def test_a_worker_that_imported_an_older_zip_imports_the_new_one(tmp_path, clean_imports):
+    """What a reused Spark Python worker or a Dask worker lives through: version 1 imported
+    from its zip, then the task of the next run brings version 2's zip (Spark adds a task's
+    artifacts at sys.path[1]); the modules already in sys.modules would shadow it."""
+    old, old_code = code_zip([str(write_package(tmp_path / "v1", 1))])
+    sys.path.insert(0, old)
+    use_code(old_code)
+    assert importlib.import_module(MODULE).value() == 1
+    kept = sys.modules[MODULE]
+    use_code(old_code)  # the same code again: what is loaded from it is kept
+    assert sys.modules[MODULE] is kept
+
+    new, new_code = code_zip([str(write_package(tmp_path / "v2", 2))])
+    sys.path.insert(1, new)
+    use_code(new_code)
+    module = importlib.import_module(MODULE)
+    assert module.value() == 2 and module.__file__.startswith(new + os.sep)
+    assert sys.modules["shipped_pkg.consts"].__file__.startswith(new + os.sep)
+    assert sys.path[0] == new
+
+
+def test_a_zip_that_never_arrived_is_one_line():
+    from shardline.pipelines.code_travel import UserCode
+    from shardline.pipelines.errors import ShardlineError
+
+    with pytest.raises(ShardlineError, match=r"the user's code \(shardline-user-0\.zip\) did not reach this worker"):
+        use_code(UserCode(("shipped_pkg",), "shardline-user-0.zip"))
+
+
+def test_local_ranks_import_the_users_folder_from_anywhere(tmp_path, clean_imports):
+    """The fork server's path is that of its start: a package outside it (a code_paths entry
+    elsewhere) is importable in the ranks, and a copy of the package imported earlier from
+    another folder does not shadow it."""
+    pkg = write_package(tmp_path / "elsewhere", 3)
+    ranks = launch_local(read_value, MODULE, world_size=2, timeout_s=120, user_code=[str(pkg)])
+    assert [r["value"] for r in ranks] == [3, 3]
+    assert all(r["file"] == str(pkg / "model.py") for r in ranks)
+
+    stale = write_package(tmp_path / "old", 1)
+    sys.path.insert(0, str(stale.parent))
+    assert importlib.import_module(MODULE).value() == 1
+    use_code(local_code([str(pkg)]))
+    assert importlib.import_module(MODULE).value() == 3
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_dask_workers_without_the_package_run_each_runs_version(dask_cli_cluster, tmp_path):
+    """The CLI cluster's workers have neither shardline nor the user's package; the same
+    worker processes run two launches, the package changed in between."""
+    from shardline.pipelines.engines import dask_client
+    from shardline.training.launchers.dask import launch_dask
+
+    pkg = write_package(tmp_path, 1)
+    client = dask_client(DaskConfig(address=dask_cli_cluster.address))  # ships shardline's own code
+    try:
+        def has_package() -> bool:  # nested: pickled by value
+            import importlib.util
+
+            return importlib.util.find_spec("shipped_pkg") is not None
+
+        assert not any(client.run(has_package).values())
+        first = launch_dask(client, value_rank(), MODULE, world_size=2, timeout_s=120, user_code=[str(pkg)])
+        write_package(tmp_path, 2)
+        second = launch_dask(client, value_rank(), MODULE, world_size=2, timeout_s=120, user_code=[str(pkg)])
+    finally:
+        client.close()
+    assert [r["value"] for r in first] == [1, 1]
+    assert [r["value"] for r in second] == [2, 2], second
+    # The same worker processes, which had version 1 in sys.modules: the case that goes stale.
+    assert [r["pid"] for r in first] == [r["pid"] for r in second]
+    for r in first + second:  # from the shipped zip, never the driver's folder
+        assert "/shardline-user-" in r["file"] and not r["file"].startswith(str(tmp_path)), r
+        assert os.path.dirname(r["consts"]) == os.path.dirname(r["file"]), r
+    assert first[0]["file"] != second[0]["file"]
+
+
+def run_client(args: list[str], cwd: Path, env: dict | None = None, timeout: float = 900) -> list[dict]:
+    """tests/user_code_client.py in a process of its own (this one holds a classic session)."""
+    env = {**{k: v for k, v in os.environ.items() if k not in ("SPARK_REMOTE",)}, "PYTHONPATH": str(REPO),
+           **(env or {})}
+    proc = subprocess.run([sys.executable, str(CLIENT), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return [json.loads(line.removeprefix("RESULT ")) for line in proc.stdout.splitlines()
+            if line.startswith("RESULT ")]
+
+
+@pytest.mark.slow
+def test_spark_connect_executors_run_each_runs_version(connect_server, tmp_path):
+    """One Connect session, two barrier stages, the package changed in between: the server's
+    Python workers (reused within a session) import the new version. The package is in the
+    client's working folder only, found there as `python -m` would."""
+    runs = run_client(["--remote", connect_server.url, "--world-size", "2", "--values", "1,2"], cwd=tmp_path)
+    assert [[r["value"] for r in ranks] for ranks in runs] == [[1, 1], [2, 2]], runs
+    for r in runs[0] + runs[1]:
+        assert "/shardline-user-" in r["file"] and not r["file"].startswith(str(tmp_path)), r
+    assert runs[0][0]["file"] != runs[1][0]["file"]
