@@ -61,6 +61,8 @@ def top_names(folders: Sequence[str]) -> list[tuple[str, Path]]:
         if p.is_file() and p.suffix != ".py":
             raise ShardlineError(f"{f}: user code must be a folder or a .py file")
         name = p.stem if p.is_file() else p.name
+        if name == "shardline":
+            raise ShardlineError(f"{f}: would be imported as 'shardline', in place of shardline itself")
         if name in out and out[name] != p:
             raise ShardlineError(f"{out[name]} and {p}: both would be imported as {name!r}")
         out[name] = p
@@ -130,7 +132,9 @@ def ship_to_spark(spark, folders: Sequence[str]) -> UserCode | None:
         return None
     path, code = code_zip(folders)
     key = (id(spark), code.zip_name)
-    if key not in _SHIPPED:
+    with _LOCK:  # a sweep's concurrent trials ship the same zip
+        if key in _SHIPPED:
+            return code
         before = list(sys.path)
         spark.addArtifacts(path, pyfile=True)
         # Classic Spark's addPyFile also puts the zip on this driver's path ("for tests in
@@ -153,9 +157,10 @@ def ship_to_dask(client, folders: Sequence[str]) -> UserCode | None:
 
     path, code = code_zip(folders)
     key = (id(client), code.zip_name)
-    if key not in _SHIPPED:
-        client.register_plugin(UploadFile(path, load=False), name=code.zip_name)
-        _SHIPPED.add(key)
+    with _LOCK:
+        if key not in _SHIPPED:
+            client.register_plugin(UploadFile(path, load=False), name=code.zip_name)
+            _SHIPPED.add(key)
     return code
 
 

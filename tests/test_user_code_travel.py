@@ -108,6 +108,34 @@ def test_local_ranks_import_the_users_folder_from_anywhere(tmp_path, clean_impor
     assert importlib.import_module(MODULE).value() == 3
 
 
+def test_two_code_paths_of_one_name_are_refused_in_one_line(tmp_path):
+    from shardline.pipelines.errors import ConfigError
+    from shardline.training.config import TrainingConfig
+    from shardline.training.user_code import job_code_folders
+
+    a, b = write_package(tmp_path / "a", 1, "utils"), write_package(tmp_path / "b", 1, "utils")
+    with pytest.raises(ConfigError, match=r"^training.code_paths: .* both would be imported as 'utils'$"):
+        job_code_folders(TrainingConfig(code_paths=[str(a), str(b)]))
+    assert job_code_folders(TrainingConfig(code_paths=[str(a)])) == [str(a)]
+
+
+def test_classic_spark_python_workers_run_each_runs_version(spark, tmp_path):
+    """The session's local master: its Python workers are reused from stage to stage, as a
+    notebook's are; the driver's own path is left as it was (classic Spark's addPyFile would
+    put the zip on it)."""
+    from shardline.training.launchers.spark import launch_spark_barrier
+
+    pkg = write_package(tmp_path, 1)
+    path = list(sys.path)
+    first = launch_spark_barrier(spark, value_rank(), MODULE, 2, 120, user_code=[str(pkg)])
+    write_package(tmp_path, 2)
+    second = launch_spark_barrier(spark, value_rank(), MODULE, 2, 120, user_code=[str(pkg)])
+    assert [r["value"] for r in first] == [1, 1] and [r["value"] for r in second] == [2, 2], second
+    for r in first + second:
+        assert "/shardline-user-" in r["file"], r
+    assert sys.path == path and "shipped_pkg" not in sys.modules
+
+
 @pytest.mark.slow
 @pytest.mark.cluster
 def test_dask_workers_without_the_package_run_each_runs_version(dask_cli_cluster, tmp_path):
