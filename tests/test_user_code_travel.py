@@ -189,3 +189,34 @@ def test_spark_connect_executors_run_each_runs_version(connect_server, tmp_path)
     for r in runs[0] + runs[1]:
         assert "/shardline-user-" in r["file"] and not r["file"].startswith(str(tmp_path)), r
     assert runs[0][0]["file"] != runs[1][0]["file"]
+
+
+def test_the_zips_go_with_their_process_and_a_killed_ones_with_the_next(tmp_path):
+    """atexit never runs on SIGKILL: the next process to make a zip removes the folder of a
+    process that is gone, and only such folders (each is locked while its process lives)."""
+    pkg = write_package(tmp_path, 1)
+    make = (f"from shardline.pipelines.code_travel import code_zip\nimport time\n"
+            f"print(code_zip([{str(pkg)!r}])[0], flush=True)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    live = subprocess.Popen([sys.executable, "-c", make + "time.sleep(600)"], stdout=subprocess.PIPE, text=True, env=env)
+    killed = subprocess.Popen([sys.executable, "-c", make + "time.sleep(600)"], stdout=subprocess.PIPE, text=True,
+                              env=env)
+    try:
+        live_zip, killed_zip = live.stdout.readline().strip(), killed.stdout.readline().strip()
+        assert os.path.dirname(live_zip) != os.path.dirname(killed_zip)
+        killed.kill()
+        killed.wait(timeout=30)
+        assert os.path.exists(killed_zip)
+        proc = subprocess.run([sys.executable, "-c", make], capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 0, proc.stderr
+        assert not os.path.exists(os.path.dirname(killed_zip)), "a SIGKILLed process's zips were left"
+        assert os.path.exists(live_zip), "a live process's zip was removed"
+        assert not os.path.exists(os.path.dirname(proc.stdout.strip()))  # gone at its exit
+    finally:
+        for p in (live, killed):
+            p.kill()
+            p.wait(timeout=30)
+        from shardline.pipelines.code_travel import _remove_orphans
+
+        _remove_orphans(os.path.dirname(os.path.dirname(live_zip)))
+    assert not os.path.exists(live_zip)
