@@ -198,9 +198,8 @@ def test_the_zips_go_with_their_process_and_a_killed_ones_with_the_next(tmp_path
     make = (f"from shardline.pipelines.code_travel import code_zip\nimport time\n"
             f"print(code_zip([{str(pkg)!r}])[0], flush=True)\n")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    live = subprocess.Popen([sys.executable, "-c", make + "time.sleep(600)"], stdout=subprocess.PIPE, text=True, env=env)
-    killed = subprocess.Popen([sys.executable, "-c", make + "time.sleep(600)"], stdout=subprocess.PIPE, text=True,
-                              env=env)
+    live, killed = (subprocess.Popen([sys.executable, "-c", make + "time.sleep(600)"], stdout=subprocess.PIPE,
+                                     text=True, env=env) for _ in range(2))
     try:
         live_zip, killed_zip = live.stdout.readline().strip(), killed.stdout.readline().strip()
         assert os.path.dirname(live_zip) != os.path.dirname(killed_zip)
