@@ -219,3 +219,34 @@ def test_the_zips_go_with_their_process_and_a_killed_ones_with_the_next(tmp_path
 
         _remove_orphans(os.path.dirname(os.path.dirname(live_zip)))
     assert not os.path.exists(live_zip)
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_scoring_ships_the_code_a_model_needs_to_dask_workers_without_it(
+    dask_cli_cluster, prepared, tracking_uri, tmp_path, clean_imports
+):
+    """A registered model whose class is the user's (pickled by reference, as a model of
+    theirs logged with mlflow.pytorch is): the CLI cluster's workers can unpickle it only
+    from the code the scoring job ships (without `user_code`: ModuleNotFoundError)."""
+    from shardline.pipelines.engines import dask_client
+    from shardline.serving.score import score
+
+    from .serving_helpers import read_scores, register_wrapped
+
+    pkg = write_package(tmp_path / "code", 1)
+    (pkg / "wrap.py").write_text(
+        "import torch\n\n\nclass Wrapped(torch.nn.Module):\n    def __init__(self, inner):\n"
+        "        super().__init__()\n        self.inner = inner\n\n    def forward(self, x):\n"
+        "        return self.inner(x)\n"
+    )
+    sys.path.insert(0, str(pkg.parent))
+    wrapped = importlib.import_module("shipped_pkg.wrap").Wrapped
+    uri = register_wrapped(prepared, tracking_uri, "user-code-scoring", wrapped)
+    client = dask_client(DaskConfig(address=dask_cli_cluster.address))
+    try:
+        result = score("dask", client, uri, tracking_uri, prepared.dataset_dir, str(tmp_path / "out"),
+                       user_code=[str(pkg)])
+    finally:
+        client.close()
+    assert result.rows == read_scores(tmp_path / "out").num_rows > 0
