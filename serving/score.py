@@ -13,6 +13,7 @@ writing anything: a run with nothing to score ends there (the CLI exits 0 at onc
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -161,9 +162,11 @@ def execute(
     batch_size: int = 4096,
     threads_per_task: int = 1,
     lease: Lease | None = None,
+    user_code: Sequence[str] = (),
 ) -> ScoreResult:
     """Run a plan. lease: the output's lease (`ledger.output_lease`), already held (the CLI
-    takes it before planning); else taken here."""
+    takes it before planning); else taken here. user_code: folders (or .py files) of the
+    user's code the model needs, shipped to the engine's workers (pipelines.code_travel)."""
     if engine_name not in ENGINES:
         raise ShardlineError(f"unknown engine '{engine_name}' (valid: {', '.join(ENGINES)})")
     model = p.model
@@ -183,6 +186,7 @@ def execute(
             ProgressListener(_listen_address(engine_name, spark_or_client), drain=False) as listener,
             listener.stage("score", len(p.todo), "units scored") as scored,
         ):
+            code = _ship_code(engine_name, spark_or_client, user_code) if p.todo else None
             tasks = [
                 UnitTask(
                     unit=u,
@@ -198,6 +202,7 @@ def execute(
                     scored_at=scored_at,
                     progress_addr=listener.address,
                     progress_key=scored.key,
+                    code=code,
                 )
                 for u in p.todo
             ]
@@ -237,6 +242,7 @@ def score(
     batch_size: int = 4096,
     threads_per_task: int = 1,
     lease: Lease | None = None,
+    user_code: Sequence[str] = (),
 ) -> ScoreResult:
     """Score `input_path` (a prepared dataset's `split`, or raw Parquet) into `output_dir`
     (`plan`, then `execute`)."""
@@ -247,7 +253,7 @@ def score(
     for line in p.describe_discard():
         print(f"[shardline] {line}", file=sys.stderr, flush=True)
     return execute(p, engine_name, spark_or_client, batch_size=batch_size,
-                   threads_per_task=threads_per_task, lease=lease)
+                   threads_per_task=threads_per_task, lease=lease, user_code=user_code)
 
 
 def _check_owner(out: str, found: list[Scores], model) -> None:
@@ -265,6 +271,13 @@ def _listen_address(engine_name: str, spark_or_client) -> str:
     if engine_name == "spark":
         return listen_address("spark", spark=spark_or_client)
     return listen_address("dask", dask_client=spark_or_client)
+
+
+def _ship_code(engine_name: str, spark_or_client, folders: Sequence[str]):
+    from shardline.pipelines.code_travel import ship_to_dask, ship_to_spark
+
+    ship = ship_to_spark if engine_name == "spark" else ship_to_dask
+    return ship(spark_or_client, folders)
 
 
 def _run(engine_name: str, spark_or_client, tasks: list[UnitTask]) -> list[dict]:

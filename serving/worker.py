@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from shardline.pipelines import progress, storage
+from shardline.pipelines.code_travel import UserCode, use_code
 from shardline.pipelines.errors import ShardlineError
 
 from .inputs import Transform, Unit
@@ -39,6 +40,7 @@ class UnitTask:
     scored_at: str = ""  # UTC ISO 8601, one per job (the driver's clock): retries write the same bytes
     progress_addr: str | None = None  # the driver's progress listener and stage (pipelines.progress)
     progress_key: str | None = None
+    code: UserCode | None = None  # the user's code the model needs (pipelines.code_travel), shipped by the driver
 
 
 def output_schema(classification: bool) -> pa.Schema:
@@ -74,6 +76,7 @@ def _score_unit(task: UnitTask) -> dict:
     spec = task.transform.spec
     classification = spec.task == "classification"
     schema = output_schema(classification)
+    use_code(task.code)  # before the model is built: this job's version of the user's code
     model = cached_model(task.model_uri, task.tracking_uri)
     # torch defaults to one thread per core in every worker process: with one task
     # per core that oversubscribes the machine.

@@ -5,11 +5,13 @@ that has neither shardline nor its dependencies (docs/deploy.md, "Packing the en
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -48,55 +50,106 @@ def _unpacked_bytes(venv: Path) -> int:
     return total
 
 
-@pytest.mark.slow
-@pytest.mark.cluster
-def test_packed_venv_runs_on_workers_without_the_environment(tmp_path):
+@dataclass(frozen=True)
+class PackedCluster:
+    master: str  # spark://127.0.0.1:<port>, one worker of one core, its Python a plain interpreter
+    archive: Path  # the packed venv, for spark-submit --archives
+    work: Path  # the worker's folder (spark-standalone.sh's --work-dir, with "-1")
+
+
+@pytest.fixture(scope="module")
+def packed_cluster(tmp_path_factory):
+    """The packed venv and a standalone cluster whose worker's Python has none of it, shared
+    by this module's tests (packing is the slow part); each test submits its own application
+    and removes what its executor unpacked."""
     lacks = subprocess.run([str(PLAIN), "-c", "import pyarrow"], capture_output=True, text=True)
     assert lacks.returncode != 0, f"{PLAIN} has pyarrow: it cannot stand for a worker without the environment"
+    tmp = tmp_path_factory.mktemp("packed")
     # spark-submit unpacks the archive twice on this one machine: for the driver (client mode,
     # in Spark's scratch under the temp folder) and for the executor (in the worker's folder).
     # Short of room, tar fails file by file deep in a JVM's stack trace: say so first, instead.
     need = 2 * _unpacked_bytes(VENV) + 2**30  # + the archive itself, under 1 GB
-    free = shutil.disk_usage(tmp_path).free
-    assert free > need, f"{tmp_path}: {free / 2**30:.1f} GB free, this test needs {need / 2**30:.1f} GB"
-    archive = tmp_path / "env.tar.gz"
-    pack_venv(VENV, archive)
-
-    port, webui = free_port(), free_port()
-    log = tmp_path / "spark.log"
-    # PYTHONPATH emptied: the workers must not see this checkout either. One worker, one
-    # executor: each executor unpacks its own copy of the venv (about 2 GB), and a second would
-    # prove nothing more.
-    cluster = _start(["bash", str(REPO / "jobs/scripts/spark-standalone.sh"), "--venv", str(VENV), "--workers", "1",
-                      "--python", str(PLAIN), "--port", str(port), "--webui-port", str(webui),
-                      "--work-dir", str(tmp_path / "work")], log, {"PYTHONPATH": ""})
+    free = shutil.disk_usage(tmp).free
+    assert free > need, f"{tmp}: {free / 2**30:.1f} GB free, this test needs {need / 2**30:.1f} GB"
+    archive = tmp / "env.tar.gz"
+    cluster = None
     try:
+        pack_venv(VENV, archive)
+        port, webui = free_port(), free_port()
+        log = tmp / "spark.log"
+        # PYTHONPATH emptied: the workers must not see this checkout either. One worker, one
+        # executor: each executor unpacks its own copy of the venv (about 2 GB), and a second
+        # would prove nothing more.
+        cluster = _start(["bash", str(REPO / "jobs/scripts/spark-standalone.sh"), "--venv", str(VENV),
+                          "--workers", "1", "--python", str(PLAIN), "--port", str(port), "--webui-port", str(webui),
+                          "--work-dir", str(tmp / "work")], log, {"PYTHONPATH": ""})
         _wait(lambda: "ready: " in log.read_text(errors="replace"), "spark-standalone.sh", [cluster], [log])
-        dataset = tmp_path / "dataset"
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PYSPARK_DRIVER_PYTHON": sys.executable,
-               "PYSPARK_PYTHON": "./env/bin/python", "SPARK_LOCAL_IP": "127.0.0.1"}
-        proc = subprocess.run(
-            [str(VENV / "bin" / "spark-submit"), "--master", f"spark://127.0.0.1:{port}",
-             "--archives", f"{archive}#env", "--conf", "spark.executor.cores=1", "--conf", "spark.cores.max=1",
-             "--driver-java-options", f"-Dlog4j2.configurationFile=file:{REPO / 'pipelines/log4j2.properties'}",
-             str(REPO / "jobs/spark_submit.py"), "prepare", str(REPO / "jobs/configs/quickstart.toml"),
-             "--set", "pipelines.source.synthetic.rows=4000",
-             "--set", f"pipelines.dataset_dir='{dataset}'", "--set", f"pipelines.source.path='{tmp_path / 'raw'}'"],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800,
-        )
-        out = proc.stdout + proc.stderr
-        assert proc.returncode == 0, out[-3000:]
-        # The environment probe ran on an executor, with the unpacked archive's Python.
-        line = " ".join(out.split())  # rich wraps long lines
-        assert "executors: Python 3.11 (" in line and "/env/bin/python on " in line, line[-2000:]
-        assert "torch 2.13.0" in line
-        assert "train: 3," in line and (dataset / "_manifests").is_dir()
+        yield PackedCluster(f"spark://127.0.0.1:{port}", archive, tmp / "work-1")
     finally:
-        _stop([cluster])
-        # Gigabytes: the archive and the executor's unpacked copy; pytest would keep them.
+        if cluster is not None:
+            _stop([cluster])
+        # Gigabytes: the archive and the executors' unpacked copies; pytest would keep them.
         archive.unlink(missing_ok=True)
-        for work in tmp_path.glob("work-*"):  # spark-standalone.sh gives worker i `--work-dir`-i
+        for work in tmp.glob("work-*"):  # spark-standalone.sh gives worker i `--work-dir`-i
             shutil.rmtree(work, ignore_errors=True)
+
+
+def submit(cluster: PackedCluster, args: list[str], cwd: Path, timeout: float = 1800) -> subprocess.CompletedProcess:
+    """spark-submit to the packed cluster: executors run the archive's Python, the driver
+    this venv's with this checkout on its path; the application's executor folder (its
+    unpacked copy of the venv) is removed afterwards."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYSPARK_DRIVER_PYTHON": sys.executable,
+           "PYSPARK_PYTHON": "./env/bin/python", "SPARK_LOCAL_IP": "127.0.0.1"}
+    try:
+        return subprocess.run(
+            [str(VENV / "bin" / "spark-submit"), "--master", cluster.master,
+             "--archives", f"{cluster.archive}#env", "--conf", "spark.executor.cores=1", "--conf", "spark.cores.max=1",
+             "--driver-java-options", f"-Dlog4j2.configurationFile=file:{REPO / 'pipelines/log4j2.properties'}",
+             *args],
+            cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+    finally:
+        for app in cluster.work.glob("app-*"):
+            shutil.rmtree(app, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_packed_venv_runs_on_workers_without_the_environment(packed_cluster, tmp_path):
+    dataset = tmp_path / "dataset"
+    proc = submit(packed_cluster, [
+        str(REPO / "jobs/spark_submit.py"), "prepare", str(REPO / "jobs/configs/quickstart.toml"),
+        "--set", "pipelines.source.synthetic.rows=4000",
+        "--set", f"pipelines.dataset_dir='{dataset}'", "--set", f"pipelines.source.path='{tmp_path / 'raw'}'",
+    ], cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    # The environment probe ran on an executor, with the unpacked archive's Python.
+    line = " ".join(out.split())  # rich wraps long lines
+    assert "executors: Python 3.11 (" in line and "/env/bin/python on " in line, line[-2000:]
+    assert "torch 2.13.0" in line
+    assert "train: 3," in line and (dataset / "_manifests").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_the_users_package_reaches_workers_without_it_and_a_change_reaches_them_too(packed_cluster, tmp_path):
+    """The user's package, in the folder the driver runs from only, imported by a barrier
+    stage's rank on the cluster (whose Python has neither shardline nor the package); then
+    changed, and the same application's next stage imports the new version
+    (tests/user_code_client.py)."""
+    from tests.user_code_helpers import MODULE
+
+    proc = submit(packed_cluster, [str(REPO / "tests/user_code_client.py"), "--world-size", "1",
+                                   "--values", "1,2"], cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    runs = [json.loads(ln.removeprefix("RESULT ")) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert [[r["value"] for r in ranks] for ranks in runs] == [[1], [2]], out[-3000:]
+    for (r,) in runs:  # from the shipped zip in the executor's folder, not the driver's package
+        assert "shardline-user-" in r["file"] and not r["file"].startswith(str(tmp_path)), r
+        assert r["file"].endswith(MODULE.replace(".", "/") + ".py")
+    assert runs[0][0]["file"] != runs[1][0]["file"]
 
 
 def test_the_code_zip_is_removed_when_its_process_ends():

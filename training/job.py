@@ -320,11 +320,15 @@ def _launch_with_restarts(
     """
     from mlflow.tracking import MlflowClient
 
+    from .user_code import job_code_folders
+
+    # Found once, on the driver: every attempt's ranks import the same code.
+    user_code = job_code_folders(cfg)
     # Restarts never wait on MLflow: the count is kept while the server is down.
     outbox = Outbox(MlflowClient(job.tracking_uri)) if job.tracking_uri and job.run_id else None
     for attempt in range(cfg.max_restarts + 1):
         try:
-            result = _launch(cfg, job, spark, dask_client, attempt > 0, dask_workers, guard)[0]
+            result = _launch(cfg, job, spark, dask_client, attempt > 0, dask_workers, guard, user_code)[0]
             if outbox is not None:
                 result["mlflow_pending"] = outbox.pending() + result.get("mlflow_pending", [])
             return result
@@ -345,14 +349,17 @@ def _launch_with_restarts(
 
 
 def _launch(
-    cfg: TrainingConfig, job: TrainJob, spark, dask_client, relaunch: bool, dask_workers=None, guard=None
+    cfg: TrainingConfig, job: TrainJob, spark, dask_client, relaunch: bool, dask_workers=None, guard=None,
+    user_code: list[str] | None = None,
 ) -> list:
+    user_code = user_code or []
     if cfg.launcher == "spark":
         from .launchers.spark import launch_spark_barrier
 
         if spark is None:
             raise ConfigError("training.launcher = 'spark' needs a Spark session")
-        return launch_spark_barrier(spark, train_rank, job, cfg.world_size, cfg.timeout_s, guard)
+        return launch_spark_barrier(spark, train_rank, job, cfg.world_size, cfg.timeout_s, guard,
+                                    user_code=user_code)
     if cfg.launcher == "dask":
         from .launchers.dask import launch_dask
 
@@ -361,11 +368,11 @@ def _launch(
         wait = 60 if relaunch else 0
         return launch_dask(
             dask_client, train_rank, job, cfg.world_size, cfg.timeout_s, wait, workers=dask_workers,
-            guard=guard,
+            guard=guard, user_code=user_code,
         )
     from .launchers.local import launch_local
 
-    return launch_local(train_rank, job, cfg.world_size, cfg.timeout_s, guard)
+    return launch_local(train_rank, job, cfg.world_size, cfg.timeout_s, guard, user_code=user_code)
 
 
 def log_model(model: torch.nn.Module, manifest: ShardManifest, cfg: TrainingConfig,

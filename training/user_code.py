@@ -104,3 +104,19 @@ def import_user_object(path: str, setting: str, code_paths: list[str]):
     """import_object, with the cwd and `training.code_paths` on sys.path first."""
     code_paths_on_path(code_paths)
     return import_object(path, setting)
+
+
+def job_code_folders(cfg) -> list[str]:
+    """The folders (and .py files) of the user's code a training job ships to its ranks:
+    the packages of `training.model`, `training.loss` and `training.metrics` (when they are
+    the user's own) and every `training.code_paths` entry. Two of one name are refused:
+    both would be imported as that name."""
+    from shardline.pipelines.code_travel import top_names
+    from shardline.pipelines.errors import ShardlineError
+
+    folders = user_code_folders([cfg.model, cfg.loss or "", *cfg.metrics], cfg.code_paths)
+    try:
+        top_names(folders)
+    except ShardlineError as e:
+        raise ConfigError(f"training.code_paths: {e}") from None
+    return folders

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from shardline.pipelines.code_travel import UserCode, use_code
 from shardline.pipelines.errors import ShardlineError
 
 from ..placement import Slot
@@ -65,6 +66,7 @@ def run_in_group(
     fn: RankFn, rank: int, world_size: int, init_method: str, payload: Any, timeout_s: float,
     guard: DriverGuard | None = None, lost_peer_grace_s: float = LOST_PEER_GRACE_S,
     slot: Slot | None = None,
+    code: UserCode | None = None,
 ) -> Any:
     """Take the rank's device, join the process group, call `fn`, leave the group.
 
@@ -83,6 +85,8 @@ def run_in_group(
     Spark barrier task yields made later jobs hang (seen with Spark 4.3). The timeout bounds
     how long a stopped peer can hang the others. `guard` ends this process if the
     job's driver goes away; a failure is raised as a `RankError` the driver can read.
+    `code`: the user's code the launcher shipped (pipelines.code_travel), made current in
+    this process before `fn` runs, so `fn` imports this job's version of it.
     """
     import torch.distributed as dist
 
@@ -94,6 +98,7 @@ def run_in_group(
         slot = slot or placement.local_slot(rank, world_size)
         device = collectives.use(placement.rank_device(slot))
         placement.enter(slot)
+        use_code(code)
         with socket_interface(getattr(payload, "socket_ifname", None)):
             dist.init_process_group(
                 collectives.backend(),

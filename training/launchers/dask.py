@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from shardline.pipelines.code_travel import ship_to_dask
 from shardline.pipelines.errors import ShardlineError
 
 from ..placement import Slot, host_of, own_visible_gpus, slots
@@ -56,13 +58,17 @@ def launch_dask(
     wait_s: float = 0,
     workers: list[str] | None = None,
     guard: DriverGuard | None = None,
+    user_code: Sequence[str] = (),
 ) -> list[Any]:
     """Run `fn` on `world_size` Dask workers, one rank each; return the results by rank.
 
     wait_s: how long to wait for enough workers (a relaunch after a killed worker
     waits for its nanny to bring a new one up, under a new address). workers: the
     workers to use (a sweep gives each concurrent trial its own); default the first ones.
+    user_code: folders (or .py files) of the user's code, uploaded to the workers and made
+    current in each rank before `fn` runs (pipelines.code_travel).
     """
+    code = ship_to_dask(client, user_code)
     if wait_s:
         try:
             client.wait_for_workers(world_size, timeout=wait_s)
@@ -80,6 +86,7 @@ def launch_dask(
     futures = [
         client.submit(
             run_in_group, fn, rank, world_size, init_method, payload, timeout_s, guard, slot=placed[rank],
+            code=code,
             workers=[addr], allow_other_workers=False, pure=False, key=f"shardline-rank-{rank}-{init.key}",
         )
         for rank, addr in enumerate(chosen)

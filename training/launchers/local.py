@@ -19,7 +19,10 @@ import queue
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from typing import Any
+
+from shardline.pipelines.code_travel import local_code
 
 from . import LOST_PEER_GRACE_S, DriverGuard, RankFn, TrainingFailed, available_cores, free_port, run_in_group
 from .guard import die_with_parent
@@ -73,7 +76,8 @@ def _attach_stdio(out, err) -> None:
         os.close(fd)
 
 
-def _rank_main(fn, rank, world_size, init_method, payload, timeout_s, results, env, cwd, stdio, guard):
+def _rank_main(fn, rank, world_size, init_method, payload, timeout_s, results, env, cwd, stdio, guard,
+               code=None):
     # A rank dies with its parent (the fork server, which exits with the launcher), and
     # its guard ends it when the launcher's process or its lease is gone.
     die_with_parent()
@@ -96,7 +100,7 @@ def _rank_main(fn, rank, world_size, init_method, payload, timeout_s, results, e
     _torch_threads(world_size)
     try:
         result = run_in_group(fn, rank, world_size, init_method, payload, timeout_s, guard,
-                              lost_peer_grace_s=0)
+                              lost_peer_grace_s=0, code=code)
         # Plain pickle bytes: a queue would pass tensors as shared memory that dies
         # with this process before the parent reads it.
         results.put((rank, pickle.dumps(result), None))
@@ -128,9 +132,15 @@ def _is_bug(e: BaseException) -> bool:
 
 
 def launch_local(
-    fn: RankFn, payload: Any, world_size: int, timeout_s: float = 300, guard: DriverGuard | None = None
+    fn: RankFn, payload: Any, world_size: int, timeout_s: float = 300, guard: DriverGuard | None = None,
+    user_code: Sequence[str] = (),
 ) -> list[Any]:
-    """Run `fn` on `world_size` processes of this machine; return the results by rank."""
+    """Run `fn` on `world_size` processes of this machine; return the results by rank.
+
+    user_code: folders (or .py files) of the user's code: first on each rank's path (the
+    fork server's is that of its own start), imported from where they are.
+    """
+    code = local_code(user_code)
     ctx = process_context()
     results = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -139,7 +149,7 @@ def launch_local(
         ctx.Process(
             target=_rank_main,
             args=(fn, r, world_size, init_method, payload, timeout_s, results, env, cwd,
-                  _LauncherStdio(), guard),
+                  _LauncherStdio(), guard, code),
             daemon=True,
         )
         for r in range(world_size)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import pickle
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from shardline.pipelines.code_travel import ship_to_spark
 from shardline.pipelines.errors import ShardlineError
 from shardline.pipelines.spark_probe import failed_task, spark_error_line
 from shardline.pipelines.spark_setup import spark_master, spark_setting
@@ -98,10 +100,15 @@ def check_spark_slots(spark, world_size: int, setting: str = "training.world_siz
 
 def launch_spark_barrier(
     spark, fn: RankFn, payload: Any, world_size: int, timeout_s: float = 300,
-    guard: DriverGuard | None = None,
+    guard: DriverGuard | None = None, user_code: Sequence[str] = (),
 ) -> list[Any]:
-    """Run `fn` on `world_size` ranks as one barrier stage; return the results by rank."""
+    """Run `fn` on `world_size` ranks as one barrier stage; return the results by rank.
+
+    user_code: folders (or .py files) of the user's code, shipped to the executors as a
+    Python artifact and made current in each rank before `fn` runs (pipelines.code_travel).
+    """
     check_spark_slots(spark, world_size)
+    code = ship_to_spark(spark, user_code)
 
     def rank_task(batches):
         import pyarrow as pa
@@ -117,7 +124,7 @@ def launch_spark_barrier(
         mine = f"{rank}:{free_port(host) if rank == 0 else 0}"
         port = next(int(m.split(":")[1]) for m in ctx.allGather(mine) if m.startswith("0:"))
         result = run_in_group(fn, rank, world_size, f"tcp://{host}:{port}", payload, timeout_s, guard,
-                              slot=slot)
+                              slot=slot, code=code)
         yield pa.RecordBatch.from_pydict(
             {"rank": [rank], "result": [pickle.dumps(result)]},
             schema=pa.schema([("rank", pa.int32()), ("result", pa.binary())]),
