@@ -50,7 +50,7 @@ def test_every_strategy_trains_a_user_model_with_its_loss_as_single_process_does
     assert relative_distance(train_steps(0, 1, common), reference) > 3 * TOLERANCE
 
 
-def test_a_job_trains_a_user_model_with_its_loss_and_logs_its_metrics(small_dataset, tmp_path):  # noqa: F811
+def test_a_job_trains_a_user_model_with_its_loss_and_logs_its_metrics(small_dataset, tracking_uri, tmp_path):  # noqa: F811
     from mlflow.tracking import MlflowClient
 
     # The package found through training.code_paths (the job's folder is not its parent).
@@ -60,7 +60,8 @@ def test_a_job_trains_a_user_model_with_its_loss_and_logs_its_metrics(small_data
         metrics=["usernets.losses:ce", "usernets.losses:top1"], code_paths=[PACKAGE],
         checkpoint_dir=str(tmp_path / "ckpt"), timeout_s=120,
     )
-    tracking = TrackingConfig(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", experiment="user-model")
+    # The session's store: a store of its own would stay MLflow's global URI for later tests.
+    tracking = TrackingConfig(tracking_uri=tracking_uri, experiment="user-model")
     result = run_training(cfg, tracking, small_dataset.dataset_dir, register=False)
     logged = MlflowClient(tracking.tracking_uri).get_run(result.run_id).data.metrics
     assert {"val_ce", "val_top1", "val_loss", "val_accuracy"} <= logged.keys(), sorted(logged)
