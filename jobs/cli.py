@@ -471,6 +471,14 @@ def main(argv: list[str] | None = None) -> None:
         # escape: messages quote settings like [pipelines] that rich would eat as markup
         console.print(f"[red]error:[/] {escape(str(e))}")
         sys.exit(e.exit_code)
+    except OSError as e:
+        from shardline.pipelines.failures import describe, is_permanent
+
+        if not is_permanent(e):
+            raise  # a bug, or a hiccup worth its traceback
+        # A full disk or no permission met on the driver itself (a lease, a manifest): one line.
+        console.print(f"[red]error:[/] {escape(describe(e))}")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from typing import Literal
 
 from shardline.pipelines import storage
-from shardline.pipelines.errors import DataError, ShardlineError
+from shardline.pipelines.errors import DataError, ShardlineError, StorageError
 from shardline.pipelines.lease import Lease
 from shardline.pipelines.progress import ProgressListener, listen_address
 
@@ -209,6 +209,10 @@ def execute(
     errors = [e for e in entries if "error" in e]
     if errors:
         done = len(entries) - len(errors)
+        permanent = next((e for e in errors if e.get("permanent")), None)
+        if permanent:  # a full disk, a read-only mount: the cause of every other unit's failure too
+            raise StorageError(f"{permanent['error']} (not retried: trying again cannot fix it; "
+                               f"{done} file(s) were scored and committed)")
         raise DataError(f"{errors[0]['error']} ({done} other file(s) were scored and committed)")
     return ScoreResult(
         storage.display(p.out),
