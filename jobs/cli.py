@@ -272,7 +272,10 @@ def _score_status(cfg: ShardlineConfig, output_dir: str, input_path: str | None)
         print(f"{st.output_dir}: no scores yet")
     if st.new_units is not None:
         print(f"{st.new_units} file(s) of {input_path} not scored by any version yet")
-    print(f"being written now by {st.holder}" if st.holder else "no job is writing it now")
+    if st.holder and st.stale:
+        print(f"no job is writing it now: {st.holder} left its lease ({st.stale}); the next run takes it over")
+    else:
+        print(f"being written now by {st.holder}" if st.holder else "no job is writing it now")
 
 
 @cli.command()
