@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Iterator
 from typing import IO
 
+from . import failures
 from .errors import ConfigError, StorageError
 
 REMOTE_SCHEMES = ("s3", "gs", "gcs", "abfs", "abfss", "hdfs")
@@ -156,8 +157,11 @@ def open_stream(url: str, compression: str | None = "detect"):
 
 
 def read_bytes(url: str) -> bytes:
-    with open_input(url) as f:
-        return f.read()
+    def read() -> bytes:
+        with open_input(url) as f:
+            return f.read()
+
+    return failures.with_backoff(read) if is_remote(url) else read()
 
 
 def file_info(url: str):
@@ -250,10 +254,15 @@ def write(url: str) -> Iterator[IO[bytes]]:
         return
     from . import object_stores
 
-    with tempfile.SpooledTemporaryFile(_SPOOL_BYTES) as spool:
-        yield spool
+    def upload() -> None:
         spool.seek(0)
         object_stores.upload(url, spool)
+
+    with tempfile.SpooledTemporaryFile(_SPOOL_BYTES) as spool:
+        yield spool
+        # A reset connection or a 503 is tried again (pipelines.failures); no space, a
+        # missing bucket or a refusal is raised at once.
+        failures.with_backoff(upload)
 
 
 def write_bytes(url: str, data: bytes) -> None:

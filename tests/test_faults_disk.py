@@ -116,3 +116,47 @@ def test_full_disk_score_is_one_line_and_the_next_score_succeeds(engine, promo, 
         assert r.returncode == 0, r.stderr
         assert "3,000 rows from 2 file(s)" in r.stderr, r.stderr
         assert len(read_ledger(out / "model=promo" / "version=1")) == 2
+
+
+def test_one_rule_sorts_permanent_from_transient_failures(tmp_path):
+    """pipelines.failures: what prepare, training, scoring and storage all ask."""
+    import errno
+
+    from shardline.pipelines import failures
+    from shardline.training.launchers.guard import is_permanent as rank_failure_is_permanent
+
+    (tmp_path / "file").write_text("x")
+    try:  # a real one: a path through a file
+        open(tmp_path / "file" / "below", "w")
+    except OSError as e:
+        not_a_dir = e
+    permanent = [OSError(errno.ENOSPC, "No space left on device"), OSError(errno.EROFS, "Read-only file system"),
+                 PermissionError(errno.EACCES, "Permission denied"), not_a_dir,
+                 OSError("[Errno 28] Error writing bytes to file. Detail: [errno 28] No space left on device"),
+                 OSError("When creating bucket 'x': AWS Error NoSuchBucket: bucket does not exist")]
+    transient = [ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"), TimeoutError("timed out"),
+                 OSError("AWS Error SLOW_DOWN during PutObject operation: SlowDown"),
+                 OSError("HTTP 503 Service Unavailable: ServiceUnavailable")]
+    assert all(failures.is_permanent(e) and not failures.is_transient(e) for e in permanent)
+    assert all(failures.is_transient(e) and not failures.is_permanent(e) for e in transient)
+    assert all(rank_failure_is_permanent(e) for e in permanent)  # training relaunches none of them
+    assert not any(rank_failure_is_permanent(e) for e in transient[:2])
+
+    tries = []
+
+    def flaky():
+        tries.append(1)
+        if len(tries) < 3:
+            raise ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
+        return "done"
+
+    assert failures.with_backoff(flaky, first_s=0.01) == "done" and len(tries) == 3
+    tries.clear()
+
+    def full():
+        tries.append(1)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError):
+        failures.with_backoff(full, first_s=0.01)
+    assert len(tries) == 1  # never retried
