@@ -193,9 +193,9 @@ def train(config, overrides, launcher, world_size, resume, allow_changed):
 @click.option(
     "--backfill",
     type=click.Choice(["all", "new"]),
-    help="Input files earlier versions of the model scored and this version has not: "
-    "'new' leaves them (scores only files no version has), 'all' scores them too. "
-    "Overrides serving.backfill (default new).",
+    help="With --incremental: input files earlier versions of the model scored and this version "
+    "has not: 'new' leaves them (scores only files no version has), 'all' scores them too. "
+    "Overrides serving.backfill (default new). A run that is not incremental scores them all.",
 )
 @click.option("--force", is_flag=True, help="Discard the output's scores (every model and version, "
               "each named as it is discarded); score all.")
@@ -216,6 +216,9 @@ def score(config, overrides, model_uri, input_path, split, output_dir, engine, i
     if status_dir:
         _score_status(cfg, status_dir, input_path)
         return
+    if backfill and not cfg.serving.incremental:
+        raise click.UsageError("--backfill applies to --incremental (scheduled) runs; a run that is "
+                               "not incremental scores every input file this model version has not")
     cfg = resolve_paths(cfg, [cfg.serving.engine], (DATASET, OUTPUT), tracking=True)
     s = cfg.serving
     if not s.model_uri:

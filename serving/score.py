@@ -100,11 +100,12 @@ def plan(
 ) -> ScorePlan:
     """Resolve the model, list and check the input, read the output's ledgers: read-only.
 
-    incremental: add units not yet scored to a version's scores that hold other inputs'
-    units; without it such an output is refused. backfill: which units a version scores
-    that other versions of the model already scored: "all" (every one it lacks) or "new"
-    (none: only units no version has scored). force: discard whatever the output holds
-    (every model and version) and score everything.
+    incremental: a scheduled run: add units not yet scored to a version's scores that hold
+    other inputs' units (without it such an output is refused), and, with backfill "new",
+    leave out units other versions of the model already scored (backfill "all" scores
+    every one this version lacks). A run that is not incremental scores every unit of its
+    input this version lacks: it asked for this model's scores of this input. force:
+    discard whatever the output holds (every model and version) and score everything.
     """
     if backfill not in ("all", "new"):
         raise ShardlineError(f"--backfill {backfill!r}: use 'all' or 'new'")
@@ -146,7 +147,8 @@ def select(p: ScorePlan) -> None:
         e = ledger.get(u.unit_id)
         if e and e["fingerprint"] == u.fingerprint:
             p.skipped.append(u)
-        elif p.backfill == "new" and not e and (u.unit_id, u.fingerprint) in elsewhere:
+        elif p.incremental and p.backfill == "new" and not e and (u.unit_id, u.fingerprint) in elsewhere:
+            # Only a scheduled run leaves them: an explicit score of a version scores its input.
             p.left.append(u)
         else:
             # A changed file is scored again into the same output name, replacing its old scores.
