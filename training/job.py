@@ -22,7 +22,7 @@ from . import checkpoints, sharded_checkpoints
 from .config import TrackingConfig, TrainingConfig
 from .launchers import DriverGuard, TrainingFailed
 from .loader import check_world_size, epoch_steps, rows_per_rank
-from .mlflow_outage import Outbox, replay, when_reachable
+from .mlflow_outage import Outbox, replay, tracked_run, when_reachable
 from .models import build_model, check_model_name
 from .strategies import get_strategy
 from .tracking import describe_version, log_curves, log_dataset_input, open_experiment, run_name
@@ -200,7 +200,9 @@ def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guar
     outline = describe(cfg, manifest)
     if outline:
         print(outline, file=sys.stderr, flush=True)
-    with mlflow.start_run(run_id=run_id, run_name=None if run_id else run_name(cfg)) as run:
+    # Not `with mlflow.start_run()`: its end, with the server down, would bury the job's one line.
+    with tracked_run(run_id, None if run_id else run_name(cfg), uri, tracking.outage_wait_s,
+                     lambda: checkpoints.latest(cfg.checkpoint_dir)) as run:
         run_id = run.info.run_id
         if outline:
             mlflow.log_text(outline, f"strategy-{cfg.strategy}.txt")
