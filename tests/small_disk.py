@@ -1,7 +1,7 @@
 """A real small disk for full-disk tests: a tmpfs of a given size, mounted as root.
 
 `small_disk(path)` mounts it for the block and unmounts it afterwards even when the
-test fails (lazily, if a straggling process still has a file open there). `fill(path)`
+test fails (faults_helpers.mounted_tmpfs). `fill(path)`
 takes every free byte with one file, as a disk filled by someone else would be;
 `grow(path, size)` remounts it larger with its files kept, as a freed disk.
 """
@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import os
 import subprocess
 from pathlib import Path
 
-import pytest
+from .faults_helpers import mounted_tmpfs
 
 
 def _run(*cmd: str) -> None:
@@ -23,17 +22,8 @@ def _run(*cmd: str) -> None:
 
 @contextlib.contextmanager
 def small_disk(path: Path, size: str = "1m"):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")  # CI and this machine run as root
-    path.mkdir(parents=True, exist_ok=True)
-    _run("mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path))
-    try:
+    with mounted_tmpfs(path, f"size={size}"):  # unmounted after, also on failure
         yield path
-    finally:
-        try:
-            _run("umount", str(path))
-        except subprocess.CalledProcessError:
-            _run("umount", "-l", str(path))  # busy: detach now, freed when the last file closes
 
 
 def fill(path: Path, leave: int = 0) -> Path:
