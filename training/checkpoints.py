@@ -208,18 +208,24 @@ def owner(directory: str) -> dict[str, str] | None:
     return None if newest is None else load(newest, {}).get("fingerprint", {})
 
 
-def check_unfinished(directory: str, epochs: int, allow_changed=()) -> None:
+def check_unfinished(directory: str, epochs: int, allow_changed=(), fp: dict[str, str] | None = None) -> None:
     """Refuse a resume whose newest checkpoint already ends the job (its last epoch done):
-    it would take 0 steps and register the same weights as a new version."""
+    it would take 0 steps and register the same weights as a new version. fp: this job's
+    fingerprint; a checkpoint of another run is left to `load`'s refusal, which names it."""
     directory = str(directory)
     try:
         pointer = json.loads(storage.read_bytes(storage.join(directory, POINTER)))
-        epoch = pointer.get("epoch") if isinstance(pointer, dict) else None
+        pointer = pointer if isinstance(pointer, dict) else {}
     except (FileNotFoundError, ValueError):
-        epoch = None
+        pointer = {}
+    epoch, theirs = pointer.get("epoch"), pointer.get("fingerprint")
     if epoch is None:  # a pointer from before it held the epoch, or none: read the checkpoint
         found = readable(directory, {})
-        epoch = found[1].get("epoch") if found else None
+        epoch, theirs = (found[1].get("epoch"), found[1].get("fingerprint")) if found else (None, None)
+    if fp and isinstance(theirs, dict) and any(
+        theirs.get(k) != v for k, v in fp.items() if k not in allow_changed and k != "dataset_version"
+    ):
+        return
     if epoch is None or epoch < epochs:
         return
     more = ("raise training.epochs (e.g. --set training.epochs={n} --allow-changed epochs)"

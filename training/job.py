@@ -76,7 +76,8 @@ def check_checkpoints(cfg: TrainingConfig, manifest: ShardManifest) -> None:
     if cfg.resume:
         if checkpoints.latest(cfg.checkpoint_dir) is None:
             raise DataError(f"{storage.display(cfg.checkpoint_dir)}: no checkpoint to resume from")
-        checkpoints.check_unfinished(cfg.checkpoint_dir, cfg.epochs, cfg.resume_allow_changed)
+        checkpoints.check_unfinished(cfg.checkpoint_dir, cfg.epochs, cfg.resume_allow_changed,
+                                     checkpoints.fingerprint(cfg, manifest.version_id))
     else:
         checkpoints.check_owner(cfg.checkpoint_dir, checkpoints.fingerprint(cfg, manifest.version_id),
                                 own_folder=cfg._own_checkpoint_dir)
