@@ -187,9 +187,9 @@ def train(config, overrides, launcher, world_size, resume, allow_changed, as_jso
 @click.option(
     "--backfill",
     type=click.Choice(["all", "new"]),
-    help="Input files earlier versions of the model scored and this version has not: "
-    "'new' leaves them (scores only files no version has), 'all' scores them too. "
-    "Overrides serving.backfill (default new).",
+    help="With --incremental: input files earlier versions of the model scored and this version "
+    "has not: 'new' leaves them (scores only files no version has), 'all' scores them too. "
+    "Overrides serving.backfill (default new). A run that is not incremental scores them all.",
 )
 @click.option("--force", is_flag=True, help="Discard the output's scores (every model and version, "
               "each named as it is discarded); score all.")
@@ -211,6 +211,9 @@ def score(config, overrides, model_uri, input_path, split, output_dir, engine, i
     if status_dir:
         _score_status(cfg, status_dir, input_path, as_json)
         return
+    if backfill and not cfg.serving.incremental:
+        raise click.UsageError("--backfill applies to --incremental (scheduled) runs; a run that is "
+                               "not incremental scores every input file this model version has not")
     if not cfg.serving.model_uri:
         raise click.UsageError("no model: pass --model or set serving.model_uri")
     with _json_out(as_json) as emit:
@@ -245,7 +248,10 @@ def _score_status(cfg: ShardlineConfig, output_dir: str, input_path: str | None,
         print(f"{st.output_dir}: no scores yet")
     if st.new_units is not None:
         print(f"{st.new_units} file(s) of {input_path} not scored by any version yet")
-    print(f"being written now by {st.holder}" if st.holder else "no job is writing it now")
+    if st.holder and st.stale:
+        print(f"no job is writing it now: {st.holder} left its lease ({st.stale}); the next run takes it over")
+    else:
+        print(f"being written now by {st.holder}" if st.holder else "no job is writing it now")
 
 
 @cli.command()
@@ -377,6 +383,14 @@ def main(argv: list[str] | None = None) -> None:
         # escape: messages quote settings like [pipelines] that rich would eat as markup
         console.print(f"[red]error:[/] {escape(str(e))}")
         sys.exit(e.exit_code)
+    except OSError as e:
+        from shardline.pipelines.failures import describe, is_permanent
+
+        if not is_permanent(e):
+            raise  # a bug, or a hiccup worth its traceback
+        # A full disk or no permission met on the driver itself (a lease, a manifest): one line.
+        console.print(f"[red]error:[/] {escape(describe(e))}")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -178,10 +178,12 @@ def resolve_paths(
               f"{'is a path' if len(local) == 1 else 'are paths'} on this machine: every host must see "
               f"{'it' if len(local) == 1 else 'them'} at the same path (a shared filesystem); else use "
               f"URLs (s3://bucket/prefix) and an MLflow server", file=sys.stderr, flush=True)
+    training = t.model_copy(update={"checkpoint_dir": checkpoint_dir})
+    training._own_checkpoint_dir = t._own_checkpoint_dir or "checkpoint_dir" not in t.model_fields_set
     return cfg.model_copy(
         update={
             "pipelines": p.model_copy(update={"source": source, "dataset_dir": dataset_dir}),
-            "training": t.model_copy(update={"checkpoint_dir": checkpoint_dir}),
+            "training": training,
             "serving": s.model_copy(update={"output_dir": output_dir}),
             "tracking": cfg.tracking.model_copy(update={"tracking_uri": tracking_uri}),
             "sweep": cfg.sweep.model_copy(update={"storage": sweep_storage}),

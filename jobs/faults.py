@@ -17,6 +17,8 @@ Cases (each ends on the reference's weights or on the documented refusal):
 - truncated-checkpoint: the reference's newest checkpoint cut short in a copy of its
   directory; a resume falls back to the previous readable one and ends bit-equal.
 - changed-lr: a resume with another `lr` is refused, naming the field.
+- full-disk, stale-lease: see jobs.faults_storage (a full checkpoint disk ends in one
+  line without a relaunch; a killed job's lease is reported gone and taken over).
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ import threading
 import time
 import uuid
 from contextlib import ExitStack
+from functools import partial
 
 import torch
 
 from shardline.pipelines import storage
 from shardline.pipelines.errors import ShardlineError
 
+from . import faults_storage
 from .config import CHECKPOINTS, DATASET, check_storage, load_config, resolve_paths
 
 
@@ -135,7 +139,11 @@ def changed_lr(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
     return "FAIL", "a resume with another lr was accepted"
 
 
-CASES = {"kill-rank": kill_rank, "truncated-checkpoint": truncated_checkpoint, "changed-lr": changed_lr}
+CASES = {
+    "kill-rank": kill_rank, "truncated-checkpoint": truncated_checkpoint, "changed-lr": changed_lr,
+    "full-disk": partial(faults_storage.full_disk, train=_train),
+    "stale-lease": partial(faults_storage.stale_lease, train=_train),
+}
 
 
 class _Reference:

@@ -166,6 +166,8 @@ class Lease:
 
     def _held(self, tag: str, expires_at: float) -> Lease:
         self._tag, self._expires_at = tag, expires_at
+        # Temporaries of a holder killed mid-write; a live contender's lives for milliseconds.
+        storage.remove_stale_temps(self.url, older_than_s=self.ttl_s)
         if self.took_over is not None:
             previous, why = self.took_over
             who = previous.describe() if previous else "an unreadable lease"

@@ -21,8 +21,9 @@ import pyarrow.parquet as pq
 
 from . import storage, synthetic
 from .checks import CheckedInput, check_prepare, declared_classes
+from .failures import failure_rows
 from .config import FeatureSpec, PipelineConfig
-from .errors import DataError
+from .errors import DataError, StorageError
 from .lease import LEASE_NAME, Lease
 from .manifest import (
     BandwidthPlan,
@@ -156,8 +157,9 @@ def prepare(
                 read=Counted(partial(_rows, task=task, stats=stats, parts=parts), progress.address, routed.key),
                 schema=transport_schema(spec),
                 parts=parts.total,
+                # A permanent failure (a full disk) comes back as a row: no engine retries it.
                 write=Counted(
-                    partial(
+                    failure_rows(partial(
                         write_parts,
                         parts=parts,
                         dataset_dir=root,
@@ -166,7 +168,7 @@ def prepare(
                         rows_per_row_group=layout.rows_per_row_group,
                         shard_offsets=offsets,
                         drop_repeats=task.drop_bad,
-                    ),
+                    ), SHARD_META_SCHEMA),
                     progress.address,
                     shards_out.key,
                 ),
@@ -174,6 +176,9 @@ def prepare(
             )
             # One write call per part with rows (a part's rows meet in one partition).
             shards_out.total = sum(1 for m in metas if m["path"])
+        failed = next((m["error"] for m in metas if m.get("error")), None)
+        if failed:
+            raise StorageError(f"pipelines.dataset_dir: {failed} (not retried: trying again cannot fix it)")
         _check_repeats(metas, units, existing, spec)
         written = [m for m in metas if m["path"]]
         if not written:

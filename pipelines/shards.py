@@ -36,6 +36,7 @@ SHARD_META_SCHEMA = pa.schema(
         ("repeat_key", pa.int64()),  # refusing: the repeat met first in unit and row order,
         ("repeat_pos", pa.int64()),  # its position,
         ("first_pos", pa.int64()),  # and the position of the key's first row
+        ("error", pa.string()),  # a permanent failure (a full disk), returned, not retried
     ]
 )
 

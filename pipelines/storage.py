@@ -21,11 +21,14 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import re
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from typing import IO
 
+from . import failures
 from .errors import ConfigError, StorageError
 
 REMOTE_SCHEMES = ("s3", "gs", "gcs", "abfs", "abfss", "hdfs")
@@ -154,8 +157,11 @@ def open_stream(url: str, compression: str | None = "detect"):
 
 
 def read_bytes(url: str) -> bytes:
-    with open_input(url) as f:
-        return f.read()
+    def read() -> bytes:
+        with open_input(url) as f:
+            return f.read()
+
+    return failures.with_backoff(read) if is_remote(url) else read()
 
 
 def file_info(url: str):
@@ -234,7 +240,7 @@ def write(url: str) -> Iterator[IO[bytes]]:
         path = local_path(url)
         d = os.path.dirname(path)
         os.makedirs(d, exist_ok=True)
-        tmp = os.path.join(d, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
+        tmp = os.path.join(d, temp_name(os.path.basename(path)))
         try:
             with open(tmp, "wb") as f:
                 yield f
@@ -248,10 +254,15 @@ def write(url: str) -> Iterator[IO[bytes]]:
         return
     from . import object_stores
 
-    with tempfile.SpooledTemporaryFile(_SPOOL_BYTES) as spool:
-        yield spool
+    def upload() -> None:
         spool.seek(0)
         object_stores.upload(url, spool)
+
+    with tempfile.SpooledTemporaryFile(_SPOOL_BYTES) as spool:
+        yield spool
+        # A reset connection or a 503 is tried again (pipelines.failures); no space, a
+        # missing bucket or a refusal is raised at once.
+        failures.with_backoff(upload)
 
 
 def write_bytes(url: str, data: bytes) -> None:
@@ -284,15 +295,47 @@ def fsync_dir(path: str) -> None:
 # -- the commit protocol's conditional steps ---------------------------------------
 
 
+def temp_name(name: str) -> str:
+    """A fresh temporary name beside `name` (the local commit steps write there first)."""
+    return f".{name}.{uuid.uuid4().hex[:8]}.tmp"
+
+
+def is_temp_of(entry: str, name: str) -> bool:
+    """Whether `entry` is one of `temp_name(name)`'s names: a write of `name` that died
+    before its rename (a SIGKILL), ours to ignore and remove."""
+    return re.fullmatch(rf"\.{re.escape(name)}\.[0-9a-f]{{8}}\.tmp", entry) is not None
+
+
+def remove_stale_temps(url: str, older_than_s: float) -> None:
+    """Remove local temporaries of `url` (`temp_name`) not touched for `older_than_s`:
+    a live writer's temp lives for milliseconds, so an old one is a dead writer's."""
+    if is_remote(url):
+        return  # object stores get whole objects: no temporaries
+    d, base = os.path.dirname(local_path(url)), name(url)
+    now = time.time()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(d):
+            if is_temp_of(entry.name, base):
+                with contextlib.suppress(OSError):
+                    if now - entry.stat().st_mtime > older_than_s:
+                        os.unlink(entry.path)
+
+
 def _temp_beside(path: str, data: bytes) -> str:
-    """`data` written and fsynced to a temp name in `path`'s directory; its path."""
+    """`data` written and fsynced to a temp name in `path`'s directory; its path. Nothing
+    is left when the write fails (a full disk would otherwise keep a 0-byte temp)."""
     d = os.path.dirname(path)
     os.makedirs(d, exist_ok=True)
-    tmp = os.path.join(d, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    tmp = os.path.join(d, temp_name(os.path.basename(path)))
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return tmp
 
 
@@ -357,7 +400,13 @@ def replace_if(url: str, data: bytes, tag: str) -> str | None:
         current = read_tagged(url)
         if current is None or current[1] != tag:
             return None
-        os.replace(_temp_beside(path, data), path)
+        tmp = _temp_beside(path, data)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         os.fsync(fd)
     return _local_tag(data)
 

@@ -18,7 +18,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import storage
+from . import failures, storage
 from .config import FeatureSpec, SyntheticSource
 from .errors import DataError
 from .hashing import bucket, uniform
@@ -63,7 +63,11 @@ def generate(engine, src: SyntheticSource, out: str) -> None:
         return
     marker = storage.join(out, MARKER)
     storage.write_bytes(marker, b"")
-    parts = engine.run(partial(_write_part, src=src, directory=out), list(enumerate(key_ranges(src))))
+    # A full disk or no permission fails every retry alike: reported once, in one line.
+    parts = failures.raise_first(
+        engine.run(failures.as_data(partial(_write_part, src=src, directory=out)), list(enumerate(key_ranges(src)))),
+        "pipelines.source.path",
+    )
     keep = set(parts)
     for n in storage.list_dir(out):
         # Files of an earlier generate with more partitions: only names this module makes.

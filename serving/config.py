@@ -33,8 +33,10 @@ class ServingConfig(Section):
     )
     backfill: Literal["all", "new"] = Field(
         "new",
-        description="When a model version scores an output that earlier versions of the model "
-        "scored (the alias moved): 'new' scores only input files no version has scored yet; "
+        description="In an incremental (scheduled) run, when a model version scores an output "
+        "that earlier versions of the model scored (the alias moved): 'new' scores only input "
+        "files no version has scored yet; "
         "'all' also every file earlier versions scored and this one has not. Each version "
-        "writes its own OUTPUT/model=NAME/version=V/; earlier versions' scores are kept.",
+        "writes its own OUTPUT/model=NAME/version=V/; earlier versions' scores are kept. A run that "
+        "is not incremental scores every input file its version has not scored.",
     )

@@ -58,7 +58,9 @@ def legacy_output_name(unit_id: str, model_name: str, model_version: str) -> str
 
 
 def _ours(n: str) -> bool:
-    return n in (LEDGER, LEASE_NAME, _OLD_LOCK) or n.startswith((MODEL_DIR, PREFIX, f".{PREFIX}"))
+    # A lease write cut short by a SIGKILL leaves its temporary: ours, removed by the next holder.
+    return (n in (LEDGER, LEASE_NAME, _OLD_LOCK) or n.startswith((MODEL_DIR, PREFIX, f".{PREFIX}"))
+            or storage.is_temp_of(n, LEASE_NAME))
 
 
 def check_output_dir(out: str) -> None:

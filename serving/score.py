@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from typing import Literal
 
 from shardline.pipelines import storage
-from shardline.pipelines.errors import DataError, ShardlineError
+from shardline.pipelines.errors import DataError, ShardlineError, StorageError
 from shardline.pipelines.lease import Lease
 from shardline.pipelines.progress import ProgressListener, listen_address
 
@@ -101,11 +101,12 @@ def plan(
 ) -> ScorePlan:
     """Resolve the model, list and check the input, read the output's ledgers: read-only.
 
-    incremental: add units not yet scored to a version's scores that hold other inputs'
-    units; without it such an output is refused. backfill: which units a version scores
-    that other versions of the model already scored: "all" (every one it lacks) or "new"
-    (none: only units no version has scored). force: discard whatever the output holds
-    (every model and version) and score everything.
+    incremental: a scheduled run: add units not yet scored to a version's scores that hold
+    other inputs' units (without it such an output is refused), and, with backfill "new",
+    leave out units other versions of the model already scored (backfill "all" scores
+    every one this version lacks). A run that is not incremental scores every unit of its
+    input this version lacks: it asked for this model's scores of this input. force:
+    discard whatever the output holds (every model and version) and score everything.
     """
     if backfill not in ("all", "new"):
         raise ShardlineError(f"--backfill {backfill!r}: use 'all' or 'new'")
@@ -147,7 +148,8 @@ def select(p: ScorePlan) -> None:
         e = ledger.get(u.unit_id)
         if e and e["fingerprint"] == u.fingerprint:
             p.skipped.append(u)
-        elif p.backfill == "new" and not e and (u.unit_id, u.fingerprint) in elsewhere:
+        elif p.incremental and p.backfill == "new" and not e and (u.unit_id, u.fingerprint) in elsewhere:
+            # Only a scheduled run leaves them: an explicit score of a version scores its input.
             p.left.append(u)
         else:
             # A changed file is scored again into the same output name, replacing its old scores.
@@ -214,6 +216,10 @@ def execute(
     errors = [e for e in entries if "error" in e]
     if errors:
         done = len(entries) - len(errors)
+        permanent = next((e for e in errors if e.get("permanent")), None)
+        if permanent:  # a full disk, a read-only mount: the cause of every other unit's failure too
+            raise StorageError(f"{permanent['error']} (not retried: trying again cannot fix it; "
+                               f"{done} file(s) were scored and committed)")
         raise DataError(f"{errors[0]['error']} ({done} other file(s) were scored and committed)")
     return ScoreResult(
         storage.display(p.out),

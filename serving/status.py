@@ -6,6 +6,7 @@ units) and nothing else.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from shardline.pipelines import storage
@@ -34,6 +35,7 @@ class OutputStatus:
     versions: list[VersionStatus]
     new_units: int | None  # input units no version has scored (None without an input)
     holder: str | None  # the job writing here now, if any
+    stale: str | None = None  # a dead job's lease left here: why it is dead (the next run takes it over)
 
 
 def output_status(output_dir: str, units: list[Unit] | None = None) -> OutputStatus:
@@ -61,7 +63,9 @@ def output_status(output_dir: str, units: list[Unit] | None = None) -> OutputSta
             mine = {(uid, e["fingerprint"]) for uid, e in x.entries.items()}
             rows.append(_row(x, [], len(universe - mine)))
     holder = Lease.holder(storage.join(out, LEASE_NAME))
-    return OutputStatus(storage.display(out), rows, new, holder.describe() if holder else None)
+    # The same judgement the next run makes before it takes the lease over.
+    stale = holder.stale(time.time()) if holder else None
+    return OutputStatus(storage.display(out), rows, new, holder.describe() if holder else None, stale)
 
 
 def _row(s, legacy: list, pending: int) -> VersionStatus:

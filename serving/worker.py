@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 import numpy as np
 import pyarrow as pa
 
-from shardline.pipelines import progress, storage
+from shardline.pipelines import failures, progress, storage
 from shardline.pipelines.code_travel import UserCode, use_code
 from shardline.pipelines.errors import ShardlineError
 
@@ -61,12 +61,17 @@ def output_schema(classification: bool) -> pa.Schema:
 
 
 def score_unit(task: UnitTask) -> dict:
-    """The unit's ledger entry; a data error comes back as {"error": ...}, not raised,
-    because retrying the task cannot fix the data."""
+    """The unit's ledger entry; a data error or a permanent failure (a full disk, no
+    permission: pipelines.failures) comes back as {"error": ...}, not raised, because
+    retrying the task cannot fix either: no engine retries it."""
     try:
         return _score_unit(task)
     except ShardlineError as e:
         return {"error": str(e), "unit": task.unit.path}
+    except Exception as e:
+        if not failures.is_permanent(e):
+            raise  # transient (a lost connection): the engine's retry may pass
+        return {"error": f"serving.output_dir: {failures.describe(e)}", "unit": task.unit.path, "permanent": True}
 
 
 def _score_unit(task: UnitTask) -> dict:

@@ -171,3 +171,46 @@ def test_the_drivers_last_calls_wait_for_a_server_that_went_away(monkeypatch):
     assert "the trained weights are in checkpoint /ck/ckpt-1.pt, the model is not registered" in str(gone.value)
     with pytest.raises(ValueError):  # not an outage: raised at once, not retried
         when_reachable(lambda: int("x"), nobody, wait_s=300, checkpoint=None, retry_s=0.1)
+
+
+def test_a_server_gone_for_good_ends_in_the_jobs_one_line_after_saying_it_waits(prepared, tmp_path, monkeypatch,
+                                                                                capfd):
+    """The server dies during training and never comes back: the driver says it waits (not a
+    silent minute), then ends in its one line, not in MLflow's failure to close the run."""
+    from shardline.pipelines.errors import ShardlineError
+
+    for k, v in NO_BACKOFF.items():
+        monkeypatch.setenv(k, v)
+    root = tmp_path / "server"
+    root.mkdir()
+    port = free_port()
+    proc = _server(root, port)
+    cfg = _cfg(tmp_path / "gone", epochs=2, world_size=1)
+    killed = tmp_path / "server-killed"
+    done = threading.Event()
+
+    def kill_after_first_checkpoint() -> None:
+        while not done.is_set() and not checkpoints.checkpoint_paths(cfg.checkpoint_dir):
+            time.sleep(0.02)
+        stop_group(proc)
+        killed.write_text("down")
+
+    watcher = threading.Thread(target=kill_after_first_checkpoint)
+    watcher.start()
+    try:
+        with pytest.raises(ShardlineError) as gone:
+            run_training(cfg, TrackingConfig(tracking_uri=f"http://127.0.0.1:{port}", experiment="gone",
+                                             registered_model="gone", outage_wait_s=2),
+                         prepared.dataset_dir, epoch_hook=functools.partial(hold_until_exists, str(killed)))
+    finally:
+        done.set()
+        watcher.join()
+        stop_group(proc)
+    line = str(gone.value)
+    assert "\n" not in line and line.startswith(f"tracking.tracking_uri: MLflow at http://127.0.0.1:{port} "
+                                                "has been unreachable since training was running"), line
+    newest = checkpoints.latest(cfg.checkpoint_dir)
+    assert f"the trained weights are in checkpoint {newest}, the model is not registered" in line
+    err = capfd.readouterr().err
+    assert f"[shardline] training is done; MLflow at http://127.0.0.1:{port} is unreachable" in err, err[-3000:]
+    assert "waiting up to" in err and f"the trained weights are in checkpoint {newest}" in err

@@ -16,6 +16,7 @@ from shardline.serving.ledger import entry_bytes, legacy_output_name, output_nam
 from shardline.serving.score import plan
 from shardline.serving.status import output_status
 
+from .conftest import shardline_here
 from .serving_helpers import promo_model, raw_table, write_raw
 
 
@@ -59,6 +60,29 @@ def test_backfill_new_and_all_and_a_changed_file(promo, prepared, tracking_uri, 
     p = plan("models:/promo/1", tracking_uri, str(src), str(out), incremental=True)
     assert (_names(p.todo), _names(p.skipped)) == (["part-0001.parquet", "part-0002.parquet"], ["part-0000.parquet"])
     assert not (out / "model=promo" / "version=2").exists()  # planning writes nothing
+
+
+def test_an_explicit_score_of_a_newer_version_scores_its_input(promo, prepared, tracking_uri, tmp_path):
+    """`shardline score --model models:/promo/2` where version 1 scored the input: not
+    "nothing to score"; --backfill is for --incremental runs and refused without it."""
+    src, out = tmp_path / "in", tmp_path / "scores"
+    write_raw(raw_table(prepared).slice(0, 200), src, files=2)
+    u0, u1 = list_units(str(src), "test")
+    v1 = Path(version_dir(str(out), "promo", "1"))
+    _commit_by_hand(v1, u0, "1")
+    _commit_by_hand(v1, u1, "1")
+
+    p = plan("models:/promo/2", tracking_uri, str(src), str(out))
+    assert (_names(p.todo), p.left, p.skipped) == (["part-0000.parquet", "part-0001.parquet"], [], [])
+    # The same run scheduled (--incremental, --backfill new): files version 1 has are left out.
+    p = plan("models:/promo/2", tracking_uri, str(src), str(out), incremental=True)
+    assert (p.todo, _names(p.left)) == ([], ["part-0000.parquet", "part-0001.parquet"])
+
+    r = shardline_here("score", "--model", "models:/promo/2", "--input", str(src), "--output", str(out),
+                       "--backfill", "new", "--engine", "dask", cwd=tmp_path, env={"MLFLOW_TRACKING_URI": tracking_uri})
+    assert r.returncode == 2, r.stderr
+    assert "--backfill applies to --incremental (scheduled) runs" in r.stderr
+    assert "Starting" not in r.stderr
 
 
 def test_flat_output_of_an_earlier_release_counts_as_its_version(promo, prepared, tracking_uri, tmp_path):

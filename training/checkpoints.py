@@ -142,7 +142,8 @@ def save(directory: str, global_step: int, state: dict, keep: int) -> str:
         storage.write_bytes(url, buf.getbuffer())
         # The pointer is the commit: one whole-object write (a rename locally) after the object.
         # The fingerprint in the pointer says whose directory this is without reading a checkpoint.
-        pointer = {"name": name, "step": global_step, "fingerprint": state.get("fingerprint", {})}
+        pointer = {"name": name, "step": global_step, "epoch": state.get("epoch"),
+                   "fingerprint": state.get("fingerprint", {})}
         storage.write_bytes(storage.join(directory, POINTER), json.dumps(pointer).encode())
     except OSError as e:  # a full disk, a read-only mount, no permission: no restart fixes it
         raise StorageError(f"training.checkpoint_dir: cannot write {storage.display(url)} ({_cause(e)})") from None
@@ -152,20 +153,35 @@ def save(directory: str, global_step: int, state: dict, keep: int) -> str:
     return url
 
 
-def start_over(directory: str, fp: dict[str, str]) -> None:
+def start_over(directory: str, fp: dict[str, str], own_folder: bool = False) -> None:
     """A new job's directory: drop its own earlier checkpoints (its restarts would resume
     them); refuse a directory holding another job's, which clearing would lose."""
-    check_owner(directory, fp)
+    replaced = check_owner(directory, fp, own_folder)
+    if replaced:
+        print(f"[shardline] starting over in this job's own checkpoint folder "
+              f"{storage.display(str(directory))}: the checkpoints of its earlier run ({', '.join(replaced)}) "
+              f"are replaced (--resume --allow-changed would have continued them)", file=sys.stderr, flush=True)
     clear(directory)
 
 
-def check_owner(directory: str, fp: dict[str, str]) -> None:
-    """Refuse `directory` to a new job when it holds another job's checkpoints."""
+# What a job's own folder (job_dir) leaves out of its name: runs that differ only here share it.
+_NOT_IN_FOLDER_NAME = (*CHANGEABLE_FIELDS, *_RESHARDABLE)
+
+
+def check_owner(directory: str, fp: dict[str, str], own_folder: bool = False) -> list[str]:
+    """Refuse `directory` to a new job when it holds another job's checkpoints.
+
+    own_folder: `directory` is this job's own (job_dir, checkpoint_dir unset): an earlier
+    run there that differs only in what its name leaves out (epochs, lr, the mesh) is this
+    job's earlier run, which a new run replaces. Returns those differences."""
     theirs = owner(directory)
     if theirs:  # {}: written without a fingerprint, which no job can resume
         # Another dataset version is the same job on re-prepared data: its own to clear.
         diff = [f"{k} {theirs.get(k)!r} (this job: {v!r})" for k, v in fp.items()
                 if k != "dataset_version" and theirs.get(k) != v]
+        if own_folder and all(d.split(" ", 1)[0] in _NOT_IN_FOLDER_NAME for d in diff):
+            return [f"{k} {theirs.get(k)}" for k, v in fp.items()
+                    if k != "dataset_version" and theirs.get(k) != v]
         if diff:
             raise DataError(
                 f"training.checkpoint_dir {storage.display(str(directory))} holds another job's "
@@ -174,6 +190,7 @@ def check_owner(directory: str, fp: dict[str, str]) -> None:
                 "one under shardline-data/checkpoints/<experiment>/), resume that job with --resume, "
                 "or delete them yourself"
             )
+    return []
 
 
 def owner(directory: str) -> dict[str, str] | None:
@@ -189,6 +206,35 @@ def owner(directory: str) -> dict[str, str] | None:
         return pointer["fingerprint"]
     newest = latest(directory)  # a pointer from before fingerprints were in it, or none
     return None if newest is None else load(newest, {}).get("fingerprint", {})
+
+
+def check_unfinished(directory: str, epochs: int, allow_changed=(), fp: dict[str, str] | None = None) -> None:
+    """Refuse a resume whose newest checkpoint already ends the job (its last epoch done):
+    it would take 0 steps and register the same weights as a new version. fp: this job's
+    fingerprint; a checkpoint of another run is left to `load`'s refusal, which names it."""
+    directory = str(directory)
+    try:
+        pointer = json.loads(storage.read_bytes(storage.join(directory, POINTER)))
+        pointer = pointer if isinstance(pointer, dict) else {}
+    except (FileNotFoundError, ValueError):
+        pointer = {}
+    epoch, theirs = pointer.get("epoch"), pointer.get("fingerprint")
+    if epoch is None:  # a pointer from before it held the epoch, or none: read the checkpoint
+        found = readable(directory, {})
+        epoch, theirs = (found[1].get("epoch"), found[1].get("fingerprint")) if found else (None, None)
+    if fp and isinstance(theirs, dict) and any(
+        theirs.get(k) != v for k, v in fp.items() if k not in allow_changed and k != "dataset_version"
+    ):
+        return
+    if epoch is None or epoch < epochs:
+        return
+    more = ("raise training.epochs (e.g. --set training.epochs={n} --allow-changed epochs)"
+            if "epochs" not in allow_changed else "raise training.epochs").format(n=epoch + 1)
+    raise DataError(
+        f"{storage.display(directory)}: the newest checkpoint ends the job (epoch {epoch} of "
+        f"training.epochs = {epochs} done): a resume would train 0 steps; to train further, {more}; "
+        f"to start over, train without --resume"
+    )
 
 
 def clear(directory: str) -> None:

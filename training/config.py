@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 
 from shardline.pipelines.config import Section
 from shardline.pipelines.manifest import BandwidthPlan
@@ -201,6 +201,10 @@ class TrainingConfig(Section):
         "the driver renews it every third of this, and ranks whose driver stopped renewing it stop "
         "within about this long.",
     )
+    # Set where an unset checkpoint_dir is derived (training.checkpoints.job_dir): the folder
+    # is this job's own, so a new run there replaces an earlier run that differed only in what
+    # the folder's name leaves out (epochs, lr, ...), instead of being refused.
+    _own_checkpoint_dir: bool = PrivateAttr(False)
 
 
     def loader_workers_for(self, plan: BandwidthPlan | None) -> int:

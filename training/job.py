@@ -22,7 +22,7 @@ from . import checkpoints, sharded_checkpoints
 from .config import TrackingConfig, TrainingConfig
 from .launchers import DriverGuard, TrainingFailed
 from .loader import check_world_size, epoch_steps, rows_per_rank
-from .mlflow_outage import Outbox, replay, when_reachable
+from .mlflow_outage import Outbox, replay, tracked_run, when_reachable
 from .model_check import check_callables, check_model
 from .model_inputs import ModelInputs
 from .models import build_model
@@ -82,8 +82,11 @@ def check_checkpoints(cfg: TrainingConfig, manifest: ShardManifest) -> None:
     if cfg.resume:
         if checkpoints.latest(cfg.checkpoint_dir) is None:
             raise DataError(f"{storage.display(cfg.checkpoint_dir)}: no checkpoint to resume from")
+        checkpoints.check_unfinished(cfg.checkpoint_dir, cfg.epochs, cfg.resume_allow_changed,
+                                     checkpoints.fingerprint(cfg, manifest.version_id))
     else:
-        checkpoints.check_owner(cfg.checkpoint_dir, checkpoints.fingerprint(cfg, manifest.version_id))
+        checkpoints.check_owner(cfg.checkpoint_dir, checkpoints.fingerprint(cfg, manifest.version_id),
+                                own_folder=cfg._own_checkpoint_dir)
 
 
 def check_steps(cfg: TrainingConfig, manifest: ShardManifest, data_world: int) -> None:
@@ -142,10 +145,11 @@ def run_training(
     it before an engine starts); default: taken here and released at the end.
     """
     dataset_dir = storage.resolve(dataset_dir, "pipelines.dataset_dir")
-    ckpt = cfg.checkpoint_dir
+    ckpt, own = cfg.checkpoint_dir, cfg._own_checkpoint_dir
     if "checkpoint_dir" not in cfg.model_fields_set:  # unset: a folder of this job's own
-        ckpt = checkpoints.job_dir(cfg, tracking.experiment, tracking.registered_model, dataset_dir)
+        ckpt, own = checkpoints.job_dir(cfg, tracking.experiment, tracking.registered_model, dataset_dir), True
     cfg = cfg.model_copy(update={"checkpoint_dir": storage.resolve(ckpt, "training.checkpoint_dir")})
+    cfg._own_checkpoint_dir = own
     checkpoints.check_allowed(cfg.resume_allow_changed)
     _check_capacity(cfg, spark, dask_client)
     # The version checked here is the one every rank reads (and every restart), whatever
@@ -166,7 +170,7 @@ def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guar
                   into_run, register, epoch_hook, dask_workers) -> TrainResult:
     import mlflow
 
-    resume_from, run_id = None, into_run
+    resume_from, run_id, changed, head = None, into_run, {}, {}
     check_checkpoints(cfg, manifest)
     if cfg.resume:
         found = checkpoints.readable(cfg.checkpoint_dir, {})  # the newest readable one
@@ -180,12 +184,20 @@ def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guar
         # Another mesh than the one that wrote it: refused here unless it reshards.
         data_world = get_strategy(cfg.strategy).data_world(cfg)
         sharded_checkpoints.check_resume(head, cfg, data_world, storage.display(resume_from))
+        if head.get("epoch", 0) >= cfg.epochs:  # check_checkpoints says so first, before an engine
+            checkpoints.check_unfinished(cfg.checkpoint_dir, cfg.epochs, cfg.resume_allow_changed)
+        changed = {k: (head["fingerprint"].get(k), v) for k, v in fp.items()
+                   if k in cfg.resume_allow_changed and head.get("fingerprint", {}).get(k) != v}
+        print(f"[shardline] resuming from {storage.display(resume_from)} (step {head.get('global_step')}, "
+              f"epoch {head.get('epoch')} of {cfg.epochs} done)"
+              + "".join(f"; {k} {old} -> {new}" for k, (old, new) in changed.items()),
+              file=sys.stderr, flush=True)
         run_id = head["run_id"] or None
     else:
         fp = checkpoints.fingerprint(cfg, manifest.version_id)
         # A new job starts over (stale checkpoints would be resumed by its restarts), but
         # never over another job's checkpoints.
-        checkpoints.start_over(cfg.checkpoint_dir, fp)
+        checkpoints.start_over(cfg.checkpoint_dir, fp, own_folder=cfg._own_checkpoint_dir)
         sharded_checkpoints.prune(cfg.checkpoint_dir)
     uri = tracking.resolved_uri()
     open_experiment(uri, tracking.experiment)
@@ -195,10 +207,14 @@ def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guar
     outline = describe(cfg, manifest)
     if outline:
         print(outline, file=sys.stderr, flush=True)
-    with mlflow.start_run(run_id=run_id, run_name=None if run_id else run_name(cfg)) as run:
+    # Not `with mlflow.start_run()`: its end, with the server down, would bury the job's one line.
+    with tracked_run(run_id, None if run_id else run_name(cfg), uri, tracking.outage_wait_s,
+                     lambda: checkpoints.latest(cfg.checkpoint_dir)) as run:
         run_id = run.info.run_id
         if outline:
             mlflow.log_text(outline, f"strategy-{cfg.strategy}.txt")
+        if cfg.resume and changed:
+            _log_changed(changed, head.get("global_step", 0))
         if not cfg.resume:
             mlflow.log_params(_flat(cfg.model_dump()))
             mlflow.log_params(
@@ -248,6 +264,17 @@ def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guar
         run_id, uri, tracking.registered_model, version, result["metrics"], model.state_dict(),
         stopped_early=result.get("stopped_early", False), collective_calls=result.get("collective_calls", {}),
     )
+
+
+def _log_changed(changed: dict[str, tuple], step: int) -> None:
+    """A resume's allowed changes (--allow-changed lr) in the run: MLflow params cannot
+    change, so each new value is a param of its own (`lr.from_step_120`) and a tag says
+    what changed, from when."""
+    import mlflow
+
+    mlflow.log_params({f"{k}.from_step_{step}": new for k, (_, new) in changed.items()})
+    for k, (old, new) in changed.items():
+        mlflow.set_tag(f"shardline.resume_changed.{k}", f"{old} -> {new} from step {step}")
 
 
 def _check_capacity(cfg: TrainingConfig, spark, dask_client) -> None:

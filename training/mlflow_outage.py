@@ -19,7 +19,10 @@ training; a driver blocked there cannot restart a lost rank. So:
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import sys
 import time
 
 BOUNDED = {
@@ -37,6 +40,9 @@ _UNREACHABLE = ("Max retries exceeded", "Connection refused", "ConnectionError",
 def bound_http() -> None:
     for k, v in BOUNDED.items():
         os.environ.setdefault(k, v)
+    # urllib3 logs each retry of a dead server ("Retrying (Retry(total=1, ...)) after connection
+    # broken by ..."), 3 lines a call: an outage is said once, in shardline's words, instead.
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
 
 
 def unreachable(e: BaseException) -> bool:
@@ -113,10 +119,11 @@ def replay(tracking_uri: str, entries: list[tuple], wait_s: float, checkpoint: s
         return
     box = Outbox(MlflowClient(tracking_uri), retry_s=5.0)
     box._kept = list(entries)
-    deadline = time.monotonic() + wait_s
+    waiting = _Waiting(tracking_uri, wait_s, checkpoint)
     while not box.flush(force=True):
-        if time.monotonic() >= deadline:
+        if waiting.over():
             raise _gone(tracking_uri, wait_s, checkpoint, f"{len(box.pending())} tracking call(s) not sent")
+        waiting.say(f"{len(box.pending())} tracking call(s) to send")
         time.sleep(5.0)
 
 
@@ -126,16 +133,68 @@ def when_reachable(call, tracking_uri: str, wait_s: float, checkpoint: str | Non
     server that goes down as training ends is waited for as one that went down during it.
     (A call whose answer was lost after the server acted on it is made twice: for the
     model, a second version; a refused connection, the usual outage, never acted.)"""
-    deadline = time.monotonic() + wait_s
+    waiting = _Waiting(tracking_uri, wait_s, checkpoint)
     while True:
         try:
             return call()
         except Exception as e:
             if not unreachable(e):
                 raise
-            if time.monotonic() >= deadline:
+            if waiting.over():
                 raise _gone(tracking_uri, wait_s, checkpoint, first_line(e)) from None
+            waiting.say(first_line(e))
         time.sleep(retry_s)
+
+
+class _Waiting:
+    """The driver's wait for an unreachable server, said on the console when it starts and
+    every `every_s` after: a wait of minutes must not look like a hang."""
+
+    def __init__(self, tracking_uri: str, wait_s: float, checkpoint: str | None, every_s: float = 30.0):
+        self.uri, self.wait_s, self.checkpoint, self.every_s = tracking_uri, wait_s, checkpoint, every_s
+        self.start = time.monotonic()
+        self.said = None
+
+    def over(self) -> bool:
+        return time.monotonic() - self.start >= self.wait_s
+
+    def say(self, detail: str) -> None:
+        now = time.monotonic()
+        if self.said is not None and now - self.said < self.every_s:
+            return
+        left = max(0.0, self.wait_s - (now - self.start))
+        first = self.said is None
+        self.said = now
+        print(f"[shardline] training is done; MLflow at {self.uri} is unreachable ({detail}): "
+              f"{'waiting' if first else 'still waiting'} up to {left:.0f} s more for it "
+              f"(tracking.outage_wait_s); the trained weights are in checkpoint "
+              f"{self.checkpoint or 'training.checkpoint_dir'}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def tracked_run(run_id: str | None, run_name: str | None, tracking_uri: str, wait_s: float, checkpoint):
+    """`mlflow.start_run(...)` for the driver, whose end survives an outage: a job that fails
+    (the server gone for good among the causes) ends with its own error, not with MLflow's
+    failure to mark the run FAILED chained onto it; a job that succeeded marks its run
+    FINISHED once the server answers (`when_reachable`). checkpoint: a callable giving the
+    newest checkpoint, for the line said while waiting."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    run = mlflow.start_run(run_id=run_id, run_name=run_name)
+    try:
+        yield run
+    except BaseException:
+        with contextlib.suppress(Exception):  # the job's own error is the one to show
+            mlflow.end_run("FAILED")
+        raise
+    try:
+        mlflow.end_run("FINISHED")  # leaves the active run first, then tells the server
+    except Exception as e:
+        if not unreachable(e):
+            raise
+        when_reachable(lambda: MlflowClient(tracking_uri).set_terminated(run.info.run_id, "FINISHED"),
+                       tracking_uri, wait_s, checkpoint())
 
 
 def _gone(tracking_uri: str, wait_s: float, checkpoint: str | None, detail: str):

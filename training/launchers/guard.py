@@ -22,7 +22,6 @@ error, a full disk, bad data or config, or a bug would fail the same way again.
 from __future__ import annotations
 
 import ctypes
-import errno
 import json
 import os
 import re
@@ -33,12 +32,9 @@ import threading
 import time
 from dataclasses import dataclass
 
+from shardline.pipelines import failures
+
 _MARK = re.compile(r"<<shardline-rank (\{.*?\})>>")
-# errno values no restart can fix
-_PERMANENT_ERRNO = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT,
-                    errno.ENOTDIR, errno.EISDIR, errno.ENOENT, errno.EFBIG, errno.ENAMETOOLONG}
-_PERMANENT_TEXT = ("Read-only file system", "No space left", "Permission denied", "Access Denied",
-                   "AccessDenied", "Disk quota exceeded")
 _LOST_PEER_TEXT = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out",
                    "timed out", "Connection refused", "Socket Timeout")
 
@@ -70,7 +66,7 @@ def is_permanent(e: BaseException) -> bool:
         return True  # bad config, data or storage, or a lease another job took over
     if isinstance(e, ConnectionError | TimeoutError | EOFError):
         return False
-    if isinstance(e, OSError) and (e.errno in _PERMANENT_ERRNO or any(t in str(e) for t in _PERMANENT_TEXT)):
+    if failures.is_permanent(e):  # the rule prepare, scoring and storage use too
         return True
     text = str(e)
     if _is_dist_error(e) or any(t in text for t in _LOST_PEER_TEXT):
