@@ -50,7 +50,6 @@ def package_zip() -> str:
         import atexit
         import tempfile
         import zipfile
-        from pathlib import Path
 
         _remove_orphan_zips(tempfile.gettempdir())
         # Made under a name the orphan sweep ignores, locked, then renamed: another
