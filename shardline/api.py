@@ -14,6 +14,9 @@ client: dask; only a SparkSession: spark); else the setting's default.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
+import sys
 from collections.abc import Iterable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -101,6 +104,32 @@ class RunResult:
         return {"prepare": self.prepare.to_dict(), "train": self.train.to_dict(), "score": self.score.to_dict()}
 
 
+def _keeps_callers_mlflow(fn):
+    """MLflow keeps its tracking URI in a module global and copies it into
+    os.environ["MLFLOW_TRACKING_URI"] (for subprocesses). A call whose config names its own
+    store would leave the caller's later MLflow calls, and shardline's own default for
+    tracking.tracking_uri, pointing at that store: put both back as they were."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        env = os.environ.get("MLFLOW_TRACKING_URI")
+        utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
+        before = getattr(utils, "_tracking_uri", None)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
+            if utils is not None:
+                utils._tracking_uri = before
+            if env is None:
+                os.environ.pop("MLFLOW_TRACKING_URI", None)
+            else:
+                os.environ["MLFLOW_TRACKING_URI"] = env
+
+    return call
+
+
+
 def load_config(config: Config = None, overrides: Overrides = ()) -> ShardlineConfig:
     """The typed config: `config` with `overrides` applied, validated (one ConfigError if not)."""
     return _load(config, overrides)
@@ -117,6 +146,7 @@ def _choose(cfg: ShardlineConfig, setting: str, spark, client) -> ShardlineConfi
     return cfg.model_copy(update={section_name: section.model_copy(update={name: value})})
 
 
+@_keeps_callers_mlflow
 def prepare(
     config: Config = None, overrides: Overrides = (), *, spark=None, client=None,
     append: bool = False, refit: bool = False, by_plan: bool = False,
@@ -141,6 +171,7 @@ def prepare(
     return PrepareResult(cfg.pipelines.dataset_dir, manifest, engine)
 
 
+@_keeps_callers_mlflow
 def train(config: Config = None, overrides: Overrides = (), *, spark=None, client=None) -> TrainResult:
     """Train on the prepared dataset on `training.launcher`'s engine; track in MLflow; register."""
     from shardline.training.checkpoints import check_allowed
@@ -170,6 +201,7 @@ def _train_result(cfg: ShardlineConfig, r) -> TrainResult:
                        cfg.training.checkpoint_dir, cfg.training.launcher, r.stopped_early)
 
 
+@_keeps_callers_mlflow
 def score(
     config: Config = None, overrides: Overrides = (), *, spark=None, client=None,
     model_uri: str | None = None, input_path: str | None = None, force: bool = False,
@@ -213,6 +245,7 @@ def _score_result(r, model_uri: str, engine: str, discarded: list[str]) -> Score
                        model_uri, r.model_name, r.model_version, engine, "", discarded)
 
 
+@_keeps_callers_mlflow
 def score_status(config: Config = None, overrides: Overrides = (), *, output_dir: str,
                  input_path: str | None = None):
     """Per model version in `output_dir`: units and rows scored, what is pending (of
@@ -232,6 +265,7 @@ def score_status(config: Config = None, overrides: Overrides = (), *, output_dir
     return output_status(out, list_units(input_path, cfg.serving.split) if input_path else None)
 
 
+@_keeps_callers_mlflow
 def run(config: Config = None, overrides: Overrides = (), *, spark=None, client=None) -> RunResult:
     """Prepare (pipelines.engine), train (training.launcher), register, and score the new
     model (serving.engine), each on the engine its setting names; one engine of a kind is

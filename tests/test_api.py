@@ -151,7 +151,7 @@ def test_json_results_of_prepare_train_score_and_status(small_dataset, dask_clie
     assert st["holder"] is None
 
 
-def test_api_on_the_callers_engines(spark, dask_client, small_dataset, tmp_path):  # noqa: F811
+def test_api_on_the_callers_engines(spark, dask_client, small_dataset, tracking_uri, tmp_path):  # noqa: F811
     """shardline.prepare/train/score use the SparkSession and Dask client given, choose the
     engine by them where the config writes none, honour one it writes, and stop neither."""
     base = {
@@ -182,6 +182,12 @@ def test_api_on_the_callers_engines(spark, dask_client, small_dataset, tmp_path)
     assert scored.engine == "dask" and scored.rows == again.manifest.splits["test"].rows
     assert scored.model_version == "1"
 
+    # The config's own store did not become the caller's: MLflow's global URI and the
+    # MLFLOW_TRACKING_URI it copies it into are as they were (a later train would log there).
+    import mlflow
+
+    assert os.environ["MLFLOW_TRACKING_URI"] == tracking_uri
+    assert mlflow.get_tracking_uri() == tracking_uri
     assert spark.range(3).count() == 3  # neither engine was stopped
     assert dask_client.status == "running" and dask_client.submit(sum, [1, 2]).result() == 3
 
