@@ -1,0 +1,114 @@
+"""The worked example (#36.7): examples/own_model's notebook functions on the session's
+Spark and Dask, run from the example's folder as a user would, and its job.toml through
+the CLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "own_model"
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory):
+    """A copy of the example folder, as a user's own checkout: what runs there (MLflow's
+    ./mlruns among it) stays out of the repository."""
+    folder = tmp_path_factory.mktemp("example") / "own_model"
+    shutil.copytree(EXAMPLE, folder, ignore=shutil.ignore_patterns("example-out", "__pycache__", "mlruns"))
+    path, modules = list(sys.path), set(sys.modules)
+    yield folder
+    sys.path[:] = path  # the folder joined sys.path as the cwd of a job; so did its package
+    for name in set(sys.modules) - modules:
+        if name == "mynets" or name.startswith("mynets.") or name == "own_model_notebook":
+            del sys.modules[name]
+
+
+def _notebook(folder: Path):
+    spec = importlib.util.spec_from_file_location("own_model_notebook", folder / "notebook.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _check(out: dict, tracking_uri: str, rows: int) -> None:
+    from mlflow.tracking import MlflowClient
+
+    trained, scored = out["trained"], out["scored"]
+    assert {"val_loss", "val_accuracy", "val_top2"} <= trained.metrics.keys(), trained.metrics
+    mlflow = MlflowClient(tracking_uri)
+    run = mlflow.get_run(trained.run_id)
+    assert run.info.status == "FINISHED" and run.data.params["model"] == "mynets.nets:build"
+    assert "val_top2" in run.data.metrics and 0.0 <= run.data.metrics["val_top2"] <= 1.0
+    version = mlflow.get_model_version(trained.model_name, trained.model_version)
+    assert version.run_id == trained.run_id
+    assert trained.model_uri == f"models:/{trained.model_name}/{trained.model_version}"
+
+    test_rows = out["prepared"].manifest.splits["test"].rows
+    assert scored.rows == test_rows > 0 and scored.model_version == trained.model_version
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(scored.version_dir).num_rows == test_rows
+
+    pred = out["predictions"]
+    assert len(pred) == rows and pred["prediction"].notna().all()
+    assert set(pred["prediction"].unique()) <= {0, 1, 2}
+    assert out["estimator_model_uri"].startswith(f"models:/{trained.model_name}-estimator/")
+
+
+@pytest.mark.slow
+def test_example_on_spark(example, spark, tracking_uri, tmp_path, monkeypatch):
+    monkeypatch.chdir(example)  # `mynets` is found from the folder the user runs in
+    nb = _notebook(example)
+    # The session's MLflow store: one of its own would stay MLflow's global URI for later tests.
+    out = nb.on_spark(spark, tmp_path, tracking_uri=tracking_uri, name="example-spark")
+    assert out["trained"].launcher == "spark" and out["scored"].engine == "spark"
+    assert out["prepared"].engine == "spark"
+    _check(out, tracking_uri, rows=len(nb.frame()))
+    assert "probability" in out["predictions"].columns
+    assert not (example / "example-out").exists()  # everything went under the workdir given
+
+
+@pytest.mark.slow
+def test_example_on_dask(example, dask_client, tracking_uri, tmp_path, monkeypatch):
+    monkeypatch.chdir(example)
+    nb = _notebook(example)
+    out = nb.on_dask(dask_client, tmp_path, tracking_uri=tracking_uri, name="example-dask")
+    assert out["trained"].launcher == "dask" and out["scored"].engine == "dask"
+    assert out["prepared"].engine == "dask"
+    _check(out, tracking_uri, rows=len(nb.frame(seed=1)))
+    assert dask_client.status == "running"
+
+
+@pytest.mark.slow
+def test_example_job_through_the_cli(example, tmp_path):
+    """`shardline run job.toml` from the example's folder, its outputs moved into tmp_path."""
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    sets = {
+        "pipelines.source.path": tmp_path / "raw", "pipelines.dataset_dir": tmp_path / "dataset",
+        "training.checkpoint_dir": tmp_path / "checkpoints", "serving.output_dir": tmp_path / "scores",
+        "tracking.tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+    }
+    args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardline.jobs.cli", "run", "job.toml", *args, "--set", "training.epochs=1", "--json"],
+        cwd=example, env=env, capture_output=True, text=True, timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["train"]["model_uri"] == "models:/own-model/1"
+    assert {"val_loss", "val_top2"} <= result["train"]["metrics"].keys()
+    assert result["score"]["rows"] == result["prepare"]["splits"]["test"]["rows"] > 0
+    assert not (example / "example-out").exists()  # every output went where --set put it
+
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(result["train"]["run_id"])
+    assert run.data.params["model"] == "mynets.nets:build" and "val_top2" in run.data.metrics
