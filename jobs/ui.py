@@ -79,8 +79,10 @@ def check_port(host: str, port: int) -> None:
                                  f"pick another with --port") from None
 
 
-def server_command(uri: str, host: str, port: int) -> list[str]:
-    return [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
+def server_command(host: str, port: int) -> list[str]:
+    # The store URI goes in MLFLOW_BACKEND_STORE_URI, not on the command line: a database
+    # URI's password would be readable by every user of the host in `ps`.
+    return [sys.executable, "-m", "mlflow", "server",
             "--host", host, "--port", str(port), "--workers", "1"]
 
 
@@ -103,5 +105,6 @@ def serve(uri: str, host: str, port: int, say) -> None:
     say(f"MLflow UI on {redact(uri)}: http://{host}:{port} (ready in ~15 s; Ctrl-C stops it)")
     sys.stdout.flush()
     sys.stderr.flush()
-    cmd = server_command(uri, host, port)
+    env["MLFLOW_BACKEND_STORE_URI"] = uri
+    cmd = server_command(host, port)
     os.execve(cmd[0], cmd, env)
