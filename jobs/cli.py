@@ -15,6 +15,7 @@ from rich.table import Table
 
 from shardline import api
 from shardline.pipelines.errors import ShardlineError
+from shardline.pipelines.redact import redact
 
 from .cli_bench import bench
 from .config import (
@@ -381,7 +382,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except ShardlineError as e:
         # escape: messages quote settings like [pipelines] that rich would eat as markup
-        console.print(f"[red]error:[/] {escape(str(e))}")
+        # redact: the last line is what lands in CI logs; no URI password gets there, whichever
+        # code wrote the message
+        console.print(f"[red]error:[/] {escape(redact(str(e)))}")
         sys.exit(e.exit_code)
     except OSError as e:
         from shardline.pipelines.failures import describe, is_permanent
@@ -389,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
         if not is_permanent(e):
             raise  # a bug, or a hiccup worth its traceback
         # A full disk or no permission met on the driver itself (a lease, a manifest): one line.
-        console.print(f"[red]error:[/] {escape(describe(e))}")
+        console.print(f"[red]error:[/] {escape(redact(describe(e)))}")
         sys.exit(1)
 
 

@@ -8,6 +8,8 @@ from contextlib import ExitStack, contextmanager
 
 from rich.console import Console
 
+from shardline.pipelines.redact import redact
+
 from .config import ShardlineConfig
 
 # soft_wrap: the lines go unbroken to a log (spark-submit's, a scheduler's) as to a terminal.
@@ -32,7 +34,7 @@ def open_spark(cfg: ShardlineConfig, barrier_ranks: int | None = None):
     from shardline.pipelines.spark_setup import describe_spark, remote_url
 
     url = remote_url(cfg.spark)
-    with stage(f"Connecting to Spark Connect {url}" if url else "Starting Spark"):
+    with stage(f"Connecting to Spark Connect {redact(url)}" if url else "Starting Spark"):
         spark = spark_session(cfg.spark)
     # Under spark-submit its --master wins over the config's: say which one runs.
     console.print(f"  {describe_spark(spark)}")

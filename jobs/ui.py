@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from shardline.pipelines.errors import ShardlineError, StorageError
+from shardline.pipelines.redact import redact
 
 SETTING = "tracking.tracking_uri"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -31,10 +32,10 @@ def ui_hint(tracking_uri: str) -> str:
     from shardline.training.config import TrackingConfig
 
     if is_server(tracking_uri):
-        return tracking_uri
+        return redact(tracking_uri)
     if tracking_uri == _absolute(TrackingConfig().resolved_uri()):
         return "shardline ui"  # what `shardline ui` opens from this folder, with this environment
-    return f"shardline ui --set {SETTING}='{tracking_uri}'"
+    return f"shardline ui --set {SETTING}='{redact(tracking_uri)}'"
 
 
 def _absolute(uri: str) -> str:
@@ -54,7 +55,7 @@ def check_server(uri: str, timeout_s: float = 10.0) -> None:
         reason = f"HTTP {e.code}"
     except (OSError, ValueError) as e:
         reason = str(getattr(e, "reason", e))
-    raise StorageError(f"{SETTING} = {uri!r}: the MLflow server does not answer /health ({reason})")
+    raise StorageError(f"{SETTING} = {redact(uri)!r}: the MLflow server does not answer /health ({reason})")
 
 
 def check_store(uri: str) -> None:
@@ -64,7 +65,7 @@ def check_store(uri: str) -> None:
         path = Path(uri[len("sqlite:///"):])
         if not path.is_file():
             raise ShardlineError(
-                f"{SETTING} = {uri!r}: no MLflow store there (nothing was tracked in {path.parent}); "
+                f"{SETTING} = {redact(uri)!r}: no MLflow store there (nothing was tracked in {path.parent}); "
                 f"run `shardline ui` from the folder you ran shardline in, or set {SETTING}"
             )
 
@@ -78,8 +79,10 @@ def check_port(host: str, port: int) -> None:
                                  f"pick another with --port") from None
 
 
-def server_command(uri: str, host: str, port: int) -> list[str]:
-    return [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
+def server_command(host: str, port: int) -> list[str]:
+    # The store URI goes in MLFLOW_BACKEND_STORE_URI, not on the command line: a database
+    # URI's password would be readable by every user of the host in `ps`.
+    return [sys.executable, "-m", "mlflow", "server",
             "--host", host, "--port", str(port), "--workers", "1"]
 
 
@@ -88,7 +91,7 @@ def serve(uri: str, host: str, port: int, say) -> None:
     and SIGTERM reach it directly, and nothing of shardline's is left to clean up."""
     if is_server(uri):
         check_server(uri)
-        say(f"The MLflow server {uri} serves the UI itself: open {uri}")
+        say(f"The MLflow server {redact(uri)} serves the UI itself: open {redact(uri)}")
         return
     check_store(uri)
     check_port(host, port)
@@ -99,8 +102,9 @@ def serve(uri: str, host: str, port: int, say) -> None:
     # The server's job runner (huey consumers, for GenAI jobs the UI does not need) outlives
     # the server when only the server is signalled: leave it off unless the user asked for it.
     env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
-    say(f"MLflow UI on {uri}: http://{host}:{port} (ready in ~15 s; Ctrl-C stops it)")
+    say(f"MLflow UI on {redact(uri)}: http://{host}:{port} (ready in ~15 s; Ctrl-C stops it)")
     sys.stdout.flush()
     sys.stderr.flush()
-    cmd = server_command(uri, host, port)
+    env["MLFLOW_BACKEND_STORE_URI"] = uri
+    cmd = server_command(host, port)
     os.execve(cmd[0], cmd, env)

@@ -16,13 +16,21 @@ Bounded by design: a rank connects with a short timeout and sends one line at a 
 if the driver cannot be reached (a firewall, a driver gone), the rank prints the line to
 its own stderr as before and stops trying, so training never waits on the console. A
 tick that cannot be sent is dropped: a count belongs on the driver's console only.
+
+Only the job's own senders are heard: the port is open to whoever reaches the driver's
+host, and a stranger's lines would be printed as the job's (or its ticks counted). The
+listener draws a random token per job and puts it in its address (`host:port/token`),
+the one string every sender is handed; a sender's first line on a connection is that
+token, and a connection that does not start with it is closed unread.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import inspect
 import itertools
+import secrets
 import socket
 import sys
 import threading
@@ -65,7 +73,8 @@ class ProgressListener:
         self._drain = drain
         self._server = socket.create_server((host, 0))
         self._server.settimeout(0.5)
-        self.address = f"{host}:{self._server.getsockname()[1]}"
+        self._token = secrets.token_hex(16)
+        self.address = f"{host}:{self._server.getsockname()[1]}/{self._token}"
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._readers: list[tuple[threading.Thread, socket.socket]] = []
@@ -126,6 +135,14 @@ class ProgressListener:
 
     def _read(self, conn: socket.socket) -> None:
         with conn, conn.makefile("r", encoding="utf-8", errors="replace") as lines:
+            conn.settimeout(CONNECT_TIMEOUT_S * 5)  # the token comes at once; a silent peer is dropped
+            try:
+                first = lines.readline(len(self._token) + 2)
+            except OSError:
+                return
+            if not hmac.compare_digest(first.rstrip("\n").encode(), self._token.encode()):
+                return  # not one of this job's senders: nothing it sent is printed or counted
+            conn.settimeout(None)
             for line in lines:
                 self._last = time.monotonic()
                 with self._lock:
@@ -189,9 +206,11 @@ def say(address: str | None, line: str) -> None:
 def _send(address: str | None, line: str) -> bool:
     sock = _senders.get(address) if address else None
     if address and address not in _senders:
-        host, port = address.rsplit(":", 1)
+        where, _, token = address.partition("/")
+        host, port = where.rsplit(":", 1)
         try:
             sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
+            sock.sendall(f"{token}\n".encode())  # the listener hears only its job (see above)
         except OSError:
             sock = None
         _senders[address] = sock

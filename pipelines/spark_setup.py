@@ -30,6 +30,7 @@ from importlib import resources
 from .config import SparkConfig
 from .environ import restored
 from .errors import ConfigError, ShardlineError
+from .redact import redact
 from .spark_user_conf import user_spark_conf
 
 # JVM-level settings: only when shardline starts the JVM, and only where the user set nothing.
@@ -66,7 +67,7 @@ def remote_url(cfg: SparkConfig) -> str | None:
     where = _remote_source(cfg)
     if not url.startswith("sc://"):
         raise ConfigError(
-            f"{where} {url!r}: shardline runs on a Spark Connect server at sc://host:port "
+            f"{where} {redact(url)!r}: shardline runs on a Spark Connect server at sc://host:port "
             f"(for embedded Spark leave it unset and use spark.master)"
         )
     from pyspark.sql.connect.client.core import DefaultChannelBuilder
@@ -74,7 +75,7 @@ def remote_url(cfg: SparkConfig) -> str | None:
     try:
         DefaultChannelBuilder(url)
     except Exception as e:  # PySparkValueError with the reason
-        raise ConfigError(f"{where} {url!r}: {_first_line(e)}") from None
+        raise ConfigError(redact(f"{where} {url!r}: {_first_line(e)}")) from None
     return url
 
 
@@ -146,7 +147,7 @@ def _connect(url: str, cfg: SparkConfig):
     host, port = parsed.hostname, parsed.port or 15002
     reason = _unreachable(host, port, cfg.connect_timeout_s)
     if reason:
-        raise ShardlineError(f"{where} {url}: cannot reach a Spark Connect server at {host}:{port} ({reason})")
+        raise ShardlineError(f"{where} {redact(url)}: cannot reach a Spark Connect server at {host}:{port} ({reason})")
     _quiet_client_logs()
     spark = SparkSession.builder.remote(url).getOrCreate()
     policies = spark.client.get_retry_policies()
@@ -160,7 +161,7 @@ def _connect(url: str, cfg: SparkConfig):
             warnings.simplefilter("ignore")
             spark.stop()  # now, with the short policy: at exit it would retry for minutes
         raise ShardlineError(
-            f"{where} {url}: {host}:{port} does not answer as a Spark Connect server ({_grpc_reason(e)})"
+            f"{where} {redact(url)}: {host}:{port} does not answer as a Spark Connect server ({_grpc_reason(e)})"
         ) from None
     spark.client.set_retry_policies(policies)
     _URLS[id(spark)] = url

@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from urllib.parse import quote, unquote
 
 from shardline.pipelines import storage
+from shardline.pipelines.errors import DataError
 from shardline.pipelines.lease import LEASE_NAME, Lease
 
 LEDGER = "_ledger"
@@ -112,9 +114,36 @@ def read_entry(d: str, unit_id: str) -> dict | None:
 
 def _load_entry(path: str) -> dict | None:
     try:
-        return json.loads(storage.read_bytes(path))
+        entry = json.loads(storage.read_bytes(path))
     except (OSError, json.JSONDecodeError):
         return None  # a torn entry cannot exist (whole-object writes); treat anything odd as uncommitted
+    _check_names(entry, path)
+    return entry
+
+
+# The only names shardline writes: a unit id (16 hex digits; older ones any word) and its
+# output file beside the ledger. Nothing with '/', '..' or a leading '.' matches.
+_UNIT_ID = re.compile(r"[A-Za-z0-9_-]+")
+_OUTPUT = re.compile(rf"{PREFIX}[A-Za-z0-9_-]+\.parquet")
+
+
+def _check_names(entry, path: str) -> None:
+    """An entry's names are joined to paths and deleted (`forget`): anyone who can write the
+    store could point them elsewhere (../../, an absolute path). Refuse, never follow."""
+    stem = storage.name(path)[: -len(".json")]
+    if not isinstance(entry, dict):
+        bad = "it is not a JSON object"
+    elif not (isinstance(entry.get("unit_id"), str) and _UNIT_ID.fullmatch(entry["unit_id"])
+              and entry["unit_id"] == stem):
+        bad = f"unit_id {entry.get('unit_id')!r} is not its file's name ({stem!r})"
+    elif not (isinstance(entry.get("output"), str) and _OUTPUT.fullmatch(entry["output"])):
+        bad = f"output {entry.get('output')!r} is not a {PREFIX}<unit>.parquet name in its folder"
+    else:
+        return
+    raise DataError(
+        f"{storage.display(path)}: corrupt scoring ledger entry ({bad}); nothing was deleted or "
+        "followed: remove that entry (its unit is scored again) or restore it"
+    )
 
 
 def all_scores(out) -> list[Scores]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 
+from shardline.pipelines.redact import redact
+
 _CACHE: dict[tuple[str, str, str], object] = {}
 
 
@@ -103,7 +105,7 @@ def resolve_version(model_uri: str, tracking_uri: str) -> tuple[str, str]:
         return model_uri, ""
     ref = model_uri[len("models:/") :]
     name, alias = ref.split("@", 1) if "@" in ref else (ref.partition("/")[0], None)
-    where = f"in MLflow at {tracking_uri}"
+    where = f"in MLflow at {redact(tracking_uri)}"
     try:
         registered = client.get_registered_model(name)
     except MlflowException:
@@ -151,7 +153,7 @@ def resolve_model(model_uri: str, tracking_uri: str) -> ResolvedModel:
     try:
         info = _model_info(pinned)
     except (MlflowException, OSError):
-        raise ShardlineError(f"model {model_uri} not found in MLflow at {tracking_uri}") from None
+        raise ShardlineError(f"model {model_uri} not found in MLflow at {redact(tracking_uri)}") from None
     if not version and info.run_id:
         # runs:/ and path URIs have no registry version; the run id identifies them.
         version = f"run-{info.run_id}"

@@ -41,7 +41,7 @@ def test_many_units_are_dealt_balanced_by_rows_each_exactly_once():
 def test_a_retry_skips_only_units_this_job_committed(tmp_path):
     out, job = str(tmp_path), "2026-11-25T00:00:00.123456+00:00"
     done = _task("u-done", 5, out, job)
-    entry = {"unit": "u-done", "unit_id": done.unit.unit_id, "fingerprint": "f", "output": "o", "rows": 5,
+    entry = {"unit": "u-done", "unit_id": done.unit.unit_id, "fingerprint": "f", "output": "scores-o.parquet", "rows": 5,
              "model_name": "m", "model_version": "1", "model_uri": "models:/m/1", "scored_at": job}
     commit(out, entry)
     assert _committed(done) == entry

@@ -119,3 +119,27 @@ def test_console_lines_reach_a_log_unbroken():
     assert proc.returncode == 0, proc.stderr
     lines = proc.stderr.splitlines()
     assert len(lines) == 3 and all(path in line for line in lines), lines
+
+
+def test_the_listener_prints_only_lines_from_its_own_job():
+    """The port is reachable by anyone on the network: lines without the job's token (the
+    tail of the address every sender is handed) are neither printed nor counted."""
+    import socket
+
+    out = io.StringIO()
+    with progress.ProgressListener("127.0.0.1", out=out) as listener:
+        where, _, token = listener.address.partition("/")
+        assert len(token) >= 32
+        host, port = where.rsplit(":", 1)
+        with progress.ProgressListener("127.0.0.1", out=io.StringIO()) as other:
+            strangers = [b"[shardline] epoch 9/9: forged\n",
+                         f"{other.address.partition('/')[2]}\n[shardline] epoch 8/9: another job's\n".encode()]
+        with listener.stage("scoring", 1, "units") as stage:
+            for payload in strangers + [f"{progress.TICK}{stage.key} 5\n".encode()]:
+                with socket.create_connection((host, int(port)), timeout=30) as s:
+                    s.sendall(payload)
+            with socket.create_connection((host, int(port)), timeout=30) as s:
+                s.sendall(f"{token}\n[shardline] epoch 1/9: ours\n".encode())
+                _wait_for(out, "epoch 1/9: ours")
+    # the forged tick did not count either: the stage ends with none of its unit done
+    assert out.getvalue().splitlines() == ["[shardline] epoch 1/9: ours", "[shardline] scoring: 0/1 units"]

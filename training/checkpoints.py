@@ -126,6 +126,14 @@ def latest(directory: str) -> str | None:
         return paths[-1] if paths else None
     except (ValueError, KeyError, TypeError):
         raise DataError(f"{storage.display(storage.join(directory, POINTER))}: not a checkpoint pointer") from None
+    # The name is joined to the directory and loaded (torch.load): anyone who can write the
+    # store could point it elsewhere (../, an absolute path). Only our own names are followed.
+    if not isinstance(pointed, str) or not _NAME.fullmatch(pointed):
+        raise DataError(
+            f"{storage.display(storage.join(directory, POINTER))}: corrupt checkpoint pointer (name "
+            f"{pointed!r} is not a ckpt-<step>.pt in its folder); not followed: remove it to resume "
+            "from the newest checkpoint there"
+        )
     return storage.join(directory, pointed)
 
 

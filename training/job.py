@@ -17,6 +17,7 @@ from shardline.pipelines.errors import ConfigError, DataError, ShardlineError, S
 from shardline.pipelines.lease import LEASE_NAME, Lease
 from shardline.pipelines.manifest import ShardManifest, load_manifest, sequences
 from shardline.pipelines.progress import ProgressListener, listen_address
+from shardline.pipelines.redact import redact
 
 from . import checkpoints, sharded_checkpoints
 from .config import TrackingConfig, TrainingConfig
@@ -371,7 +372,7 @@ def _launch_with_restarts(
             if outbox is not None:
                 outbox.send(("batch", job.run_id, [("restarts", float(attempt + 1), int(time.time() * 1000), 0)]))
             where = storage.name(latest) if latest else "the start"
-            print(f"[shardline] {e}; restarting from {where}", file=sys.stderr, flush=True)
+            print(redact(f"[shardline] {e}; restarting from {where}"), file=sys.stderr, flush=True)
     raise AssertionError("unreachable")
 
 

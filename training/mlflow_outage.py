@@ -165,10 +165,12 @@ class _Waiting:
         left = max(0.0, self.wait_s - (now - self.start))
         first = self.said is None
         self.said = now
-        print(f"[shardline] training is done; MLflow at {self.uri} is unreachable ({detail}): "
+        from shardline.pipelines.redact import redact
+
+        print(redact(f"[shardline] training is done; MLflow at {self.uri} is unreachable ({detail}): "
               f"{'waiting' if first else 'still waiting'} up to {left:.0f} s more for it "
               f"(tracking.outage_wait_s); the trained weights are in checkpoint "
-              f"{self.checkpoint or 'training.checkpoint_dir'}", file=sys.stderr, flush=True)
+              f"{self.checkpoint or 'training.checkpoint_dir'}"), file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -199,9 +201,10 @@ def tracked_run(run_id: str | None, run_name: str | None, tracking_uri: str, wai
 
 def _gone(tracking_uri: str, wait_s: float, checkpoint: str | None, detail: str):
     from shardline.pipelines.errors import ShardlineError
+    from shardline.pipelines.redact import redact
 
-    return ShardlineError(
+    return ShardlineError(redact(
         f"tracking.tracking_uri: MLflow at {tracking_uri} has been unreachable since training "
         f"was running ({detail}, waited {wait_s:.0f} s at the end); the trained weights are in "
         f"checkpoint {checkpoint or 'training.checkpoint_dir'}, the model is not registered"
-    )
+    ))

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from shardline.pipelines.storage import join as join_url, resolve as resolve_path
 from shardline.pipelines.errors import ConfigError, DataError, ShardlineError
+from shardline.pipelines.redact import redact
 
 from .config import TrackingConfig, TrainingConfig
 from .job import preflight, run_training
@@ -192,7 +193,7 @@ def run_sweep(
     todo = max(0, target - done)
     _say(
         f"sweep '{sweep.name}': {done} trial(s) done, {todo} to run, {sweep.parallel} at a time "
-        f"on {base.launcher} ({base.world_size} rank(s) each); study in {storage_url}"
+        f"on {base.launcher} ({base.world_size} rank(s) each); study in {redact(storage_url)}"
     )
 
     results: queue.Queue = queue.Queue()
@@ -352,7 +353,7 @@ def _parent_run(client, study, experiment_id, sweep, direction, storage_url, dat
                 "sampler": sweep.sampler,
                 "pruner": sweep.pruner,
                 "world_size": sweep.world_size,
-                "storage": storage_url,
+                "storage": redact(storage_url),
                 "dataset_dir": dataset_dir,
                 **{f"space.{n}": s.model_dump_json(exclude_none=True) for n, s in sweep.space.items()},
             }

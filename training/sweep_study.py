@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardline.pipelines.errors import ConfigError, ShardlineError
+from shardline.pipelines.redact import redact
 
 from .config import TrainingConfig
 from .sweep_config import ParamSpace, SweepConfig
@@ -33,7 +34,7 @@ def open_storage(url: str):
         return RDBStorage(url, engine_kwargs=kwargs)
     except Exception as e:  # a bad URL, a missing driver, an unreachable server
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ShardlineError(f"sweep.storage: {url} is not usable ({first[:200]})") from None
+        raise ShardlineError(redact(f"sweep.storage: {url} is not usable ({first[:200]})")) from None
 
 
 def make_pruner(sweep: SweepConfig, max_epochs: int):

@@ -9,6 +9,7 @@ import time
 
 from shardline.pipelines import storage
 from shardline.pipelines.errors import ShardlineError
+from shardline.pipelines.redact import redact
 
 from .mlflow_outage import Outbox, bound_http, unreachable
 
@@ -155,7 +156,7 @@ def describe_version(name: str, version: str, cfg, manifest, dataset_dir: str, m
         f"{manifest.sequence}); " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items())
     ))
     tags = {
-        "dataset_dir": storage.display(dataset_dir), "dataset_version": manifest.version_id,
+        "dataset_dir": redact(storage.display(dataset_dir)), "dataset_version": manifest.version_id,
         "dataset_sequence": str(manifest.sequence), "dataset_digest": dataset_digest(manifest),
         "model": cfg.model, "strategy": cfg.strategy, "world_size": str(cfg.world_size),
         **{k: f"{v:.6g}" for k, v in shown.items()},
@@ -175,9 +176,9 @@ def open_experiment(tracking_uri: str, experiment: str) -> str:
         return mlflow.set_experiment(experiment).experiment_id
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ShardlineError(
+        raise ShardlineError(redact(
             f"tracking.tracking_uri: MLflow at {tracking_uri} is not usable ({first[:200]})"
-        ) from None
+        )) from None
 
 
 def check_reachable(tracking_uri: str, timeout_s: float = 5.0) -> None:
@@ -195,9 +196,9 @@ def check_reachable(tracking_uri: str, timeout_s: float = 5.0) -> None:
         pass  # it answered: a server without /health, or behind auth; MLflow decides
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
-        raise ShardlineError(
+        raise ShardlineError(redact(
             f"tracking.tracking_uri: MLflow at {tracking_uri} is not reachable ({reason})"
-        ) from None
+        )) from None
 
 
 def log_curves(run_id: str, keys: list[str]) -> None:

@@ -1,0 +1,63 @@
+"""Secrets in URIs never reach the terminal, the logs or MLflow (issue #40)."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardline.pipelines.errors import ShardlineError
+from shardline.pipelines.redact import redact
+from shardline.training.launchers import free_port
+from shardline.training.tracking import check_reachable
+from tests.conftest import shardline_here
+
+
+@pytest.mark.parametrize(
+    "uri, shown",
+    [
+        ("postgresql://u:secret@db.example:5432/mlflow", "postgresql://u:***@db.example:5432/mlflow"),
+        ("mysql+pymysql://root:secret@db/optuna", "mysql+pymysql://root:***@db/optuna"),
+        ("https://alice:se%40cret@mlflow.example/", "https://alice:***@mlflow.example/"),
+        ("https://h/api?user=a&password=secret&x=1", "https://h/api?user=a&password=***&x=1"),
+        ("https://h/x?token=secret", "https://h/x?token=***"),
+        ("https://acct.blob/c/f?sv=1&sig=secret", "https://acct.blob/c/f?sv=1&sig=***"),
+        ("s3://b/k?X-Amz-Signature=secret&X-Amz-Security-Token=secret", "s3://b/k?X-Amz-Signature=***&X-Amz-Security-Token=***"),
+        ("sc://h:15002/;token=secret;user_id=me", "sc://h:15002/;token=***;user_id=me"),
+    ],
+)
+def test_redact_masks_the_secret_and_keeps_the_rest(uri, shown):
+    assert redact(uri) == shown
+    message = f"tracking.tracking_uri: MLflow at {uri} is not reachable (refused)"
+    assert redact(message) == f"tracking.tracking_uri: MLflow at {shown} is not reachable (refused)"
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["sqlite:////tmp/mlflow.db", "http://127.0.0.1:5000", "s3://bucket/data/part-0.parquet",
+     "http://user@host/", "training.lr = 0.1", "https://h/a:b/c@d"],
+)
+def test_redact_leaves_uris_without_secrets_alone(text):
+    assert redact(text) == text
+
+
+def test_unreachable_tracking_server_error_hides_the_password():
+    uri = f"http://u:secret@127.0.0.1:{free_port()}"
+    with pytest.raises(ShardlineError) as e:
+        check_reachable(uri, timeout_s=30)
+    assert "secret" not in str(e.value) and "u:***@127.0.0.1" in str(e.value)
+
+
+def test_cli_never_prints_the_password_of_a_tracking_uri(tmp_path):
+    """`shardline ui` on a server that does not answer fails at once, naming the URI."""
+    port = free_port()
+    proc = shardline_here("ui", "--set", f"tracking.tracking_uri='http://u:secret@127.0.0.1:{port}'", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert f"u:***@127.0.0.1:{port}" in proc.stderr, proc.stderr
+    assert "secret" not in proc.stderr + proc.stdout
+
+
+def test_cli_error_lines_are_redacted_whatever_raised_them(tmp_path):
+    """The CLI's last line masks secrets even in a message no call site thought of."""
+    store = tmp_path / "nowhere" / "mlflow.db"
+    proc = shardline_here("ui", "--set", f"tracking.tracking_uri='sqlite:///{store}?password=secret'", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert "password=***" in proc.stderr and "secret" not in proc.stderr + proc.stdout, proc.stderr
