@@ -106,6 +106,8 @@ CASES = [
          "column(s) used twice in the feature spec: a"),
     Case("no feature column", [*T, "--set", "pipelines.features.numeric=[]"], 2,
          "the feature spec names no feature column"),
+    Case("an empty label name", [*T, "--set", "pipelines.features.label=''"], 2,
+         "pipelines.features.label: a column name cannot be empty (got '')"),
     Case("split fractions off", [*T, "--set", "pipelines.split.val=0.5"], 2, "split fractions must sum to 1"),
     Case("tensor shape with a zero dimension", P, 2, "shape [0]: every dimension must be >= 1",
          toml="[pipelines.features.tensors.tokens]\ndtype = 'int32'\nshape = [0]\n"),
