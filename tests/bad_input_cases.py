@@ -171,6 +171,8 @@ CASES = [
     Case("another job's checkpoints in checkpoint_dir", T, 1,
          "holds another job's checkpoints", setup=_others_checkpoints),
     Case("checkpoint_dir is a file", T, 1, "exists and is not a directory", setup=_file_as_checkpoint_dir),
+    Case("checkpoint_dir under a file", [*T, "--set", "training.checkpoint_dir='{dir}/ckpt/job'"], 1,
+         "/ckpt is a file, not a directory", setup=_file_as_checkpoint_dir),
     # -- MLflow down (exit 1, in seconds: not minutes of retries, never "not found")
     Case("score with MLflow unreachable",
          ["score", "{cfg}", "--model", "models:/m/1", "--output", "{dir}/out", "--engine", "dask",
