@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -253,6 +253,16 @@ class FeatureSpec(Section):
         description="NaN, inf or null in a numeric/vector feature: fail naming file, key "
         "and column, or impute the train mean (0 after standardisation).",
     )
+
+    @field_validator("key", "label", "numeric", "categorical", "vectors", "tensors", "images", mode="after")
+    @classmethod
+    def _named(cls, v):
+        # An empty name matches no column: refused here, as a config error, before any engine
+        # reads a file and fails on a column '' it cannot find.
+        names = [v] if isinstance(v, str) else list(v or [])
+        if any(not n.strip() for n in names):
+            raise ValueError("a column name cannot be empty")
+        return v
 
     @model_validator(mode="after")
     def _distinct(self) -> FeatureSpec:

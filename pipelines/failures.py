@@ -91,7 +91,23 @@ def describe(e: BaseException) -> str:
     text = lines[0] if lines else type(e).__name__
     if isinstance(e, OSError) and e.strerror and e.filename:
         text = f"{e.filename}: {e.strerror}"
+        file = _file_ancestor(str(e.filename)) if e.errno in (errno.ENOTDIR, errno.EACCES) else None
+        if file:  # the cause, not the symptom ("Not a directory", or a denied access())
+            text = f"{e.filename}: {file} is a file, not a directory"
     return text[:300]
+
+
+def _file_ancestor(path: str) -> str | None:
+    """The nearest existing ancestor of local `path` when it is a regular file, else None."""
+    import os
+
+    probe = os.path.dirname(os.path.abspath(path))
+    while probe and not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return None
+        probe = parent
+    return probe if os.path.isfile(probe) else None
 
 
 def with_backoff(call: Callable[[], T], attempts: int = 4, first_s: float = 0.5) -> T:

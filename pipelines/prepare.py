@@ -305,7 +305,7 @@ def _check(report: dict, cfg: PipelineConfig, spec: FeatureSpec, num_classes: in
             what = _typed_problem(kind, col, spec) or _WHAT[kind]
         raise DataError(
             f"{display(p['file'])}: column '{col}', key {p['key']!r}: value {p['value']!r}: "
-            f"{what} ({p['count']} row(s) like this)"
+            f"{what} ({report['fatal_rows']} bad row(s) in all)"
         )
     total = sum(report["rows"])
     if total == 0:

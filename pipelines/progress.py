@@ -8,7 +8,8 @@ and Connect, Dask), across hosts that share no disk.
 
 Long stages (prepare's passes, scoring) count their units the same way: a task sends a
 tick when its unit is done (`tick`, `Counted`), and the listener prints
-`<stage>: done/total <units> (rows)` (`ProgressListener.stage`). The driver knows the
+`<stage>: done/total <units> (rows)` (`ProgressListener.stage`). A retried or duplicated
+attempt ticks again: a tick naming its unit counts once, and no count passes its total. The driver knows the
 total; the engines report nothing until their job ends, and this works alike on classic
 Spark, Spark Connect and Dask without asking any of them.
 
@@ -36,7 +37,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 CONNECT_TIMEOUT_S = 2.0
@@ -57,10 +58,12 @@ class _Stage:
     rows: int = 0
     shown: int = -1
     shown_at: float = 0.0
+    units: set[str] = field(default_factory=set)  # the named units counted so far
 
     def line(self) -> str:
         rows = f" ({self.rows:,} rows)" if self.rows else ""
-        return f"[shardline] {self.label}: {self.done}/{self.total} {self.noun}{rows}"
+        # Capped: an unnamed tick (a prepare task) retried after it ticked counts again.
+        return f"[shardline] {self.label}: {min(self.done, self.total)}/{self.total} {self.noun}{rows}"
 
 
 class ProgressListener:
@@ -119,7 +122,7 @@ class ProgressListener:
             while st.done < st.total and time.monotonic() < deadline:
                 time.sleep(0.02)
             with self._lock:
-                if st.shown != st.done:
+                if st.shown != min(st.done, st.total):
                     self._show(st)
                 del self._stages[st.key]
 
@@ -155,24 +158,31 @@ class ProgressListener:
         st = self._stages.get(fields[0]) if fields else None
         if st is None:
             return  # a tick of a stage that has ended (a straggling duplicate attempt)
+        if len(fields) > 2:  # a named unit: a retried attempt that ticks again counts once
+            if fields[2] in st.units:
+                return
+            st.units.add(fields[2])
         st.done += 1
         st.rows += int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else 0
+        if st.shown == st.total:
+            return  # the final count is out: a duplicate tick changes nothing shown
         if st.done >= st.total or time.monotonic() - st.shown_at >= SHOW_EVERY_S:
             self._show(st)
 
     def _show(self, st: _Stage) -> None:
         print(st.line(), file=self._out, flush=True)
-        st.shown, st.shown_at = st.done, time.monotonic()
+        st.shown, st.shown_at = min(st.done, st.total), time.monotonic()
 
 
 _senders: dict[str, socket.socket | None] = {}
 
 
-def tick(address: str | None, key: str | None, rows: int = 0) -> None:
+def tick(address: str | None, key: str | None, rows: int = 0, unit: str | None = None) -> None:
     """One unit of the driver's stage `key` is done here (`rows` rows). Silent when there
-    is no listener: a count is for the driver's console, not for a task's log."""
+    is no listener: a count is for the driver's console, not for a task's log. `unit`
+    (no spaces), when given, names it: another tick of the same unit is not counted."""
     if address and key:
-        _send(address, f"{TICK}{key} {int(rows)}")
+        _send(address, f"{TICK}{key} {int(rows)}" + (f" {unit}" if unit else ""))
 
 
 @dataclass(frozen=True)

@@ -448,6 +448,10 @@ def check_access(url: str, setting: str, write: bool = False) -> None:
     probe = path
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
+    if probe != path and not os.path.isdir(probe):
+        # The nearest existing ancestor is a file: nothing can be made under it, whatever
+        # its permissions say (access() on a plain file reads as "permission denied").
+        raise StorageError(f"{setting}: {path}: {probe} is a file, not a directory")
     if write and os.path.exists(path) and not os.path.isdir(path):
         raise StorageError(f"{setting}: {path} exists and is not a directory")
     if write and not os.access(probe, os.W_OK | os.X_OK):

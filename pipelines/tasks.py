@@ -26,7 +26,7 @@ from .config import FeatureSpec, SplitConfig
 from .errors import DataError
 from .manifest import FittedStatistics
 from .raw import Unit, first_line, read_unit
-from .rows import BAD_KINDS, Parsed, parse, shard_hash
+from .rows import BAD_KINDS, INVALID, Parsed, parse, shard_hash
 from .splits import SPLITS
 from .sources import display
 from .tensors import binary_rows
@@ -111,6 +111,12 @@ def _report_batch(p: Parsed, raw: pa.Table, unit: Unit, offset: int, task: Prepa
     rep = _empty_report()
     rep["rows"] = [int(((p.split == i) & keep).sum()) for i in range(3)]
     rep["dropped"] = int(bad.sum()) if task.drop_bad else 0
+    # Rows the settings make fatal, each once however many columns or kinds it fails:
+    # the count the first problem's one line gives (a per-column count undercounts).
+    fatal = (np.zeros(p.n, bool) if task.drop_bad else bad.copy())
+    if spec.on_invalid_features == "fail":
+        fatal |= p.mask((INVALID,)) & keep
+    rep["fatal_rows"] = int(fatal.sum())
     for (kind, col), mask in p.problems.items():
         # Rows dropped as bad are reported as such, not again as invalid.
         mask = mask if kind in BAD_KINDS else mask & keep
@@ -149,7 +155,8 @@ def _report_batch(p: Parsed, raw: pa.Table, unit: Unit, offset: int, task: Prepa
 
 
 def _empty_report() -> dict:
-    return {"rows": [0, 0, 0], "dropped": 0, "payload": 0, "problems": {}, "moments": {}, "categories": {}}
+    return {"rows": [0, 0, 0], "dropped": 0, "fatal_rows": 0, "payload": 0, "problems": {}, "moments": {},
+            "categories": {}}
 
 
 def merge_reports(reports: list[dict]) -> dict:
@@ -167,6 +174,7 @@ def _merge(out: dict, r: dict) -> None:
         out["error"] = r["error"]
     out["rows"] = [a + b for a, b in zip(out["rows"], r["rows"])]
     out["dropped"] += r["dropped"]
+    out["fatal_rows"] += r.get("fatal_rows", 0)
     out["payload"] += r["payload"]
     for kind, by_col in r["problems"].items():
         for col, p in by_col.items():

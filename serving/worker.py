@@ -122,7 +122,7 @@ def _score_unit(task: UnitTask) -> dict:
         "scored_at": scored_at.isoformat(),
     }
     commit(task.output_dir, entry)
-    progress.tick(task.progress_addr, task.progress_key, rows)
+    progress.tick(task.progress_addr, task.progress_key, rows, unit=task.unit.unit_id)
     return entry
 
 

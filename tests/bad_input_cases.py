@@ -106,6 +106,8 @@ CASES = [
          "column(s) used twice in the feature spec: a"),
     Case("no feature column", [*T, "--set", "pipelines.features.numeric=[]"], 2,
          "the feature spec names no feature column"),
+    Case("an empty label name", [*T, "--set", "pipelines.features.label=''"], 2,
+         "pipelines.features.label: a column name cannot be empty (got '')"),
     Case("split fractions off", [*T, "--set", "pipelines.split.val=0.5"], 2, "split fractions must sum to 1"),
     Case("tensor shape with a zero dimension", P, 2, "shape [0]: every dimension must be >= 1",
          toml="[pipelines.features.tensors.tokens]\ndtype = 'int32'\nshape = [0]\n"),
@@ -169,6 +171,8 @@ CASES = [
     Case("another job's checkpoints in checkpoint_dir", T, 1,
          "holds another job's checkpoints", setup=_others_checkpoints),
     Case("checkpoint_dir is a file", T, 1, "exists and is not a directory", setup=_file_as_checkpoint_dir),
+    Case("checkpoint_dir under a file", [*T, "--set", "training.checkpoint_dir='{dir}/ckpt/job'"], 1,
+         "/ckpt is a file, not a directory", setup=_file_as_checkpoint_dir),
     # -- MLflow down (exit 1, in seconds: not minutes of retries, never "not found")
     Case("score with MLflow unreachable",
          ["score", "{cfg}", "--model", "models:/m/1", "--output", "{dir}/out", "--engine", "dask",

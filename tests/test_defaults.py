@@ -55,7 +55,8 @@ def test_zero_steps_is_refused_before_any_engine_starts(small_dataset, tmp_path)
 def test_the_suggested_batch_trains_and_registers(small_dataset, tracking_uri, capfd):
     from mlflow.tracking import MlflowClient
 
-    cfg = TrainingConfig(launcher="local", world_size=2, epochs=1, data_wait_warning=0.0)
+    # The default data-wait settings: a small run's start-up wait is not worth a warning.
+    cfg = TrainingConfig(launcher="local", world_size=2, epochs=1)
     with pytest.raises(DataError, match=r"at most (\d+)") as e:
         run_training(cfg, TrackingConfig(), small_dataset.dataset_dir)
     fit = int(re.search(r"at most (\d+)", str(e.value)).group(1))
@@ -63,7 +64,23 @@ def test_the_suggested_batch_trains_and_registers(small_dataset, tracking_uri, c
     result = run_training(cfg.model_copy(update={"batch_size": fit}), tracking, small_dataset.dataset_dir)
     assert MlflowClient(tracking_uri).get_model_version("defaults-fit", result.model_version).run_id == result.run_id
     assert result.metrics["samples_per_s"] > 0 and 0 <= result.metrics["data_wait_fraction"] <= 1
-    capfd.readouterr()
+    err = capfd.readouterr().err
+    assert "waited for data" not in err, err
+
+
+def test_the_data_wait_warning_needs_a_long_wait_over_many_steps():
+    from shardline.training.worker import data_wait_worth_warning
+
+    cfg = TrainingConfig()  # 5%, 5 s, 20 steps
+    assert data_wait_worth_warning(cfg, 0.5, 6.0, 20)
+    # A large share alone is the start-up of a short run: no warning.
+    assert not data_wait_worth_warning(cfg, 0.9, 0.4, 8)
+    assert not data_wait_worth_warning(cfg, 0.9, 6.0, 19)
+    assert not data_wait_worth_warning(cfg, 0.9, 4.9, 200)
+    assert not data_wait_worth_warning(cfg, 0.05, 60.0, 200)
+    zero = cfg.model_copy(update={"data_wait_warning": 0.0, "data_wait_warning_min_s": 0.0,
+                                  "data_wait_warning_min_steps": 0})
+    assert data_wait_worth_warning(zero, 0.01, 0.001, 1)
 
 
 def test_a_job_that_took_no_step_is_never_registered(small_dataset, tracking_uri, monkeypatch, capfd):
@@ -75,7 +92,8 @@ def test_a_job_that_took_no_step_is_never_registered(small_dataset, tracking_uri
     from shardline.training import job as training_job
 
     monkeypatch.setattr(training_job, "check_steps", lambda *a: None)  # a hole in preflight
-    cfg = TrainingConfig(launcher="local", world_size=2, epochs=2, data_wait_warning=0.0)
+    cfg = TrainingConfig(launcher="local", world_size=2, epochs=2, data_wait_warning=0.0,
+                         data_wait_warning_min_s=0.0, data_wait_warning_min_steps=0)
     tracking = TrackingConfig(experiment="defaults", registered_model="defaults-untrained")
     with pytest.raises(ShardlineError, match=r"took 0 optimizer steps in 2 epoch\(s\).*not logged or registered"):
         run_training(cfg, tracking, small_dataset.dataset_dir)

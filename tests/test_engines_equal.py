@@ -122,10 +122,12 @@ def test_a_messy_file_gives_the_same_first_error_and_dataset_on_both_engines(eng
     # Defaults fail at the first unusable row in file and row order: 'seven' in row 2.
     (msg,) = first_error(cfg)
     assert re.search(r"part-0\.csv: column 'a', key 2: value 'seven': value does not parse", msg)
+    # Counted once each: 'seven', labels 'x' and '' (10, 11), invalid 'a' in rows 3 to 7.
+    assert msg.endswith("(8 bad row(s) in all)"), msg
     # Dropping bad rows, invalid features still fail: 'n/a' (a null token) in row 3.
     cfg.source.on_bad_rows = "drop"
     (msg,) = first_error(cfg)
-    assert re.search(r"part-0\.csv: column 'a', key 3: value 'n/a': feature is NaN, inf or null .*\(5 row", msg)
+    assert re.search(r"part-0\.csv: column 'a', key 3: value 'n/a': feature is NaN, inf or null .*\(5 bad row\(s\) in all\)", msg)
     # Fail on repeats only: the second row with key 8 (part-1.csv) is named with the first.
     cfg.source.on_bad_rows = "fail"
     (tmp_path / "raw" / "part-0.csv").write_text("id,a,b,city,y\n8,2.5,9,oslo,1\n")

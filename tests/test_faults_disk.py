@@ -138,6 +138,8 @@ def test_one_rule_sorts_permanent_from_transient_failures(tmp_path):
                  OSError("AWS Error SLOW_DOWN during PutObject operation: SlowDown"),
                  OSError("HTTP 503 Service Unavailable: ServiceUnavailable")]
     assert all(failures.is_permanent(e) and not failures.is_transient(e) for e in permanent)
+    # Its one line names the cause: the ancestor that is a file, not "Not a directory".
+    assert failures.describe(not_a_dir) == f"{tmp_path / 'file' / 'below'}: {tmp_path / 'file'} is a file, not a directory"
     assert all(failures.is_transient(e) and not failures.is_permanent(e) for e in transient)
     assert all(rank_failure_is_permanent(e) for e in permanent)  # training relaunches none of them
     assert not any(rank_failure_is_permanent(e) for e in transient[:2])

@@ -155,6 +155,18 @@ def test_unparseable_csv_value_fails_or_is_dropped(engines, engine, tmp_path):
     assert sum(s.rows for s in m.splits.values()) == 399
 
 
+def test_the_first_bad_value_counts_every_bad_row_once(engines, tmp_path):
+    """Bad rows in different columns, one of them bad twice: the count is of rows, not of
+    the first problem's column (which holds one)."""
+    df = raw_frame().astype({"a": object, "b": object})
+    df.loc[df["id"] == 7, "a"] = "seven"
+    df.loc[df["id"] == 9, "b"] = "nine"
+    df.loc[df["id"] == 11, ["a", "b"]] = ["x", "y"]
+    write_raw(df, tmp_path / "raw", "csv", files=1)
+    _fails(engines, "dask", config(tmp_path, "csv"),
+           r"part-0\.csv: column 'a', key '?7'?: value 'seven': value does not parse.* \(3 bad row\(s\) in all\)$")
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("column", ["id", "y"])
 def test_missing_key_or_label_column(engines, engine, column, tmp_path):

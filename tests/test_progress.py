@@ -65,6 +65,32 @@ def test_a_stage_counts_its_units_ticks_and_prints_no_tick():
     assert "\x1e" not in out.getvalue()
 
 
+def test_a_retried_unit_counts_once_and_no_count_passes_its_total():
+    """A unit scored, ticked and then retried (its task lost before it reported) ticks
+    again: counted by name once; unnamed ticks (prepare's tasks) are capped at the total."""
+    out = io.StringIO()
+    with progress.ProgressListener("127.0.0.1", out=out) as listener:
+        with (listener.stage("score", 2, "units scored") as named,
+              listener.stage("prepare pass 1", 2, "units read") as unnamed):
+            code = (
+                "from shardline.pipelines import progress\n"
+                f"a = {listener.address!r}\n"
+                f"for _ in range(3): progress.tick(a, {unnamed.key!r})\n"
+                f"for unit, rows in (('u1', 10), ('u1', 10), ('u2', 5)): progress.tick(a, {named.key!r}, rows, unit=unit)\n"
+            )
+            proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+            # One connection, read in order: the unnamed ticks all arrived before u2's.
+            _wait_for(out, "score: 2/2")
+    lines = out.getvalue().splitlines()
+    score = [ln for ln in lines if "score:" in ln]
+    assert score[-1] == "[shardline] score: 2/2 units scored (15 rows)", lines
+    assert "[shardline] score: 2/2 units scored (10 rows)" not in lines  # u1's retry not counted
+    read = [ln for ln in lines if "prepare pass 1:" in ln]
+    assert read[-1] == "[shardline] prepare pass 1: 2/2 units read" and read.count(read[-1]) == 1, lines
+    assert not [ln for ln in lines if "3/2" in ln], lines
+
+
 def test_a_tick_without_a_listener_is_silent():
     nobody = f"127.0.0.1:{free_port()}"
     code = f"from shardline.pipelines import progress\nprogress.tick({nobody!r}, 's0', 5)\nprogress.tick(None, 's0')\n"

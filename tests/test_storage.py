@@ -110,6 +110,10 @@ def test_check_access_names_the_setting_and_the_problem(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(StorageError, match=r"^serving.output_dir: .*/file exists and is not a directory$"):
         storage.check_access(str(tmp_path / "file"), "serving.output_dir", write=True)
+    # Under a file: the cause is the file, not permissions (access() denies a plain file's X).
+    for write in (True, False):
+        with pytest.raises(StorageError, match=r"^pipelines.dataset_dir: .*/file/a/b: .*/file is a file, not a directory$"):
+            storage.check_access(str(tmp_path / "file" / "a" / "b"), "pipelines.dataset_dir", write=write)
     if os.geteuid() != 0:  # root writes anywhere: the permission case needs a normal user
         ro.chmod(0o500)
         with pytest.raises(StorageError, match="permission denied"):

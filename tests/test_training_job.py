@@ -18,8 +18,9 @@ from .conftest import REPO, shardline, shardline_here
 def test_local_launcher_trains_tracks_and_registers(prepared, tracking_uri, capfd):
     from mlflow.tracking import MlflowClient
 
-    # A zero threshold: any wait at all warns, and only once per job.
-    cfg = TrainingConfig(launcher="local", world_size=2, epochs=2, batch_size=128, data_wait_warning=0.0)
+    # Zero thresholds: any wait at all warns, and only once per job.
+    cfg = TrainingConfig(launcher="local", world_size=2, epochs=2, batch_size=128, data_wait_warning=0.0,
+                         data_wait_warning_min_s=0.0, data_wait_warning_min_steps=0)
     tracking = TrackingConfig(experiment="job-test", registered_model="job-test-model")
     result = run_training(cfg, tracking, prepared.dataset_dir)
     client = MlflowClient(tracking_uri)

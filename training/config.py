@@ -158,7 +158,16 @@ class TrainingConfig(Section):
     )
     data_wait_warning: float = Field(
         0.05, ge=0, le=1, description="Rank 0 warns (once per job) when a rank waits for data "
-        "longer than this share of its step time.",
+        "longer than this share of its step time, the wait also being long enough to matter "
+        "(data_wait_warning_min_s, data_wait_warning_min_steps).",
+    )
+    data_wait_warning_min_s: float = Field(
+        5.0, ge=0, description="Seconds a rank must wait for data in one epoch before the "
+        "data-wait warning fires: a short run's start-up wait is no bottleneck worth tuning.",
+    )
+    data_wait_warning_min_steps: int = Field(
+        20, ge=0, description="Steps an epoch must take before the data-wait warning fires: "
+        "over a few steps the first batch's wait alone is a large share.",
     )
     threads_per_rank: int = Field(
         1, ge=1, description="torch intra-op threads per rank; ranks x threads <= cores."

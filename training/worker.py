@@ -140,6 +140,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
     full = None  # the plain model's weights as of the last epoch end (a collective gather)
     for epoch in range(start_epoch, cfg.epochs):
         seen = waited = stepping = 0.0
+        steps_run = 0  # this epoch's steps in this process (a resumed epoch: the rest only)
         sums = task.zero_sums(kind)
         start = time.perf_counter()
         # Resuming mid-epoch, the loader (its state loaded) yields exactly the rest.
@@ -163,6 +164,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
             stepping += time.perf_counter() - t
             step += 1
             step_in_epoch += 1
+            steps_run += 1
             seen += len(y) if y is not None else 0
             if out is not None:
                 sums += task.batch_sums(kind, out[0], y, out[1])
@@ -176,11 +178,12 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         elapsed = time.perf_counter() - start
 
         # Per-rank figures go to rank 0 through one all-reduce of a [world, k] table.
-        per_rank = collectives.zeros(world_size, 4)
+        per_rank = collectives.zeros(world_size, 6)
         per_rank[rank] = collectives.tensor([
             # Over the steps that ran only: an epoch of no steps waited for nothing.
             seen / elapsed, waited / stepping if stepping > 0 else 0.0,
             train.epoch_stats()["samples_per_s"] if reads else 0.0, float(parallel.reports),
+            waited, float(steps_run),
         ])
         collectives.all_reduce(per_rank)
         collectives.all_reduce(sums)
@@ -204,7 +207,8 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
             reporter.log(metrics, epoch)
             shown = ", ".join(f"{k} {metrics[k]:.4g}" for k in _shown(metrics))
             progress.say(job.progress_addr, f"[shardline] epoch {epoch + 1}/{cfg.epochs}: {shown}")
-            if metrics["data_wait_fraction"] > cfg.data_wait_warning and not warned:
+            if not warned and data_wait_worth_warning(cfg, metrics["data_wait_fraction"],
+                                                      per_rank[:, 4].max().item(), int(per_rank[:, 5].max().item())):
                 # Once per job: later epochs' figures are in MLflow (rank*_data_wait_fraction).
                 _warn_data_wait(job, epoch, cfg, per_rank[:, 1], loader_settings["workers"])
                 warned = True
@@ -314,6 +318,14 @@ def set_rng_state(state: dict[str, torch.Tensor] | torch.Tensor, device: torch.d
     torch.set_rng_state(state["cpu"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def data_wait_worth_warning(cfg: TrainingConfig, fraction: float, waited_s: float, steps: int) -> bool:
+    """An epoch's wait is worth a warning when it is a large share of the step time AND long
+    in absolute terms over enough steps: a short run's start-up wait (the first batch while
+    the loader warms up) is a large share of a few steps, yet nothing a user should tune."""
+    return (fraction > cfg.data_wait_warning and waited_s >= cfg.data_wait_warning_min_s
+            and steps >= cfg.data_wait_warning_min_steps)
 
 
 def _warn_data_wait(job: TrainJob, epoch: int, cfg: TrainingConfig, wait: torch.Tensor, workers: int) -> None:
