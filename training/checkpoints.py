@@ -276,6 +276,9 @@ def load(url: str, expected: dict[str, str], allow_changed=()) -> dict:
     return state
 
 
+_FALLBACKS_SAID: set[tuple[str, str]] = set()
+
+
 def readable(directory: str, expected: dict[str, str], allow_changed=()) -> tuple[str, dict] | None:
     """The checkpoint to resume from and its state: the one the pointer names, else (it
     cannot be read) the newest older one that can, said in one line. None: no checkpoint.
@@ -292,8 +295,12 @@ def readable(directory: str, expected: dict[str, str], allow_changed=()) -> tupl
             state = load(url, expected, allow_changed)
         except CheckpointUnreadable:
             continue
-        print(f"[shardline] {bad}; resuming from {storage.name(url)}, the newest readable one",
-              file=sys.stderr, flush=True)
+        # Said once per process: the driver's preflight (a finished job?) and the launch
+        # both look for the checkpoint to resume from.
+        if (first, url) not in _FALLBACKS_SAID:
+            _FALLBACKS_SAID.add((first, url))
+            print(f"[shardline] {bad}; resuming from {storage.name(url)}, the newest readable one",
+                  file=sys.stderr, flush=True)
         return url, state
     raise CheckpointUnreadable(f"{bad}; no older checkpoint in {storage.display(directory)} is readable either")
 
