@@ -69,10 +69,10 @@ def read_module(weights: str, module: str):
 
 def code_folders(cfg) -> list[str]:
     """The user's code to store with the model: the factory's, the loss's and the metrics'
-    packages (unless installed) and `training.code_paths`."""
-    from .user_code import user_code_folders
+    packages (unless installed) and `training.code_paths`: the folders the job shipped."""
+    from .user_code import job_code_folders
 
-    return user_code_folders([cfg.model, cfg.loss, *cfg.metrics], cfg.code_paths)
+    return job_code_folders(cfg)
 
 
 @contextmanager
