@@ -9,8 +9,8 @@ under its own name at the zip's root (`import mypkg` works), a single .py file a
 **No stale copy.** Spark reuses its Python workers and Dask workers live on, so a module
 imported by an earlier run stays in `sys.modules` after the user changed it; and Spark
 refuses a second artifact of the same name with other content. So the zip is named by a
-hash of its content (`shardline-user-<sha>.zip`: changed code is a new artifact, the same
-code is the same one, shipped once), and `use_code`, called in the worker before the
+hash of its content (`shardline-user-<sha>.zip`, pipelines.zips: changed code is a new
+artifact, the same code is the same one, shipped once), and `use_code`, called in the worker before the
 user's code is imported, puts this job's zip first on the path and drops the modules of
 the user's top-level packages that were loaded from anywhere else. What the job passes to
 its workers names the user's objects by import path (strings), never pickled, so nothing
@@ -19,23 +19,17 @@ of theirs is unpickled before `use_code` has run.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import fcntl
-import hashlib
 import importlib
 import os
-import shutil
 import socket
 import sys
-import tempfile
-import threading
-import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ShardlineError
+from .zips import LOCK, content_zip
 
 PREFIX = "shardline-user-"  # shardline-user-<sha>.zip
 
@@ -92,31 +86,9 @@ def _files(folders: Sequence[str]) -> list[tuple[str, Path]]:
 
 
 def code_zip(folders: Sequence[str]) -> tuple[str, UserCode]:
-    """The zip of `folders` (made once per content in this process) and its UserCode.
-
-    Its bytes depend only on the files' names and contents (fixed timestamps), so the
-    same code gives the same name and the same bytes: Spark accepts it again as the
-    same artifact.
-    """
-    files = _files(folders)
-    datas = [(arc, f.read_bytes(), f.stat().st_mode) for arc, f in files]
-    digest = hashlib.sha256()
-    for arc, data, _ in datas:
-        digest.update(arc.encode() + b"\0" + len(data).to_bytes(8, "big") + data)
-    name = f"{PREFIX}{digest.hexdigest()[:16]}.zip"
-    code = UserCode(tuple(n for n, _ in top_names(folders)), name, tuple(str(f) for f in folders))
-    path = os.path.join(_own_dir(), name)
-    with _LOCK:
-        if not os.path.exists(path):
-            tmp = path + ".part"
-            with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
-                for arc, data, mode in datas:
-                    info = zipfile.ZipInfo(arc, date_time=(1980, 1, 1, 0, 0, 0))
-                    info.external_attr = (mode & 0o777) << 16
-                    info.compress_type = zipfile.ZIP_DEFLATED
-                    z.writestr(info, data)
-            os.replace(tmp, path)
-    return path, code
+    """The zip of `folders` (made once per content in this process) and its UserCode."""
+    path = content_zip(PREFIX, _files(folders))
+    return path, UserCode(tuple(n for n, _ in top_names(folders)), os.path.basename(path), tuple(str(f) for f in folders))
 
 
 # ---------------------------------------------------------------- shipping (driver side)
@@ -132,7 +104,7 @@ def ship_to_spark(spark, folders: Sequence[str]) -> UserCode | None:
         return None
     path, code = code_zip(folders)
     key = (id(spark), code.zip_name)
-    with _LOCK:  # a sweep's concurrent trials ship the same zip
+    with LOCK:  # a sweep's concurrent trials ship the same zip
         if key in _SHIPPED:
             return code
         before = list(sys.path)
@@ -157,7 +129,7 @@ def ship_to_dask(client, folders: Sequence[str]) -> UserCode | None:
 
     path, code = code_zip(folders)
     key = (id(client), code.zip_name)
-    with _LOCK:
+    with LOCK:
         if key not in _SHIPPED:
             client.register_plugin(UploadFile(path, load=False), name=code.zip_name)
             _SHIPPED.add(key)
@@ -178,7 +150,7 @@ def use_code(code: UserCode | None) -> None:
         roots = [_find_zip(code.zip_name)]
     else:
         roots = list(dict.fromkeys(str(Path(f).parent) for f in code.folders))
-    with _LOCK:
+    with LOCK:
         for root in reversed(roots):
             while root in sys.path:
                 sys.path.remove(root)
@@ -223,39 +195,3 @@ def _find_zip(name: str) -> str:
         f"the user's code ({name}) did not reach this worker on {socket.gethostname()}: "
         f"it is not on its Python path{' nor in ' + ', '.join(folders) if folders else ''}"
     )
-
-
-# ---------------------------------------------------------------- this process's zips
-
-_LOCK = threading.RLock()
-_DIR: str | None = None
-_LIVE = "shardline-user-code-"  # a folder of zips its process holds locked
-_NEW = ".shardline-user-new-"  # its name while made: another process's sweep never sees it unlocked
-
-
-def _own_dir() -> str:
-    """This process's folder of zips, locked for its life and removed at its exit; folders
-    of processes that are gone (SIGKILL: no atexit) are removed by the next one."""
-    global _DIR
-    with _LOCK:
-        if _DIR is None:
-            tmp = tempfile.gettempdir()
-            _remove_orphans(tmp)
-            new = tempfile.mkdtemp(prefix=_NEW, dir=tmp)
-            fd = os.open(os.path.join(new, ".lock"), os.O_CREAT | os.O_RDWR, 0o600)
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until this process ends
-            _DIR = os.path.join(tmp, _LIVE + os.path.basename(new).removeprefix(_NEW))
-            os.rename(new, _DIR)
-            atexit.register(shutil.rmtree, _DIR, True)
-        return _DIR
-
-
-def _remove_orphans(folder: str) -> None:
-    for d in Path(folder).glob(f"{_LIVE}*"):
-        with contextlib.suppress(OSError):
-            fd = os.open(d / ".lock", os.O_RDONLY)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while its process lives
-                shutil.rmtree(d, ignore_errors=True)
-            finally:
-                os.close(fd)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import importlib
 import os
 
@@ -44,55 +42,16 @@ def code_files():
 
 def package_zip() -> str:
     """The `shardline` package with pipelines, training and serving as one zip, for
-    executors and Dask workers."""
+    executors and Dask workers (pipelines.zips: named by content, removed at exit)."""
     global _ZIP
     if _ZIP is None:
-        import atexit
-        import tempfile
-        import zipfile
+        from .zips import content_zip
 
-        _remove_orphan_zips(tempfile.gettempdir())
-        # Made under a name the orphan sweep ignores, locked, then renamed: another
-        # process's sweep never sees it unlocked.
-        fd, tmp = tempfile.mkstemp(prefix=_NEW, suffix=".zip")
-        # Locked for this process's life (the descriptor is never closed): the kernel drops
-        # the lock when the process dies, however it dies, so a zip nobody holds is an orphan.
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
-            for arcname, f in code_files():
-                z.write(f, arcname)
-        path = os.path.join(os.path.dirname(tmp), _LOCKED + os.path.basename(tmp).removeprefix(_NEW))
-        os.rename(tmp, path)
-        _ZIP = path
-        # Served from this path for the whole application (an executor joining late
-        # fetches it then); gone when this process ends, not left in /tmp run after run.
-        atexit.register(_remove_zip, path)
+        _ZIP = content_zip("shardline-code-", code_files())
     return _ZIP
 
 
-def _remove_orphan_zips(folder: str) -> None:
-    """Remove code zips whose process is gone (atexit does not run on SIGKILL)."""
-    import glob
-
-    # Only zips named by code that locks them: an older shardline's are unlocked while in use.
-    for path in glob.glob(os.path.join(folder, f"{_LOCKED}*.zip")):
-        with contextlib.suppress(OSError):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while its process lives
-                os.remove(path)
-            finally:
-                os.close(fd)
-
-
-def _remove_zip(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.remove(path)
-
-
 _ZIP: str | None = None
-_LOCKED = "shardline-code-"  # the name of a zip its process holds locked
-_NEW = ".shardline-new-"  # its name while written: the sweep never sees it unlocked
 
 
 def _ship_code(client) -> None:

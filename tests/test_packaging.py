@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,36 +152,10 @@ def test_the_users_package_reaches_workers_without_it_and_a_change_reaches_them_
 
 
 def test_the_code_zip_is_removed_when_its_process_ends():
+    # A killed process's zips are swept by the next one: pipelines.zips, tested with the
+    # user's code zip in tests/test_user_code_travel.py.
     code = "from shardline.pipelines.engines import package_zip\nimport os\np = package_zip()\nassert os.path.getsize(p) > 0\nprint(p)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     path = proc.stdout.strip()
     assert path.endswith(".zip") and not os.path.exists(path)
-
-
-def test_a_killed_processs_code_zip_is_removed_by_the_next_one_and_a_live_ones_is_kept():
-    # atexit never runs on SIGKILL: the next process to make a zip sweeps up the orphans,
-    # and only them (a zip stays locked while the process that made it lives).
-    make = "from shardline.pipelines.engines import package_zip\nimport sys, time\nprint(package_zip(), flush=True)\n"
-    live = subprocess.Popen([sys.executable, "-c", make + "time.sleep(600)"], cwd=REPO,
-                            stdout=subprocess.PIPE, text=True)
-    killed = subprocess.Popen([sys.executable, "-c", make + "time.sleep(600)"], cwd=REPO,
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        live_zip, killed_zip = live.stdout.readline().strip(), killed.stdout.readline().strip()
-        killed.kill()
-        killed.wait(timeout=30)
-        assert os.path.exists(killed_zip) and os.path.exists(live_zip)
-        proc = subprocess.run([sys.executable, "-c", make], cwd=REPO, capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr
-        assert not os.path.exists(killed_zip), "a SIGKILLed process's zip was left"
-        assert os.path.exists(live_zip), "a live process's zip was removed"
-        assert not os.path.exists(proc.stdout.strip())  # and the new one went at its exit
-    finally:
-        for p in (live, killed):
-            p.kill()
-            p.wait(timeout=30)
-        from shardline.pipelines.engines import _remove_orphan_zips
-
-        _remove_orphan_zips(tempfile.gettempdir())  # the live one is an orphan now: nothing left behind
-    assert not os.path.exists(live_zip)

@@ -215,9 +215,9 @@ def test_the_zips_go_with_their_process_and_a_killed_ones_with_the_next(tmp_path
         for p in (live, killed):
             p.kill()
             p.wait(timeout=30)
-        from shardline.pipelines.code_travel import _remove_orphans
+        from shardline.pipelines.zips import remove_orphans
 
-        _remove_orphans(os.path.dirname(os.path.dirname(live_zip)))
+        remove_orphans(os.path.dirname(os.path.dirname(live_zip)))
     assert not os.path.exists(live_zip)
 
 
