@@ -154,7 +154,8 @@ def _prepare(images_dir: Path, dataset_dir: Path, shape, progress) -> None:
         "layout": {"world_size": 1, "rows_per_row_group": ROWS_PER_ROW_GROUP},
     })
     progress(f"preparing {images_dir} (images source, Dask in-process)")
-    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None) as cluster, \
+    # dashboard_address ":0": any free port (None still tries 8787 and warns when it is taken).
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0") as cluster, \
             Client(cluster) as client:
         prepare(DaskEngine(client), cfg)
 

@@ -92,5 +92,5 @@ def test_bench_loader_images_tiny(tmp_path):
     assert_met(result["met"]["vs_pillow"], ratio["vs_pillow"], TARGET_VS_PILLOW, "vs_pillow")
     b = result["bytes_per_image"]
     assert_quotient(result["bytes_ratio_shards_vs_raw"], b["shards"], b["raw"], "bytes ratio")
-    assert result["petastorm"]["status"] in ("measured", "not runnable here") and result["petastorm"]["reason"]
+    assert result["petastorm"]["status"] == "not runnable here" and result["petastorm"]["reason"]
     assert list(tmp_path.iterdir()) == []  # nothing left where it ran
