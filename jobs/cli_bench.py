@@ -14,6 +14,8 @@ from shardline.pipelines.errors import ShardlineError
 
 from .engines import console
 
+IMAGES_DEFAULT = 512  # `bench loader --images`: a few hundred small images
+
 
 @click.group()
 def bench():
@@ -151,14 +153,24 @@ def bench_train(rows, steps, rounds, as_json):
 
 
 @bench.command("loader")
-@click.option("--rows", type=int, default=1_000_000, show_default=True, help="Synthetic rows (the train split is read).")
+@click.option("--rows", type=click.IntRange(min=1), default=None,
+              help="Synthetic rows (the train split is read) [default: 1,000,000]; with --images, "
+              f"images to generate [default: {IMAGES_DEFAULT}].")
+@click.option("--images", "images", is_flag=True,
+              help="Images: decoded images/s per core, ours vs a plain Pillow loop over the same files.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
 @click.option("--storage", "store", type=click.Choice(["local", "s3"]), default="local", show_default=True,
               help="s3: the same shards read from S3 and from local disk, and their ratio.")
 @click.option("--s3-url", help="With --storage s3: a bucket prefix the AWS chain reaches (s3://bucket/prefix); "
               "default: an S3 server (moto) started on loopback for the run.")
-def bench_loader(rows, as_json, store, s3_url):
+def bench_loader(rows, images, as_json, store, s3_url):
     """Loader samples/s: ours vs raw pyarrow (the limit), petastorm (own venv) and a naive Dataset."""
+    if images:
+        if store != "local" or s3_url:
+            raise click.UsageError("--images reads local shards; it does not go with --storage s3 or --s3-url")
+        _bench_loader_images(rows or IMAGES_DEFAULT, as_json)
+        return
+    rows = rows or 1_000_000
     if store == "s3":
         _bench_loader_s3(rows, as_json, s3_url)
         return
@@ -189,6 +201,39 @@ def bench_loader(rows, as_json, store, s3_url):
         if met[k] is not None:
             console.print(f"  ours {k.replace('_', ' ')} {ratio[k]:.2f} (target ≥ {t[k]}: "
                           f"{'met' if met[k] else 'NOT met'})")
+
+
+def _bench_loader_images(n: int, as_json: bool) -> None:
+    from shardline.benchmarks.loader_images import run as run_bench
+
+    result = _bench(run_bench, as_json, n_images=n)
+    if result is None:
+        return
+    c, h, w = result["image_shape"]
+    fmts = " + ".join(f"{k} {v}" for k, v in result["formats"].items())
+    table = Table(title=f"loader --images, {result['train_images']:,} images {c}×{h}×{w} ({fmts}), "
+                        f"batch {result['batch_size']}, {result['cores']} cores, best of {result['repeats']}")
+    table.add_column("", no_wrap=True)
+    for col in ("seconds", "CPU s", "images/s", "per core", "ours ×"):
+        table.add_column(col, justify="right")
+    many = result["loader_threads"][1]
+    ratio, per_core = result["ratio"], result["images_per_core_s"]
+    rows = (("pillow", "Pillow, files", f"{ratio['vs_pillow']:.2f}"),
+            ("pillow_in_memory", "Pillow, bytes in RAM", f"{ratio['vs_pillow_in_memory']:.2f}"),
+            ("ours_1", "ours, 1 thread", ""), (f"ours_{many}", f"ours, {many} threads", ""))
+    for k, text, r in rows:
+        table.add_row(text, f"{result['seconds'][k]:.3f}", f"{result['cpu_seconds'][k]:.3f}",
+                      f"{result['images_per_s'][k]:,.0f}", f"{per_core[k]:,.0f}", r)
+    Console().print(table)
+    t, met = result["targets"]["vs_pillow"], result["met"]["vs_pillow"]
+    console.print(f"  ours per core vs Pillow per core: {ratio['vs_pillow']:.2f} (target ≥ {t}: "
+                  f"{'met' if met else 'NOT met'}); with {many} threads {ratio[f'vs_pillow_{many}_threads']:.2f}")
+    console.print(f"  {many} threads vs 1, images/s: {ratio['threads_scaling']:.2f}×. Per core: images per "
+                  "CPU-second of the process, every thread counted; ours × : ours (1 thread) per core over it")
+    b = result["bytes_per_image"]
+    console.print(f"  bytes on disk per image: shards {b['shards']:,.0f}, raw files {b['raw']:,.0f} "
+                  f"({result['bytes_ratio_shards_vs_raw']:.2f}×)")
+    console.print(f"  petastorm: {result['petastorm']['status']} ({result['petastorm']['reason']})")
 
 
 def _bench_loader_s3(rows: int, as_json: bool, s3_url: str | None) -> None:

@@ -59,6 +59,8 @@ def check_prepare(cfg: PipelineConfig, append: bool = False, refit: bool = False
         files = describe(list_files(src), src.format, src.csv_delimiter)
         spec, notes = _images_spec(spec, files[0], src.path)
         names = list(files[0].schema.names)
+        if src.on_bad_rows == "fail":
+            _check_first_image(spec, files[0])
     else:
         files = describe(list_files(src), src.format, src.csv_delimiter)
         names = list(files[0].schema.names)
@@ -92,6 +94,24 @@ def _images_spec(spec: FeatureSpec, folder: RawFile, path: str) -> tuple[Feature
     if "classes" in update:
         notes.append(f"pipelines.features.classes = {', '.join(update['classes'])}  (the class folders of {path})")
     return resolved, notes
+
+
+def _check_first_image(spec: FeatureSpec, folder: RawFile) -> None:
+    """The folder's first image decoded on the driver: a declared shape that is not the
+    images' size, or an unreadable image, is one line before an engine starts (the tasks
+    check every image; this catches the common case in seconds)."""
+    from .images import check_image, path_keys, read_images
+    from .prepare import _typed_problem
+
+    col = next(iter(spec.images))
+    first = folder.files[0]
+    data = read_images(folder.url, (first,), ["image"]).column("image")[0].as_py()
+    kind = "bad_image" if data is None else check_image(data, spec.images[col])
+    if kind is not None:
+        key = int(path_keys([first[len(folder.url) + 1 :]])[0])
+        value = "<no file>" if data is None else f"<{len(data)} bytes>"
+        raise DataError(f"{display(first)}: column '{col}', key {key}: value {value!r}: "
+                        f"{_typed_problem(kind, col, spec)}")
 
 
 def _fill(spec: FeatureSpec, base: FeatureSpec) -> FeatureSpec:

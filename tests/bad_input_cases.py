@@ -66,6 +66,23 @@ def _class_folder(folder: Path, _dataset: str) -> None:
     (folder / "imgs" / "cat" / "a.png").write_bytes(b"\x89PNG")
 
 
+def _one_image(data: bytes):
+    def setup(folder: Path, _dataset: str) -> None:
+        (folder / "imgs" / "cat").mkdir(parents=True)
+        (folder / "imgs" / "cat" / "a.jpg").write_bytes(data)
+    return setup
+
+
+def _jpeg(height: int, width: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 30, 90)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
 def _hold_dataset(folder: Path, dataset: str):
     from shardline.pipelines.prepare import dataset_lease
 
@@ -81,6 +98,9 @@ def _hold_output(folder: Path, _dataset: str):
 T = ["train", "{cfg}"]
 P = ["prepare", "{cfg}", "--engine", "dask"]
 IMAGES = [*P, "--set", "pipelines.source.format='images'", "--set", "pipelines.source.path='{dir}/imgs'"]
+# An images source with its image column declared 3 x 8 x 8 (the base config's numeric columns dropped).
+IMAGE_8 = "[pipelines.features.images.image]\nshape = [3, 8, 8]\n"
+DECLARED = [*IMAGES, "--set", "pipelines.features.numeric=[]"]
 # The user's own model package (tests/usermodels/usernets), found through training.code_paths.
 USER = f"code_paths = ['{Path(__file__).parent / 'usermodels' / 'usernets'}']\n"
 
@@ -167,6 +187,11 @@ CASES = [
     Case("a tensor column that is missing", P, 1, "column 'tokens' not found",
          toml="[pipelines.features.tensors.tokens]\ndtype = 'int32'\nshape = [8]\n"),
     Case("images folder with no class subfolders", IMAGES, 1, "no class folders with images", setup=_loose_images),
+    Case("an undecodable image", DECLARED, 1,
+         "not a decodable PNG or JPEG image", toml=IMAGE_8, setup=_one_image(_jpeg(8, 8)[:-200])),
+    Case("an image of another size when no resize is configured", DECLARED, 1,
+         "image is not 8x8 (height x width) and pipelines.features.images.image.resize is off",
+         toml=IMAGE_8, setup=_one_image(_jpeg(8, 9))),
     Case("resume with no checkpoint", [*T, "--resume"], 1, "no checkpoint to resume from"),
     Case("another job's checkpoints in checkpoint_dir", T, 1,
          "holds another job's checkpoints", setup=_others_checkpoints),

@@ -55,3 +55,42 @@ def test_petastorm_venv_failure_is_one_line(tmp_path, monkeypatch):
     assert msg.startswith("making petastorm's venv failed at `-m venv")
     assert (tmp_path / "venv.log").is_file() and str(tmp_path / "venv.log") in msg
     assert not (tmp_path / "venv" / ".shardline-ready").exists()
+
+
+def test_bench_loader_images_tiny(tmp_path):
+    """`shardline bench loader --images --json` on 24 images: one JSON object whose figures keep
+    their relations (each rate its images over its own seconds, each ratio the quotient of the
+    rates it names); nothing is claimed about speed."""
+    from shardline.benchmarks.loader_images import TARGET_VS_PILLOW
+
+    from .conftest import shardline_here
+
+    proc = shardline_here("bench", "loader", "--images", "--rows", "24", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["benchmark"] == "loader-images"
+    assert result["images"] == result["train_images"] == 24  # every image in train
+    assert result["formats"]["PNG"] > 0 and result["formats"]["JPEG"] > 0
+    assert sum(result["formats"].values()) == 24
+    many = result["loader_threads"][1]
+    assert result["loader_threads"] == [1, many] and many >= 2
+    methods = {"pillow", "pillow_in_memory", "ours_1", f"ours_{many}"}
+    assert set(result["samples"]) == set(result["seconds"]) == set(result["cpu_seconds"]) == methods
+    # The same whole batches from every method (one batch of 24 here).
+    assert set(result["samples"].values()) == {24} and result["batch_size"] == 24
+    per_core, ips = result["images_per_core_s"], result["images_per_s"]
+    for m in methods:
+        assert_quotient(ips[m], result["samples"][m], result["seconds"][m], f"images_per_s[{m}]")
+        assert_quotient(per_core[m], result["samples"][m], result["cpu_seconds"][m], f"images_per_core_s[{m}]")
+    ratio = result["ratio"]
+    assert set(ratio) == {"vs_pillow", "vs_pillow_in_memory", f"vs_pillow_{many}_threads", "threads_scaling"}
+    assert_quotient(ratio["vs_pillow"], per_core["ours_1"], per_core["pillow"], "ratio.vs_pillow")
+    assert_quotient(ratio["vs_pillow_in_memory"], per_core["ours_1"], per_core["pillow_in_memory"], "in memory")
+    assert_quotient(ratio[f"vs_pillow_{many}_threads"], per_core[f"ours_{many}"], per_core["pillow"], "threads")
+    assert_quotient(ratio["threads_scaling"], ips[f"ours_{many}"], ips["ours_1"], "threads_scaling")
+    assert result["targets"]["vs_pillow"] == TARGET_VS_PILLOW
+    assert_met(result["met"]["vs_pillow"], ratio["vs_pillow"], TARGET_VS_PILLOW, "vs_pillow")
+    b = result["bytes_per_image"]
+    assert_quotient(result["bytes_ratio_shards_vs_raw"], b["shards"], b["raw"], "bytes ratio")
+    assert result["petastorm"]["status"] == "not runnable here" and result["petastorm"]["reason"]
+    assert list(tmp_path.iterdir()) == []  # nothing left where it ran

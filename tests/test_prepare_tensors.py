@@ -298,3 +298,61 @@ def test_packed_token_sequences_fill_the_declared_length():
     assert arrow.tobytes() == text.tobytes()
     assert arrow.view(np.int32).tolist()[:4] == [[1, 2, 3, 9, 9, 9], [1, 2, 3, 4, 5, 6], [0] * 6, [9] * 6]
     assert found["bad_shape"].tolist() == found_text["bad_shape"].tolist() == [False, False, True, False, True]
+
+
+def _smooth(k: int, size=(16, 12), gray: bool = False) -> np.ndarray:
+    """A smooth image (JPEG keeps it within a few levels), distinct per k (k < 4: no wrap past 255)."""
+    yy, xx = np.mgrid[0 : size[0], 0 : size[1]]
+    a = np.stack([10 + 25 * k + 5 * xx + 3 * yy + 20 * c for c in range(3)], axis=-1).astype(np.uint8)
+    return a[..., 0] if gray else a
+
+
+def test_jpeg_images_prepare_and_decode_to_their_pixels(dask_client, tmp_path):
+    """JPEG (.jpg and .jpeg, RGB and gray) beside a PNG in the images source: the shards keep the
+    files' bytes, the loader decodes each to uint8 [3, 16, 12] close to its pixels (JPEG is lossy;
+    the PNG exact, the gray one repeated over the 3 channels); a truncated JPEG is one line naming
+    its file and key; a declared size the images do not have is refused before an engine starts."""
+    from shardline.pipelines.checks import check_prepare
+    from shardline.pipelines.engine_dask import DaskEngine
+
+    dask = DaskEngine(dask_client)  # the session's; no Spark needed here
+    img = tmp_path / "img"
+    made = {}  # file bytes -> (pixels [H, W, 3], is it lossless)
+    for k, (cls, name, gray) in enumerate([("cat", "0.jpg", False), ("cat", "1.jpeg", True),
+                                           ("dog", "2.JPG", False), ("dog", "3.png", False)]):
+        (img / cls).mkdir(parents=True, exist_ok=True)
+        a = _smooth(k, gray=gray)
+        Image.fromarray(a).save(img / cls / name, "PNG" if name.endswith("png") else "JPEG", quality=92)
+        made[(img / cls / name).read_bytes()] = (np.stack([a] * 3, -1) if gray else a, name.endswith("png"))
+
+    def config(path: Path, shape=(3, 16, 12), name: str = "ds") -> PipelineConfig:
+        return PipelineConfig.model_validate({
+            "dataset_dir": str(tmp_path / name), "source": {"format": "images", "path": str(path)},
+            "features": {"images": {"image": {"shape": list(shape)}}},
+            "split": {"train": 1.0, "val": 0.0, "test": 0.0}, "layout": {"world_size": 1},
+        })
+
+    m = prepare(dask, config(img))
+    stored = pq.read_table(tmp_path / "ds" / m.split("train").shards[0].path).column("image").to_pylist()
+    assert sorted(stored) == sorted(made)  # kept encoded, as the files were
+    loader = ShardLoader(m, str(tmp_path / "ds"), "train", 0, 1, 2, seed=0, workers=1)
+    decoded = torch.cat([b["image"] for b in loader.all_batches(2)])
+    assert decoded.dtype == torch.uint8 and decoded.shape == (4, 3, 16, 12)
+    for data, got in zip(stored, decoded):  # all_batches: shard order
+        want, exact = made[data]
+        err = np.abs(got.permute(1, 2, 0).numpy().astype(int) - want.astype(int))
+        assert (err.max() == 0) if exact else err.mean() < 3, (exact, err.mean(), err.max())
+
+    bad = tmp_path / "bad"
+    for cls in ("cat", "dog"):
+        (bad / cls).mkdir(parents=True)
+        (bad / cls / "0.jpg").write_bytes((img / "cat" / "0.jpg").read_bytes())
+    (bad / "dog" / "0.jpg").write_bytes((img / "cat" / "0.jpg").read_bytes()[:-150])  # truncated
+    with pytest.raises(DataError, match=r"bad/dog/0\.jpg: column 'image', key \d+: value '<\d+ bytes>': "
+                                        r"not a decodable PNG or JPEG image") as e:
+        prepare(dask, config(bad, name="bad-ds"))
+    assert "\n" not in str(e.value) and not (tmp_path / "bad-ds").exists()
+    # The first image decoded on the driver: a size the images do not have, before any engine.
+    with pytest.raises(DataError, match=r"img/cat/0\.jpg: column 'image', key \d+: value '<\d+ bytes>': "
+                                        r"image is not 16x16 \(height x width\)"):
+        check_prepare(config(img, shape=(3, 16, 16)))
