@@ -1,8 +1,16 @@
-"""Shared by the serving tests: one trained model per session, raw input files, a flaky model."""
+"""Shared by the serving tests: one trained model per session, raw input files, a flaky model,
+`mlflow models serve` of a registered model."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -114,3 +122,59 @@ def promo_model(prepared, tracking_uri: str) -> str:
             register_wrapped(prepared, tracking_uri, "promo", lambda inner: inner)
         _TRAINED["promo"] = "promo"
     return _TRAINED["promo"]
+
+
+@contextmanager
+def served(model_uri: str, tracking_uri: str, folder: Path):
+    """`mlflow models serve` of `model_uri` on a free loopback port, run in `folder` (its log
+    there): yields the server's base URL once it answers /ping; stopped, its workers too,
+    however the block ends."""
+    from shardline.training.launchers import free_port
+
+    port = free_port()
+    mlflow_cli = Path(sys.executable).with_name("mlflow")
+    log_path = folder / "serve.log"
+    # A file, not a pipe: a server that logs more than a pipe holds would block on it.
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [str(mlflow_cli), "models", "serve", "-m", model_uri, "--env-manager", "local",
+             "-h", "127.0.0.1", "-p", str(port)],
+            cwd=folder,
+            # As from an activated venv: the server execs `uvicorn` from PATH.
+            env={
+                **os.environ,
+                "MLFLOW_TRACKING_URI": tracking_uri,
+                "PATH": f"{mlflow_cli.parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            },
+            start_new_session=True,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        # Generous: on a loaded machine the server's imports alone take minutes; the
+        # loop ends as soon as it answers, or at once if it exits.
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=10).close()
+                break
+            except OSError:
+                assert proc.poll() is None, log_path.read_text()[-2000:]
+                assert time.monotonic() < deadline, "server did not answer /ping in 600 s"
+                time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # never leave the server and its workers behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from .conftest import shardline_here
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "own_model"
 
@@ -88,27 +88,27 @@ def test_example_on_dask(example, dask_client, tracking_uri, tmp_path, monkeypat
 
 
 @pytest.mark.slow
-def test_example_job_through_the_cli(example, tmp_path):
-    """`shardline run job.toml` from the example's folder, its outputs moved into tmp_path."""
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+def test_example_job_through_the_cli(example, spark, tracking_uri, tmp_path):
+    """`shardline run job.toml` from the example's folder, its outputs moved into tmp_path.
+
+    The CLI in this process (`shardline_here`), on the session's SparkSession, which the
+    command takes as the active one (a subprocess would start a JVM of its own, and fresh
+    Python workers, for the same job.toml the notebook test already ran through the API)."""
     sets = {
         "pipelines.source.path": tmp_path / "raw", "pipelines.dataset_dir": tmp_path / "dataset",
         "training.checkpoint_dir": tmp_path / "checkpoints", "serving.output_dir": tmp_path / "scores",
-        "tracking.tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "tracking.tracking_uri": tracking_uri,
     }
     args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
-    proc = subprocess.run(
-        [sys.executable, "-m", "shardline.jobs.cli", "run", "job.toml", *args, "--set", "training.epochs=1", "--json"],
-        cwd=example, env=env, capture_output=True, text=True, timeout=1200,
-    )
+    proc = shardline_here("run", "job.toml", *args, "--set", "training.epochs=1", "--json", cwd=example)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
-    assert result["train"]["model_uri"] == "models:/own-model/1"
+    assert result["train"]["model_uri"] == "models:/own-model/1" and result["train"]["launcher"] == "spark"
     assert {"val_loss", "val_top2"} <= result["train"]["metrics"].keys()
     assert result["score"]["rows"] == result["prepare"]["splits"]["test"]["rows"] > 0
     assert not (example / "example-out").exists()  # every output went where --set put it
 
     from mlflow.tracking import MlflowClient
 
-    run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(result["train"]["run_id"])
+    run = MlflowClient(tracking_uri).get_run(result["train"]["run_id"])
     assert run.data.params["model"] == "mynets.nets:build" and "val_top2" in run.data.metrics

@@ -4,13 +4,7 @@ raw rows in (the dataset's transform inside), the batch job's predictions out.""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -19,58 +13,19 @@ import pytest
 
 from shardline.pipelines.manifest import load_manifest
 from shardline.serving.score import score
-from shardline.training.launchers import free_port
 
-from .serving_helpers import raw_table, read_scores, trained_model, write_raw
-
-
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())
+from .serving_helpers import post, raw_table, read_scores, served, trained_model, write_raw
 
 
 def test_mlflow_models_serve_takes_raw_rows_and_agrees_with_the_batch_job(prepared, tracking_uri, dask_client, tmp_path):
     result = trained_model(prepared)
-    port = free_port()
-    mlflow_cli = Path(sys.executable).with_name("mlflow")
-    # A file, not a pipe: a server that logs more than a pipe holds would block on it.
-    with open(tmp_path / "serve.log", "wb") as log:
-        proc = subprocess.Popen(
-            [str(mlflow_cli), "models", "serve", "-m", result.model_uri, "--env-manager", "local",
-             "-h", "127.0.0.1", "-p", str(port)],
-            cwd=tmp_path,
-            # As from an activated venv: the server execs `uvicorn` from PATH.
-            env={
-                **os.environ,
-                "MLFLOW_TRACKING_URI": tracking_uri,
-                "PATH": f"{mlflow_cli.parent}{os.pathsep}{os.environ.get('PATH', '')}",
-            },
-            start_new_session=True,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        # Generous: on a loaded machine the server's imports alone take minutes; the
-        # loop ends as soon as it answers, or at once if it exits.
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=10).close()
-                break
-            except OSError:
-                assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-2000:]
-                assert time.monotonic() < deadline, "server did not answer /ping in 600 s"
-                time.sleep(0.5)
-
+    with served(result.model_uri, tracking_uri, tmp_path) as base:
         # The same raw rows to the served model over HTTP and to the batch job.
         raw = raw_table(prepared).slice(0, 16)
         spec = load_manifest(prepared.dataset_dir).feature_spec
         rows = raw.select([spec.key, *spec.numeric, *spec.categorical, *spec.vectors]).to_pylist()
-        url = f"http://127.0.0.1:{port}/invocations"
-        got = pd.DataFrame(_post(url, {"dataframe_records": rows})["predictions"])
+        url = f"{base}/invocations"
+        got = pd.DataFrame(post(url, {"dataframe_records": rows})["predictions"])
 
         src = tmp_path / "raw"
         write_raw(raw, src, 1)
@@ -81,28 +36,21 @@ def test_mlflow_models_serve_takes_raw_rows_and_agrees_with_the_batch_job(prepar
         assert got["key"].tolist() == batch.column("key").to_pylist()
         assert got["prediction"].tolist() == batch.column("prediction").to_pylist()
         # The batch job stores float32 probabilities; the server sends the same float32s as JSON.
-        served = got[[f"prob_{i}" for i in range(probs.shape[1])]].to_numpy().astype(np.float32)
-        np.testing.assert_allclose(served, probs, rtol=1e-6, atol=1e-7)
+        answered = got[[f"prob_{i}" for i in range(probs.shape[1])]].to_numpy().astype(np.float32)
+        np.testing.assert_allclose(answered, probs, rtol=1e-6, atol=1e-7)
 
         # A row the transform cannot take: HTTP 400 naming the column and the row.
         bad = [dict(rows[0]), dict(rows[1])]
         bad[1][spec.numeric[0]] = "twelve"
         with pytest.raises(urllib.error.HTTPError) as e:
-            _post(url, {"dataframe_records": bad})
+            post(url, {"dataframe_records": bad})
         assert e.value.code == 400
         message = json.loads(e.value.read())["message"]
         assert repr(spec.numeric[0]) in message or spec.numeric[0] in message, message
         missing = [{k: v for k, v in r.items() if k != spec.categorical[0]} for r in rows[:2]]
         with pytest.raises(urllib.error.HTTPError) as e:
-            _post(url, {"dataframe_records": missing})
+            post(url, {"dataframe_records": missing})
         assert e.value.code == 400 and spec.categorical[0] in json.loads(e.value.read())["message"]
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:  # never leave the server and its workers behind
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def test_the_registered_model_signature_is_the_raw_schema_and_bad_rows_are_named(prepared, tracking_uri):
