@@ -22,7 +22,7 @@ from .model_factory import factory_path, load_factory, one_line
 from .model_inputs import ModelInputs
 from .model_plans import pipeline_layers, recompute_units
 from .user_code import import_user_object
-from .task import loss_for, metric_names, user_metric_names, user_metrics
+from .task import TASKS, loss_for, metric_names, user_metric_names, user_metrics
 
 
 def _takes_output_and_target(fn, setting: str, path: str) -> None:
@@ -43,7 +43,7 @@ def check_callables(cfg: TrainingConfig) -> None:
         _takes_output_and_target(loss_for(cfg), "training.loss", cfg.loss)
     names = user_metric_names(cfg)
     taken = set()
-    for kind in ("classification", "regression"):
+    for kind in TASKS:
         taken.update(metric_names(kind, "val"))
     for i, (name, path) in enumerate(zip(names, cfg.metrics)):
         setting = f"training.metrics[{i}]"
@@ -90,6 +90,15 @@ def _check_output(what: str, inputs: ModelInputs, out) -> None:
     if not isinstance(out, torch.Tensor):
         raise ConfigError(f"{what}: its forward returns a {type(out).__name__}, not a tensor [batch, {k}]")
     shape = list(out.shape)
+    if inputs.task == "next_token":  # a logit per token id at every position
+        want = [2, *inputs.label.shape, k]
+        if shape != want:
+            raise ConfigError(
+                f"{what}: its output for a batch of 2 rows is {shape}, but the dataset's task is next_token "
+                f"over {k} token ids: the output must be [batch, {inputs.label.shape[0]}, {k}] "
+                "(logits at every position)"
+            )
+        return
     ok = shape == [2, k] or (inputs.task == "regression" and shape == [2])
     if not ok:
         need = f"{k} classes" if inputs.task == "classification" else "regression (one value per row)"

@@ -34,8 +34,11 @@ class ModelInputs(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    task: Literal["classification", "regression"]
-    num_classes: int = Field(description="Classes K (classification); 1 for regression.")
+    task: Literal["classification", "regression", "next_token"]
+    num_classes: int = Field(
+        description="Classes K (classification); 1 for regression; the vocabulary size V for "
+        "next_token (the model returns V logits at every position: [batch, length, V])."
+    )
     class_names: list[str] = Field(
         description="Name of each class, in logit order ('0'..'K-1' when classes are counts); [] for regression."
     )
@@ -49,7 +52,10 @@ class ModelInputs(BaseModel):
     inputs: dict[str, TensorInput] = Field(
         description="Each tensor the model's forward gets, by name: today {'features': float32 [feature_width]}."
     )
-    label: TensorInput = Field(description="The target: int64 [] class index or float32 [] value.")
+    label: TensorInput = Field(
+        description="The target: int64 [] class index, float32 [] value, or (next_token) int64 "
+        "[length], the input tokens again with pads as -100."
+    )
 
     @property
     def n_numeric(self) -> int:
@@ -62,14 +68,17 @@ class ModelInputs(BaseModel):
 
     @property
     def output_width(self) -> int:
-        """What the model's output must be wide: K logits, or 1 value for regression."""
-        return self.num_classes if self.task == "classification" else 1
+        """What the model's output must be wide: K logits, 1 value for regression, V logits
+        at each position for next_token ([batch, length, V])."""
+        return 1 if self.task == "regression" else self.num_classes
 
     @classmethod
     def from_manifest(cls, manifest: ShardManifest) -> ModelInputs:
         spec, stats = manifest.feature_spec, manifest.statistics
         task = "regression" if manifest.tensors["label"].dtype == "float32" else "classification"
-        if task == "regression":
+        if spec.task == "next_token":
+            task = "next_token"
+        if task != "classification":
             names: list[str] = []
         elif isinstance(spec.classes, list):
             names = list(spec.classes)
@@ -77,7 +86,7 @@ class ModelInputs(BaseModel):
             names = [str(i) for i in range(stats.num_classes)]
         return cls(
             task=task,
-            num_classes=stats.num_classes if task == "classification" else 1,
+            num_classes=1 if task == "regression" else stats.num_classes,
             class_names=names,
             numeric=list(spec.numeric or []),
             vectors=dict(spec.vectors),
@@ -87,7 +96,7 @@ class ModelInputs(BaseModel):
                 name: TensorInput(dtype=t.dtype, shape=list(t.shape))
                 for name, t in manifest.tensors.items() if name != "label"
             },
-            label=TensorInput(dtype=manifest.tensors["label"].dtype, shape=list(manifest.tensors["label"].shape)),
+            label=_label(manifest),
         )
 
     def sample_batch(self, rows: int = 2):
@@ -98,3 +107,10 @@ class ModelInputs(BaseModel):
         x = torch.zeros(rows, self.feature_width, dtype=torch.float32)
         y = torch.zeros(rows, dtype=torch.float32 if self.task == "regression" else torch.int64)
         return x, y
+
+
+def _label(manifest: ShardManifest) -> TensorInput:
+    """The target as the loader yields it: next_token's is its token ids as int64 [length]
+    (pads -100, training.loader_columns), whatever dtype the column stores."""
+    t = manifest.tensors["label"]
+    return TensorInput(dtype="int64" if t.encoding == "raw" else t.dtype, shape=list(t.shape))
