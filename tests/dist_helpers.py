@@ -8,13 +8,17 @@ from shardline.training.config import TrainingConfig
 from shardline.training.model_factory import create_model
 from shardline.training.model_inputs import ModelInputs, TensorInput
 from shardline.training.models import FeatureCNN, FeatureTransformer, TabularMLP, apply_activation_checkpointing
+from shardline.training.models_lm import Decoder
 from shardline.training.strategies import get_strategy
 
 MODELS = {
     "mlp": lambda: TabularMLP(5, [4], [16, 8], 3, embedding_dim=3),
     "cnn": lambda: FeatureCNN(5, [4], channels=8, n_classes=3),
     "transformer": lambda: FeatureTransformer(5, [4], d_model=16, heads=4, layers=2, n_classes=3),
+    # A language model (next_token): token_batches' sequences, VOCAB ids, LENGTH long.
+    "decoder": lambda: Decoder(VOCAB, LENGTH, d_model=16, heads=4, layers=2),
 }
+VOCAB, LENGTH = 32, 12
 
 # What a factory is told about global_batches' data: 5 numerics, 1 category of 4, 3 classes.
 INPUTS = ModelInputs(
@@ -49,6 +53,25 @@ def global_batches(steps: int, batch: int, n_numeric: int = 5, card: int = 4, se
         yield torch.cat([num, cat], 1), torch.randint(0, 3, (batch,), generator=g)
 
 
+def token_batches(steps: int, batch: int, seed: int = 3):
+    """(tokens int32 [batch, LENGTH], label): the label is the tokens as int64 with the last
+    few positions of every row pads (-100, as the loader marks them), as many in each row,
+    so every rank's and micro-batch's mean covers as many tokens as the global batch's."""
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        tokens = torch.randint(1, VOCAB, (batch, LENGTH), generator=g, dtype=torch.int32)
+        pads = 1 + step % 4
+        tokens[:, LENGTH - pads:] = 0
+        label = tokens.long()
+        label[:, LENGTH - pads:] = -100
+        yield tokens, label
+
+
+def _batches(args: dict):
+    make = token_batches if args.get("model") == "decoder" else global_batches
+    return make(args["steps"], args["batch"])
+
+
 def train_steps(rank: int, world_size: int, args: dict) -> dict:
     """`steps` optimizer steps of `strategy` over `world_size` ranks; the rank reads
     slice data_rank of every global batch. world_size 1 is single-process training.
@@ -69,7 +92,7 @@ def train_steps(rank: int, world_size: int, args: dict) -> dict:
     parallel = get_strategy(strategy).setup(
         model, cfg, rank, world_size, torch.device("cpu"), OPTIMIZERS[args.get("optimizer", "sgd")]
     )
-    for x, y in global_batches(args["steps"], args["batch"]):
+    for x, y in _batches(args):
         if parallel.data_rank is None:
             parallel.step(None, None)
             continue
@@ -102,7 +125,7 @@ def unsynchronised(args: dict, parts: int) -> dict:
     parallel = get_strategy("ddp").setup(
         model, cfg, 0, 1, torch.device("cpu"), OPTIMIZERS[args.get("optimizer", "sgd")]
     )
-    for x, y in global_batches(args["steps"], args["batch"]):
+    for x, y in _batches(args):
         n = len(x) // parts
         parallel.step(x[:n], y[:n])
     return {k: v.detach().clone() for k, v in parallel.full_state_dict().items()}
