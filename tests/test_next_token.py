@@ -23,7 +23,7 @@ from shardline.training.launchers.local import launch_local
 from shardline.training.loader import ShardLoader
 from shardline.training.model_inputs import ModelInputs, TensorInput
 from shardline.training.models_lm import decoder
-from shardline.training.task import batch_sums, figures, next_token_loss, task_loss
+from shardline.training.task import batch_sums, figures, next_token_loss, next_token_rows, task_loss
 
 from .dist_helpers import relative_distance, train_steps, train_variants, unsynchronised
 from .test_engines_equal import prepare_both
@@ -136,6 +136,14 @@ def test_the_next_token_loss_counts_only_the_targets_that_are_not_pads():
     assert got["val_loss"] == pytest.approx(want.item()) and got["val_perplexity"] == pytest.approx(math.exp(want.item()))
     correct = sum(int(logits[b, i].argmax() == label[b, i + 1]) for b in range(3) for i in range(5) if label[b, i + 1] >= 0)
     assert got["val_accuracy"] == pytest.approx(correct / 8)
+    # What a score row holds: the row's own mean loss, its counted targets, and the id
+    # predicted after its last non-pad position.
+    rows = next_token_rows(logits, label)
+    assert rows["tokens"].tolist() == [3, 5, 0]
+    assert rows["loss"][0].item() == pytest.approx(torch.stack(terms[:3]).mean().item())
+    assert math.isnan(rows["loss"][2].item())  # nothing to predict in row 2
+    assert rows["next_token"].tolist() == [int(logits[0, 3].argmax()), int(logits[1, 5].argmax()),
+                                           int(logits[2, 0].argmax())]
 
 
 def test_the_decoder_is_causal_and_refuses_another_task():

@@ -155,3 +155,21 @@ def figures(task: str, split: str, sums: torch.Tensor) -> dict[str, float]:
         # Labels all equal: R^2 is undefined; NaN says so rather than a made-up figure.
         f"{split}_r2": 1.0 - sse / sst if sst > 0 else float("nan"),
     }
+
+
+@torch.no_grad()
+def next_token_rows(logits: torch.Tensor, label: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What scoring a next_token dataset writes per row, from the model's logits [B, L, V]
+    and the loader's label [B, L] (pads IGNORE_INDEX): `loss`, the row's mean next-token
+    loss over its counted targets (NaN when it has none); `tokens`, how many it counted;
+    `next_token`, the id the model predicts after the row's last non-pad position (-1 for
+    a row of pads only)."""
+    x, t = logits[:, :-1].float(), label[:, 1:].long()
+    per_position = F.cross_entropy(x.transpose(1, 2), t, ignore_index=IGNORE_INDEX, reduction="none")
+    counted = (t != IGNORE_INDEX).sum(1)
+    loss = torch.where(counted > 0, per_position.sum(1) / counted.clamp(min=1), torch.nan)
+    real = label != IGNORE_INDEX
+    positions = torch.arange(label.shape[1], device=label.device).expand_as(label)
+    last = torch.where(real, positions, -1).max(1).values
+    predicted = logits[torch.arange(len(label), device=label.device), last.clamp(min=0)].argmax(-1)
+    return {"loss": loss.double(), "tokens": counted, "next_token": torch.where(last >= 0, predicted, -1)}

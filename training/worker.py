@@ -25,7 +25,7 @@ from .tracking import MetricsReporter
 
 
 _SHOWN = ("train_loss", "train_accuracy", "train_rmse", "val_loss", "val_accuracy", "val_rmse", "val_r2",
-          "samples_per_s")
+          "val_perplexity", "samples_per_s")
 
 
 @dataclass
