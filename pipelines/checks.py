@@ -42,6 +42,11 @@ def check_prepare(cfg: PipelineConfig, append: bool = False, refit: bool = False
         raise DataError(f"{root}: --append needs an existing dataset; run prepare first")
     src = cfg.source
     spec = cfg.features
+    if spec.task == "next_token" and src.format in ("synthetic", "images"):
+        raise ConfigError(
+            f"pipelines.features.task = 'next_token' reads a column of token ids; the {src.format} source "
+            "has none (use parquet, csv or json input)"
+        )
     if append:
         spec = _fill(spec, previous.feature_spec)  # unset settings: the dataset's
     files: list[RawFile] = []

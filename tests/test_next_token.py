@@ -110,6 +110,10 @@ def test_the_token_column_is_found_or_the_spec_refused(tmp_path):
         check_prepare(token_config(tmp_path, tensors={"tokens": {"dtype": "int32", "shape": [LENGTH]}}))
     with pytest.raises(ValueError, match="label 'title' must name a column of pipelines.features.tensors"):
         token_config(tmp_path, label="title")
+    synthetic = token_config(tmp_path).model_copy(update={"source": token_config(tmp_path).source.model_copy(
+        update={"format": "synthetic"})})
+    with pytest.raises(ConfigError, match="the synthetic source has none"):
+        check_prepare(synthetic)
 
 
 def test_the_next_token_loss_counts_only_the_targets_that_are_not_pads():
