@@ -34,7 +34,9 @@ STRATEGIES = {
     "ddp": {}, "fsdp": {}, "tensor": {}, "pipeline": {"micro_batches": 4}, "ps": {"ps_servers": 1},
 }
 TOLERANCE = 1e-6  # SGD in fp32, as tests/test_equivalence.py
-BF16_TOLERANCE = 1e-3  # SGD in bf16 autocast, as tests/test_equivalence.py
+# SGD in bf16 autocast on the named-input model: measured 9.4e-6 (pipeline, torch 2.13 CPU);
+# half of each batch alone lands at 1.0e-3, so test_equivalence.py's 1e-3 would have no teeth.
+BF16_TOLERANCE = 1e-4
 TYPED = "usernets.typed:build"  # forward(photo, grid, tokens): uint8, uint8, int32
 
 
