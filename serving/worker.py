@@ -88,10 +88,11 @@ def _score_unit(task: UnitTask) -> dict:
     torch.set_num_threads(task.threads)
     scored_at = datetime.fromisoformat(task.scored_at) if task.scored_at else datetime.now(timezone.utc)
     rows = 0
+    tensors = task.transform.tensors  # the named inputs' specs; None: the features tensor
     with storage.write(storage.join(task.output_dir, task.output_name)) as f:
         with pq.ParquetWriter(f, schema) as writer:
             for keys, x in _batches(task, spec):
-                pred = _predict(model, x, classification)
+                pred = _predict(model, x, classification, tensors)
                 n = len(keys)
                 cols = [keys]
                 if classification:
@@ -127,13 +128,18 @@ def _score_unit(task: UnitTask) -> dict:
 
 
 def _batches(task: UnitTask, spec):
-    """(int64 keys, float32 [n, width] features) per batch, bounded in memory."""
+    """(int64 keys, inputs) per batch, bounded in memory: inputs are float32 [n, width]
+    features, or for a dataset with tensor or image columns {name: numpy [n, *shape]},
+    each column decoded as the loader decodes it (training.loader_columns)."""
     import pyarrow.parquet as pq
 
     from shardline.pipelines.transform import features_matrix
 
     unit = task.unit
-    if unit.kind == "shard":
+    tensors = task.transform.tensors if unit.kind == "shard" else None
+    if tensors is not None:
+        columns = [spec.key, *(t.column for t in tensors.values())]
+    elif unit.kind == "shard":
         columns = [spec.key, "features"]
     else:
         columns = [spec.key, *spec.numeric, *spec.categorical, *spec.vectors]
@@ -143,7 +149,9 @@ def _batches(task: UnitTask, spec):
         key = batch.column(0)
         if key.null_count:
             raise ShardlineError(f"{unit.path}: column '{spec.key}' has null keys")
-        if unit.kind == "shard":
+        if tensors is not None:
+            x = _decoded(batch, tensors, spec, unit.path)
+        elif unit.kind == "shard":
             # On a sliced list array `.values` is the whole parent: flatten().
             flat = batch.column(1).flatten().to_numpy(zero_copy_only=False)
             x = flat.astype(np.float32).reshape(len(key), task.transform.width)
@@ -152,6 +160,16 @@ def _batches(task: UnitTask, spec):
             _check_raw(table, spec, unit.path, impute)
             x = features_matrix(table, spec, stats, impute)
         yield key.cast(pa.int64()), x
+
+
+def _decoded(batch: pa.RecordBatch, tensors: dict, spec, path: str) -> dict[str, np.ndarray]:
+    """A batch's input tensors {name: numpy [n, *shape]}, decoded as the loader decodes them
+    (images with Pillow, raw tensors viewed in their dtype, bfloat16 as its 16 bits)."""
+    from shardline.training.loader_columns import decode_column
+
+    n = batch.num_rows
+    return {name: decode_column(batch.column(t.column), t, spec.images, n, f"{path}: column '{t.column}'")
+            for name, t in tensors.items()}
 
 
 def _check_raw(table: pa.Table, spec, path: str, impute: bool) -> None:
@@ -177,12 +195,20 @@ def _check_raw(table: pa.Table, spec, path: str, impute: bool) -> None:
             )
 
 
-def _predict(model, x: np.ndarray, classification: bool) -> np.ndarray:
+def _predict(model, x, classification: bool, tensors: dict | None = None) -> np.ndarray:
+    """The model's outputs (softmax for classification) on float32 features, or on named
+    numpy inputs ({name: [n, *shape]}, `tensors` their specs) given as keyword arguments."""
     import torch
 
+    from shardline.training.batch import forward, from_numpy, to_device
+
     device = next(model.parameters()).device
+    if isinstance(x, dict):
+        inputs = from_numpy(x, {n: t.dtype for n, t in (tensors or {}).items()})
+    else:
+        inputs = torch.from_numpy(x)
     with torch.inference_mode():
-        y = model(torch.from_numpy(x).to(device))
+        y = forward(model, to_device(inputs, device))
         if classification:
             y = torch.softmax(y, 1)
     return y.float().cpu().numpy()

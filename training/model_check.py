@@ -2,7 +2,8 @@
 
 Without the dataset (`check_callables`): each import path imports and names a callable
 that takes what it will be given. With it (`check_model`): one forward pass of the built
-model on a two-row batch of the dataset's shape, whose output must be [batch, classes]
+model on a two-row batch of the dataset's shape (zeros: the features tensor, or each
+named tensor in its dtype and shape, training.batch), whose output must be [batch, classes]
 (regression: [batch, 1] or [batch]), then the loss and each metric on that output. A
 mistake found here is one line naming the setting; found in a rank, it would be a failed
 job after the engine, the ranks and the MLflow run had started.
@@ -17,6 +18,7 @@ from torch import nn
 
 from shardline.pipelines.errors import ConfigError
 
+from .batch import describe, forward
 from .config import TrainingConfig
 from .model_factory import factory_path, load_factory, one_line
 from .model_inputs import ModelInputs
@@ -58,11 +60,12 @@ def check_model(cfg: TrainingConfig, inputs: ModelInputs, model: nn.Module) -> N
     x, y = inputs.sample_batch(2)
     model.eval()  # a batch of zeros: no running statistics updated, no dropout
     try:
-        out = model(x)
+        out = forward(model, x)  # the features tensor, or the named tensors as keywords
     except Exception as e:  # noqa: BLE001 - the user's forward: its message is theirs to see
+        how = " as keyword arguments" if inputs.named else ""
         raise ConfigError(
-            f"{what}: its forward fails on a batch of the dataset's shape (features [2, {inputs.feature_width}] "
-            f"float32) with {type(e).__name__}: {one_line(e)}"
+            f"{what}: its forward fails on a batch of the dataset's shape ({describe(x)}{how}) "
+            f"with {type(e).__name__}: {one_line(e)}"
         ) from None
     _check_output(what, inputs, out)
     if cfg.loss is not None:
@@ -130,16 +133,17 @@ def _check_loss(cfg: TrainingConfig, out: torch.Tensor, y: torch.Tensor) -> None
         )
 
 
-def _check_layers_compose(what: str, model: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
-    """A pipeline runs pipeline_layers() one after the other: that must be the model's forward."""
+def _check_layers_compose(what: str, model: nn.Module, x, out: torch.Tensor) -> None:
+    """A pipeline runs pipeline_layers() one after the other: that must be the model's forward
+    (the first layer takes the named inputs as keywords, as the model does)."""
     layers = pipeline_layers(model, what)
     if layers is None:
         return  # the strategy's check says so
     why = ""
     try:
         with torch.no_grad():
-            h = x
-            for _, layer in layers:
+            h = forward(layers[0][1], x)
+            for _, layer in layers[1:]:
                 h = layer(h)
         same = isinstance(h, torch.Tensor) and h.shape == out.shape and torch.allclose(h, out.detach(), atol=1e-5)
     except Exception as e:  # noqa: BLE001 - layers that do not chain: the same mistake
