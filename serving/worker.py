@@ -43,9 +43,18 @@ class UnitTask:
     code: UserCode | None = None  # the user's code the model needs (pipelines.code_travel), shipped by the driver
 
 
-def output_schema(classification: bool) -> pa.Schema:
+def output_schema(classification: bool, next_token: bool = False) -> pa.Schema:
+    """key, the prediction (class and probabilities, or the value), the model and the time.
+    next_token: `prediction` is the token id predicted after the row's last non-pad
+    position, `loss` the row's mean next-token loss over its `tokens` counted targets."""
     fields = [pa.field("key", pa.int64())]
-    if classification:
+    if next_token:
+        fields += [
+            pa.field("prediction", pa.int64()),
+            pa.field("loss", pa.float64()),
+            pa.field("tokens", pa.int64()),
+        ]
+    elif classification:
         fields += [
             pa.field("prediction", pa.int64()),
             pa.field("probabilities", pa.list_(pa.float32())),
@@ -80,7 +89,8 @@ def _score_unit(task: UnitTask) -> dict:
 
     spec = task.transform.spec
     classification = spec.task == "classification"
-    schema = output_schema(classification)
+    next_token = spec.task == "next_token"
+    schema = output_schema(classification, next_token)
     use_code(task.code)  # before the model is built: this job's version of the user's code
     model = cached_model(task.model_uri, task.tracking_uri)
     # torch defaults to one thread per core in every worker process: with one task
@@ -92,10 +102,12 @@ def _score_unit(task: UnitTask) -> dict:
     with storage.write(storage.join(task.output_dir, task.output_name)) as f:
         with pq.ParquetWriter(f, schema) as writer:
             for keys, x in _batches(task, spec):
-                pred = _predict(model, x, classification, tensors)
                 n = len(keys)
                 cols = [keys]
-                if classification:
+                if next_token:
+                    cols += _next_token_columns(model, x, tensors, spec.label, spec.tensors[spec.label].pad_id)
+                elif classification:
+                    pred = _predict(model, x, classification, tensors)
                     k = pred.shape[1]
                     offsets = pa.array(np.arange(0, n * k + 1, k, dtype=np.int32))
                     cols += [
@@ -103,6 +115,7 @@ def _score_unit(task: UnitTask) -> dict:
                         pa.ListArray.from_arrays(offsets, pa.array(pred.reshape(-1), pa.float32())),
                     ]
                 else:
+                    pred = _predict(model, x, classification, tensors)
                     cols.append(pa.array(pred[:, 0].astype(np.float64)))
                 cols += [
                     pa.array([task.model_name] * n, pa.string()),
@@ -125,6 +138,25 @@ def _score_unit(task: UnitTask) -> dict:
     commit(task.output_dir, entry)
     progress.tick(task.progress_addr, task.progress_key, rows, unit=task.unit.unit_id)
     return entry
+
+
+def _next_token_columns(model, x: dict, tensors: dict, token_column: str, pad_id: int | None) -> list[pa.Array]:
+    """prediction, loss, tokens of a language model's rows (training.task.next_token_rows):
+    its targets are the row's own tokens, pads ignored, as training counts them. Reduced on
+    the model's device: the logits [n, length, vocab] never come to the host."""
+    import torch
+
+    from shardline.training.batch import forward, from_numpy, to_device
+    from shardline.training.loader_columns import label_tokens
+    from shardline.training.task import next_token_rows
+
+    device = next(model.parameters()).device
+    inputs = to_device(from_numpy(x, {n: t.dtype for n, t in tensors.items()}), device)
+    label = torch.from_numpy(label_tokens(x[token_column], pad_id)).to(device)
+    with torch.inference_mode():
+        rows = {k: v.cpu().numpy() for k, v in next_token_rows(forward(model, inputs), label).items()}
+    return [pa.array(rows["next_token"], pa.int64()), pa.array(rows["loss"], pa.float64()),
+            pa.array(rows["tokens"], pa.int64())]
 
 
 def _batches(task: UnitTask, spec):

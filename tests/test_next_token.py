@@ -179,3 +179,49 @@ def test_fsdp_tensor_and_pipeline_train_the_decoder_as_single_process_does():
             distance = relative_distance(weights[i], reference)
             assert distance <= TOLERANCE, (variant["strategy"], rank, distance)
     assert relative_distance(unsynchronised(common, 2), reference) > 3 * TOLERANCE
+
+
+def test_a_job_trains_the_decoder_with_fsdp_registers_and_scores_it(lm, dask_client, tracking_uri, tmp_path):
+    """fsdp training of the built-in decoder on the prepared token table (its default loss,
+    perplexity logged), registration, batch scoring of the test split on Dask (per row: the
+    next token after the sequence, its mean loss, its counted targets) and the registered
+    model's predict on token arrays."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from shardline.serving.score import score
+    from shardline.training.config import TrackingConfig, TrainingConfig
+    from shardline.training.job import run_training
+    from shardline.training.model_factory import build_model
+
+    from .serving_helpers import read_scores
+
+    data = lm["dirs"]["dask"]
+    cfg = TrainingConfig(launcher="local", world_size=2, strategy="fsdp", batch_size=8, epochs=1, model="decoder",
+                         hidden=[16, 16], heads=2, checkpoint_dir=str(tmp_path / "ckpt"), timeout_s=120)
+    tracking = TrackingConfig(tracking_uri=tracking_uri, experiment="lm", registered_model="lm")
+    result = run_training(cfg, tracking, data)
+    logged = MlflowClient(tracking_uri).get_run(result.run_id).data.metrics
+    assert {"train_loss", "train_perplexity", "val_loss", "val_perplexity", "val_accuracy"} <= logged.keys(), logged
+    assert logged["val_perplexity"] == pytest.approx(math.exp(logged["val_loss"]), rel=1e-6)
+    model = build_model(load_manifest(data), cfg)
+    model.load_state_dict(result.weights)
+    model.eval()
+
+    out = tmp_path / "scores"
+    scored = score("dask", dask_client, result.model_uri, tracking_uri, data, str(out))
+    assert scored.rows == load_manifest(data).splits["test"].rows > 0
+    table = read_scores(out).sort_by("key")
+    assert table.column_names == ["key", "prediction", "loss", "tokens", "model_name", "model_version", "scored_at"]
+    # What the model gives on the rows' own sequences, rebuilt from the raw generator by key.
+    keys = table.column("key").to_pylist()
+    x = torch.tensor([(sequences()[k] + [PAD] * LENGTH)[:LENGTH] for k in keys], dtype=torch.int32)
+    want = next_token_rows(model(tokens=x), torch.where(x == PAD, -100, x.long()))
+    assert table.column("tokens").to_pylist() == want["tokens"].tolist()
+    assert table.column("prediction").to_pylist() == want["next_token"].tolist()
+    np.testing.assert_allclose(table.column("loss").to_numpy(), want["loss"].numpy(), rtol=1e-5)
+
+    pyfunc = mlflow.pyfunc.load_model(result.model_uri)
+    predicted = pyfunc.predict({"tokens": x[:3].numpy()})
+    assert predicted["prediction"].tolist() == want["next_token"][:3].tolist()
+    np.testing.assert_allclose(predicted["loss"].to_numpy(), want["loss"][:3].numpy(), rtol=1e-5)

@@ -146,16 +146,24 @@ def _outputs(model, inputs, spec: FeatureSpec, stats: FittedStatistics, rows) ->
     import torch
 
     from .batch import forward
+    from .loader_columns import label_tokens
+    from .task import next_token_rows
 
     with torch.inference_mode():
         y = forward(model, inputs)
         if spec.task == "classification":
             y = torch.softmax(y, 1)
+        if spec.task == "next_token":  # batch scoring's columns (serving.worker): reduced here
+            tokens = inputs[spec.label].numpy()
+            scores = next_token_rows(y, torch.from_numpy(label_tokens(tokens, spec.tensors[spec.label].pad_id)))
     y = y.float().numpy()
     out = {}
     if spec.key in rows:  # pass the caller's key through, to join on
         out["key"] = np.asarray(rows[spec.key])
-    if spec.task == "classification":
+    if spec.task == "next_token":
+        out.update(prediction=scores["next_token"].numpy(), loss=scores["loss"].numpy(),
+                   tokens=scores["tokens"].numpy())
+    elif spec.task == "classification":
         out["prediction"] = y.argmax(1).astype(np.int64)
         out.update({name: y[:, i].astype(np.float64) for i, name in enumerate(class_names(spec, stats))})
     else:
