@@ -42,6 +42,11 @@ def check_prepare(cfg: PipelineConfig, append: bool = False, refit: bool = False
         raise DataError(f"{root}: --append needs an existing dataset; run prepare first")
     src = cfg.source
     spec = cfg.features
+    if spec.task == "next_token" and src.format in ("synthetic", "images"):
+        raise ConfigError(
+            f"pipelines.features.task = 'next_token' reads a column of token ids; the {src.format} source "
+            "has none (use parquet, csv or json input)"
+        )
     if append:
         spec = _fill(spec, previous.feature_spec)  # unset settings: the dataset's
     files: list[RawFile] = []
@@ -141,13 +146,26 @@ def _kinds(f: RawFile, delimiter: str, nulls: list[str]) -> dict[str, str]:
     return kinds
 
 
-def _resolve(spec: FeatureSpec, names: list[str], kinds: dict[str, str], where: str):
+def _resolve(given: FeatureSpec, names: list[str], kinds: dict[str, str], where: str):
     have = ", ".join(names)
+    spec = given
     if spec.key is None and not spec.generate_key:
         raise ConfigError(
             f"pipelines.features.key is not set: name the input's integer key column "
             f"(columns of {where}: {have}) or set generate_key = true"
         )
+    if spec.label is None and spec.task == "next_token":
+        token = spec.token_column()
+        if token is None:
+            found = [c for c, t in spec.tensors.items() if t.vocab_size is not None and len(t.shape) == 1]
+            raise ConfigError(
+                f"pipelines.features: task = 'next_token' and several token columns ({', '.join(found)}): "
+                "set pipelines.features.label to the one to predict" if len(found) > 1 else
+                "pipelines.features: task = 'next_token' needs a token column: a 1-D integer tensor with a "
+                "vocab_size in pipelines.features.tensors, e.g. tokens = {dtype = \"int32\", shape = [512], "
+                "vocab_size = 32000}"
+            )
+        spec = spec.model_copy(update={"label": token})
     if spec.label is None:
         raise ConfigError(f"pipelines.features.label is not set: name the label column (columns of {where}: {have})")
     key = spec.key or "key"
@@ -159,7 +177,7 @@ def _resolve(spec: FeatureSpec, names: list[str], kinds: dict[str, str], where: 
     if spec.categorical is None:
         update["categorical"] = [c for c in names if kinds.get(c) == "text" and c not in named]
     resolved = spec.model_copy(update=update)
-    notes = _inferred(spec, resolved, where)
+    notes = _inferred(given, resolved, where)
     if not (resolved.numeric or resolved.categorical or resolved.vectors or resolved.typed):
         raise ConfigError(
             f"pipelines.features: no feature column (columns of {where}: {have}); "

@@ -196,7 +196,9 @@ class FeatureSpec(Section):
     )
     label: str | None = Field(
         None,
-        description="Label column. Required, except for a synthetic source (its `label`).",
+        description="Label column. Required, except for a synthetic source (its `label`) and "
+        "task = 'next_token' (there: the token tensor column; left out, the only integer "
+        "tensor column with a vocab_size).",
     )
     numeric: list[str] | None = Field(
         None,
@@ -230,10 +232,12 @@ class FeatureSpec(Section):
         description="Encoded image columns (PNG/JPEG bytes, or paths to image files, relative "
         "to the raw file's folder): name = {shape = [C, H, W]}. Never inferred.",
     )
-    task: Literal["classification", "regression"] = Field(
+    task: Literal["classification", "regression", "next_token"] = Field(
         "classification",
         description="classification: integer labels 0..K-1 (or the names in `classes`); "
-        "regression: a float label.",
+        "regression: a float label; next_token: a language model's task, no label column: "
+        "the target is the token sequence itself (`label` names its tensor column, which "
+        "declares a vocab_size), predicted one position ahead.",
     )
     classes: int | list[str] | None = Field(
         None,
@@ -266,7 +270,9 @@ class FeatureSpec(Section):
 
     @model_validator(mode="after")
     def _distinct(self) -> FeatureSpec:
-        cols = [c for c in (self.key, self.label) if c]
+        # next_token: the label is the token column itself, named once more on purpose.
+        label = self.label if self.task != "next_token" else None
+        cols = [c for c in (self.key, label) if c]
         cols += [*(self.numeric or []), *(self.categorical or []), *self.vectors, *self.tensors, *self.images]
         dup = sorted({c for c in cols if cols.count(c) > 1})
         if dup:
@@ -282,6 +288,8 @@ class FeatureSpec(Section):
         bad = [c for c, n in self.vectors.items() if n < 1]
         if bad:
             raise ValueError(f"vector column '{bad[0]}' needs a length >= 1")
+        if self.task == "next_token":
+            self._next_token()
         if self.classes is not None:
             if self.task != "classification":
                 raise ValueError("classes is for task = 'classification' only")
@@ -293,6 +301,32 @@ class FeatureSpec(Section):
                 if len(set(self.classes)) != len(self.classes):
                     raise ValueError("classes names a class twice")
         return self
+
+    def _next_token(self) -> None:
+        """The token column a next_token task predicts: a 1-D integer tensor with a vocab_size."""
+        if self.label is None:
+            return  # resolved against the tensors (checks.py), which says when there is none
+        if self.label not in self.tensors:
+            raise ValueError(
+                f"task = 'next_token': label '{self.label}' must name a column of "
+                f"pipelines.features.tensors (the token ids), not a column of its own"
+            )
+        t = self.tensors[self.label]
+        if t.dtype not in ("uint8", "int32", "int64") or len(t.shape) != 1 or t.vocab_size is None:
+            raise ValueError(
+                f"task = 'next_token': tensor '{self.label}' must be a 1-D integer tensor with a "
+                f"vocab_size (token ids), e.g. {{dtype = \"int32\", shape = [512], vocab_size = 32000}}"
+            )
+
+    def token_column(self) -> str | None:
+        """next_token: the token tensor its label names, or the only one it can name."""
+        if self.task != "next_token":
+            return None
+        if self.label is not None:
+            return self.label
+        found = [c for c, t in self.tensors.items()
+                 if t.dtype in ("uint8", "int32", "int64") and len(t.shape) == 1 and t.vocab_size is not None]
+        return found[0] if len(found) == 1 else None
 
     @property
     def resolved(self) -> bool:

@@ -226,9 +226,14 @@ def tensor_specs(spec: FeatureSpec) -> dict[str, TensorSpec]:
         out[c] = TensorSpec(column=c, dtype=t.dtype, shape=list(t.shape), encoding="raw")
     for c, im in spec.images.items():
         out[c] = TensorSpec(column=c, dtype="uint8", shape=list(im.shape), encoding="image")
-    out["label"] = TensorSpec(
-        column=spec.label, dtype="int64" if spec.task == "classification" else "float32", shape=[]
-    )
+    if spec.task == "next_token":
+        # The target is the token column itself (the loader yields it twice, as the input
+        # and as "label"): one decoded tensor moves through every strategy as a label does.
+        out["label"] = out[spec.label].model_copy()
+    else:
+        out["label"] = TensorSpec(
+            column=spec.label, dtype="int64" if spec.task == "classification" else "float32", shape=[]
+        )
     return out
 
 
@@ -348,7 +353,9 @@ def _fit(report: dict, spec: FeatureSpec) -> FittedStatistics:
             counts = report["categories"].get(c, {})
             categorical[c] = [v for v, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
             cardinality[c] = len(categorical[c])
-    if spec.task != "classification":
+    if spec.task == "next_token":
+        classes = spec.tensors[spec.label].vocab_size  # one logit per token id at each position
+    elif spec.task != "classification":
         classes = 1
     else:
         classes = declared_classes(spec, None, False) or int(report.get("label_max", 0)) + 1

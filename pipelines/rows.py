@@ -76,15 +76,19 @@ def parse(
             key = (kind, col)
             problems[key] = problems[key] | mask if key in problems else mask
 
-    if spec.task == "classification":
-        label, null, bad, negative, unknown = class_labels(table.column(spec.label), spec, num_classes)
-        note("negative_label", spec.label, negative)
-        note("unknown_label", spec.label, unknown)
+    if spec.task == "next_token":
+        # The target is the token tensor itself, parsed and checked below as a tensor.
+        label = np.zeros(table.num_rows, np.int64)
     else:
-        label, null, bad = numbers(table.column(spec.label), spec.null_values)
-        bad |= ~np.isfinite(label) & ~null
-    note("bad", spec.label, bad)
-    note("null_label", spec.label, null)
+        if spec.task == "classification":
+            label, null, bad, negative, unknown = class_labels(table.column(spec.label), spec, num_classes)
+            note("negative_label", spec.label, negative)
+            note("unknown_label", spec.label, unknown)
+        else:
+            label, null, bad = numbers(table.column(spec.label), spec.null_values)
+            bad |= ~np.isfinite(label) & ~null
+        note("bad", spec.label, bad)
+        note("null_label", spec.label, null)
 
     numeric, categorical, vectors, feature_problems = parse_features(table, spec)
     for (kind, c), mask in feature_problems.items():
@@ -288,7 +292,7 @@ def vector_values(col, length: int, nulls: list[str]) -> tuple[np.ndarray, np.nd
 
 def content_key(label, numeric, categorical, vectors, spec: FeatureSpec) -> np.ndarray:
     """A non-negative int64 per row from its parsed values (pandas' stable hashing)."""
-    parts: dict[str, object] = {spec.label: label}
+    parts: dict[str, object] = {} if spec.task == "next_token" else {spec.label: label}
     parts.update(numeric)
     for c, (codes, values) in categorical.items():
         names = np.array([*values, None], dtype=object)

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from . import storage
 from .config import FeatureSpec
-from .tasks import PART_COL, POS_COL, Parts
+from .tasks import PART_COL, POS_COL, Parts, label_fields
 from .tensors import row_bytes, tensor_array
 from .transform import feature_width, features_column
 
@@ -103,8 +103,8 @@ def shard_columns(part_table: pa.Table, spec: FeatureSpec) -> pa.Table:
         cols[c] = tensor_array(_feature_rows(part_table.column(c), row_bytes(t), np.uint8))
     for c in spec.images:
         cols[c] = part_table.column(c).cast(pa.binary())
-    label_type = pa.int64() if spec.task == "classification" else pa.float32()
-    cols[spec.label] = part_table.column(spec.label).cast(label_type)
+    for name, label_type in label_fields(spec):  # next_token: none, its tokens are the target
+        cols[name] = part_table.column(name).cast(label_type)
     return pa.table(cols).combine_chunks()  # one chunk: the file's bytes cannot depend on how rows arrived
 
 

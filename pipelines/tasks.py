@@ -56,7 +56,8 @@ class PrepareTask:
     @property
     def columns(self) -> list[str]:
         s = self.spec
-        cols = [s.label, *s.numeric, *s.categorical, *s.vectors, *s.tensors, *s.images]
+        label = [s.label] if s.task != "next_token" else []  # next_token: the label is a tensor column
+        cols = [*label, *s.numeric, *s.categorical, *s.vectors, *s.tensors, *s.images]
         return cols if s.generate_key else [s.key, *cols]
 
     def parse(self, table: pa.Table, unit: Unit | None = None) -> Parsed:
@@ -235,11 +236,10 @@ def _plain(v):
 
 def transport_schema(spec: FeatureSpec) -> pa.Schema:
     """The rows pass 2 hands to the shuffle and the shard writer receives."""
-    label = pa.int64() if spec.task == "classification" else pa.float32()
     return pa.schema(
         [
             (spec.key, pa.int64()),
-            (spec.label, label),
+            *label_fields(spec),
             ("features", pa.binary()),
             # Tensors (their stored bytes) and encoded images: one binary value a row.
             *((c, pa.binary()) for c in (*spec.tensors, *spec.images)),
@@ -247,6 +247,14 @@ def transport_schema(spec: FeatureSpec) -> pa.Schema:
             (PART_COL, pa.int32()),
         ]
     )
+
+
+def label_fields(spec: FeatureSpec) -> list[tuple[str, pa.DataType]]:
+    """The label's column in the shuffle and the shards; none for next_token, whose target
+    is its token column."""
+    if spec.task == "next_token":
+        return []
+    return [(spec.label, pa.int64() if spec.task == "classification" else pa.float32())]
 
 
 def shuffle_rows(unit: Unit, task: PrepareTask, stats: FittedStatistics, parts: Parts) -> Iterator[pa.Table]:
@@ -269,7 +277,7 @@ def shuffle_rows(unit: Unit, task: PrepareTask, stats: FittedStatistics, parts: 
         yield pa.Table.from_arrays(
             [
                 pa.array(p.key[keep]),
-                pa.array(label),
+                *([pa.array(label)] if label_fields(spec) else []),
                 pa.Array.from_buffers(pa.binary(), m, [None, offsets.buffers()[1], pa.py_buffer(feats)]),
                 *(binary_rows(p.tensors[c][keep]) for c in spec.tensors),
                 *(p.images[c].filter(pa.array(keep)) for c in spec.images),
@@ -295,7 +303,7 @@ def existing_rows(url: str, index: int, spec: FeatureSpec, parts: Parts, split: 
     yield pa.Table.from_arrays(
         [
             pa.array(keys),
-            pa.array(np.zeros(n, schema.field(spec.label).type.to_pandas_dtype())),
+            *(pa.array(np.zeros(n, t.to_pandas_dtype())) for _, t in label_fields(spec)),
             empty,
             *(empty for _ in (*spec.tensors, *spec.images)),
             pa.array((np.int64(index) << 32) | np.arange(n, dtype=np.int64)),

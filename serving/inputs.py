@@ -5,11 +5,17 @@ features are already computed) or raw Parquet files with the training feature
 columns (the training dataset's fitted statistics transform them, so serving
 cannot skew from training). Everything here only reads: a bad input is found
 before anything is written.
+
+A dataset with tensor or image columns (`feature_spec.typed`) is scored from its
+prepared shards: each input tensor is read and decoded as the loader does
+(training.loader_columns) and the model is called with the named tensors. Raw input
+of such a model is refused: its tensors and images would need prepare's parsing.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -17,7 +23,14 @@ import pyarrow as pa
 from shardline.pipelines import storage
 from shardline.pipelines.config import FeatureSpec, SourceConfig
 from shardline.pipelines.errors import DataError, ShardlineError
-from shardline.pipelines.manifest import FittedStatistics, ShardManifest, has_manifest, load_manifest, sequences
+from shardline.pipelines.manifest import (
+    FittedStatistics,
+    ShardManifest,
+    TensorSpec,
+    has_manifest,
+    load_manifest,
+    sequences,
+)
 from shardline.pipelines.sources import list_files
 
 from .models import ResolvedModel
@@ -29,15 +42,29 @@ class Transform:
 
     spec_json: str
     stats_json: str
-    width: int
+    width: int  # of the features tensor; 0 when the dataset has none (typed columns only)
+    # The model's input tensors, {name: TensorSpec} as JSON, for a dataset with typed
+    # columns; "" for a tabular one (its input is the features tensor alone).
+    tensors_json: str = ""
 
     @classmethod
     def of(cls, manifest: ShardManifest) -> Transform:
+        features = manifest.tensors.get("features")
+        tensors = {n: t.model_dump(mode="json") for n, t in manifest.tensors.items() if n != "label"}
         return cls(
             manifest.feature_spec.model_dump_json(),
             manifest.statistics.model_dump_json(),
-            manifest.tensors["features"].shape[0],
+            features.shape[0] if features is not None else 0,
+            json.dumps(tensors) if manifest.feature_spec.typed else "",
         )
+
+    @property
+    def tensors(self) -> dict[str, TensorSpec] | None:
+        """The named input tensors (a dataset with typed columns), in shard column order; None
+        for a tabular dataset, whose model takes the features tensor."""
+        if not self.tensors_json:
+            return None
+        return {n: TensorSpec.model_validate(t) for n, t in json.loads(self.tensors_json).items()}
 
     @property
     def spec(self) -> FeatureSpec:
@@ -122,6 +149,13 @@ def discover(
             f"model {model.uri}: the dataset it was trained on (run param dataset_dir) is not "
             f"readable, so raw input cannot be transformed; score a prepared dataset instead"
         )
+    if trained_on.feature_spec.typed:
+        typed = [*trained_on.feature_spec.tensors, *trained_on.feature_spec.images]
+        raise DataError(
+            f"{input_path}: model {model.uri} takes tensor or image columns "
+            f"({', '.join(repr(c) for c in typed)}), which only prepare parses and checks: "
+            "prepare the raw files (pipelines.source) and score the prepared dataset"
+        )
     return list_units(input_path, split), Transform.of(trained_on)
 
 
@@ -148,7 +182,11 @@ def check_unit(unit: Unit, transform: Transform, for_model: str = "") -> int:
     except (OSError, pa.ArrowException) as e:
         raise DataError(f"{unit.path}: unreadable Parquet file ({str(e).splitlines()[0]})") from None
     spec = transform.spec
-    if unit.kind == "shard":
+    tensors = transform.tensors
+    if unit.kind == "shard" and tensors is not None:
+        need = {spec.key: pa.types.is_integer}
+        need.update({t.column: _stored_as(t) for t in tensors.values()})
+    elif unit.kind == "shard":
         need = {spec.key: pa.types.is_integer, "features": _is_numeric_list}
     else:
         need = {spec.key: pa.types.is_integer}
@@ -180,6 +218,15 @@ def spec_difference(a: FeatureSpec, b: FeatureSpec) -> list[str]:
 
     ra, rb = roles(a), roles(b)
     return sorted(c for c in ra.keys() | rb.keys() if ra.get(c) != rb.get(c))
+
+
+def _stored_as(tensor: TensorSpec):
+    """The Arrow type check of a typed shard column (pipelines.tensors, pipelines.images)."""
+    if tensor.encoding == "raw":
+        return pa.types.is_fixed_size_binary
+    if tensor.encoding == "image":
+        return lambda t: pa.types.is_binary(t) or pa.types.is_large_binary(t)
+    return _is_numeric_list
 
 
 def _is_number(t: pa.DataType) -> bool:

@@ -43,9 +43,18 @@ class UnitTask:
     code: UserCode | None = None  # the user's code the model needs (pipelines.code_travel), shipped by the driver
 
 
-def output_schema(classification: bool) -> pa.Schema:
+def output_schema(classification: bool, next_token: bool = False) -> pa.Schema:
+    """key, the prediction (class and probabilities, or the value), the model and the time.
+    next_token: `prediction` is the token id predicted after the row's last non-pad
+    position, `loss` the row's mean next-token loss over its `tokens` counted targets."""
     fields = [pa.field("key", pa.int64())]
-    if classification:
+    if next_token:
+        fields += [
+            pa.field("prediction", pa.int64()),
+            pa.field("loss", pa.float64()),
+            pa.field("tokens", pa.int64()),
+        ]
+    elif classification:
         fields += [
             pa.field("prediction", pa.int64()),
             pa.field("probabilities", pa.list_(pa.float32())),
@@ -80,7 +89,8 @@ def _score_unit(task: UnitTask) -> dict:
 
     spec = task.transform.spec
     classification = spec.task == "classification"
-    schema = output_schema(classification)
+    next_token = spec.task == "next_token"
+    schema = output_schema(classification, next_token)
     use_code(task.code)  # before the model is built: this job's version of the user's code
     model = cached_model(task.model_uri, task.tracking_uri)
     # torch defaults to one thread per core in every worker process: with one task
@@ -88,13 +98,16 @@ def _score_unit(task: UnitTask) -> dict:
     torch.set_num_threads(task.threads)
     scored_at = datetime.fromisoformat(task.scored_at) if task.scored_at else datetime.now(timezone.utc)
     rows = 0
+    tensors = task.transform.tensors  # the named inputs' specs; None: the features tensor
     with storage.write(storage.join(task.output_dir, task.output_name)) as f:
         with pq.ParquetWriter(f, schema) as writer:
             for keys, x in _batches(task, spec):
-                pred = _predict(model, x, classification)
                 n = len(keys)
                 cols = [keys]
-                if classification:
+                if next_token:
+                    cols += _next_token_columns(model, x, tensors, spec.label, spec.tensors[spec.label].pad_id)
+                elif classification:
+                    pred = _predict(model, x, classification, tensors)
                     k = pred.shape[1]
                     offsets = pa.array(np.arange(0, n * k + 1, k, dtype=np.int32))
                     cols += [
@@ -102,6 +115,7 @@ def _score_unit(task: UnitTask) -> dict:
                         pa.ListArray.from_arrays(offsets, pa.array(pred.reshape(-1), pa.float32())),
                     ]
                 else:
+                    pred = _predict(model, x, classification, tensors)
                     cols.append(pa.array(pred[:, 0].astype(np.float64)))
                 cols += [
                     pa.array([task.model_name] * n, pa.string()),
@@ -126,14 +140,38 @@ def _score_unit(task: UnitTask) -> dict:
     return entry
 
 
+def _next_token_columns(model, x: dict, tensors: dict, token_column: str, pad_id: int | None) -> list[pa.Array]:
+    """prediction, loss, tokens of a language model's rows (training.task.next_token_rows):
+    its targets are the row's own tokens, pads ignored, as training counts them. Reduced on
+    the model's device: the logits [n, length, vocab] never come to the host."""
+    import torch
+
+    from shardline.training.batch import forward, from_numpy, to_device
+    from shardline.training.loader_columns import label_tokens
+    from shardline.training.task import next_token_rows
+
+    device = next(model.parameters()).device
+    inputs = to_device(from_numpy(x, {n: t.dtype for n, t in tensors.items()}), device)
+    label = torch.from_numpy(label_tokens(x[token_column], pad_id)).to(device)
+    with torch.inference_mode():
+        rows = {k: v.cpu().numpy() for k, v in next_token_rows(forward(model, inputs), label).items()}
+    return [pa.array(rows["next_token"], pa.int64()), pa.array(rows["loss"], pa.float64()),
+            pa.array(rows["tokens"], pa.int64())]
+
+
 def _batches(task: UnitTask, spec):
-    """(int64 keys, float32 [n, width] features) per batch, bounded in memory."""
+    """(int64 keys, inputs) per batch, bounded in memory: inputs are float32 [n, width]
+    features, or for a dataset with tensor or image columns {name: numpy [n, *shape]},
+    each column decoded as the loader decodes it (training.loader_columns)."""
     import pyarrow.parquet as pq
 
     from shardline.pipelines.transform import features_matrix
 
     unit = task.unit
-    if unit.kind == "shard":
+    tensors = task.transform.tensors if unit.kind == "shard" else None
+    if tensors is not None:
+        columns = [spec.key, *(t.column for t in tensors.values())]
+    elif unit.kind == "shard":
         columns = [spec.key, "features"]
     else:
         columns = [spec.key, *spec.numeric, *spec.categorical, *spec.vectors]
@@ -143,7 +181,9 @@ def _batches(task: UnitTask, spec):
         key = batch.column(0)
         if key.null_count:
             raise ShardlineError(f"{unit.path}: column '{spec.key}' has null keys")
-        if unit.kind == "shard":
+        if tensors is not None:
+            x = _decoded(batch, tensors, spec, unit.path)
+        elif unit.kind == "shard":
             # On a sliced list array `.values` is the whole parent: flatten().
             flat = batch.column(1).flatten().to_numpy(zero_copy_only=False)
             x = flat.astype(np.float32).reshape(len(key), task.transform.width)
@@ -152,6 +192,16 @@ def _batches(task: UnitTask, spec):
             _check_raw(table, spec, unit.path, impute)
             x = features_matrix(table, spec, stats, impute)
         yield key.cast(pa.int64()), x
+
+
+def _decoded(batch: pa.RecordBatch, tensors: dict, spec, path: str) -> dict[str, np.ndarray]:
+    """A batch's input tensors {name: numpy [n, *shape]}, decoded as the loader decodes them
+    (images with Pillow, raw tensors viewed in their dtype, bfloat16 as its 16 bits)."""
+    from shardline.training.loader_columns import decode_column
+
+    n = batch.num_rows
+    return {name: decode_column(batch.column(t.column), t, spec.images, n, f"{path}: column '{t.column}'")
+            for name, t in tensors.items()}
 
 
 def _check_raw(table: pa.Table, spec, path: str, impute: bool) -> None:
@@ -177,12 +227,20 @@ def _check_raw(table: pa.Table, spec, path: str, impute: bool) -> None:
             )
 
 
-def _predict(model, x: np.ndarray, classification: bool) -> np.ndarray:
+def _predict(model, x, classification: bool, tensors: dict | None = None) -> np.ndarray:
+    """The model's outputs (softmax for classification) on float32 features, or on named
+    numpy inputs ({name: [n, *shape]}, `tensors` their specs) given as keyword arguments."""
     import torch
 
+    from shardline.training.batch import forward, from_numpy, to_device
+
     device = next(model.parameters()).device
+    if isinstance(x, dict):
+        inputs = from_numpy(x, {n: t.dtype for n, t in (tensors or {}).items()})
+    else:
+        inputs = torch.from_numpy(x)
     with torch.inference_mode():
-        y = model(torch.from_numpy(x).to(device))
+        y = forward(model, to_device(inputs, device))
         if classification:
             y = torch.softmax(y, 1)
     return y.float().cpu().numpy()

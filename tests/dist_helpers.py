@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
+from shardline.pipelines.manifest import load_manifest
+from shardline.training.batch import rows, split, take
 from shardline.training.config import TrainingConfig
+from shardline.training.loader import ShardLoader
 from shardline.training.model_factory import create_model
 from shardline.training.model_inputs import ModelInputs, TensorInput
 from shardline.training.models import FeatureCNN, FeatureTransformer, TabularMLP, apply_activation_checkpointing
+from shardline.training.models_lm import Decoder
 from shardline.training.strategies import get_strategy
 
 MODELS = {
     "mlp": lambda: TabularMLP(5, [4], [16, 8], 3, embedding_dim=3),
     "cnn": lambda: FeatureCNN(5, [4], channels=8, n_classes=3),
     "transformer": lambda: FeatureTransformer(5, [4], d_model=16, heads=4, layers=2, n_classes=3),
+    # A language model (next_token): token_batches' sequences, VOCAB ids, LENGTH long.
+    "decoder": lambda: Decoder(VOCAB, LENGTH, d_model=16, heads=4, layers=2),
 }
+VOCAB, LENGTH = 32, 12
 
 # What a factory is told about global_batches' data: 5 numerics, 1 category of 4, 3 classes.
 INPUTS = ModelInputs(
@@ -25,10 +34,12 @@ INPUTS = ModelInputs(
 
 
 def _model(args: dict, cfg: TrainingConfig):
-    """args["model"]: a MODELS name, or an import path built by the factory (cfg's model_args)."""
+    """args["model"]: a MODELS name, or an import path built by the factory (cfg's model_args)
+    for global_batches' data, or for args["data"]'s (a prepared dataset's folder)."""
     name = args.get("model", "mlp")
     if ":" in name:
-        return create_model(INPUTS, cfg.model_copy(update={"model": name}))
+        inputs = ModelInputs.from_manifest(load_manifest(args["data"])) if "data" in args else INPUTS
+        return create_model(inputs, cfg.model_copy(update={"model": name}))
     return MODELS[name]()
 
 
@@ -47,6 +58,35 @@ def global_batches(steps: int, batch: int, n_numeric: int = 5, card: int = 4, se
         num = torch.randn(batch, n_numeric, generator=g)
         cat = torch.randint(0, card + 1, (batch, 1), generator=g).float()
         yield torch.cat([num, cat], 1), torch.randint(0, 3, (batch,), generator=g)
+
+
+def token_batches(steps: int, batch: int, seed: int = 3):
+    """({"tokens": int32 [batch, LENGTH]}, label): the label is the tokens as int64 with the last
+    few positions of every row pads (-100, as the loader marks them), as many in each row,
+    so every rank's and micro-batch's mean covers as many tokens as the global batch's."""
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        tokens = torch.randint(1, VOCAB, (batch, LENGTH), generator=g, dtype=torch.int32)
+        pads = 1 + step % 4
+        tokens[:, LENGTH - pads:] = 0
+        label = tokens.long()
+        label[:, LENGTH - pads:] = -100
+        yield {"tokens": tokens}, label
+
+
+def batches_of(args: dict):
+    """The global batches (inputs, y) a run of `args` trains on: global_batches (token_batches
+    for the decoder), or with args["data"] the first `steps` batches of that prepared dataset's train split, read as
+    one rank reads it (the features tensor, or named tensors: training.batch)."""
+    if "data" not in args:
+        make = token_batches if args.get("model") == "decoder" else global_batches
+        yield from make(args["steps"], args["batch"])
+        return
+    d = args["data"]
+    loader = ShardLoader(load_manifest(d), d, "train", 0, 1, args["batch"], seed=3, workers=0)
+    epochs = (batch for epoch in itertools.count() for batch in loader.epoch(epoch))
+    for batch in itertools.islice(epochs, args["steps"]):
+        yield split(batch)
 
 
 def train_steps(rank: int, world_size: int, args: dict) -> dict:
@@ -69,13 +109,13 @@ def train_steps(rank: int, world_size: int, args: dict) -> dict:
     parallel = get_strategy(strategy).setup(
         model, cfg, rank, world_size, torch.device("cpu"), OPTIMIZERS[args.get("optimizer", "sgd")]
     )
-    for x, y in global_batches(args["steps"], args["batch"]):
+    for x, y in batches_of(args):
         if parallel.data_rank is None:
             parallel.step(None, None)
             continue
         local = args["batch"] // parallel.data_world
         part = slice(parallel.data_rank * local, (parallel.data_rank + 1) * local)
-        parallel.step(x[part], y[part])
+        parallel.step(take(x, part), y[part])
     return {k: v.detach().clone() for k, v in parallel.full_state_dict().items()}
 
 
@@ -102,9 +142,9 @@ def unsynchronised(args: dict, parts: int) -> dict:
     parallel = get_strategy("ddp").setup(
         model, cfg, 0, 1, torch.device("cpu"), OPTIMIZERS[args.get("optimizer", "sgd")]
     )
-    for x, y in global_batches(args["steps"], args["batch"]):
-        n = len(x) // parts
-        parallel.step(x[:n], y[:n])
+    for x, y in batches_of(args):
+        n = rows(x) // parts
+        parallel.step(take(x, slice(0, n)), y[:n])
     return {k: v.detach().clone() for k, v in parallel.full_state_dict().items()}
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -17,11 +19,12 @@ from shardline.training.job import preflight, run_training
 from shardline.training.launchers.local import launch_local
 from shardline.training.model_check import check_callables, check_model
 from shardline.training.model_factory import build_model, create_model
-from shardline.training.model_inputs import ModelInputs
+from shardline.training.model_inputs import ModelInputs, TensorInput
 from shardline.training.strategies import get_strategy
 
 from .defaults_helpers import small_dataset  # noqa: F401 (a fixture)
 from .dist_helpers import INPUTS, relative_distance, train_steps, train_variants, unsynchronised
+from .test_prepare_tensors import TOKENS, grid, pixels, tokens, typed_config, typed_raw
 
 USERMODELS = Path(__file__).parent / "usermodels"
 PACKAGE = str(USERMODELS / "usernets")
@@ -31,6 +34,24 @@ STRATEGIES = {
     "ddp": {}, "fsdp": {}, "tensor": {}, "pipeline": {"micro_batches": 4}, "ps": {"ps_servers": 1},
 }
 TOLERANCE = 1e-6  # SGD in fp32, as tests/test_equivalence.py
+# SGD in bf16 autocast on the named-input model: measured 9.4e-6 (pipeline, torch 2.13 CPU);
+# half of each batch alone lands at 1.0e-3, so test_equivalence.py's 1e-3 would have no teeth.
+BF16_TOLERANCE = 1e-4
+TYPED = "usernets.typed:build"  # forward(photo, grid, tokens): uint8, uint8, int32
+
+
+@pytest.fixture(scope="module")
+def typed_dataset(dask_client, tmp_path_factory) -> str:
+    """96 rows of a PNG image (3 x 8 x 6), a uint8 grid [2, 3] and int32 tokens [8], prepared
+    by Dask (tests/test_prepare_tensors.py's columns); its folder."""
+    from shardline.pipelines.engine_dask import DaskEngine
+    from shardline.pipelines.prepare import prepare
+
+    tmp = tmp_path_factory.mktemp("typed-model")
+    typed_raw(tmp / "raw", rows=96)
+    cfg = typed_config(tmp)
+    prepare(DaskEngine(dask_client), cfg)
+    return cfg.dataset_dir
 
 
 def test_every_strategy_trains_a_user_model_with_its_loss_as_single_process_does(monkeypatch):
@@ -48,6 +69,28 @@ def test_every_strategy_trains_a_user_model_with_its_loss_as_single_process_does
     # user's, lands outside it.
     assert relative_distance(unsynchronised({**common, "cfg": {"loss": LOSS}}, 2), reference) > 3 * TOLERANCE
     assert relative_distance(train_steps(0, 1, common), reference) > 3 * TOLERANCE
+
+
+def test_every_strategy_trains_a_model_of_named_image_and_tensor_inputs_as_single_process_does(
+    typed_dataset, monkeypatch,
+):
+    """The ranks read the prepared dataset's batches (PNGs decoded to uint8, tokens int32) and
+    call the model with them as keyword arguments; a pipeline's first stage gets them too.
+    bf16 autocast leaves the integer inputs as they are (the model asserts their dtypes)."""
+    monkeypatch.chdir(USERMODELS)
+    common = {"steps": 4, "batch": 16, "model": TYPED, "data": typed_dataset}
+    variants = [{"strategy": s, "cfg": settings} for s, settings in STRATEGIES.items()]
+    variants += [{"strategy": s, "cfg": {**STRATEGIES[s], "precision": "bf16"}} for s in ("fsdp", "pipeline")]
+    ranks = launch_local(train_variants, {**common, "variants": variants}, world_size=2, timeout_s=300)
+    references = {p: train_steps(0, 1, {**common, "cfg": {"precision": p}}) for p in ("fp32", "bf16")}
+    for i, variant in enumerate(variants):
+        precision = variant["cfg"].get("precision", "fp32")
+        tolerance = BF16_TOLERANCE if precision == "bf16" else TOLERANCE
+        for rank, weights in enumerate(ranks):
+            distance = relative_distance(weights[i], references[precision])
+            assert distance <= tolerance, (variant, rank, distance)
+    # Teeth: half of each batch alone (a lost gradient sync) lands outside both tolerances.
+    assert relative_distance(unsynchronised(common, 2), references["fp32"]) > 3 * BF16_TOLERANCE
 
 
 def test_a_job_trains_a_user_model_with_its_loss_and_logs_its_metrics(small_dataset, tracking_uri, tmp_path):  # noqa: F811
@@ -138,6 +181,35 @@ def test_the_driver_refuses_what_cannot_run_in_one_line(small_dataset, settings,
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+# What a factory is told about typed_dataset (tests/test_prepare_tensors.py's columns).
+TYPED_INPUTS = ModelInputs(
+    task="classification", num_classes=3, class_names=["cat", "dog", "owl"], numeric=[], vectors={},
+    categorical=[], cardinalities=[], label=TensorInput(dtype="int64", shape=[]), inputs={
+        "tokens": TensorInput(dtype="int32", shape=[TOKENS]), "grid": TensorInput(dtype="uint8", shape=[2, 3]),
+        "photo": TensorInput(dtype="uint8", shape=[3, 8, 6]),
+    },
+)
+
+
+def test_the_driver_checks_a_model_of_named_inputs_on_zeros_of_their_dtypes():
+    x, y = TYPED_INPUTS.sample_batch(2)
+    assert {n: (t.dtype, list(t.shape)) for n, t in x.items()} == {
+        "tokens": (torch.int32, [2, TOKENS]), "grid": (torch.uint8, [2, 2, 3]), "photo": (torch.uint8, [2, 3, 8, 6]),
+    }
+    assert y.dtype == torch.int64 and y.shape == (2,)
+    cfg = TrainingConfig(model=TYPED, code_paths=[PACKAGE], strategy="pipeline", world_size=2)
+    check_callables(cfg)
+    check_model(cfg, TYPED_INPUTS, create_model(TYPED_INPUTS, cfg))  # its layers compose too
+    plain = cfg.model_copy(update={"model": "usernets.nets:plain", "strategy": "ddp"})
+    with pytest.raises(ConfigError) as e:
+        check_model(plain, TYPED_INPUTS, create_model(TYPED_INPUTS, plain))
+    assert str(e.value) == (
+        "training.model usernets.nets:plain: its forward fails on a batch of the dataset's shape (tokens [2, 8] "
+        "int32, grid [2, 2, 3] uint8, photo [2, 3, 8, 6] uint8 as keyword arguments) with TypeError: "
+        "Plain.forward() got an unexpected keyword argument 'tokens'"
+    )
+
+
 def test_a_pipeline_refuses_layers_that_do_not_compose_into_the_forward():
     cfg = TrainingConfig(model=MODEL, code_paths=[PACKAGE], strategy="pipeline", world_size=2)
     check_callables(cfg)
@@ -146,3 +218,61 @@ def test_a_pipeline_refuses_layers_that_do_not_compose_into_the_forward():
     with pytest.raises(ConfigError, match="pipeline_layers\\(\\) run one after the other do not give"):
         check_model(cfg, INPUTS, model)
     get_strategy("pipeline").check(cfg, create_model(INPUTS, cfg))  # its own order passes
+
+
+def _typed_rows(keys) -> dict[str, np.ndarray]:
+    """The named inputs of rows `keys`, rebuilt from tests/test_prepare_tensors.py's
+    generators (not read back from the shards): what prepare and the loader must give."""
+    return {
+        "tokens": np.array([(tokens(k) + [0] * TOKENS)[:TOKENS] for k in keys], np.int32),
+        "grid": np.array([grid(k) for k in keys], np.uint8),
+        "photo": np.stack([pixels(k).transpose(2, 0, 1) for k in keys]),
+    }
+
+
+def test_a_job_trains_scores_and_predicts_a_model_of_named_inputs(typed_dataset, dask_client, tracking_uri, tmp_path):
+    """Pipeline training of the named-input model with evaluation, registration, batch scoring
+    of the prepared dataset on Dask, and the registered model's predict on decoded arrays."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from shardline.serving.score import score
+
+    from .serving_helpers import read_scores
+
+    cfg = TrainingConfig(
+        launcher="local", world_size=2, strategy="pipeline", micro_batches=2, batch_size=16, epochs=1,
+        model=TYPED, code_paths=[PACKAGE], checkpoint_dir=str(tmp_path / "ckpt"), timeout_s=120,
+    )
+    tracking = TrackingConfig(tracking_uri=tracking_uri, experiment="typed-model", registered_model="typed-model")
+    result = run_training(cfg, tracking, typed_dataset)
+    logged = MlflowClient(tracking_uri).get_run(result.run_id).data.metrics
+    assert {"train_loss", "val_loss", "val_accuracy"} <= logged.keys() and logged["samples_per_s"] > 0, logged
+    model = build_model(load_manifest(typed_dataset), cfg)
+    model.load_state_dict(result.weights)
+    model.eval()
+
+    out = tmp_path / "scores"
+    scored = score("dask", dask_client, result.model_uri, tracking_uri, typed_dataset, str(out))
+    test_rows = load_manifest(typed_dataset).splits["test"].rows
+    assert scored.rows == test_rows > 0
+    table = read_scores(out).sort_by("key")
+    assert table.column_names == ["key", "prediction", "probabilities", "model_name", "model_version", "scored_at"]
+    keys = table.column("key").to_pylist()
+    rows = _typed_rows(keys)
+    with torch.no_grad():
+        want = torch.softmax(model(**{n: torch.from_numpy(a) for n, a in rows.items()}), 1).numpy()
+    got = np.array(table.column("probabilities").to_pylist(), np.float32)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert table.column("prediction").to_pylist() == want.argmax(1).tolist()
+
+    # The registered model predicts from decoded arrays (a dict, or a DataFrame of one array per row).
+    pyfunc = mlflow.pyfunc.load_model(result.model_uri)
+    first = {n: a[:3] for n, a in rows.items()}
+    frame = pd.DataFrame({n: list(a) for n, a in first.items()})
+    for given in (first, frame):
+        predicted = pyfunc.predict(given)
+        assert predicted["prediction"].tolist() == want[:3].argmax(1).tolist()
+        np.testing.assert_allclose(predicted[["prob_cat", "prob_dog", "prob_owl"]].to_numpy(), want[:3], atol=1e-5)
+    with pytest.raises(Exception, match=r"input 'photo' has shape \[3, 4, 6\] per row; the model takes \[3, 8, 6\]"):
+        pyfunc.predict({**first, "photo": first["photo"][:, :, :4]})

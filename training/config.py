@@ -79,7 +79,8 @@ class TrainingConfig(Section):
         "slowest worker (stale synchronous parallel); 0 is lockstep.",
     )
     model: str = Field(
-        "mlp", description="The model: a built-in name (mlp, cnn, transformer) or the import path "
+        "mlp", description="The model: a built-in name (mlp, cnn, transformer; decoder for task "
+        "next_token) or the import path "
         "of your own factory, 'package.module:callable', which receives the prepared inputs' "
         "description and training.model_args and returns an nn.Module.",
     )
@@ -90,7 +91,9 @@ class TrainingConfig(Section):
     )
     loss: str | None = Field(
         None, description="Your own loss, 'package.module:callable' taking (output, target) and "
-        "returning a scalar tensor; unset: cross-entropy for classification, MSE for regression.",
+        "returning a scalar tensor, or a built-in by name: next_token (logits [B, L, V] against "
+        "the tokens one position ahead, pads ignored). Unset: cross-entropy for classification, "
+        "MSE for regression, next_token for task next_token.",
     )
     metrics: list[str] = Field(
         default_factory=list, description="Your own metrics, each 'package.module:callable' taking "

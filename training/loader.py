@@ -32,7 +32,8 @@ Named tensors: a dataset with tensor or image columns (`feature_spec.typed`) yie
 dicts, one entry per `manifest.tensors` name: `features` (float32 [B, d], when the
 spec has tabular columns), each tensor column (its dtype, [B, *shape]), each image
 column (uint8 [B, C, H, W], decoded from PNG/JPEG in the decoding threads) and `label`
-(int64 or float32 [B]). Tabular datasets keep yielding `(x, y)`. The shuffle buffer
+(int64 or float32 [B]; next_token: the token column again, [B, L], its pad_id positions
+set to IGNORE_INDEX, -100, which the losses skip). Tabular datasets keep yielding `(x, y)`. The shuffle buffer
 holds decoded rows, at most BUFFER_BYTES of them (`shuffle_buffer_rows` is lowered to fit).
 
 Prefetch: with `workers` >= 1 a producer thread assembles batches into a queue of
@@ -66,7 +67,8 @@ from shardline.pipelines.manifest import ShardInfo, ShardManifest, TensorSpec
 
 from . import collectives
 from .loader_batches import ShuffleBuffer, cut_batches
-from .loader_columns import decode_column, held_dtype, to_torch
+from .loader_columns import decode_column, held_dtype, label_pad_id, label_tokens, to_torch
+from shardline.pipelines.tensors import decode_raw
 
 REMAINDER_POLICIES = ("drop", "pad")
 _STATE_VERSION = 1
@@ -140,12 +142,16 @@ class ShardLoader:
         # Pinning needs CUDA; without it there is no device copy to speed up.
         self.pin_memory = torch.cuda.is_available() and pin_memory is not False
         self._label = manifest.tensors["label"].column
-        self._y_dtype = np.dtype(manifest.tensors["label"].dtype)
+        self._y_spec = manifest.tensors["label"]
+        # next_token's label: its token ids as int64 (label_tokens); else the label's own dtype.
+        self._y_dtype = np.dtype(np.int64) if self._y_spec.encoding == "raw" else held_dtype(self._y_spec)
+        self._y_ignore = label_pad_id(manifest)
         self._typed = manifest.feature_spec.typed
         # The inputs in shard column order, then the label: the columns of every chunk.
         self._inputs: list[tuple[str, TensorSpec]] = [(n, t) for n, t in manifest.tensors.items() if n != "label"]
         self._images = manifest.feature_spec.images
-        self._layout = [(tuple(t.shape), held_dtype(t)) for _, t in self._inputs] + [((), self._y_dtype)]
+        self._layout = [(tuple(t.shape), held_dtype(t)) for _, t in self._inputs] + [
+            (tuple(self._y_spec.shape), self._y_dtype)]
         row_bytes = sum(d.itemsize * math.prod(s) for s, d in self._layout)
         # Capped by memory, not by chance: the cap depends on the manifest alone, so the
         # order (and a saved state's shuffle_buffer_rows) is the same on every run.
@@ -387,13 +393,17 @@ class ShardLoader:
         """One row group as its chunk: every input column decoded, then the label."""
         si, g, rows = unit
         path = storage.display(self._paths[si])
-        columns = [t.column for _, t in self._inputs] + [self._label]
+        # Each column once: a next_token label is its input's column.
+        columns = list(dict.fromkeys([t.column for _, t in self._inputs] + [self._label]))
         try:
             table = self._file(si).read_row_group(g, columns=columns, use_threads=False)
         except Exception as e:
             raise DataError(f"{path}: row group {g} cannot be read ({e})") from None
         labels = table.column(self._label).combine_chunks()
-        y = np.asarray(labels.to_numpy(zero_copy_only=False), dtype=self._y_dtype)
+        if self._y_spec.encoding == "raw":  # next_token: the token ids, pads marked ignored
+            y = label_tokens(decode_raw(labels, self._y_spec.dtype, self._y_spec.shape), self._y_ignore)
+        else:
+            y = np.asarray(labels.to_numpy(zero_copy_only=False), dtype=self._y_dtype)
         if len(y) != rows:
             raise DataError(f"{path}: row group {g} holds {len(y)} rows; the manifest says {rows}")
         chunk = [decode_column(table.column(t.column), t, self._images, rows, f"{path}: row group {g}")

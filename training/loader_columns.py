@@ -13,8 +13,30 @@ import torch
 
 from shardline.pipelines.config import ImageColumn
 from shardline.pipelines.errors import DataError
-from shardline.pipelines.manifest import TensorSpec
+from shardline.pipelines.manifest import ShardManifest, TensorSpec
 from shardline.pipelines.tensors import decode_raw, storage_dtype
+
+
+# A label position no loss counts (torch's cross_entropy default ignore_index, and the
+# Hugging Face convention for causal language models' `labels`).
+IGNORE_INDEX = -100
+
+
+def label_pad_id(manifest: ShardManifest) -> int | None:
+    """next_token: the token column's pad_id, whose positions the label marks IGNORE_INDEX."""
+    spec = manifest.feature_spec
+    if spec.task != "next_token":
+        return None
+    return spec.tensors[spec.label].pad_id
+
+
+def label_tokens(tokens: np.ndarray, pad_id: int | None) -> np.ndarray:
+    """A next_token label: the token ids as int64 (a loss's target type), pads IGNORE_INDEX.
+    A copy: the input tensor keeps its pads (the model sees them, masked by its attention)."""
+    y = tokens.astype(np.int64)
+    if pad_id is not None:
+        y[tokens == pad_id] = IGNORE_INDEX
+    return y
 
 
 def held_dtype(t: TensorSpec) -> np.dtype:

@@ -2,7 +2,8 @@
 
 Without the dataset (`check_callables`): each import path imports and names a callable
 that takes what it will be given. With it (`check_model`): one forward pass of the built
-model on a two-row batch of the dataset's shape, whose output must be [batch, classes]
+model on a two-row batch of the dataset's shape (zeros: the features tensor, or each
+named tensor in its dtype and shape, training.batch), whose output must be [batch, classes]
 (regression: [batch, 1] or [batch]), then the loss and each metric on that output. A
 mistake found here is one line naming the setting; found in a rank, it would be a failed
 job after the engine, the ranks and the MLflow run had started.
@@ -17,12 +18,13 @@ from torch import nn
 
 from shardline.pipelines.errors import ConfigError
 
+from .batch import describe, forward
 from .config import TrainingConfig
 from .model_factory import factory_path, load_factory, one_line
 from .model_inputs import ModelInputs
 from .model_plans import pipeline_layers, recompute_units
 from .user_code import import_user_object
-from .task import loss_for, metric_names, user_metric_names, user_metrics
+from .task import TASKS, loss_for, metric_names, user_metric_names, user_metrics
 
 
 def _takes_output_and_target(fn, setting: str, path: str) -> None:
@@ -43,7 +45,7 @@ def check_callables(cfg: TrainingConfig) -> None:
         _takes_output_and_target(loss_for(cfg), "training.loss", cfg.loss)
     names = user_metric_names(cfg)
     taken = set()
-    for kind in ("classification", "regression"):
+    for kind in TASKS:
         taken.update(metric_names(kind, "val"))
     for i, (name, path) in enumerate(zip(names, cfg.metrics)):
         setting = f"training.metrics[{i}]"
@@ -58,11 +60,12 @@ def check_model(cfg: TrainingConfig, inputs: ModelInputs, model: nn.Module) -> N
     x, y = inputs.sample_batch(2)
     model.eval()  # a batch of zeros: no running statistics updated, no dropout
     try:
-        out = model(x)
+        out = forward(model, x)  # the features tensor, or the named tensors as keywords
     except Exception as e:  # noqa: BLE001 - the user's forward: its message is theirs to see
+        how = " as keyword arguments" if inputs.named else ""
         raise ConfigError(
-            f"{what}: its forward fails on a batch of the dataset's shape (features [2, {inputs.feature_width}] "
-            f"float32) with {type(e).__name__}: {one_line(e)}"
+            f"{what}: its forward fails on a batch of the dataset's shape ({describe(x)}{how}) "
+            f"with {type(e).__name__}: {one_line(e)}"
         ) from None
     _check_output(what, inputs, out)
     if cfg.loss is not None:
@@ -90,6 +93,15 @@ def _check_output(what: str, inputs: ModelInputs, out) -> None:
     if not isinstance(out, torch.Tensor):
         raise ConfigError(f"{what}: its forward returns a {type(out).__name__}, not a tensor [batch, {k}]")
     shape = list(out.shape)
+    if inputs.task == "next_token":  # a logit per token id at every position
+        want = [2, *inputs.label.shape, k]
+        if shape != want:
+            raise ConfigError(
+                f"{what}: its output for a batch of 2 rows is {shape}, but the dataset's task is next_token "
+                f"over {k} token ids: the output must be [batch, {inputs.label.shape[0]}, {k}] "
+                "(logits at every position)"
+            )
+        return
     ok = shape == [2, k] or (inputs.task == "regression" and shape == [2])
     if not ok:
         need = f"{k} classes" if inputs.task == "classification" else "regression (one value per row)"
@@ -121,16 +133,17 @@ def _check_loss(cfg: TrainingConfig, out: torch.Tensor, y: torch.Tensor) -> None
         )
 
 
-def _check_layers_compose(what: str, model: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
-    """A pipeline runs pipeline_layers() one after the other: that must be the model's forward."""
+def _check_layers_compose(what: str, model: nn.Module, x, out: torch.Tensor) -> None:
+    """A pipeline runs pipeline_layers() one after the other: that must be the model's forward
+    (the first layer takes the named inputs as keywords, as the model does)."""
     layers = pipeline_layers(model, what)
     if layers is None:
         return  # the strategy's check says so
     why = ""
     try:
         with torch.no_grad():
-            h = x
-            for _, layer in layers:
+            h = forward(layers[0][1], x)
+            for _, layer in layers[1:]:
                 h = layer(h)
         same = isinstance(h, torch.Tensor) and h.shape == out.shape and torch.allclose(h, out.detach(), atol=1e-5)
     except Exception as e:  # noqa: BLE001 - layers that do not chain: the same mistake

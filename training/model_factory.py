@@ -31,6 +31,7 @@ BUILTINS: dict[str, tuple[str, tuple[str, ...]]] = {
     "mlp": ("shardline.training.models:mlp", ("hidden", "embedding_dim")),
     "cnn": ("shardline.training.models:cnn", ("hidden",)),
     "transformer": ("shardline.training.models:transformer", ("hidden", "heads")),
+    "decoder": ("shardline.training.models_lm:decoder", ("hidden", "heads")),
 }
 
 

@@ -1,10 +1,19 @@
 """What a model factory is told about the data: `ModelInputs`, read from the dataset's manifest.
 
 A model is any callable `factory(inputs: ModelInputs, **training.model_args) -> nn.Module`
-(training.model_factory). Its forward takes the `features` tensor the loader yields,
-[batch, feature_width] float32 — the standardised numerics, then the vector columns'
-elements, then one category index per categorical column (0: unknown) — and returns
-[batch, output_width]: one logit per class for classification, one value for regression.
+(training.model_factory). Its forward takes what the loader yields (training.batch):
+
+- a tabular dataset: the `features` tensor, positionally, [batch, feature_width] float32
+  — the standardised numerics, then the vector columns' elements, then one category
+  index per categorical column (0: unknown);
+- a dataset with tensor or image columns (`pipelines.features.tensors` / `images`):
+  every tensor of `inputs.inputs` as a keyword argument by its name, in its own dtype
+  and shape with the batch first — `forward(self, image, tokens)` gets uint8
+  [batch, C, H, W] and int32 [batch, length]; `features` too when the dataset also
+  has tabular columns.
+
+It returns [batch, output_width]: one logit per class for classification, one value
+for regression.
 
 `ModelInputs` is a plain pydantic model: it pickles to ranks and round-trips through
 JSON (`model_dump_json` / `model_validate_json`), so a registered model can store it and
@@ -34,8 +43,11 @@ class ModelInputs(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    task: Literal["classification", "regression"]
-    num_classes: int = Field(description="Classes K (classification); 1 for regression.")
+    task: Literal["classification", "regression", "next_token"]
+    num_classes: int = Field(
+        description="Classes K (classification); 1 for regression; the vocabulary size V for "
+        "next_token (the model returns V logits at every position: [batch, length, V])."
+    )
     class_names: list[str] = Field(
         description="Name of each class, in logit order ('0'..'K-1' when classes are counts); [] for regression."
     )
@@ -47,9 +59,14 @@ class ModelInputs(BaseModel):
         "unknown bucket, so an embedding table needs c + 1 rows."
     )
     inputs: dict[str, TensorInput] = Field(
-        description="Each tensor the model's forward gets, by name: today {'features': float32 [feature_width]}."
+        description="Each tensor the model's forward gets, by name: {'features': float32 [feature_width]} "
+        "for a tabular dataset (given positionally); each tensor or image column (and features, if any) "
+        "for a dataset with typed columns (given as keyword arguments)."
     )
-    label: TensorInput = Field(description="The target: int64 [] class index or float32 [] value.")
+    label: TensorInput = Field(
+        description="The target: int64 [] class index, float32 [] value, or (next_token) int64 "
+        "[length], the input tokens again with pads as -100."
+    )
 
     @property
     def n_numeric(self) -> int:
@@ -62,14 +79,17 @@ class ModelInputs(BaseModel):
 
     @property
     def output_width(self) -> int:
-        """What the model's output must be wide: K logits, or 1 value for regression."""
-        return self.num_classes if self.task == "classification" else 1
+        """What the model's output must be wide: K logits, 1 value for regression, V logits
+        at each position for next_token ([batch, length, V])."""
+        return 1 if self.task == "regression" else self.num_classes
 
     @classmethod
     def from_manifest(cls, manifest: ShardManifest) -> ModelInputs:
         spec, stats = manifest.feature_spec, manifest.statistics
         task = "regression" if manifest.tensors["label"].dtype == "float32" else "classification"
-        if task == "regression":
+        if spec.task == "next_token":
+            task = "next_token"
+        if task != "classification":
             names: list[str] = []
         elif isinstance(spec.classes, list):
             names = list(spec.classes)
@@ -77,7 +97,7 @@ class ModelInputs(BaseModel):
             names = [str(i) for i in range(stats.num_classes)]
         return cls(
             task=task,
-            num_classes=stats.num_classes if task == "classification" else 1,
+            num_classes=1 if task == "regression" else stats.num_classes,
             class_names=names,
             numeric=list(spec.numeric or []),
             vectors=dict(spec.vectors),
@@ -87,14 +107,33 @@ class ModelInputs(BaseModel):
                 name: TensorInput(dtype=t.dtype, shape=list(t.shape))
                 for name, t in manifest.tensors.items() if name != "label"
             },
-            label=TensorInput(dtype=manifest.tensors["label"].dtype, shape=list(manifest.tensors["label"].shape)),
+            label=_label(manifest),
         )
 
+    @property
+    def named(self) -> bool:
+        """True when the forward takes named tensors (keyword arguments), not the features
+        tensor: the dataset has tensor or image columns (`feature_spec.typed`)."""
+        return set(self.inputs) != {"features"}
+
     def sample_batch(self, rows: int = 2):
-        """(features, target) of `rows` rows of this shape: zeros (category 0, the unknown
-        bucket, is valid for every column). For the driver's checks of a model, loss, metrics."""
+        """(inputs, target) of `rows` rows of this shape, as the loader yields them: the
+        features tensor, or named tensors of their declared dtypes and shapes (uint8
+        images, int32 tokens) when `named`. Zeros: category 0 (the unknown bucket) and
+        token 0 are valid for every column. For the driver's checks of a model, loss, metrics."""
         import torch
 
-        x = torch.zeros(rows, self.feature_width, dtype=torch.float32)
-        y = torch.zeros(rows, dtype=torch.float32 if self.task == "regression" else torch.int64)
+        from .batch import torch_dtype
+
+        y = torch.zeros(rows, *self.label.shape, dtype=torch_dtype(self.label.dtype))
+        if not self.named:
+            return torch.zeros(rows, self.feature_width, dtype=torch.float32), y
+        x = {name: torch.zeros(rows, *t.shape, dtype=torch_dtype(t.dtype)) for name, t in self.inputs.items()}
         return x, y
+
+
+def _label(manifest: ShardManifest) -> TensorInput:
+    """The target as the loader yields it: next_token's is its token ids as int64 [length]
+    (pads -100, training.loader_columns), whatever dtype the column stores."""
+    t = manifest.tensors["label"]
+    return TensorInput(dtype="int64" if t.encoding == "raw" else t.dtype, shape=list(t.shape))

@@ -9,8 +9,12 @@ process starts, a model that declares none. Every method is optional:
   between. `training.tp_plan` overrides it.
 - `pipeline_layers() -> list[str]`: strategy pipeline. Names of the model's direct
   children in the order its forward runs them, each taking the previous one's output
-  (the first takes the features tensor, the last returns the model's output); they must
-  hold every parameter and buffer. An `nn.Sequential` needs none: its children are its layers.
+  (the first takes the model's inputs as its forward does: the features tensor, or the
+  named tensors of a dataset with tensor or image columns as keyword arguments,
+  `first(image=..., grid=...)`; the last returns the model's output); they must hold every
+  parameter and buffer, and only the first may take more than one tensor. An
+  `nn.Sequential` needs none: its children are its layers (features datasets only: a
+  Sequential takes no keyword arguments).
 - `fsdp_units() -> list[nn.Module]`: strategy fsdp. Submodules sharded as units of their
   own (each gathered just before it runs, freed after); the rest goes with the root.
   Default: an `nn.Sequential`'s children that have parameters, else the whole model as one unit.

@@ -233,18 +233,30 @@ class FeatureTransformer(nn.Sequential):
 # A built-in name passes the settings (training.hidden, heads, embedding_dim) as these arguments.
 
 
+def _tabular(inputs: ModelInputs, name: str) -> None:
+    """These models read the features vector: a language model's tokens are not one."""
+    if inputs.task == "next_token":
+        raise ConfigError(
+            f"training.model {name} reads the tabular features; the dataset's task is next_token: "
+            "use training.model = 'decoder' (or your own)"
+        )
+
+
 def mlp(inputs: ModelInputs, hidden: Sequence[int] = (128, 64), embedding_dim: int = 8) -> TabularMLP:
+    _tabular(inputs, "mlp")
     return TabularMLP(inputs.n_numeric, inputs.cardinalities, list(hidden), inputs.output_width,
                       embedding_dim=embedding_dim)
 
 
 def cnn(inputs: ModelInputs, hidden: Sequence[int] = (128, 64)) -> FeatureCNN:
     """hidden[0] channels."""
+    _tabular(inputs, "cnn")
     return FeatureCNN(inputs.n_numeric, inputs.cardinalities, channels=hidden[0], n_classes=inputs.output_width)
 
 
 def transformer(inputs: ModelInputs, hidden: Sequence[int] = (128, 64), heads: int = 4) -> FeatureTransformer:
     """hidden[0] is d_model, len(hidden) the encoder blocks."""
+    _tabular(inputs, "transformer")
     if hidden[0] % heads:
         raise ConfigError(
             f"training.hidden[0] (d_model {hidden[0]}) must be divisible by training.heads {heads}"

@@ -27,6 +27,7 @@ from shardline.pipelines.errors import DataError
 from shardline.pipelines.manifest import BandwidthPlan, ShardManifest
 from shardline.pipelines.transform import continuous_width
 
+from .batch import pin, rows as batch_rows, split, to_device
 from .config import TrainingConfig
 from .job import preflight
 from .launchers import available_cores
@@ -189,11 +190,11 @@ def measure_training(
         # A few distinct batches, cycled: realistic inputs without generating one per step.
         batches = [_synthetic_batch(manifest, local_batch, seed) for seed in range(4)]
         if device.type == "cuda":
-            batches = [(x.pin_memory(), y.pin_memory()) for x, y in batches]
+            batches = [(pin(x), y.pin_memory()) for x, y in batches]
 
         def step(i: int) -> None:
             x, y = batches[i % len(batches)]
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            x, y = to_device(x, device), y.to(device, non_blocking=True)
             _, loss = train_step(model, optimizer, autocast, x, y, loss_fn)
             loss.item()  # the worker reads the loss every step, which also syncs a GPU
 
@@ -235,9 +236,9 @@ def measure_loader(
     start = time.perf_counter()
     for epoch in itertools.count():
         epoch_start, first, n, cut = time.perf_counter(), None, 0, False
-        for _, y in loader.epoch(epoch):
+        for batch in loader.epoch(epoch):
             now = time.perf_counter()
-            n += len(y)
+            n += batch_rows(split(batch)[0])
             if first is None:
                 first = (now, n)
             elif now - start >= budget_s and n - first[1] >= 2 * local_batch:
@@ -257,11 +258,17 @@ def training_device() -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _synthetic_batch(manifest: ShardManifest, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _synthetic_batch(manifest: ShardManifest, rows: int, seed: int):
     """Random rows of the dataset's shape: standard-normal continuous features, valid
-    category indices (0 is unknown) and labels; values never change a step's cost."""
+    category indices (0 is unknown) and labels; values never change a step's cost. A
+    dataset with tensor or image columns: the named tensors' zeros (ModelInputs.sample_batch)."""
+    from .model_inputs import ModelInputs
+
     g = torch.Generator().manual_seed(seed)
     spec, stats = manifest.feature_spec, manifest.statistics
+    if spec.typed:
+        x, _ = ModelInputs.from_manifest(manifest).sample_batch(rows)
+        return x, torch.randint(0, max(1, stats.num_classes), (rows,), generator=g)
     n = continuous_width(spec)
     x = torch.empty(rows, manifest.tensors["features"].shape[0])
     x[:, :n] = torch.randn(rows, n, generator=g)

@@ -12,6 +12,16 @@ the value).
 Batch scoring of prepared shards does not need the transform: `load_torch_model` gives
 it the torch module alone (from this model or from a plain pytorch-flavor one).
 
+A model of a dataset with tensor or image columns (`feature_spec.typed`) takes its
+inputs already decoded: `predict({"photo": uint8 [n, C, H, W], "tokens": int32 [n, L]})`
+(a dict of array-likes, or a DataFrame whose columns hold one array per row), each
+checked against its declared dtype and shape and given to the module by name
+(`predict_typed`). Such a model is logged without a signature or input example (MLflow's
+column types cannot say "uint8 [3, 8, 8]"). HTTP serving of encoded inputs (base64
+PNG/JPEG in JSON, token lists) is not here yet: it would decode them in `typed_inputs`,
+with `pipelines.images.decode_images` for image bytes and `pipelines.tensors.parse_tensor`
+for token lists (padding/truncation as prepare does), before the same forward.
+
 Nothing in the model is a pickle: the module is safetensors weights plus the JSON that
 rebuilds it (training.model_files), the pyfunc is "models from code" (raw_model_code.py,
 run on loading, instead of a pickled python_model).
@@ -32,7 +42,7 @@ import pyarrow as pa
 
 from shardline.pipelines.config import FeatureSpec
 from shardline.pipelines.errors import ShardlineError
-from shardline.pipelines.manifest import FittedStatistics, ShardManifest
+from shardline.pipelines.manifest import FittedStatistics, ShardManifest, TensorSpec
 
 WEIGHTS = "weights"  # artifact names inside the logged model
 MODULE = "module"
@@ -49,10 +59,14 @@ class RawRowsModel(mlflow.pyfunc.PythonModel):
         t = json.loads(Path(context.artifacts[TRANSFORM]).read_text())
         self.spec = FeatureSpec.model_validate(t["spec"])
         self.stats = FittedStatistics.model_validate(t["stats"])
+        # The named input tensors of a typed dataset's model (absent from older models).
+        self.tensors = {n: TensorSpec.model_validate(v) for n, v in t.get("tensors", {}).items()}
         # MLflow has put the model's code folder (shardline's and the user's) on sys.path.
         self.model = read_module(context.artifacts[WEIGHTS], context.artifacts[MODULE])
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
+        if self.spec.typed:
+            return predict_typed(self.model, self.spec, self.stats, self.tensors, model_input)
         return predict_raw(self.model, self.spec, self.stats, model_input)
 
 
@@ -82,15 +96,74 @@ def predict_raw(model, spec: FeatureSpec, stats: FittedStatistics, rows: pd.Data
             what = f"is not {spec.vectors[col]} finite numbers"
         _refuse(f"column '{col}' {what} at row {row} (value {rows[col].iloc[row]!r})")
     x = features(numeric, categorical, vectors, table.num_rows, spec, stats, impute)
+    return _outputs(model, torch.from_numpy(x), spec, stats, rows)
+
+
+def predict_typed(model, spec: FeatureSpec, stats: FittedStatistics, tensors: dict[str, TensorSpec],
+                  rows) -> pd.DataFrame:
+    """Predictions for already-decoded named inputs (see the module docstring)."""
+    if "features" in tensors:
+        _refuse("a model of tensor or image columns and tabular features together takes its "
+                "inputs from batch scoring of a prepared dataset, not from raw rows")
+    return _outputs(model, typed_inputs(tensors, rows), spec, stats, rows)
+
+
+def typed_inputs(tensors: dict[str, TensorSpec], rows) -> dict:
+    """{name: torch tensor [n, *shape] of the declared dtype} from a dict of array-likes or
+    a DataFrame of one array per row; a missing input, another shape, or values its dtype
+    cannot hold are refused by name. (Where HTTP serving of base64 images and token lists
+    would decode them first.)"""
+    import torch
+
+    from .batch import torch_dtype
+
+    out = {}
+    for name, t in tensors.items():
+        if name not in rows:
+            _refuse(f"missing input '{name}' ({t.dtype} {t.shape} per row)")
+        value = rows[name]
+        if isinstance(value, pd.Series):
+            value = [np.asarray(v) for v in value]
+        try:
+            a = np.asarray(value)
+        except ValueError as e:  # ragged rows
+            _refuse(f"input '{name}': {str(e).splitlines()[0]}")
+        if a.ndim < 1 or list(a.shape[1:]) != list(t.shape):
+            _refuse(f"input '{name}' has shape {list(a.shape[1:])} per row; the model takes {t.shape}")
+        dtype = torch_dtype(t.dtype)
+        if not dtype.is_floating_point:
+            if a.dtype.kind not in "iub" or (a.size and (a.min() < torch.iinfo(dtype).min or a.max() > torch.iinfo(dtype).max)):
+                _refuse(f"input '{name}' holds values that are not {t.dtype}")
+        elif a.dtype.kind not in "iubf":
+            _refuse(f"input '{name}' holds {a.dtype} values, not numbers")
+        out[name] = torch.as_tensor(a).to(dtype)
+    return out
+
+
+def _outputs(model, inputs, spec: FeatureSpec, stats: FittedStatistics, rows) -> pd.DataFrame:
+    """The model on `inputs` (features, or named tensors as keywords): prediction and
+    one prob_<class> column per class (regression: the value); the caller's key passed through."""
+    import torch
+
+    from .batch import forward
+    from .loader_columns import label_tokens
+    from .task import next_token_rows
+
     with torch.inference_mode():
-        y = model(torch.from_numpy(x))
+        y = forward(model, inputs)
         if spec.task == "classification":
             y = torch.softmax(y, 1)
+        if spec.task == "next_token":  # batch scoring's columns (serving.worker): reduced here
+            tokens = inputs[spec.label].numpy()
+            scores = next_token_rows(y, torch.from_numpy(label_tokens(tokens, spec.tensors[spec.label].pad_id)))
     y = y.float().numpy()
     out = {}
-    if spec.key in rows.columns:  # pass the caller's key through, to join on
-        out["key"] = rows[spec.key].to_numpy()
-    if spec.task == "classification":
+    if spec.key in rows:  # pass the caller's key through, to join on
+        out["key"] = np.asarray(rows[spec.key])
+    if spec.task == "next_token":
+        out.update(prediction=scores["next_token"].numpy(), loss=scores["loss"].numpy(),
+                   tokens=scores["tokens"].numpy())
+    elif spec.task == "classification":
         out["prediction"] = y.argmax(1).astype(np.int64)
         out.update({name: y[:, i].astype(np.float64) for i, name in enumerate(class_names(spec, stats))})
     else:
@@ -181,15 +254,18 @@ def log_raw_model(model, manifest: ShardManifest, cfg, registered_name: str | No
             shutil.copyfile(f, os.path.join(code, arcname))
         weights, module = write_module(model, manifest, cfg, d)
         transform = os.path.join(d, "transform.json")
-        Path(transform).write_text(json.dumps(
-            {"spec": spec.model_dump(mode="json"), "stats": stats.model_dump(mode="json")}
-        ))
+        tensors = {n: t.model_dump(mode="json") for n, t in manifest.tensors.items() if n != "label"}
+        Path(transform).write_text(json.dumps({
+            "spec": spec.model_dump(mode="json"), "stats": stats.model_dump(mode="json"),
+            **({"tensors": tensors} if spec.typed else {}),
+        }))
         return mlflow.pyfunc.log_model(
             name="model",
             python_model=str(ENTRY),
             artifacts={WEIGHTS: weights, MODULE: module, TRANSFORM: transform},
-            signature=signature(spec, stats),
-            input_example=example_rows(spec, stats),
+            # Named tensors: no MLflow column type says "uint8 [3, 8, 8]" (module docstring).
+            signature=None if spec.typed else signature(spec, stats),
+            input_example=None if spec.typed else example_rows(spec, stats),
             # Each folder lands in the model's code/ by its own name: code/shardline, and the
             # user's packages beside it, importable as they were in training.
             code_paths=[os.path.join(code, "shardline"), *user_code],

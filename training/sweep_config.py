@@ -85,7 +85,7 @@ class SweepConfig(Section):
         "val_accuracy", description="Per-epoch training metric to optimise (its last epoch's value)."
     )
     direction: Literal["maximize", "minimize"] | None = Field(
-        None, description="Default: minimize for *_loss, *_rmse, *_mae and data_wait_fraction, "
+        None, description="Default: minimize for *_loss, *_rmse, *_mae, *_perplexity and data_wait_fraction, "
         "else maximize.",
     )
     sampler: Literal["tpe", "random", "grid"] = Field(
@@ -143,5 +143,5 @@ class SweepConfig(Section):
     def resolved_direction(self) -> str:
         if self.direction:
             return self.direction
-        lower_is_better = self.objective.endswith(("loss", "rmse", "mae")) or self.objective == "data_wait_fraction"
+        lower_is_better = self.objective.endswith(("loss", "rmse", "mae", "perplexity")) or self.objective == "data_wait_fraction"
         return "minimize" if lower_is_better else "maximize"

@@ -17,6 +17,7 @@ from shardline.pipelines import progress, storage
 from shardline.pipelines.manifest import ShardManifest, load_manifest
 
 from . import checkpoints, collectives, sharded_checkpoints, task
+from .batch import forward, split as split_batch, to_device
 from .config import TrainingConfig
 from .loader import ShardLoader
 from .models import apply_activation_checkpointing, build_model
@@ -25,7 +26,7 @@ from .tracking import MetricsReporter
 
 
 _SHOWN = ("train_loss", "train_accuracy", "train_rmse", "val_loss", "val_accuracy", "val_rmse", "val_r2",
-          "samples_per_s")
+          "val_perplexity", "samples_per_s")
 
 
 @dataclass
@@ -156,7 +157,9 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
             if batch is None:  # finding the epoch over is no step: not counted as waiting
                 break
             waited += time.perf_counter() - t
-            x, y = (b.to(device, non_blocking=True) if b is not None else None for b in batch)
+            # Features or named tensors (training.batch); None on a rank that reads no data.
+            x, y = split_batch(batch)
+            x, y = to_device(x, device), to_device(y, device)
             out = parallel.step(x, y)
             if scheduler:
                 scheduler.step()
@@ -354,8 +357,9 @@ def _evaluate(model, val: ShardLoader | None, device, kind: str, loss_fn, user_m
     kept = []  # (outputs, targets) on the CPU, only when there are user metrics
     if model is not None:
         model.eval()
-    for x, y in val.all_batches(4096) if val is not None else ():
-        outputs = model(x.to(device))
+    for batch in val.all_batches(4096) if val is not None else ():
+        x, y = split_batch(batch)
+        outputs = forward(model, to_device(x, device))
         y = y.to(device)
         # Summed on the device: no host round trip per batch.
         sums += task.batch_sums(kind, outputs, y, loss_fn(outputs, y))

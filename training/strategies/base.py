@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from shardline.pipelines.errors import ConfigError
 
 from .. import collectives
+from ..batch import Inputs, forward
 from ..config import TrainingConfig
 from ..task import LossFn, task_loss
 
@@ -123,9 +124,10 @@ class Parallel(Protocol):
     # The optimizer whose learning rate the schedule drives; None if this rank has none.
     optimizer: torch.optim.Optimizer | None
 
-    def step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def step(self, x: Inputs | None, y: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One optimizer step on the global batch; (logits, mean loss) of this rank's
-        batch where `reports`, else None. x, y are None where data_rank is None."""
+        batch where `reports`, else None. x is the features tensor or the named tensors
+        (training.batch); x, y are None where data_rank is None."""
         ...
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -178,11 +180,11 @@ def autocast_for(device: torch.device, cfg: TrainingConfig) -> torch.autocast:
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
 
 
-def train_step(model, optimizer, autocast, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn = task_loss):
-    """Forward, loss (the task's, or training.loss: task.loss_for), backward, optimizer
-    step; returns (logits, loss)."""
+def train_step(model, optimizer, autocast, x: Inputs, y: torch.Tensor, loss_fn: LossFn = task_loss):
+    """Forward (features, or named tensors as keywords: training.batch), loss (the task's,
+    or training.loss: task.loss_for), backward, optimizer step; returns (logits, loss)."""
     with autocast:
-        logits = model(x)
+        logits = forward(model, x)
         loss = loss_fn(logits, y)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()

@@ -7,6 +7,10 @@ parameter count) into p x v stages: v per rank of a pipeline of p ranks, placed 
 schedule wants them (rank r holds stage r for GPipe and 1F1B, r, r+p, ... for
 interleaved 1F1B, r and 2p-1-r for ZBV). Every rank of one pipeline reads the same batch
 (the first stage uses x, the last y); with dp > 1 the pipelines average their gradients.
+Named inputs (a dataset with tensor or image columns) reach the first stage as positional
+tensors, in the batch's order, and its first layer as keyword arguments
+(`layer(image=..., tokens=...)`, training.batch.as_kwargs): torch's schedules give
+keyword arguments to every stage of a rank, positional ones to the first stage only.
 torch's schedule takes each micro-batch's mean loss and divides the summed gradients by
 the number of micro-batches: the gradient of the batch's mean loss, as single-process
 training computes it.
@@ -26,6 +30,7 @@ from torch.distributed.pipelining import PipelineStage
 from shardline.pipelines.errors import ConfigError
 
 from .. import collectives
+from ..batch import as_args, as_kwargs, names
 from ..config import TrainingConfig
 from ..model_plans import pipeline_layers
 from ..task import loss_for
@@ -196,15 +201,26 @@ class StageLayers(nn.Sequential):
     """Layers lo..hi-1 of the model, under their own names (so state keys stay the plain
     model's, "3.linear.weight"), run under bf16 autocast when configured. The output leaves
     as float32: the next stage or the loss gets what single-process autocast would give it,
-    and the wire and the gradient coming back are float32."""
+    and the wire and the gradient coming back are float32.
+
+    The first stage of a model with named inputs is given them positionally; `input_names`
+    (set by PipelineRank.step from the batch) turns them back into its first layer's
+    keyword arguments. Integer inputs pass autocast unchanged (it casts floating operands)."""
 
     def __init__(self, layers: list[tuple[str, nn.Module]], lo: int, hi: int, bf16: bool):
         super().__init__(OrderedDict(layers[lo:hi]))
         self.bf16 = bf16
+        self.input_names: list[str] | None = None  # named inputs of the model's first layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            out = super().forward(x)
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(args[0].device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            layers = iter(self)
+            if self.input_names is not None:
+                out = next(layers)(**as_kwargs(self.input_names, args))
+            else:
+                (out,) = args
+            for layer in layers:
+                out = layer(out)
         return out.float()
 
 
@@ -259,7 +275,11 @@ class PipelineRank:
             # longest rank's time in it (pipeline_timing.py).
             collectives.barrier(group=self.pp_group)
             self.clock.begin(first=self.steps_run == 0)
-        args = (x,) if self.first else ()
+        if self.first:
+            for stage in self.stages:
+                if stage.is_first:
+                    stage.submod.input_names = names(x)
+        args = as_args(x) if self.first else ()
         losses: list[torch.Tensor] = []  # each micro-batch's mean loss, on the last stage
         logits = self.schedule.step(*args, target=y if self.last else None, losses=losses)
         if self.clock is not None:

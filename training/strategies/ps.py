@@ -25,6 +25,7 @@ from torch import nn
 from shardline.pipelines.errors import ConfigError
 
 from .. import collectives
+from ..batch import forward
 from ..config import TrainingConfig
 from ..task import loss_for
 from .base import OptimizerFactory, autocast_for
@@ -172,7 +173,7 @@ class WorkerRank:
     def step(self, x, y):
         self.model.train()
         with self.autocast:
-            logits = self.model(x)
+            logits = forward(self.model, x)
             loss = self.loss(logits, y)
         self.model.zero_grad(set_to_none=True)
         loss.backward()
