@@ -252,9 +252,10 @@ def _typed_rows(keys) -> dict[str, np.ndarray]:
     }
 
 
-def test_a_job_trains_scores_and_predicts_a_model_of_named_inputs(typed_dataset, dask_client, tracking_uri, tmp_path):
-    """Pipeline training of the named-input model with evaluation, registration, batch scoring
-    of the prepared dataset on Dask, and the registered model's predict on decoded arrays."""
+def test_a_job_trains_scores_and_predicts_a_model_of_named_inputs(typed_dataset, spark, dask_client, tracking_uri,
+                                                                   tmp_path):
+    """Pipeline training of the named-input model with evaluation, batch scoring of the
+    prepared dataset on Dask and on Spark, and the logged model's predict on decoded arrays."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -287,6 +288,10 @@ def test_a_job_trains_scores_and_predicts_a_model_of_named_inputs(typed_dataset,
     got = np.array(table.column("probabilities").to_pylist(), np.float32)
     np.testing.assert_allclose(got, want, atol=1e-5)
     assert table.column("prediction").to_pylist() == want.argmax(1).tolist()
+    score("spark", spark, result.model_uri, tracking_uri, typed_dataset, str(tmp_path / "spark"))
+    on_spark = read_scores(tmp_path / "spark").sort_by("key")
+    for column in ("key", "prediction", "probabilities"):
+        assert on_spark.column(column).to_pylist() == table.column(column).to_pylist(), column
 
     # The registered model predicts from decoded arrays (a dict, or a DataFrame of one array per row).
     pyfunc = mlflow.pyfunc.load_model(result.model_uri)
