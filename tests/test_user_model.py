@@ -210,6 +210,28 @@ def test_the_driver_checks_a_model_of_named_inputs_on_zeros_of_their_dtypes():
     )
 
 
+def test_the_registered_model_takes_decoded_arrays_of_the_declared_dtypes_and_shapes():
+    from mlflow.exceptions import MlflowException
+
+    from shardline.pipelines.manifest import TensorSpec
+    from shardline.training.raw_model import typed_inputs
+
+    tensors = {"grid": TensorSpec(column="grid", dtype="uint8", shape=[2, 3], encoding="raw"),
+               "w": TensorSpec(column="w", dtype="bfloat16", shape=[2], encoding="raw")}
+    got = typed_inputs(tensors, pd.DataFrame({"grid": [[[1, 2, 3], [4, 5, 6]]], "w": [[0.5, -1.0]]}))
+    assert got["grid"].dtype == torch.uint8 and got["grid"].tolist() == [[[1, 2, 3], [4, 5, 6]]]
+    assert got["w"].dtype == torch.bfloat16 and got["w"].tolist() == [[0.5, -1.0]]
+    ok = {"grid": np.zeros((1, 2, 3), np.int64), "w": np.zeros((1, 2))}
+    for rows, message in [
+        ({"w": ok["w"]}, r"missing input 'grid' \(uint8 \[2, 3\] per row\)"),
+        ({**ok, "grid": np.full((1, 2, 3), 256)}, "input 'grid' holds values that are not uint8"),
+        ({**ok, "grid": np.zeros((1, 2, 3), np.float32)}, "input 'grid' holds values that are not uint8"),
+        ({**ok, "w": np.zeros((1, 3))}, r"input 'w' has shape \[3\] per row; the model takes \[2\]"),
+    ]:
+        with pytest.raises(MlflowException, match=message):
+            typed_inputs(tensors, rows)
+
+
 def test_a_pipeline_refuses_layers_that_do_not_compose_into_the_forward():
     cfg = TrainingConfig(model=MODEL, code_paths=[PACKAGE], strategy="pipeline", world_size=2)
     check_callables(cfg)
@@ -230,9 +252,10 @@ def _typed_rows(keys) -> dict[str, np.ndarray]:
     }
 
 
-def test_a_job_trains_scores_and_predicts_a_model_of_named_inputs(typed_dataset, dask_client, tracking_uri, tmp_path):
-    """Pipeline training of the named-input model with evaluation, registration, batch scoring
-    of the prepared dataset on Dask, and the registered model's predict on decoded arrays."""
+def test_a_job_trains_scores_and_predicts_a_model_of_named_inputs(typed_dataset, spark, dask_client, tracking_uri,
+                                                                   tmp_path):
+    """Pipeline training of the named-input model with evaluation, batch scoring of the
+    prepared dataset on Dask and on Spark, and the logged model's predict on decoded arrays."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -244,8 +267,8 @@ def test_a_job_trains_scores_and_predicts_a_model_of_named_inputs(typed_dataset,
         launcher="local", world_size=2, strategy="pipeline", micro_batches=2, batch_size=16, epochs=1,
         model=TYPED, code_paths=[PACKAGE], checkpoint_dir=str(tmp_path / "ckpt"), timeout_s=120,
     )
-    tracking = TrackingConfig(tracking_uri=tracking_uri, experiment="typed-model", registered_model="typed-model")
-    result = run_training(cfg, tracking, typed_dataset)
+    tracking = TrackingConfig(tracking_uri=tracking_uri, experiment="typed-model")
+    result = run_training(cfg, tracking, typed_dataset, register=False)  # scored by its runs:/ URI
     logged = MlflowClient(tracking_uri).get_run(result.run_id).data.metrics
     assert {"train_loss", "val_loss", "val_accuracy"} <= logged.keys() and logged["samples_per_s"] > 0, logged
     model = build_model(load_manifest(typed_dataset), cfg)
@@ -265,6 +288,10 @@ def test_a_job_trains_scores_and_predicts_a_model_of_named_inputs(typed_dataset,
     got = np.array(table.column("probabilities").to_pylist(), np.float32)
     np.testing.assert_allclose(got, want, atol=1e-5)
     assert table.column("prediction").to_pylist() == want.argmax(1).tolist()
+    score("spark", spark, result.model_uri, tracking_uri, typed_dataset, str(tmp_path / "spark"))
+    on_spark = read_scores(tmp_path / "spark").sort_by("key")
+    for column in ("key", "prediction", "probabilities"):
+        assert on_spark.column(column).to_pylist() == table.column(column).to_pylist(), column
 
     # The registered model predicts from decoded arrays (a dict, or a DataFrame of one array per row).
     pyfunc = mlflow.pyfunc.load_model(result.model_uri)
