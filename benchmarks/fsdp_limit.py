@@ -2,7 +2,7 @@
 memory limit trains under fsdp with the same limit.
 
 Both runs are 4 local ranks (gloo) of `strategies.strategy_rank` on the memory model
-(`strategies.MEMORY_HIDDEN`: a 25 x 2048 mlp, 100.7M weights, AdamW), a warm-up step
+(`strategies.MEMORY_HIDDEN`: a 25 x 2048 mlp, 100.8M weights, AdamW), a warm-up step
 and `steps` more. Each rank, once torch, the strategy's modules and the process group
 are set up, and before the model is built, limits its own address space (RLIMIT_AS) to
 what it has mapped then plus `budget_mb`: every byte the model, its gradients, the

@@ -61,7 +61,7 @@ CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
 
 # Sharding saves memory where the model's state (weights, gradients, AdamW's two
 # moments) outweighs the activations, and where there are many layers (FSDP gathers one
-# at a time): a deep, wide mlp, one sample one token. 25 x 2048 is 100.7M weights: 403 MB
+# at a time): a deep, wide mlp, one sample one token. 25 x 2048 is 100.8M weights: 403 MB
 # each for weights and gradients, 806 MB of moments, per full copy; a unit (one layer) is
 # 17 MB, so what FSDP gathers at a time is small beside a rank's shard.
 MEMORY_HIDDEN = [2048] * 25

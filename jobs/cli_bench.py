@@ -8,6 +8,7 @@ import sys
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from shardline.pipelines.errors import ShardlineError
@@ -288,5 +289,5 @@ def bench_fsdp_limit(budget_mb, as_json):
             console.print(f"  {name}: trained {r['steps']} steps; peak RSS growth per rank "
                           f"{', '.join(f'{x:.0f}' for x in r['peak_mb_per_rank'])} MB")
         else:
-            console.print(f"  {name}: did not train: {r['error']}")
+            console.print(f"  {name}: did not train: {escape(r['error'])}")
     console.print(f"  ddp fails and fsdp trains under the same limit: {result['ddp_fails_fsdp_trains']}")
