@@ -12,9 +12,14 @@ ranks the ranks share cores, so a ratio below 1 there says "oversubscribed", not
 - samples/s: global batch x timed steps / the slowest rank's wall time for them
   (async PS workers do not step together; the slowest finishes the work).
 - peak memory per rank: on CUDA, torch.cuda.max_memory_allocated; on CPU, the
-  growth of the process's peak RSS (ru_maxrss) from just before the model is
-  built, i.e. what the strategy's share of model, gradients, optimizer state,
-  activations and buffers cost on top of an idle process with torch imported.
+  process's peak RSS from just before the model is built to the end of the timed
+  steps (the kernel's high-water mark, reset there: /proc/self/clear_refs), as the
+  total (`peak_total_mb_per_rank`) and as its growth over the RSS at that moment
+  (`peak_mb_per_rank`): what the strategy's share of model, gradients, optimizer
+  state, activations and buffers cost on top of an idle rank with torch imported.
+  `peak_vs_ddp` compares the growth: the idle rank's few hundred MB of code and
+  libraries are the same for every strategy and would only pull every ratio towards 1
+  (`peak_total_vs_ddp` gives the totals' ratio too).
 - pipeline bubble, three figures (mean over the pipeline's ranks and the timed steps):
   measured on torch's executor (1 - a rank's compute time / the step's span); predicted by
   replaying the schedule with the same steps' measured action times, communication free;
@@ -31,8 +36,6 @@ import os
 import resource
 import time
 from typing import Any
-
-from shardline.pipelines.environ import restored
 
 D_MODEL, HEADS, LAYERS = 64, 4, 4
 N_NUMERIC, CARDINALITIES, CLASSES = 16, [8, 8], 3
@@ -58,19 +61,22 @@ CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
 
 # Sharding saves memory where the model's state (weights, gradients, AdamW's two
 # moments) outweighs the activations, and where there are many layers (FSDP gathers one
-# at a time): a deep, wide mlp, one sample one token. 8 x 1024 is 7.4M weights: 30 MB
-# each for weights and gradients, 60 MB of moments, per full copy.
-MEMORY_HIDDEN = [1024] * 8
+# at a time): a deep, wide mlp, one sample one token. 25 x 2048 is 100.8M weights: 403 MB
+# each for weights and gradients, 806 MB of moments, per full copy; a unit (one layer) is
+# 17 MB, so what FSDP gathers at a time is small beside a rank's shard.
+MEMORY_HIDDEN = [2048] * 25
+# Few steps of a small batch: the peak comes with the first optimizer step (AdamW's moments).
+MEMORY_STEPS, MEMORY_WARMUP, MEMORY_BATCH = 2, 1, 64
 # On CPU the figure is peak RSS, and glibc keeps freed blocks: FSDP's per-layer gathers
 # (allocated and freed every step) would then count as held. Large blocks mmapped, and
 # so returned the moment they are freed, make peak RSS follow live memory, as CUDA's
-# max_memory_allocated does. Measured: ddp 2 ranks' growth 237 MB with it (243 without),
-# fsdp 119 MB (295 without) on 8 x 1024.
-MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+# max_memory_allocated does. Set in each rank with mallopt (ranks are forked from a fork
+# server whose malloc read its environment long before: MALLOC_MMAP_THRESHOLD_ set for the
+# launch would not reach them).
+MMAP_THRESHOLD = 65536
 MEMORY_CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
-    "ddp": (2, {"strategy": "ddp"}),
-    "fsdp": (2, {"strategy": "fsdp"}),
-    "fsdp4": (4, {"strategy": "fsdp"}),
+    "ddp": (4, {"strategy": "ddp"}),
+    "fsdp": (4, {"strategy": "fsdp"}),
     "hsdp2x2": (4, {"strategy": "fsdp", "dp": 2, "dp_shard": 2}),
 }
 
@@ -85,9 +91,28 @@ def _batches(n: int, batch: int, seed: int = 0):
         yield torch.cat([num, cat.float()], 1), torch.randint(0, CLASSES, (batch,), generator=g)
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+def _status_mb(field: str) -> float:
+    """A figure of /proc/self/status (VmRSS, VmHWM, VmSize ...) in MB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> float:
+    """Reset this process's RSS high-water mark (VmHWM, ru_maxrss) to its RSS now; that RSS, MB."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_mb("VmRSS")
+
+
+def return_freed_memory() -> None:
+    """glibc: serve blocks of MMAP_THRESHOLD bytes and more with mmap, so that freeing one
+    returns it to the system at once (peak RSS then follows live memory)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
 
 
 def strategy_rank(rank: int, world_size: int, p: dict) -> dict:
@@ -96,6 +121,7 @@ def strategy_rank(rank: int, world_size: int, p: dict) -> dict:
     from shardline.training.config import TrainingConfig
     from shardline.training.models import FeatureTransformer, TabularMLP
     from shardline.training.strategies import get_strategy
+    from shardline.training.strategies.base import model_for
 
     torch.set_num_threads(1)
     cuda = torch.cuda.is_available()
@@ -107,16 +133,21 @@ def strategy_rank(rank: int, world_size: int, p: dict) -> dict:
     # The strategy's modules first: importing FSDP2's or DTensor's adds 35-50 MB of RSS,
     # which is code, not what the strategy's training holds.
     strategy = get_strategy(cfg.strategy)
-    rss_before = _rss_mb()
-    torch.manual_seed(0)
-    if cfg.model == "transformer":
-        model = FeatureTransformer(N_NUMERIC, CARDINALITIES, cfg.hidden[0], cfg.heads, len(cfg.hidden), CLASSES)
-    else:
-        model = TabularMLP(N_NUMERIC, CARDINALITIES, cfg.hidden, CLASSES, embedding_dim=cfg.embedding_dim)
-    model = model.to(device)
-    strategy.check(cfg, model)
+    if p.get("return_freed"):
+        return_freed_memory()
+
+    def build():  # the seeded plain model, as the worker builds it (fsdp: sharded, from meta)
+        torch.manual_seed(0)
+        if cfg.model == "transformer":
+            return FeatureTransformer(N_NUMERIC, CARDINALITIES, cfg.hidden[0], cfg.heads, len(cfg.hidden), CLASSES)
+        return TabularMLP(N_NUMERIC, CARDINALITIES, cfg.hidden, CLASSES, embedding_dim=cfg.embedding_dim)
+
+    with torch.device("meta"):  # the check reads the model's structure only
+        strategy.check(cfg, build())
+    rss_before = reset_peak_rss() if not cuda else 0.0
     parallel = strategy.setup(
-        model, cfg, rank, world_size, device, lambda params: torch.optim.AdamW(params, lr=1e-3)
+        model_for(strategy, build, device), cfg, rank, world_size, device,
+        lambda params: torch.optim.AdamW(params, lr=1e-3),
     )
     local = p["global_batch"] // parallel.data_world
     part = slice((parallel.data_rank or 0) * local, ((parallel.data_rank or 0) + 1) * local)
@@ -139,26 +170,28 @@ def strategy_rank(rank: int, world_size: int, p: dict) -> dict:
     elapsed = time.perf_counter() - start
     figures = parallel.epoch_metrics()
     if cuda:
-        peak = torch.cuda.max_memory_allocated(device) / 2**20
+        peak = total = torch.cuda.max_memory_allocated(device) / 2**20
     else:
-        peak = max(0.0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss_before)
-    return {"rank": rank, "elapsed_s": elapsed, "peak_mb": peak, "figures": figures}
+        total = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # VmHWM, since the reset
+        peak = max(0.0, total - rss_before)
+    return {"rank": rank, "elapsed_s": elapsed, "peak_mb": peak, "peak_total_mb": total,
+            "base_mb": rss_before, "figures": figures}
 
 
-def _measure(name: str, world: int, settings: dict, p: dict, progress, env: dict | None = None) -> dict:
-    """One row: `world` ranks of strategy_rank, launched with `env` added to the environment."""
+def _measure(name: str, world: int, settings: dict, p: dict, progress) -> dict:
+    """One row: `world` ranks of strategy_rank."""
     from shardline.training.launchers.local import launch_local
 
     progress(f"{name}: {world} rank(s), {p['warmup']} warm-up + {p['steps']} timed steps")
-    with restored(env or {}):
-        os.environ.update(env or {})  # spawned ranks start with this process's environment
-        ranks = launch_local(strategy_rank, {**p, "settings": settings}, world_size=world, timeout_s=300)
+    ranks = launch_local(strategy_rank, {**p, "settings": settings}, world_size=world, timeout_s=900)
     slowest = max(r["elapsed_s"] for r in ranks)
     row = {
         "world_size": world,
         "settings": settings,
         "samples_per_s": p["global_batch"] * p["steps"] / slowest,
         "peak_mb_per_rank": [round(r["peak_mb"], 1) for r in ranks],
+        "peak_total_mb_per_rank": [round(r["peak_total_mb"], 1) for r in ranks],
+        "base_mb_per_rank": [round(r["base_mb"], 1) for r in ranks],
     }
     if "pipeline_bubble" in ranks[0]["figures"]:
         for k in ("pipeline_bubble", "pipeline_bubble_predicted", "pipeline_cpu_wait"):
@@ -174,25 +207,26 @@ def _measure(name: str, world: int, settings: dict, p: dict, progress, env: dict
 def run(progress=print, steps: int = 30, warmup: int = 5, global_batch: int = GLOBAL_BATCH,
         only: list[str] | None = None, memory_hidden: list[int] | None = None) -> dict:
     """Every strategy on the transformer; then DDP, FSDP and HSDP on the memory model
-    (an mlp of `memory_hidden` widths, MEMORY_HIDDEN by default), peak memory vs DDP's."""
+    (an mlp of `memory_hidden` widths, MEMORY_HIDDEN by default), peak memory vs DDP's.
+    only: the transformer's rows to run (with `single`); [] runs the memory rows alone."""
     import torch
 
     p = {"steps": steps, "warmup": warmup, "global_batch": global_batch}
-    names = [n for n in CONFIGS if only is None or n in only or n == "single"]
+    names = [n for n in CONFIGS if only is None or n in only or n == "single"] if only != [] else []
     rows = {name: _measure(name, *CONFIGS[name], p, progress) for name in names}
-    base = rows["single"]["samples_per_s"]
     for row in rows.values():
-        row["ratio_vs_single"] = row["samples_per_s"] / base
+        row["ratio_vs_single"] = row["samples_per_s"] / rows["single"]["samples_per_s"]
 
     hidden = memory_hidden or MEMORY_HIDDEN
-    mp = {**p, "model": {"model": "mlp", "hidden": hidden}}
-    memory = {
-        name: _measure(f"memory {name}", *MEMORY_CONFIGS[name], mp, progress, env=MEMORY_ENV)
-        for name in MEMORY_CONFIGS
-    }
+    mp = {"steps": MEMORY_STEPS, "warmup": MEMORY_WARMUP, "global_batch": MEMORY_BATCH,
+          "model": {"model": "mlp", "hidden": hidden}, "return_freed": True}
+    memory = {name: _measure(f"memory {name}", *MEMORY_CONFIGS[name], mp, progress) for name in MEMORY_CONFIGS}
     ddp_peak = max(memory["ddp"]["peak_mb_per_rank"])
+    ddp_total = max(memory["ddp"]["peak_total_mb_per_rank"])
     for row in memory.values():
+        # The rank that grew most against ddp's (the key: growth over the idle rank), and the same for totals.
         row["peak_vs_ddp"] = max(row["peak_mb_per_rank"]) / ddp_peak if ddp_peak else None
+        row["peak_total_vs_ddp"] = max(row["peak_total_mb_per_rank"]) / ddp_total if ddp_total else None
     return {
         "benchmark": "strategies",
         "model": {"name": "transformer", "d_model": D_MODEL, "heads": HEADS, "layers": LAYERS},
@@ -206,8 +240,13 @@ def run(progress=print, steps: int = 30, warmup: int = 5, global_batch: int = GL
         "strategies": rows,
         "memory": {
             "model": {"name": "mlp", "hidden": hidden, "parameters": _mlp_parameters(hidden)},
+            "optimizer": "AdamW",
+            "global_batch": MEMORY_BATCH,
+            "steps": MEMORY_STEPS,
+            "warmup": MEMORY_WARMUP,
             "measure": "cuda max_memory_allocated" if torch.cuda.is_available()
-            else "peak RSS growth, freed memory returned at once (MALLOC_MMAP_THRESHOLD_=65536)",
+            else f"peak RSS growth over the idle rank (peak_vs_ddp; totals: peak_total_vs_ddp), "
+                 f"freed memory returned at once (mallopt M_MMAP_THRESHOLD {MMAP_THRESHOLD})",
             "baseline": "ddp",
             "strategies": memory,
         },

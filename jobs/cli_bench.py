@@ -8,6 +8,7 @@ import sys
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from shardline.pipelines.errors import ShardlineError
@@ -298,12 +299,40 @@ def bench_strategies(steps, as_json):
     widths = f"{len(hidden)} × {hidden[0]}" if len(set(hidden)) == 1 else " × ".join(map(str, hidden))
     table = Table(title=f"memory per rank, mlp {widths} ({mem['model']['parameters'] / 1e6:.1f}M weights), AdamW")
     table.add_column("", no_wrap=True)
-    for col in ("ranks", "peak MB (max rank)", "× ddp", "samples/s"):
+    for col in ("ranks", "peak growth MB (max rank)", "× ddp", "peak total MB", "× ddp (totals)", "samples/s"):
         table.add_column(col, justify="right")
+
+    def ratio(x):
+        return f"{x:.2f}" if x is not None else ""
+
     for name, row in mem["strategies"].items():
-        ratio = row["peak_vs_ddp"]
-        table.add_row(name, str(row["world_size"]), f"{max(row['peak_mb_per_rank']):.0f}",
-                      f"{ratio:.2f}" if ratio is not None else "", f"{row['samples_per_s']:,.0f}")
+        table.add_row(name, str(row["world_size"]), f"{max(row['peak_mb_per_rank']):.0f}", ratio(row["peak_vs_ddp"]),
+                      f"{max(row['peak_total_mb_per_rank']):.0f}", ratio(row["peak_total_vs_ddp"]),
+                      f"{row['samples_per_s']:,.0f}")
     Console().print(table)
-    console.print(f"  peak MB: {mem['measure']}; it includes the whole model each rank builds "
-                  "before sharding it.")
+    console.print(f"  peak: {mem['measure']}, from just before the model is built (fsdp builds it on "
+                  "the meta device; rank 0 alone holds the plain weights while they are broadcast).")
+
+
+@bench.command("fsdp-limit")
+@click.option("--budget-mb", type=click.IntRange(min=1), default=1200, show_default=True,
+              help="Address space each rank may add once set up (RLIMIT_AS), before the model is built.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
+def bench_fsdp_limit(budget_mb, as_json):
+    """A 100M-weight model that ddp cannot train within a per-rank memory limit, trained by fsdp within it."""
+    from shardline.benchmarks.fsdp_limit import run as run_bench
+
+    result = _bench(run_bench, as_json, budget_mb=budget_mb)
+    if result is None:
+        return
+    m = result["model"]
+    console.print(f"{result['world_size']} ranks, mlp {len(m['hidden'])} × {m['hidden'][0]} "
+                  f"({m['parameters'] / 1e6:.1f}M weights), AdamW; each rank's address space limited to "
+                  f"its own once set up + {budget_mb} MB (RLIMIT_AS)")
+    for name, r in result["runs"].items():
+        if r["trained"]:
+            console.print(f"  {name}: trained {r['steps']} steps; peak RSS growth per rank "
+                          f"{', '.join(f'{x:.0f}' for x in r['peak_mb_per_rank'])} MB")
+        else:
+            console.print(f"  {name}: did not train: {escape(r['error'])}")
+    console.print(f"  ddp fails and fsdp trains under the same limit: {result['ddp_fails_fsdp_trains']}")

@@ -15,6 +15,7 @@ from shardline.training.model_inputs import ModelInputs, TensorInput
 from shardline.training.models import FeatureCNN, FeatureTransformer, TabularMLP, apply_activation_checkpointing
 from shardline.training.models_lm import Decoder
 from shardline.training.strategies import get_strategy
+from shardline.training.strategies.base import model_for
 
 MODELS = {
     "mlp": lambda: TabularMLP(5, [4], [16, 8], 3, embedding_dim=3),
@@ -101,13 +102,20 @@ def train_steps(rank: int, world_size: int, args: dict) -> dict:
     strategy = args["strategy"] if world_size > 1 else "ddp"
     settings = args.get("cfg", {}) if world_size > 1 else _numerics(args.get("cfg", {}))
     cfg = TrainingConfig(world_size=world_size, strategy=strategy, batch_size=args["batch"], **settings)
-    torch.manual_seed(0)
-    model = _model(args, cfg)
-    if cfg.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    get_strategy(strategy).check(cfg, model)
-    parallel = get_strategy(strategy).setup(
-        model, cfg, rank, world_size, torch.device("cpu"), OPTIMIZERS[args.get("optimizer", "sgd")]
+
+    def build():  # seeded: what every rank (or fsdp's rank 0 alone) builds, as the worker does
+        torch.manual_seed(0)
+        model = _model(args, cfg)
+        if cfg.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        return model
+
+    chosen = get_strategy(strategy)
+    with torch.device("meta"):  # the check reads the model's structure only
+        chosen.check(cfg, build())
+    parallel = chosen.setup(
+        model_for(chosen, build, torch.device("cpu")), cfg, rank, world_size, torch.device("cpu"),
+        OPTIMIZERS[args.get("optimizer", "sgd")],
     )
     for x, y in batches_of(args):
         if parallel.data_rank is None:
@@ -164,10 +172,13 @@ def resumed(rank: int, world_size: int, args: dict) -> dict:
     cfg = TrainingConfig(world_size=world_size, strategy=args["strategy"], batch_size=8, **args.get("cfg", {}))
 
     def fresh(seed):
-        torch.manual_seed(seed)
-        return get_strategy(cfg.strategy).setup(
-            MODELS["transformer"](), cfg, rank, world_size, torch.device("cpu"), OPTIMIZERS["adamw"]
-        )
+        def build():
+            torch.manual_seed(seed)
+            return MODELS["transformer"]()
+
+        strategy = get_strategy(cfg.strategy)
+        return strategy.setup(model_for(strategy, build, torch.device("cpu")), cfg, rank, world_size,
+                              torch.device("cpu"), OPTIMIZERS["adamw"])
 
     straight, first = fresh(0), fresh(0)
     n = 8 // straight.data_world

@@ -34,3 +34,9 @@ def test_bench_strategies_tiny():
     for name, row in memory["strategies"].items():
         assert len(row["peak_mb_per_rank"]) == row["world_size"] == MEMORY_CONFIGS[name][0]
         assert row["samples_per_s"] > 0 and (row["peak_vs_ddp"] >= 0 if grew else True), name
+        # The total is the growth plus the idle rank's RSS it grew from (rounded apart).
+        for growth, total, base in zip(row["peak_mb_per_rank"], row["peak_total_mb_per_rank"],
+                                       row["base_mb_per_rank"]):
+            assert total == pytest.approx(base + growth, abs=0.2) and base > 0, name
+        ddp_total = max(memory["strategies"]["ddp"]["peak_total_mb_per_rank"])
+        assert row["peak_total_vs_ddp"] == pytest.approx(max(row["peak_total_mb_per_rank"]) / ddp_total), name

@@ -1,6 +1,7 @@
 """FSDP and HSDP: each rank really holds only its shard of parameters, gradients and
-optimizer state; a resume continues exactly; bad meshes are refused before any process.
-(That they match single-process training is tests/test_equivalence.py's.)"""
+optimizer state, and no rank but rank 0 ever builds the model with storage; bf16 gathers
+bf16 parameters (MixedPrecisionPolicy); a resume continues exactly; bad meshes are refused
+before any process. (That they match single-process training is tests/test_equivalence.py's.)"""
 
 from __future__ import annotations
 
@@ -11,21 +12,34 @@ from shardline.pipelines.errors import ConfigError
 from shardline.training.config import TrainingConfig
 from shardline.training.launchers.local import launch_local
 from shardline.training.strategies import get_strategy
+from shardline.training.strategies.base import model_for
 
 from .dist_helpers import MODELS, global_batches, resumed
 
 
 def held(rank: int, world_size: int, settings: dict) -> dict:
     """After one AdamW step: the numel of this rank's local parameter, gradient and
-    optimizer-state tensors, and its local parameter values."""
+    optimizer-state tensors, and its local parameter values; the devices of the
+    parameters of each model the builder made on this rank, and the dtypes of the
+    Linear weights the forward computed with (the gathered ones)."""
     from torch.distributed.tensor import DTensor
 
     cfg = TrainingConfig(world_size=world_size, strategy="fsdp", batch_size=16, **settings)
-    torch.manual_seed(0)
-    parallel = get_strategy("fsdp").setup(
-        MODELS["transformer"](), cfg, rank, world_size, torch.device("cpu"),
-        lambda p: torch.optim.AdamW(p, lr=0.01),
-    )
+    builds = []
+
+    def build():  # the worker's builder: seeded, on whatever device is the default
+        torch.manual_seed(0)
+        model = MODELS["transformer"]()
+        builds.append(sorted({p.device.type for p in model.parameters()}))
+        return model
+
+    strategy = get_strategy("fsdp")
+    parallel = strategy.setup(model_for(strategy, build, torch.device("cpu")), cfg, rank, world_size,
+                              torch.device("cpu"), lambda p: torch.optim.AdamW(p, lr=0.01))
+    computed = set()
+    for m in parallel.model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_pre_hook(lambda mod, args: computed.add(str(mod.weight.dtype)))
     x, y = next(global_batches(1, 16))
     n = 16 // world_size
     parallel.step(x[rank * n: (rank + 1) * n], y[rank * n: (rank + 1) * n])
@@ -39,6 +53,9 @@ def held(rank: int, world_size: int, settings: dict) -> dict:
         "moments": {k: local(state[p]["exp_avg"]).numel() + local(state[p]["exp_avg_sq"]).numel()
                     for k, p in params.items()},
         "values": {k: local(p).detach().clone() for k, p in params.items()},
+        "builds": builds,
+        "computed": computed,
+        "stored": {str(local(p).dtype) for p in params.values()},
     }
 
 
@@ -48,13 +65,20 @@ def _dim0_shards(full: torch.Tensor, parts: int) -> list[int]:
     return sizes + [0] * (parts - len(sizes))
 
 
-@pytest.mark.parametrize("settings, world, shard", [({}, 2, 2), ({"dp": 2}, 4, 2)])
+@pytest.mark.parametrize("settings, world, shard", [({"precision": "bf16"}, 2, 2), ({"dp": 2}, 4, 2)])
 def test_each_rank_holds_its_shard_of_parameters_gradients_and_optimizer_state(settings, world, shard):
     ranks = launch_local(held, settings, world_size=world, timeout_s=180)
     torch.manual_seed(0)
     full = dict(MODELS["transformer"]().named_parameters())
     for rank, got in enumerate(ranks):
         assert got["kinds"] == {"DTensor"}
+        # Every rank builds on the meta device (no storage); rank 0 alone also builds the
+        # plain model on the CPU once, for the seeded values each rank takes its slice of.
+        assert got["builds"] == ([["meta"], ["cpu"]] if rank == 0 else [["meta"]]), rank
+        # bf16: the forward computes with gathered bf16 weights (MixedPrecisionPolicy), while
+        # the shards, the optimizer's master weights, stay fp32; fp32 gathers fp32.
+        assert got["computed"] == {"torch.bfloat16" if settings.get("precision") == "bf16" else "torch.float32"}
+        assert got["stored"] == {"torch.float32"}
         for name, p in full.items():
             want = _dim0_shards(p, shard)[rank % shard]
             assert got["params"][name] == got["grads"][name] == want, name

@@ -10,6 +10,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -17,11 +18,12 @@ from shardline.pipelines import progress, storage
 from shardline.pipelines.manifest import ShardManifest, load_manifest
 
 from . import checkpoints, collectives, sharded_checkpoints, task
-from .batch import forward, split as split_batch, to_device
+from .batch import forward, split as split_batch, take, to_device
 from .config import TrainingConfig
 from .loader import ShardLoader
 from .models import apply_activation_checkpointing, build_model
 from .strategies import get_strategy
+from .strategies.base import model_for
 from .tracking import MetricsReporter
 
 
@@ -59,11 +61,13 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
     torch.set_num_threads(cfg.threads_per_rank)
     device = collectives.device()  # chosen by run_in_group before the group (training.placement)
     manifest = load_manifest(job.dataset_dir, job.dataset_sequence)
-    model = trainable_model(manifest, cfg, device)
-    parallel = get_strategy(cfg.strategy).setup(
-        model, cfg, rank, world_size, device, lambda params: make_optimizer(params, cfg)
+    strategy = get_strategy(cfg.strategy)
+    # The Parallel keeps what this rank holds (a PS server, an fsdp rank: its shard only);
+    # fsdp builds the model itself, sharded, from the builder (never whole on every rank).
+    parallel = strategy.setup(
+        model_for(strategy, partial(plain_model, manifest, cfg), device), cfg, rank, world_size, device,
+        lambda params: make_optimizer(params, cfg),
     )
-    del model  # the Parallel keeps what this rank holds (a PS server: its shard only)
     reads = parallel.data_rank is not None
     loader_settings = dict(
         remainder=cfg.remainder, shuffle_buffer_rows=cfg.shuffle_buffer_rows,
@@ -77,7 +81,8 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         cfg.batch_size // parallel.data_world, cfg.seed, **loader_settings,
     )
     # Evaluation runs the plain model with the gathered weights on each data part's
-    # share of the validation split, once: on the part's reporting rank.
+    # share of the validation split, once: on the part's reporting rank. A sharded rank
+    # that evaluates itself (fsdp: every rank reports) runs its sharded model instead.
     val_shards = manifest.splits["val"].shards if "val" in manifest.splits else []
     evaluated = len(val_shards) >= parallel.data_world  # the same on every rank
     val = (
@@ -88,7 +93,8 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         if evaluated and parallel.reports
         else None
     )
-    eval_model = build_model(manifest, cfg).to(device) if val is not None else None
+    sharded_eval = getattr(parallel, "evaluates_sharded", False)  # the same on every rank
+    eval_model = build_model(manifest, cfg).to(device) if val is not None and not sharded_eval else None
     kind = task.task_of(manifest)
     # training.loss and training.metrics (the user's, if set), imported here in the rank.
     loss_fn, user_metrics = task.loss_for(cfg), task.user_metrics(cfg)
@@ -201,11 +207,17 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
             metrics[f"rank{r}_data_wait_fraction"] = per_rank[r, 1].item()
             metrics[f"rank{r}_loader_samples_per_s"] = per_rank[r, 2].item()
         metrics.update(_strategy_metrics(parallel, rank, world_size))
-        full = parallel.full_state_dict()
+        # The plain model's weights, gathered on every rank, only where this epoch needs them:
+        # for the plain evaluation model, or for a checkpoint file that holds them. A rank of
+        # shards (fsdp) needs neither: it evaluates itself and checkpoints its shards.
+        plain_eval = evaluated and not sharded_eval
+        full = parallel.full_state_dict() if plain_eval or not save_sharded else None
         if evaluated:
             if eval_model is not None:
                 eval_model.load_state_dict(full)
-            metrics.update(_evaluate(eval_model, val, device, kind, loss_fn, user_metrics))
+                eval_model.eval()
+            run = parallel.forward_eval if sharded_eval else partial(forward, eval_model)
+            metrics.update(_evaluate(run, val, device, kind, loss_fn, user_metrics, lockstep=sharded_eval))
         if reporter:
             reporter.log(metrics, epoch)
             shown = ", ".join(f"{k} {metrics[k]:.4g}" for k in _shown(metrics))
@@ -221,7 +233,13 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
             stopped_early = epoch + 1 < cfg.epochs
             break
 
-    if full is None:  # no epoch ran (resumed at the end): nothing gathered yet
+    # Export: the plain model's weights, on rank 0. A rank of shards gathers them there
+    # alone, one tensor at a time into host memory; the others gather them on every rank
+    # (their last epoch's, or now if no epoch ran: resumed at the end).
+    export = getattr(parallel, "export_state_dict", None)
+    if export is not None:
+        full = export()
+    elif full is None:
         full = parallel.full_state_dict()
     if rank != 0:
         return None
@@ -267,12 +285,18 @@ def _resume(job: TrainJob, parallel, scheduler, train: ShardLoader, rank: int, w
 # measures the step training runs.
 
 
-def trainable_model(manifest: ShardManifest, cfg: TrainingConfig, device: torch.device) -> torch.nn.Module:
-    """The plain model on `device`, recomputing activations if configured; a strategy splits it."""
-    model = build_model(manifest, cfg).to(device)
+def plain_model(manifest: ShardManifest, cfg: TrainingConfig) -> torch.nn.Module:
+    """The seeded plain model on the default device, recomputing activations if configured
+    (a strategies.base.ModelBuilder: fsdp calls it under torch.device("meta") too)."""
+    model = build_model(manifest, cfg)
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
     return model
+
+
+def trainable_model(manifest: ShardManifest, cfg: TrainingConfig, device: torch.device) -> torch.nn.Module:
+    """The plain model on `device`, recomputing activations if configured; a strategy splits it."""
+    return plain_model(manifest, cfg).to(device)
 
 
 def make_optimizer(params, cfg: TrainingConfig) -> torch.optim.Optimizer:
@@ -350,16 +374,20 @@ def _stop_requested(hook, rank: int, epoch: int, metrics: dict[str, float]) -> b
 
 
 @torch.no_grad()
-def _evaluate(model, val: ShardLoader | None, device, kind: str, loss_fn, user_metrics: dict) -> dict[str, float]:
+def _evaluate(run, val: ShardLoader | None, device, kind: str, loss_fn, user_metrics: dict,
+              lockstep: bool = False) -> dict[str, float]:
     """Every rank calls it; ranks without a share of the split (val None) add nothing.
-    The user's metrics (rank 0's figures) see the whole split's outputs at once."""
+    `run`: the model's outputs on a batch's inputs (a plain model in eval mode, or a sharded
+    model's forward_eval). lockstep: `run` is collective (a sharded model's), so every rank
+    runs it as often as the rank with the most batches (`_in_lockstep`). The user's metrics (rank 0's figures) see the whole
+    split's outputs at once."""
     sums = task.zero_sums(kind)
     kept = []  # (outputs, targets) on the CPU, only when there are user metrics
-    if model is not None:
-        model.eval()
-    for batch in val.all_batches(4096) if val is not None else ():
-        x, y = split_batch(batch)
-        outputs = forward(model, to_device(x, device))
+    batches = (split_batch(b) for b in val.all_batches(4096)) if val is not None else iter(())
+    if lockstep:
+        batches = _in_lockstep(batches, run, device)
+    for x, y in batches:
+        outputs = run(to_device(x, device))
         y = y.to(device)
         # Summed on the device: no host round trip per batch.
         sums += task.batch_sums(kind, outputs, y, loss_fn(outputs, y))
@@ -370,6 +398,26 @@ def _evaluate(model, val: ShardLoader | None, device, kind: str, loss_fn, user_m
     if user_metrics:
         figures.update(_user_figures(user_metrics, kept))
     return figures
+
+
+def _in_lockstep(batches, run, device):
+    """`batches` ((inputs, target) pairs), while every rank runs `run` the same number of times:
+    each round the ranks agree whether any still has a batch, and one that has run out runs `run` on a
+    one-row pad (the first row some rank read; its output is not counted)."""
+    batches = iter(batches)
+    batch = next(batches, None)
+    rows = collectives.all_gather_object(take(batch[0], slice(0, 1)) if batch is not None else None)
+    pad = next((r for r in rows if r is not None), None)
+    while True:
+        more = collectives.tensor([1.0 if batch is not None else 0.0])
+        collectives.all_reduce(more)
+        if more.item() == 0:
+            return
+        if batch is None:
+            run(to_device(pad, device))
+        else:
+            yield batch
+            batch = next(batches, None)
 
 
 def _user_figures(fns: dict, kept: list) -> dict[str, float]:

@@ -27,6 +27,16 @@ from ..config import TrainingConfig
 from ..task import LossFn, task_loss
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+# The seeded plain model, on the default device (it seeds itself: the same weights at every
+# call). A strategy whose `builds_model` is True takes one in place of the model and calls it
+# under torch.device("meta") on every rank, and for real where it needs the values (fsdp).
+ModelBuilder = Callable[[], nn.Module]
+
+
+def model_for(strategy, build: ModelBuilder, device: torch.device) -> nn.Module | ModelBuilder:
+    """What `strategy.setup` takes: `build` itself where the strategy builds the model
+    (sharded, never whole on every rank), else the plain model on `device`."""
+    return build if getattr(strategy, "builds_model", False) else build().to(device)
 
 
 @dataclass(frozen=True)
@@ -134,6 +144,12 @@ class Parallel(Protocol):
         """The plain model's weights, on every rank. Collective."""
         ...
 
+    # Optional, where a rank holds shards (fsdp): `export_state_dict()`, the plain model's
+    # weights on rank 0 in host memory ({} elsewhere; collective), in place of
+    # full_state_dict at export; and `evaluates_sharded` True with `forward_eval(x)`, the
+    # sharded model's outputs (collective: every rank calls it equally often), in place of
+    # a plain model loaded with full_state_dict for evaluation.
+
     # A checkpoint holds either every rank's state_dict() beside the plain model's weights
     # (one file), or, where a rank has save_sharded / load_sharded (fsdp, tensor), the
     # shards each rank writes itself with torch.distributed.checkpoint, which reshard.
@@ -172,7 +188,8 @@ class Strategy(Protocol):
         device: torch.device,
         make_optimizer: OptimizerFactory,
     ) -> Parallel:
-        """This rank's Parallel. Every rank passes the same (seeded) plain model."""
+        """This rank's Parallel. Every rank passes the same (seeded) plain model, or, to a
+        strategy whose `builds_model` is True, the same ModelBuilder (`model_for`)."""
         ...
 
 
