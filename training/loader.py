@@ -124,6 +124,7 @@ class ShardLoader:
         prefetch: int = 8,
         pin_memory: bool | None = None,
         verify: bool = False,
+        label_scale: tuple[float, float] | None = None,
     ):
         if remainder not in REMAINDER_POLICIES:
             raise ConfigError(f"training.remainder {remainder!r} is not one of: drop, pad")
@@ -141,6 +142,8 @@ class ShardLoader:
         self.pin_memory = torch.cuda.is_available() and pin_memory is not False
         self._label = manifest.tensors["label"].column
         self._y_dtype = np.dtype(manifest.tensors["label"].dtype)
+        # (mean, std): the label comes out standardised (training.task.label_scale).
+        self._label_scale = label_scale
         self._typed = manifest.feature_spec.typed
         # The inputs in shard column order, then the label: the columns of every chunk.
         self._inputs: list[tuple[str, TensorSpec]] = [(n, t) for n, t in manifest.tensors.items() if n != "label"]
@@ -396,6 +399,9 @@ class ShardLoader:
         y = np.asarray(labels.to_numpy(zero_copy_only=False), dtype=self._y_dtype)
         if len(y) != rows:
             raise DataError(f"{path}: row group {g} holds {len(y)} rows; the manifest says {rows}")
+        if self._label_scale is not None:
+            mean, std = self._label_scale
+            y = ((y.astype(np.float64) - mean) / std).astype(self._y_dtype)
         chunk = [decode_column(table.column(t.column), t, self._images, rows, f"{path}: row group {g}")
                  for _, t in self._inputs]
         return (*chunk, y)
