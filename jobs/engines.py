@@ -76,7 +76,7 @@ def prepare_engine(cfg: ShardlineConfig):
 
 @contextmanager
 def open_dask(cfg: ShardlineConfig):
-    from shardline.pipelines.engines import dask_client
+    from shardline.pipelines.engines import close_quietly, dask_client
 
     where = cfg.dask.address or f"LocalCluster of {cfg.dask.n_workers} workers"
     with stage(f"Starting Dask ({where})"):
@@ -84,10 +84,15 @@ def open_dask(cfg: ShardlineConfig):
     cluster = None if cfg.dask.address else client.cluster
     try:
         yield client
-    finally:
+    except BaseException:
         client.close()
         if cluster is not None:
             cluster.close()
+        raise
+    if cluster is None:
+        client.close()
+    else:
+        close_quietly(client, cluster)
 
 
 class Engines:

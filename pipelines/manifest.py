@@ -41,6 +41,17 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _inside(path: str, what: str) -> str:
+    # A reader joins this to the dataset's URL: it must not reach outside it.
+    parts = path.split("/")
+    if (
+        not path or path.startswith("/") or "\\" in path or "://" in path or ":" in parts[0]
+        or any(p in ("", ".", "..") for p in parts)
+    ):
+        raise ValueError(f"{what} path {path!r} is not a relative path inside the dataset")
+    return path
+
+
 class ShardInfo(_Model):
     path: str = Field(description="Relative to the dataset directory, and inside it.")
     rows: int
@@ -51,14 +62,7 @@ class ShardInfo(_Model):
     @field_validator("path")
     @classmethod
     def _inside_the_dataset(cls, path: str) -> str:
-        # A reader joins this to the dataset's URL: it must not reach outside it.
-        parts = path.split("/")
-        if (
-            not path or path.startswith("/") or "\\" in path or "://" in path or ":" in parts[0]
-            or any(p in ("", ".", "..") for p in parts)
-        ):
-            raise ValueError(f"shard path {path!r} is not a relative path inside the dataset")
-        return path
+        return _inside(path, "shard")
 
 
 class SplitInfo(_Model):
@@ -83,6 +87,26 @@ class FittedStatistics(_Model):
         description="Distinct indices per categorical column, the unknown/null 0 excluded."
     )
     num_classes: int = Field(description="Classes (classification); 1 for regression.")
+    label: NumericStats | None = Field(
+        None,
+        description="Regression: mean and std of the train split's label. Training with the "
+        "default loss standardises the label with them, and the model it registers gives "
+        "values in the label's units (None: a classification dataset, or one prepared before).",
+    )
+
+
+class RejectsInfo(_Model):
+    """The rows a prepare dropped, by key and reason (pipelines.rejects)."""
+
+    path: str = Field(description="The rejects Parquet file, relative to the dataset directory.")
+    rows: int = Field(description="Rows the file holds: the first `cap` dropped, in file and row order.")
+    total: int = Field(description="Rows dropped in all (the manifest's dropped_rows).")
+    cap: int = Field(description="The most rows the file holds.")
+
+    @field_validator("path")
+    @classmethod
+    def _inside_the_dataset(cls, path: str) -> str:
+        return _inside(path, "rejects")
 
 
 class TensorSpec(_Model):
@@ -155,6 +179,9 @@ class ShardManifest(_Model):
     splits: dict[str, SplitInfo]
     plan: BandwidthPlan | None = None
     dropped_rows: int = Field(0, description="Rows dropped as unparseable (on_bad_rows = drop).")
+    rejects: RejectsInfo | None = Field(
+        None, description="Where the dropped rows' keys and reasons are (None: no row was dropped)."
+    )
     # Its commit number, from the file name (_manifests/manifest-<sequence>.json); 0 for a
     # manifest.json. Not written into the file: the name is the commit.
     _sequence: int = PrivateAttr(0)

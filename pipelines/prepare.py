@@ -19,7 +19,7 @@ from typing import Protocol
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import storage, synthetic
+from . import rejects, storage, synthetic
 from .checks import CheckedInput, check_prepare, declared_classes
 from .failures import failure_rows
 from .config import FeatureSpec, PipelineConfig
@@ -29,6 +29,7 @@ from .manifest import (
     BandwidthPlan,
     FittedStatistics,
     NumericStats,
+    RejectsInfo,
     ShardInfo,
     ShardManifest,
     SplitInfo,
@@ -124,6 +125,7 @@ def prepare(
         drop_bad=src.on_bad_rows == "drop",
         num_classes=declared_classes(spec, previous, frozen),
         delimiter=src.csv_delimiter,
+        rejects_per_unit=rejects.per_unit(len(units)),
     )
     with _listener(engine) as progress, progress.stage("prepare pass 1", len(units), "units read") as read:
         report = merge_reports(engine.run(Counted(partial(report_unit, task=task), progress.address, read.key), units))
@@ -184,6 +186,9 @@ def prepare(
         if not written:
             raise DataError(f"{display(src.path)}: no rows left to write")
         splits = {s: _split_info(written, s) for s in SPLITS}
+        dropped = report["dropped"] + sum(m["repeated"] or 0 for m in metas)
+        kept = rejects.collect(report["rejects"], metas, units, spec.key)
+        rejects_path = rejects.write(version_dir, kept)
         if frozen:
             splits = {
                 s: SplitInfo(
@@ -208,7 +213,10 @@ def prepare(
             splits=splits,
             # A plain append keeps the existing shards, so their plan still describes them.
             plan=plan if plan is not None else (previous.plan if frozen else None),
-            dropped_rows=report["dropped"] + sum(m["repeated"] or 0 for m in metas),
+            dropped_rows=dropped,
+            rejects=RejectsInfo(
+                path=f"{storage.name(version_dir)}/{rejects_path}", rows=len(kept), total=dropped, cap=rejects.CAP,
+            ) if rejects_path else None,
         )
         lease.check()  # a prepare that stalled past its lease must not commit over another's
         return commit_manifest(root, manifest, based_on=previous, retention=cfg.retention)
@@ -353,14 +361,19 @@ def _fit(report: dict, spec: FeatureSpec) -> FittedStatistics:
             counts = report["categories"].get(c, {})
             categorical[c] = [v for v, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
             cardinality[c] = len(categorical[c])
+    label = None
     if spec.task == "next_token":
         classes = spec.tensors[spec.label].vocab_size  # one logit per token id at each position
-    elif spec.task != "classification":
+    elif spec.task == "regression":
         classes = 1
+        n, mean, m2 = report.get("label_moments", (0, 0.0, 0.0))
+        std = math.sqrt(m2 / n) if n else 0.0
+        # Labels all equal: nothing to scale by; 1 keeps the model's output as it is.
+        label = NumericStats(mean=mean, std=std if std > 0 else 1.0)
     else:
         classes = declared_classes(spec, None, False) or int(report.get("label_max", 0)) + 1
     return FittedStatistics(
-        numeric=numeric, categorical=categorical, cardinality=cardinality, num_classes=classes
+        numeric=numeric, categorical=categorical, cardinality=cardinality, num_classes=classes, label=label
     )
 
 

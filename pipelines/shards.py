@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import storage
+from . import rejects, storage
 from .config import FeatureSpec
 from .tasks import PART_COL, POS_COL, Parts, label_fields
 from .tensors import row_bytes, tensor_array
@@ -37,6 +37,7 @@ SHARD_META_SCHEMA = pa.schema(
         ("repeat_pos", pa.int64()),  # its position,
         ("first_pos", pa.int64()),  # and the position of the key's first row
         ("error", pa.string()),  # a permanent failure (a full disk), returned, not retried
+        ("rejects", pa.string()),  # dropped repeats: JSON [[key, position], ...] (pipelines.rejects)
     ]
 )
 
@@ -75,13 +76,15 @@ def write_parts(
         k, p = key[order], pos[order]
         repeat = np.zeros(len(k), bool)
         repeat[1:] = k[1:] == k[:-1]
-        meta = {"split": split, "shard": shard, "repeated": int((repeat & (p >= 0)).sum())}
+        dropped = repeat & (p >= 0)
+        meta = {"split": split, "shard": shard, "repeated": int(dropped.sum())}
         if repeat.any() and not drop_repeats:
             i = int(np.flatnonzero(repeat)[np.argmin(p[repeat])])
             first = int(np.searchsorted(k, k[i]))
             meta.update(repeat_key=int(k[i]), repeat_pos=int(p[i]), first_pos=int(p[first]))
             yield pa.RecordBatch.from_pylist([meta], schema=SHARD_META_SCHEMA)
             continue
+        meta["rejects"] = rejects.repeat_rejects(k[dropped], p[dropped])
         new = order[~repeat & (p >= 0)]  # positions into `rows`, sorted by key
         if len(new):
             part_table = table.take(rows[new])

@@ -172,10 +172,14 @@ def spark_error_line(e: BaseException) -> str:
     for ln in lines:
         if "Python worker exited unexpectedly" in ln:
             return _clean(ln[ln.index("Python worker") :].split(". Consider")[0])
+        if "ExecutorLostFailure" in ln:  # a lost executor: its id and Spark's reason
+            return _clean(ln[ln.index("ExecutorLostFailure") :])
     for ln in lines:
         ln = ln.strip()
-        if ln and ln != "JVM stacktrace:" and not ln.startswith("at "):
-            return _clean(ln)
+        # Py4J's own wrapper line ("An error occurred while calling o75.collectToPython.")
+        # says nothing; Spark's exception follows it.
+        if ln and ln != "JVM stacktrace:" and not ln.startswith("at ") and not ln.startswith("An error occurred while calling"):
+            return _clean(ln.removeprefix(": "))
     return type(e).__name__
 
 
@@ -186,10 +190,22 @@ def failed_task(e: BaseException) -> tuple[int, int, str] | None:
     text = str(e)
     failed = re.search(r"Task (\d+) in stage \S+ failed (\d+) times?", text)
     lost = re.search(r"Lost task (\d+)\.\d+ in stage \S+ \(TID \d+\) \((\S+) executor ([^)]+)\)", text)
-    if not failed and not lost:
-        return None
-    index = int(failed[1]) if failed else int(lost[1])
-    return index, int(failed[2]) if failed else 1, f"{lost[2]} (executor {lost[3]})" if lost else "unknown host"
+    # A barrier stage is failed whole at its first failed task, in other words:
+    # "Stage failed because barrier task ResultTask(<stage>, <partition>) finished unsuccessfully",
+    # then the reason, "ExecutorLostFailure (executor <id> exited ...)" for a lost executor.
+    barrier = re.search(r"barrier task (?:ResultTask|ShuffleMapTask)\(\d+, (\d+)\)", text)
+    executor = re.search(r"ExecutorLostFailure \(executor (\S+) exited", text)
+    if lost:
+        where = f"{lost[2]} (executor {lost[3]})"
+    else:
+        where = f"executor {executor[1]}" if executor else "unknown host"
+    if failed:
+        return int(failed[1]), int(failed[2]), where
+    if lost:
+        return int(lost[1]), 1, where
+    if barrier:
+        return int(barrier[1]), 1, where
+    return None
 
 
 def _clean(line: str) -> str:

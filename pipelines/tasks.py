@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import storage
+from . import rejects, storage
 from .config import FeatureSpec, SplitConfig
 from .errors import DataError
 from .manifest import FittedStatistics
@@ -52,6 +52,7 @@ class PrepareTask:
     drop_bad: bool
     num_classes: int | None  # labels at or above are unknown; None infers the classes
     delimiter: str = ","  # of CSV input
+    rejects_per_unit: int = 0  # dropped rows each unit reports by key (pipelines.rejects)
 
     @property
     def columns(self) -> list[str]:
@@ -98,20 +99,22 @@ def report_unit(unit: Unit, task: PrepareTask) -> dict:
     try:
         for table in read_unit(unit, task.columns, task.delimiter):
             p = task.parse(table, unit)
-            _merge(rep, _report_batch(p, table, unit, offset, task))
+            _merge(rep, _report_batch(p, table, unit, offset, task, task.rejects_per_unit - len(rep["rejects"])))
             offset += p.n
     except Exception as e:  # the file's fault (unreadable, malformed), reported in order
         rep["error"] = f"{display(unit.url)}: not readable {unit.fmt} ({first_line(e)})"
     return rep
 
 
-def _report_batch(p: Parsed, raw: pa.Table, unit: Unit, offset: int, task: PrepareTask) -> dict:
+def _report_batch(p: Parsed, raw: pa.Table, unit: Unit, offset: int, task: PrepareTask, room: int = 0) -> dict:
     spec = task.spec
     bad = p.mask(BAD_KINDS)
     keep = ~bad if task.drop_bad else np.ones(p.n, bool)
     rep = _empty_report()
     rep["rows"] = [int(((p.split == i) & keep).sum()) for i in range(3)]
     rep["dropped"] = int(bad.sum()) if task.drop_bad else 0
+    if task.drop_bad:
+        rep["rejects"] = rejects.unit_rejects(p, raw, unit, offset, bad, spec.key, room, spec.generate_key, _plain)
     # Rows the settings make fatal, each once however many columns or kinds it fails:
     # the count the first problem's one line gives (a per-column count undercounts).
     fatal = (np.zeros(p.n, bool) if task.drop_bad else bad.copy())
@@ -147,6 +150,10 @@ def _report_batch(p: Parsed, raw: pa.Table, unit: Unit, offset: int, task: Prepa
     for c in spec.numeric:
         x = p.numeric[c][train]
         rep["moments"][c] = _moments(x[np.isfinite(x)])
+    if spec.task == "regression":
+        # The label's scale, fitted on train like the features': training standardises it.
+        y = p.label[train].astype(np.float64)
+        rep["label_moments"] = _moments(y[np.isfinite(y)])
     if spec.categorical_encoding == "index":
         for c in spec.categorical:
             codes, values = p.categorical[c]
@@ -157,7 +164,7 @@ def _report_batch(p: Parsed, raw: pa.Table, unit: Unit, offset: int, task: Prepa
 
 def _empty_report() -> dict:
     return {"rows": [0, 0, 0], "dropped": 0, "fatal_rows": 0, "payload": 0, "problems": {}, "moments": {},
-            "categories": {}}
+            "categories": {}, "rejects": []}
 
 
 def merge_reports(reports: list[dict]) -> dict:
@@ -175,6 +182,7 @@ def _merge(out: dict, r: dict) -> None:
         out["error"] = r["error"]
     out["rows"] = [a + b for a, b in zip(out["rows"], r["rows"])]
     out["dropped"] += r["dropped"]
+    out["rejects"] += r.get("rejects", [])
     out["fatal_rows"] += r.get("fatal_rows", 0)
     out["payload"] += r["payload"]
     for kind, by_col in r["problems"].items():
@@ -186,20 +194,25 @@ def _merge(out: dict, r: dict) -> None:
                 have["count"] += p["count"]
     if "label_max" in r:
         out["label_max"] = max(out.get("label_max", r["label_max"]), r["label_max"])
-    for c, (n, mean, m2) in r["moments"].items():
-        n0, mean0, m20 = out["moments"].get(c, (0, 0.0, 0.0))
-        total = n0 + n
-        if total:
-            delta = mean - mean0
-            out["moments"][c] = (
-                total,
-                mean0 + delta * n / total,
-                m20 + m2 + delta * delta * n0 * n / total,
-            )
+    for c, moments in r["moments"].items():
+        out["moments"][c] = _merge_moments(out["moments"].get(c), moments)
+    if "label_moments" in r:
+        out["label_moments"] = _merge_moments(out.get("label_moments"), r["label_moments"])
     for c, counts in r["categories"].items():
         acc = out["categories"].setdefault(c, {})
         for v, n in counts.items():
             acc[v] = acc.get(v, 0) + n
+
+
+def _merge_moments(a, b) -> tuple:
+    """(count, mean, sum of squared deviations) of a's rows then b's (Chan et al.)."""
+    n0, mean0, m20 = a if a is not None else (0, 0.0, 0.0)
+    n, mean, m2 = b
+    total = n0 + n
+    if not total:
+        return (0, 0.0, 0.0)
+    delta = mean - mean0
+    return (total, mean0 + delta * n / total, m20 + m2 + delta * delta * n0 * n / total)
 
 
 def first_problem(report: dict, kinds) -> tuple[str, str, dict] | None:

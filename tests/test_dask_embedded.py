@@ -12,19 +12,29 @@ import dask
 import distributed  # noqa: F401  (registers its config: distributed.nanny.*)
 
 from shardline.pipelines.config import DaskConfig
-from shardline.pipelines.engines import dask_client
+from shardline.pipelines.engines import close_quietly, dask_client
 
 
 def _spawn_names() -> list[str]:
     return [*dask.config.get("distributed.nanny.pre-spawn-environ"), "PYTHONHASHSEED"]
 
 
-def test_embedded_workers_get_dasks_variables_but_not_the_trim_threshold_and_the_driver_neither(monkeypatch):
+def _exit_slowly() -> None:
+    """In a worker: its process takes 6 s to exit (as an atexit hook of a user's library may),
+    longer than the nanny's 4 s grace when the cluster closes."""
+    import atexit
+    import time
+
+    atexit.register(time.sleep, 6)
+
+
+def test_embedded_workers_get_dasks_variables_but_not_the_trim_threshold_and_the_driver_neither(monkeypatch, capfd):
     names = _spawn_names()
     assert {"MALLOC_TRIM_THRESHOLD_", "OMP_NUM_THREADS"} <= set(names)  # what Dask sets, as pinned
     for k in names:  # none set beforehand (a nanny restarted earlier in this process leaves them)
         monkeypatch.delenv(k, raising=False)
     client = dask_client(DaskConfig(n_workers=1, memory_limit="1GiB"))
+    cluster, closed = client.cluster, False
     try:
         # The driver's environment is as it was ...
         assert {k: os.environ.get(k) for k in names} == dict.fromkeys(names)
@@ -33,10 +43,20 @@ def test_embedded_workers_get_dasks_variables_but_not_the_trim_threshold_and_the
         assert worker["OMP_NUM_THREADS"] == "1" and worker["PYTHONHASHSEED"]
         # ... except the trim threshold, which slows every large allocation (pipelines/engines.py)
         assert worker["MALLOC_TRIM_THRESHOLD_"] is None
+
+        # After a run that succeeded, the close says nothing: not the nanny's "Worker process
+        # still alive after 4.0 seconds, killing" for a worker slow to exit, nor a heartbeat's
+        # traceback (jobs.engines.open_dask closes a clean run this way).
+        client.run(_exit_slowly)
+        capfd.readouterr()
+        close_quietly(client, cluster)
+        closed = True
+        err = capfd.readouterr().err
+        assert "still alive" not in err and "Traceback" not in err and "heartbeat" not in err, err
     finally:
-        cluster = client.cluster
-        client.close()
-        cluster.close()
+        if not closed:
+            client.close()
+            cluster.close()
 
 
 def test_a_scheduler_in_this_process_gets_no_code_zip_only_its_workers_do(dask_client):
@@ -47,7 +67,7 @@ def test_a_scheduler_in_this_process_gets_no_code_zip_only_its_workers_do(dask_c
     import sys
 
     from shardline import pipelines
-    from shardline.pipelines.engines import dask_client as connect
+    from shardline.pipelines.engines import close_quietly, dask_client as connect
 
     before = (pipelines.__file__, list(sys.path))
     client = connect(DaskConfig(address=dask_client.scheduler.address))

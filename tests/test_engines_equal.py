@@ -43,6 +43,9 @@ def fingerprint(dataset_dir: str) -> dict:
             digest = hashlib.sha256((Path(dataset_dir) / s["path"]).read_bytes()).hexdigest()
             assert digest == s["sha256"]
             shards[s["path"].replace(version, "")] = digest
+    if manifest.get("rejects"):  # the dropped rows' keys and reasons: the same bytes too
+        path = manifest["rejects"]["path"]
+        shards[path.replace(version, "")] = hashlib.sha256((Path(dataset_dir) / path).read_bytes()).hexdigest()
     for field in PROVENANCE:
         manifest.pop(field)
     canonical = json.dumps(manifest, sort_keys=True).replace(version, "v-*/")
@@ -145,6 +148,17 @@ def test_a_messy_file_gives_the_same_first_error_and_dataset_on_both_engines(eng
     m = load_manifest(ds.dataset_dir)
     # Dropped: 'seven' (2), label 'x' (10), empty label (11), the later key 8.
     assert m.dropped_rows == 4
+    # Each dropped row by key, reason, column, file and row (0-based, header not counted).
+    assert m.rejects is not None and (m.rejects.rows, m.rejects.total, m.rejects.cap) == (4, 4, 10_000)
+    assert "_rejects/rejects.parquet" in got["dask"]["shards"]  # compared above, byte for byte
+    rejects = pq.read_table(Path(ds.dataset_dir) / m.rejects.path).to_pylist()
+    raw = tmp_path / "raw"
+    assert [(r["key"], r["reason"], r["column"], r["file"], r["row"], r["value"]) for r in rejects] == [
+        ("2", "unparseable", "a", str(raw / "part-0.csv"), 1, "seven"),
+        ("10", "unparseable", "y", str(raw / "part-0.csv"), 9, "x"),
+        ("11", "null_label", "y", str(raw / "part-0.csv"), 10, ""),
+        ("8", "duplicate_key", "id", str(raw / "part-1.csv"), 5, "8"),
+    ]
     rows = pd.concat(rows_by_split(ds).values()).set_index("id")
     assert not {2, 10, 11} & set(rows.index) and rows.index.is_unique
     assert len(rows) == 12 + 400 - 4
@@ -266,3 +280,20 @@ def test_spark_routes_each_part_to_its_own_partition(spark):
         routes = spark_routes(n)
         assert [spark_partition(int(r), n) for r in routes] == list(range(n))
         assert [int(r) % n for r in routes] == list(range(n))
+
+
+def test_rejects_are_capped_in_file_and_row_order():
+    """The rejects file keeps the first CAP dropped rows by position (unit, then row), from
+    pass 1's reports and pass 2's repeated keys alike; each unit reports its share."""
+    from shardline.pipelines import rejects
+    from shardline.pipelines.raw import Unit
+
+    units = [Unit(0, "file:///d/a.csv", "csv"), Unit(1, "file:///d/b.parquet", "parquet", first_row=100)]
+    reported = [[1, 2 * i, str(i), "null_label", "y", units[1].url, 100 + 2 * i, None] for i in range(rejects.CAP)]
+    repeats = {"rejects": json.dumps([[7, (0 << 32) | 3], [9, (1 << 32) | 5]])}  # unit 0 row 3, unit 1 row 5
+    kept = rejects.collect(reported, [repeats, {"rejects": None}], units, "id")
+    assert len(kept) == rejects.CAP
+    assert kept[0] == [0, 3, "7", "duplicate_key", "id", units[0].url, 3, "7"]  # first by position
+    assert kept[4] == [1, 5, "9", "duplicate_key", "id", units[1].url, 105, "9"]  # between rows 4 and 6
+    assert kept[-1][1] == 2 * (rejects.CAP - 3)  # the last two reported fell past the cap
+    assert rejects.per_unit(1) == rejects.CAP and rejects.per_unit(10**6) == rejects.MIN_PER_UNIT

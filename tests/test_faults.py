@@ -152,3 +152,28 @@ def test_read_only_outputs_of_prepare_and_score_end_in_one_line(prepared, tmp_pa
     assert len(lines) == 1 and setting in lines[0] and str(out) in lines[0], proc.stderr[-2000:]
     assert "read-only file system" in lines[0] and "Traceback" not in proc.stderr
     assert "Starting" not in proc.stderr  # refused before an engine started
+
+
+def test_ctrl_c_on_classic_spark_stops_the_ranks_and_says_one_line(prepared, tmp_path):
+    """SIGINT to `shardline train` on a classic local Spark: "aborted", exit 130, no
+    traceback (PySpark's own handler re-entered the Py4J call the driver waited in:
+    "RuntimeError: reentrant call"), and the ranks' job cancelled, so they stop."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "driver.log"
+    driver = start_driver(train_args(prepared.dataset_dir, ckpt, **{"training.launcher": "'spark'",
+                                                                     "training.epochs": "400"}),
+                          tmp_path / "run", log)
+    try:
+        pids = wait_for(lambda: rank_pids(ckpt), "the first checkpoint", proc=driver, log=log)
+        os.killpg(driver.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground group
+        code = driver.wait(timeout=300)
+        out = log.read_text(errors="replace")
+        assert code == 130, out[-3000:]
+        lines = out.splitlines()
+        assert "aborted" in lines, out[-3000:]
+        # The ranks' job was cancelled and its tasks ended before the driver said so: no
+        # rank trains on to print an epoch line after it.
+        assert not [ln for ln in lines[lines.index("aborted"):] if "[shardline] epoch" in ln], out[-3000:]
+        assert "Traceback" not in out and "reentrant" not in out and "Exception in thread" not in out, out[-3000:]
+        wait_for(lambda: not any(alive(p) for p in pids), f"ranks {pids} to stop", within_s=120)
+    finally:
+        stop_group(driver)

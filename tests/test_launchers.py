@@ -102,3 +102,35 @@ def test_ranks_share_the_cores_instead_of_each_taking_them_all(monkeypatch):
     # A user's own OMP_NUM_THREADS, set after the fork server started, is what the ranks get.
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert launch_local(torch_threads, None, world_size=2, timeout_s=60) == [3, 3]
+
+
+# What classic Spark 4.3 raised here when the executor JVM running rank 1 of a barrier
+# stage was SIGKILLed (local-cluster[2,1,1024]; the Java frames left out): Spark names the
+# partition (the rank) and the executor, not the host.
+LOST_EXECUTOR = """An error occurred while calling o43.collectToPython.
+: org.apache.spark.SparkException: Job aborted due to stage failure: Could not recover from \
+a failed barrier ResultStage. Most recent failure reason: Stage failed because barrier task \
+ResultTask(0, 1) finished unsuccessfully.
+ExecutorLostFailure (executor 1 exited caused by one of the running tasks) Reason: Command exited with code 137
+\tat org.apache.spark.scheduler.DAGScheduler.failJobAndIndependentStages(DAGScheduler.scala:3129)
+"""
+
+
+def test_a_lost_spark_executor_is_named_with_its_rank_executor_host_and_pid(tmp_path):
+    """The restart line of a lost executor names the rank (its barrier partition), the
+    executor, and the host and pid the rank announced (ranks/rank-N.json), not Py4J's
+    "An error occurred while calling o43.collectToPython."."""
+    import json
+
+    from shardline.training.launchers.spark import _lost_task
+
+    failed = TrainingFailed.from_ranks("Spark barrier stage", LOST_EXECUTOR, _lost_task(Exception(LOST_EXECUTOR)))
+    assert str(failed) == (
+        "Spark barrier stage training failed: rank 1 on executor 1 was lost: ExecutorLostFailure "
+        "(executor 1 exited caused by one of the running tasks) Reason: Command exited with code 137"
+    )
+    (tmp_path / "ranks").mkdir()
+    (tmp_path / "ranks" / "rank-1.json").write_text(json.dumps({"rank": 1, "host": "worker-b", "pid": 4242}))
+    line = _lost_task(Exception(LOST_EXECUTOR), str(tmp_path))
+    assert line.startswith("rank 1 on worker-b (executor 1), pid 4242 was lost: ExecutorLostFailure"), line
+    assert not failed.permanent  # a lost executor is relaunched

@@ -66,4 +66,4 @@ def test_runs_logging_the_same_dataset_at_once_all_keep_it(tmp_path):
         inputs = client.get_run(run_id).inputs.dataset_inputs
         assert len(inputs) == 1
         assert inputs[0].dataset.digest == dataset_digest(_manifest(r))
-        assert inputs[0].dataset.name == f"dataset@{r}"
+        assert inputs[0].dataset.name == f"{dataset_dir}@{r}"

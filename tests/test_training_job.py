@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from shardline.pipelines.errors import ConfigError, DataError, ShardlineError
@@ -39,7 +37,7 @@ def test_local_launcher_trains_tracks_and_registers(prepared, tracking_uri, capf
     manifest = load_manifest(prepared.dataset_dir)
     assert run.info.run_name == "train mlp ddp×2"
     [ds] = run.inputs.dataset_inputs
-    assert ds.dataset.name == f"{Path(prepared.dataset_dir).name}@{manifest.sequence}"
+    assert ds.dataset.name == f"{prepared.dataset_dir}@{manifest.sequence}"  # the whole path: as the docs say
     assert ds.dataset.digest == dataset_digest(manifest) and len(ds.dataset.digest) == 16
     assert prepared.dataset_dir in ds.dataset.source
     assert [t.value for t in ds.tags if t.key == "mlflow.data.context"] == ["training"]

@@ -126,6 +126,7 @@ class ShardLoader:
         prefetch: int = 8,
         pin_memory: bool | None = None,
         verify: bool = False,
+        label_scale: tuple[float, float] | None = None,
     ):
         if remainder not in REMAINDER_POLICIES:
             raise ConfigError(f"training.remainder {remainder!r} is not one of: drop, pad")
@@ -146,6 +147,8 @@ class ShardLoader:
         # next_token's label: its token ids as int64 (label_tokens); else the label's own dtype.
         self._y_dtype = np.dtype(np.int64) if self._y_spec.encoding == "raw" else held_dtype(self._y_spec)
         self._y_ignore = label_pad_id(manifest)
+        # (mean, std): the label comes out standardised (training.task.label_scale).
+        self._label_scale = label_scale
         self._typed = manifest.feature_spec.typed
         # The inputs in shard column order, then the label: the columns of every chunk.
         self._inputs: list[tuple[str, TensorSpec]] = [(n, t) for n, t in manifest.tensors.items() if n != "label"]
@@ -406,6 +409,9 @@ class ShardLoader:
             y = np.asarray(labels.to_numpy(zero_copy_only=False), dtype=self._y_dtype)
         if len(y) != rows:
             raise DataError(f"{path}: row group {g} holds {len(y)} rows; the manifest says {rows}")
+        if self._label_scale is not None:
+            mean, std = self._label_scale
+            y = ((y.astype(np.float64) - mean) / std).astype(self._y_dtype)
         chunk = [decode_column(table.column(t.column), t, self._images, rows, f"{path}: row group {g}")
                  for _, t in self._inputs]
         return (*chunk, y)

@@ -8,6 +8,10 @@ TrainingConfig fields a factory reads and the dataset's manifest. Loading calls
 `build_model(manifest, cfg)` again, as training did, and fills in the weights. The user's
 own code (the factory's package, `training.code_paths`) travels in the model's code folder
 beside shardline's: code the user chose to ship, imported like any installed package.
+
+A regression model trained on the standardised label (training.task.label_scale) is
+loaded wrapped in `LabelUnits`, which un-standardises its output: batch scores, the
+estimators and the served pyfunc all get values in the label's units from this one place.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ def read_module(weights: str, module: str):
 
     from .config import TrainingConfig
     from .models import build_model
+    from .task import LabelUnits, label_scale
 
     d = json.loads(Path(module).read_text())
     if d.get("format") != FORMAT:
@@ -64,7 +69,12 @@ def read_module(weights: str, module: str):
     with torch.random.fork_rng(devices=[]):
         model = build_model(manifest, cfg)
     load_model(model, weights, strict=True, device="cpu")
+    # A regression model that learnt the standardised label answers in the label's units.
+    scale = label_scale(manifest, cfg.loss)
+    if scale is not None:
+        model = LabelUnits(model, *scale)
     return model.eval()
+
 
 
 def code_folders(cfg) -> list[str]:

@@ -14,6 +14,15 @@ pad (the loader marks them IGNORE_INDEX); perplexity (exp of the mean token loss
 token accuracy beside the loss, all per counted token. The built-in loss by name:
 training.loss = "next_token".
 
+Regression with the default loss learns the standardised label: (y - mean) / std with the
+train split's statistics (the manifest's `statistics.label`, `label_scale`). A label far
+from 0, or in the thousands, would otherwise leave a model initialised near 0 with a huge
+loss and gradients that the default learning rate cannot follow (a 442-row set trained to
+R^2 -4.4). The loader standardises the label; the figures are given back in the label's
+units; the registered model un-standardises its output (training.model_files), so scores
+and the served model speak the label's units too. A user's own loss gets the label as it
+is: its scale is the user's choice.
+
 The user's own (training.loss, training.metrics: 'package.module:callable'): a loss
 `fn(output, target) -> scalar tensor` replaces the task's, in training and in val_loss;
 each metric `fn(output, target) -> number` is computed once per epoch over the whole
@@ -55,6 +64,27 @@ def task_of(manifest: ShardManifest) -> str:
     if manifest.feature_spec.task == NEXT_TOKEN:
         return NEXT_TOKEN
     return REGRESSION if manifest.tensors["label"].dtype == "float32" else CLASSIFICATION
+
+
+def label_scale(manifest: ShardManifest, loss: str | None) -> tuple[float, float] | None:
+    """(mean, std) the label is standardised with in training, or None: regression with the
+    default loss (`loss`: training.loss) on a dataset whose manifest has the label's statistics."""
+    stats = manifest.statistics.label
+    if task_of(manifest) != REGRESSION or loss is not None or stats is None:
+        return None
+    return stats.mean, stats.std
+
+
+class LabelUnits(torch.nn.Module):
+    """A model that learnt the standardised label (`label_scale`), giving values in the
+    label's units: what training.model_files loads for scoring and serving."""
+
+    def __init__(self, inner: torch.nn.Module, mean: float, std: float):
+        super().__init__()
+        self.inner, self.mean, self.std = inner, float(mean), float(std)
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs) * self.std + self.mean
 
 
 def task_loss(outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -133,8 +163,10 @@ def batch_sums(task: str, outputs: torch.Tensor, y: torch.Tensor, mean_loss: tor
     return torch.stack([(err * err).sum(), err.abs().sum(), yd.sum(), (yd * yd).sum(), n])
 
 
-def figures(task: str, split: str, sums: torch.Tensor) -> dict[str, float]:
-    """The split's figures from sums reduced over every rank; {} when no row was counted."""
+def figures(task: str, split: str, sums: torch.Tensor, scale: tuple[float, float] | None = None) -> dict[str, float]:
+    """The split's figures from sums reduced over every rank; {} when no row was counted.
+    scale: the label's (mean, std) when the sums are of the standardised label
+    (`label_scale`): errors are given back in the label's units (R^2 has none)."""
     s = sums.tolist()
     n = s[-1]
     if n <= 0:
@@ -148,10 +180,11 @@ def figures(task: str, split: str, sums: torch.Tensor) -> dict[str, float]:
                 f"{split}_accuracy": s[1] / n}
     sse, sae, sy, syy = s[:4]
     sst = syy - sy * sy / n
+    std = scale[1] if scale is not None else 1.0
     return {
-        f"{split}_loss": sse / n,
-        f"{split}_rmse": math.sqrt(sse / n),
-        f"{split}_mae": sae / n,
+        f"{split}_loss": sse / n * std * std,
+        f"{split}_rmse": math.sqrt(sse / n) * std,
+        f"{split}_mae": sae / n * std,
         # Labels all equal: R^2 is undefined; NaN says so rather than a made-up figure.
         f"{split}_r2": 1.0 - sse / sst if sst > 0 else float("nan"),
     }

@@ -117,8 +117,9 @@ def dataset_digest(manifest) -> str:
 
 
 def log_dataset_input(manifest, dataset_dir: str) -> None:
-    """The prepared dataset as the active run's input (the UI's Dataset column): named for
-    the directory and its version, its source the dataset's URL, digested by content."""
+    """The prepared dataset as the active run's input (the UI's Dataset column): named
+    `<dataset dir>@<manifest number>` (the whole path or URL: the folders of different
+    jobs are all called `dataset`), its source the dataset's URL, digested by content."""
     import warnings
 
     import mlflow
@@ -129,7 +130,7 @@ def log_dataset_input(manifest, dataset_dir: str) -> None:
     with warnings.catch_warnings():  # a local path matches two source kinds; either is right
         warnings.simplefilter("ignore")
         source = resolve_dataset_source(dataset_dir)
-    name = f"{storage.name(dataset_dir)}@{manifest.sequence}"
+    name = redact(f"{storage.display(dataset_dir)}@{manifest.sequence}")
     dataset = MetaDataset(source, name=name, digest=dataset_digest(manifest))
     # A sweep's concurrent trials log the same dataset at once, and the store inserts it
     # after looking for it: the loser of that race fails on the table's unique key (seen on

@@ -69,10 +69,12 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         lambda params: make_optimizer(params, cfg),
     )
     reads = parallel.data_rank is not None
+    # Regression with the default loss learns the standardised label (training.task).
+    scale = task.label_scale(manifest, cfg.loss)
     loader_settings = dict(
         remainder=cfg.remainder, shuffle_buffer_rows=cfg.shuffle_buffer_rows,
         workers=cfg.loader_workers_for(manifest.plan), prefetch=cfg.prefetch_depth,
-        verify=cfg.verify_shards,
+        verify=cfg.verify_shards, label_scale=scale,
     )
     # A rank that reads no data (a parameter server) keeps a loader too: it counts the
     # steps of an epoch and the position to resume from, the same on every rank.
@@ -180,6 +182,8 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
             if step % cfg.log_every_steps == 0:
                 # The reporting ranks' mean loss: rank 0 may hold none (a first pipeline stage).
                 step_loss = _mean_over_reporting(out[1].item() if out is not None else None)
+                if scale is not None:  # the MSE of the standardised label, in the label's units
+                    step_loss *= scale[1] ** 2
                 if reporter:
                     reporter.log({"train_loss_step": step_loss, "lr": cfg.lr * schedule(step)}, step)
             if cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0:
@@ -197,7 +201,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         collectives.all_reduce(per_rank)
         collectives.all_reduce(sums)
         metrics = {
-            **task.figures(kind, "train", sums),
+            **task.figures(kind, "train", sums, scale),
             # Ranks that split one model read the same samples: count each once.
             "samples_per_s": (per_rank[:, 0] * per_rank[:, 3]).sum().item(),
             "data_wait_fraction": per_rank[:, 1].max().item(),
@@ -217,7 +221,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
                 eval_model.load_state_dict(full)
                 eval_model.eval()
             run = parallel.forward_eval if sharded_eval else partial(forward, eval_model)
-            metrics.update(_evaluate(run, val, device, kind, loss_fn, user_metrics, lockstep=sharded_eval))
+            metrics.update(_evaluate(run, val, device, kind, loss_fn, user_metrics, sharded_eval, scale))
         if reporter:
             reporter.log(metrics, epoch)
             shown = ", ".join(f"{k} {metrics[k]:.4g}" for k in _shown(metrics))
@@ -375,12 +379,13 @@ def _stop_requested(hook, rank: int, epoch: int, metrics: dict[str, float]) -> b
 
 @torch.no_grad()
 def _evaluate(run, val: ShardLoader | None, device, kind: str, loss_fn, user_metrics: dict,
-              lockstep: bool = False) -> dict[str, float]:
+              lockstep: bool = False, scale: tuple[float, float] | None = None) -> dict[str, float]:
     """Every rank calls it; ranks without a share of the split (val None) add nothing.
     `run`: the model's outputs on a batch's inputs (a plain model in eval mode, or a sharded
     model's forward_eval). lockstep: `run` is collective (a sharded model's), so every rank
-    runs it as often as the rank with the most batches (`_in_lockstep`). The user's metrics (rank 0's figures) see the whole
-    split's outputs at once."""
+    runs it as often as the rank with the most batches (`_in_lockstep`). The user's metrics
+    (rank 0's figures) see the whole split's outputs at once, in the label's units (`scale`:
+    the label was standardised)."""
     sums = task.zero_sums(kind)
     kept = []  # (outputs, targets) on the CPU, only when there are user metrics
     batches = (split_batch(b) for b in val.all_batches(4096)) if val is not None else iter(())
@@ -392,9 +397,12 @@ def _evaluate(run, val: ShardLoader | None, device, kind: str, loss_fn, user_met
         # Summed on the device: no host round trip per batch.
         sums += task.batch_sums(kind, outputs, y, loss_fn(outputs, y))
         if user_metrics:
-            kept.append((outputs.float().cpu(), y.cpu()))
+            o, t = outputs.float().cpu(), y.cpu()
+            if scale is not None:
+                o, t = o * scale[1] + scale[0], t * scale[1] + scale[0]
+            kept.append((o, t))
     collectives.all_reduce(sums)
-    figures = task.figures(kind, "val", sums)
+    figures = task.figures(kind, "val", sums, scale)
     if user_metrics:
         figures.update(_user_figures(user_metrics, kept))
     return figures

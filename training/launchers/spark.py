@@ -16,7 +16,7 @@ from typing import Any
 from shardline.pipelines.code_travel import ship_to_spark
 from shardline.pipelines.errors import ShardlineError
 from shardline.pipelines.spark_probe import failed_task, spark_error_line
-from shardline.pipelines.spark_setup import spark_master, spark_setting
+from shardline.pipelines.spark_setup import is_connect, spark_master, spark_setting
 
 from ..placement import Slot, host_of, slots
 from . import DriverGuard, RankFn, TrainingFailed, free_port, run_in_group
@@ -132,7 +132,7 @@ def launch_spark_barrier(
 
     ranks = spark.range(0, world_size, numPartitions=world_size)
     try:
-        rows = ranks.mapInArrow(rank_task, "rank int, result binary", barrier=True).collect()
+        rows = collect_interruptibly(spark, ranks.mapInArrow(rank_task, "rank int, result binary", barrier=True))
     except Exception as e:
         if "SPARK-24819" in str(e):  # Spark's own slot check, after its retries
             raise ShardlineError(
@@ -141,17 +141,105 @@ def launch_spark_barrier(
             ) from None
         # The rank's own marker is inside Spark's text (a Python traceback in a Java one):
         # it names the rank, its host and its error; a killed rank's task has none.
-        raise TrainingFailed.from_ranks("Spark barrier stage", str(e), _lost_task(e)) from e
+        checkpoint_dir = getattr(getattr(payload, "cfg", None), "checkpoint_dir", None)  # a TrainJob's
+        raise TrainingFailed.from_ranks("Spark barrier stage", str(e), _lost_task(e, checkpoint_dir)) from e
     results = {r["rank"]: pickle.loads(r["result"]) for r in rows}
     return [results[r] for r in range(world_size)]
 
 
-def _lost_task(e: BaseException) -> str:
+def collect_interruptibly(spark, frame) -> list:
+    """frame.collect(), which a Ctrl-C stops at once and in one line on classic Spark too.
+
+    Classic PySpark pins one Py4J connection per thread, and its SIGINT handler cancels the
+    jobs through it: while the main thread waits in collect() on that very connection, the
+    handler's call re-enters it ("RuntimeError: reentrant call"), nothing is cancelled, and
+    the ranks train on until their guard sees the driver gone. So the job runs in a thread
+    of its own, under a job group whose cancellation interrupts its tasks (Spark then ends
+    their Python workers), and the main thread, idle, cancels it. Connect's client cancels
+    its own operations cleanly on KeyboardInterrupt.
+    """
+    if is_connect(spark):
+        return frame.collect()
+    import threading
+    import uuid
+
+    from pyspark import InheritableThread  # the caller's local properties (a pool, a description) carry over
+
+    sc = spark.sparkContext
+    group = f"shardline-{uuid.uuid4().hex[:12]}"
+    done, box = threading.Event(), {}
+
+    def run() -> None:
+        try:
+            sc.setJobGroup(group, "shardline training ranks", interruptOnCancel=True)
+            box["rows"] = frame.collect()
+        except BaseException as e:  # handed to the main thread, which decides what is said
+            box["error"] = e
+        finally:
+            done.set()
+
+    InheritableThread(run, name="shardline-spark-job", daemon=True).start()
+    try:
+        while not done.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        sc.cancelJobGroup(group)
+        # The job fails at once, its tasks end a moment later (Spark ends a Python worker
+        # still running 2 s after the interrupt): wait for that, so no rank trains or prints
+        # after the driver said "aborted". The cancelled job's error is not the user's news.
+        _wait_for_tasks_to_end(sc, group, within_s=30)
+        raise KeyboardInterrupt from None
+    if "error" in box:
+        raise box["error"]
+    return box["rows"]
+
+
+def _wait_for_tasks_to_end(sc, group: str, within_s: float) -> None:
+    import time
+
+    tracker = sc.statusTracker()
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        active = 0
+        for job in tracker.getJobIdsForGroup(group):
+            info = tracker.getJobInfo(job)
+            for stage in info.stageIds if info else ():
+                stage_info = tracker.getStageInfo(stage)
+                active += stage_info.numActiveTasks if stage_info else 0
+        if not active:
+            return
+        time.sleep(0.2)
+
+
+def _lost_task(e: BaseException, checkpoint_dir: str | None = None) -> str:
     """A rank whose process or executor died said nothing: name it from Spark's own report
-    (its task index in the barrier stage is its rank)."""
+    (its task index in the barrier stage is its rank; the executor, and its host when Spark
+    says it), and from what the rank announced when it started (ranks/rank-N.json: its
+    host and pid, training.worker), which Spark's report of a lost executor lacks."""
     task = failed_task(e)
-    where = f"rank {task[0]} on {task[2]} was lost: " if task else ""
-    return where + spark_error_line(e)
+    if not task:
+        return spark_error_line(e)
+    rank, _, where = task
+    announced = _announced(checkpoint_dir, rank)
+    if announced and announced.get("host") and announced["host"] not in where:
+        where = f"{announced['host']} ({where})" if where != "unknown host" else announced["host"]
+    pid = f", pid {announced['pid']}" if announced and announced.get("pid") else ""
+    return f"rank {rank} on {where}{pid} was lost: {spark_error_line(e)}"
+
+
+def _announced(checkpoint_dir: str | None, rank: int) -> dict | None:
+    """What rank `rank` wrote about itself when this attempt started, if it got that far."""
+    import json
+
+    from shardline.pipelines import storage
+
+    if not checkpoint_dir:
+        return None
+    try:
+        info = json.loads(storage.read_bytes(storage.join(checkpoint_dir, "ranks", f"rank-{rank}.json")))
+    except Exception:  # not written (the rank died first), or unreadable: Spark's word alone
+        return None
+    return info if isinstance(info, dict) else None
 
 
 def spark_slot(rank: int, addresses: list[str], task_gpu: str | None) -> Slot:
