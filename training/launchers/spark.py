@@ -165,7 +165,7 @@ def collect_interruptibly(spark, frame) -> list:
 
     from pyspark import InheritableThread  # the caller's local properties (a pool, a description) carry over
 
-    sc = spark.sparkContext
+    sc = spark.sparkContext  # classic only: Connect returned above
     group = f"shardline-{uuid.uuid4().hex[:12]}"
     done, box = threading.Event(), {}
 
