@@ -54,7 +54,7 @@ def test_local_launcher_trains_tracks_and_registers(prepared, tracking_uri, capf
 @pytest.mark.parametrize(
     "update, error, message",
     [
-        ({"model": "resnet"}, ConfigError, r"unknown model 'resnet' \(valid: cnn, mlp, transformer\)"),
+        ({"model": "resnet"}, ConfigError, r"unknown model 'resnet' \(valid: cnn, decoder, mlp, transformer\)"),
         ({"strategy": "zero"}, ConfigError, r"unknown strategy 'zero'"),
         ({"world_size": 8, "batch_size": 64}, DataError, r"world size 8 is greater than the 2 shard"),
         ({"batch_size": 101}, ConfigError, r"batch_size 101 must be a multiple"),
@@ -126,7 +126,7 @@ def test_transformer_heads_must_divide_width(prepared):
     "command, setting, message",
     [
         ("train", "training.strategy=zero", "unknown strategy 'zero' (valid: ddp, fsdp, pipeline, ps, tensor)"),
-        ("train", "training.model=resnet", "unknown model 'resnet' (valid: cnn, mlp, transformer)"),
+        ("train", "training.model=resnet", "unknown model 'resnet' (valid: cnn, decoder, mlp, transformer)"),
         ("run", "training.strategy=zero", "unknown strategy 'zero' (valid: ddp, fsdp, pipeline, ps, tensor)"),
     ],
 )
