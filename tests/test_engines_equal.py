@@ -52,10 +52,15 @@ def fingerprint(dataset_dir: str) -> dict:
     return {"manifest": hashlib.sha256(canonical.encode()).hexdigest(), "shards": shards}
 
 
+def engine_dirs(cfg) -> dict[str, str]:
+    """Where prepare_both writes each engine's dataset: `cfg.dataset_dir` suffixed by the engine."""
+    return {name: f"{cfg.dataset_dir}-{name}" for name in ("spark", "dask")}
+
+
 def prepare_both(engines, cfg) -> dict[str, dict]:
     out = {}
-    for name in ("spark", "dask"):
-        c = cfg.model_copy(update={"dataset_dir": f"{cfg.dataset_dir}-{name}"})
+    for name, folder in engine_dirs(cfg).items():
+        c = cfg.model_copy(update={"dataset_dir": folder})
         prepare(engines[name], c)
         out[name] = fingerprint(c.dataset_dir)
     return out

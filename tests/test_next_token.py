@@ -26,7 +26,7 @@ from shardline.training.models_lm import decoder
 from shardline.training.task import batch_sums, figures, next_token_loss, next_token_rows, task_loss
 
 from .dist_helpers import relative_distance, train_steps, train_variants, unsynchronised
-from .test_engines_equal import prepare_both
+from .test_engines_equal import engine_dirs, prepare_both
 
 ROWS, LENGTH, VOCAB, PAD = 64, 16, 32, 0
 TOLERANCE = 1e-6  # SGD in fp32, as tests/test_equivalence.py
@@ -62,7 +62,7 @@ def lm(engines, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("lm")
     write_tokens(tmp / "raw")
     cfg = token_config(tmp)
-    return {"fingerprints": prepare_both(engines, cfg), "dirs": {e: f"{cfg.dataset_dir}-{e}" for e in ("spark", "dask")}}
+    return {"fingerprints": prepare_both(engines, cfg), "dirs": engine_dirs(cfg)}
 
 
 def test_spark_and_dask_prepare_token_sequences_as_their_own_target(lm):

@@ -21,7 +21,7 @@ from shardline.pipelines.prepare import prepare
 from shardline.pipelines.tensors import parse_tensor
 from shardline.training.loader import ShardLoader
 
-from .test_engines_equal import prepare_both
+from .test_engines_equal import engine_dirs, prepare_both
 
 C, H, W = 3, 8, 6
 CLASSES = ["cat", "dog", "owl"]
@@ -91,7 +91,7 @@ def typed(engines, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("typed")
     typed_raw(tmp / "raw")
     cfg = typed_config(tmp)
-    return {"fingerprints": prepare_both(engines, cfg), "dirs": {e: f"{cfg.dataset_dir}-{e}" for e in ("spark", "dask")}}
+    return {"fingerprints": prepare_both(engines, cfg), "dirs": engine_dirs(cfg)}
 
 
 def test_spark_and_dask_write_typed_columns_byte_identically(typed):
