@@ -14,6 +14,21 @@ from __future__ import annotations
 
 import os as _os
 
+# A reused Spark Python worker can sit in a working folder that was removed (a Spark
+# Connect server runs a session's workers in that session's artifact folder). torch
+# imported there aborts the process at its first matrix product ("Intel oneMKL FATAL
+# ERROR: Cannot load .../libtorch_cpu.so"), which Spark reports only as a crashed Python
+# worker; a CI run met it, every rank and every restart, on the suite's Connect server.
+# Moving out after torch's import is too late, and every task imports this package first
+# (its function is pickled by reference to a shardline module), so it happens here. Any
+# folder will do: shardline's tasks use no relative paths.
+try:
+    _os.getcwd()
+except FileNotFoundError:
+    import tempfile as _tempfile
+
+    _os.chdir(_tempfile.gettempdir())
+
 # In a source checkout (an editable install, or PYTHONPATH=<repo>), the engine packages
 # sit beside this folder; installed or shipped in the code zip, they sit inside it.
 _here = _os.path.dirname(_os.path.abspath(__file__))

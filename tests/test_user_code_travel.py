@@ -250,3 +250,25 @@ def test_scoring_ships_the_code_a_model_needs_to_dask_workers_without_it(
     finally:
         client.close()
     assert result.rows == read_scores(tmp_path / "out").num_rows > 0
+
+
+
+def test_a_task_whose_working_folder_was_removed_still_runs_torch(tmp_path):
+    """A reused Spark Python worker can sit in a removed folder (a Connect session's); torch
+    imported there aborts the process at its first matrix product. A task imports shardline
+    (its function's package) before torch, and that moves it out. The control aborts."""
+    script = (
+        "import os, shutil, sys\n"
+        "os.chdir(sys.argv[1]); shutil.rmtree(sys.argv[1])\n"
+        "if sys.argv[2] == 'task': import shardline.training.launchers\n"
+        "import torch\n"
+        "a = torch.ones(64, 64); print(float((a @ a).sum()))\n"
+    )
+    runs = {}
+    for mode in ("task", "control"):
+        folder = tmp_path / mode
+        folder.mkdir()
+        runs[mode] = subprocess.run([sys.executable, "-c", script, str(folder), mode],
+                                    capture_output=True, text=True, timeout=300)
+    assert runs["task"].returncode == 0 and runs["task"].stdout.strip() == str(64.0**3), runs["task"].stderr
+    assert runs["control"].returncode != 0 and "Cannot load" in runs["control"].stdout + runs["control"].stderr
