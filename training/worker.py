@@ -18,8 +18,9 @@ from shardline.pipelines import progress, storage
 from shardline.pipelines.manifest import ShardManifest, load_manifest
 
 from . import checkpoints, collectives, sharded_checkpoints, task
-from .batch import forward, split as split_batch, take, to_device
+from .batch import forward, split as split_batch, to_device
 from .config import TrainingConfig
+from .evaluate import evaluate
 from .loader import ShardLoader
 from .models import apply_activation_checkpointing, build_model
 from .strategies import get_strategy
@@ -221,7 +222,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
                 eval_model.load_state_dict(full)
                 eval_model.eval()
             run = parallel.forward_eval if sharded_eval else partial(forward, eval_model)
-            metrics.update(_evaluate(run, val, device, kind, loss_fn, user_metrics, sharded_eval, scale))
+            metrics.update(evaluate(run, val, device, kind, loss_fn, user_metrics, sharded_eval, scale))
         if reporter:
             reporter.log(metrics, epoch)
             shown = ", ".join(f"{k} {metrics[k]:.4g}" for k in _shown(metrics))
@@ -375,67 +376,6 @@ def _stop_requested(hook, rank: int, epoch: int, metrics: dict[str, float]) -> b
     flag = collectives.tensor([1.0 if rank == 0 and hook(epoch, metrics) else 0.0])
     collectives.broadcast(flag, src=0)
     return bool(flag.item())
-
-
-@torch.no_grad()
-def _evaluate(run, val: ShardLoader | None, device, kind: str, loss_fn, user_metrics: dict,
-              lockstep: bool = False, scale: tuple[float, float] | None = None) -> dict[str, float]:
-    """Every rank calls it; ranks without a share of the split (val None) add nothing.
-    `run`: the model's outputs on a batch's inputs (a plain model in eval mode, or a sharded
-    model's forward_eval). lockstep: `run` is collective (a sharded model's), so every rank
-    runs it as often as the rank with the most batches (`_in_lockstep`). The user's metrics
-    (rank 0's figures) see the whole split's outputs at once, in the label's units (`scale`:
-    the label was standardised)."""
-    sums = task.zero_sums(kind)
-    kept = []  # (outputs, targets) on the CPU, only when there are user metrics
-    batches = (split_batch(b) for b in val.all_batches(4096)) if val is not None else iter(())
-    if lockstep:
-        batches = _in_lockstep(batches, run, device)
-    for x, y in batches:
-        outputs = run(to_device(x, device))
-        y = y.to(device)
-        # Summed on the device: no host round trip per batch.
-        sums += task.batch_sums(kind, outputs, y, loss_fn(outputs, y))
-        if user_metrics:
-            o, t = outputs.float().cpu(), y.cpu()
-            if scale is not None:
-                o, t = o * scale[1] + scale[0], t * scale[1] + scale[0]
-            kept.append((o, t))
-    collectives.all_reduce(sums)
-    figures = task.figures(kind, "val", sums, scale)
-    if user_metrics:
-        figures.update(_user_figures(user_metrics, kept))
-    return figures
-
-
-def _in_lockstep(batches, run, device):
-    """`batches` ((inputs, target) pairs), while every rank runs `run` the same number of times:
-    each round the ranks agree whether any still has a batch, and one that has run out runs `run` on a
-    one-row pad (the first row some rank read; its output is not counted)."""
-    batches = iter(batches)
-    batch = next(batches, None)
-    rows = collectives.all_gather_object(take(batch[0], slice(0, 1)) if batch is not None else None)
-    pad = next((r for r in rows if r is not None), None)
-    while True:
-        more = collectives.tensor([1.0 if batch is not None else 0.0])
-        collectives.all_reduce(more)
-        if more.item() == 0:
-            return
-        if batch is None:
-            run(to_device(pad, device))
-        else:
-            yield batch
-            batch = next(batches, None)
-
-
-def _user_figures(fns: dict, kept: list) -> dict[str, float]:
-    """Each training.metrics function on the whole validation split, on rank 0 (collective)."""
-    parts = collectives.gather_object(kept, dst=0)
-    pairs = [pair for part in parts or () for pair in part]
-    if not pairs:
-        return {}
-    out, y = torch.cat([o for o, _ in pairs]), torch.cat([t for _, t in pairs])
-    return {name: float(fn(out, y)) for name, fn in fns.items()}
 
 
 def _announce(checkpoint_dir: str, rank: int) -> None:
