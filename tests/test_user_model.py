@@ -24,7 +24,7 @@ from shardline.training.strategies import get_strategy
 
 from .defaults_helpers import small_dataset  # noqa: F401 (a fixture)
 from .dist_helpers import INPUTS, relative_distance, train_steps, train_variants, unsynchronised
-from .test_prepare_tensors import TOKENS, grid, pixels, tokens, typed_config, typed_raw
+from .test_prepare_tensors import TOKENS, grid, pixels, png, tokens, typed_config, typed_raw
 
 USERMODELS = Path(__file__).parent / "usermodels"
 PACKAGE = str(USERMODELS / "usernets")
@@ -232,6 +232,39 @@ def test_the_registered_model_takes_decoded_arrays_of_the_declared_dtypes_and_sh
             typed_inputs(tensors, rows)
 
 
+def test_the_registered_model_decodes_base64_images_and_id_lists_as_prepare_does(tmp_path):
+    """What `mlflow models serve` hands the model for JSON: the base64 of a PNG and an id list
+    of any length. They decode to the loader's uint8 image and prepare's padded (or cut)
+    sequence; a row prepare or the loader would reject is refused by input and row."""
+    import base64
+
+    from mlflow.exceptions import MlflowException
+
+    from shardline.pipelines.manifest import TensorSpec
+    from shardline.training.raw_model import typed_inputs
+
+    spec = typed_config(tmp_path).features
+    tensors = {"photo": TensorSpec(column="photo", dtype="uint8", shape=[3, 8, 6], encoding="image"),
+               "tokens": TensorSpec(column="tokens", dtype="int32", shape=[TOKENS], encoding="raw")}
+    b64 = [base64.b64encode(png(pixels(k))).decode() for k in (5, 11)]
+    ids = [tokens(5), tokens(11)]  # 5 and 11 ids: padded with 0 and cut to 8
+    got = typed_inputs(tensors, pd.DataFrame({"photo": b64, "tokens": ids}), spec)
+    assert got["photo"].dtype == torch.uint8 and got["tokens"].dtype == torch.int32
+    assert got["photo"].tolist() == [pixels(k).transpose(2, 0, 1).tolist() for k in (5, 11)]
+    assert got["tokens"].tolist() == [(t + [0] * TOKENS)[:TOKENS] for t in ids]
+    ok = {"photo": b64[:1], "tokens": ids[:1]}
+    for rows, message in [
+        ({**ok, "photo": ["not base64!"]}, r"input 'photo' row 0: not base64"),
+        ({**ok, "photo": [base64.b64encode(b"GIF89a").decode()]}, "input 'photo' row 0: not a PNG or JPEG image"),
+        ({**ok, "photo": [base64.b64encode(png(pixels(1, (4, 4)))).decode()]},
+         r"input 'photo' row 0: the image is not 6 x 8 \(width x height\), and the dataset's images.photo.resize is off"),
+        ({**ok, "tokens": [[1, 100]]}, r"input 'tokens' row 0: holds an id outside the vocabulary \(0 to 99\)"),
+        ({**ok, "tokens": [[1, 2.5]]}, "input 'tokens' row 0: holds values that are not int32"),
+    ]:
+        with pytest.raises(MlflowException, match=message):
+            typed_inputs(tensors, pd.DataFrame(rows), spec)
+
+
 def test_a_pipeline_refuses_layers_that_do_not_compose_into_the_forward():
     cfg = TrainingConfig(model=MODEL, code_paths=[PACKAGE], strategy="pipeline", world_size=2)
     check_callables(cfg)
@@ -303,3 +336,16 @@ def test_a_job_trains_scores_and_predicts_a_model_of_named_inputs(typed_dataset,
         np.testing.assert_allclose(predicted[["prob_cat", "prob_dog", "prob_owl"]].to_numpy(), want[:3], atol=1e-5)
     with pytest.raises(Exception, match=r"input 'photo' has shape \[3, 4, 6\] per row; the model takes \[3, 8, 6\]"):
         pyfunc.predict({**first, "photo": first["photo"][:, :, :4]})
+
+    # `mlflow models serve` of it, posted JSON as a client writes it: the image as the base64
+    # of its PNG file, the sequence as its unpadded ids, the grid as nested lists.
+    import base64
+
+    from .serving_helpers import post, served
+
+    records = [{"photo": base64.b64encode(png(pixels(k))).decode(), "tokens": tokens(k), "grid": grid(k)}
+               for k in keys[:2]]
+    with served(result.model_uri, tracking_uri, tmp_path) as base:
+        answered = pd.DataFrame(post(f"{base}/invocations", {"dataframe_records": records})["predictions"])
+    assert answered["prediction"].tolist() == want[:2].argmax(1).tolist()
+    np.testing.assert_allclose(answered[["prob_cat", "prob_dog", "prob_owl"]].to_numpy(), want[:2], atol=1e-5)

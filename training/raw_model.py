@@ -17,10 +17,9 @@ inputs already decoded: `predict({"photo": uint8 [n, C, H, W], "tokens": int32 [
 (a dict of array-likes, or a DataFrame whose columns hold one array per row), each
 checked against its declared dtype and shape and given to the module by name
 (`predict_typed`). Such a model is logged without a signature or input example (MLflow's
-column types cannot say "uint8 [3, 8, 8]"). HTTP serving of encoded inputs (base64
-PNG/JPEG in JSON, token lists) is not here yet: it would decode them in `typed_inputs`,
-with `pipelines.images.decode_images` for image bytes and `pipelines.tensors.parse_tensor`
-for token lists (padding/truncation as prepare does), before the same forward.
+column types cannot say "uint8 [3, 8, 8]"). Over HTTP (`mlflow models serve`) an image
+input also comes as the base64 of its PNG/JPEG file and a sequence as a list of ids of
+any length: `training.encoded_inputs` decodes them as prepare and the loader would.
 
 Nothing in the model is a pickle: the module is safetensors weights plus the JSON that
 rebuilds it (training.model_files), the pyfunc is "models from code" (raw_model_code.py,
@@ -105,23 +104,24 @@ def predict_typed(model, spec: FeatureSpec, stats: FittedStatistics, tensors: di
     if "features" in tensors:
         _refuse("a model of tensor or image columns and tabular features together takes its "
                 "inputs from batch scoring of a prepared dataset, not from raw rows")
-    return _outputs(model, typed_inputs(tensors, rows), spec, stats, rows)
+    return _outputs(model, typed_inputs(tensors, rows, spec), spec, stats, rows)
 
 
-def typed_inputs(tensors: dict[str, TensorSpec], rows) -> dict:
+def typed_inputs(tensors: dict[str, TensorSpec], rows, spec: FeatureSpec | None = None) -> dict:
     """{name: torch tensor [n, *shape] of the declared dtype} from a dict of array-likes or
     a DataFrame of one array per row; a missing input, another shape, or values its dtype
-    cannot hold are refused by name. (Where HTTP serving of base64 images and token lists
-    would decode them first.)"""
+    cannot hold are refused by name. With the dataset's `spec`, base64 images and id lists
+    are decoded first (`encoded_inputs.decode`)."""
     import torch
 
     from .batch import torch_dtype
+    from .encoded_inputs import decode
 
     out = {}
     for name, t in tensors.items():
         if name not in rows:
             _refuse(f"missing input '{name}' ({t.dtype} {t.shape} per row)")
-        value = rows[name]
+        value = decode(name, t, rows[name], spec, _refuse)
         if isinstance(value, pd.Series):
             value = [np.asarray(v) for v in value]
         try:
