@@ -112,3 +112,43 @@ def test_example_job_through_the_cli(example, spark, tracking_uri, tmp_path):
 
     run = MlflowClient(tracking_uri).get_run(result["train"]["run_id"])
     assert run.data.params["model"] == "mynets.nets:build" and "val_top2" in run.data.metrics
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, package, strategy, launcher, scorer, figure", [
+    ("images", "imgnets", "fsdp", "dask", "spark", "val_accuracy"),
+    ("language_model", None, "pipeline", "spark", "dask", "val_perplexity"),
+])
+def test_typed_examples_prepare_on_both_engines_train_register_and_score(
+    name, package, strategy, launcher, scorer, figure, spark, dask_client, tracking_uri, tmp_path, monkeypatch
+):
+    """examples/images (generated PNGs in class folders, the example's own CNN) and
+    examples/language_model (generated token sequences, the built-in decoder): prepared on
+    Spark and on Dask into the same shards, trained with a non-DDP strategy, registered and
+    scored, from a copy of the example's folder as a user's checkout. Small and one epoch."""
+    from mlflow.tracking import MlflowClient
+
+    folder = tmp_path / name
+    shutil.copytree(EXAMPLE.parent / name, folder, ignore=shutil.ignore_patterns("example-out", "__pycache__"))
+    monkeypatch.chdir(folder)  # the model's package is found from the folder the job runs in
+    path, modules = list(sys.path), set(sys.modules)
+    try:
+        spec = importlib.util.spec_from_file_location(f"{name}_notebook", folder / "notebook.py")
+        nb = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(nb)
+        small = {"per_class": 24} if name == "images" else {"rows": 160}
+        out = nb.run(spark, dask_client, tmp_path / "work", tracking_uri=tracking_uri, name=f"example-{name}",
+                     epochs=1, **small)
+    finally:
+        sys.path[:] = path
+        for module in set(sys.modules) - modules:
+            if package and module.split(".")[0] == package:
+                del sys.modules[module]
+    assert out["same_shards"] and {p.engine for p in out["prepared"].values()} == {"spark", "dask"}
+    trained, scored = out["trained"], out["scored"]
+    assert trained.model_uri == f"models:/example-{name}/1" and trained.launcher == launcher
+    run = MlflowClient(tracking_uri).get_run(trained.run_id)
+    assert run.data.params["strategy"] == strategy and figure in run.data.metrics, run.data
+    test_rows = out["prepared"]["dask"].manifest.splits["test"].rows
+    assert scored.engine == scorer and scored.rows == test_rows > 0 and scored.model_version == "1"
+    assert not (folder / "example-out").exists()  # everything went under the work folder given

@@ -1,0 +1,1 @@
+"""The image example's own model package (found from the folder the job runs in)."""
