@@ -73,6 +73,8 @@ def check_prepare(cfg: PipelineConfig, append: bool = False, refit: bool = False
         where = display(files[0].url)
         spec, notes = _resolve(spec, names, kinds, where)
     _check_columns(spec, files, names, src.format)
+    if spec.tensors and src.format == "parquet" and src.on_bad_rows == "fail":
+        _check_first_tensors(spec, files[0])
     if append and spec != previous.feature_spec:
         raise DataError(
             f"{root}: pipelines.features differ from the dataset's; append needs the same spec"
@@ -117,6 +119,33 @@ def _check_first_image(spec: FeatureSpec, folder: RawFile) -> None:
         value = "<no file>" if data is None else f"<{len(data)} bytes>"
         raise DataError(f"{display(first)}: column '{col}', key {key}: value {value!r}: "
                         f"{_typed_problem(kind, col, spec)}")
+
+
+def _check_first_tensors(spec: FeatureSpec, first: RawFile, rows: int = 1024) -> None:
+    """The first file's first rows of every tensor column parsed on the driver: a shape,
+    dtype or token id the declaration refuses is one line before an engine starts, worded
+    as the tasks word it (they check every row; this catches the common case in seconds)."""
+    import pyarrow.parquet as pq
+
+    from .prepare import _typed_problem
+    from .sources import open_raw
+    from .tensors import parse_tensor
+
+    keyed = spec.key is not None and spec.key in first.schema.names
+    with open_raw(first.url) as f:
+        columns = [*([spec.key] if keyed else []), *spec.tensors]
+        batch = next(pq.ParquetFile(f).iter_batches(batch_size=rows, columns=columns), None)
+    if batch is None:
+        return
+    for col, t in spec.tensors.items():
+        _, problems = parse_tensor(batch.column(col), t, spec.null_values)
+        for kind, mask in problems.items():
+            what = _typed_problem(kind, col, spec)
+            if what is not None and mask.any():
+                i = int(mask.argmax())
+                value = batch.column(col)[i].as_py()
+                row = f"key {batch.column(spec.key)[i].as_py()}" if keyed else f"row {i}"
+                raise DataError(f"{display(first.url)}: column '{col}', {row}: value {str(value)!r}: {what}")
 
 
 def _fill(spec: FeatureSpec, base: FeatureSpec) -> FeatureSpec:

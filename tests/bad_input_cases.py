@@ -83,6 +83,21 @@ def _jpeg(height: int, width: int) -> bytes:
     return buf.getvalue()
 
 
+def _tensor_rows(grid, tokens):
+    """A Parquet input whose first row holds `grid` (declared uint8 [2, 3]) and `tokens`
+    (int32 [4], vocab_size 10), the next rows good ones: the first file's first rows are
+    checked before an engine starts."""
+    def setup(folder: Path, _dataset: str) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        (folder / "tensors").mkdir()
+        pq.write_table(pa.table({"key": [1, 2, 3], "label": [0, 1, 0],
+                                 "grid": [grid, [[1, 2, 3], [4, 5, 6]], [[0, 0, 0], [0, 0, 0]]],
+                                 "tokens": [tokens, [1, 2, 3, 4], [5, 6, 7, 8]]}), folder / "tensors" / "part-0.parquet")
+    return setup
+
+
 def _hold_dataset(folder: Path, dataset: str):
     from shardline.pipelines.prepare import dataset_lease
 
@@ -101,6 +116,11 @@ IMAGES = [*P, "--set", "pipelines.source.format='images'", "--set", "pipelines.s
 # An images source with its image column declared 3 x 8 x 8 (the base config's numeric columns dropped).
 IMAGE_8 = "[pipelines.features.images.image]\nshape = [3, 8, 8]\n"
 DECLARED = [*IMAGES, "--set", "pipelines.features.numeric=[]"]
+# A Parquet input of tensor columns (_tensor_rows), the base config's numeric columns dropped.
+TENSORS = [*P, "--set", "pipelines.source.path='{dir}/tensors'", "--set", "pipelines.features.numeric=[]"]
+TENSORS_TOML = ("[pipelines.features.tensors.grid]\ndtype = 'uint8'\nshape = [2, 3]\n"
+                "[pipelines.features.tensors.tokens]\ndtype = 'int32'\nshape = [4]\nvocab_size = 10\n")
+GOOD_GRID, GOOD_TOKENS = [[1, 2, 3], [4, 5, 6]], [1, 2, 3, 4]
 # The user's own model package (tests/usermodels/usernets), found through training.code_paths.
 USER = f"code_paths = ['{Path(__file__).parent / 'usermodels' / 'usernets'}']\n"
 
@@ -194,6 +214,15 @@ CASES = [
          "no manifest"),
     Case("a tensor column that is missing", P, 1, "column 'tokens' not found",
          toml="[pipelines.features.tensors.tokens]\ndtype = 'int32'\nshape = [8]\n"),
+    Case("a tensor of another shape than declared", TENSORS, 1,
+         "column 'grid', key 1: value '[[1, 2], [3, 4]]': tensor's shape differs from the declared [2, 3]",
+         toml=TENSORS_TOML, setup=_tensor_rows([[1, 2], [3, 4]], GOOD_TOKENS)),
+    Case("a tensor whose values do not fit the declared dtype", TENSORS, 1,
+         "column 'grid', key 1: value '[[1, 2, 300], [4, 5, 6]]': tensor's values do not fit the declared dtype uint8",
+         toml=TENSORS_TOML, setup=_tensor_rows([[1, 2, 300], [4, 5, 6]], GOOD_TOKENS)),
+    Case("a token id at or above the declared vocabulary size", TENSORS, 1,
+         "column 'tokens', key 1: value '[1, 2, 10, 4]': token id outside the vocabulary 0..9 (vocab_size = 10)",
+         toml=TENSORS_TOML, setup=_tensor_rows(GOOD_GRID, [1, 2, 10, 4])),
     Case("images folder with no class subfolders", IMAGES, 1, "no class folders with images", setup=_loose_images),
     Case("an undecodable image", DECLARED, 1,
          "not a decodable PNG or JPEG image", toml=IMAGE_8, setup=_one_image(_jpeg(8, 8)[:-200])),
