@@ -1,5 +1,5 @@
-"""The CLI (`jobs.cli.main`) run inside a Python that is already up, with its output and
-exit code captured as a subprocess's would be. Used by this test process
+"""The CLI (`jobs.cli.main`), or a `python -c` program, run inside a Python that is already
+up, with its output and exit code captured as a subprocess's would be. Used by this test process
 (`conftest.shardline_here`) and by the Spark Connect client process (`connect_client`).
 No pytest here: the client process imports it on its own."""
 
@@ -35,6 +35,33 @@ def run_cli(args: list[str], cwd: Path | str, env: dict | None = None) -> tuple[
         for key in set(os.environ) - set(saved_env):  # key by key: other threads read it meanwhile
             del os.environ[key]
         os.environ.update({k: v for k, v in saved_env.items() if os.environ.get(k) != v})
+    return code, out.getvalue(), err.getvalue()
+
+
+def run_python(program: str, argv: list[str], cwd: Path | str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `python -c PROGRAM ARGV...` run in `cwd`, in this process
+    (the Connect client's: a user's own program on the session the CLI commands share). An
+    uncaught exception is a traceback on stderr and exit code 1, as in a process."""
+    import traceback
+
+    out, err, saved_argv, saved_cwd = io.StringIO(), io.StringIO(), sys.argv, os.getcwd()
+    forget_tracking_uri()
+    sys.argv = ["-c", *argv]
+    os.chdir(cwd)
+    code = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                exec(compile(program, "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except Exception:  # noqa: BLE001 (as the interpreter would: printed, exit code 1)
+                traceback.print_exc()
+                code = 1
+    finally:
+        forget_tracking_uri()  # whatever the program set in MLflow: not the next command's
+        os.chdir(saved_cwd)
+        sys.argv = saved_argv
     return code, out.getvalue(), err.getvalue()
 
 

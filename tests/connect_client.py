@@ -10,7 +10,8 @@ shipped code and the server's Python workers are reused from one command to the 
 Output and exit code are captured as a subprocess's would be (`cli_inprocess.run_cli`).
 
 Run as a script (`python tests/connect_client.py`), it reads one JSON request per line
-on stdin ({"args", "cwd", "env"}) and answers each with one JSON line ({"code", "stdout",
+on stdin ({"args", "cwd", "env"}, or {"python", "args", "cwd"}: a program as `python -c`
+would run it) and answers each with one JSON line ({"code", "stdout",
 "stderr"}) on the descriptor that was its stdout; anything else the process prints goes
 to its stderr, which the parent keeps in a log file.
 """
@@ -44,10 +45,19 @@ class ConnectClient:
             )  # fmt: skip
 
     def run(self, *args: str, cwd: Path, env: dict | None = None, timeout: float = 600):
+        return self._ask({"args": list(args), "cwd": str(cwd), "env": env or {}}, ["shardline", *args], timeout)
+
+    def python(self, code: str, *argv: str, cwd: Path, timeout: float = 600):
+        """`python -c CODE ARGV...` as a subprocess would run it, in this client process: a
+        user's own Connect program (the estimators) on the session the CLI commands share."""
+        return self._ask({"python": code, "args": list(argv), "cwd": str(cwd), "env": {}}, ["python", "-c", *argv],
+                         timeout)
+
+    def _ask(self, request: dict, args: list[str], timeout: float):
         if self._proc is None or self._proc.poll() is not None:
             self._proc = self._start()
         proc = self._proc
-        proc.stdin.write(json.dumps({"args": list(args), "cwd": str(cwd), "env": env or {}}) + "\n")
+        proc.stdin.write(json.dumps(request) + "\n")
         proc.stdin.flush()
         ready, _, _ = select.select([proc.stdout], [], [], timeout)
         line = proc.stdout.readline() if ready else ""
@@ -55,10 +65,10 @@ class ConnectClient:
             self.close()
             raise AssertionError(
                 f"the Connect client process {'gave no answer in %g s' % timeout if not ready else 'died'} "
-                f"running shardline {' '.join(args)}; its log ends:\n{self.log_tail()}"
+                f"running {' '.join(args)}; its log ends:\n{self.log_tail()}"
             )
         reply = json.loads(line)
-        return subprocess.CompletedProcess(["shardline", *args], reply["code"], reply["stdout"], reply["stderr"])
+        return subprocess.CompletedProcess(args, reply["code"], reply["stdout"], reply["stderr"])
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else "(no log)"
@@ -79,11 +89,14 @@ def _serve() -> None:
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # stray prints (threads outliving a command, the JVM-less client's logs) go to the log
     sys.stdout = os.fdopen(1, "w", buffering=1)
-    from cli_inprocess import run_cli  # this folder is sys.path[0] when run as a script
+    from cli_inprocess import run_cli, run_python  # this folder is sys.path[0] when run as a script
 
     for request in sys.stdin:
         req = json.loads(request)
-        code, out, err = run_cli(req["args"], req["cwd"], req["env"])
+        if "python" in req:
+            code, out, err = run_python(req["python"], req["args"], req["cwd"])
+        else:
+            code, out, err = run_cli(req["args"], req["cwd"], req["env"])
         answers.write(json.dumps({"code": code, "stdout": out, "stderr": err}) + "\n")
         answers.flush()
 

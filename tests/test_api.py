@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -68,12 +69,25 @@ def test_run_on_dask_starts_no_spark(tmp_path):
     (the control below shows it does)."""
     cfg = _dask_run_config(tmp_path)
     no_java = {"JAVA_HOME": str(tmp_path / "no-java")}
-    control = shardline_cli("prepare", str(cfg), "--engine", "spark", cwd=tmp_path, env=no_java)
-    assert control.returncode != 0 and "no-java/bin/java" in control.stderr, control.stderr[-2000:]
-    assert not (tmp_path / "data" / "dataset" / "manifest.json").exists()
+    # The control runs beside the job (each is mostly one busy core), in a folder of its own.
+    (tmp_path / "control").mkdir()
+    control_cfg = _dask_run_config(tmp_path / "control")
+    base = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # as conftest.shardline
+    control = subprocess.Popen(
+        [sys.executable, "-m", "shardline.jobs.cli", "prepare", str(control_cfg), "--engine", "spark"],
+        cwd=tmp_path / "control", env={**base, **no_java}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        # serving.engine by --set, as the issue ran it; the other two from the file.
+        proc = shardline_cli("run", str(cfg), "--set", "serving.engine=dask", "--json", cwd=tmp_path, env=no_java)
+        _, control_err = control.communicate(timeout=600)
+    finally:
+        if control.poll() is None:
+            control.kill()
+            control.wait()
+    assert control.returncode != 0 and "no-java/bin/java" in control_err, control_err[-2000:]
+    assert not (tmp_path / "control" / "data" / "dataset" / "manifest.json").exists()
 
-    # serving.engine by --set, as the issue ran it; the other two from the file.
-    proc = shardline_cli("run", str(cfg), "--set", "serving.engine=dask", "--json", cwd=tmp_path, env=no_java)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)  # stdout is the result alone
     assert result["prepare"]["engine"] == "dask"
@@ -206,8 +220,6 @@ def test_api_refuses_what_it_cannot_honour(tmp_path):
 
 
 def test_import_shardline_pulls_in_no_engine():
-    import subprocess
-
     code = ("import sys, shardline; shardline.load_config; "
             "print(sorted(m for m in ('pyspark', 'mlflow', 'torch', 'distributed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ, check=True)

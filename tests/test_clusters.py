@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REPO, shardline
+from .conftest import REPO, shardline_here
 from .faults_helpers import stop_group, wait_for
 
 BIN = Path(sys.executable).parent
@@ -106,7 +106,10 @@ def test_spark_standalone_cluster_runs_the_barrier_stage(prepared, spark_standal
 @pytest.mark.slow
 @pytest.mark.cluster
 def test_dask_cli_cluster_runs_one_rank_per_worker(prepared, dask_cli_cluster, tmp_path):
-    proc = shardline(
+    """The CLI in this process (`shardline_here`): what is tested is the cluster's side (ranks
+    on workers that lack shardline, their lines back through the listener); a subprocess
+    would only add a Python start and its imports."""
+    proc = shardline_here(
         "train", str(QUICKSTART),
         *_train_args(prepared, tmp_path, "--launcher", "dask", "--set", f"dask.address='{dask_cli_cluster.address}'"),
         cwd=tmp_path,

@@ -110,22 +110,18 @@ print(json.dumps({
 
 
 @pytest.mark.slow
-def test_spark_estimator_on_spark_connect(connect_server, tmp_path):
+def test_spark_estimator_on_spark_connect(connect_server, connect_cli, tmp_path):
     """The same pair on a Spark Connect session: its executors have shardline only as the
-    client's artifacts, so fit and transform ship all they run. A process of its own: this
-    one holds the classic session."""
+    client's artifacts, so fit and transform ship all they run. Not in this process, which
+    holds the classic session: in the session's Connect client process (`connect_cli`, as
+    `python -c`), whose session, shipped code and server-side Python workers the CLI's
+    Connect commands share, as a notebook user's fit after a CLI run would."""
     import json
-    import os
-    import subprocess
-    import sys
 
     data = tmp_path / "frame.parquet"
     _frame().to_parquet(data)
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "SPARK_REMOTE")}
-    proc = subprocess.run(
-        [sys.executable, "-c", CONNECT_FIT, connect_server.url, str(data), json.dumps(_config(tmp_path))],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200,
-    )
+    proc = connect_cli.python(CONNECT_FIT, connect_server.url, str(data), json.dumps(_config(tmp_path)),
+                              cwd=tmp_path, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:] + connect_server.log_tail()
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["session"].startswith("pyspark.sql.connect")

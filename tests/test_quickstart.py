@@ -1,4 +1,13 @@
-"""The quickstart end to end, at small size, through the real CLI in a fresh directory."""
+"""The quickstart end to end, at small size, through the CLI in a fresh directory.
+
+The CLI runs in this process (`shardline_here`) on the session's SparkSession, which the
+command takes as the active one: a subprocess would start a JVM and fresh Python workers of
+its own (~25 s of the test's ~50 on an idle 2-core machine) for what other tests already
+show a real process does (tests/test_clusters.py runs the quickstart config through a CLI
+subprocess and spark-submit; tests/test_api.py's `run --json` is a real process and pipe).
+The run keeps what makes it the quickstart: the shipped config as is, its relative paths
+and default MLflow store resolved in the fresh directory (shardline_here starts each
+command with no tracking URI, as a new process would)."""
 
 from __future__ import annotations
 
@@ -8,14 +17,14 @@ import pytest
 
 from shardline.pipelines.manifest import load_manifest
 
-from .conftest import REPO, shardline
+from .conftest import REPO, shardline_here
 
 QUICKSTART = REPO / "jobs" / "configs" / "quickstart.toml"
 
 
 @pytest.mark.slow
-def test_quickstart_end_to_end(tmp_path):
-    proc = shardline(
+def test_quickstart_end_to_end(spark, tmp_path):
+    proc = shardline_here(
         "run",
         str(QUICKSTART),
         "--set",
