@@ -24,19 +24,21 @@ VENV = Path(sys.executable).parent.parent
 PLAIN = Path(sys.base_prefix) / "bin" / "python3"
 
 
-def pack_venv(venv: Path, out: Path) -> None:
-    """What docs/deploy.md says to run. -h: Spark refuses archive entries that are symlinks
+def pack_venv(venv: Path, out: Path) -> subprocess.Popen:
+    """What docs/deploy.md says to run, started (the caller waits; its errors go to
+    `out`.log). -h: Spark refuses archive entries that are symlinks
     leading outside the archive (bin/python is one); .tar.gz: Spark unpacks it with `tar`,
     which keeps the executable bits (a plain .tar lost them here). The editable install of
     shardline stays out: shardline ships its own packages. pyspark's jars stay out too (462 MB of
     the 2.5 GB): an executor's JVM is its worker's own Spark, and the Python workers it
     starts need no jars (this test shows it)."""
     entries = [e.name for e in venv.iterdir() if e.name != "lib64"]
-    subprocess.run(
-        f"tar -h --exclude='__editable__*' --exclude='shardline-*.dist-info' --exclude='pyspark/jars' "
-        f"-cf - {' '.join(entries)} "
-        f"| gzip -1 > {out}", shell=True, cwd=venv, check=True, timeout=1200,
-    )
+    with open(f"{out}.log", "wb") as errors:
+        return subprocess.Popen(
+            f"set -o pipefail; tar -h --exclude='__editable__*' --exclude='shardline-*.dist-info' "
+            f"--exclude='pyspark/jars' -cf - {' '.join(entries)} "
+            f"| gzip -1 > {out}", shell=True, executable="bash", cwd=venv, stderr=errors,
+        )
 
 
 def _unpacked_bytes(venv: Path) -> int:
@@ -71,9 +73,10 @@ def packed_cluster(tmp_path_factory):
     free = shutil.disk_usage(tmp).free
     assert free > need, f"{tmp}: {free / 2**30:.1f} GB free, this test needs {need / 2**30:.1f} GB"
     archive = tmp / "env.tar.gz"
-    cluster = None
+    cluster = packing = None
     try:
-        pack_venv(VENV, archive)
+        # Packing (a minute or more) and the cluster's start (two JVMs) overlap.
+        packing = pack_venv(VENV, archive)
         port, webui = free_port(), free_port()
         log = tmp / "spark.log"
         # PYTHONPATH emptied: the workers must not see this checkout either. One worker, one
@@ -83,8 +86,12 @@ def packed_cluster(tmp_path_factory):
                           "--workers", "1", "--python", str(PLAIN), "--port", str(port), "--webui-port", str(webui),
                           "--work-dir", str(tmp / "work")], log, {"PYTHONPATH": ""})
         _wait(lambda: "ready: " in log.read_text(errors="replace"), "spark-standalone.sh", [cluster], [log])
+        assert packing.wait(timeout=1200) == 0, f"packing {VENV} failed: {Path(f'{archive}.log').read_text()[-2000:]}"
         yield PackedCluster(f"spark://127.0.0.1:{port}", archive, tmp / "work-1")
     finally:
+        if packing is not None and packing.poll() is None:
+            packing.kill()
+            packing.wait()
         if cluster is not None:
             _stop([cluster])
         # Gigabytes: the archive and the executors' unpacked copies; pytest would keep them.
@@ -112,41 +119,59 @@ def submit(cluster: PackedCluster, args: list[str], cwd: Path, timeout: float = 
             shutil.rmtree(app, ignore_errors=True)
 
 
-@pytest.mark.slow
-@pytest.mark.cluster
-def test_packed_venv_runs_on_workers_without_the_environment(packed_cluster, tmp_path):
-    dataset = tmp_path / "dataset"
+@dataclass(frozen=True)
+class PackedRun:
+    prepared: str  # what the application wrote before tests/packed_client.py's PREPARED line, and stderr
+    client: str  # stdout after that line: tests/user_code_client.py's
+    dataset: Path  # prepare's dataset folder
+    folder: Path  # the folder the driver ran from (the user's package is written there)
+    out: str  # all of it, for failure messages
+
+
+@pytest.fixture(scope="module")
+def packed_run(packed_cluster, tmp_path_factory) -> PackedRun:
+    """ONE application for this module's checks (tests/packed_client.py): each application
+    unpacks the 2 GB archive for its driver and for its executor, so `prepare` through
+    jobs/spark_submit.py and then the user's-package stages share one."""
+    folder = tmp_path_factory.mktemp("packed-run")
+    dataset = folder / "dataset"
     proc = submit(packed_cluster, [
-        str(REPO / "jobs/spark_submit.py"), "prepare", str(REPO / "jobs/configs/quickstart.toml"),
+        str(REPO / "tests/packed_client.py"),
+        "prepare", str(REPO / "jobs/configs/quickstart.toml"),
         "--set", "pipelines.source.synthetic.rows=4000",
-        "--set", f"pipelines.dataset_dir='{dataset}'", "--set", f"pipelines.source.path='{tmp_path / 'raw'}'",
-    ], cwd=tmp_path)
+        "--set", f"pipelines.dataset_dir='{dataset}'", "--set", f"pipelines.source.path='{folder / 'raw'}'",
+        "--", "--world-size", "1", "--values", "1,2",
+    ], cwd=folder)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    # The environment probe ran on an executor, with the unpacked archive's Python.
-    line = " ".join(out.split())  # rich wraps long lines
-    assert "executors: Python 3.11 (" in line and "/env/bin/python on " in line, line[-2000:]
-    assert "torch 2.13.0" in line
-    assert "train: 3," in line and (dataset / "_manifests").is_dir()
+    prepared, mark, client = proc.stdout.partition("PREPARED\n")
+    assert mark, out[-3000:]
+    return PackedRun(prepared + proc.stderr, client, dataset, folder, out)
 
 
 @pytest.mark.slow
 @pytest.mark.cluster
-def test_the_users_package_reaches_workers_without_it_and_a_change_reaches_them_too(packed_cluster, tmp_path):
+def test_packed_venv_runs_on_workers_without_the_environment(packed_run):
+    # The environment probe ran on an executor, with the unpacked archive's Python.
+    line = " ".join(packed_run.prepared.split())  # rich wraps long lines
+    assert "executors: Python 3.11 (" in line and "/env/bin/python on " in line, line[-2000:]
+    assert "torch 2.13.0" in line
+    assert "train: 3," in line and (packed_run.dataset / "_manifests").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_the_users_package_reaches_workers_without_it_and_a_change_reaches_them_too(packed_run):
     """The user's package, in the folder the driver runs from only, imported by a barrier
     stage's rank on the cluster (whose Python has neither shardline nor the package); then
     changed, and the same application's next stage imports the new version
-    (tests/user_code_client.py)."""
+    (tests/user_code_client.py, run after `prepare` in the same application)."""
     from tests.user_code_helpers import MODULE
 
-    proc = submit(packed_cluster, [str(REPO / "tests/user_code_client.py"), "--world-size", "1",
-                                   "--values", "1,2"], cwd=tmp_path)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
-    runs = [json.loads(ln.removeprefix("RESULT ")) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert [[r["value"] for r in ranks] for ranks in runs] == [[1], [2]], out[-3000:]
+    runs = [json.loads(ln.removeprefix("RESULT ")) for ln in packed_run.client.splitlines() if ln.startswith("RESULT ")]
+    assert [[r["value"] for r in ranks] for ranks in runs] == [[1], [2]], packed_run.out[-3000:]
     for (r,) in runs:  # from the shipped zip in the executor's folder, not the driver's package
-        assert "shardline-user-" in r["file"] and not r["file"].startswith(str(tmp_path)), r
+        assert "shardline-user-" in r["file"] and not r["file"].startswith(str(packed_run.folder)), r
         assert r["file"].endswith(MODULE.replace(".", "/") + ".py")
     assert runs[0][0]["file"] != runs[1][0]["file"]
 
