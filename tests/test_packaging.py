@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -24,19 +26,32 @@ VENV = Path(sys.executable).parent.parent
 PLAIN = Path(sys.base_prefix) / "bin" / "python3"
 
 
-def pack_venv(venv: Path, out: Path) -> None:
-    """What docs/deploy.md says to run. -h: Spark refuses archive entries that are symlinks
+# gzip's store-only level: a valid gzip stream, unpacked by Spark exactly as docs/deploy.md's
+# `gzip -1` output is, without the minute or two of one-core compression on this loaded machine
+# (the archive is about 2 GB instead of 650 MB; copying it locally costs seconds).
+STORE = (
+    "import gzip, shutil, sys\n"
+    "with gzip.GzipFile(fileobj=sys.stdout.buffer, mode='wb', compresslevel=0, mtime=0) as z:\n"
+    "    shutil.copyfileobj(sys.stdin.buffer, z, 1 << 20)\n"
+)
+
+
+def pack_venv(venv: Path, out: Path) -> subprocess.Popen:
+    """docs/deploy.md's command, started (the caller waits; its errors go to `out`.log),
+    its `gzip -1` stage replaced by STORE. -h: Spark refuses archive entries that are symlinks
     leading outside the archive (bin/python is one); .tar.gz: Spark unpacks it with `tar`,
     which keeps the executable bits (a plain .tar lost them here). The editable install of
     shardline stays out: shardline ships its own packages. pyspark's jars stay out too (462 MB of
     the 2.5 GB): an executor's JVM is its worker's own Spark, and the Python workers it
     starts need no jars (this test shows it)."""
     entries = [e.name for e in venv.iterdir() if e.name != "lib64"]
-    subprocess.run(
-        f"tar -h --exclude='__editable__*' --exclude='shardline-*.dist-info' --exclude='pyspark/jars' "
-        f"-cf - {' '.join(entries)} "
-        f"| gzip -1 > {out}", shell=True, cwd=venv, check=True, timeout=1200,
-    )
+    with open(f"{out}.log", "wb") as errors:
+        return subprocess.Popen(
+            f"set -o pipefail; tar -h --exclude='__editable__*' --exclude='shardline-*.dist-info' "
+            f"--exclude='pyspark/jars' -cf - {' '.join(entries)} "
+            f"| {shlex.quote(sys.executable)} -c {shlex.quote(STORE)} > {out}",
+            shell=True, executable="bash", cwd=venv, stderr=errors, start_new_session=True,
+        )
 
 
 def _unpacked_bytes(venv: Path) -> int:
@@ -59,21 +74,23 @@ class PackedCluster:
 @pytest.fixture(scope="module")
 def packed_cluster(tmp_path_factory):
     """The packed venv and a standalone cluster whose worker's Python has none of it, shared
-    by this module's tests (packing is the slow part); each test submits its own application
-    and removes what its executor unpacked."""
+    by this module's tests; packed_run submits to it."""
     lacks = subprocess.run([str(PLAIN), "-c", "import pyarrow"], capture_output=True, text=True)
     assert lacks.returncode != 0, f"{PLAIN} has pyarrow: it cannot stand for a worker without the environment"
     tmp = tmp_path_factory.mktemp("packed")
-    # spark-submit unpacks the archive twice on this one machine: for the driver (client mode,
-    # in Spark's scratch under the temp folder) and for the executor (in the worker's folder).
-    # Short of room, tar fails file by file deep in a JVM's stack trace: say so first, instead.
-    need = 2 * _unpacked_bytes(VENV) + 2**30  # + the archive itself, under 1 GB
+    # spark-submit copies and unpacks the archive twice on this one machine: for the driver
+    # (client mode, in Spark's scratch under the temp folder) and for the executor (in the
+    # worker's folder); stored, not compressed, the archive and each copy are as big as what
+    # they unpack to. Short of room, tar fails file by file deep in a JVM's stack trace: say
+    # so first, instead.
+    need = 5 * _unpacked_bytes(VENV) + 2**30
     free = shutil.disk_usage(tmp).free
     assert free > need, f"{tmp}: {free / 2**30:.1f} GB free, this test needs {need / 2**30:.1f} GB"
     archive = tmp / "env.tar.gz"
-    cluster = None
+    cluster = packing = None
     try:
-        pack_venv(VENV, archive)
+        # Packing (tens of seconds: 2 GB read and written) and the cluster's start (two JVMs) overlap.
+        packing = pack_venv(VENV, archive)
         port, webui = free_port(), free_port()
         log = tmp / "spark.log"
         # PYTHONPATH emptied: the workers must not see this checkout either. One worker, one
@@ -83,14 +100,24 @@ def packed_cluster(tmp_path_factory):
                           "--workers", "1", "--python", str(PLAIN), "--port", str(port), "--webui-port", str(webui),
                           "--work-dir", str(tmp / "work")], log, {"PYTHONPATH": ""})
         _wait(lambda: "ready: " in log.read_text(errors="replace"), "spark-standalone.sh", [cluster], [log])
+        assert packing.wait(timeout=1200) == 0, f"packing {VENV} failed: {Path(f'{archive}.log').read_text()[-2000:]}"
         yield PackedCluster(f"spark://127.0.0.1:{port}", archive, tmp / "work-1")
     finally:
+        if packing is not None and packing.poll() is None:
+            os.killpg(packing.pid, signal.SIGKILL)  # the pipeline's group: tar and the compressor too
+            packing.wait()
         if cluster is not None:
             _stop([cluster])
         # Gigabytes: the archive and the executors' unpacked copies; pytest would keep them.
         archive.unlink(missing_ok=True)
-        for work in tmp.glob("work-*"):  # spark-standalone.sh gives worker i `--work-dir`-i
-            shutil.rmtree(work, ignore_errors=True)
+        remove(*tmp.glob("work-*"))  # spark-standalone.sh gives worker i `--work-dir`-i
+
+
+def remove(*folders: Path) -> None:
+    """`rm -rf`: an unpacked venv is 80,000 files, which shutil.rmtree took two minutes to
+    remove beside a CPU hog (Python work per file); rm's C loop takes seconds."""
+    if folders:
+        subprocess.run(["rm", "-rf", "--", *map(str, folders)], timeout=600)  # as ignore_errors did
 
 
 def submit(cluster: PackedCluster, args: list[str], cwd: Path, timeout: float = 1800) -> subprocess.CompletedProcess:
@@ -108,45 +135,62 @@ def submit(cluster: PackedCluster, args: list[str], cwd: Path, timeout: float = 
             cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
         )  # fmt: skip
     finally:
-        for app in cluster.work.glob("app-*"):
-            shutil.rmtree(app, ignore_errors=True)
+        remove(*cluster.work.glob("app-*"))
 
 
-@pytest.mark.slow
-@pytest.mark.cluster
-def test_packed_venv_runs_on_workers_without_the_environment(packed_cluster, tmp_path):
-    dataset = tmp_path / "dataset"
+@dataclass(frozen=True)
+class PackedRun:
+    prepared: str  # what the application wrote before tests/packed_client.py's PREPARED line, and stderr
+    client: str  # stdout after that line: tests/user_code_client.py's
+    dataset: Path  # prepare's dataset folder
+    folder: Path  # the folder the driver ran from (the user's package is written there)
+    out: str  # all of it, for failure messages
+
+
+@pytest.fixture(scope="module")
+def packed_run(packed_cluster, tmp_path_factory) -> PackedRun:
+    """ONE application for this module's checks (tests/packed_client.py): each application
+    unpacks the 2 GB archive for its driver and for its executor, so `prepare` through
+    jobs/spark_submit.py and then the user's-package stages share one."""
+    folder = tmp_path_factory.mktemp("packed-run")
+    dataset = folder / "dataset"
     proc = submit(packed_cluster, [
-        str(REPO / "jobs/spark_submit.py"), "prepare", str(REPO / "jobs/configs/quickstart.toml"),
+        str(REPO / "tests/packed_client.py"),
+        "prepare", str(REPO / "jobs/configs/quickstart.toml"),
         "--set", "pipelines.source.synthetic.rows=4000",
-        "--set", f"pipelines.dataset_dir='{dataset}'", "--set", f"pipelines.source.path='{tmp_path / 'raw'}'",
-    ], cwd=tmp_path)
+        "--set", f"pipelines.dataset_dir='{dataset}'", "--set", f"pipelines.source.path='{folder / 'raw'}'",
+        "--", "--world-size", "1", "--values", "1,2",
+    ], cwd=folder)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    # The environment probe ran on an executor, with the unpacked archive's Python.
-    line = " ".join(out.split())  # rich wraps long lines
-    assert "executors: Python 3.11 (" in line and "/env/bin/python on " in line, line[-2000:]
-    assert "torch 2.13.0" in line
-    assert "train: 3," in line and (dataset / "_manifests").is_dir()
+    prepared, mark, client = proc.stdout.partition("PREPARED\n")
+    assert mark, out[-3000:]
+    return PackedRun(prepared + proc.stderr, client, dataset, folder, out)
 
 
 @pytest.mark.slow
 @pytest.mark.cluster
-def test_the_users_package_reaches_workers_without_it_and_a_change_reaches_them_too(packed_cluster, tmp_path):
+def test_packed_venv_runs_on_workers_without_the_environment(packed_run):
+    # The environment probe ran on an executor, with the unpacked archive's Python.
+    line = " ".join(packed_run.prepared.split())  # rich wraps long lines
+    assert "executors: Python 3.11 (" in line and "/env/bin/python on " in line, line[-2000:]
+    assert "torch 2.13.0" in line
+    assert "train: 3," in line and (packed_run.dataset / "_manifests").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_the_users_package_reaches_workers_without_it_and_a_change_reaches_them_too(packed_run):
     """The user's package, in the folder the driver runs from only, imported by a barrier
     stage's rank on the cluster (whose Python has neither shardline nor the package); then
     changed, and the same application's next stage imports the new version
-    (tests/user_code_client.py)."""
+    (tests/user_code_client.py, run after `prepare` in the same application)."""
     from tests.user_code_helpers import MODULE
 
-    proc = submit(packed_cluster, [str(REPO / "tests/user_code_client.py"), "--world-size", "1",
-                                   "--values", "1,2"], cwd=tmp_path)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
-    runs = [json.loads(ln.removeprefix("RESULT ")) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert [[r["value"] for r in ranks] for ranks in runs] == [[1], [2]], out[-3000:]
+    runs = [json.loads(ln.removeprefix("RESULT ")) for ln in packed_run.client.splitlines() if ln.startswith("RESULT ")]
+    assert [[r["value"] for r in ranks] for ranks in runs] == [[1], [2]], packed_run.out[-3000:]
     for (r,) in runs:  # from the shipped zip in the executor's folder, not the driver's package
-        assert "shardline-user-" in r["file"] and not r["file"].startswith(str(tmp_path)), r
+        assert "shardline-user-" in r["file"] and not r["file"].startswith(str(packed_run.folder)), r
         assert r["file"].endswith(MODULE.replace(".", "/") + ".py")
     assert runs[0][0]["file"] != runs[1][0]["file"]
 
