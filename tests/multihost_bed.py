@@ -129,10 +129,7 @@ class Inside:
         start = time.monotonic()
         try:
             self.check_private_folders()
-            self.start_services()
-            self.start_spark()
-            if self.args.dask:
-                self.start_dask()
+            self.start_daemons()
             print(f"[bed] services and clusters up in {time.monotonic() - start:.0f} s", flush=True)
             from .multihost_jobs import run_jobs
 
@@ -190,53 +187,58 @@ class Inside:
             raise RuntimeError(f"host s sees {os.listdir(self.bed.work)}")
         print("[bed] working folders are private to each host", flush=True)
 
-    def start_services(self) -> None:
+    def start_daemons(self) -> None:
+        """Every service and cluster daemon, started side by side: each waits only on what it
+        needs (a worker on its master or scheduler, the buckets on the S3 server), not on the
+        daemons before it; then all of them are waited for."""
         from shardline.pipelines.object_stores import s3_client
 
-        addr = self.s.address
-        self.start("s", "moto", [str(BIN / "moto_server"), "-H", addr, "-p", str(S3_PORT)])
-        self.wait(lambda: _listening(addr, S3_PORT), "S3 server")
-        for bucket in ("bed", "mlflow"):
-            s3_client().create_bucket(Bucket=bucket)
+        s = self.s.address
+        self.tracking_uri = f"http://{s}:{MLFLOW_PORT}"
+        self.spark_master = f"spark://{s}:{SPARK_PORT}"
+        self.dask_address = f"tcp://{s}:{DASK_PORT}"
+        self.start("s", "moto", [str(BIN / "moto_server"), "-H", s, "-p", str(S3_PORT)])
+        self.start("s", "spark-master", [
+            str(BIN / "spark-class"), "org.apache.spark.deploy.master.Master", "--host", s,
+            "--port", str(SPARK_PORT), "--webui-port", str(SPARK_UI)], SPARK_LOCAL_IP=s)
+        if self.args.dask:
+            self.start("s", "dask-scheduler", [str(BIN / "dask"), "scheduler", "--host", s, "--port",
+                                               str(DASK_PORT), "--dashboard-address", ":0"])
+        # The MLflow server touches its artifact store only when an artifact comes: it need
+        # not wait for the S3 server.
         self.start("s", "mlflow", [
-            str(BIN / "mlflow"), "server", "--host", addr, "--port", str(MLFLOW_PORT), "--workers", "1",
+            str(BIN / "mlflow"), "server", "--host", s, "--port", str(MLFLOW_PORT), "--workers", "1",
             "--backend-store-uri", f"sqlite:///{self.bed.work}/mlflow.db",
             "--artifacts-destination", "s3://mlflow/artifacts",
         ], MLFLOW_S3_ENDPOINT_URL=self.env["AWS_ENDPOINT_URL"],
            MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")  # no job runner: 8 processes tracking never uses
-        self.tracking_uri = f"http://{addr}:{MLFLOW_PORT}"
-        self.wait(lambda: _http_ok(f"{self.tracking_uri}/health"), "MLflow server")
-
-    def start_spark(self) -> None:
-        s = self.s.address
-        self.start("s", "spark-master", [
-            str(BIN / "spark-class"), "org.apache.spark.deploy.master.Master", "--host", s,
-            "--port", str(SPARK_PORT), "--webui-port", str(SPARK_UI)], SPARK_LOCAL_IP=s)
+        if self.args.dask:
+            # A nanny gives up on a scheduler that does not answer within its connect timeout:
+            # the workers start once it listens (a second or two, before the master's JVM).
+            self.wait(lambda: _listening(s, DASK_PORT), "Dask scheduler")
+            for h in ("a", "b"):
+                self.start(h, f"dask-worker-{h}", [
+                    str(BIN / "dask"), "worker", self.dask_address, "--nworkers", "1", "--nthreads", "1",
+                    "--host", self.bed.hosts[h].address, "--no-dashboard",
+                    "--local-directory", f"{self.bed.work}/dask-work"])
+        # A Spark worker that finds no master retries only seconds later: started once it listens.
         self.wait(lambda: _listening(s, SPARK_PORT), "Spark master")
-        self.spark_master = f"spark://{s}:{SPARK_PORT}"
         for h in ("a", "b"):
             addr = self.bed.hosts[h].address
             self.start(h, f"spark-worker-{h}", [
                 str(BIN / "spark-class"), "org.apache.spark.deploy.worker.Worker", self.spark_master,
                 "--cores", "1", "--memory", "1g", "--work-dir", f"{self.bed.work}/spark-work",
                 "--host", addr, "--webui-port", "8081"], SPARK_LOCAL_IP=addr)
+        self.wait(lambda: _listening(s, S3_PORT), "S3 server")
+        for bucket in ("bed", "mlflow"):
+            s3_client().create_bucket(Bucket=bucket)
+        self.wait(lambda: _http_ok(f"{self.tracking_uri}/health"), "MLflow server")
         self.wait(lambda: _alive_spark_workers(f"http://{s}:{SPARK_UI}/json/") == 2, "Spark workers registering")
+        if self.args.dask:
+            from distributed import Client
 
-    def start_dask(self) -> None:
-        from distributed import Client
-
-        s = self.s.address
-        self.dask_address = f"tcp://{s}:{DASK_PORT}"
-        self.start("s", "dask-scheduler", [str(BIN / "dask"), "scheduler", "--host", s, "--port",
-                                           str(DASK_PORT), "--dashboard-address", ":0"])
-        self.wait(lambda: _listening(s, DASK_PORT), "Dask scheduler")
-        for h in ("a", "b"):
-            self.start(h, f"dask-worker-{h}", [
-                str(BIN / "dask"), "worker", self.dask_address, "--nworkers", "1", "--nthreads", "1",
-                "--host", self.bed.hosts[h].address, "--no-dashboard",
-                "--local-directory", f"{self.bed.work}/dask-work"])
-        with Client(self.dask_address, timeout="60s") as client:
-            self.wait(lambda: len(client.scheduler_info()["workers"]) == 2, "Dask workers registering")
+            with Client(self.dask_address, timeout="60s") as client:
+                self.wait(lambda: len(client.scheduler_info()["workers"]) == 2, "Dask workers registering")
 
 
 def _quietly(ready) -> bool:

@@ -28,7 +28,10 @@ def run_jobs(bed) -> None:
     _check_restarted(killed, bed)
     _check_scores(bed)
     _check_stage_lines(killed["log"])
-    reference = _job(bed, "train", "ckpt-reference")
+    # The uninterrupted reference trains on host S with the local launcher: the same ranks,
+    # data and settings without a second Spark application (a driver JVM and two executors),
+    # and the weights it must match do not depend on the engine the ranks ran on.
+    reference = _job(bed, "train", "ckpt-reference", more=["--launcher", "local"], ifname="lo")
     _check_same_weights(bed, "ckpt-killed", "ckpt-reference")
     print(f"[bed] spark: a rank on host B killed mid-training (after {killed['kill_step']}); the job "
           f"resumed from the bucket and ended on the weights of the uninterrupted run "
@@ -42,14 +45,17 @@ def run_jobs(bed) -> None:
               f"bucket, same weights ({dask['seconds']:.0f} s)", flush=True)
 
 
-def _settings(bed, ckpt: str) -> list[str]:
+def _settings(bed, ckpt: str, ifname: str = IFNAME) -> list[str]:
     s = bed.s.address
+    conf = {"spark.executor.cores": "1", "spark.cores.max": "2", "spark.driver.host": s, "spark.driver.bindAddress": s}
+    if os.environ.get("SPARK_DAEMON_JAVA_OPTS"):
+        # The test suite's JVM flags (tests/conftest.py: speed, not behaviour) reach the
+        # driver and the daemons through the environment; an executor is started by its
+        # worker with only spark.executor.extraJavaOptions.
+        conf["spark.executor.extraJavaOptions"] = os.environ["SPARK_DAEMON_JAVA_OPTS"]
     sets = {
         "spark.master": f"'{bed.spark_master}'",
-        "spark.conf": "{" + ", ".join(f"'{k}' = '{v}'" for k, v in {
-            "spark.executor.cores": "1", "spark.cores.max": "2",
-            "spark.driver.host": s, "spark.driver.bindAddress": s,
-        }.items()) + "}",
+        "spark.conf": "{" + ", ".join(f"'{k}' = '{v}'" for k, v in conf.items()) + "}",
         "pipelines.dataset_dir": f"'{bed.bucket}/quickstart/dataset'",
         "pipelines.source.path": f"'{bed.bucket}/quickstart/raw'",
         "pipelines.source.synthetic.rows": str(bed.args.rows),
@@ -58,17 +64,17 @@ def _settings(bed, ckpt: str) -> list[str]:
         "training.checkpoint_every_steps": "10",
         "training.keep_checkpoints": "100",
         "training.timeout_s": "120",
-        "training.socket_ifname": f"'{IFNAME}'",
+        "training.socket_ifname": f"'{ifname}'",
         "tracking.tracking_uri": f"'{bed.tracking_uri}'",
         "serving.output_dir": f"'{bed.bucket}/quickstart/scores'",
     }
     return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
 
 
-def _job(bed, command: str, ckpt: str, kill: str | None = None, more: list[str] = ()) -> dict:
+def _job(bed, command: str, ckpt: str, kill: str | None = None, more: list[str] = (), ifname: str = IFNAME) -> dict:
     """Run `shardline COMMAND quickstart.toml` on host S; with `kill`, SIGKILL the rank on host B
-    once the first checkpoint is in the bucket."""
-    cmd = [sys.executable, "-m", "shardline.jobs.cli", command, str(QUICKSTART), *_settings(bed, ckpt), *more]
+    once the first checkpoint is in the bucket. `ifname`: the ranks' hosts' interface."""
+    cmd = [sys.executable, "-m", "shardline.jobs.cli", command, str(QUICKSTART), *_settings(bed, ckpt, ifname), *more]
     log = bed.logs / f"{command}-{ckpt}.log"
     print(f"[bed] shardline {command} quickstart.toml ({ckpt}) ...", flush=True)
     start = time.monotonic()

@@ -44,6 +44,7 @@ def test_quickstart_across_two_hosts_resumes_from_the_bucket_after_a_host_loses_
         left = sweep()  # only if the bed could not clean up itself (it was SIGKILLed)
     assert left == []
     out = proc.stdout + proc.stderr
+    print("\n".join(ln for ln in out.splitlines() if ln.startswith("[bed]")))  # what ran, how long (-s)
     # Cleaned up whatever happened: no namespace, and no process of the bed.
     assert our_namespaces(PREFIX) == [], out[-3000:]
     assert _bed_processes() == [], out[-3000:]
