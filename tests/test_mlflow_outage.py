@@ -60,14 +60,25 @@ def _server(root: Path, port: int) -> subprocess.Popen:
     return proc
 
 
-def test_training_survives_an_mlflow_outage_and_its_metrics_arrive_after(prepared, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def server_root(tmp_path_factory) -> Path:
+    """One store for this module's servers: the first start creates its tables (MLflow's
+    migrations, seconds of CPU on a loaded machine), later starts only open them. Each test
+    keeps to its own experiment and registered model."""
+    return tmp_path_factory.mktemp("mlflow-server")
+
+
+def test_training_survives_an_mlflow_outage_and_its_metrics_arrive_after(prepared, server_root, tmp_path,
+                                                                        monkeypatch):
     from mlflow.tracking import MlflowClient
 
     for k, v in NO_BACKOFF.items():  # the driver's calls, and the ranks' (they get this environment)
         monkeypatch.setenv(k, v)
-    epochs = 4
-    root = tmp_path / "server"
-    root.mkdir()
+    # Two epochs: the server is killed in the first (rank 0 holds at its end until it is
+    # down) and the second writes the three checkpoints (every 10 of its ~37 steps, and its
+    # end) the outage must last.
+    epochs = 2
+    root = server_root
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     # The server starts while the reference trains (it takes as long): the outage run needs it
@@ -173,18 +184,16 @@ def test_the_drivers_last_calls_wait_for_a_server_that_went_away(monkeypatch):
         when_reachable(lambda: int("x"), nobody, wait_s=300, checkpoint=None, retry_s=0.1)
 
 
-def test_a_server_gone_for_good_ends_in_the_jobs_one_line_after_saying_it_waits(prepared, tmp_path, monkeypatch,
-                                                                                capfd):
+def test_a_server_gone_for_good_ends_in_the_jobs_one_line_after_saying_it_waits(prepared, server_root, tmp_path,
+                                                                                monkeypatch, capfd):
     """The server dies during training and never comes back: the driver says it waits (not a
     silent minute), then ends in its one line, not in MLflow's failure to close the run."""
     from shardline.pipelines.errors import ShardlineError
 
     for k, v in NO_BACKOFF.items():
         monkeypatch.setenv(k, v)
-    root = tmp_path / "server"
-    root.mkdir()
     port = free_port()
-    proc = _server(root, port)
+    proc = _server(server_root, port)
     cfg = _cfg(tmp_path / "gone", epochs=2, world_size=1)
     killed = tmp_path / "server-killed"
     done = threading.Event()
