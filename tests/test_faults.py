@@ -25,7 +25,7 @@ from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 from shardline.training.launchers import TrainingFailed
 
-from .conftest import shardline_here
+from .conftest import REPO, shardline_here
 from .faults_helpers import (
     alive, error_lines, mounted_tmpfs, rank_pids, start_driver, stop_group, train_args, wait_for,
 )
@@ -154,11 +154,17 @@ def test_read_only_outputs_of_prepare_and_score_end_in_one_line(prepared, tmp_pa
     assert "Starting" not in proc.stderr  # refused before an engine started
 
 
-def test_ctrl_c_on_classic_spark_stops_the_ranks_and_says_one_line(prepared, tmp_path):
+def test_ctrl_c_on_classic_spark_stops_the_ranks_and_says_one_line(prepared, tmp_path, monkeypatch):
     """SIGINT to `shardline train` on a classic local Spark: "aborted", exit 130, no
     traceback (PySpark's own handler re-entered the Py4J call the driver waited in:
     "RuntimeError: reentrant call"), and the ranks' job cancelled, so they stop."""
     ckpt, log = tmp_path / "ckpt", tmp_path / "driver.log"
+    # The driver's JVM forks its Python workers (the ranks) from a daemon that imported torch
+    # and MLflow once (tests/preloaded_spark_daemon.py), not each rank importing them anew:
+    # Spark's own setting, given as a user gives spark-submit one.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PYSPARK_SUBMIT_ARGS",
+                       "--conf spark.python.daemon.module=tests.preloaded_spark_daemon pyspark-shell")
     driver = start_driver(train_args(prepared.dataset_dir, ckpt, **{"training.launcher": "'spark'",
                                                                      "training.epochs": "400"}),
                           tmp_path / "run", log)

@@ -3,8 +3,8 @@ master is `local[2,4]`, so a task whose model raises once is retried and a Pytho
 SIGKILLed mid-unit is retried, and each job ends exactly once; a unit that fails every
 attempt is named, with the cause, in one line.
 
-Its own JVM (a subprocess with the default SparkConfig), not the session's `local[2,1]`
-(which tries each task once). One JVM runs all three jobs, one after another, each with
+Its own JVM (a subprocess with the default SparkConfig's master), not the session's
+`local[2,1]` (which tries each task once). One JVM runs all three jobs, one after another, each with
 its own model and output: starting a JVM and its Python workers is most of each job's
 cost, and a job's faults are confined to that job (its own marker file, its own model)."""
 
@@ -31,7 +31,10 @@ from shardline.pipelines.errors import ShardlineError
 from shardline.pipelines.spark_setup import spark_master
 from shardline.serving.score import score
 flaky, dies, fails, tracking_uri, src, src_failed, out_flaky, out_dies, out_failed = sys.argv[1:]
-spark = spark_session(SparkConfig(shuffle_partitions=2))  # shardline's default master
+# shardline's default master; Python workers forked with torch and MLflow already imported
+# (each failed attempt is a fresh worker: tests/preloaded_spark_daemon.py).
+spark = spark_session(SparkConfig(shuffle_partitions=2,
+                                  conf={"spark.python.daemon.module": "tests.preloaded_spark_daemon"}))
 print("MASTER", spark_master(spark), flush=True)
 r = score("spark", spark, flaky, tracking_uri, src, out_flaky, batch_size=256)
 print("RETRIED", r.rows, r.files_scored, flush=True)

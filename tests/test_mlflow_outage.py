@@ -60,14 +60,50 @@ def _server(root: Path, port: int) -> subprocess.Popen:
     return proc
 
 
-def test_training_survives_an_mlflow_outage_and_its_metrics_arrive_after(prepared, tmp_path, monkeypatch):
+class _Servers:
+    """This module's MLflow servers, on one store: the first start creates its tables
+    (MLflow's migrations, seconds of CPU on a loaded machine), later starts only open them;
+    each test keeps to its own experiment and registered model. The server the outage test
+    brought back is left running for the next test to kill, not started anew."""
+
+    def __init__(self, root: Path):
+        self.root, self.left = root, None
+
+    def leave(self, proc: subprocess.Popen, port: int) -> None:
+        self.left = (proc, port)
+
+    def running(self) -> tuple[subprocess.Popen, int]:
+        """A healthy server (the one left running, else a new one) and its port: the caller's."""
+        left, self.left = self.left, None
+        if left is not None:
+            try:
+                _wait_healthy(*left)
+                return left
+            except Exception:  # it died meanwhile: a new one, as if none was left
+                stop_group(left[0])
+        port = free_port()
+        return _server(self.root, port), port
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    servers = _Servers(tmp_path_factory.mktemp("mlflow-server"))
+    yield servers
+    if servers.left is not None:
+        stop_group(servers.left[0])
+
+
+def test_training_survives_an_mlflow_outage_and_its_metrics_arrive_after(prepared, servers, tmp_path,
+                                                                        monkeypatch):
     from mlflow.tracking import MlflowClient
 
     for k, v in NO_BACKOFF.items():  # the driver's calls, and the ranks' (they get this environment)
         monkeypatch.setenv(k, v)
-    epochs = 4
-    root = tmp_path / "server"
-    root.mkdir()
+    # Two epochs: the server is killed in the first (rank 0 holds at its end until it is
+    # down) and the second writes the three checkpoints (every 10 of its ~37 steps, and its
+    # end) the outage must last.
+    epochs = 2
+    root = servers.root
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     # The server starts while the reference trains (it takes as long): the outage run needs it
@@ -123,6 +159,7 @@ def test_training_survives_an_mlflow_outage_and_its_metrics_arrive_after(prepare
         steps = [m.step for m in ref_client.get_metric_history(reference.run_id, "train_loss_step")]
         assert sorted(m.step for m in client.get_metric_history(result.run_id, "train_loss_step")) == sorted(steps)
         assert client.get_model_version("outage", result.model_version).run_id == result.run_id
+        servers.leave(procs.pop(), port)  # the server brought back, healthy: the next test's
     finally:
         done.set()
         watcher.join()
@@ -173,18 +210,15 @@ def test_the_drivers_last_calls_wait_for_a_server_that_went_away(monkeypatch):
         when_reachable(lambda: int("x"), nobody, wait_s=300, checkpoint=None, retry_s=0.1)
 
 
-def test_a_server_gone_for_good_ends_in_the_jobs_one_line_after_saying_it_waits(prepared, tmp_path, monkeypatch,
-                                                                                capfd):
+def test_a_server_gone_for_good_ends_in_the_jobs_one_line_after_saying_it_waits(prepared, servers, tmp_path,
+                                                                                monkeypatch, capfd):
     """The server dies during training and never comes back: the driver says it waits (not a
     silent minute), then ends in its one line, not in MLflow's failure to close the run."""
     from shardline.pipelines.errors import ShardlineError
 
     for k, v in NO_BACKOFF.items():
         monkeypatch.setenv(k, v)
-    root = tmp_path / "server"
-    root.mkdir()
-    port = free_port()
-    proc = _server(root, port)
+    proc, port = servers.running()
     cfg = _cfg(tmp_path / "gone", epochs=2, world_size=1)
     killed = tmp_path / "server-killed"
     done = threading.Event()

@@ -50,6 +50,28 @@ def prepared4(spark, tmp_path_factory):
     return cfg
 
 
+@pytest.fixture(scope="module")
+def first_runs(prepared4, tmp_path_factory):
+    """`first_run(settings)`: the checkpoint_dir of a first job with those settings, stopped
+    after its first epoch; each distinct job trained once per module. The 4-rank FSDP job
+    both resumes on 2 ranks (its epoch-end checkpoint) and is refused a resume from mid-epoch
+    (its step-5 checkpoint): checkpoint_every_steps shapes neither its weights nor its
+    fingerprint, so one job serves both tests."""
+    done: dict[str, str] = {}
+
+    def first_run(settings: dict) -> str:
+        key = repr(sorted(settings.items()))
+        if key not in done:
+            cfg = TrainingConfig(**{**COMMON, **settings,
+                                    "checkpoint_dir": str(tmp_path_factory.mktemp("first") / "ckpt")})
+            run_training(cfg, TrackingConfig(experiment="resume-world"), prepared4.dataset_dir, register=False,
+                         epoch_hook=stop_after_first_epoch)
+            done[key] = cfg.checkpoint_dir
+        return done[key]
+
+    return first_run
+
+
 def stop_after_first_epoch(epoch: int, metrics: dict) -> bool:
     """The first job's epoch hook: its epoch-1 checkpoint is written, then it stops (a
     config of 1 epoch would differ in the checkpoint's fingerprint: epochs shape the schedule)."""
@@ -109,7 +131,7 @@ def continued_single_process(head_path: Path, cfg: TrainingConfig, data_world: i
 @pytest.mark.parametrize(
     "first, then",
     [
-        (dict(strategy="fsdp", world_size=4), dict(strategy="fsdp", world_size=2)),
+        (dict(strategy="fsdp", world_size=4, checkpoint_every_steps=5), dict(strategy="fsdp", world_size=2)),
         (dict(strategy="fsdp", world_size=2), dict(strategy="fsdp", world_size=4, dp=2, dp_shard=2)),
         (dict(strategy="tensor", world_size=2, model="transformer", hidden=[16, 16], heads=4),
          dict(strategy="tensor", world_size=4, dp=2, tp=2, model="transformer", hidden=[16, 16], heads=4)),
@@ -117,13 +139,12 @@ def continued_single_process(head_path: Path, cfg: TrainingConfig, data_world: i
     ],
     ids=["fsdp4-to-2", "fsdp2-to-hsdp2x2", "tp2-to-dp2xtp2", "ddp4-to-2"],
 )
-def test_resume_at_another_world_size_matches_single_process_continuation(prepared4, tmp_path, first, then):
+def test_resume_at_another_world_size_matches_single_process_continuation(prepared4, first_runs, tmp_path, first,
+                                                                          then):
     from shardline.training.strategies import get_strategy
 
     tracking = TrackingConfig(experiment="resume-world", registered_model="resume-world")
-    before = TrainingConfig(**{**COMMON, **first, "checkpoint_dir": str(tmp_path / "a")})
-    run_training(before, tracking, prepared4.dataset_dir, register=False, epoch_hook=stop_after_first_epoch)
-    saved = _epoch_end(before.checkpoint_dir, 1)
+    saved = _epoch_end(first_runs(first), 1)
 
     after = TrainingConfig(**{**COMMON, **then, "resume": True, "checkpoint_dir": str(tmp_path / "b")})
     _copy_checkpoint(saved, Path(after.checkpoint_dir))
@@ -160,21 +181,20 @@ def _config(tmp: Path, dataset_dir: str, checkpoint_dir: str | Path, training: s
 @pytest.mark.parametrize(
     "first, resumed_with, message",
     [
-        ({"strategy": "fsdp", "world_size": 4}, ["training.strategy=fsdp", "training.world_size=2"],
+        ({"strategy": "fsdp", "world_size": 4, "checkpoint_every_steps": 5},
+         ["training.strategy=fsdp", "training.world_size=2"],
          "written mid-epoch (epoch 1, step 5) by 4 data-parallel ranks, resumed with 2 "
          "(training.world_size 4 -> 2): the loader's order within an epoch depends on how many ranks"),
-        ({"strategy": "ps", "world_size": 3}, ["training.strategy=ps", "training.world_size=2"],
+        ({"strategy": "ps", "world_size": 3, "checkpoint_every_steps": 5},
+         ["training.strategy=ps", "training.world_size=2"],
          "written with training.world_size 3, resumed with 2: strategy 'ps' checkpoints hold each "
          "rank's own optimizer state laid out for its ranks and cannot be resharded"),
     ],
     ids=["mid-epoch-other-data-world", "ps-other-world"],
 )
-def test_cli_refuses_a_resume_that_cannot_reshard(prepared4, tmp_path, first, resumed_with, message):
-    cfg = TrainingConfig(**{**COMMON, **first, "checkpoint_every_steps": 5, "checkpoint_dir": str(tmp_path / "ckpt")})
-    run_training(cfg, TrackingConfig(experiment="resume-refused"), prepared4.dataset_dir, register=False,
-                 epoch_hook=stop_after_first_epoch)
+def test_cli_refuses_a_resume_that_cannot_reshard(prepared4, first_runs, tmp_path, first, resumed_with, message):
     # The mid-epoch checkpoint at step 5 alone in a directory: the latest, as a resume takes it.
-    mid = next(Path(p) for p in checkpoints.checkpoint_paths(cfg.checkpoint_dir)
+    mid = next(Path(p) for p in checkpoints.checkpoint_paths(first_runs(first))
                if torch.load(p, weights_only=True)["global_step"] == 5)
     _copy_checkpoint(mid, tmp_path / "mid")
     work = tmp_path / "work"

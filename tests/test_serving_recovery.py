@@ -192,7 +192,7 @@ from shardline.pipelines.config import DaskConfig
 from shardline.pipelines.engines import dask_client
 from shardline.serving.score import score
 import sys
-client = dask_client(DaskConfig(n_workers=2))
+client = dask_client(DaskConfig(n_workers=1, threads_per_worker=2))
 score("dask", client, sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], batch_size=64)
 """
 
@@ -206,7 +206,9 @@ def test_killed_job_rerun_scores_the_rest(spark, prepared, raw, tracking_uri, tm
     write_raw(raw, tmp_path / "in", files=units)
     out = tmp_path / "scores"
     log = tmp_path / "job.log"  # a file, not a pipe: a full pipe would stall the job itself
-    # Dask in its own process group: SIGKILL takes the client, nannies and workers.
+    # Dask in its own process group: SIGKILL takes the client, the nanny and its worker. One
+    # worker process of two threads: the stalled unit holds one, the other commits units; a
+    # second worker process would only import torch and load the model once more.
     with open(log, "wb") as sink:
         proc = subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(KILLED_JOB), uri, tracking_uri,

@@ -320,7 +320,7 @@ def test_killed_sweep_resumes_without_rerunning_completed_trials_and_best_scores
             # trial can be RUNNING in the study a while before its run is opened.
             if states == ["COMPLETE", "RUNNING"] and "mlflow_run_id" in trials[1].user_attrs:
                 break
-            time.sleep(0.5)
+            time.sleep(0.2)
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # the sweep and its trial's processes
