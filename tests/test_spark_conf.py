@@ -4,6 +4,9 @@ A user's `spark.ui.enabled` and `spark.sql.shuffle.partitions`, given with
 spark-submit `--conf` or in `spark-defaults.conf`, are what the running Spark
 has; shardline fills in only what nobody set. Each case about how a JVM starts runs its
 own in a subprocess, as a user's command would; a session setting is set on the session's.
+A JVM costs ~15 s: cases that can share one do (one spark-submit runs two shardline
+commands and reports its settings; one driver checks the user's sources and shardline's
+fill-ins together).
 """
 
 from __future__ import annotations
@@ -25,22 +28,29 @@ QUICKSTART = REPO / "jobs" / "configs" / "quickstart.toml"
 LOG4J = REPO / "pipelines" / "log4j2.properties"
 KEYS = [
     "spark.ui.enabled", "spark.sql.shuffle.partitions", "spark.sql.execution.arrow.maxRecordsPerBatch",
-    "spark.ui.showConsoleProgress", "spark.master",
+    "spark.ui.showConsoleProgress", "spark.master", "spark.sql.execution.arrow.pyspark.enabled",
 ]
 # A driver that starts Spark through shardline's session factory and reports what Spark has.
+# Before that, the shardline commands (JSON list of argument lists, argv[4]) run in this
+# process, as jobs/spark_submit.py runs one (it is `jobs.cli.main()`): their exit codes and
+# output under "cli".
 DRIVER = f"""
-import json, socket, sys
+import json, os, socket, sys
+sys.path.insert(0, {str(REPO / "tests")!r})
+from cli_inprocess import run_cli
 from shardline.pipelines.config import SparkConfig
 from shardline.pipelines.engines import spark_session
+cli = [run_cli(args, os.getcwd()) for args in json.loads(sys.argv[4] if sys.argv[4:] else "[]")]
 spark = spark_session(SparkConfig.model_validate(json.loads(sys.argv[1])))
 out = {{k: spark.conf.get(k, None) for k in {KEYS!r}}}
+out["cli"] = cli
 with socket.socket() as s:  # the web UI, if Spark runs one, listens on spark.ui.port
     out["ui_listening"] = s.connect_ex(("127.0.0.1", int(sys.argv[2]))) == 0
 def jvm_env(batches):  # Python workers inherit the JVM's environment
     import os, pandas as pd
     for _ in batches:
         yield pd.DataFrame({{"ip": [os.environ.get("SPARK_LOCAL_IP", "")]}})
-if sys.argv[3:] == ["--workers"]:  # a Python worker's start: only the case that checks it pays it
+if sys.argv[3] == "--workers":  # a Python worker's start: only the case that checks it pays it
     out["jvm_SPARK_LOCAL_IP"] = spark.range(1).mapInPandas(jvm_env, "ip string").collect()[0]["ip"]
 out["driver_SPARK_LOCAL_IP"] = __import__("os").environ.get("SPARK_LOCAL_IP")
 print("RESULT " + json.dumps(out), flush=True)
@@ -83,67 +93,72 @@ def _driver(tmp: Path) -> Path:
     return script
 
 
-def test_spark_submit_conf_and_spark_defaults_conf_win_over_shardlines_defaults(tmp_path):
-    """One spark-submit JVM for both of the user's sources (each JVM costs ~15 s): the UI from
-    spark-defaults.conf, the shuffle partitions from --conf, which also beats the file's
-    value (Spark's own order); shardline's value only where nobody set one."""
+def test_spark_submit_conf_and_spark_defaults_conf_win_over_shardlines_defaults(prepared, tmp_path):
+    """One spark-submit JVM for both of the user's sources: the UI from spark-defaults.conf,
+    the shuffle partitions from --conf, which also beats the file's value (Spark's own order);
+    shardline's value only where nobody set one. The same JVM runs two shardline commands
+    first, each refused by name before it does anything: a JVM setting only the config names
+    (spark-submit started the JVM, it can no longer apply), and spark.task.cpus leaving fewer
+    task slots than ranks (a prepared dataset and a batch it trains with: those are checked
+    before Spark starts)."""
     ui = free_port()
     env = _env(tmp_path, ["spark.ui.enabled true", f"spark.ui.port={ui}", "spark.sql.shuffle.partitions : 5"])
+    commands = [
+        ["prepare", str(QUICKSTART), "--set", "spark.conf={'spark.ui.showConsoleProgress' = 'true'}"],
+        ["train", str(QUICKSTART), "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'",
+         "--set", f"pipelines.dataset_dir='{prepared.dataset_dir}'", "--set", "training.batch_size=256"],
+    ]  # fmt: skip
     cmd = [
-        str(BIN / "spark-submit"), "--master", "local[1]", "--conf", "spark.sql.shuffle.partitions=7",
+        str(BIN / "spark-submit"), "--master", "local[2]", "--conf", "spark.task.cpus=2",
+        "--conf", "spark.sql.shuffle.partitions=7",
         # The documented form for what must be set before the JVM starts (README).
         "--driver-java-options", f"-Dlog4j2.configurationFile=file:{LOG4J}",
-        str(_driver(tmp_path)), "{}", str(ui),
+        str(_driver(tmp_path)), "{}", str(ui), "-", json.dumps(commands),
     ]  # fmt: skip
     got, proc = _run(cmd, tmp_path, env)
+    (prep_code, prep_out, prep_err), (train_code, train_out, train_err) = got["cli"]
+    assert prep_code == 2, prep_out[-2000:] + prep_err[-2000:]
+    assert _error_lines(prep_out + prep_err) == [
+        "error: spark.conf.spark.ui.showConsoleProgress: a JVM setting cannot be set once spark-submit "
+        "has started Spark; pass it to spark-submit as --conf spark.ui.showConsoleProgress=true"
+    ], prep_err[-2000:]
+    assert train_code == 1, train_out[-2000:] + train_err[-2000:]
+    assert _error_lines(train_out + train_err) == [
+        "error: training.world_size 2 is greater than the 1 task slots of Spark master local[2] "
+        "(spark.task.cpus=2): a barrier stage needs them all at once"
+    ], train_err[-2000:]
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "shardline-data").exists()
     assert got["spark.ui.enabled"] == "true" and got["ui_listening"], got  # spark-defaults.conf's
     assert got["spark.sql.shuffle.partitions"] == "7"  # --conf's (shardline's is 4, the file's 5)
     assert got["spark.sql.execution.arrow.maxRecordsPerBatch"] == "65536"  # unset: shardline's
-    assert got["spark.master"] == "local[1]"
-    assert " INFO " not in proc.stdout + proc.stderr  # the log4j configuration took effect
+    assert got["spark.master"] == "local[2]"
+    jvm_output = [ln for ln in (proc.stdout + proc.stderr).splitlines() if not ln.startswith("RESULT ")]
+    assert not [ln for ln in jvm_output if " INFO " in ln], jvm_output[-20:]  # the log4j configuration took effect
 
 
-def test_spark_defaults_conf_wins_when_shardline_starts_spark(tmp_path):
+def test_user_settings_win_and_shardline_fills_in_the_rest_when_shardline_starts_spark(tmp_path):
+    """One JVM started by shardline's session factory: the user's site file sets a JVM
+    setting and a session setting (they win), the job's [spark].conf beats the file, and
+    shardline's defaults fill in what nobody set, of both kinds."""
     ui = free_port()
     env = _env(tmp_path, [
-        "# the user's site settings", "spark.ui.enabled   true", f"spark.ui.port {ui}",
-        "spark.sql.shuffle.partitions=7", "spark.sql.execution.arrow.maxRecordsPerBatch 1000",
+        "# the user's site settings", f"spark.ui.port {ui}", "spark.ui.showConsoleProgress   true",
+        "spark.sql.execution.arrow.pyspark.enabled=false", "spark.sql.execution.arrow.maxRecordsPerBatch 1000",
     ])  # fmt: skip
     # [spark].conf is this job's own config: it wins over the site's spark-defaults.conf.
     cfg = {"conf": {"spark.sql.execution.arrow.maxRecordsPerBatch": "2000"}}
-    got, _ = _run([sys.executable, str(_driver(tmp_path)), json.dumps(cfg), str(ui)], tmp_path, env)
-    assert got["spark.ui.enabled"] == "true" and got["ui_listening"], got
-    assert got["spark.sql.shuffle.partitions"] == "7"
+    got, proc = _run([sys.executable, str(_driver(tmp_path)), json.dumps(cfg), str(ui), "--workers"], tmp_path, env)
+    assert got["spark.ui.showConsoleProgress"] == "true", got  # the file's JVM setting (shardline's: false)
+    assert got["spark.sql.execution.arrow.pyspark.enabled"] == "false"  # the file's session setting (shardline's: true)
     assert got["spark.sql.execution.arrow.maxRecordsPerBatch"] == "2000"
-
-
-def test_shardlines_defaults_fill_in_what_nobody_set(tmp_path):
-    ui = free_port()
-    env = _env(tmp_path, [f"spark.ui.port {ui}"])
-    got, proc = _run([sys.executable, str(_driver(tmp_path)), "{}", str(ui), "--workers"], tmp_path, env)
+    # Nobody set these: shardline's.
     assert got["spark.ui.enabled"] == "false" and not got["ui_listening"], got
-    assert got["spark.ui.showConsoleProgress"] == "false"
     assert got["spark.sql.shuffle.partitions"] == "4"
     assert got["spark.master"] == "local[2,4]"  # local mode retries tasks (spark_setup.local_with_retries)
     # Set where the JVM reads them when it starts: the bind address (put back in this
     # process afterwards), and the log4j configuration (quiet).
     assert got["jvm_SPARK_LOCAL_IP"] == "127.0.0.1" and got["driver_SPARK_LOCAL_IP"] is None
     assert " INFO " not in proc.stderr, proc.stderr[-2000:]
-
-
-def test_task_cpus_leaving_fewer_slots_than_ranks_is_refused_by_name(prepared, tmp_path):
-    # A prepared dataset and a batch it trains with: those are checked before Spark starts.
-    proc = _submit_shardline(
-        tmp_path, ["--master", "local[2]", "--conf", "spark.task.cpus=2"],
-        "train", "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'",
-        "--set", f"pipelines.dataset_dir='{prepared.dataset_dir}'", "--set", "training.batch_size=256",
-    )  # fmt: skip
-    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert _error_lines(proc.stdout) == [
-        "error: training.world_size 2 is greater than the 1 task slots of Spark master local[2] "
-        "(spark.task.cpus=2): a barrier stage needs them all at once"
-    ], proc.stdout[-2000:]
-    assert not (tmp_path / "ckpt").exists()
 
 
 def test_a_missing_archive_under_spark_submit_is_one_line_naming_it(tmp_path):
@@ -240,19 +255,6 @@ def test_arrow_disabled_for_pandas_conversions_changes_nothing(spark, tmp_path):
     finally:
         spark.conf.set(key, before)
     assert sum(s.rows for s in manifest.splits.values()) == 2000
-
-
-def test_a_jvm_setting_only_the_config_names_is_refused_under_spark_submit(tmp_path):
-    """spark-submit started the JVM: a JVM setting from [spark].conf can no longer apply."""
-    proc = _submit_shardline(
-        tmp_path, ["--master", "local[1]"], "prepare", "--set", "spark.conf={'spark.ui.enabled' = 'true'}"
-    )
-    assert proc.returncode == 2, proc.stdout[-3000:]
-    assert _error_lines(proc.stdout) == [
-        "error: spark.conf.spark.ui.enabled: a JVM setting cannot be set once spark-submit has "
-        "started Spark; pass it to spark-submit as --conf spark.ui.enabled=true"
-    ], proc.stdout[-2000:]
-    assert not (tmp_path / "shardline-data").exists()
 
 
 def test_user_settings_are_read_as_spark_submit_reads_them(tmp_path, monkeypatch):
