@@ -8,6 +8,7 @@ import importlib.util
 import json
 import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -17,22 +18,31 @@ from .conftest import shardline_here
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "own_model"
 
 
+@contextmanager
+def _checkout(name: str, folder: Path, package: str | None):
+    """A copy of examples/<name> at `folder`, as a user's own checkout: what runs there
+    (MLflow's ./mlruns among it) stays out of the repository. Afterwards sys.path and
+    sys.modules lose what the example added: a job puts the folder it runs in on the path
+    and imports the example's package from there."""
+    shutil.copytree(EXAMPLE.parent / name, folder, ignore=shutil.ignore_patterns("example-out", "__pycache__", "mlruns"))
+    path, modules = list(sys.path), set(sys.modules)
+    try:
+        yield folder
+    finally:
+        sys.path[:] = path
+        for module in set(sys.modules) - modules:
+            if (package and module.split(".")[0] == package) or module == f"{name}_notebook":
+                del sys.modules[module]
+
+
 @pytest.fixture(scope="module")
 def example(tmp_path_factory):
-    """A copy of the example folder, as a user's own checkout: what runs there (MLflow's
-    ./mlruns among it) stays out of the repository."""
-    folder = tmp_path_factory.mktemp("example") / "own_model"
-    shutil.copytree(EXAMPLE, folder, ignore=shutil.ignore_patterns("example-out", "__pycache__", "mlruns"))
-    path, modules = list(sys.path), set(sys.modules)
-    yield folder
-    sys.path[:] = path  # the folder joined sys.path as the cwd of a job; so did its package
-    for name in set(sys.modules) - modules:
-        if name == "mynets" or name.startswith("mynets.") or name == "own_model_notebook":
-            del sys.modules[name]
+    with _checkout("own_model", tmp_path_factory.mktemp("example") / "own_model", "mynets") as folder:
+        yield folder
 
 
-def _notebook(folder: Path):
-    spec = importlib.util.spec_from_file_location("own_model_notebook", folder / "notebook.py")
+def _notebook(folder: Path, name: str = "own_model"):
+    spec = importlib.util.spec_from_file_location(f"{name}_notebook", folder / "notebook.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -128,22 +138,12 @@ def test_typed_examples_prepare_on_both_engines_train_register_and_score(
     scored, from a copy of the example's folder as a user's checkout. Small and one epoch."""
     from mlflow.tracking import MlflowClient
 
-    folder = tmp_path / name
-    shutil.copytree(EXAMPLE.parent / name, folder, ignore=shutil.ignore_patterns("example-out", "__pycache__"))
-    monkeypatch.chdir(folder)  # the model's package is found from the folder the job runs in
-    path, modules = list(sys.path), set(sys.modules)
-    try:
-        spec = importlib.util.spec_from_file_location(f"{name}_notebook", folder / "notebook.py")
-        nb = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(nb)
+    with _checkout(name, tmp_path / name, package) as folder:
+        monkeypatch.chdir(folder)  # the model's package is found from the folder the job runs in
+        nb = _notebook(folder, name)
         small = {"per_class": 24} if name == "images" else {"rows": 160}
         out = nb.run(spark, dask_client, tmp_path / "work", tracking_uri=tracking_uri, name=f"example-{name}",
                      epochs=1, **small)
-    finally:
-        sys.path[:] = path
-        for module in set(sys.modules) - modules:
-            if package and module.split(".")[0] == package:
-                del sys.modules[module]
     assert out["same_shards"] and {p.engine for p in out["prepared"].values()} == {"spark", "dask"}
     trained, scored = out["trained"], out["scored"]
     assert trained.model_uri == f"models:/example-{name}/1" and trained.launcher == launcher
