@@ -17,6 +17,31 @@ def run_cli(args: list[str], cwd: Path | str, env: dict | None = None) -> tuple[
     environment are put back afterwards, whatever the command set."""
     from shardline.jobs.cli import main
 
+    return _as_a_process(lambda: main(list(args)), cwd, env)
+
+
+def run_python(program: str, argv: list[str], cwd: Path | str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `python -c PROGRAM ARGV...` run in `cwd`, in this process
+    (the Connect client's: a user's own program on the session the CLI commands share). An
+    uncaught exception is a traceback on stderr and exit code 1, as in a process."""
+    import traceback
+
+    def program_main() -> None:
+        saved_argv, sys.argv = sys.argv, ["-c", *argv]
+        try:
+            exec(compile(program, "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
+        except Exception:  # noqa: BLE001 (as the interpreter would: printed, exit code 1)
+            traceback.print_exc()
+            raise SystemExit(1) from None
+        finally:
+            sys.argv = saved_argv
+
+    return _as_a_process(program_main, cwd, None)
+
+
+def _as_a_process(main, cwd: Path | str, env: dict | None) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `main()` run as a fresh process would run it: in `cwd`,
+    with `env` added and no tracking URI; the working folder and environment put back after."""
     out, err, saved_env, saved_cwd = io.StringIO(), io.StringIO(), dict(os.environ), os.getcwd()
     # As in a fresh process: the default store is cwd's, whatever an earlier command set in MLflow.
     forget_tracking_uri()
@@ -26,7 +51,7 @@ def run_cli(args: list[str], cwd: Path | str, env: dict | None = None) -> tuple[
     code = 0
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            main(list(args))
+            main()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
@@ -35,33 +60,6 @@ def run_cli(args: list[str], cwd: Path | str, env: dict | None = None) -> tuple[
         for key in set(os.environ) - set(saved_env):  # key by key: other threads read it meanwhile
             del os.environ[key]
         os.environ.update({k: v for k, v in saved_env.items() if os.environ.get(k) != v})
-    return code, out.getvalue(), err.getvalue()
-
-
-def run_python(program: str, argv: list[str], cwd: Path | str) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of `python -c PROGRAM ARGV...` run in `cwd`, in this process
-    (the Connect client's: a user's own program on the session the CLI commands share). An
-    uncaught exception is a traceback on stderr and exit code 1, as in a process."""
-    import traceback
-
-    out, err, saved_argv, saved_cwd = io.StringIO(), io.StringIO(), sys.argv, os.getcwd()
-    forget_tracking_uri()
-    sys.argv = ["-c", *argv]
-    os.chdir(cwd)
-    code = 0
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                exec(compile(program, "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            except Exception:  # noqa: BLE001 (as the interpreter would: printed, exit code 1)
-                traceback.print_exc()
-                code = 1
-    finally:
-        forget_tracking_uri()  # whatever the program set in MLflow: not the next command's
-        os.chdir(saved_cwd)
-        sys.argv = saved_argv
     return code, out.getvalue(), err.getvalue()
 
 
