@@ -167,7 +167,7 @@ def relative_distance(a: dict, b: dict) -> float:
 def resumed(rank: int, world_size: int, args: dict) -> dict:
     """AdamW (moments and step counts a wrong resume would lose) on the transformer:
     4 steps straight, and 2 steps, a resume into a fresh setup (other seed), 2 more.
-    args: strategy, cfg (TrainingConfig fields), directory (for sharded checkpoints).
+    args: strategy, cfg (TrainingConfig fields), directory (for the DCP checkpoint).
     Returns both runs' plain weights."""
     cfg = TrainingConfig(world_size=world_size, strategy=args["strategy"], batch_size=8, **args.get("cfg", {}))
 
@@ -189,11 +189,9 @@ def resumed(rank: int, world_size: int, args: dict) -> dict:
     for x, y in batches[:2]:
         first.step(x, y)
     second = fresh(1)
-    if hasattr(first, "save_sharded"):  # each rank's own shards, through DCP
-        first.save_sharded(args["directory"])
-        second.load_sharded(args["directory"])
-    else:
-        second.load_state_dict(first.state_dict(), first.full_state_dict())
+    # What each rank holds, through DCP (the worker's checkpoints).
+    first.save_checkpoint(args["directory"])
+    second.load_checkpoint(args["directory"])
     for x, y in batches[2:]:
         second.step(x, y)
     return {"straight": straight.full_state_dict(), "resumed": second.full_state_dict()}

@@ -148,7 +148,7 @@ def _check_restarted(job: dict, bed) -> None:
 
 
 def _final_weights(bed, ckpt: str) -> dict:
-    from shardline.training import checkpoints
+    from shardline.training import checkpoints, sharded_checkpoints
 
     latest = checkpoints.latest(f"{bed.bucket}/quickstart/{ckpt}")
     if latest is None:
@@ -156,7 +156,7 @@ def _final_weights(bed, ckpt: str) -> dict:
     state = checkpoints.load(latest, {})
     if state["epoch"] != bed.args.epochs:
         raise RuntimeError(f"{latest}: epoch {state['epoch']}, expected the last ({bed.args.epochs})")
-    return state["model"]
+    return sharded_checkpoints.read_weights(latest)
 
 
 def _check_same_weights(bed, ckpt: str, reference: str) -> None:

@@ -51,9 +51,11 @@ def test_checkpoints_are_plain_tensors_and_numbers(reference):
     _, paths = reference
     assert len(paths) > 5
     state = torch.load(paths[0], weights_only=True)  # no arbitrary unpickling
-    assert {"model", "ranks", "global_step", "epoch", "step_in_epoch", "loader"} <= state.keys()
-    # Each rank's own resume state: its strategy's (optimizer), schedule and RNG.
-    assert [set(r) for r in state["ranks"]] == [{"parallel", "scheduler", "rng"}] * 2
+    assert {"sharded", "ranks", "global_step", "epoch", "step_in_epoch", "loader"} <= state.keys()
+    # No weights in it: they and the optimizer state are in the DCP directory it names.
+    assert "model" not in state and (Path(paths[0]).parent / state["sharded"] / ".metadata").exists()
+    # Each rank's own resume state besides: its schedule and RNG.
+    assert [set(r) for r in state["ranks"]] == [{"scheduler", "rng"}] * 2
     # The loader's position is the checkpoint's: epoch and batches delivered in it.
     for p in paths:
         s = torch.load(p, weights_only=True)
@@ -65,6 +67,8 @@ def test_resume_from_mid_epoch_checkpoint_gives_the_same_weights(prepared, refer
     mid = next(p for p in paths if torch.load(p, weights_only=True)["step_in_epoch"] not in (0,))
     (tmp_path / "ckpt").mkdir()
     shutil.copy(mid, tmp_path / "ckpt" / Path(mid).name)  # no pointer: latest() takes the newest
+    dcp = torch.load(mid, weights_only=True)["sharded"]
+    shutil.copytree(Path(mid).parent / dcp, tmp_path / "ckpt" / dcp)
     resumed = run_training(_cfg(tmp_path, resume=True), _tracking("resume"), prepared.dataset_dir)
     _equal(resumed.weights, result.weights)
     # The resumed job continued the checkpoint's MLflow run.
@@ -75,8 +79,23 @@ def test_checkpoint_of_another_config_says_what_differs(prepared, reference, tmp
     _, paths = reference
     (tmp_path / "ckpt").mkdir()
     shutil.copy(paths[-1], tmp_path / "ckpt" / Path(paths[-1]).name)
+    dcp = torch.load(paths[-1], weights_only=True)["sharded"]
+    shutil.copytree(Path(paths[-1]).parent / dcp, tmp_path / "ckpt" / dcp)
     with pytest.raises(DataError, match=r"different run: hidden='\[64, 32\]' \(config has '\[32\]'\)"):
         run_training(_cfg(tmp_path, resume=True, hidden=[32]), _tracking("other"), prepared.dataset_dir)
+
+
+def test_a_checkpoint_without_its_dcp_directory_falls_back_to_the_previous_one(reference, tmp_path, capsys):
+    _, paths = reference
+    older, newest = Path(paths[-2]), Path(paths[-1])
+    for head in (older, newest):
+        shutil.copy(head, tmp_path / head.name)
+    dcp = torch.load(older, weights_only=True)["sharded"]
+    shutil.copytree(older.parent / dcp, tmp_path / dcp)  # the newest one's directory is lost
+    found, state = checkpoints.readable(str(tmp_path), {})
+    assert Path(found).name == older.name and state["sharded"] == dcp
+    said = capsys.readouterr().err
+    assert f"{newest.name}: its DCP directory" in said and f"resuming from {older.name}" in said, said
 
 
 def _kill_rank_after_first_checkpoint(ckpt_dir, rank: int, done: threading.Event, killed: list):

@@ -5,8 +5,8 @@ What "matches" means here. The loader's order depends on how many ranks read dat
 resumed on another mesh cannot repeat the batches the original mesh would have seen:
 there is no uninterrupted run to be bit-equal to. What it must equal is single-process
 training continued from the same checkpoint on the batches the new mesh reads: this
-test loads the checkpoint (DCP shards, or a ddp file) into one plain model and AdamW
-in this process, and steps it on each global batch of the new mesh — its data-parallel
+test loads the checkpoint (its DCP directory, whatever strategy wrote it) into one plain
+model and AdamW in this process, and steps it on each global batch of the new mesh — its data-parallel
 ranks' local batches concatenated in rank order (their mean-loss gradients average to
 that batch's) — for the remaining epochs. The resumed job's final weights must lie within
 relative distance 1e-5 of that (AdamW fp32's tolerance, tests/test_equivalence.py), and a
@@ -91,9 +91,8 @@ def _copy_checkpoint(saved: Path, into: Path) -> None:
     pointer there, a resume takes it as the newest."""
     into.mkdir()
     shutil.copy(saved, into / saved.name)
-    sharded = torch.load(saved, weights_only=True).get("sharded")
-    if sharded:
-        shutil.copytree(saved.parent / sharded, into / sharded)
+    sharded = torch.load(saved, weights_only=True)["sharded"]
+    shutil.copytree(saved.parent / sharded, into / sharded)
 
 
 def continued_single_process(head_path: Path, cfg: TrainingConfig, data_world: int, dataset_dir: str,
@@ -103,21 +102,19 @@ def continued_single_process(head_path: Path, cfg: TrainingConfig, data_world: i
     manifest = load_manifest(dataset_dir)
     model = build_model(manifest, cfg)
     optimizer = make_optimizer(model.parameters(), cfg)
-    if "sharded" in head:  # no process group here: DCP reads every shard itself
-        # keep_optimizer False: the state goes to a throwaway optimizer, the weights to the model.
-        into = optimizer if keep_optimizer else make_optimizer(model.parameters(), cfg)
-        sharded_checkpoints.load(model, into, str(head_path.parent / head["sharded"]))
-    else:
-        model.load_state_dict(head["model"])
-        if keep_optimizer:
-            optimizer.load_state_dict(head["ranks"][0]["parallel"]["optimizer"])
+    # No process group here: DCP reads every piece itself, whichever strategy and ranks
+    # wrote them. keep_optimizer False: the state goes to a throwaway optimizer.
+    into = optimizer if keep_optimizer else make_optimizer(model.parameters(), cfg)
+    names = sharded_checkpoints.optimizer_names(model.named_parameters(), into)
+    sharded_checkpoints.load_plain(model.state_dict(), into, names, str(head_path.parent / head["sharded"]))
     loaders = [
         ShardLoader(manifest, dataset_dir, "train", r, data_world, cfg.batch_size // data_world, cfg.seed,
                     remainder=cfg.remainder, shuffle_buffer_rows=cfg.shuffle_buffer_rows)
         for r in range(data_world)
     ]
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, cfg.epochs * loaders[0].steps_per_epoch()))
-    scheduler.load_state_dict(head["ranks"][0]["scheduler"])
+    # Every rank runs the same schedule; a ps worker (rank 0) has none.
+    scheduler.load_state_dict(next(r["scheduler"] for r in head["ranks"] if r["scheduler"]))
     autocast = autocast_for(torch.device("cpu"), cfg)
     for epoch in range(head["epoch"], cfg.epochs):
         for parts in zip(*(loader.epoch(epoch) for loader in loaders)):
@@ -136,8 +133,18 @@ def continued_single_process(head_path: Path, cfg: TrainingConfig, data_world: i
         (dict(strategy="tensor", world_size=2, model="transformer", hidden=[16, 16], heads=4),
          dict(strategy="tensor", world_size=4, dp=2, tp=2, model="transformer", hidden=[16, 16], heads=4)),
         (dict(strategy="ddp", world_size=4), dict(strategy="ddp", world_size=2)),
+        (dict(strategy="ddp", world_size=2), dict(strategy="ddp", world_size=4)),
+        (dict(strategy="tensor", world_size=4, dp=2, tp=2), dict(strategy="tensor", world_size=2)),
+        # The mlp's 4 layers, one stage per rank (the first, its feature input, holds no
+        # parameters here: that rank has no optimizer and saved no schedule), then two per rank.
+        (dict(strategy="pipeline", world_size=4), dict(strategy="pipeline", world_size=2)),
+        (dict(strategy="pipeline", world_size=2), dict(strategy="pipeline", world_size=4, dp=2, pp=2)),
+        # 2 servers' shards into 1, and 1 server's into 2.
+        (dict(strategy="ps", world_size=4, ps_servers=2), dict(strategy="ps", world_size=2, ps_servers=1)),
+        (dict(strategy="ps", world_size=2, ps_servers=1), dict(strategy="ps", world_size=4, ps_servers=2)),
     ],
-    ids=["fsdp4-to-2", "fsdp2-to-hsdp2x2", "tp2-to-dp2xtp2", "ddp4-to-2"],
+    ids=["fsdp4-to-2", "fsdp2-to-hsdp2x2", "tp2-to-dp2xtp2", "ddp4-to-2", "ddp2-to-4", "dp2xtp2-to-tp2",
+         "pipeline4-to-2", "pipeline2-to-dp2xpp2", "ps4-to-2", "ps2-to-4"],
 )
 def test_resume_at_another_world_size_matches_single_process_continuation(prepared4, first_runs, tmp_path, first,
                                                                           then):
@@ -185,18 +192,24 @@ def _config(tmp: Path, dataset_dir: str, checkpoint_dir: str | Path, training: s
          ["training.strategy=fsdp", "training.world_size=2"],
          "written mid-epoch (epoch 1, step 5) by 4 data-parallel ranks, resumed with 2 "
          "(training.world_size 4 -> 2): the loader's order within an epoch depends on how many ranks"),
-        ({"strategy": "ps", "world_size": 3, "checkpoint_every_steps": 5},
-         ["training.strategy=ps", "training.world_size=2"],
-         "written with training.world_size 3, resumed with 2: strategy 'ps' checkpoints hold each "
-         "rank's own optimizer state laid out for its ranks and cannot be resharded"),
+        # An earlier shardline's checkpoint: the weights in the small file, no DCP directory.
+        ({"strategy": "fsdp", "world_size": 4, "checkpoint_every_steps": 5},
+         ["training.strategy=fsdp", "training.world_size=4"],
+         "written by an earlier shardline (the weights in the checkpoint file itself, not in a .dcp "
+         "directory beside it), which this version does not resume: train from the start"),
     ],
-    ids=["mid-epoch-other-data-world", "ps-other-world"],
+    ids=["mid-epoch-other-data-world", "earlier-format"],
 )
 def test_cli_refuses_a_resume_that_cannot_reshard(prepared4, first_runs, tmp_path, first, resumed_with, message):
     # The mid-epoch checkpoint at step 5 alone in a directory: the latest, as a resume takes it.
     mid = next(Path(p) for p in checkpoints.checkpoint_paths(first_runs(first))
                if torch.load(p, weights_only=True)["global_step"] == 5)
     _copy_checkpoint(mid, tmp_path / "mid")
+    if "earlier shardline" in message:  # as ddp, pipeline and ps wrote them before DCP
+        head = torch.load(mid, weights_only=True)
+        head["model"] = sharded_checkpoints.read_weights(str(tmp_path / "mid" / mid.name))
+        shutil.rmtree(tmp_path / "mid" / head.pop("sharded"))
+        torch.save(head, tmp_path / "mid" / mid.name)
     work = tmp_path / "work"
     work.mkdir()
     config = _config(work, prepared4.dataset_dir, tmp_path / "mid", "")

@@ -77,10 +77,11 @@ def test_strategy_job_resumes_exactly_and_its_model_scores(name, prepared, dask_
     resumed_cfg = _cfg(tmp_path / "b", name, resume=True)
     Path(resumed_cfg.checkpoint_dir).mkdir(parents=True)
     shutil.copy(mid, Path(resumed_cfg.checkpoint_dir) / mid.name)
-    sharded = torch.load(mid, weights_only=True).get("sharded")  # fsdp, tensor: DCP shards
-    assert (sharded is not None) == (name in ("fsdp", "tensor")), name
-    if sharded:
-        shutil.copytree(mid.parent / sharded, Path(resumed_cfg.checkpoint_dir) / sharded)
+    # Every strategy's ranks wrote their weights and optimizer state into a DCP directory;
+    # the small file holds no weights: each rank's schedule and RNG, and the position.
+    head = torch.load(mid, weights_only=True)
+    assert "model" not in head and all(set(r) == {"scheduler", "rng"} for r in head["ranks"]), name
+    shutil.copytree(mid.parent / head["sharded"], Path(resumed_cfg.checkpoint_dir) / head["sharded"])
     resumed = run_training(resumed_cfg, tracking, prepared.dataset_dir)
     assert resumed.weights.keys() == result.weights.keys()
     for k in result.weights:

@@ -233,10 +233,10 @@ def every_combination(rank: int, world_size: int, args: dict) -> dict:
     torch.manual_seed(0)
     first = _setup(rank, world_size, MODELS["mlp"](), "adamw", **settings)
     _train(first, batches[:2])
-    full, mine = first.full_state_dict(), first.state_dict()
+    first.save_checkpoint(args["directory"])  # each rank its stages, through DCP
     torch.manual_seed(1)  # another start: everything must come from the checkpoint
     resumed = _setup(rank, world_size, MODELS["mlp"](), "adamw", **settings)
-    resumed.load_state_dict(mine, full)
+    resumed.load_checkpoint(args["directory"])
     _train(resumed, batches[2:])
     out["resumed"] = resumed.full_state_dict()
     return out
@@ -257,11 +257,12 @@ def _config(name: str) -> TrainingConfig:
 
 
 @pytest.fixture(scope="module")
-def schedule_runs() -> dict:
+def schedule_runs(tmp_path_factory) -> dict:
     """Every schedule, 2 ranks, 4 micro-batches: one launch each, shared by the tests below."""
     runs = {}
     for name in SCHEDULES:
-        args = {"steps": 3, "batch": 32, "cfg": {"pipeline_schedule": name, "micro_batches": 4}}
+        args = {"steps": 3, "batch": 32, "cfg": {"pipeline_schedule": name, "micro_batches": 4},
+                "directory": str(tmp_path_factory.mktemp(f"ckpt-{name}"))}
         runs[name] = (args, launch_local(every_combination, args, world_size=2, timeout_s=300))
     return runs
 

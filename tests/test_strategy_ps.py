@@ -3,7 +3,6 @@ only their shard; async keeps its staleness bound and still learns."""
 
 from __future__ import annotations
 
-import io
 import time
 from pathlib import Path
 
@@ -78,12 +77,9 @@ def shares_and_resume(rank: int, world_size: int, args: dict) -> dict:
 
     first = _setup(rank, world_size, settings, momentum=0.9)
     _train(first, batches[:2])
-    full = _cloned(first.full_state_dict())
-    buf = io.BytesIO()
-    torch.save(first.state_dict(), buf)
-    state = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    first.save_checkpoint(args["directory"])  # the servers their shards, through DCP
     resumed = _setup(rank, world_size, settings, momentum=0.9)
-    resumed.load_state_dict(state, full)
+    resumed.load_checkpoint(args["directory"])
     _train(resumed, batches[2:])
 
     shard = getattr(first, "shard", None)
@@ -98,8 +94,8 @@ def shares_and_resume(rank: int, world_size: int, args: dict) -> dict:
     }
 
 
-def test_servers_hold_only_their_shard_and_resume_exactly():
-    ranks = launch_local(shares_and_resume, {}, world_size=4, timeout_s=120)
+def test_servers_hold_only_their_shard_and_resume_exactly(tmp_path):
+    ranks = launch_local(shares_and_resume, {"directory": str(tmp_path / "ckpt")}, world_size=4, timeout_s=120)
     workers, servers = ranks[:2], ranks[2:]
     for r, w in enumerate(workers):
         assert (w["data_rank"], w["data_world"], w["reports"]) == (r, 2, True)

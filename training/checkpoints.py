@@ -64,8 +64,10 @@ FINGERPRINT_FIELDS = (
 CHANGEABLE_FIELDS = ("lr", "weight_decay", "lr_schedule", "warmup_steps", "epochs", "dataset_version")
 
 
-# The mesh (training.sharded_checkpoints.MESH_FIELDS): a resume may change it where it reshards.
-_RESHARDABLE = ("world_size", "dp", "tp", "dp_shard", "tp_plan")
+# The settings that shape only the mesh (how many ranks, and how the model is laid out on
+# them): a resume may change them, since every checkpoint reshards (training.sharded_checkpoints).
+MESH_FIELDS = ("world_size", "dp", "tp", "pp", "dp_shard", "ps_servers", "tp_plan", "pipeline_boundaries",
+               "pipeline_stages_per_rank")
 
 
 class CheckpointUnreadable(DataError):
@@ -95,7 +97,7 @@ def job_dir(cfg: TrainingConfig, experiment: str, registered_model: str, dataset
     """The default checkpoint_dir of a job (see the module's docstring)."""
     # Not what a resume may change (--allow-changed lr, another mesh that reshards): the
     # resumed job must find the folder its first run wrote.
-    kept = [f for f in FINGERPRINT_FIELDS if f not in CHANGEABLE_FIELDS and f not in _RESHARDABLE]
+    kept = [f for f in FINGERPRINT_FIELDS if f not in CHANGEABLE_FIELDS and f not in MESH_FIELDS]
     ident = {f: str(getattr(cfg, f)) for f in kept}
     ident.update(dataset_dir=str(dataset_dir), registered_model=registered_model)
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:10]
@@ -173,7 +175,7 @@ def start_over(directory: str, fp: dict[str, str], own_folder: bool = False) -> 
 
 
 # What a job's own folder (job_dir) leaves out of its name: runs that differ only here share it.
-_NOT_IN_FOLDER_NAME = (*CHANGEABLE_FIELDS, *_RESHARDABLE)
+_NOT_IN_FOLDER_NAME = (*CHANGEABLE_FIELDS, *MESH_FIELDS)
 
 
 def check_owner(directory: str, fp: dict[str, str], own_folder: bool = False) -> list[str]:
@@ -273,6 +275,11 @@ def load(url: str, expected: dict[str, str], allow_changed=()) -> dict:
             f"{where}: checkpoint is from a different run: " + ", ".join(diff)
             + _allow_hint([k for k, v in expected.items() if got.get(k) != v])
         )
+    # The weights are in the DCP directory the small file names (training.sharded_checkpoints),
+    # whose .metadata is written last: without it the checkpoint cannot be resumed.
+    sharded = state.get("sharded")
+    if isinstance(sharded, str) and not storage.exists(storage.join(storage.parent(str(url)), sharded, ".metadata")):
+        raise CheckpointUnreadable(f"{where}: its DCP directory {sharded} is missing or incomplete (no .metadata)")
     return state
 
 

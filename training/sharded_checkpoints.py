@@ -1,28 +1,38 @@
-"""Sharded checkpoints with torch.distributed.checkpoint (DCP), and resuming at another mesh.
+"""Checkpoints with torch.distributed.checkpoint (DCP), for every strategy, and resuming at another mesh.
 
-A strategy whose rank holds DTensor shards (fsdp, tensor) checkpoints them with
-DCP: every rank writes its own shards of the model and the optimizer state in
-parallel, into one directory per checkpoint beside the checkpoint's small file
-(`training.checkpoints`), and nothing is gathered to one rank. The state is keyed by
-the plain model's parameter names (torch's state-dict API), and DCP's load plans the
-reads for the mesh that loads it, so a checkpoint written by 4 ranks loads on 2 and
-the reverse, or on one process with no group at all (`load_plain`).
+Every rank writes what it holds of the model and the optimizer state, in parallel,
+into one directory per checkpoint beside the checkpoint's small file
+(`training.checkpoints`); nothing is gathered to one rank. The state is keyed by the
+plain model's parameter names, the same for every strategy:
+
+    model.<name>                         a weight (or buffer) of the plain model
+    optimizer.state.<name>.<key>         its optimizer state (AdamW: exp_avg, exp_avg_sq, step)
+    optimizer.param_groups               hyperparameters (lr, betas, ...)
+
+- fsdp, tensor: DTensor shards, through torch's state-dict API (`save`, `load`).
+- ddp: every rank holds every tensor; DCP writes each once, spread over the ranks.
+- pipeline: a rank holds its stages' weights and their optimizer state.
+- ps: a server holds its shard and its optimizer; workers write nothing (their
+  replicas are the servers' values).
+(`save_plain`, `load_plain`.) DCP's load plans the reads for the ranks that load, so
+a checkpoint written by 4 ranks loads on 2 and the reverse, whatever the strategy:
+each rank reads the names it holds now. With no process group at all it reads
+everything (`read_weights`: a checkpoint's plain weights, in one process).
 
     checkpoint_dir/
-      ckpt-000000120.pt              small: step, epoch, loader position, schedule, RNG,
-                                     fingerprint; "sharded" names the directory below
+      ckpt-000000120-9c0e2b.pt       small: step, epoch, loader position, each rank's
+                                     schedule and RNG, fingerprint; "sharded" names the
+                                     directory below. No weights.
       ckpt-000000120-3f9a1c.dcp/     DCP: .metadata (rank 0, last) and __<rank>_0.distcp
 
 The directory is complete before the small file that names it is written (dcp.save
 returns on every rank after rank 0 wrote .metadata), and the small file is the commit.
 
-Resuming at another mesh (world_size, dp, tp, dp_shard, tp_plan): the weights and
-optimizer state reshard; the loader's order within an epoch depends on how many
-ranks read data, so a checkpoint taken mid-epoch resumes only with the same number
-of them; at an epoch end any number does (the next epoch's order is the new
-world's). `check_resume` says so before anything starts. ddp's single-file
-checkpoints (replicated state) reshard the same way; ps and pipeline ones (one
-optimizer shard per rank, laid out for its ranks) do not.
+Resuming at another mesh (`checkpoints.MESH_FIELDS`: world_size, dp, tp, pp, dp_shard,
+ps_servers, the plans): the weights and optimizer state reshard; the loader's order
+within an epoch depends on how many ranks read data, so a checkpoint taken mid-epoch
+resumes only with the same number of them; at an epoch end any number does (the next
+epoch's order is the new world's). `check_resume` says so before anything starts.
 
 Storage: the small file goes through `pipelines.storage` like every checkpoint (the
 LATEST pointer names it: the commit). The DCP directory goes through it too
@@ -33,24 +43,20 @@ local, a shared mount or an object store.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from shardline.pipelines import storage
-from shardline.pipelines.errors import ConfigError
+from shardline.pipelines import failures, storage
+from shardline.pipelines.errors import ConfigError, StorageError
 
 from . import collectives
+from .checkpoints import MESH_FIELDS
 from .config import TrainingConfig
 
-# torch.distributed.checkpoint is imported inside save() and load(): with DTensor and sympy
-# it is ~0.6 s of every rank's start (each rank imports this module), and only fsdp and
-# tensor ranks use it.
+# torch.distributed.checkpoint is imported inside the functions that save or load: with
+# DTensor and sympy it is ~0.6 s, which a driver that only reads the small file never needs.
 
 SUFFIX = ".dcp"
-# The settings that shape only the mesh: a reshardable checkpoint may differ in them.
-MESH_FIELDS = ("world_size", "dp", "tp", "dp_shard", "tp_plan")
-# Strategies whose ranks write DCP shards.
-SHARDED = ("fsdp", "tensor")
-# Strategies whose checkpoints reshard (ddp: replicated state; fsdp, tensor: DCP).
-RESHARDABLE = ("ddp", *SHARDED)
 
 
 def new_name(global_step: int) -> str:
@@ -60,14 +66,16 @@ def new_name(global_step: int) -> str:
 
 
 def save(model, optimizer, directory: str) -> None:
-    """Every rank writes its shards of the model and optimizer state. Collective."""
+    """A rank of DTensor shards (fsdp, tensor) writes its shards of the model and the
+    optimizer state. Collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from . import dcp_storage
 
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=dcp_storage.writer(directory))
+    with _rank_failure(directory, "write"):
+        dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=dcp_storage.writer(directory))
 
 
 def load(model, optimizer, directory: str) -> None:
@@ -81,8 +89,120 @@ def load(model, optimizer, directory: str) -> None:
 
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, storage_reader=dcp_storage.reader(directory))
+    with _rank_failure(directory, "read"):
+        dcp.load(state, storage_reader=dcp_storage.reader(directory))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def optimizer_names(named_parameters, optimizer) -> list[str]:
+    """The plain model's name of each of `optimizer`'s parameters, in its state dict's order
+    (param_groups flattened), from (name, parameter) pairs of what the rank holds."""
+    names = {id(p): n for n, p in named_parameters}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def save_plain(weights: dict, optimizer, names: list[str], directory: str) -> None:
+    """A rank of plain tensors (ddp, pipeline, ps) writes the weights it holds, keyed by the
+    plain model's names, and its optimizer's state (`names`: optimizer_names). A tensor held
+    by several ranks (ddp's replicas) is written once. Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    from . import dcp_storage
+
+    state: dict = {"model": dict(weights)}
+    if optimizer is not None:
+        own = optimizer.state_dict()
+        # param_groups without "params" (indices, which differ between ranks): the same on
+        # every rank holding an optimizer, since every rank runs the same schedule.
+        state["optimizer"] = {
+            "state": {names[i]: s for i, s in own["state"].items()},
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in own["param_groups"]],
+        }
+    with _rank_failure(directory, "write"):
+        dcp.save(state, storage_writer=dcp_storage.writer(directory))
+
+
+def load_plain(weights: dict, optimizer, names: list[str], directory: str) -> None:
+    """Read into `weights` (this rank's tensors, filled in place) and `optimizer` what the
+    checkpoint holds under their names, whichever ranks wrote them. Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    from . import dcp_storage
+
+    state: dict = {"model": dict(weights)}
+    if optimizer is not None:
+        saved = dcp_storage.reader(directory).read_metadata().state_dict_metadata
+        # A fresh optimizer has no state yet: its tensors are allocated as the checkpoint
+        # describes them, then handed to optimizer.load_state_dict (which puts them on the
+        # parameters' devices as the optimizer expects).
+        per_name: dict[str, dict] = {}
+        for key, meta in saved.items():
+            if key.startswith("optimizer.state."):
+                name, _, field = key[len("optimizer.state."):].rpartition(".")
+                per_name.setdefault(name, {})[field] = _empty(meta)
+        own = optimizer.state_dict()
+        # DCP keeps each hyperparameter under its own key (param_groups.0.lr, ...): this
+        # optimizer's groups name them, and the loaded values replace theirs.
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in own["param_groups"]]
+        state["optimizer"] = {"state": {n: per_name[n] for n in names if n in per_name}, "param_groups": groups}
+    with _rank_failure(directory, "read"):
+        dcp.load(state, storage_reader=dcp_storage.reader(directory))
+    if optimizer is not None:
+        loaded = state["optimizer"]
+        optimizer.load_state_dict({
+            "state": {i: loaded["state"][n] for i, n in enumerate(names) if n in loaded["state"]},
+            "param_groups": [{**saved_group, "params": g["params"]}
+                             for saved_group, g in zip(loaded["param_groups"], own["param_groups"], strict=True)],
+        })
+
+
+@contextmanager
+def _rank_failure(directory: str, doing: str) -> Iterator[None]:
+    """DCP's failures as the rest of shardline's: DCP raises a CheckpointException (a
+    BaseException) that wraps each rank's error. The first rank's own error is raised
+    instead, so the launchers' one rule (pipelines.failures) sees it: a full disk or a
+    read-only store is one StorageError line and no relaunch; a lost connection relaunches."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        first = next(iter(e.failures.values()))
+        cause = first[0] if isinstance(first, tuple) else first
+        if not isinstance(cause, BaseException):
+            raise
+        if failures.is_permanent(cause):
+            text = str(cause).strip().splitlines()
+            raise StorageError(
+                f"training.checkpoint_dir: cannot {doing} {storage.display(directory)} "
+                f"({type(cause).__name__}: {text[0][:160] if text else ''})"
+            ) from None
+        raise cause from None
+
+
+def _empty(meta):
+    import torch
+
+    size = getattr(meta, "size", None)
+    if size is None:  # a non-tensor value (BytesStorageMetadata): DCP puts the object in its place
+        return None
+    return torch.empty(size, dtype=meta.properties.dtype)
+
+
+def read_weights(head_url: str) -> dict:
+    """The plain model's weights of a checkpoint (its small file's URL), read in this
+    process with no process group: every piece, whichever ranks and strategy wrote them."""
+    import torch.distributed.checkpoint as dcp
+
+    from . import checkpoints, dcp_storage
+
+    directory = storage.join(storage.parent(head_url), checkpoints.load(head_url, {})["sharded"])
+    saved = dcp_storage.reader(directory).read_metadata().state_dict_metadata
+    weights = {k[len("model."):]: _empty(m) for k, m in saved.items() if k.startswith("model.")}
+    state = {"model": weights}
+    with _rank_failure(directory, "read"):
+        dcp.load(state, storage_reader=dcp_storage.reader(directory))
+    return state["model"]
 
 
 def _step(name: str) -> int:
@@ -113,18 +233,20 @@ def check_resume(head: dict, cfg: TrainingConfig, data_world: int, where: str) -
     """Refuse, before anything starts, a resume the checkpoint cannot be resharded to
     (ConfigError naming the setting and why). True when the mesh differs from the one
     that wrote it (the ranks then reshard), False when it is the same."""
+    if "sharded" not in head:
+        # Until every strategy wrote DCP, ddp, pipeline and ps checkpoints held the weights
+        # in the small file, laid out for the ranks that wrote them.
+        raise ConfigError(
+            f"{where}: written by an earlier shardline (the weights in the checkpoint file itself, "
+            f"not in a .dcp directory beside it), which this version does not resume: train from the "
+            f"start (without --resume), or resume it with the shardline that wrote it"
+        )
     saved = head.get("fingerprint", {})
     changed = [f for f in MESH_FIELDS if f in saved and saved[f] != str(getattr(cfg, f))]
     if not changed:
         return False
     was = ", ".join(f"training.{f} {saved[f]}" for f in changed)
     now = ", ".join(f"{getattr(cfg, f)}" for f in changed)
-    if cfg.strategy not in RESHARDABLE:
-        raise ConfigError(
-            f"{where}: written with {was}, resumed with {now}: strategy '{cfg.strategy}' "
-            f"checkpoints hold each rank's own optimizer state laid out for its ranks and cannot be "
-            f"resharded (ddp, fsdp and tensor checkpoints can); resume with the same settings"
-        )
     saved_world = head.get("loader", {}).get("world_size")
     if head.get("step_in_epoch", 0) != 0 and saved_world != data_world:
         raise ConfigError(

@@ -113,25 +113,20 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         step, start_epoch = _resume(job, parallel, scheduler, train, rank, world_size, device)
         # A setting the user allowed to change (--allow-changed lr) wins over the checkpoint's.
         checkpoints.apply_changed(optimizer, scheduler, cfg, cfg.resume_allow_changed)
-    save_sharded = getattr(parallel, "save_sharded", None)
 
-    def checkpoint(epoch: int, step_in_epoch: int, artifact: bool, full: dict | None = None) -> None:
-        # One small file, gathered to rank 0: what each rank needs to resume exactly (its
-        # schedule and RNG state, and its optimizer where it has no shards) and the plain
-        # model's weights (`full`, if the caller just gathered them). A sharded strategy's
-        # ranks write their weights and optimizer shards first, each its own, with DCP.
+    def checkpoint(epoch: int, step_in_epoch: int, artifact: bool) -> None:
+        # Every rank writes what it holds of the weights and the optimizer state, in
+        # parallel, into the checkpoint's DCP directory (training.sharded_checkpoints); then
+        # one small file, gathered to rank 0, says what each rank needs besides to resume
+        # exactly (its schedule and RNG state) and names the directory. No weights in it.
         mine = {"scheduler": scheduler.state_dict() if scheduler else {}, "rng": rng_state(device)}
-        if save_sharded:
-            sharded = sharded_checkpoints.new_name(step)
-            save_sharded(storage.join(cfg.checkpoint_dir, sharded))
-        else:
-            full = full if full is not None else parallel.full_state_dict()
-            mine["parallel"] = parallel.state_dict()
+        sharded = sharded_checkpoints.new_name(step)
+        parallel.save_checkpoint(storage.join(cfg.checkpoint_dir, sharded))
         ranks = collectives.gather_object(mine, dst=0)
         if rank != 0:
             return
         state = {
-            **({"sharded": sharded} if save_sharded else {"model": {k: v.cpu() for k, v in full.items()}}),
+            "sharded": sharded,
             "ranks": ranks,
             "global_step": step,
             "epoch": epoch,
@@ -143,11 +138,10 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         path = checkpoints.save(cfg.checkpoint_dir, step, state, cfg.keep_checkpoints)
         sharded_checkpoints.prune(cfg.checkpoint_dir)
         if reporter:
-            reporter.checkpoint(path, step, artifact, storage.join(cfg.checkpoint_dir, sharded) if save_sharded else None)
+            reporter.checkpoint(path, step, artifact, storage.join(cfg.checkpoint_dir, sharded))
 
     metrics: dict[str, float] = {}
     stopped_early = warned = False
-    full = None  # the plain model's weights as of the last epoch end (a collective gather)
     for epoch in range(start_epoch, cfg.epochs):
         seen = waited = stepping = 0.0
         steps_run = 0  # this epoch's steps in this process (a resumed epoch: the rest only)
@@ -212,11 +206,9 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
             metrics[f"rank{r}_data_wait_fraction"] = per_rank[r, 1].item()
             metrics[f"rank{r}_loader_samples_per_s"] = per_rank[r, 2].item()
         metrics.update(_strategy_metrics(parallel, rank, world_size))
-        # The plain model's weights, gathered on every rank, only where this epoch needs them:
-        # for the plain evaluation model, or for a checkpoint file that holds them. A rank of
-        # shards (fsdp) needs neither: it evaluates itself and checkpoints its shards.
-        plain_eval = evaluated and not sharded_eval
-        full = parallel.full_state_dict() if plain_eval or not save_sharded else None
+        # The plain model's weights on every rank, for the plain evaluation model; a rank of
+        # shards (fsdp) evaluates itself.
+        full = parallel.full_state_dict() if evaluated and not sharded_eval else None
         if evaluated:
             if eval_model is not None:
                 eval_model.load_state_dict(full)
@@ -232,20 +224,15 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
                 # Once per job: later epochs' figures are in MLflow (rank*_data_wait_fraction).
                 _warn_data_wait(job, epoch, cfg, per_rank[:, 1], loader_settings["workers"])
                 warned = True
-        checkpoint(epoch + 1, 0, artifact=True, full=full)
+        checkpoint(epoch + 1, 0, artifact=True)
         if job.epoch_hook is not None and _stop_requested(job.epoch_hook, rank, epoch, metrics):
             # After the last epoch a stop changes nothing: the job simply completed.
             stopped_early = epoch + 1 < cfg.epochs
             break
 
-    # Export: the plain model's weights, on rank 0. A rank of shards gathers them there
-    # alone, one tensor at a time into host memory; the others gather them on every rank
-    # (their last epoch's, or now if no epoch ran: resumed at the end).
-    export = getattr(parallel, "export_state_dict", None)
-    if export is not None:
-        full = export()
-    elif full is None:
-        full = parallel.full_state_dict()
+    # Export: the plain model's weights, on rank 0 only, received there a tensor at a time
+    # from the ranks that hold them (a rank of shards: gathered one tensor at a time).
+    full = parallel.export_state_dict()
     if rank != 0:
         return None
     buf = io.BytesIO()
@@ -263,24 +250,25 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
 def _resume(job: TrainJob, parallel, scheduler, train: ShardLoader, rank: int, world_size: int, device) -> tuple[int, int]:
     """Load the checkpoint into this rank; (global step, epoch) to continue from.
 
-    At the mesh that wrote it every rank takes back its own state, RNG and the loader's
-    position (the same on every rank). At another (the driver's check_resume allowed it:
-    a reshardable strategy, at an epoch end if the data-parallel ranks changed) the
-    shards reshard, a ddp rank takes rank 0's replicated optimizer state, RNG states stay
-    freshly seeded (no model here draws any) and the next epoch starts from its beginning.
+    Every rank reads the weights and optimizer state it holds now from the checkpoint's
+    DCP directory, whichever ranks wrote them. At the mesh that wrote it every rank takes
+    back its own schedule, RNG and the loader's position (the same on every rank). At
+    another (the driver's check_resume allowed it: at an epoch end if the data-parallel
+    ranks changed) RNG states stay freshly seeded (no model here draws any) and the next
+    epoch starts from its beginning.
     """
     state = checkpoints.load(job.resume_from, sharded_checkpoints.comparable(job.fingerprint),
                              job.cfg.resume_allow_changed)
-    same_ranks = len(state["ranks"]) == world_size
-    mine = state["ranks"][rank if same_ranks else 0]
-    if "sharded" in state:
-        parallel.load_sharded(storage.join(storage.parent(job.resume_from), state["sharded"]))
-    else:
-        parallel.load_state_dict(mine["parallel"], state["model"])
-    if scheduler:
-        scheduler.load_state_dict(mine["scheduler"])
-    if same_ranks:
-        set_rng_state(mine["rng"], device)
+    parallel.load_checkpoint(storage.join(storage.parent(job.resume_from), state["sharded"]))
+    own = state["ranks"][rank] if len(state["ranks"]) == world_size else None
+    # Every rank runs the same schedule; a rank with no optimizer saved none (a ps worker, a
+    # pipeline stage without parameters), so one that now has one takes another rank's.
+    schedule = own["scheduler"] if own and own["scheduler"] else next(
+        (r["scheduler"] for r in state["ranks"] if r["scheduler"]), {})
+    if scheduler and schedule:
+        scheduler.load_state_dict(schedule)
+    if own is not None:
+        set_rng_state(own["rng"], device)
     if state["loader"]["world_size"] == parallel.data_world:
         train.load_state_dict(state["loader"])
     return state["global_step"], state["epoch"]

@@ -30,8 +30,8 @@ from .guard import die_with_parent
 # Imported once by the fork server; a module that fails to import is skipped there. Three are
 # named for what they cost each rank that imports them itself (CPU-s, 2-core machine):
 # torch._dynamo, ~0.45 s, which torch imports lazily during every strategy's first steps;
-# torch.distributed.checkpoint with DTensor, ~0.6 s, which training.worker imports only when
-# a sharded strategy saves or loads; MLflow's SQL store, ~0.85 s, which rank 0 imports to
+# torch.distributed.checkpoint with DTensor, ~0.6 s, which a rank imports at its first
+# checkpoint (every strategy writes DCP); MLflow's SQL store, ~0.85 s, which rank 0 imports to
 # report to the default (SQLite) tracking store (opening the store after that: ~0.06 s).
 PRELOAD = [
     "torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint", "shardline.training.worker",

@@ -141,25 +141,29 @@ class Parallel(Protocol):
         ...
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The plain model's weights, on every rank. Collective."""
+        """The plain model's weights, on every rank, for a plain evaluation model. Collective."""
         ...
 
-    # Optional, where a rank holds shards (fsdp): `export_state_dict()`, the plain model's
-    # weights on rank 0 in host memory ({} elsewhere; collective), in place of
-    # full_state_dict at export; and `evaluates_sharded` True with `forward_eval(x)`, the
-    # sharded model's outputs (collective: every rank calls it equally often), in place of
-    # a plain model loaded with full_state_dict for evaluation.
-
-    # A checkpoint holds either every rank's state_dict() beside the plain model's weights
-    # (one file), or, where a rank has save_sharded / load_sharded (fsdp, tensor), the
-    # shards each rank writes itself with torch.distributed.checkpoint, which reshard.
-
-    def state_dict(self) -> dict:
-        """What this rank needs to resume exactly: its weights and optimizer state."""
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """The plain model's weights on rank 0, in host memory, for the registered model;
+        {} elsewhere. Rank 0 receives them a tensor at a time from the ranks that hold them,
+        never gathered on every rank. Collective (its ranks that hold weights)."""
         ...
 
-    def load_state_dict(self, state: dict, full: dict[str, torch.Tensor]) -> None:
-        """Resume: this rank's `state_dict()` and the plain model's weights (`full_state_dict()`)."""
+    # Optional, where a rank holds shards (fsdp): `evaluates_sharded` True with
+    # `forward_eval(x)`, the sharded model's outputs (collective: every rank calls it
+    # equally often), in place of a plain model loaded with full_state_dict for evaluation.
+
+    # Checkpoints: every rank writes what it holds with torch.distributed.checkpoint,
+    # keyed by the plain model's names, and reads what it holds now, so every strategy's
+    # checkpoints reshard (training.sharded_checkpoints).
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Write this rank's weights and optimizer state into the DCP directory. Collective."""
+        ...
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Read this rank's weights and optimizer state, whichever ranks wrote them. Collective."""
         ...
 
     def epoch_metrics(self) -> dict[str, float]:

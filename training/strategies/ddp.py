@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardline.pipelines.errors import ConfigError
 
+from .. import sharded_checkpoints
 from ..config import TrainingConfig
 from ..task import loss_for
 from .base import OptimizerFactory, autocast_for, mesh_for, train_step
@@ -47,6 +48,8 @@ class DataParallelRank:
             # Gradients travel as fp16 and are cast back: half the all-reduce bytes.
             self.ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         self.optimizer = make_optimizer(self.ddp.parameters())
+        self.rank = rank
+        self.names = sharded_checkpoints.optimizer_names(model.named_parameters(), self.optimizer)
         self.autocast = autocast_for(device, cfg)
         self.loss = loss_for(cfg)
         self.data_rank, self.data_world, self.reports = rank, world_size, True
@@ -58,13 +61,18 @@ class DataParallelRank:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return self.model.state_dict()
 
-    def state_dict(self) -> dict:
-        # Replicas are identical: the weights are in the checkpoint's "model", once.
-        return {"optimizer": self.optimizer.state_dict()}
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        # Every replica holds the weights: rank 0 copies its own, nothing travels.
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()} if self.rank == 0 else {}
 
-    def load_state_dict(self, state: dict, full: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(full)
-        self.optimizer.load_state_dict(state["optimizer"])
+    # Every rank holds every tensor; DCP writes each once, spread over the ranks, and a
+    # resume at any world size reads them all on every rank.
+
+    def save_checkpoint(self, directory: str) -> None:
+        sharded_checkpoints.save_plain(self.model.state_dict(), self.optimizer, self.names, directory)
+
+    def load_checkpoint(self, directory: str) -> None:
+        sharded_checkpoints.load_plain(self.model.state_dict(), self.optimizer, self.names, directory)
 
     def epoch_metrics(self) -> dict[str, float]:
         return {}

@@ -181,13 +181,13 @@ class ShardedRank:
         """The plain model's weights on rank 0, in host memory; {} on the other ranks. Collective."""
         return get_model_state_dict(self.model, options=_EXPORT)
 
-    # Checkpoints: each rank writes and reads its own shards (training.sharded_checkpoints),
-    # in place of Parallel's state_dict / load_state_dict.
+    # Checkpoints: each rank writes and reads its own shards through torch's state-dict API
+    # (training.sharded_checkpoints).
 
-    def save_sharded(self, directory: str) -> None:
+    def save_checkpoint(self, directory: str) -> None:
         sharded_checkpoints.save(self.model, self.optimizer, directory)
 
-    def load_sharded(self, directory: str) -> None:
+    def load_checkpoint(self, directory: str) -> None:
         sharded_checkpoints.load(self.model, self.optimizer, directory)
 
     def epoch_metrics(self) -> dict[str, float]:

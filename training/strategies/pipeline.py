@@ -29,7 +29,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from shardline.pipelines.errors import ConfigError
 
-from .. import collectives
+from .. import collectives, sharded_checkpoints
 from ..batch import as_args, as_kwargs, names
 from ..config import TrainingConfig
 from ..model_plans import pipeline_layers
@@ -252,6 +252,16 @@ class PipelineRank:
         self.schedule = SCHEDULES[lay.name].torch_class(
             self.stages[0] if single else self.stages, lay.micro_batches, loss_fn=self._loss
         )
+        self.names = (sharded_checkpoints.optimizer_names(self._named_parameters(), self.optimizer)
+                      if self.optimizer else [])
+        # Export: every weight's name, shape and dtype, in the plain model's order, and the
+        # rank of the first pipeline replica holding it (rank 0 receives them one by one).
+        self.device, self.rank = device, rank
+        self.exported = [
+            (f"{name}.{k}", v.shape, v.dtype, lay.stage_rank[s])
+            for s in range(lay.stages) for name, layer in layers[bounds[s]:bounds[s + 1]]
+            for k, v in layer.state_dict().items()
+        ]
         self.first = any(stage.is_first for stage in self.stages)
         self.last = any(stage.is_last for stage in self.stages)
         self.data_rank, self.data_world, self.reports = mesh.dp_index(rank), mesh.dp, self.last
@@ -303,15 +313,39 @@ class PipelineRank:
         stages = sorted((s for part in parts for s in part), key=lambda s: s[0])
         return {k: v for _, state in stages for k, v in state.items()}
 
-    def state_dict(self) -> dict:
-        # The stages' weights are in the checkpoint's full "model".
-        return {"optimizer": self.optimizer.state_dict() if self.optimizer else {}}
+    def _named_parameters(self):
+        return [(n, p) for stage in self.stages for n, p in stage.submod.named_parameters()]
 
-    def load_state_dict(self, state: dict, full: dict[str, torch.Tensor]) -> None:
-        for stage in self.stages:
-            stage.submod.load_state_dict({k: full[k] for k in stage.submod.state_dict()})
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """This rank's stages' weights under the plain model's names (StageLayers keeps them)."""
+        return {k: v for stage in self.stages for k, v in stage.submod.state_dict().items()}
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """Rank 0 receives the first pipeline's weights a tensor at a time, in the plain
+        model's order, from the rank of each stage (its own it copies)."""
+        if self.data_rank != 0:  # another replica: rank 0 takes the first one's
+            return {}
+        mine, out = self._weights(), {}
+        for key, shape, dtype, holder in self.exported:
+            if holder == self.rank == 0:
+                out[key] = mine[key].detach().cpu()
+            elif self.rank == 0:
+                t = torch.empty(shape, dtype=dtype, device=self.device)
+                collectives.recv(t, holder)
+                out[key] = t.cpu()
+            elif holder == self.rank:
+                collectives.isend(mine[key].detach().contiguous(), 0).wait()
+        return out
+
+    # Each rank writes its stages' weights and optimizer state under the plain model's
+    # names, and reads those of the stages it holds now: another pp or other stage bounds
+    # read other names, so a pipeline checkpoint reshards like any other.
+
+    def save_checkpoint(self, directory: str) -> None:
+        sharded_checkpoints.save_plain(self._weights(), self.optimizer, self.names, directory)
+
+    def load_checkpoint(self, directory: str) -> None:
+        sharded_checkpoints.load_plain(self._weights(), self.optimizer, self.names, directory)
 
     def gathered_steps(self) -> list[list[StepLog]]:
         """Every rank of this pipeline's step logs since the last call, logs[rank][step].

@@ -24,7 +24,7 @@ from torch import nn
 
 from shardline.pipelines.errors import ConfigError
 
-from .. import collectives
+from .. import collectives, sharded_checkpoints
 from ..batch import forward
 from ..config import TrainingConfig
 from ..task import loss_for
@@ -229,12 +229,27 @@ class WorkerRank:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return _gather_full(self.layout, self.device, None)
 
-    def state_dict(self) -> dict:
-        # The replica is the servers' values, which are the checkpoint's "model".
-        return {}
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """On rank 0 (worker 0): the servers' values, received a tensor at a time (an async
+        worker's replica may be a few versions behind them). Other workers: {}."""
+        if self.data_rank != 0:
+            return {}
+        out = {}
+        for s, names in enumerate(self.layout.shards):
+            for name in names:
+                t = torch.empty(self.layout.shapes[name], dtype=self.layout.dtype, device=self.device)
+                collectives.recv(t, self.layout.server_rank(s))
+                out[name] = t.cpu()
+        return {name: out[name] for name in self.layout.names}
 
-    def load_state_dict(self, state: dict, full: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(full)
+    # A worker writes nothing: its replica is the servers' values, which they write. It
+    # reads every weight back (the servers' values, whichever servers wrote them).
+
+    def save_checkpoint(self, directory: str) -> None:
+        sharded_checkpoints.save_plain({}, None, [], directory)
+
+    def load_checkpoint(self, directory: str) -> None:
+        sharded_checkpoints.load_plain(self.model.state_dict(), None, [], directory)
 
     def epoch_metrics(self) -> dict[str, float]:
         steps = max(self.steps, 1)
@@ -331,23 +346,36 @@ class ServerRank:
         self.optimizer.step()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
+        self._settle()
+        return _gather_full(self.layout, self.device, self.server, self.shard.values())
+
+    def _settle(self) -> None:
         # Called where every rank meets: every worker has its replies, so these complete.
         for work in self.sending:
             work.wait()
         self.sending = []
-        return _gather_full(self.layout, self.device, self.server, self.shard.values())
 
-    def state_dict(self) -> dict:
-        # Versions and clocks are not saved: a checkpoint is taken where every rank meets,
-        # all clocks equal and, resumed, every replica starts from these values, so
-        # counting both again from 0 is the same state.
-        return {"optimizer": self.optimizer.state_dict()}
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """Sends this server's shard to rank 0, a tensor at a time; {} here."""
+        self._settle()
+        for p in self.shard.values():
+            collectives.isend(p.detach().contiguous(), 0).wait()
+        return {}
 
-    def load_state_dict(self, state: dict, full: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for name, p in self.shard.items():
-                p.copy_(full[name])
-        self.optimizer.load_state_dict(state["optimizer"])
+    # A server writes its shard and its optimizer state under the plain model's names;
+    # resumed with other servers, each reads the names it owns now. Versions and clocks
+    # are not saved: a checkpoint is taken where every rank meets, all clocks equal and,
+    # resumed, every replica starts from these values, so counting both again from 0 is
+    # the same state.
+
+    def save_checkpoint(self, directory: str) -> None:
+        self._settle()
+        weights = {n: p.detach() for n, p in self.shard.items()}
+        sharded_checkpoints.save_plain(weights, self.optimizer, list(self.shard), directory)
+
+    def load_checkpoint(self, directory: str) -> None:
+        weights = {n: p.detach() for n, p in self.shard.items()}
+        sharded_checkpoints.load_plain(weights, self.optimizer, list(self.shard), directory)
 
     def epoch_metrics(self) -> dict[str, float]:
         out = {
