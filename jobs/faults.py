@@ -35,8 +35,6 @@ import uuid
 from contextlib import ExitStack
 from functools import partial
 
-import torch
-
 from shardline.pipelines import storage
 from shardline.pipelines.errors import ShardlineError
 
@@ -52,6 +50,8 @@ def _train(cfg, ckpt: str, handles: dict, **changes):
 
 
 def _equal(a: dict, b: dict) -> bool:
+    import torch  # here, not at the top: `--list` and a refused flag answer without importing it
+
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

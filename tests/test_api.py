@@ -63,11 +63,12 @@ output_dir = "{data / 'scores'}"
 
 
 @pytest.mark.slow
-def test_run_on_dask_starts_no_spark(tmp_path):
+def test_run_on_dask_starts_no_spark(tmp_path, new_store):
     """#40: prepare, training and scoring all on Dask; Spark never starts. The check is real:
     JAVA_HOME names no Java, so any Spark this process or its children started would fail
     (the control below shows it does)."""
     cfg = _dask_run_config(tmp_path)
+    new_store(tmp_path / "mlflow.db")  # the run's default store (cwd's), empty: made, not migrated anew
     no_java = {"JAVA_HOME": str(tmp_path / "no-java")}
     # The control runs beside the job (each is mostly one busy core), in a folder of its own.
     (tmp_path / "control").mkdir()
@@ -123,10 +124,12 @@ def _small_config(folder: Path, raw: Path, dask_address: str) -> Path:
     return cfg
 
 
-def test_json_results_of_prepare_train_score_and_status(small_dataset, dask_client, tmp_path):  # noqa: F811
+def test_json_results_of_prepare_train_score_and_status(small_dataset, dask_client, new_store,  # noqa: F811
+                                                        tmp_path):
     """--json: the result object alone on stdout, for each command (#40.4)."""
     raw = Path(small_dataset.source.path)
     cfg = _small_config(tmp_path, raw, dask_client.scheduler.address)
+    new_store(tmp_path / "mlflow.db")  # the config's tracking_uri, empty
 
     proc = shardline_here("prepare", str(cfg), "--engine", "dask", "--json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -165,14 +168,15 @@ def test_json_results_of_prepare_train_score_and_status(small_dataset, dask_clie
     assert st["holder"] is None
 
 
-def test_api_on_the_callers_engines(spark, dask_client, small_dataset, tracking_uri, tmp_path):  # noqa: F811
+def test_api_on_the_callers_engines(spark, dask_client, small_dataset, tracking_uri, new_store,  # noqa: F811
+                                    tmp_path):
     """shardline.prepare/train/score use the SparkSession and Dask client given, choose the
     engine by them where the config writes none, honour one it writes, and stop neither."""
     base = {
         "pipelines": {"dataset_dir": str(tmp_path / "dataset"),
                       "source": {"format": "parquet", "path": small_dataset.source.path},
                       "features": FEATURES},
-        "tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "registered_model": "api-model"},
+        "tracking": {"tracking_uri": new_store(tmp_path / "mlflow.db"), "registered_model": "api-model"},
         "training": {"world_size": 2, "batch_size": 64, "epochs": 1, "checkpoint_dir": str(tmp_path / "ckpt")},
         "serving": {"output_dir": str(tmp_path / "out")},
     }

@@ -19,6 +19,7 @@ from shardline.training import checkpoints
 from shardline.training.config import TrackingConfig
 from shardline.training.job import run_training
 
+from .cli_inprocess import forget_tracking_uri
 from .conftest import REPO, absolute_paths, shardline, shardline_here
 from .fixtures_s3 import NO_JOB_RUNNER, free_port, stop_group, wait_until
 from .storage_helpers import hold_until_exists
@@ -61,10 +62,10 @@ def _server(root: Path, port: int) -> subprocess.Popen:
 
 
 class _Servers:
-    """This module's MLflow servers, on one store: the first start creates its tables
-    (MLflow's migrations, seconds of CPU on a loaded machine), later starts only open them;
-    each test keeps to its own experiment and registered model. The server the outage test
-    brought back is left running for the next test to kill, not started anew."""
+    """This module's MLflow servers, on one store: an empty one copied in (conftest's
+    `new_store`), so no start creates its tables (MLflow's migrations, seconds of CPU on a
+    loaded machine); each test keeps to its own experiment and registered model. The server
+    the outage test brought back is left running for the next test to kill, not started anew."""
 
     def __init__(self, root: Path):
         self.root, self.left = root, None
@@ -85,9 +86,20 @@ class _Servers:
         return _server(self.root, port), port
 
 
+@pytest.fixture(autouse=True)
+def _session_store_after(monkeypatch):
+    """run_training with a server's URI makes it this process's MLflow URI (mlflow's global and
+    MLFLOW_TRACKING_URI, as a job's driver wants): the session's store again after each test,
+    for the tests that run after this module (test_api checks that URI is left alone)."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", os.environ["MLFLOW_TRACKING_URI"])
+    yield
+    forget_tracking_uri()  # then monkeypatch puts the variable back
+
+
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def servers(tmp_path_factory, new_store):
     servers = _Servers(tmp_path_factory.mktemp("mlflow-server"))
+    new_store(servers.root / "mlflow.db", "mlflow-artifacts:/0")  # as the server would make it
     yield servers
     if servers.left is not None:
         stop_group(servers.left[0])

@@ -31,6 +31,10 @@ BOUNDED = {
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
 }
 RETRY_S = 30.0
+# The driver, done training, only waits for the server: it tries again every second, so a
+# server that is back is used at once (a try at a dead one is a refused connection, or at
+# most MLflow's bounded retries, not a load on anything).
+DRIVER_RETRY_S = 1.0
 
 _UNREACHABLE = ("Max retries exceeded", "Connection refused", "ConnectionError", "timed out",
                 "Read timed out", "RemoteDisconnected", "Connection aborted", "Temporary failure",
@@ -117,17 +121,18 @@ def replay(tracking_uri: str, entries: list[tuple], wait_s: float, checkpoint: s
 
     if not entries:
         return
-    box = Outbox(MlflowClient(tracking_uri), retry_s=5.0)
+    box = Outbox(MlflowClient(tracking_uri), retry_s=DRIVER_RETRY_S)
     box._kept = list(entries)
     waiting = _Waiting(tracking_uri, wait_s, checkpoint)
     while not box.flush(force=True):
         if waiting.over():
             raise _gone(tracking_uri, wait_s, checkpoint, f"{len(box.pending())} tracking call(s) not sent")
         waiting.say(f"{len(box.pending())} tracking call(s) to send")
-        time.sleep(5.0)
+        time.sleep(DRIVER_RETRY_S)
 
 
-def when_reachable(call, tracking_uri: str, wait_s: float, checkpoint: str | None, retry_s: float = 5.0):
+def when_reachable(call, tracking_uri: str, wait_s: float, checkpoint: str | None,
+                   retry_s: float = DRIVER_RETRY_S):
     """`call()`, one of the driver's own calls after training (the curves, the model and its
     version), tried again every `retry_s` while the server is unreachable, up to `wait_s`: a
     server that goes down as training ends is waited for as one that went down during it.
