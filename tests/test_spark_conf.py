@@ -22,6 +22,7 @@ import pytest
 from shardline.training.launchers import free_port
 
 from .conftest import REPO, TEST_JVM_OPTS, absolute_paths, shardline, small_pipeline
+from .mlflow_store import empty_store
 
 BIN = Path(sys.executable).parent
 QUICKSTART = REPO / "jobs" / "configs" / "quickstart.toml"
@@ -227,6 +228,7 @@ def refused_on_the_cluster(prepared, spark_standalone, tmp_path_factory) -> dict
             *absolute_paths(tmp), *data, "--set", f"training.checkpoint_dir='{tmp / 'ckpt-dynamic'}'",
         ],
     }  # fmt: skip
+    empty_store(tmp)  # the training's default store, without MLflow's migrations
     program = tmp / "commands.py"
     program.write_text(COMMANDS_ON_ONE_JVM)
     env = {**_env(tmp), **spark_standalone.env}
