@@ -131,15 +131,14 @@ def tracking_uri(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def new_store(tmp_path_factory):
+def new_store():
     """`new_store(db)`: an empty MLflow store put at `db` (a path), its sqlite URI: a copy of one
     made once per session, not MLflow's table creation and migrations again (tests/mlflow_store.py).
     For a test whose job needs a store of its own; `new_store(db, "mlflow-artifacts:/0")` for
     an `mlflow server`'s backend store."""
-    from .mlflow_store import copy_store, make_template
+    from .mlflow_store import copy_store, template
 
-    template = make_template(tmp_path_factory.mktemp("mlflow-template"))
-    return lambda db, default_artifacts=None: copy_store(template, Path(db), default_artifacts)
+    return lambda db, default_artifacts=None: copy_store(template(), Path(db), default_artifacts)
 
 
 def small_pipeline(tmp: Path, rows: int = 4000, **layout) -> PipelineConfig:

@@ -33,6 +33,12 @@ class SparkStandalone:
     master: str  # spark://127.0.0.1:<port>
     env: dict[str, str]  # what a driver on this machine needs to reach it
     conf: str  # `spark.conf` as a TOML inline table for `--set`: one core per executor, both slots
+    # The executors a worker starts for an application are JVMs too, started with the
+    # application's spark.executor.extraJavaOptions only (neither SPARK_SUBMIT_OPTS nor the
+    # daemons' SPARK_DAEMON_JAVA_OPTS reach them): the daemons' flags (conftest.TEST_JVM_OPTS
+    # and the class archive's: speed, not behaviour), given in `conf` and by the tests that
+    # write their own.
+    executor_java_opts: str
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,7 @@ def spark_standalone(tmp_path_factory) -> SparkStandalone:
         "SPARK_LOCAL_IP": "127.0.0.1",
     }
     port, ui = free_port(), free_port()
+    executor_opts = os.environ.get("SPARK_DAEMON_JAVA_OPTS", "")  # the daemons' own, for their executors
     logs = [tmp / "master.log"]
     procs = [_start([str(BIN / "spark-class"), "org.apache.spark.deploy.master.Master", "--host",
                      "127.0.0.1", "--port", str(port), "--webui-port", str(ui)], logs[0], env)]
@@ -137,7 +144,9 @@ def spark_standalone(tmp_path_factory) -> SparkStandalone:
             master=f"spark://127.0.0.1:{port}",
             env=env,
             conf="{'spark.executor.cores' = '1', 'spark.cores.max' = '2', "
-                 "'spark.driver.host' = '127.0.0.1', 'spark.driver.bindAddress' = '127.0.0.1'}",
+                 "'spark.driver.host' = '127.0.0.1', 'spark.driver.bindAddress' = '127.0.0.1', "
+                 f"'spark.executor.extraJavaOptions' = '{executor_opts}'}}",
+            executor_java_opts=executor_opts,
         )
     finally:
         _stop(procs)

@@ -12,9 +12,29 @@ a store made in its own folder would have.
 
 from __future__ import annotations
 
+import atexit
 import shutil
 import sqlite3
+import tempfile
 from pathlib import Path
+
+_TEMPLATE: list[Path] = []
+
+
+def template() -> Path:
+    """This process's template store, made on first use (removed when the process ends)."""
+    if not _TEMPLATE:
+        root = Path(tempfile.mkdtemp(prefix="shardline-mlflow-template-"))
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        _TEMPLATE.append(make_template(root))
+    return _TEMPLATE[0]
+
+
+def empty_store(folder: Path) -> Path:
+    """folder/mlflow.db, the store a CLI command run in `folder` would create there; its path."""
+    db = Path(folder) / "mlflow.db"
+    copy_store(template(), db)
+    return db
 
 
 def make_template(folder: Path) -> Path:

@@ -14,6 +14,7 @@ import pytest
 
 from .conftest import REPO, shardline_here
 from .faults_helpers import stop_group, wait_for
+from .mlflow_store import empty_store
 
 BIN = Path(sys.executable).parent
 QUICKSTART = REPO / "jobs" / "configs" / "quickstart.toml"
@@ -59,6 +60,7 @@ def test_spark_standalone_cluster_runs_the_barrier_stage(prepared, spark_standal
     come from spark.cores.max)."""
     cluster = [a for s in (f"spark.master='{spark_standalone.master}'", f"spark.conf={spark_standalone.conf}")
                for a in ("--set", s)]
+    empty_store(tmp_path)  # its default store, without MLflow's migrations (tests/mlflow_store.py)
     train, train_log = _shardline_in_background("train", str(QUICKSTART), *_train_args(prepared, tmp_path, *cluster),
                                                 cwd=tmp_path, env=spark_standalone.env)
     try:
@@ -109,6 +111,7 @@ def test_dask_cli_cluster_runs_one_rank_per_worker(prepared, dask_cli_cluster, t
     """The CLI in this process (`shardline_here`): what is tested is the cluster's side (ranks
     on workers that lack shardline, their lines back through the listener); a subprocess
     would only add a Python start and its imports."""
+    empty_store(tmp_path)  # its default store, without MLflow's migrations (tests/mlflow_store.py)
     proc = shardline_here(
         "train", str(QUICKSTART),
         *_train_args(prepared, tmp_path, "--launcher", "dask", "--set", f"dask.address='{dask_cli_cluster.address}'"),

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from shardline.pipelines.manifest import has_manifest
 from shardline.serving.ledger import check_output_dir, output_lease, read_ledger
 
 from .conftest import REPO, absolute_paths, shardline, shardline_here
@@ -62,18 +63,22 @@ def _prepare_args(tmp_path: Path, dataset: Path) -> list[str]:
             "--set", "pipelines.source.synthetic.rows=40000"]
 
 
-def test_full_disk_prepare_on_spark_is_one_line_and_not_retried(tmp_path):
-    """A process of its own: its Spark master retries a failed task 4 times (the session's does not)."""
+def test_full_disk_prepare_on_spark_is_one_line_and_not_retried(spark, tmp_path):
+    """The failing run is a process of its own: its Spark master retries a failed task 4
+    times (the session's does not). The run after the disk grew needs no retrying master:
+    it runs in this process on the session's Spark (no second Python and JVM start)."""
     with small_disk(tmp_path / "disk") as disk:
         dataset = disk / "dataset"
         r = shardline("prepare", *_prepare_args(tmp_path, dataset), cwd=tmp_path)
         line = _one_line(r)
         assert "pipelines.dataset_dir" in line and "No space left on device" in line, line
         assert "not retried" in line
-        assert not list(dataset.glob("v-*")) and not (dataset / "_manifest.json").exists()
+        # Nothing half-written: no version folder, no manifest (pipelines.manifest's names).
+        assert not list(dataset.glob("v-*")) and not has_manifest(str(dataset))
         grow(disk)
-        r = shardline("prepare", *_prepare_args(tmp_path, dataset), cwd=tmp_path)
+        r = shardline_here("prepare", *_prepare_args(tmp_path, dataset), cwd=tmp_path)
         assert r.returncode == 0, r.stderr
+        assert has_manifest(str(dataset))
 
 
 def test_full_disk_prepare_on_dask_is_one_line_and_not_retried(on_session_dask, tmp_path):

@@ -52,8 +52,10 @@ def test_the_native_baselines_do_the_same_work(spark, dask_client, raw, tmp_path
     _check_output(tmp_path / "pyarrow", 6000, hive=False)
 
 
-def test_bench_prepare_figures_are_the_quotients_they_name(spark, tmp_path):
-    r = run(rows=6000, rounds=2, workdir=str(tmp_path), progress=lambda _: None)
+def test_bench_prepare_figures_are_the_quotients_they_name(spark, dask_client, tmp_path):
+    """On the session's engines (`run` uses the active Spark session and the Dask client it
+    is given): the figures are the same, without a local Dask cluster of its own."""
+    r = run(rows=6000, rounds=2, workdir=str(tmp_path), progress=lambda _: None, dask_client=dask_client)
     assert set(r["seconds"]) == set(JOBS)
     for job in JOBS:
         assert len(r["seconds_per_round"][job]) == 2

@@ -22,6 +22,7 @@ import pytest
 from shardline.training.launchers import free_port
 
 from .conftest import REPO, TEST_JVM_OPTS, absolute_paths, shardline, small_pipeline
+from .mlflow_store import empty_store
 
 BIN = Path(sys.executable).parent
 QUICKSTART = REPO / "jobs" / "configs" / "quickstart.toml"
@@ -178,50 +179,92 @@ def test_a_missing_archive_under_spark_submit_is_one_line_naming_it(tmp_path):
     assert not any(tmp_path.rglob("*.parquet"))
 
 
+# The shardline commands (JSON list of argument lists, argv[1]) run one after the other in
+# one process, as `shardline` runs one (tests/cli_inprocess.py): their exit codes and output
+# printed as JSON. Each command starts its own SparkContext, with its own settings: the one
+# before it is stopped (the CLI leaves its session running, for the process's exit to stop).
+COMMANDS_ON_ONE_JVM = f"""
+import json, os, sys
+sys.path.insert(0, {str(REPO / "tests")!r})
+from cli_inprocess import run_cli
+from pyspark.sql import SparkSession
+out = []
+for args in json.loads(sys.argv[1]):
+    out.append(run_cli(args, os.getcwd()))
+    if SparkSession.getActiveSession() is not None:
+        SparkSession.getActiveSession().stop()
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def refused_on_the_cluster(prepared, spark_standalone, tmp_path_factory) -> dict:
+    """Two training commands refused on the session's standalone cluster, run in ONE
+    Python and JVM (each costs ~15 s): first the one Spark's own barrier check refuses
+    (it needs the cluster's executors), then one with dynamic allocation (refused before
+    any executor starts). {name: (exit code, stdout, stderr, tmp)}."""
+    tmp = tmp_path_factory.mktemp("refused-on-cluster")
+    master = spark_standalone.master
+    data = ["--set", f"pipelines.dataset_dir='{prepared.dataset_dir}'", "--set", "training.batch_size=256"]
+    commands = {
+        # Nothing in the settings bounds the cluster's slots (no spark.cores.max). One try
+        # of Spark's check, 1 s after the first (a user's value wins, as every user conf does;
+        # shardline's defaults are 15 tries 2 s apart, Spark's own 40 tries 15 s apart): the
+        # message is the same. The cluster has 2 one-core workers; three ranks, one a
+        # parameter server, so the dataset's 2 shards feed the 2 data ranks.
+        "fewer_slots": [
+            "train", str(QUICKSTART), "--set", f"spark.master='{master}'",
+            "--set", "spark.conf={'spark.driver.host' = '127.0.0.1', 'spark.driver.bindAddress' = '127.0.0.1', "
+                      "'spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures' = '1', "
+                      "'spark.scheduler.barrier.maxConcurrentTasksCheck.interval' = '1s', "
+                      f"'spark.executor.extraJavaOptions' = '{spark_standalone.executor_java_opts}'}}",
+            "--set", "training.strategy='ps'", "--set", "training.ps_servers=1", "--world-size", "3",
+            *data, "--set", f"training.checkpoint_dir='{tmp / 'ckpt-fewer'}'",
+        ],
+        "dynamic_allocation": [
+            "train", str(QUICKSTART),
+            "--set", f"spark.master='{master}'",
+            "--set", "spark.conf={'spark.dynamicAllocation.enabled' = 'true'}",
+            *absolute_paths(tmp), *data, "--set", f"training.checkpoint_dir='{tmp / 'ckpt-dynamic'}'",
+        ],
+    }  # fmt: skip
+    empty_store(tmp)  # the training's default store, without MLflow's migrations
+    program = tmp / "commands.py"
+    program.write_text(COMMANDS_ON_ONE_JVM)
+    env = {**_env(tmp), **spark_standalone.env}
+    env.pop("MLFLOW_TRACKING_URI", None)  # as `shardline()`: the default store is cwd's
+    proc = subprocess.run([sys.executable, str(program), json.dumps(list(commands.values()))], cwd=tmp, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    got = json.loads(result.removeprefix("RESULT "))
+    return {name: (*r, tmp) for name, r in zip(commands, got, strict=True)}
+
+
 @pytest.mark.cluster
-def test_dynamic_allocation_is_refused_for_training(prepared, spark_standalone, tmp_path):
+def test_dynamic_allocation_is_refused_for_training(refused_on_the_cluster):
     """Spark refuses barrier stages under dynamic allocation [SPARK-24942]: say so up front,
     on a real standalone master (the session's), before any task runs."""
-    proc = shardline(
-        "train", str(QUICKSTART),
-        "--set", f"spark.master='{spark_standalone.master}'",
-        "--set", "spark.conf={'spark.dynamicAllocation.enabled' = 'true'}",
-        *absolute_paths(tmp_path), "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'",
-        "--set", f"pipelines.dataset_dir='{prepared.dataset_dir}'", "--set", "training.batch_size=256",
-        cwd=tmp_path, env={**_env(tmp_path), **spark_standalone.env}, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert _error_lines(proc.stderr) == [
+    code, _, err, tmp = refused_on_the_cluster["dynamic_allocation"]
+    assert code == 1, err[-3000:]
+    assert _error_lines(err) == [
         "error: spark.dynamicAllocation.enabled is true: Spark refuses barrier stages (shardline's "
         "training ranks) under dynamic allocation [SPARK-24942]; set it to false for this job"
-    ], proc.stderr[-2000:]
-    assert not (tmp_path / "ckpt").exists()
+    ], err[-2000:]
+    assert not (tmp / "ckpt-dynamic").exists()
 
 
 @pytest.mark.cluster
-def test_a_cluster_with_fewer_slots_than_ranks_is_one_line_from_sparks_own_check(prepared, spark_standalone,
-                                                                                  tmp_path):
-    """Nothing in the settings bounds a standalone cluster's slots (no spark.cores.max here),
-    so Spark's own barrier check decides: with shardline's defaults it gives up after 15 tries
-    2 s apart (Spark's own: 40 tries 15 s apart), and the error names the setting. The test
-    sets 3 tries itself (a user's value wins, as every user conf does): the message is the
-    same and the suite is 25 s shorter. The session's cluster has 2 one-core workers; three
-    ranks, one a parameter server, so the dataset's 2 shards feed the 2 data ranks."""
-    master = spark_standalone.master
-    proc = shardline(
-        "train", str(QUICKSTART), "--set", f"spark.master='{master}'",
-        "--set", "spark.conf={'spark.driver.host' = '127.0.0.1', 'spark.driver.bindAddress' = '127.0.0.1', "
-                  "'spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures' = '3'}",
-        "--set", "training.strategy='ps'", "--set", "training.ps_servers=1", "--world-size", "3",
-        "--set", f"pipelines.dataset_dir='{prepared.dataset_dir}'", "--set", "training.batch_size=256",
-        "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'",
-        cwd=tmp_path, env={**_env(tmp_path), **spark_standalone.env}, timeout=400,
-    )  # fmt: skip
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert _error_lines(proc.stderr) == [
+def test_a_cluster_with_fewer_slots_than_ranks_is_one_line_from_sparks_own_check(refused_on_the_cluster,
+                                                                                  spark_standalone):
+    """Nothing in the settings bounds a standalone cluster's slots, so Spark's own barrier
+    check decides (after its tries), and the error names the setting."""
+    code, _, err, _ = refused_on_the_cluster["fewer_slots"]
+    assert code == 1, err[-3000:]
+    assert _error_lines(err) == [
         "error: training.world_size 3: Spark could not give the barrier stage 3 task slots at once "
-        f"(Spark master {master} has fewer)"
-    ], proc.stderr[-2000:]
+        f"(Spark master {spark_standalone.master} has fewer)"
+    ], err[-2000:]
 
 
 def test_a_standalone_master_nobody_answers_at_is_one_line(tmp_path):
