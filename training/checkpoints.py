@@ -1,11 +1,16 @@
 """Checkpoints that resume exactly: model, optimizer, position, RNG states.
 
-Plain tensors, numbers and strings only, so `torch.load(weights_only=True)`
-reads them: loading a checkpoint never unpickles arbitrary objects. Written by
-rank 0 through `pipelines.storage`, so `checkpoint_dir` may be any URL:
+Each checkpoint is a small object and a directory beside it. Every rank writes
+its weights and optimizer state into the directory itself, with
+torch.distributed.checkpoint (training.sharded_checkpoints); the small object
+holds the rest — position, each rank's schedule and RNG, the fingerprint — in
+plain tensors, numbers and strings only, so `torch.load(weights_only=True)`
+reads it: loading a checkpoint never unpickles arbitrary objects. Both go
+through `pipelines.storage`, so `checkpoint_dir` may be any URL:
 
     checkpoint_dir/
-      ckpt-000000120-3f9a1c.pt   a new object per checkpoint (step, then a fresh suffix)
+      ckpt-000000120-3f9a1c.pt   the small object, new per checkpoint (step, then a fresh suffix)
+      ckpt-000000120-7d02ee.dcp/ its ranks' weights and optimizer state (named in the object)
       LATEST                     the pointer: written after the object it names
       ranks/rank-N.json          which host and process is rank N
 
@@ -145,6 +150,8 @@ def save(directory: str, global_step: int, state: dict, keep: int) -> str:
 
     directory = str(directory)
     buf = io.BytesIO()
+    # The small file: position, schedules, RNG, fingerprint, the DCP directory's name. No
+    # weights: every rank wrote its own into that directory (training.sharded_checkpoints).
     torch.save(state, buf)
     name = f"ckpt-{global_step:09d}-{uuid.uuid4().hex[:6]}.pt"
     url = storage.join(directory, name)
