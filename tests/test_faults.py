@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -112,7 +113,8 @@ def test_a_full_disk_ends_at_once_naming_rank_host_path_and_cause(prepared, tmp_
                          prepared.dataset_dir, **handles)
     message = str(failed.value)
     assert failed.value.permanent and "\n" not in message
-    assert "rank 0 on " in message and "No space left on device" in message, message
+    # Every rank writes its own part: whichever met the full disk first is named.
+    assert re.search(r"rank \d on ", message) and "No space left on device" in message, message
     assert f"training.checkpoint_dir: cannot write {ckpt}/ckpt-" in message, message
     err = capfd.readouterr().err
     assert "restarting from" not in err, "a full disk was retried"

@@ -29,7 +29,7 @@ import os
 from collections.abc import Iterator
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
 
 from shardline.pipelines import storage
 
@@ -95,9 +95,45 @@ class _KeptOpen(io.RawIOBase):
         pass
 
 
+class NotingFileSystem(FileSystem):
+    """DCP's own local file system, keeping the OSError a write met (`failed`).
+
+    DCP writes a tensor with torch.save into the open file, and torch's stream writer turns
+    a write's OSError into "[enforce fail ...] unexpected pos 704 vs 598": a full disk would
+    read as a bug, and be retried as one. The error seen here says what happened."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed: OSError | None = None
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        with super().create_stream(path, mode) as stream:
+            yield _Noting(stream, self) if "w" in mode else stream
+
+
+class _Noting:
+    """A file whose writes' OSError its file system keeps; everything else is the file's."""
+
+    def __init__(self, stream, fs: NotingFileSystem):
+        self._stream, self._fs = stream, fs
+
+    def write(self, b) -> int:
+        try:
+            return self._stream.write(b)
+        except OSError as e:
+            self._fs.failed = self._fs.failed or e
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 def writer(directory: str) -> dcp.FileSystemWriter:
     if not storage.is_remote(directory):
-        return dcp.FileSystemWriter(storage.local_path(directory))
+        w = dcp.FileSystemWriter(storage.local_path(directory))
+        w.fs = NotingFileSystem()
+        return w
     # sync_files: fsync means nothing for an upload; the PUT is durable when it returns.
     w = dcp.FileSystemWriter(directory, sync_files=False)
     w.fs, w.path = StoreFileSystem(), directory

@@ -74,8 +74,9 @@ def save(model, optimizer, directory: str) -> None:
     from . import dcp_storage
 
     model_state, optim_state = get_state_dict(model, optimizer)
-    with _rank_failure(directory, "write"):
-        dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=dcp_storage.writer(directory))
+    w = dcp_storage.writer(directory)
+    with _rank_failure(directory, "write", w):
+        dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=w)
 
 
 def load(model, optimizer, directory: str) -> None:
@@ -118,8 +119,9 @@ def save_plain(weights: dict, optimizer, names: list[str], directory: str) -> No
             "state": {names[i]: s for i, s in own["state"].items()},
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in own["param_groups"]],
         }
-    with _rank_failure(directory, "write"):
-        dcp.save(state, storage_writer=dcp_storage.writer(directory))
+    w = dcp_storage.writer(directory)
+    with _rank_failure(directory, "write", w):
+        dcp.save(state, storage_writer=w)
 
 
 def load_plain(weights: dict, optimizer, names: list[str], directory: str) -> None:
@@ -157,18 +159,30 @@ def load_plain(weights: dict, optimizer, names: list[str], directory: str) -> No
 
 
 @contextmanager
-def _rank_failure(directory: str, doing: str) -> Iterator[None]:
+def _rank_failure(directory: str, doing: str, writer=None) -> Iterator[None]:
     """DCP's failures as the rest of shardline's: DCP raises a CheckpointException (a
-    BaseException) that wraps each rank's error. The first rank's own error is raised
+    BaseException) that wraps each rank's error. This rank's OSError (which the local
+    writer keeps: dcp_storage.NotingFileSystem), else the first rank's error, is raised
     instead, so the launchers' one rule (pipelines.failures) sees it: a full disk or a
     read-only store is one StorageError line and no relaunch; a lost connection relaunches."""
     from torch.distributed.checkpoint.api import CheckpointException
 
+    import torch.distributed as dist
+
     try:
         yield
     except CheckpointException as e:
-        first = next(iter(e.failures.values()))
-        cause = first[0] if isinstance(first, tuple) else first
+        me = dist.get_rank() if dist.is_initialized() else 0
+        own = e.failures.get(me)
+        cause = getattr(getattr(writer, "fs", None), "failed", None) or (
+            own[0] if isinstance(own, tuple) else own)
+        if cause is None:
+            # Only other ranks failed: theirs are the errors that say why, and the launchers
+            # report them. This one is a lost peer's (transient: never the reason shown).
+            raise ConnectionError(
+                f"rank(s) {', '.join(map(str, sorted(e.failures)))} failed to {doing} "
+                f"{storage.display(directory)}"
+            ) from None
         if not isinstance(cause, BaseException):
             raise
         if failures.is_permanent(cause):
