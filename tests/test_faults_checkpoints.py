@@ -43,6 +43,8 @@ def _copy_up_to(src: Path, dst: Path, keep: int) -> list[Path]:
     paths = [Path(p) for p in checkpoints.checkpoint_paths(str(src))][:keep]
     for p in paths:
         shutil.copy(p, dst / p.name)
+        dcp = torch.load(p, weights_only=True)["sharded"]  # its ranks' weights and optimizer state
+        shutil.copytree(p.parent / dcp, dst / dcp)
     step = torch.load(paths[-1], weights_only=True)["global_step"]
     (dst / checkpoints.POINTER).write_text(f'{{"name": "{paths[-1].name}", "step": {step}}}')
     return [dst / p.name for p in paths]

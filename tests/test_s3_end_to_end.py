@@ -236,6 +236,9 @@ def test_cli_train_resume_continues_from_the_checkpoint_in_the_bucket(data, refe
                if checkpoints.load(c, {})["step_in_epoch"] and checkpoints.load(c, {})["epoch"] == 1)
     resumed_dir = f"{bucket}/ckpt-cli"
     storage.write_bytes(f"{resumed_dir}/{storage.name(mid)}", storage.read_bytes(mid))  # no pointer: the newest
+    dcp = checkpoints.load(mid, {})["sharded"]  # and its ranks' weights and optimizer state
+    for f in storage.find_files(storage.join(ref_cfg.checkpoint_dir, dcp)):
+        storage.write_bytes(f"{resumed_dir}/{dcp}/{storage.name(f)}", storage.read_bytes(f))
     fields = {k: getattr(ref_cfg, k) for k in (
         "launcher", "world_size", "epochs", "batch_size", "hidden", "checkpoint_every_steps",
         "keep_checkpoints", "timeout_s")}
