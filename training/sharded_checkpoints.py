@@ -50,7 +50,7 @@ from shardline.pipelines import failures, storage
 from shardline.pipelines.errors import ConfigError, StorageError
 
 from . import collectives
-from .checkpoints import MESH_FIELDS
+from .checkpoints import MESH_FIELDS, _cause
 from .config import TrainingConfig
 
 # torch.distributed.checkpoint is imported inside the functions that save or load: with
@@ -186,10 +186,8 @@ def _rank_failure(directory: str, doing: str, writer=None) -> Iterator[None]:
         if not isinstance(cause, BaseException):
             raise
         if failures.is_permanent(cause):
-            text = str(cause).strip().splitlines()
             raise StorageError(
-                f"training.checkpoint_dir: cannot {doing} {storage.display(directory)} "
-                f"({type(cause).__name__}: {text[0][:160] if text else ''})"
+                f"training.checkpoint_dir: cannot {doing} {storage.display(directory)} ({_cause(cause)})"
             ) from None
         raise cause from None
 
