@@ -97,6 +97,10 @@ class ShardlineModel(Model, HasLabelCol, HasPredictionCol, HasProbabilityCol):
         def predict(batches):
             import pyarrow as pa
 
+            from shardline.pipelines.environ import leave_removed_cwd
+
+            leave_removed_cwd()  # before the model's torch is imported (pipelines.environ)
+
             from shardline.serving.frames import predict_table, probabilities_array
             from shardline.serving.inputs import Transform
 

@@ -255,20 +255,31 @@ def test_scoring_ships_the_code_a_model_needs_to_dask_workers_without_it(
 
 def test_a_task_whose_working_folder_was_removed_still_runs_torch(tmp_path):
     """A reused Spark Python worker can sit in a removed folder (a Connect session's); torch
-    imported there aborts the process at its first matrix product. A task imports shardline
-    (its function's package) before torch, and that moves it out. The control aborts."""
+    imported there aborts the process at its first matrix product. A Spark task's payload
+    (pipelines.environ.TaskPayload: here a reference to torch.ones, whose unpickling imports
+    torch) is opened only after the task has left such a folder. The control unpickles the
+    same bytes in place, and aborts."""
+    import pickle
+
+    import torch
+
+    from shardline.pipelines.environ import TaskPayload
+
+    blob = tmp_path / "payload.pickle"
+    blob.write_bytes(pickle.dumps(TaskPayload(torch.ones)))
     script = (
-        "import os, shutil, sys\n"
+        "import os, pickle, shutil, sys\n"
+        "payload = pickle.loads(open(sys.argv[3], 'rb').read())\n"
+        "assert 'torch' not in sys.modules  # the task's own modules are torch-free\n"
         "os.chdir(sys.argv[1]); shutil.rmtree(sys.argv[1])\n"
-        "if sys.argv[2] == 'task': import shardline.training.launchers\n"
-        "import torch\n"
-        "a = torch.ones(64, 64); print(float((a @ a).sum()))\n"
+        "ones = payload.open() if sys.argv[2] == 'task' else pickle.loads(payload._blob)\n"
+        "a = ones(64, 64); print(float((a @ a).sum()))\n"
     )
     runs = {}
     for mode in ("task", "control"):
         folder = tmp_path / mode
         folder.mkdir()
-        runs[mode] = subprocess.run([sys.executable, "-c", script, str(folder), mode],
+        runs[mode] = subprocess.run([sys.executable, "-c", script, str(folder), mode, str(blob)],
                                     capture_output=True, text=True, timeout=300)
     assert runs["task"].returncode == 0 and runs["task"].stdout.strip() == str(64.0**3), runs["task"].stderr
     assert runs["control"].returncode != 0 and "Cannot load" in runs["control"].stdout + runs["control"].stderr

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardline.pipelines.code_travel import ship_to_spark
+from shardline.pipelines.environ import TaskPayload
 from shardline.pipelines.errors import ShardlineError
 from shardline.pipelines.spark_probe import failed_task, spark_error_line
 from shardline.pipelines.spark_setup import is_connect, spark_master, spark_setting
@@ -109,10 +110,15 @@ def launch_spark_barrier(
     """
     check_spark_slots(spark, world_size)
     code = ship_to_spark(spark, user_code)
+    # The rank function and its payload import torch when unpickled: opened inside the task,
+    # after it has left a removed working folder (pipelines.environ.TaskPayload).
+    work = TaskPayload((fn, payload))
 
     def rank_task(batches):
         import pyarrow as pa
         from pyspark import BarrierTaskContext
+
+        rank_fn, job = work.open()
 
         for _ in batches:  # one row: this partition's index, which is the rank
             pass
@@ -123,7 +129,7 @@ def launch_spark_barrier(
         # Rank 0 picks the port on its own host, where the store will bind it.
         mine = f"{rank}:{free_port(host) if rank == 0 else 0}"
         port = next(int(m.split(":")[1]) for m in ctx.allGather(mine) if m.startswith("0:"))
-        result = run_in_group(fn, rank, world_size, f"tcp://{host}:{port}", payload, timeout_s, guard,
+        result = run_in_group(rank_fn, rank, world_size, f"tcp://{host}:{port}", job, timeout_s, guard,
                               slot=slot, code=code)
         yield pa.RecordBatch.from_pydict(
             {"rank": [rank], "result": [pickle.dumps(result)]},
