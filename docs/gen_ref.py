@@ -113,7 +113,7 @@ def _walk(model, prefix: str, out: list) -> None:
 
 
 def settings_page() -> str:
-    from shardline.jobs.config import ShardlineConfig
+    from shardline.config import ShardlineConfig
 
     sections: list = []
     for name, field in ShardlineConfig.model_fields.items():

@@ -17,8 +17,7 @@ from shardline import api
 from shardline.pipelines.errors import ShardlineError
 from shardline.pipelines.redact import redact
 
-from .cli_bench import bench
-from .config import (
+from shardline.config import (
     CHECKPOINTS,
     DATASET,
     ShardlineConfig,
@@ -26,7 +25,12 @@ from .config import (
     load_config,
     resolve_paths,
 )
-from .engines import console, engine_handle, spark_ranks, stage
+from shardline.engines import engine_handle, spark_ranks
+from shardline.pipelines import report
+from shardline.pipelines.report import stage
+
+from .cli_bench import bench
+from .console import ConsoleReporter, console
 from .ui import ui_hint
 
 _set_option = click.option(
@@ -372,6 +376,13 @@ cli.add_command(bench)
 
 
 def main(argv: list[str] | None = None) -> None:
+    # The library reports through pipelines.report; the command shows it on its console
+    # (and puts the caller's reporter back: a test or a notebook may call main in-process).
+    with report.using(ConsoleReporter()):
+        _main(argv)
+
+
+def _main(argv: list[str] | None) -> None:
     try:
         cli.main(args=argv, prog_name="shardline", standalone_mode=False)
     except click.exceptions.Abort:

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from shardline.pipelines.errors import ShardlineError
 
-from .engines import console
+from .console import console
 
 IMAGES_DEFAULT = 512  # `bench loader --images`: a few hundred small images
 

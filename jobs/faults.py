@@ -39,7 +39,7 @@ from shardline.pipelines import storage
 from shardline.pipelines.errors import ShardlineError
 
 from . import faults_storage
-from .config import CHECKPOINTS, DATASET, check_storage, load_config, resolve_paths
+from shardline.config import CHECKPOINTS, DATASET, check_storage, load_config, resolve_paths
 
 
 def _train(cfg, ckpt: str, handles: dict, **changes):
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, fn in CASES.items():
             print(name)
         return 0
-    from .engines import engine_handle, spark_ranks
+    from shardline.engines import engine_handle, spark_ranks
 
     try:
         cfg = load_config(args.config, args.overrides)

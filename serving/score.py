@@ -12,14 +12,13 @@ writing anything: a run with nothing to score ends there (the CLI exits 0 at onc
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Literal
 
-from shardline.pipelines import storage
+from shardline.pipelines import report, storage
 from shardline.pipelines.errors import DataError, ShardlineError, StorageError
 from shardline.pipelines.lease import Lease
 from shardline.pipelines.progress import ProgressListener, listen_address
@@ -257,7 +256,7 @@ def score(
     p = plan(model_uri, tracking_uri, input_path, output_dir, split=split, incremental=incremental,
              backfill=backfill, force=force)
     for line in p.describe_discard():
-        print(f"[shardline] {line}", file=sys.stderr, flush=True)
+        report.line(f"[shardline] {line}")
     return execute(p, engine_name, spark_or_client, batch_size=batch_size,
                    threads_per_task=threads_per_task, lease=lease, user_code=user_code)
 

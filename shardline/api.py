@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardline.jobs.config import (
+from shardline.config import (
     CHECKPOINTS,
     DATASET,
     OUTPUT,
@@ -33,9 +33,10 @@ from shardline.jobs.config import (
     cluster_of,
     resolve_paths,
 )
-from shardline.jobs.config import load_config as _load
-from shardline.jobs.engines import Engines, console, spark_ranks
-from shardline.jobs.stages import check_prepare, dataset_lease, output_lease, run_prepare, run_score, run_train
+from shardline.config import load_config as _load
+from shardline.engines import Engines, spark_ranks
+from shardline.pipelines import report
+from shardline.stages import check_prepare, dataset_lease, output_lease, run_prepare, run_score, run_train
 from shardline.pipelines.errors import ConfigError
 from shardline.pipelines.manifest import ShardManifest
 
@@ -231,7 +232,7 @@ def score(
                  incremental=s.incremental, backfill=s.backfill, force=force)
         discarded = p.describe_discard()
         for line in discarded:
-            console.print(f"  [yellow]{_escape(line)}[/]")
+            report.warn(line)
         if not p.todo:
             return ScoreResult(p.out, p.dir, 0, 0, len(p.skipped), len(p.left), s.model_uri, p.model.name,
                                p.model.version, None, p.nothing_to_do(), discarded)
@@ -296,7 +297,7 @@ def run(config: Config = None, overrides: Overrides = (), *, spark=None, client=
         p = plan(trained.model_uri, trained.tracking_uri, cfg.pipelines.dataset_dir, s.output_dir, split=s.split,
                  incremental=s.incremental, backfill=s.backfill, force=True)
         for line in p.describe_discard():
-            console.print(f"  [yellow]{_escape(line)}[/]")
+            report.warn(line)
         scored = run_score(cfg, engines, p, cfg.pipelines.dataset_dir, output)
     return RunResult(
         PrepareResult(cfg.pipelines.dataset_dir, manifest, cfg.pipelines.engine),
@@ -304,8 +305,3 @@ def run(config: Config = None, overrides: Overrides = (), *, spark=None, client=
         _score_result(scored, trained.model_uri, s.engine, p.describe_discard()),
     )
 
-
-def _escape(text: str) -> str:
-    from rich.markup import escape
-
-    return escape(text)

@@ -41,7 +41,7 @@ class ShardlineEstimator:
 
     def fit(self, ddf) -> ShardlineEstimator:
         from shardline import api
-        from shardline.jobs.engines import stage
+        from shardline.pipelines.report import stage
 
         client = self.client or _default_client()
         plan = plan_fit(self.config, self.overrides, dask_kinds(ddf.dtypes), label_col=self.label_col,

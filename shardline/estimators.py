@@ -7,7 +7,7 @@ import datetime as dt
 import uuid
 from dataclasses import dataclass
 
-from shardline.jobs.config import ShardlineConfig, cluster_of
+from .config import ShardlineConfig, cluster_of
 from shardline.pipelines.errors import ConfigError
 
 GENERATED_KEY = "shardline_key"

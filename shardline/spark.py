@@ -41,7 +41,7 @@ class ShardlineEstimator(Estimator, HasLabelCol, HasPredictionCol, HasProbabilit
         from pyspark.sql import functions as F
 
         from shardline import api
-        from shardline.jobs.engines import stage
+        from shardline.pipelines.report import stage
 
         from shardline.pipelines.spark_setup import adopt_session
 

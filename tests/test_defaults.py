@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.jobs.config import load_config, resolve_paths
+from shardline.config import load_config, resolve_paths
 from shardline.pipelines.errors import ConfigError, DataError, LeaseHeld, ShardlineError
 from shardline.training import checkpoints
 from shardline.training.config import TrackingConfig, TrainingConfig

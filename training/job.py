@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import logging
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -12,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardline.pipelines import storage
+from shardline.pipelines import report, storage
 from shardline.pipelines.errors import ConfigError, DataError, ShardlineError, StorageError
 from shardline.pipelines.lease import LEASE_NAME, Lease
 from shardline.pipelines.manifest import ShardManifest, load_manifest, sequences
@@ -189,10 +188,9 @@ def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guar
             checkpoints.check_unfinished(cfg.checkpoint_dir, cfg.epochs, cfg.resume_allow_changed)
         changed = {k: (head["fingerprint"].get(k), v) for k, v in fp.items()
                    if k in cfg.resume_allow_changed and head.get("fingerprint", {}).get(k) != v}
-        print(f"[shardline] resuming from {storage.display(resume_from)} (step {head.get('global_step')}, "
-              f"epoch {head.get('epoch')} of {cfg.epochs} done)"
-              + "".join(f"; {k} {old} -> {new}" for k, (old, new) in changed.items()),
-              file=sys.stderr, flush=True)
+        report.line(f"[shardline] resuming from {storage.display(resume_from)} (step {head.get('global_step')}, "
+                    f"epoch {head.get('epoch')} of {cfg.epochs} done)"
+                    + "".join(f"; {k} {old} -> {new}" for k, (old, new) in changed.items()))
         run_id = head["run_id"] or None
     else:
         fp = checkpoints.fingerprint(cfg, manifest.version_id)
@@ -207,7 +205,7 @@ def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guar
 
     outline = describe(cfg, manifest)
     if outline:
-        print(outline, file=sys.stderr, flush=True)
+        report.line(outline)
     # Not `with mlflow.start_run()`: its end, with the server down, would bury the job's one line.
     with tracked_run(run_id, None if run_id else run_name(cfg), uri, tracking.outage_wait_s,
                      lambda: checkpoints.latest(cfg.checkpoint_dir)) as run:
@@ -302,8 +300,8 @@ def _version_of(checkpoint: str, dataset_dir: str, newest: ShardManifest) -> Sha
     for seq in reversed(sequences(dataset_dir)):
         m = load_manifest(dataset_dir, seq)
         if m.version_id == written_on:
-            print(f"[shardline] resuming on dataset version {written_on} (manifest {seq}), the one "
-                  f"the checkpoint was written on; the newest is {newest.version_id}", file=sys.stderr, flush=True)
+            report.line(f"[shardline] resuming on dataset version {written_on} (manifest {seq}), the one "
+                        f"the checkpoint was written on; the newest is {newest.version_id}")
             return m
     return newest
 
@@ -372,7 +370,7 @@ def _launch_with_restarts(
             if outbox is not None:
                 outbox.send(("batch", job.run_id, [("restarts", float(attempt + 1), int(time.time() * 1000), 0)]))
             where = storage.name(latest) if latest else "the start"
-            print(redact(f"[shardline] {e}; restarting from {where}"), file=sys.stderr, flush=True)
+            report.line(redact(f"[shardline] {e}; restarting from {where}"))
     raise AssertionError("unreachable")
 
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import math
 import queue
-import sys
 import threading
 from dataclasses import dataclass
 
+from shardline.pipelines import report
 from shardline.pipelines.storage import join as join_url, resolve as resolve_path
 from shardline.pipelines.errors import ConfigError, DataError, ShardlineError
 from shardline.pipelines.redact import redact
@@ -404,4 +404,4 @@ def _close_interrupted(study, storage, client, parent: str) -> None:
 
 
 def _say(msg: str) -> None:
-    print(f"[shardline] {msg}", file=sys.stderr, flush=True)
+    report.line(f"[shardline] {msg}")

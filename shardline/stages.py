@@ -1,12 +1,13 @@
-"""The stages of the API's calls (shardline.api), each between its console lines: the checks
-before an engine starts, the leases, and the prepare, training and scoring runs."""
+"""The stages of the API's calls (shardline.api), each between its reporter's lines: the
+checks before an engine starts, the leases, and the prepare, training and scoring runs."""
 
 from __future__ import annotations
 
-from rich.markup import escape
+from shardline.pipelines import report
+from shardline.pipelines.report import stage
 
 from .config import ShardlineConfig
-from .engines import Engines, console, stage
+from .engines import Engines
 
 
 def dataset_lease(cfg: ShardlineConfig):
@@ -30,7 +31,7 @@ def check_prepare(cfg: ShardlineConfig, **how):
 
     checked = check(cfg.pipelines, **how)
     for note in checked.notes:
-        console.print(f"  {escape(note)}")
+        report.note(note)
     return checked
 
 
@@ -45,8 +46,8 @@ def run_prepare(cfg: ShardlineConfig, engine, append=False, refit=False, by_plan
                            checked=checked)
     spec = manifest.feature_spec
     if spec.task == "classification" and spec.classes is None:
-        console.print(
-            f"  pipelines.features.classes = {manifest.statistics.num_classes}  "
+        report.note(
+            f"pipelines.features.classes = {manifest.statistics.num_classes}  "
             "(inferred: the largest label + 1; declare it to have other labels refused)"
         )
     return manifest
@@ -60,7 +61,7 @@ def run_train(cfg: ShardlineConfig, engines: Engines, lease=None):
     handle = engines.handle(t.launcher)
     spark = handle if t.launcher == "spark" else None
     client = handle if t.launcher == "dask" else None
-    console.print(f"  checkpoints: {escape(t.checkpoint_dir)}")
+    report.note(f"checkpoints: {t.checkpoint_dir}")
     with stage(f"Training {t.model} with {t.strategy} on {t.world_size} {t.launcher} ranks"):
         return run_training(t, cfg.tracking, cfg.pipelines.dataset_dir, spark=spark, dask_client=client, lease=lease)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 from pydantic import Field, ValidationError
 
 from shardline.pipelines.config import DaskConfig, PipelineConfig, Section, SparkConfig
+from shardline.pipelines import report
 from shardline.pipelines.errors import ConfigError
 from shardline.pipelines.storage import is_remote, resolve
 from shardline.serving.config import ServingConfig
@@ -174,10 +174,10 @@ def resolve_paths(
                                 "a database server every host reaches (sweep.storage = 'postgresql://...')", local)
     if local:
         names = " and ".join([", ".join(local[:-1]), local[-1]] if len(local) > 1 else local)
-        print(f"[shardline] note: {cluster} runs tasks on other hosts, and {names} "
-              f"{'is a path' if len(local) == 1 else 'are paths'} on this machine: every host must see "
-              f"{'it' if len(local) == 1 else 'them'} at the same path (a shared filesystem); else use "
-              f"URLs (s3://bucket/prefix) and an MLflow server", file=sys.stderr, flush=True)
+        report.line(f"[shardline] note: {cluster} runs tasks on other hosts, and {names} "
+                    f"{'is a path' if len(local) == 1 else 'are paths'} on this machine: every host must see "
+                    f"{'it' if len(local) == 1 else 'them'} at the same path (a shared filesystem); else use "
+                    f"URLs (s3://bucket/prefix) and an MLflow server")
     training = t.model_copy(update={"checkpoint_dir": checkpoint_dir})
     training._own_checkpoint_dir = t._own_checkpoint_dir or "checkpoint_dir" not in t.model_fields_set
     return cfg.model_copy(
