@@ -36,8 +36,6 @@ from .manifest import (
     TensorSpec,
     check_dataset_dir,
     commit_manifest,
-    has_manifest,
-    load_manifest,
     new_version_dir,
     sequences,
 )
@@ -383,12 +381,6 @@ def _shard_count(rows: int, row_bytes: int, cfg: PipelineConfig) -> int:
     w = cfg.layout.world_size
     wanted = max(1, math.ceil(rows * row_bytes / cfg.layout.target_shard_bytes))
     return w * math.ceil(wanted / w)
-
-
-def check_plan(cfg: PipelineConfig) -> BandwidthPlan:
-    """The plan `prepare(..., by_plan=True)` would use, or its DataError (before an engine starts)."""
-    root = storage.resolve(cfg.dataset_dir, "pipelines.dataset_dir")
-    return usable_plan(load_manifest(root) if has_manifest(root) else None, cfg, root)
 
 
 def usable_plan(previous: ShardManifest | None, cfg: PipelineConfig, root: str) -> BandwidthPlan:

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Literal
 
-from shardline.pipelines import report, storage
+from shardline.pipelines import storage
 from shardline.pipelines.errors import DataError, ShardlineError, StorageError
 from shardline.pipelines.lease import Lease
 from shardline.pipelines.progress import ProgressListener, listen_address
@@ -44,14 +44,23 @@ Backfill = Literal["all", "new"]
 
 @dataclass
 class ScoreResult:
+    """What a scoring job did (`shardline.score` returns it; `to_dict` is the CLI's --json)."""
+
     output_dir: str
+    version_dir: str  # this model version's scores: OUTPUT/model=NAME/version=V
     rows: int  # rows scored by this job
     files_scored: int
     files_skipped: int  # already in the ledger for this model version
+    files_left: int  # scored by other versions only, left out by --backfill new
+    model_uri: str  # as given
     model_name: str
     model_version: str
-    files_left: int = 0  # scored by other versions only, left out by --backfill new
-    version_dir: str = ""
+    engine: str | None  # None: nothing to score, no engine started
+    note: str = ""  # why nothing was scored
+    discarded: list[str] = field(default_factory=list)  # what force=True removed
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass
@@ -78,6 +87,12 @@ class ScorePlan:
 
     def describe_discard(self) -> list[str]:
         return [f"--force discards the scores of {s.describe()}" for s in self.discard]
+
+    def nothing_done(self) -> ScoreResult:
+        """The result of a job that found nothing to score (no engine was started)."""
+        return ScoreResult(storage.display(self.out), storage.display(self.dir), 0, 0, len(self.skipped),
+                           len(self.left), self.model.uri, self.model.name, self.model.version, None,
+                           self.nothing_to_do(), self.describe_discard())
 
     def nothing_to_do(self) -> str:
         why = f"{len(self.skipped)} file(s) already scored by {self.model.name} version {self.model.version}"
@@ -221,44 +236,10 @@ def execute(
                                f"{done} file(s) were scored and committed)")
         raise DataError(f"{errors[0]['error']} ({done} other file(s) were scored and committed)")
     return ScoreResult(
-        storage.display(p.out),
-        sum(e["rows"] for e in entries),
-        len(entries),
-        len(p.skipped),
-        model.name,
-        model.version,
-        len(p.left),
-        storage.display(p.dir),
+        storage.display(p.out), storage.display(p.dir), sum(e["rows"] for e in entries), len(entries),
+        len(p.skipped), len(p.left), model.uri, model.name, model.version, engine_name,
+        discarded=p.describe_discard(),
     )
-
-
-def score(
-    engine_name: str,
-    spark_or_client,
-    model_uri: str,
-    tracking_uri: str,
-    input_path: str,
-    output_dir: str,
-    *,
-    split: str = "test",
-    incremental: bool = False,
-    backfill: Backfill = "new",
-    force: bool = False,
-    batch_size: int = 4096,
-    threads_per_task: int = 1,
-    lease: Lease | None = None,
-    user_code: Sequence[str] = (),
-) -> ScoreResult:
-    """Score `input_path` (a prepared dataset's `split`, or raw Parquet) into `output_dir`
-    (`plan`, then `execute`)."""
-    if engine_name not in ENGINES:
-        raise ShardlineError(f"unknown engine '{engine_name}' (valid: {', '.join(ENGINES)})")
-    p = plan(model_uri, tracking_uri, input_path, output_dir, split=split, incremental=incremental,
-             backfill=backfill, force=force)
-    for line in p.describe_discard():
-        report.line(f"[shardline] {line}")
-    return execute(p, engine_name, spark_or_client, batch_size=batch_size,
-                   threads_per_task=threads_per_task, lease=lease, user_code=user_code)
 
 
 def _check_owner(out: str, found: list[Scores], model) -> None:
@@ -279,10 +260,11 @@ def _listen_address(engine_name: str, spark_or_client) -> str:
 
 
 def _ship_code(engine_name: str, spark_or_client, folders: Sequence[str]):
-    from shardline.pipelines.code_travel import ship_to_dask, ship_to_spark
+    """The user's code as it is now (one snapshot for the whole job), on the engine's workers."""
+    from shardline.pipelines.code_travel import ship_to_dask, ship_to_spark, snapshot
 
     ship = ship_to_spark if engine_name == "spark" else ship_to_dask
-    return ship(spark_or_client, folders)
+    return ship(spark_or_client, snapshot(folders))
 
 
 def _run(engine_name: str, spark_or_client, tasks: list[UnitTask]) -> list[dict]:

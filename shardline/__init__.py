@@ -17,8 +17,10 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _API = {
-    "prepare": "api", "train": "api", "score": "api", "run": "api", "score_status": "api", "load_config": "api",
-    "PrepareResult": "api", "TrainResult": "api", "ScoreResult": "api", "RunResult": "api",
+    name: "api" for name in (
+        "prepare", "train", "score", "run", "sweep", "plan", "score_status", "load_config",
+        "PrepareResult", "TrainResult", "ScoreResult", "RunResult", "PlanResult",
+    )
 }
 
 

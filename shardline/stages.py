@@ -53,17 +53,16 @@ def run_prepare(cfg: ShardlineConfig, engine, append=False, refit=False, by_plan
     return manifest
 
 
-def run_train(cfg: ShardlineConfig, engines: Engines, lease=None):
-    """training.job.run_training on training.launcher's engine (none for `local`)."""
-    from shardline.training.job import run_training
-
-    t = cfg.training
+def run_train(job, engines: Engines, lease=None):
+    """A checked training.job.TrainingJob, run on training.launcher's engine (none for `local`)."""
+    t = job.cfg
     handle = engines.handle(t.launcher)
     spark = handle if t.launcher == "spark" else None
     client = handle if t.launcher == "dask" else None
+    job.check_capacity(spark, client)
     report.note(f"checkpoints: {t.checkpoint_dir}")
     with stage(f"Training {t.model} with {t.strategy} on {t.world_size} {t.launcher} ranks"):
-        return run_training(t, cfg.tracking, cfg.pipelines.dataset_dir, spark=spark, dask_client=client, lease=lease)
+        return job.run(spark, client, lease=lease)
 
 
 def run_score(cfg: ShardlineConfig, engines: Engines, p, input_path: str, lease=None):

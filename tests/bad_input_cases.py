@@ -47,6 +47,13 @@ def _others_checkpoints(folder: Path, _dataset: str) -> None:
     checkpoints.save(str(folder / "ckpt"), 5, {"fingerprint": checkpoints.fingerprint(cfg, "v")}, keep=3)
 
 
+def _own_checkpoints(folder: Path, _dataset: str) -> None:
+    """This very job's earlier checkpoints (the base config's training settings): a new run
+    would start over there, replacing them, if nothing refused it first."""
+    cfg = TrainingConfig(launcher="spark", world_size=2, batch_size=64, epochs=1)
+    checkpoints.save(str(folder / "ckpt"), 5, {"fingerprint": checkpoints.fingerprint(cfg, "v"), "epoch": 1}, keep=3)
+
+
 def _file_as_checkpoint_dir(folder: Path, _dataset: str) -> None:
     (folder / "ckpt").write_text("not a folder")
 
@@ -240,6 +247,21 @@ CASES = [
          ["score", "{cfg}", "--model", "models:/m/1", "--output", "{dir}/out", "--engine", "dask",
           "--set", "tracking.tracking_uri='http://127.0.0.1:9'"], 1,
          "tracking.tracking_uri: MLflow at http://127.0.0.1:9 is not reachable"),
+    # A refused run loses nothing: the store is checked before the folder is started over
+    # (its earlier run's checkpoints stay) and before `run` prepares a dataset version.
+    Case("train over this job's own checkpoints with MLflow unreachable",
+         [*T, "--set", "tracking.tracking_uri='http://127.0.0.1:9'"], 1,
+         "tracking.tracking_uri: MLflow at http://127.0.0.1:9 is not reachable", setup=_own_checkpoints),
+    Case("train with an MLflow database store whose driver is not installed",
+         [*T, "--set", "tracking.tracking_uri='postgresql://u:secret@127.0.0.1:1/mlflow'"], 1,
+         "MLflow's postgresql store needs a database driver that is not installed", setup=_own_checkpoints),
+    Case("run with an MLflow database store whose driver is not installed",
+         ["run", "{cfg}", "--set", "tracking.tracking_uri='postgresql://u:secret@127.0.0.1:1/mlflow'"], 1,
+         "MLflow's postgresql store needs a database driver that is not installed"),
+    Case("score with an MLflow database store whose driver is not installed",
+         ["score", "{cfg}", "--model", "models:/m/1", "--output", "{dir}/out", "--engine", "dask",
+          "--set", "tracking.tracking_uri='postgresql://u:secret@127.0.0.1:1/mlflow'"], 1,
+         "MLflow's postgresql store needs a database driver that is not installed"),
     # -- held leases (exit 75)
     Case("prepare while another prepare holds the dataset", ["prepare", "{cfg}", "--engine", "dask"], 75,
          "is in use by", setup=_hold_dataset),

@@ -102,7 +102,7 @@ def test_a_tick_without_a_listener_is_silent():
 def test_prepare_and_scoring_count_their_units_on_the_driver(engine, engines, prepared, tracking_uri, tmp_path, capfd):
     from shardline.pipelines.manifest import load_manifest
     from shardline.pipelines.prepare import prepare
-    from shardline.serving.score import score
+    from .serving_helpers import score
 
     from .conftest import small_pipeline
     from .serving_helpers import trained_model

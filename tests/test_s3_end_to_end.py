@@ -20,7 +20,7 @@ from shardline.pipelines.config import PipelineConfig
 from shardline.pipelines.manifest import load_manifest, sequences
 from shardline.pipelines.prepare import prepare
 from shardline.serving.ledger import read_ledger
-from shardline.serving.score import score
+from .serving_helpers import score
 from shardline.training import checkpoints
 from shardline.training.config import TrackingConfig
 from shardline.training.job import run_training

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from shardline.serving.ledger import LEDGER, committed_files, read_ledger
-from shardline.serving.score import score
+from .serving_helpers import score
 
 from .conftest import REPO
 from .scoring_faults import DiesBetweenOutputAndLedger, StallsOnce
@@ -190,7 +190,7 @@ def _wait_for_workers(client, n: int) -> None:
 KILLED_JOB = """
 from shardline.pipelines.config import DaskConfig
 from shardline.pipelines.engines import dask_client
-from shardline.serving.score import score
+from tests.serving_helpers import score
 import sys
 client = dask_client(DaskConfig(n_workers=1, threads_per_worker=2))
 score("dask", client, sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], batch_size=64)

@@ -46,7 +46,7 @@ def test_strategy_job_resumes_exactly_and_its_model_scores(name, prepared, dask_
                                                            capfd):
     from mlflow.tracking import MlflowClient
 
-    from shardline.serving.score import score
+    from .serving_helpers import score
 
     cfg = _cfg(tmp_path / "a", name)
     tracking = TrackingConfig(experiment=f"strategy-{name}", registered_model=f"strategy-{name}")

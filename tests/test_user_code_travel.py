@@ -230,7 +230,7 @@ def test_scoring_ships_the_code_a_model_needs_to_dask_workers_without_it(
     theirs logged with mlflow.pytorch is): the CLI cluster's workers can unpickle it only
     from the code the scoring job ships (without `user_code`: ModuleNotFoundError)."""
     from shardline.pipelines.engines import dask_client
-    from shardline.serving.score import score
+    from .serving_helpers import score
 
     from .serving_helpers import read_scores, register_wrapped
 

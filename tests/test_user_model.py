@@ -292,7 +292,7 @@ def test_a_job_trains_scores_and_predicts_a_model_of_named_inputs(typed_dataset,
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from shardline.serving.score import score
+    from .serving_helpers import score
 
     from .serving_helpers import read_scores
 

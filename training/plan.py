@@ -118,11 +118,14 @@ def plan_dataset(
     *,
     cores: int | None = None,
     budget_s: float = 1.0,
+    manifest: ShardManifest | None = None,
 ) -> tuple[ShardManifest, BandwidthPlan]:
     """Measure on the dataset and choose its layout; the manifest measured comes back
-    too, so the caller stores the plan only into that version (pipelines.manifest.store_plan)."""
+    too, so the caller stores the plan only into that version (pipelines.manifest.store_plan).
+    manifest: the version the caller checked already (training.job.preflight); else checked here."""
     dataset_dir = storage.resolve(str(dataset_dir), "pipelines.dataset_dir")
-    manifest = preflight(cfg, dataset_dir)  # the errors training itself would raise
+    if manifest is None:
+        manifest = preflight(cfg, dataset_dir)  # the errors training itself would raise
     device = training_device()
     train = measure_training(manifest, cfg, device, budget_s=budget_s)
     loader = measure_loader(manifest, dataset_dir, cfg, budget_s=budget_s)

@@ -182,6 +182,34 @@ def open_experiment(tracking_uri: str, experiment: str) -> str:
         )) from None
 
 
+# MLflow's database stores (SQLAlchemy URLs) other than SQLite, whose driver is a separate package.
+_DATABASES = ("postgresql", "mysql", "mssql")
+
+
+def check_store(tracking_uri: str) -> None:
+    """The MLflow store can be used, checked without writing to it (a job refused later
+    must leave no run, not even a new experiment): a server answers; a database store's
+    driver is installed (without it MLflow fails with a 77-line ModuleNotFoundError, and
+    only once the job's effects have begun)."""
+    check_reachable(tracking_uri)
+    scheme = tracking_uri.split(":", 1)[0].split("+", 1)[0].lower()
+    if scheme not in _DATABASES:
+        return
+    from sqlalchemy.engine import make_url
+
+    try:
+        make_url(tracking_uri).get_dialect().import_dbapi()
+    except ImportError as e:
+        missing = getattr(e, "name", None) or str(e)
+        raise ShardlineError(redact(
+            f"tracking.tracking_uri: MLflow's {scheme} store needs a database driver that is not "
+            f"installed (no module named {missing!r}): install it beside shardline, or use an MLflow "
+            "server (tracking.tracking_uri = 'http://host:5000')"
+        )) from None
+    except Exception as e:  # a malformed URL
+        raise ShardlineError(redact(f"tracking.tracking_uri: {tracking_uri} is not a database URL ({e})")) from None
+
+
 def check_reachable(tracking_uri: str, timeout_s: float = 5.0) -> None:
     """One line, in seconds, when an MLflow server URL does not answer (other stores pass)."""
     if not tracking_uri.startswith(("http://", "https://")):

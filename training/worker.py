@@ -15,6 +15,7 @@ from functools import partial
 import torch
 
 from shardline.pipelines import progress, storage
+from shardline.pipelines.code_travel import UserCode
 from shardline.pipelines.manifest import ShardManifest, load_manifest
 
 from . import checkpoints, collectives, sharded_checkpoints, task
@@ -33,8 +34,9 @@ _SHOWN = ("train_loss", "train_accuracy", "train_rmse", "val_loss", "val_accurac
 
 
 @dataclass
-class TrainJob:
-    """Everything a rank needs; pickled to Spark tasks, Dask workers and processes."""
+class RankJob:
+    """Everything a rank needs, made once by the driver's TrainingJob (training.job) and
+    pickled to Spark tasks, Dask workers and processes; the same object for every attempt."""
 
     cfg: TrainingConfig
     dataset_dir: str
@@ -49,6 +51,8 @@ class TrainJob:
     epoch_hook: Callable[[int, dict[str, float]], bool] | None = None
     # host:port of the driver's progress listener (pipelines.progress); None prints here.
     progress_addr: str | None = None
+    # The job's snapshot of the user's code (pipelines.code_travel): what every rank imports.
+    code: UserCode | None = None
 
     @property
     def socket_ifname(self) -> str | None:
@@ -56,7 +60,7 @@ class TrainJob:
         return self.cfg.socket_ifname
 
 
-def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
+def train_rank(rank: int, world_size: int, job: RankJob) -> dict | None:
     """The rank function of a training job (see training.launchers)."""
     cfg = job.cfg
     torch.set_num_threads(cfg.threads_per_rank)
@@ -247,7 +251,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
     }
 
 
-def _resume(job: TrainJob, parallel, scheduler, train: ShardLoader, rank: int, world_size: int, device) -> tuple[int, int]:
+def _resume(job: RankJob, parallel, scheduler, train: ShardLoader, rank: int, world_size: int, device) -> tuple[int, int]:
     """Load the checkpoint into this rank; (global step, epoch) to continue from.
 
     Every rank reads the weights and optimizer state it holds now from the checkpoint's
@@ -348,7 +352,7 @@ def data_wait_worth_warning(cfg: TrainingConfig, fraction: float, waited_s: floa
             and steps >= cfg.data_wait_warning_min_steps)
 
 
-def _warn_data_wait(job: TrainJob, epoch: int, cfg: TrainingConfig, wait: torch.Tensor, workers: int) -> None:
+def _warn_data_wait(job: RankJob, epoch: int, cfg: TrainingConfig, wait: torch.Tensor, workers: int) -> None:
     worst = int(wait.argmax())
     progress.say(
         job.progress_addr,

@@ -76,7 +76,7 @@ def run_in_group(
     with more ranks than GPUs is refused here, a permanent error. `fn` finds the device
     in training.collectives.device().
 
-    A payload with a `socket_ifname` (a TrainJob: training.socket_ifname) names the
+    A payload with a `socket_ifname` (a RankJob: training.socket_ifname) names the
     network interface(s) the collectives use (launchers.network); None keeps the
     environment's choice.
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-from shardline.pipelines.code_travel import ship_to_dask
+from shardline.pipelines.code_travel import UserCode, ship_to_dask
 from shardline.pipelines.errors import ShardlineError
 
 from ..placement import Slot, host_of, own_visible_gpus, slots
@@ -58,17 +57,17 @@ def launch_dask(
     wait_s: float = 0,
     workers: list[str] | None = None,
     guard: DriverGuard | None = None,
-    user_code: Sequence[str] = (),
+    code: UserCode | None = None,
 ) -> list[Any]:
     """Run `fn` on `world_size` Dask workers, one rank each; return the results by rank.
 
     wait_s: how long to wait for enough workers (a relaunch after a killed worker
     waits for its nanny to bring a new one up, under a new address). workers: the
     workers to use (a sweep gives each concurrent trial its own); default the first ones.
-    user_code: folders (or .py files) of the user's code, uploaded to the workers and made
-    current in each rank before `fn` runs (pipelines.code_travel).
+    code: the job's snapshot of the user's code (pipelines.code_travel), uploaded to the
+    workers and made current in each rank before `fn` runs.
     """
-    code = ship_to_dask(client, user_code)
+    ship_to_dask(client, code)
     if wait_s:
         try:
             client.wait_for_workers(world_size, timeout=wait_s)

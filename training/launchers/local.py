@@ -19,10 +19,9 @@ import queue
 import sys
 import time
 import traceback
-from collections.abc import Sequence
 from typing import Any
 
-from shardline.pipelines.code_travel import local_code
+from shardline.pipelines.code_travel import UserCode
 
 from . import LOST_PEER_GRACE_S, DriverGuard, RankFn, TrainingFailed, available_cores, free_port, run_in_group
 from .guard import die_with_parent
@@ -133,14 +132,14 @@ def _is_bug(e: BaseException) -> bool:
 
 def launch_local(
     fn: RankFn, payload: Any, world_size: int, timeout_s: float = 300, guard: DriverGuard | None = None,
-    user_code: Sequence[str] = (),
+    code: UserCode | None = None,
 ) -> list[Any]:
     """Run `fn` on `world_size` processes of this machine; return the results by rank.
 
-    user_code: folders (or .py files) of the user's code: first on each rank's path (the
-    fork server's is that of its own start), imported from where they are.
+    code: the job's snapshot of the user's code (pipelines.code_travel): its zip first on
+    each rank's path, so the ranks import the very bytes the driver checked, whatever the
+    folders hold by the time a rank (or a restart) starts.
     """
-    code = local_code(user_code)
     ctx = process_context()
     results = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import pickle
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shardline.pipelines.code_travel import ship_to_spark
+from shardline.pipelines.code_travel import UserCode, ship_to_spark
 from shardline.pipelines.environ import TaskPayload
 from shardline.pipelines.errors import ShardlineError
 from shardline.pipelines.spark_probe import failed_task, spark_error_line
@@ -101,15 +100,15 @@ def check_spark_slots(spark, world_size: int, setting: str = "training.world_siz
 
 def launch_spark_barrier(
     spark, fn: RankFn, payload: Any, world_size: int, timeout_s: float = 300,
-    guard: DriverGuard | None = None, user_code: Sequence[str] = (),
+    guard: DriverGuard | None = None, code: UserCode | None = None,
 ) -> list[Any]:
     """Run `fn` on `world_size` ranks as one barrier stage; return the results by rank.
 
-    user_code: folders (or .py files) of the user's code, shipped to the executors as a
-    Python artifact and made current in each rank before `fn` runs (pipelines.code_travel).
+    code: the job's snapshot of the user's code (pipelines.code_travel), shipped to the
+    executors as a Python artifact and made current in each rank before `fn` runs.
     """
     check_spark_slots(spark, world_size)
-    code = ship_to_spark(spark, user_code)
+    ship_to_spark(spark, code)
     # The rank function and its payload import torch when unpickled: opened inside the task,
     # after it has left a removed working folder (pipelines.environ.TaskPayload).
     work = TaskPayload((fn, payload))
@@ -147,7 +146,7 @@ def launch_spark_barrier(
             ) from None
         # The rank's own marker is inside Spark's text (a Python traceback in a Java one):
         # it names the rank, its host and its error; a killed rank's task has none.
-        checkpoint_dir = getattr(getattr(payload, "cfg", None), "checkpoint_dir", None)  # a TrainJob's
+        checkpoint_dir = getattr(getattr(payload, "cfg", None), "checkpoint_dir", None)  # a RankJob's
         raise TrainingFailed.from_ranks("Spark barrier stage", str(e), _lost_task(e, checkpoint_dir)) from e
     results = {r["rank"]: pickle.loads(r["result"]) for r in rows}
     return [results[r] for r in range(world_size)]
