@@ -81,12 +81,15 @@ def cli():
 @cli.command()
 @click.argument("config", type=click.Path(dir_okay=False))
 @_set_option
+@click.option("--force", is_flag=True, help="Discard the output's scores (every model and version, "
+              "each named as it is discarded) before scoring; without it the new version's scores go "
+              "beside the earlier versions'.")
 @_json_option
-def run(config, overrides, as_json):
+def run(config, overrides, force, as_json):
     """Generate/prepare data (pipelines.engine), train (training.launcher), register the
     model, and score with it (serving.engine): each stage on the engine its setting names."""
     with _json_out(as_json) as emit:
-        r = api.run(config, list(overrides))
+        r = api.run(config, list(overrides), force=force)
         emit(r)
     if as_json:
         return
@@ -101,7 +104,7 @@ def run(config, overrides, as_json):
     table.add_row("MLflow store", result.tracking_uri)
     table.add_row("model", f"{result.model_uri}")
     table.add_row("dataset", r.prepare.dataset_dir)
-    table.add_row("scores", f"{score.output_dir} ({score.rows:,} rows)")
+    table.add_row("scores", f"{score.version_dir} ({score.rows:,} rows)" if score.engine else score.note)
     table.add_row("open the UI", ui_hint(result.tracking_uri))
     Console().print(table)
 

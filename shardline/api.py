@@ -233,11 +233,15 @@ def score(
         for line in discarded:
             console.print(f"  [yellow]{_escape(line)}[/]")
         if not p.todo:
-            return ScoreResult(p.out, p.dir, 0, 0, len(p.skipped), len(p.left), s.model_uri, p.model.name,
-                               p.model.version, None, p.nothing_to_do(), discarded)
+            return _nothing_scored(p, s.model_uri, discarded)
         with Engines(cfg, spark, client) as engines:
             r = run_score(cfg, engines, p, input_path, lease)
     return _score_result(r, s.model_uri, s.engine, discarded)
+
+
+def _nothing_scored(p, model_uri: str, discarded: list[str]) -> ScoreResult:
+    return ScoreResult(p.out, p.dir, 0, 0, len(p.skipped), len(p.left), model_uri, p.model.name, p.model.version,
+                       None, p.nothing_to_do(), discarded)
 
 
 def _score_result(r, model_uri: str, engine: str, discarded: list[str]) -> ScoreResult:
@@ -266,11 +270,13 @@ def score_status(config: Config = None, overrides: Overrides = (), *, output_dir
 
 
 @_keeps_callers_mlflow
-def run(config: Config = None, overrides: Overrides = (), *, spark=None, client=None) -> RunResult:
+def run(config: Config = None, overrides: Overrides = (), *, spark=None, client=None, force: bool = False) -> RunResult:
     """Prepare (pipelines.engine), train (training.launcher), register, and score the new
     model (serving.engine), each on the engine its setting names; one engine of a kind is
-    shared by the stages."""
-    from shardline.serving.score import plan
+    shared by the stages. The new version scores into its own version=V/ beside the
+    earlier versions' scores; force: discard the output's scores first, as score's does."""
+    from shardline.serving.ledger import all_scores
+    from shardline.serving.score import check_owner, plan
     from shardline.training.job import check_settings
     from shardline.training.tracking import check_reachable
 
@@ -282,27 +288,30 @@ def run(config: Config = None, overrides: Overrides = (), *, spark=None, client=
     check_settings(cfg.training)  # a misspelt model or strategy: one line, before an engine starts
     check_storage(cfg, reads=(SOURCE,), writes=(DATASET, CHECKPOINTS, OUTPUT))
     check_reachable(cfg.tracking.resolved_uri())  # a dead MLflow server: now, not after the prepare
+    s = cfg.serving
+    if not force:  # another model's scores in the output: refused now, not after the training
+        check_owner(s.output_dir, all_scores(s.output_dir), cfg.tracking.registered_model or "an unregistered model")
     checked = check_prepare(cfg)
     with ExitStack() as stack:
         # Both leases before an engine starts: a second run on the same dirs is refused at once.
         dataset = stack.enter_context(dataset_lease(cfg))
-        output = stack.enter_context(output_lease(cfg.serving.output_dir))
+        output = stack.enter_context(output_lease(s.output_dir))
         engines = stack.enter_context(Engines(cfg, spark, client, spark_ranks(cfg)))
         manifest = run_prepare(cfg, engines.prepare_engine(cfg.pipelines.engine), lease=dataset, checked=checked)
         dataset.release()
         trained = run_train(cfg, engines)
-        s = cfg.serving
-        # force: each run trains a new model version and re-scores its own output with it.
         p = plan(trained.model_uri, trained.tracking_uri, cfg.pipelines.dataset_dir, s.output_dir, split=s.split,
-                 incremental=s.incremental, backfill=s.backfill, force=True)
-        for line in p.describe_discard():
+                 incremental=s.incremental, backfill=s.backfill, force=force)
+        discarded = p.describe_discard()
+        for line in discarded:
             console.print(f"  [yellow]{_escape(line)}[/]")
-        scored = run_score(cfg, engines, p, cfg.pipelines.dataset_dir, output)
-    return RunResult(
-        PrepareResult(cfg.pipelines.dataset_dir, manifest, cfg.pipelines.engine),
-        _train_result(cfg, trained),
-        _score_result(scored, trained.model_uri, s.engine, p.describe_discard()),
-    )
+        if p.todo:
+            scored = _score_result(run_score(cfg, engines, p, cfg.pipelines.dataset_dir, output), trained.model_uri,
+                                   s.engine, discarded)
+        else:  # e.g. --incremental with backfill new: earlier versions scored every shard
+            scored = _nothing_scored(p, trained.model_uri, discarded)
+    return RunResult(PrepareResult(cfg.pipelines.dataset_dir, manifest, cfg.pipelines.engine),
+                     _train_result(cfg, trained), scored)
 
 
 def _escape(text: str) -> str:
