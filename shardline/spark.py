@@ -57,7 +57,7 @@ class _Saved(DefaultParamsReadable, DefaultParamsWritable):
 
 class _Writer(DefaultParamsWriter):
     def saveImpl(self, path: str) -> None:
-        for param, value in self.instance._paramMap.items():
+        for param, value in self.instance.extractParamMap().items():
             try:
                 json.dumps(value)
             except TypeError:
