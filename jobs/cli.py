@@ -103,7 +103,7 @@ def run(config, overrides, force, as_json):
     table.add_row("MLflow store", result.tracking_uri)
     table.add_row("model", f"{result.model_uri}")
     table.add_row("dataset", r.prepare.dataset_dir)
-    table.add_row("scores", f"{score.output_dir} ({score.rows:,} rows)")
+    table.add_row("scores", f"{score.version_dir} ({score.rows:,} rows)" if score.engine else score.note)
     table.add_row("open the UI", ui_hint(result.tracking_uri))
     Console().print(table)
 

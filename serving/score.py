@@ -145,7 +145,7 @@ def select(p: ScorePlan) -> None:
     if p.force:
         p.discard, found, mine = found, [], []
     else:
-        _check_owner(p.out, found, p.model)
+        check_owner(p.out, found, p.model.name)
     ledger = {uid: e for s in mine for uid, e in s.entries.items()}
     wanted = {u.unit_id for u in p.units}
     others = [e for uid, e in ledger.items() if uid not in wanted]
@@ -242,13 +242,13 @@ def execute(
     )
 
 
-def _check_owner(out: str, found: list[Scores], model) -> None:
+def check_owner(out: str, found: list[Scores], name: str) -> None:
     """Versions of one model share an output; another model's scores there are refused."""
-    other = next((s for s in found if s.model_name != model.name), None)
+    other = next((s for s in found if s.model_name != name), None)
     if other:
         raise DataError(
             f"{storage.display(out)}: holds scores of model {other.model_name} (version "
-            f"{other.model_version}), not of {model.name}; choose another output directory or "
+            f"{other.model_version}), not of {name}; choose another output directory or "
             f"pass --force to discard them"
         )
 

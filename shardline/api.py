@@ -234,8 +234,10 @@ def score_status(config: Config = None, overrides: Overrides = (), *, output_dir
 def run(config: Config = None, overrides: Overrides = (), *, spark=None, client=None, force: bool = False) -> RunResult:
     """Prepare (pipelines.engine), train (training.launcher), register, and score the new
     model (serving.engine), each on the engine its setting names; one engine of a kind is
-    shared by the stages. The new version's scores join the output beside earlier versions';
-    force: discard every score the output holds first (as `score --force`)."""
+    shared by the stages. The new version scores into its own version=V/ beside the
+    earlier versions' scores; force: discard the output's scores first, as score's does."""
+    from shardline.serving.ledger import all_scores
+    from shardline.serving.score import check_owner
     from shardline.serving.score import plan as score_plan
     from shardline.training.tracking import check_store
 
@@ -251,6 +253,9 @@ def run(config: Config = None, overrides: Overrides = (), *, spark=None, client=
     check_storage(cfg, reads=(SOURCE,), writes=(DATASET, CHECKPOINTS, OUTPUT))
     job.check_folder()
     check_store(job.tracking_uri)
+    s = cfg.serving
+    if not force:  # another model's scores in the output: refused now, not after the training
+        check_owner(s.output_dir, all_scores(s.output_dir), cfg.tracking.registered_model or "an unregistered model")
     checked = check_prepare(cfg)
     with ExitStack() as stack:
         # Every lease before an engine starts: a second run on the same folders is refused at once.

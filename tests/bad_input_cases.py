@@ -117,6 +117,20 @@ def _hold_output(folder: Path, _dataset: str):
     return output_lease(str(folder / "out"))
 
 
+def _other_models_scores(folder: Path, _dataset: str) -> None:
+    """An output holding a committed unit of model someone-else, version 7."""
+    import json
+
+    version = folder / "out" / "model=someone-else" / "version=7"
+    (version / "_ledger").mkdir(parents=True)
+    (version / "scores-0123456789abcdef.parquet").write_bytes(b"PAR1")
+    (version / "_ledger" / "0123456789abcdef.json").write_text(json.dumps({
+        "unit": "/elsewhere/x.parquet", "unit_id": "0123456789abcdef", "fingerprint": "f",
+        "output": "scores-0123456789abcdef.parquet", "rows": 5, "model_name": "someone-else",
+        "model_version": "7", "model_uri": "models:/someone-else/7", "scored_at": "2026-01-01T00:00:00+00:00",
+    }))
+
+
 T = ["train", "{cfg}"]
 P = ["prepare", "{cfg}", "--engine", "dask"]
 IMAGES = [*P, "--set", "pipelines.source.format='images'", "--set", "pipelines.source.path='{dir}/imgs'"]
@@ -262,6 +276,11 @@ CASES = [
          ["score", "{cfg}", "--model", "models:/m/1", "--output", "{dir}/out", "--engine", "dask",
           "--set", "tracking.tracking_uri='postgresql://u:secret@127.0.0.1:1/mlflow'"], 1,
          "MLflow's postgresql store needs a database driver that is not installed"),
+    # -- an output of another model (exit 1; score refuses it the same way)
+    Case("run into an output holding another model's scores (before it prepares)",
+         ["run", "{cfg}", "--set", "serving.output_dir='{dir}/out'", "--set", "pipelines.engine='dask'"], 1,
+         "holds scores of model someone-else (version 7), not of shardline-model; choose another output "
+         "directory or pass --force to discard them", setup=_other_models_scores),
     # -- held leases (exit 75)
     Case("prepare while another prepare holds the dataset", ["prepare", "{cfg}", "--engine", "dask"], 75,
          "is in use by", setup=_hold_dataset),
