@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from shardline.pipelines.lease import _alive
+from shardline.pipelines.lease import process_alive
 from shardline.training import checkpoints
 
 from .conftest import REPO
@@ -80,7 +80,7 @@ def rank_pids(ckpt: Path, world_size: int = 2) -> list[int] | None:
 
 
 def alive(pid: int) -> bool:
-    return _alive(pid, "")  # a zombie (killed, not reaped) counts as gone
+    return process_alive(pid, "")  # a zombie (killed, not reaped) counts as gone
 
 
 def error_lines(text: str) -> list[str]:
