@@ -20,6 +20,7 @@ of theirs is unpickled before `use_code` has run.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import os
 import socket
@@ -83,6 +84,46 @@ def _files(folders: Sequence[str]) -> list[tuple[str, Path]]:
             if f.is_file() and not hidden and f.suffix not in (".pyc", ".pyo"):
                 out.append((f"{name}/{rel.as_posix()}", f))
     return sorted(out)
+
+
+@dataclass(frozen=True)
+class CodeSnapshot:
+    """What the user's code is, by content: each shipped file's sha256 keyed by its name in
+    the zip (`mypkg/nets.py`), and one digest of them all. Made from the files the zip is
+    made from, so what is hashed is exactly what ships. No user code (a built-in model):
+    no files and an empty digest."""
+
+    files: dict[str, str]
+    digest: str
+
+    def changes(self, earlier: dict[str, str]) -> list[str]:
+        """How this code differs from `earlier` files ({name: sha256}), one phrase a file,
+        sorted by name: `mypkg/nets.py changed`, `... added`, `... removed`."""
+        out = []
+        for name in sorted(earlier.keys() | self.files.keys()):
+            if name not in earlier:
+                out.append(f"{name} added")
+            elif name not in self.files:
+                out.append(f"{name} removed")
+            elif earlier[name] != self.files[name]:
+                out.append(f"{name} changed")
+        return out
+
+
+def code_digest(files: dict[str, str]) -> str:
+    """One digest of per-file digests ({name: sha256}); "" for no files."""
+    if not files:
+        return ""
+    h = hashlib.sha256()
+    for name in sorted(files):
+        h.update(f"{name}\0{files[name]}\n".encode())
+    return h.hexdigest()
+
+
+def snapshot(folders: Sequence[str]) -> CodeSnapshot:
+    """The CodeSnapshot of `folders` (the zip's file list, `_files`); empty for none."""
+    files = {arc: hashlib.sha256(path.read_bytes()).hexdigest() for arc, path in _files(folders)}
+    return CodeSnapshot(files, code_digest(files))
 
 
 def code_zip(folders: Sequence[str]) -> tuple[str, UserCode]:
