@@ -52,8 +52,9 @@ def run_prepare(cfg: ShardlineConfig, engine, append=False, refit=False, by_plan
     return manifest
 
 
-def run_train(cfg: ShardlineConfig, engines: Engines, lease=None):
-    """training.job.run_training on training.launcher's engine (none for `local`)."""
+def run_train(cfg: ShardlineConfig, engines: Engines, store=None):
+    """training.job.run_training on training.launcher's engine (none for `local`); store: the
+    job's CheckpointStore (jobs.config.checkpoint_store), held or not."""
     from shardline.training.job import run_training
 
     t = cfg.training
@@ -62,7 +63,7 @@ def run_train(cfg: ShardlineConfig, engines: Engines, lease=None):
     client = handle if t.launcher == "dask" else None
     console.print(f"  checkpoints: {escape(t.checkpoint_dir)}")
     with stage(f"Training {t.model} with {t.strategy} on {t.world_size} {t.launcher} ranks"):
-        return run_training(t, cfg.tracking, cfg.pipelines.dataset_dir, spark=spark, dask_client=client, lease=lease)
+        return run_training(t, cfg.tracking, cfg.pipelines.dataset_dir, spark=spark, dask_client=client, store=store)
 
 
 def run_score(cfg: ShardlineConfig, engines: Engines, p, input_path: str, lease=None):

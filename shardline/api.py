@@ -30,6 +30,7 @@ from shardline.jobs.config import (
     SOURCE,
     ShardlineConfig,
     check_storage,
+    checkpoint_store,
     cluster_of,
     resolve_paths,
 )
@@ -175,24 +176,26 @@ def prepare(
 def train(config: Config = None, overrides: Overrides = (), *, spark=None, client=None) -> TrainResult:
     """Train on the prepared dataset on `training.launcher`'s engine; track in MLflow; register."""
     from shardline.training.checkpoints import check_allowed
-    from shardline.training.job import check_checkpoints, hold_checkpoint_dir, preflight
+    from shardline.training.job import check_checkpoints, preflight
 
-    cfg = _choose(load_config(config, overrides), "training.launcher", spark, client)
-    launcher = cfg.training.launcher
-    cfg = resolve_paths(cfg, [launcher], (DATASET, CHECKPOINTS), tracking=True, spark=spark, client=client)
+    given = _choose(load_config(config, overrides), "training.launcher", spark, client)
+    launcher = given.training.launcher
+    cfg = resolve_paths(given, [launcher], (DATASET, CHECKPOINTS), tracking=True, spark=spark, client=client)
+    store = checkpoint_store(given, cfg)
     check_storage(cfg, reads=(DATASET,), writes=(CHECKPOINTS,))
     check_allowed(cfg.training.resume_allow_changed, "--allow-changed / training.resume_allow_changed")
     # One job per checkpoint directory: a second is refused here, before an engine starts,
     # and first: "in use by" says more than what the holder's checkpoints differ in.
-    lease = hold_checkpoint_dir(cfg.training)
+    store.hold(cfg.training.lease_ttl_s)
     try:
-        # Names, the dataset, world size vs shards, batch vs rows, checkpoint_dir: one line
-        # before an engine starts (the cluster's free slots are checked once it runs).
-        check_checkpoints(cfg.training, preflight(cfg.training, cfg.pipelines.dataset_dir))
+        # Names, the dataset, world size vs shards, batch vs rows, checkpoint_dir, the code
+        # against the checkpoint's: one line before an engine starts (the cluster's free
+        # slots are checked once it runs).
+        check_checkpoints(cfg.training, preflight(cfg.training, cfg.pipelines.dataset_dir), store)
         with Engines(cfg, spark, client, spark_ranks(cfg)) as engines:
-            result = run_train(cfg, engines, lease)
+            result = run_train(cfg, engines, store)
     finally:
-        lease.release()
+        store.release()
     return _train_result(cfg, result)
 
 
@@ -274,11 +277,11 @@ def run(config: Config = None, overrides: Overrides = (), *, spark=None, client=
     from shardline.training.job import check_settings
     from shardline.training.tracking import check_reachable
 
-    cfg = load_config(config, overrides)
+    given = load_config(config, overrides)
     for setting in ("pipelines.engine", "training.launcher", "serving.engine"):
-        cfg = _choose(cfg, setting, spark, client)
-    uses = [cfg.pipelines.engine, cfg.training.launcher, cfg.serving.engine]
-    cfg = resolve_paths(cfg, uses, (SOURCE, DATASET, CHECKPOINTS, OUTPUT), tracking=True, spark=spark, client=client)
+        given = _choose(given, setting, spark, client)
+    uses = [given.pipelines.engine, given.training.launcher, given.serving.engine]
+    cfg = resolve_paths(given, uses, (SOURCE, DATASET, CHECKPOINTS, OUTPUT), tracking=True, spark=spark, client=client)
     check_settings(cfg.training)  # a misspelt model or strategy: one line, before an engine starts
     check_storage(cfg, reads=(SOURCE,), writes=(DATASET, CHECKPOINTS, OUTPUT))
     check_reachable(cfg.tracking.resolved_uri())  # a dead MLflow server: now, not after the prepare
@@ -290,7 +293,7 @@ def run(config: Config = None, overrides: Overrides = (), *, spark=None, client=
         engines = stack.enter_context(Engines(cfg, spark, client, spark_ranks(cfg)))
         manifest = run_prepare(cfg, engines.prepare_engine(cfg.pipelines.engine), lease=dataset, checked=checked)
         dataset.release()
-        trained = run_train(cfg, engines)
+        trained = run_train(cfg, engines, checkpoint_store(given, cfg))
         s = cfg.serving
         # force: each run trains a new model version and re-scores its own output with it.
         p = plan(trained.model_uri, trained.tracking_uri, cfg.pipelines.dataset_dir, s.output_dir, split=s.split,

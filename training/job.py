@@ -6,20 +6,20 @@ import io
 import logging
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from shardline.pipelines import storage
-from shardline.pipelines.errors import ConfigError, DataError, ShardlineError, StorageError
-from shardline.pipelines.lease import LEASE_NAME, Lease
+from shardline.pipelines.code_travel import CodeSnapshot
+from shardline.pipelines.errors import ConfigError, DataError, ShardlineError
 from shardline.pipelines.manifest import ShardManifest, load_manifest, sequences
 from shardline.pipelines.progress import ProgressListener, listen_address
 from shardline.pipelines.redact import redact
 
 from . import checkpoints, sharded_checkpoints
+from .checkpoint_store import CheckpointStore
 from .config import TrackingConfig, TrainingConfig
 from .launchers import DriverGuard, TrainingFailed
 from .loader import check_world_size, epoch_steps, rows_per_rank
@@ -77,17 +77,26 @@ def preflight(cfg: TrainingConfig, dataset_dir: str) -> ShardManifest:
     return manifest
 
 
-def check_checkpoints(cfg: TrainingConfig, manifest: ShardManifest) -> None:
-    """checkpoint_dir fits the job, before an engine starts: a checkpoint to resume from,
-    or, for a new job, no other job's checkpoints (which starting over would delete)."""
+def check_checkpoints(cfg: TrainingConfig, manifest: ShardManifest, store: CheckpointStore,
+                      code: CodeSnapshot | None = None) -> None:
+    """The checkpoint folder fits the job, before an engine starts (reads only): a checkpoint
+    to resume from, over the same code unless allowed, with epochs left; or, for a new job,
+    no other job's checkpoints (which starting over would delete)."""
+    code = code_snapshot(cfg) if code is None else code
+    fp = checkpoints.fingerprint(cfg, manifest.version_id, code)
     if cfg.resume:
-        if checkpoints.latest(cfg.checkpoint_dir) is None:
-            raise DataError(f"{storage.display(cfg.checkpoint_dir)}: no checkpoint to resume from")
-        checkpoints.check_unfinished(cfg.checkpoint_dir, cfg.epochs, cfg.resume_allow_changed,
-                                     checkpoints.fingerprint(cfg, manifest.version_id))
+        store.check_resume(fp, code, cfg.epochs, cfg.resume_allow_changed)
     else:
-        checkpoints.check_owner(cfg.checkpoint_dir, checkpoints.fingerprint(cfg, manifest.version_id),
-                                own_folder=cfg._own_checkpoint_dir)
+        store.check_new(fp)
+
+
+def code_snapshot(cfg: TrainingConfig) -> CodeSnapshot:
+    """The user's code as it ships to the ranks (user_code.job_code_folders), by content."""
+    from shardline.pipelines.code_travel import snapshot
+
+    from .user_code import job_code_folders
+
+    return snapshot(job_code_folders(cfg))
 
 
 def check_steps(cfg: TrainingConfig, manifest: ShardManifest, data_world: int) -> None:
@@ -134,7 +143,7 @@ def run_training(
     register: bool = True,
     epoch_hook: Callable[[int, dict[str, float]], bool] | None = None,
     dask_workers: list[str] | None = None,
-    lease: Lease | None = None,
+    store: CheckpointStore | None = None,
 ) -> TrainResult:
     """Train, track and log the model. The keywords are for sweeps (training.sweep):
 
@@ -142,64 +151,70 @@ def run_training(
     register: False logs the model without registering it (its URI is runs:/<id>/model).
     epoch_hook: see TrainJob.epoch_hook.
     dask_workers: the Dask workers the ranks run on (default: the first world_size).
-    lease: the checkpoint directory's lease, already held (hold_checkpoint_dir; the CLI takes
-    it before an engine starts); default: taken here and released at the end.
+    store: the job's checkpoint store (CheckpointStore.for_job), already holding its folder
+    (the CLI takes the hold before an engine starts); default: made from cfg, held here and
+    released at the end.
     """
     dataset_dir = storage.resolve(dataset_dir, "pipelines.dataset_dir")
-    ckpt, own = cfg.checkpoint_dir, cfg._own_checkpoint_dir
-    if "checkpoint_dir" not in cfg.model_fields_set:  # unset: a folder of this job's own
-        ckpt, own = checkpoints.job_dir(cfg, tracking.experiment, tracking.registered_model, dataset_dir), True
-    cfg = cfg.model_copy(update={"checkpoint_dir": storage.resolve(ckpt, "training.checkpoint_dir")})
-    cfg._own_checkpoint_dir = own
+    if store is None:
+        store = CheckpointStore.for_job(cfg, tracking.experiment, tracking.registered_model, dataset_dir)
+    cfg = cfg.model_copy(update={"checkpoint_dir": store.url})
     checkpoints.check_allowed(cfg.resume_allow_changed)
     _check_capacity(cfg, spark, dask_client)
     # The version checked here is the one every rank reads (and every restart), whatever
     # a prepare commits meanwhile: retention keeps it (pipelines.retention).
     manifest = preflight(cfg, dataset_dir)
     # One job per checkpoint directory, held until its ranks are done; they watch it.
-    held = lease or hold_checkpoint_dir(cfg)
+    held_here = store.lease is None
+    held = store.hold(cfg.lease_ttl_s)
     try:
         guard = DriverGuard.for_this_process(held.url, held.job, held.ttl_s)
-        return _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guard,
+        return _run_training(cfg, tracking, dataset_dir, manifest, store, spark, dask_client, guard,
                              into_run, register, epoch_hook, dask_workers)
     finally:
-        if lease is None:
-            held.release()
+        if held_here:
+            store.release()
 
 
-def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guard,
+def _run_training(cfg, tracking, dataset_dir, manifest, store, spark, dask_client, guard,
                   into_run, register, epoch_hook, dask_workers) -> TrainResult:
     import mlflow
 
     resume_from, run_id, changed, head = None, into_run, {}, {}
-    check_checkpoints(cfg, manifest)
+    code = code_snapshot(cfg)  # found once: the fingerprint's, the checkpoints', the ranks'
+    check_checkpoints(cfg, manifest, store, code)
     if cfg.resume:
-        found = checkpoints.readable(cfg.checkpoint_dir, {})  # the newest readable one
+        found = store.readable()  # the newest readable one
         if found is None:
-            raise DataError(f"{storage.display(cfg.checkpoint_dir)}: no checkpoint to resume from")
+            raise DataError(f"{store.where}: no checkpoint to resume from")
         resume_from = found[0]
         if "dataset_version" not in cfg.resume_allow_changed:
-            manifest = _version_of(resume_from, dataset_dir, manifest)
-        fp = checkpoints.fingerprint(cfg, manifest.version_id)
-        head = checkpoints.load(resume_from, sharded_checkpoints.comparable(fp), cfg.resume_allow_changed)
+            manifest = _version_of(store, resume_from, dataset_dir, manifest)
+        fp = checkpoints.fingerprint(cfg, manifest.version_id, code)
+        head = store.read(resume_from, checkpoints.comparable(fp), cfg.resume_allow_changed)
         # Another mesh than the one that wrote it: refused here unless it reshards.
         data_world = get_strategy(cfg.strategy).data_world(cfg)
         sharded_checkpoints.check_resume(head, cfg, data_world, storage.display(resume_from))
         if head.get("epoch", 0) >= cfg.epochs:  # check_checkpoints says so first, before an engine
-            checkpoints.check_unfinished(cfg.checkpoint_dir, cfg.epochs, cfg.resume_allow_changed)
-        changed = {k: (head["fingerprint"].get(k), v) for k, v in fp.items()
-                   if k in cfg.resume_allow_changed and head.get("fingerprint", {}).get(k) != v}
+            store.check_unfinished(cfg.epochs, cfg.resume_allow_changed)
+        saved = head.get("fingerprint", {})
+        changed = {k: (saved.get(k), fp[k]) for k in checkpoints.differences(saved, fp)
+                   if k in cfg.resume_allow_changed}
+        code_changes = code.changes(head.get("code_files") or {}) if "code" in changed else []
         print(f"[shardline] resuming from {storage.display(resume_from)} (step {head.get('global_step')}, "
               f"epoch {head.get('epoch')} of {cfg.epochs} done)"
-              + "".join(f"; {k} {old} -> {new}" for k, (old, new) in changed.items()),
+              + "".join(f"; {k} {old} -> {new}" if k != "code" else f"; code changed: {', '.join(code_changes)}"
+                        for k, (old, new) in changed.items()),
               file=sys.stderr, flush=True)
+        if code.files and "code" not in saved:
+            print(f"[shardline] {storage.display(resume_from)} was written before checkpoints kept the code's "
+                  "digest: this job's code cannot be compared with the one that wrote it", file=sys.stderr, flush=True)
         run_id = head["run_id"] or None
     else:
-        fp = checkpoints.fingerprint(cfg, manifest.version_id)
+        fp = checkpoints.fingerprint(cfg, manifest.version_id, code)
         # A new job starts over (stale checkpoints would be resumed by its restarts), but
         # never over another job's checkpoints.
-        checkpoints.start_over(cfg.checkpoint_dir, fp, own_folder=cfg._own_checkpoint_dir)
-        sharded_checkpoints.prune(cfg.checkpoint_dir)
+        store.start_over(fp)
     uri = tracking.resolved_uri()
     open_experiment(uri, tracking.experiment)
     if run_id:
@@ -210,12 +225,12 @@ def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guar
         print(outline, file=sys.stderr, flush=True)
     # Not `with mlflow.start_run()`: its end, with the server down, would bury the job's one line.
     with tracked_run(run_id, None if run_id else run_name(cfg), uri, tracking.outage_wait_s,
-                     lambda: checkpoints.latest(cfg.checkpoint_dir)) as run:
+                     store.latest) as run:
         run_id = run.info.run_id
         if outline:
             mlflow.log_text(outline, f"strategy-{cfg.strategy}.txt")
         if cfg.resume and changed:
-            _log_changed(changed, head.get("global_step", 0))
+            _log_changed(changed, head.get("global_step", 0), code_changes)
         if not cfg.resume:
             mlflow.log_params(_flat(cfg.model_dump()))
             mlflow.log_params(
@@ -234,15 +249,16 @@ def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guar
             tracking_uri=uri,
             run_id=run_id,
             fingerprint=fp,
+            code_files=code.files,
             resume_from=str(resume_from) if resume_from else None,
             epoch_hook=epoch_hook,
         )
         # Ranks' progress lines reach this console wherever they run (pipelines.progress).
         with ProgressListener(listen_address(cfg.launcher, spark, dask_client)) as listener:
             job.progress_addr = listener.address
-            result = _launch_with_restarts(cfg, job, spark, dask_client, dask_workers, guard)
+            result = _launch_with_restarts(cfg, job, store, spark, dask_client, dask_workers, guard)
         # What the server was down for, sent now (waiting for it a while, else one line).
-        replay(uri, result.get("mlflow_pending", []), tracking.outage_wait_s, checkpoints.latest(cfg.checkpoint_dir))
+        replay(uri, result.get("mlflow_pending", []), tracking.outage_wait_s, store.latest())
         if result.get("steps", 1) == 0:
             # Preflight refuses this; a model that never took a step must not be registered.
             raise ShardlineError(
@@ -254,7 +270,7 @@ def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guar
         model.load_state_dict(torch.load(io.BytesIO(result["state_dict"]), weights_only=True))
         # The driver's own calls: a server down as training ends is waited for like one down during it.
         def reachable(call):
-            return when_reachable(call, uri, tracking.outage_wait_s, checkpoints.latest(cfg.checkpoint_dir))
+            return when_reachable(call, uri, tracking.outage_wait_s, store.latest())
 
         reachable(lambda: log_curves(run_id, [k for k in result["metrics"] if not k.startswith("rank")]))
         version = reachable(lambda: log_model(model, manifest, cfg, tracking.registered_model if register else None))
@@ -267,15 +283,17 @@ def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guar
     )
 
 
-def _log_changed(changed: dict[str, tuple], step: int) -> None:
+def _log_changed(changed: dict[str, tuple], step: int, code_changes: list[str] = ()) -> None:
     """A resume's allowed changes (--allow-changed lr) in the run: MLflow params cannot
     change, so each new value is a param of its own (`lr.from_step_120`) and a tag says
-    what changed, from when."""
+    what changed, from when. The code's: its digest, and a tag naming the files."""
     import mlflow
 
     mlflow.log_params({f"{k}.from_step_{step}": new for k, (_, new) in changed.items()})
     for k, (old, new) in changed.items():
         mlflow.set_tag(f"shardline.resume_changed.{k}", f"{old} -> {new} from step {step}")
+    if code_changes:
+        mlflow.set_tag("shardline.resume_changed.code_files", ", ".join(code_changes)[:5000])
 
 
 def _check_capacity(cfg: TrainingConfig, spark, dask_client) -> None:
@@ -293,10 +311,10 @@ def _check_capacity(cfg: TrainingConfig, spark, dask_client) -> None:
         check_dask_workers(dask_client, cfg.world_size)
 
 
-def _version_of(checkpoint: str, dataset_dir: str, newest: ShardManifest) -> ShardManifest:
+def _version_of(store: CheckpointStore, checkpoint: str, dataset_dir: str, newest: ShardManifest) -> ShardManifest:
     """The dataset version a checkpoint was written on, if retention still keeps it: a
     resumed job goes on reading what it started on (else the fingerprint check refuses)."""
-    written_on = checkpoints.load(checkpoint, {}).get("fingerprint", {}).get("dataset_version")
+    written_on = store.read(checkpoint).get("fingerprint", {}).get("dataset_version")
     if written_on in (None, newest.version_id):
         return newest
     for seq in reversed(sequences(dataset_dir)):
@@ -321,23 +339,8 @@ def _continue_run(run_id: str) -> str | None:
     return run_id
 
 
-def hold_checkpoint_dir(cfg: TrainingConfig) -> Lease:
-    """The checkpoint directory's lease: a second job on it is refused (exit 75) naming the
-    holder; one that cannot be written ends here, in one line, before any rank starts."""
-    url = storage.join(storage.resolve(cfg.checkpoint_dir, "training.checkpoint_dir"), LEASE_NAME)
-    lease = Lease(url, f"shardline train {uuid.uuid4().hex[:8]}", ttl_s=cfg.lease_ttl_s,
-                  what="training.checkpoint_dir")
-    try:
-        return lease.acquire()
-    except OSError as e:
-        raise StorageError(
-            f"training.checkpoint_dir {storage.display(cfg.checkpoint_dir)}: cannot write there "
-            f"({e.strerror or type(e).__name__})"
-        ) from None
-
-
 def _launch_with_restarts(
-    cfg: TrainingConfig, job: TrainJob, spark, dask_client, dask_workers=None, guard=None
+    cfg: TrainingConfig, job: TrainJob, store: CheckpointStore, spark, dask_client, dask_workers=None, guard=None
 ) -> dict:
     """Launch; when a rank is lost, relaunch from the latest checkpoint, max_restarts times.
 
@@ -366,7 +369,7 @@ def _launch_with_restarts(
             if guard is not None and (why := guard.gone()):
                 raise ShardlineError(f"not restarting: {why}") from None  # another job has the directory
             # The newest checkpoint a rank can read (a truncated newest one is skipped, said once).
-            found = checkpoints.readable(cfg.checkpoint_dir, job.fingerprint or {}, cfg.resume_allow_changed)
+            found = store.readable(job.fingerprint or {}, cfg.resume_allow_changed)
             latest = found[0] if found else None
             job.resume_from = latest
             if outbox is not None:
