@@ -53,6 +53,8 @@ def test_resume_over_changed_code_is_refused_naming_the_files(small_dataset, tra
     r = train()
     assert r.returncode == 0, r.stderr[-3000:]
     (folder,) = (project / "shardline-data" / "checkpoints" / EXPERIMENT).iterdir()  # the job's own
+    (first,) = _runs(tracking_uri)
+    assert first.data.params["code_digest"] == snapshot([str(project / "usernets")]).digest
 
     # An edit that keeps every shape (another activation), and a file added beside it.
     nets = project / "usernets" / "nets.py"

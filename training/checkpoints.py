@@ -140,9 +140,6 @@ def allow_hint(fields: list[str]) -> str:
 
 def code_refusal(where: str, changes: list[str]) -> ConfigError:
     """The one line refusing a resume over changed code, naming the files (`changes`:
-    CodeSnapshot.changes; empty when the checkpoint kept only the digest)."""
+    CheckpointStore.code_changes; the first six, then how many more)."""
     named = ", ".join(changes[:6]) + (f" and {len(changes) - 6} more" if len(changes) > 6 else "")
-    return ConfigError(
-        f"{where}: the code changed since the checkpoint{': ' + named if named else ''}; "
-        "to resume with it: --allow-changed code"
-    )
+    return ConfigError(f"{where}: the code changed since the checkpoint: {named}; to resume with it: --allow-changed code")

@@ -239,6 +239,8 @@ def _run_training(cfg, tracking, dataset_dir, manifest, store, spark, dask_clien
                     "dataset_version": manifest.version_id,
                     "dataset_sequence": manifest.sequence,
                     **{f"rows_{s}": info.rows for s, info in manifest.splits.items()},
+                    # Which code trained it (the fingerprint's `code`): a user's model only.
+                    **({"code_digest": code.digest} if code.files else {}),
                 }
             )
             log_dataset_input(manifest, dataset_dir)
@@ -369,7 +371,9 @@ def _launch_with_restarts(
             if guard is not None and (why := guard.gone()):
                 raise ShardlineError(f"not restarting: {why}") from None  # another job has the directory
             # The newest checkpoint a rank can read (a truncated newest one is skipped, said once).
-            found = store.readable(job.fingerprint or {}, cfg.resume_allow_changed)
+            # Comparable: a job resumed at another mesh restarts from the checkpoint it resumed
+            # from (written at the old mesh) until it has written one of its own.
+            found = store.readable(checkpoints.comparable(job.fingerprint), cfg.resume_allow_changed)
             latest = found[0] if found else None
             job.resume_from = latest
             if outbox is not None:
