@@ -1,7 +1,7 @@
 """Generate the reference pages from the code itself, so they cannot drift from it:
 
 - docs/reference/settings.md: every config setting (section, name, type, default,
-  description) from the pydantic models that `jobs.config.ShardlineConfig` composes;
+  description) from the pydantic models that `shardline.config.ShardlineConfig` composes;
 - docs/reference/cli.md: every `shardline` command, argument and flag from the click CLI,
   and the fault runner's flags from its argparse parser;
 - docs/reference/errors.md: the exit codes and the bad-input catalog from

@@ -152,7 +152,7 @@ def prepare(config, overrides, engine, append, refit, by_plan, as_json):
               "(wherever it is stored); the same as --set training.resume=true.")
 @click.option("--allow-changed", "allow_changed", multiple=True, metavar="FIELDS",
               help="With --resume: fingerprint fields that may differ from the checkpoint's (comma-separated, "
-              "repeatable: lr, weight_decay, lr_schedule, warmup_steps, epochs, dataset_version); adds to "
+              "repeatable: lr, weight_decay, lr_schedule, warmup_steps, epochs, dataset_version, code); adds to "
               "training.resume_allow_changed.")
 @_json_option
 def train(config, overrides, launcher, world_size, resume, allow_changed, as_json):

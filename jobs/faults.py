@@ -56,7 +56,7 @@ def _equal(a: dict, b: dict) -> bool:
 
 
 def kill_rank(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
-    from shardline.training import checkpoints
+    from shardline.training.checkpoint_store import CheckpointStore
 
     ckpt = storage.join(root, "kill-rank")
     done, seen = threading.Event(), {}
@@ -64,7 +64,7 @@ def kill_rank(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
     def killer() -> None:
         info = storage.join(ckpt, "ranks", "rank-1.json")
         while not done.is_set():
-            if checkpoints.checkpoint_paths(ckpt) and storage.exists(info):
+            if CheckpointStore(ckpt).paths() and storage.exists(info):
                 rank = json.loads(storage.read_bytes(info))
                 seen["host"] = rank["host"]
                 if rank["host"] == socket.gethostname():
@@ -92,26 +92,26 @@ def kill_rank(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
 
 def _copy_prefix(cfg, ref_dir: str, into: str, keep: int) -> list[str]:
     """The reference's first `keep` checkpoints (and their DCP shards) into `into`."""
-    from shardline.training import checkpoints
+    from shardline.training.checkpoint_store import CheckpointStore, POINTER
 
-    paths = checkpoints.checkpoint_paths(ref_dir)[:keep]
+    paths = CheckpointStore(ref_dir).paths()[:keep]
     for p in paths:
         storage.write_bytes(storage.join(into, storage.name(p)), storage.read_bytes(p))
-        sharded = checkpoints.load(p, {}).get("sharded")
+        sharded = CheckpointStore.holding(p).read().get("sharded")
         if sharded:
             for f in storage.find_files(storage.join(ref_dir, sharded)):
                 rel = f[len(ref_dir) + 1:]
                 storage.write_bytes(storage.join(into, rel), storage.read_bytes(f))
-    step = checkpoints.load(paths[-1], {})["global_step"]
+    step = CheckpointStore.holding(paths[-1]).read()["global_step"]
     pointer = {"name": storage.name(paths[-1]), "step": step}
-    storage.write_bytes(storage.join(into, checkpoints.POINTER), json.dumps(pointer).encode())
+    storage.write_bytes(storage.join(into, POINTER), json.dumps(pointer).encode())
     return [storage.join(into, storage.name(p)) for p in paths]
 
 
 def truncated_checkpoint(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
-    from shardline.training import checkpoints
+    from shardline.training.checkpoint_store import CheckpointStore
 
-    kept = checkpoints.checkpoint_paths(ref.checkpoint_dir)
+    kept = CheckpointStore(ref.checkpoint_dir).paths()
     if len(kept) < 3:
         return "FAIL", f"the reference wrote {len(kept)} checkpoint(s); the case needs 3 (train longer)"
     ckpt = storage.join(root, "truncated")
@@ -124,10 +124,10 @@ def truncated_checkpoint(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
 
 
 def changed_lr(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
-    from shardline.training import checkpoints
+    from shardline.training.checkpoint_store import CheckpointStore
 
     ckpt = storage.join(root, "changed-lr")
-    _copy_prefix(cfg, ref.checkpoint_dir, ckpt, keep=max(1, len(checkpoints.checkpoint_paths(ref.checkpoint_dir)) // 2))
+    _copy_prefix(cfg, ref.checkpoint_dir, ckpt, keep=max(1, len(CheckpointStore(ref.checkpoint_dir).paths()) // 2))
     try:
         _train(cfg, ckpt, handles, resume=True, lr=cfg.training.lr * 10)
     except ShardlineError as e:

@@ -20,13 +20,14 @@ of theirs is unpickled before `use_code` has run.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import os
 import socket
 import sys
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ShardlineError
@@ -37,25 +38,42 @@ PREFIX = "shardline-user-"  # shardline-user-<sha>.zip
 
 @dataclass(frozen=True)
 class UserCode:
-    """One version of the user's code: what a worker needs to import it; small and picklable.
+    """One version of the user's code: what a worker needs to import it, and what the code
+    is by content; small and picklable.
 
     A job takes it once on the driver (`snapshot`), and every rank, restart and scorer of
     the job imports exactly these bytes, whatever the folders hold by then.
-    zip_name: the shipped zip (`shardline-user-<digest>.zip`), found on the worker's path
-    or in its files folder; zip_path: where it is on the driver's host (the local
-    launcher's ranks import it from there). Both None for a UserCode of folders used in
-    place (`local_code`).
+    files: each shipped file's sha256, keyed by its name in the zip (`mypkg/nets.py`),
+    hashed from the very bytes the zip is written from; `digest` is one hash of them all
+    (the checkpoints' fingerprint keeps it, and the files, to name what changed).
+    zip_name: the shipped zip (`shardline-user-<hash>.zip`), found on the worker's path or
+    in its files folder; zip_path: where it is on the driver's host (the local launcher's
+    ranks import it from there). No user code (a built-in model): no packages, no files,
+    an empty digest. `local_code`: folders used in place, no zip and no files.
     """
 
     packages: tuple[str, ...]  # the top-level import names it provides
     zip_name: str | None = None
     folders: tuple[str, ...] = ()  # the driver's paths (used in place when zip_name is None)
     zip_path: str | None = None
+    files: dict[str, str] = field(default_factory=dict)
 
     @property
     def digest(self) -> str:
-        """The content hash that names this version ("" for folders used in place)."""
-        return self.zip_name[len(PREFIX):-len(".zip")] if self.zip_name else ""
+        return code_digest(self.files)
+
+    def changes(self, earlier: dict[str, str]) -> list[str]:
+        """How this code differs from `earlier` files ({name: sha256}), one phrase a file,
+        sorted by name: `mypkg/nets.py changed`, `... added`, `... removed`."""
+        out = []
+        for name in sorted(earlier.keys() | self.files.keys()):
+            if name not in earlier:
+                out.append(f"{name} added")
+            elif name not in self.files:
+                out.append(f"{name} removed")
+            elif earlier[name] != self.files[name]:
+                out.append(f"{name} changed")
+        return out
 
 
 def top_names(folders: Sequence[str]) -> list[tuple[str, Path]]:
@@ -96,16 +114,29 @@ def _files(folders: Sequence[str]) -> list[tuple[str, Path]]:
     return sorted(out)
 
 
+def code_digest(files: dict[str, str]) -> str:
+    """One digest of per-file digests ({name: sha256}); "" for no files."""
+    if not files:
+        return ""
+    h = hashlib.sha256()
+    for name in sorted(files):
+        h.update(f"{name}\0{files[name]}\n".encode())
+    return h.hexdigest()
+
+
 def code_zip(folders: Sequence[str]) -> tuple[str, UserCode]:
-    """The zip of `folders` (made once per content in this process) and its UserCode."""
-    path = content_zip(PREFIX, _files(folders))
+    """The zip of `folders` (made once per content in this process) and its UserCode: each
+    file is read once, and both its digest and the zip come from those bytes."""
+    datas = [(arc, path.read_bytes(), path.stat().st_mode) for arc, path in _files(folders)]
+    path = content_zip(PREFIX, datas)
     names = tuple(n for n, _ in top_names(folders))
-    return path, UserCode(names, os.path.basename(path), tuple(str(f) for f in folders), path)
+    files = {arc: hashlib.sha256(data).hexdigest() for arc, data, _ in datas}
+    return path, UserCode(names, os.path.basename(path), tuple(str(f) for f in folders), path, files)
 
 
-def snapshot(folders: Sequence[str]) -> UserCode | None:
-    """The user's code as it is now, zipped and named by its content; None for no code."""
-    return code_zip(folders)[1] if folders else None
+def snapshot(folders: Sequence[str]) -> UserCode:
+    """The user's code as it is now, zipped and named by its content; empty for no code."""
+    return code_zip(folders)[1] if folders else UserCode(())
 
 
 # ---------------------------------------------------------------- shipping (driver side)
@@ -190,7 +221,7 @@ def ship_to_spark(spark, code: UserCode | None) -> UserCode | None:
     """Add the user's zip to a SparkSession (classic, any master, or Connect) as a Python
     artifact: every later task of the session has it on its path. Shipped on local
     masters too: their Python workers are reused from run to run like an executor's."""
-    if code is None or code.zip_path is None:
+    if code is None or code.zip_path is None:  # no user code, or folders used in place
         return code
     _ship_once(spark, code.zip_name, lambda: _add_artifact(spark, code.zip_path))
     return code
@@ -228,7 +259,7 @@ def use_code(code: UserCode | None) -> None:
     its folders' parents) first on sys.path, and every module of its top-level packages
     that was loaded from elsewhere (an older zip, another folder) dropped from sys.modules,
     so the next import reads this version. Modules already from here are kept."""
-    if code is None:
+    if code is None or not code.packages:
         return
     if code.zip_name:
         here = code.zip_path if code.zip_path and os.path.isfile(code.zip_path) else None

@@ -34,6 +34,7 @@ from shardline.config import (
     SOURCE,
     ShardlineConfig,
     check_storage,
+    checkpoint_store,
     cluster_of,
     resolve_paths,
 )
@@ -121,12 +122,13 @@ def _choose(cfg: ShardlineConfig, setting: str, spark, client) -> ShardlineConfi
     return cfg.model_copy(update={section_name: section.model_copy(update={name: value})})
 
 
-def _training_job(cfg: ShardlineConfig):
-    """The training section resolved into one job object (training.job.TrainingJob)."""
+def _training_job(given: ShardlineConfig, cfg: ShardlineConfig):
+    """The training section resolved into one job object (training.job.TrainingJob); `given`
+    is the config as written (an unset checkpoint_dir makes the folder the job's own)."""
     from shardline.training.job import TrainingJob  # torch and MLflow: only when training
 
     return TrainingJob.resolve(cfg.training, cfg.tracking, cfg.pipelines.dataset_dir,
-                               own_checkpoint_dir=cfg.training._own_checkpoint_dir)
+                               store=checkpoint_store(given, cfg))
 
 
 @_keeps_callers_mlflow
@@ -157,20 +159,20 @@ def prepare(
 @_keeps_callers_mlflow
 def train(config: Config = None, overrides: Overrides = (), *, spark=None, client=None) -> TrainResult:
     """Train on the prepared dataset on `training.launcher`'s engine; track in MLflow; register."""
-    cfg = _choose(load_config(config, overrides), "training.launcher", spark, client)
-    cfg = resolve_paths(cfg, [cfg.training.launcher], (DATASET, CHECKPOINTS), tracking=True, spark=spark,
+    given = _choose(load_config(config, overrides), "training.launcher", spark, client)
+    cfg = resolve_paths(given, [given.training.launcher], (DATASET, CHECKPOINTS), tracking=True, spark=spark,
                         client=client)
-    job = _training_job(cfg)
+    job = _training_job(given, cfg)
     check_storage(cfg, reads=(DATASET,), writes=(CHECKPOINTS,))
     # One job per checkpoint folder, refused first: "in use by" says more than what the
     # holder's checkpoints differ in. Folders made only for the lease go with it.
-    lease = job.hold()
+    job.hold()
     try:
         job.check()  # everything else, before an engine starts
         with Engines(cfg, spark, client, spark_ranks(cfg)) as engines:
-            return run_train(job, engines, lease)
+            return run_train(job, engines)
     finally:
-        lease.release()
+        job.store.release()
 
 
 @_keeps_callers_mlflow
@@ -241,12 +243,12 @@ def run(config: Config = None, overrides: Overrides = (), *, spark=None, client=
     from shardline.serving.score import plan as score_plan
     from shardline.training.tracking import check_store
 
-    cfg = load_config(config, overrides)
+    given = load_config(config, overrides)
     for setting in ("pipelines.engine", "training.launcher", "serving.engine"):
-        cfg = _choose(cfg, setting, spark, client)
-    uses = [cfg.pipelines.engine, cfg.training.launcher, cfg.serving.engine]
-    cfg = resolve_paths(cfg, uses, (SOURCE, DATASET, CHECKPOINTS, OUTPUT), tracking=True, spark=spark, client=client)
-    job = _training_job(cfg)
+        given = _choose(given, setting, spark, client)
+    uses = [given.pipelines.engine, given.training.launcher, given.serving.engine]
+    cfg = resolve_paths(given, uses, (SOURCE, DATASET, CHECKPOINTS, OUTPUT), tracking=True, spark=spark, client=client)
+    job = _training_job(given, cfg)
     # What can be checked before the dataset exists, before anything is written: the
     # settings, the stores, the checkpoint folder, the MLflow store, the input.
     job.check_settings()
@@ -261,13 +263,13 @@ def run(config: Config = None, overrides: Overrides = (), *, spark=None, client=
         # Every lease before an engine starts: a second run on the same folders is refused at once.
         dataset = stack.enter_context(dataset_lease(cfg))
         output = stack.enter_context(output_lease(cfg.serving.output_dir))
-        held = job.hold()
-        stack.callback(held.release)
+        job.hold()
+        stack.callback(job.store.release)
         engines = stack.enter_context(Engines(cfg, spark, client, spark_ranks(cfg)))
         manifest = run_prepare(cfg, engines.prepare_engine(cfg.pipelines.engine), lease=dataset, checked=checked)
         dataset.release()
         job.check()  # the model on the dataset just made
-        trained = run_train(job, engines, held)
+        trained = run_train(job, engines)
         s = cfg.serving
         p = score_plan(trained.model_uri, trained.tracking_uri, cfg.pipelines.dataset_dir, s.output_dir,
                        split=s.split, incremental=s.incremental, backfill=s.backfill, force=force)

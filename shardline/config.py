@@ -178,12 +178,10 @@ def resolve_paths(
                     f"{'is a path' if len(local) == 1 else 'are paths'} on this machine: every host must see "
                     f"{'it' if len(local) == 1 else 'them'} at the same path (a shared filesystem); else use "
                     f"URLs (s3://bucket/prefix) and an MLflow server")
-    training = t.model_copy(update={"checkpoint_dir": checkpoint_dir})
-    training._own_checkpoint_dir = t._own_checkpoint_dir or "checkpoint_dir" not in t.model_fields_set
     return cfg.model_copy(
         update={
             "pipelines": p.model_copy(update={"source": source, "dataset_dir": dataset_dir}),
-            "training": training,
+            "training": t.model_copy(update={"checkpoint_dir": checkpoint_dir}),
             "serving": s.model_copy(update={"output_dir": output_dir}),
             "tracking": cfg.tracking.model_copy(update={"tracking_uri": tracking_uri}),
             "sweep": cfg.sweep.model_copy(update={"storage": sweep_storage}),
@@ -200,6 +198,15 @@ def _checkpoint_dir(cfg: ShardlineConfig) -> str:
     from shardline.training.checkpoints import job_dir
 
     return job_dir(t, cfg.tracking.experiment, cfg.tracking.registered_model, cfg.pipelines.dataset_dir)
+
+
+def checkpoint_store(given: ShardlineConfig, resolved: ShardlineConfig):
+    """The job's training.checkpoint_store.CheckpointStore: the folder resolve_paths gave
+    `resolved`, the job's own (job_dir: a new run there replaces an earlier one that differs
+    only in what the folder's name leaves out) when the config as `given` leaves it unset."""
+    from shardline.training.checkpoint_store import CheckpointStore
+
+    return CheckpointStore(resolved.training.checkpoint_dir, own="checkpoint_dir" not in given.training.model_fields_set)
 
 
 def path_of(cfg: ShardlineConfig, setting: str) -> str:

@@ -53,7 +53,7 @@ def run_prepare(cfg: ShardlineConfig, engine, append=False, refit=False, by_plan
     return manifest
 
 
-def run_train(job, engines: Engines, lease=None):
+def run_train(job, engines: Engines):
     """A checked training.job.TrainingJob, run on training.launcher's engine (none for `local`)."""
     t = job.cfg
     handle = engines.handle(t.launcher)
@@ -62,7 +62,7 @@ def run_train(job, engines: Engines, lease=None):
     job.check_capacity(spark, client)
     report.note(f"checkpoints: {t.checkpoint_dir}")
     with stage(f"Training {t.model} with {t.strategy} on {t.world_size} {t.launcher} ranks"):
-        return job.run(spark, client, lease=lease)
+        return job.run(spark, client)
 
 
 def run_score(cfg: ShardlineConfig, engines: Engines, p, input_path: str, lease=None):

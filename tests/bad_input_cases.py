@@ -13,7 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardline.pipelines.code_travel import snapshot
 from shardline.training import checkpoints
+from shardline.training.checkpoint_store import CheckpointStore
 from shardline.training.config import TrainingConfig
 
 # code -> (meaning, the exception classes or click errors that raise it). tests/test_defaults.py
@@ -44,14 +46,24 @@ class Case:
 
 def _others_checkpoints(folder: Path, _dataset: str) -> None:
     cfg = TrainingConfig(hidden=[16], batch_size=64)
-    checkpoints.save(str(folder / "ckpt"), 5, {"fingerprint": checkpoints.fingerprint(cfg, "v")}, keep=3)
+    CheckpointStore(str(folder / "ckpt")).save(5, {"fingerprint": checkpoints.fingerprint(cfg, "v")}, keep=3)
+
+
+def _checkpoint_of_other_code(folder: Path, _dataset: str) -> None:
+    """A checkpoint of this config written by other code: usernets/nets.py as it was then."""
+    from shardline.pipelines.code_travel import code_digest
+
+    files = {**snapshot([str(USERNETS)]).files, "usernets/nets.py": "0" * 64}
+    fp = {**checkpoints.fingerprint(TrainingConfig(), "v"), "code": code_digest(files)}
+    CheckpointStore(str(folder / "ckpt")).save(5, {"fingerprint": fp, "code_files": files, "epoch": 0}, keep=3)
 
 
 def _own_checkpoints(folder: Path, _dataset: str) -> None:
     """This very job's earlier checkpoints (the base config's training settings): a new run
     would start over there, replacing them, if nothing refused it first."""
     cfg = TrainingConfig(launcher="spark", world_size=2, batch_size=64, epochs=1)
-    checkpoints.save(str(folder / "ckpt"), 5, {"fingerprint": checkpoints.fingerprint(cfg, "v"), "epoch": 1}, keep=3)
+    fp = checkpoints.fingerprint(cfg, "v", snapshot([]))
+    CheckpointStore(str(folder / "ckpt")).save(5, {"fingerprint": fp, "epoch": 1}, keep=3)
 
 
 def _file_as_checkpoint_dir(folder: Path, _dataset: str) -> None:
@@ -143,7 +155,8 @@ TENSORS_TOML = ("[pipelines.features.tensors.grid]\ndtype = 'uint8'\nshape = [2,
                 "[pipelines.features.tensors.tokens]\ndtype = 'int32'\nshape = [4]\nvocab_size = 10\n")
 GOOD_GRID, GOOD_TOKENS = [[1, 2, 3], [4, 5, 6]], [1, 2, 3, 4]
 # The user's own model package (tests/usermodels/usernets), found through training.code_paths.
-USER = f"code_paths = ['{Path(__file__).parent / 'usermodels' / 'usernets'}']\n"
+USERNETS = Path(__file__).parent / "usermodels" / "usernets"
+USER = f"code_paths = ['{USERNETS}']\n"
 
 
 def _user(what: str, settings: list[str], message: str) -> Case:
@@ -216,6 +229,9 @@ CASES = [
           "is no nn.Sequential and declares no pipeline_layers()"),
     _user("model output width does not match the classes", ["training.model='usernets.nets:wrong_width'"],
           "the output must be [batch, 3]"),
+    Case("resume over changed code", [*T, "--resume", "--set", "training.model='usernets.nets:build'"], 2,
+         "the code changed since the checkpoint: usernets/nets.py changed; to resume with it: --allow-changed code",
+         toml=USER, setup=_checkpoint_of_other_code),
     Case("sweep with nothing to search", ["sweep", "{cfg}"], 2, "sweep.space is empty"),
     Case("sweep objective not logged", ["sweep", "{cfg}", "--set", "sweep.objective='val_f1'"], 2,
          "training does not produce 'val_f1'",

@@ -15,7 +15,7 @@ import torch
 
 from shardline.pipelines import storage
 from shardline.pipelines.errors import DataError
-from shardline.training import checkpoints
+from shardline.training.checkpoint_store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 
@@ -44,7 +44,7 @@ def reference(prepared, tmp_path_factory):
     """An uninterrupted local run, and every checkpoint it wrote."""
     tmp = tmp_path_factory.mktemp("ref")
     result = run_training(_cfg(tmp), _tracking("ref"), prepared.dataset_dir)
-    return result, checkpoints.checkpoint_paths(tmp / "ckpt")
+    return result, CheckpointStore(tmp / "ckpt").paths()
 
 
 def test_checkpoints_are_plain_tensors_and_numbers(reference):
@@ -92,7 +92,7 @@ def test_a_checkpoint_without_its_dcp_directory_falls_back_to_the_previous_one(r
         shutil.copy(head, tmp_path / head.name)
     dcp = torch.load(older, weights_only=True)["sharded"]
     shutil.copytree(older.parent / dcp, tmp_path / dcp)  # the newest one's directory is lost
-    found, state = checkpoints.readable(str(tmp_path), {})
+    found, state = CheckpointStore(str(tmp_path)).readable()
     assert Path(found).name == older.name and state["sharded"] == dcp
     said = capsys.readouterr().err
     assert f"{newest.name}: its DCP directory" in said and f"resuming from {older.name}" in said, said
@@ -104,7 +104,7 @@ def _kill_rank_after_first_checkpoint(ckpt_dir, rank: int, done: threading.Event
     info = storage.join(ckpt_dir, "ranks", f"rank-{rank}.json")
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and not done.is_set():
-        if checkpoints.checkpoint_paths(ckpt_dir) and storage.exists(info):
+        if CheckpointStore(ckpt_dir).paths() and storage.exists(info):
             pid = json.loads(storage.read_bytes(info))["pid"]
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from shardline.pipelines.errors import StorageError
-from shardline.training import checkpoints
+from shardline.training.checkpoint_store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 from shardline.training.launchers import TrainingFailed
@@ -65,7 +65,7 @@ def test_local_ranks_die_with_their_driver_and_a_second_job_is_refused(prepared,
 
         # A resume now takes the dead driver's lease over and finishes (one more epoch: the
         # epochs may change on resume when the user says so).
-        epoch = torch.load(checkpoints.latest(str(ckpt)), weights_only=True)["epoch"]
+        epoch = torch.load(CheckpointStore(str(ckpt)).latest(), weights_only=True)["epoch"]
         resumed = shardline_here(*train_args(prepared.dataset_dir, ckpt, **{"training.epochs": str(epoch + 1)}),
                                  "--resume", "--allow-changed", "epochs", cwd=tmp_path / "first")
         assert resumed.returncode == 0, resumed.stderr[-3000:]

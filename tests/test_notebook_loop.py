@@ -94,3 +94,97 @@ def test_edit_and_train_again_on_a_spark_session_given(tmp_path, prepared, track
 @pytest.mark.slow
 def test_edit_and_train_again_on_a_dask_client_given(tmp_path, prepared, tracking_uri, dask_client):
     train_edit_train(tmp_path, prepared, tracking_uri, "dask", client=dask_client)
+
+
+CONNECT_LOOP = """
+import json, os, sys, time
+from pyspark.sql import SparkSession
+import shardline
+url, code, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+sys.path.insert(0, code)
+spark = SparkSession.builder.remote(url).getOrCreate()
+
+def write(width):
+    os.makedirs(code + "/nbnets", exist_ok=True)
+    open(code + "/nbnets/__init__.py", "w").close()
+    path = code + "/nbnets/nets.py"
+    with open(path, "w") as f:
+        f.write(sys.argv[4].format(width=width))
+    stamp = time.time() + 10 * width
+    os.utime(path, (stamp, stamp))
+
+write(16)
+first = shardline.train(None, overrides, spark=spark)
+write(32)
+second = shardline.train(None, {**overrides, "training.checkpoint_dir": overrides["training.checkpoint_dir"] + "2"},
+                         spark=spark)
+print(json.dumps([list(first.weights["0.weight"].shape), list(second.weights["0.weight"].shape),
+                  first.model_version, second.model_version, type(spark).__module__]))
+"""
+
+
+@pytest.mark.slow
+def test_edit_and_train_again_on_a_spark_connect_session(tmp_path, prepared, connect_server, connect_cli):
+    """The same loop in a Spark Connect program (the session's Connect client process, as
+    `python -c` would run it): the server's Python workers are reused between the jobs."""
+    import json
+
+    cfg = overrides(tmp_path, prepared, f"sqlite:///{tmp_path}/mlflow.db", "spark", "notebook-connect")
+    proc = connect_cli.python(CONNECT_LOOP, connect_server.url, str(tmp_path / "code"), json.dumps(cfg), NETS,
+                              cwd=tmp_path, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:] + connect_server.log_tail()
+    first, second, v1, v2, session = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert session.startswith("pyspark.sql.connect")
+    assert first[0] == 16 and second[0] == 32 and int(v2) == int(v1) + 1
+
+
+def _frame(rows: int = 600):
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows, 3))
+    return pd.DataFrame({"x0": x[:, 0], "x1": x[:, 1], "x2": x[:, 2], "label": (x[:, 0] > 0).astype(np.int64)})
+
+
+def _estimator_config(tmp_path: Path, run: int) -> dict:
+    return {
+        "pipelines": {"dataset_dir": str(tmp_path / f"dataset{run}"), "source": {"path": str(tmp_path / "raw")}},
+        "tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "registered_model": "notebook-estimator"},
+        "training": {"world_size": 2, "batch_size": 64, "epochs": 1, "model": "nbnets.nets:build",
+                     "code_paths": [str(tmp_path / "code" / "nbnets")], "checkpoint_dir": str(tmp_path / f"ckpt{run}")},
+    }
+
+
+def _estimator_loop(tmp_path: Path, fit) -> tuple:
+    """fit(config) -> the fitted estimator's TrainResult, twice, the model edited between."""
+    write_nets(tmp_path / "code", 16)
+    sys.path.insert(0, str(tmp_path / "code"))
+    try:
+        first = fit(_estimator_config(tmp_path, 1))
+        write_nets(tmp_path / "code", 32)
+        second = fit(_estimator_config(tmp_path, 2))
+    finally:
+        sys.path.remove(str(tmp_path / "code"))
+        for m in [m for m in sys.modules if m.split(".")[0] == "nbnets"]:
+            del sys.modules[m]
+    assert first_weight(first)[0] == 16 and first_weight(second)[0] == 32
+    assert int(second.model_version) == int(first.model_version) + 1
+
+
+@pytest.mark.slow
+def test_edit_and_fit_again_with_the_spark_estimator(tmp_path, spark):
+    from shardline.spark import ShardlineEstimator
+
+    df = spark.createDataFrame(_frame())
+    _estimator_loop(tmp_path, lambda cfg: ShardlineEstimator(cfg, label_col="label").fit(df).trained)
+
+
+@pytest.mark.slow
+def test_edit_and_fit_again_with_the_dask_estimator(tmp_path, dask_client):
+    import dask.dataframe as dd
+
+    from shardline.dask import ShardlineEstimator
+
+    ddf = dd.from_pandas(_frame(), npartitions=2)
+    _estimator_loop(tmp_path, lambda cfg: ShardlineEstimator(cfg, label_col="label", client=dask_client).fit(ddf).trained_)

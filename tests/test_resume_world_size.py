@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from shardline.pipelines.manifest import load_manifest
-from shardline.training import checkpoints, sharded_checkpoints
+from shardline.training import sharded_checkpoints
+from shardline.training.checkpoint_store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 from shardline.training.loader import ShardLoader
@@ -79,7 +80,7 @@ def stop_after_first_epoch(epoch: int, metrics: dict) -> bool:
 
 
 def _epoch_end(checkpoint_dir: str, epoch: int) -> Path:
-    for path in checkpoints.checkpoint_paths(checkpoint_dir):
+    for path in CheckpointStore(checkpoint_dir).paths():
         head = torch.load(path, weights_only=True)
         if head["epoch"] == epoch and head["step_in_epoch"] == 0:
             return Path(path)
@@ -202,7 +203,7 @@ def _config(tmp: Path, dataset_dir: str, checkpoint_dir: str | Path, training: s
 )
 def test_cli_refuses_a_resume_that_cannot_reshard(prepared4, first_runs, tmp_path, first, resumed_with, message):
     # The mid-epoch checkpoint at step 5 alone in a directory: the latest, as a resume takes it.
-    mid = next(Path(p) for p in checkpoints.checkpoint_paths(first_runs(first))
+    mid = next(Path(p) for p in CheckpointStore(first_runs(first)).paths()
                if torch.load(p, weights_only=True)["global_step"] == 5)
     _copy_checkpoint(mid, tmp_path / "mid")
     if "earlier shardline" in message:  # as ddp, pipeline and ps wrote them before DCP

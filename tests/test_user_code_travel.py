@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.pipelines.code_travel import code_zip, local_code, use_code
+from shardline.pipelines.code_travel import code_zip, local_code, snapshot, use_code
 from shardline.pipelines.config import DaskConfig
 from shardline.training.launchers.local import launch_local
 
@@ -94,12 +94,15 @@ def test_a_zip_that_never_arrived_is_one_line():
 
 def test_local_ranks_import_the_users_folder_from_anywhere(tmp_path, clean_imports):
     """The fork server's path is that of its start: a package outside it (a code_paths entry
-    elsewhere) is importable in the ranks, and a copy of the package imported earlier from
-    another folder does not shadow it."""
+    elsewhere) is importable in the ranks, from the job's snapshot of it (a zip named by its
+    content, which the ranks import even once the folder has changed), and a copy of the
+    package imported earlier from another folder does not shadow it."""
     pkg = write_package(tmp_path / "elsewhere", 3)
-    ranks = launch_local(read_value, MODULE, world_size=2, timeout_s=120, user_code=[str(pkg)])
+    code = snapshot([str(pkg)])
+    write_package(tmp_path / "elsewhere", 4)  # changed after the job took its snapshot
+    ranks = launch_local(read_value, MODULE, world_size=2, timeout_s=120, code=code)
     assert [r["value"] for r in ranks] == [3, 3]
-    assert all(r["file"] == str(pkg / "model.py") for r in ranks)
+    assert all(r["file"] == os.path.join(code.zip_path, "shipped_pkg", "model.py") for r in ranks), ranks
 
     stale = write_package(tmp_path / "old", 1)
     sys.path.insert(0, str(stale.parent))
@@ -127,9 +130,9 @@ def test_classic_spark_python_workers_run_each_runs_version(spark, tmp_path):
 
     pkg = write_package(tmp_path, 1)
     path = list(sys.path)
-    first = launch_spark_barrier(spark, value_rank(), MODULE, 2, 120, user_code=[str(pkg)])
+    first = launch_spark_barrier(spark, value_rank(), MODULE, 2, 120, code=snapshot([str(pkg)]))
     write_package(tmp_path, 2)
-    second = launch_spark_barrier(spark, value_rank(), MODULE, 2, 120, user_code=[str(pkg)])
+    second = launch_spark_barrier(spark, value_rank(), MODULE, 2, 120, code=snapshot([str(pkg)]))
     assert [r["value"] for r in first] == [1, 1] and [r["value"] for r in second] == [2, 2], second
     for r in first + second:
         assert "/shardline-user-" in r["file"], r
@@ -153,9 +156,9 @@ def test_dask_workers_without_the_package_run_each_runs_version(dask_cli_cluster
             return importlib.util.find_spec("shipped_pkg") is not None
 
         assert not any(client.run(has_package).values())
-        first = launch_dask(client, value_rank(), MODULE, world_size=2, timeout_s=120, user_code=[str(pkg)])
+        first = launch_dask(client, value_rank(), MODULE, world_size=2, timeout_s=120, code=snapshot([str(pkg)]))
         write_package(tmp_path, 2)
-        second = launch_dask(client, value_rank(), MODULE, world_size=2, timeout_s=120, user_code=[str(pkg)])
+        second = launch_dask(client, value_rank(), MODULE, world_size=2, timeout_s=120, code=snapshot([str(pkg)]))
     finally:
         client.close()
     assert [r["value"] for r in first] == [1, 1]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, PrivateAttr
+from pydantic import Field
 
 from shardline.pipelines.config import Section
 from shardline.pipelines.manifest import BandwidthPlan
@@ -200,8 +200,9 @@ class TrainingConfig(Section):
     )
     resume_allow_changed: list[str] = Field(
         default_factory=list, description="Fingerprint fields a resume may change (lr, weight_decay, "
-        "lr_schedule, warmup_steps, epochs, dataset_version; --allow-changed); any other difference "
-        "from the checkpoint's config is refused, naming the fields.",
+        "lr_schedule, warmup_steps, epochs, dataset_version, code: the user's code files; "
+        "--allow-changed); any other difference from the checkpoint's config or code is refused, "
+        "naming the fields (the code: its files).",
     )
     max_restarts: int = Field(
         2, ge=0, description="Relaunches after a rank is lost (a killed process or worker); each "
@@ -213,11 +214,6 @@ class TrainingConfig(Section):
         "the driver renews it every third of this, and ranks whose driver stopped renewing it stop "
         "within about this long.",
     )
-    # Set where an unset checkpoint_dir is derived (training.checkpoints.job_dir): the folder
-    # is this job's own, so a new run there replaces an earlier run that differed only in what
-    # the folder's name leaves out (epochs, lr, ...), instead of being refused.
-    _own_checkpoint_dir: bool = PrivateAttr(False)
-
 
     def loader_workers_for(self, plan: BandwidthPlan | None) -> int:
         """loader_workers if set, else the plan's workers per rank, else 1.

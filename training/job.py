@@ -20,7 +20,6 @@ registered.
 from __future__ import annotations
 
 import io
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,12 +27,12 @@ import torch
 
 from shardline.pipelines import report, storage
 from shardline.pipelines.code_travel import UserCode, snapshot
-from shardline.pipelines.errors import ConfigError, DataError, ShardlineError, StorageError
-from shardline.pipelines.lease import LEASE_NAME, Lease
+from shardline.pipelines.errors import ConfigError, DataError, ShardlineError
 from shardline.pipelines.manifest import ShardManifest, load_manifest, sequences
 from shardline.pipelines.progress import ProgressListener, listen_address
 
 from . import checkpoints, sharded_checkpoints
+from .checkpoint_store import CheckpointStore
 from .config import TrackingConfig, TrainingConfig
 from .launchers import DriverGuard
 from .loader import check_world_size, epoch_steps, rows_per_rank
@@ -62,9 +61,9 @@ class TrainingJob:
     """One training job on the driver (see the module docstring)."""
 
     def __init__(self, cfg: TrainingConfig, tracking: TrackingConfig, dataset_dir: str, *,
-                 own_checkpoint_dir: bool, code: UserCode | None):
+                 store: CheckpointStore, code: UserCode):
         self.cfg, self.tracking, self.dataset_dir = cfg, tracking, dataset_dir
-        self.own_checkpoint_dir = own_checkpoint_dir
+        self.store = store  # the checkpoint folder's owner (training.checkpoint_store)
         self.code = code
         self.strategy = get_strategy(cfg.strategy)
         # Found by check(): what run() acts on.
@@ -72,28 +71,26 @@ class TrainingJob:
         self.model: torch.nn.Module | None = None
         self.fingerprint: dict[str, str] = {}
         self.resume: Resume | None = None
-        self.replaced: list[str] = []  # a new job in its own folder: what of its earlier run it replaces
         self.outline = ""
 
     @classmethod
     def resolve(cls, cfg: TrainingConfig, tracking: TrackingConfig, dataset_dir: str, *,
-                own_checkpoint_dir: bool | None = None) -> TrainingJob:
-        """Paths as every host opens them, the strategy, and the user's code, once.
-
-        An unset checkpoint_dir is this job's own folder (training.checkpoints.job_dir):
-        own_checkpoint_dir says so when the caller derived it already (shardline.config)."""
+                store: CheckpointStore | None = None) -> TrainingJob:
+        """Paths as every host opens them, the checkpoint folder's store, the strategy, and
+        the user's code, once. store: the caller's (shardline.config.checkpoint_store, which
+        knows whether the config left checkpoint_dir unset); else made here
+        (CheckpointStore.for_job: an unset checkpoint_dir is this job's own folder)."""
         dataset_dir = storage.resolve(dataset_dir, "pipelines.dataset_dir")
-        own = bool(own_checkpoint_dir) or cfg._own_checkpoint_dir
-        ckpt = cfg.checkpoint_dir
-        if "checkpoint_dir" not in cfg.model_fields_set:
-            ckpt, own = checkpoints.job_dir(cfg, tracking.experiment, tracking.registered_model, dataset_dir), True
-        cfg = cfg.model_copy(update={"checkpoint_dir": storage.resolve(ckpt, "training.checkpoint_dir")})
+        if store is None:
+            store = CheckpointStore.for_job(cfg, tracking.experiment, tracking.registered_model, dataset_dir)
+        cfg = cfg.model_copy(update={"checkpoint_dir": store.url})
         tracking = tracking.model_copy(update={"tracking_uri": tracking.resolved_uri()})
         checkpoints.check_allowed(cfg.resume_allow_changed)
-        # The user's code as it is now: the driver's checks and every rank use these bytes.
+        # The user's code as it is now: the driver's checks, the fingerprint and every rank
+        # use these bytes.
         code = snapshot(job_code_folders(cfg))
         refresh_driver_code(code)
-        return cls(cfg, tracking, dataset_dir, own_checkpoint_dir=own, code=code)
+        return cls(cfg, tracking, dataset_dir, store=store, code=code)
 
     @property
     def tracking_uri(self) -> str:
@@ -138,45 +135,40 @@ class TrainingJob:
 
     def check_folder(self) -> None:
         """What can be told of the checkpoint folder before the dataset exists (`shardline
-        run` prepares it first): a checkpoint to resume from; for a new job, no other job's
-        checkpoints (their dataset version is no part of that comparison)."""
+        run` prepares it first): a checkpoint to resume from, over the same code; for a new
+        job, no other job's checkpoints (their dataset version is no part of that comparison)."""
         cfg = self.cfg
+        fp = checkpoints.fingerprint(cfg, "", self.code)
         if cfg.resume:
-            if checkpoints.latest(cfg.checkpoint_dir) is None:
-                raise DataError(f"{storage.display(cfg.checkpoint_dir)}: no checkpoint to resume from")
-            return
-        checkpoints.check_owner(cfg.checkpoint_dir, checkpoints.fingerprint(cfg, ""),
-                                own_folder=self.own_checkpoint_dir)
+            self.store.check_resume(fp, self.code, cfg.epochs, cfg.resume_allow_changed)
+        else:
+            self.store.check_new(fp)
 
     def _check_checkpoints(self) -> None:
-        """The checkpoint folder fits the job: a checkpoint to resume from, of this job, at a
-        mesh it reshards to, not already the job's end; or, for a new job, no other job's
-        checkpoints (starting over would delete them)."""
-        cfg, where = self.cfg, storage.display(self.cfg.checkpoint_dir)
+        """The checkpoint folder fits the job: a checkpoint to resume from, of this job, over
+        the same code (unless allowed), at a mesh it reshards to, not already the job's end;
+        or, for a new job, no other job's checkpoints (starting over would delete them)."""
+        cfg, store, code = self.cfg, self.store, self.code
         allowed = cfg.resume_allow_changed
         if not cfg.resume:
-            self.fingerprint = checkpoints.fingerprint(cfg, self.manifest.version_id)
-            self.replaced = checkpoints.check_owner(cfg.checkpoint_dir, self.fingerprint,
-                                                    own_folder=self.own_checkpoint_dir)
+            self.fingerprint = checkpoints.fingerprint(cfg, self.manifest.version_id, code)
+            store.check_new(self.fingerprint)
             return
-        if checkpoints.latest(cfg.checkpoint_dir) is None:
-            raise DataError(f"{where}: no checkpoint to resume from")
-        checkpoints.check_unfinished(cfg.checkpoint_dir, cfg.epochs, allowed,
-                                     checkpoints.fingerprint(cfg, self.manifest.version_id))
-        found = checkpoints.readable(cfg.checkpoint_dir, {})  # the newest readable one
+        store.check_resume(checkpoints.fingerprint(cfg, self.manifest.version_id, code), code, cfg.epochs, allowed)
+        found = store.readable()  # the newest readable one
         if found is None:
-            raise DataError(f"{where}: no checkpoint to resume from")
+            raise DataError(f"{store.where}: no checkpoint to resume from")
         url = found[0]
         if "dataset_version" not in allowed:
-            self.manifest = _version_of(url, self.dataset_dir, self.manifest)
-        fp = checkpoints.fingerprint(cfg, self.manifest.version_id)
-        head = checkpoints.load(url, sharded_checkpoints.comparable(fp), allowed)
+            self.manifest = _version_of(store, url, self.dataset_dir, self.manifest)
+        fp = checkpoints.fingerprint(cfg, self.manifest.version_id, code)
+        head = store.read(url, checkpoints.comparable(fp), allowed)
         # Another mesh than the one that wrote it: refused here unless it reshards.
         sharded_checkpoints.check_resume(head, cfg, self.strategy.data_world(cfg), storage.display(url))
         if head.get("epoch", 0) >= cfg.epochs:
-            checkpoints.check_unfinished(cfg.checkpoint_dir, cfg.epochs, allowed)
+            store.check_unfinished(cfg.epochs, allowed)
         saved = head.get("fingerprint", {})
-        changed = {k: (saved.get(k), v) for k, v in fp.items() if k in allowed and saved.get(k) != v}
+        changed = {k: (saved.get(k), fp[k]) for k in checkpoints.differences(saved, fp) if k in allowed}
         self.fingerprint, self.resume = fp, Resume(url, head, changed)
 
     def check_capacity(self, spark=None, dask_client=None) -> None:
@@ -194,43 +186,51 @@ class TrainingJob:
 
             check_dask_workers(dask_client, cfg.world_size)
 
-    def hold(self) -> Lease:
-        """The checkpoint folder's lease: a second job on it is refused (exit 75) naming the
-        holder; one that cannot be written ends here, in one line, before any rank starts.
-        Folders made only to hold it go when it is released (a refused job leaves nothing)."""
-        return hold_checkpoint_dir(self.cfg)
+    def hold(self) -> None:
+        """The checkpoint folder's lease (CheckpointStore.hold): a second job on it is refused
+        (exit 75) naming the holder; one that cannot be written ends here, in one line, before
+        any rank starts. Folders made only to hold it go when it is released (a refused job
+        leaves nothing). `self.store.release()` lets it go."""
+        self.store.hold(self.cfg.lease_ttl_s)
 
     # -- effects, in order ---------------------------------------------------------------
 
-    def run(self, spark=None, dask_client=None, *, lease: Lease | None = None, into_run: str | None = None,
-            register: bool = True, epoch_hook: Callable[[int, dict[str, float]], bool] | None = None,
+    def run(self, spark=None, dask_client=None, *, into_run: str | None = None, register: bool = True,
+            epoch_hook: Callable[[int, dict[str, float]], bool] | None = None,
             dask_workers: list[str] | None = None) -> TrainResult:
         """Train, track, log and register (after `check`, and `check_capacity` on the engine
         given). The keywords are for sweeps
         (training.sweep): into_run reports into an existing (child) run; register=False
         logs the model without registering it; epoch_hook: see RankJob.epoch_hook;
-        dask_workers: the workers the ranks run on. lease: the folder's lease, already held
-        (the API takes it first); default: taken here and released at the end."""
+        dask_workers: the workers the ranks run on. The folder's hold: the caller's if it
+        holds it already (the API takes it first), else taken here and released at the end."""
         if self.manifest is None:
             raise AssertionError("TrainingJob.run before check")
-        held = lease or self.hold()
+        held_here = self.store.lease is None
+        held = self.store.hold(self.cfg.lease_ttl_s)
         try:
             guard = DriverGuard.for_this_process(held.url, held.job, held.ttl_s)
             return self._run(spark, dask_client, guard, into_run, register, epoch_hook, dask_workers)
         finally:
-            if lease is None:
-                held.release()
+            if held_here:
+                self.store.release()
 
     def _run(self, spark, dask_client, guard, into_run, register, epoch_hook, dask_workers) -> TrainResult:
         import mlflow
 
-        cfg, tracking, manifest, uri = self.cfg, self.tracking, self.manifest, self.tracking_uri
-        run_id = into_run
+        cfg, tracking, manifest, uri, store, code = (self.cfg, self.tracking, self.manifest, self.tracking_uri,
+                                                     self.store, self.code)
+        run_id, code_changes = into_run, []
         if self.resume:
             head = self.resume.head
+            code_changes = code.changes(head.get("code_files") or {}) if "code" in self.resume.changed else []
             report.line(f"[shardline] resuming from {storage.display(self.resume.url)} (step "
                         f"{head.get('global_step')}, epoch {head.get('epoch')} of {cfg.epochs} done)"
-                        + "".join(f"; {k} {old} -> {new}" for k, (old, new) in self.resume.changed.items()))
+                        + "".join(f"; {k} {old} -> {new}" if k != "code" else f"; code changed: {', '.join(code_changes)}"
+                                  for k, (old, new) in self.resume.changed.items()))
+            if code.files and "code" not in head.get("fingerprint", {}):
+                report.line(f"[shardline] {storage.display(self.resume.url)} was written before checkpoints kept the "
+                            "code's digest: this job's code cannot be compared with the one that wrote it")
             run_id = head["run_id"] or None
         open_experiment(uri, tracking.experiment)
         if run_id:
@@ -238,25 +238,27 @@ class TrainingJob:
         if self.outline:
             report.line(self.outline)
 
-        def latest() -> str | None:
-            return checkpoints.latest(cfg.checkpoint_dir)
-
+        latest = store.latest
         # Not `with mlflow.start_run()`: its end, with the server down, would bury the job's one line.
         with tracked_run(run_id, None if run_id else run_name(cfg), uri, tracking.outage_wait_s, latest) as run:
             run_id = run.info.run_id
             if self.outline:
                 mlflow.log_text(self.outline, f"strategy-{cfg.strategy}.txt")
             if self.resume is None:
-                self._start_over()
+                # A new job starts over (stale checkpoints would be resumed by its restarts),
+                # never over another job's checkpoints (check() refused those).
+                store.start_over(self.fingerprint)
                 mlflow.log_params(_flat(cfg.model_dump()))
                 mlflow.log_params({
                     "dataset_dir": self.dataset_dir, "dataset_version": manifest.version_id,
                     "dataset_sequence": manifest.sequence,
                     **{f"rows_{s}": info.rows for s, info in manifest.splits.items()},
+                    # Which code trained it (the fingerprint's `code`): a user's model only.
+                    **({"code_digest": code.digest} if code.files else {}),
                 })
                 log_dataset_input(manifest, self.dataset_dir)
             elif self.resume.changed:
-                _log_changed(self.resume.changed, self.resume.head.get("global_step", 0))
+                _log_changed(self.resume.changed, self.resume.head.get("global_step", 0), code_changes)
             job = RankJob(
                 cfg=cfg, dataset_dir=self.dataset_dir, dataset_sequence=manifest.sequence, tracking_uri=uri,
                 run_id=run_id, fingerprint=self.fingerprint, code=self.code,
@@ -265,7 +267,7 @@ class TrainingJob:
             # Ranks' progress lines reach this process's reporter wherever they run (pipelines.progress).
             with ProgressListener(listen_address(cfg.launcher, spark, dask_client)) as listener:
                 job.progress_addr = listener.address
-                result = launch_with_restarts(job, spark, dask_client, dask_workers, guard)
+                result = launch_with_restarts(job, store, spark, dask_client, dask_workers, guard)
             # What the server was down for, sent now (waiting for it a while, else one line).
             replay(uri, result.get("mlflow_pending", []), tracking.outage_wait_s, latest())
             if result.get("steps", 1) == 0:
@@ -296,17 +298,6 @@ class TrainingJob:
             cfg.launcher, result.get("stopped_early", False), model.state_dict(), result.get("collective_calls", {}),
         )
 
-    def _start_over(self) -> None:
-        """A new job's folder: its own earlier checkpoints go (its restarts would resume them)."""
-        directory = self.cfg.checkpoint_dir
-        if self.replaced:
-            report.line(f"[shardline] starting over in this job's own checkpoint folder {storage.display(directory)}: "
-                        f"the checkpoints of its earlier run ({', '.join(self.replaced)}) are replaced "
-                        "(--resume --allow-changed would have continued them)")
-        checkpoints.clear(directory)
-        sharded_checkpoints.prune(directory)
-
-
 def run_training(
     cfg: TrainingConfig,
     tracking: TrackingConfig,
@@ -318,15 +309,16 @@ def run_training(
     register: bool = True,
     epoch_hook: Callable[[int, dict[str, float]], bool] | None = None,
     dask_workers: list[str] | None = None,
-    lease: Lease | None = None,
+    store: CheckpointStore | None = None,
 ) -> TrainResult:
     """Resolve, check and run a training job (TrainingJob) in one call: what a sweep's
-    trial, the fault runner and the benchmarks use."""
-    job = TrainingJob.resolve(cfg, tracking, dataset_dir)
+    trial, the fault runner and the benchmarks use. store: the job's checkpoint store
+    (CheckpointStore.for_job), held already or not; default: made from cfg."""
+    job = TrainingJob.resolve(cfg, tracking, dataset_dir, store=store)
     job.check_capacity(spark, dask_client)  # the engine's slots first: the rest is moot without them
     job.check()
-    return job.run(spark, dask_client, lease=lease, into_run=into_run, register=register,
-                   epoch_hook=epoch_hook, dask_workers=dask_workers)
+    return job.run(spark, dask_client, into_run=into_run, register=register, epoch_hook=epoch_hook,
+                   dask_workers=dask_workers)
 
 
 def preflight(cfg: TrainingConfig, dataset_dir: str) -> ShardManifest:
@@ -361,35 +353,23 @@ def check_steps(cfg: TrainingConfig, manifest: ShardManifest, data_world: int) -
     )
 
 
-def hold_checkpoint_dir(cfg: TrainingConfig) -> Lease:
-    """The checkpoint directory's lease (see TrainingJob.hold)."""
-    url = storage.join(storage.resolve(cfg.checkpoint_dir, "training.checkpoint_dir"), LEASE_NAME)
-    lease = Lease(url, f"shardline train {uuid.uuid4().hex[:8]}", ttl_s=cfg.lease_ttl_s,
-                  what="training.checkpoint_dir")
-    try:
-        return lease.acquire()
-    except OSError as e:
-        raise StorageError(
-            f"training.checkpoint_dir {storage.display(cfg.checkpoint_dir)}: cannot write there "
-            f"({e.strerror or type(e).__name__})"
-        ) from None
-
-
-def _log_changed(changed: dict[str, tuple], step: int) -> None:
+def _log_changed(changed: dict[str, tuple], step: int, code_changes: list[str] = ()) -> None:
     """A resume's allowed changes (--allow-changed lr) in the run: MLflow params cannot
     change, so each new value is a param of its own (`lr.from_step_120`) and a tag says
-    what changed, from when."""
+    what changed, from when. The code's: its digest, and a tag naming the files."""
     import mlflow
 
     mlflow.log_params({f"{k}.from_step_{step}": new for k, (_, new) in changed.items()})
     for k, (old, new) in changed.items():
         mlflow.set_tag(f"shardline.resume_changed.{k}", f"{old} -> {new} from step {step}")
+    if code_changes:
+        mlflow.set_tag("shardline.resume_changed.code_files", ", ".join(code_changes)[:5000])
 
 
-def _version_of(checkpoint: str, dataset_dir: str, newest: ShardManifest) -> ShardManifest:
+def _version_of(store: CheckpointStore, checkpoint: str, dataset_dir: str, newest: ShardManifest) -> ShardManifest:
     """The dataset version a checkpoint was written on, if retention still keeps it: a
     resumed job goes on reading what it started on (else the fingerprint check refuses)."""
-    written_on = checkpoints.load(checkpoint, {}).get("fingerprint", {}).get("dataset_version")
+    written_on = store.read(checkpoint).get("fingerprint", {}).get("dataset_version")
     if written_on in (None, newest.version_id):
         return newest
     for seq in reversed(sequences(dataset_dir)):

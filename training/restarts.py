@@ -10,12 +10,13 @@ from shardline.pipelines.errors import ConfigError, ShardlineError
 from shardline.pipelines.redact import redact
 
 from . import checkpoints
+from .checkpoint_store import CheckpointStore
 from .launchers import DriverGuard, TrainingFailed
 from .mlflow_outage import Outbox
 from .worker import RankJob, train_rank
 
 
-def launch_with_restarts(job: RankJob, spark=None, dask_client=None, dask_workers=None,
+def launch_with_restarts(job: RankJob, store: CheckpointStore, spark=None, dask_client=None, dask_workers=None,
                          guard: DriverGuard | None = None) -> dict:
     """Launch; when a rank is lost, relaunch from the latest checkpoint, max_restarts times.
 
@@ -41,7 +42,9 @@ def launch_with_restarts(job: RankJob, spark=None, dask_client=None, dask_worker
             if guard is not None and (why := guard.gone()):
                 raise ShardlineError(f"not restarting: {why}") from None  # another job has the directory
             # The newest checkpoint a rank can read (a truncated newest one is skipped, said once).
-            found = checkpoints.readable(cfg.checkpoint_dir, job.fingerprint or {}, cfg.resume_allow_changed)
+            # Comparable: a job resumed at another mesh restarts from the checkpoint it resumed
+            # from (written at the old mesh) until it has written one of its own.
+            found = store.readable(checkpoints.comparable(job.fingerprint), cfg.resume_allow_changed)
             latest = found[0] if found else None
             job.resume_from = latest
             if outbox is not None:

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import json
-import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +15,8 @@ from shardline.pipelines import progress, storage
 from shardline.pipelines.code_travel import UserCode
 from shardline.pipelines.manifest import ShardManifest, load_manifest
 
-from . import checkpoints, collectives, sharded_checkpoints, task
+from . import checkpoints, collectives, task
+from .checkpoint_store import CheckpointStore
 from .batch import forward, split as split_batch, to_device
 from .config import TrainingConfig
 from .evaluate import evaluate
@@ -110,11 +108,12 @@ def train_rank(rank: int, world_size: int, job: RankJob) -> dict | None:
     schedule = lr_factor(cfg, cfg.epochs * train.steps_per_epoch())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule) if optimizer else None
     reporter = MetricsReporter(job.tracking_uri, job.run_id) if rank == 0 else None
-    _announce(cfg.checkpoint_dir, rank)
+    store = CheckpointStore(cfg.checkpoint_dir)
+    store.announce(rank)
 
     step = start_epoch = 0
     if job.resume_from:
-        step, start_epoch = _resume(job, parallel, scheduler, train, rank, world_size, device)
+        step, start_epoch = _resume(job, store, parallel, scheduler, train, rank, world_size, device)
         # A setting the user allowed to change (--allow-changed lr) wins over the checkpoint's.
         checkpoints.apply_changed(optimizer, scheduler, cfg, cfg.resume_allow_changed)
 
@@ -124,8 +123,8 @@ def train_rank(rank: int, world_size: int, job: RankJob) -> dict | None:
         # one small file, gathered to rank 0, says what each rank needs besides to resume
         # exactly (its schedule and RNG state) and names the directory. No weights in it.
         mine = {"scheduler": scheduler.state_dict() if scheduler else {}, "rng": rng_state(device)}
-        sharded = sharded_checkpoints.new_name(step)
-        parallel.save_checkpoint(storage.join(cfg.checkpoint_dir, sharded))
+        sharded = store.new_dcp_name(step)
+        parallel.save_checkpoint(storage.join(store.url, sharded))
         ranks = collectives.gather_object(mine, dst=0)
         if rank != 0:
             return
@@ -137,12 +136,13 @@ def train_rank(rank: int, world_size: int, job: RankJob) -> dict | None:
             "step_in_epoch": step_in_epoch,
             "loader": train.state_dict(),
             "fingerprint": job.fingerprint or {},
+            # The code's per-file digests: a resume over changed code names the files.
+            "code_files": job.code.files if job.code else {},
             "run_id": job.run_id or "",
         }
-        path = checkpoints.save(cfg.checkpoint_dir, step, state, cfg.keep_checkpoints)
-        sharded_checkpoints.prune(cfg.checkpoint_dir)
+        path = store.save(step, state, cfg.keep_checkpoints)  # and rotates, DCP directories too
         if reporter:
-            reporter.checkpoint(path, step, artifact, storage.join(cfg.checkpoint_dir, sharded))
+            reporter.checkpoint(path, step, artifact, storage.join(store.url, sharded))
 
     metrics: dict[str, float] = {}
     stopped_early = warned = False
@@ -251,7 +251,8 @@ def train_rank(rank: int, world_size: int, job: RankJob) -> dict | None:
     }
 
 
-def _resume(job: RankJob, parallel, scheduler, train: ShardLoader, rank: int, world_size: int, device) -> tuple[int, int]:
+def _resume(job: RankJob, store: CheckpointStore, parallel, scheduler, train: ShardLoader, rank: int,
+            world_size: int, device) -> tuple[int, int]:
     """Load the checkpoint into this rank; (global step, epoch) to continue from.
 
     Every rank reads the weights and optimizer state it holds now from the checkpoint's
@@ -261,9 +262,8 @@ def _resume(job: RankJob, parallel, scheduler, train: ShardLoader, rank: int, wo
     ranks changed) RNG states stay freshly seeded (no model here draws any) and the next
     epoch starts from its beginning.
     """
-    state = checkpoints.load(job.resume_from, sharded_checkpoints.comparable(job.fingerprint),
-                             job.cfg.resume_allow_changed)
-    parallel.load_checkpoint(storage.join(storage.parent(job.resume_from), state["sharded"]))
+    state = store.read(job.resume_from, checkpoints.comparable(job.fingerprint), job.cfg.resume_allow_changed)
+    parallel.load_checkpoint(store.dcp_dir(job.resume_from, state))
     own = state["ranks"][rank] if len(state["ranks"]) == world_size else None
     # Every rank runs the same schedule; a rank with no optimizer saved none (a ps worker, a
     # pipeline stage without parameters), so one that now has one takes another rank's.
@@ -368,12 +368,6 @@ def _stop_requested(hook, rank: int, epoch: int, metrics: dict[str, float]) -> b
     flag = collectives.tensor([1.0 if rank == 0 and hook(epoch, metrics) else 0.0])
     collectives.broadcast(flag, src=0)
     return bool(flag.item())
-
-
-def _announce(checkpoint_dir: str, rank: int) -> None:
-    """ranks/rank-N.json: which host and process is rank N (to watch or signal it)."""
-    info = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid()}
-    storage.write_bytes(storage.join(checkpoint_dir, "ranks", f"rank-{rank}.json"), json.dumps(info).encode())
 
 
 def lr_factor(cfg: TrainingConfig, total_steps: int):

@@ -115,11 +115,11 @@ class DriverGuard:
 
     @classmethod
     def for_this_process(cls, lease_url: str, job: str, ttl_s: float) -> DriverGuard:
-        from shardline.pipelines.lease import _me, _start_ticks
+        from shardline.pipelines.lease import ProcessTable, process_start_ticks
 
-        me = _me()
-        return cls(lease_url, job, ttl_s, me["host"], me["boot_id"], me["pid_ns"], os.getpid(),
-                   _start_ticks(os.getpid()) or "")
+        me = ProcessTable.here()
+        return cls(lease_url, job, ttl_s, me.host, me.boot_id, me.pid_ns, os.getpid(),
+                   process_start_ticks(os.getpid()) or "")
 
     def start(self) -> threading.Event:
         """Watch from a daemon thread until the returned event is set."""
@@ -145,14 +145,12 @@ class DriverGuard:
         return None
 
     def _driver_dead(self) -> bool:
-        from shardline.pipelines.lease import _alive, _me
+        from shardline.pipelines.lease import ProcessTable, process_alive
 
         # A Dask worker or Spark executor on this host may sit in another pid namespace
         # (a container): there the driver's pid means nothing, and only the lease counts.
-        me = _me()
-        same_table = bool(self.boot_id and self.pid_ns) and \
-            (self.host, self.boot_id, self.pid_ns) == (me["host"], me["boot_id"], me["pid_ns"])
-        return same_table and not _alive(self.pid, self.pid_start)
+        same_table = ProcessTable(self.host, self.boot_id, self.pid_ns).is_here()
+        return same_table and not process_alive(self.pid, self.pid_start)
 
     def _watch(self, stop: threading.Event) -> None:
         next_lease_look = time.monotonic() + self.ttl_s / 6
