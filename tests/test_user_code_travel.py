@@ -107,8 +107,8 @@ def test_local_ranks_import_the_users_folder_from_anywhere(tmp_path, clean_impor
     stale = write_package(tmp_path / "old", 1)
     sys.path.insert(0, str(stale.parent))
     assert importlib.import_module(MODULE).value() == 1
-    use_code(local_code([str(pkg)]))
-    assert importlib.import_module(MODULE).value() == 3
+    use_code(local_code([str(pkg)]))  # the folder in place: as it is now
+    assert importlib.import_module(MODULE).value() == 4
 
 
 def test_two_code_paths_of_one_name_are_refused_in_one_line(tmp_path):
