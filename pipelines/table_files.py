@@ -43,6 +43,7 @@ class TableFile:
         """`table` (read from the file) as the table's `columns`: renamed, cast to the table's
         types (a widened or promoted column), partition values filled in, columns the file
         predates as nulls, and a change-data file's other change types left out."""
+        table = _without_views(table)
         if self.change_type is not None:
             table = table.filter(pc.equal(table.column(CHANGE_TYPE), self.change_type))
         n = table.num_rows
@@ -60,3 +61,14 @@ class TableFile:
             else:
                 out[c] = pa.nulls(n, kind)
         return pa.table(out) if out else table.select([])
+
+
+def _without_views(table: pa.Table) -> pa.Table:
+    """String and binary views as plain strings and binaries (delta-rs writes views in its
+    change-data files; pyarrow's filter has no kernel for them)."""
+    for i, f in enumerate(table.schema):
+        if pa.types.is_string_view(f.type):
+            table = table.set_column(i, f.name, table.column(i).cast(pa.string()))
+        elif pa.types.is_binary_view(f.type):
+            table = table.set_column(i, f.name, table.column(i).cast(pa.binary()))
+    return table

@@ -160,3 +160,29 @@ def test_an_output_that_is_not_a_delta_table_is_refused(prepared, tracking_uri, 
     with pytest.raises(ConfigError, match="is not a Delta table"):
         plan(model.model_uri, tracking_uri, prepared.dataset_dir, str(tmp_path / "out"), output_format="delta")
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["notes.txt"]
+
+
+def test_the_cli_scores_the_test_split_into_a_delta_table_twice(dask_client, prepared, tracking_uri, tmp_path):
+    """`shardline score` with serving.output_format = "delta", twice: each test row once,
+    the second run scores nothing and commits nothing; `--status` reads the table's ledger."""
+    from shardline.pipelines.manifest import load_manifest
+
+    from .conftest import shardline_here
+
+    model = trained_model(prepared)
+    out = tmp_path / "table"
+    args = ["score", "--model", model.model_uri, "--input", prepared.dataset_dir, "--output", str(out),
+            "--engine", "dask", "--set", f"dask.address='{dask_client.scheduler.address}'",
+            "--set", "serving.output_format='delta'"]
+    env = {"MLFLOW_TRACKING_URI": tracking_uri}
+    first = shardline_here(*args, cwd=tmp_path, env=env)
+    assert first.returncode == 0, first.stderr
+    test_rows = load_manifest(prepared.dataset_dir).splits["test"].rows
+    keys = _table(str(out)).column("key").to_pylist()
+    assert len(keys) == len(set(keys)) == test_rows
+    again = shardline_here(*args, cwd=tmp_path, env=env)
+    assert again.returncode == 0 and "nothing to score" in again.stdout + again.stderr, again.stderr
+    assert sorted(_table(str(out)).column("key").to_pylist()) == sorted(keys)
+    assert DeltaTable(str(out)).version() == 0  # created by the first run's one commit, nothing since
+    status = shardline_here("score", "--status", str(out), cwd=tmp_path, env=env)
+    assert status.returncode == 0 and f"{test_rows:,}" in status.stdout, status.stdout

@@ -97,7 +97,7 @@ def test_delta_append_adds_what_later_versions_added(engines, delta, tmp_path):
     assert dataset_rows(cfg.dataset_dir) == dict(zip(own.column("id").to_pylist(), own.column("label").to_pylist()))
     # Version 2 deleted rows, and the table keeps no change data: refused, saying what to do.
     before = sorted(p.name for p in (tmp_path / "ds").iterdir())
-    with pytest.raises(DataError, match=r"version 2 removed or rewrote rows .* enableChangeDataFeed .* --refit"):
+    with pytest.raises(DataError, match=r"version 2 removed or rewrote rows .*enableChangeDataFeed.*--refit"):
         check_prepare(config(tmp_path / "ds", format="delta", path=delta), append=True)
     assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == before
     # --refit reads the newest version whole, in place of the versions the dataset held.
@@ -169,3 +169,23 @@ def test_iceberg_warehouse_on_s3(engines, tmp_path, bucket):
     m = prepare(engines["spark"], config(tmp_path / "ice", format="iceberg", table="shop.orders", catalog=catalog))
     assert sum(i.rows for i in m.splits.values()) == ROWS
     assert "secret" not in str(m.sources)  # the catalog is named by its uri, never its credentials
+
+
+def test_the_mlflow_run_names_the_tables_and_their_versions(tmp_path, tracking_uri):
+    from types import SimpleNamespace
+
+    import mlflow
+
+    from shardline.training.tracking import log_dataset_input
+
+    manifest = SimpleNamespace(
+        splits={"train": SimpleNamespace(shards=[SimpleNamespace(sha256="abc")])}, sequence=2,
+        sources=[{"format": "delta", "path": "/data/events", "version": 3},
+                 {"format": "iceberg", "table": "shop.orders", "catalog": "sqlite:////c.db", "snapshot_id": 42}])
+    mlflow.set_experiment("table-inputs")
+    with mlflow.start_run() as run:
+        log_dataset_input(manifest, str(tmp_path / "dataset"))
+    inputs = mlflow.get_run(run.info.run_id).inputs.dataset_inputs
+    named = {i.dataset.name: next(t.value for t in i.tags if t.key == "mlflow.data.context") for i in inputs}
+    assert named == {f"{tmp_path / 'dataset'}@2": "training", "delta:/data/events@v3": "source",
+                     "iceberg:shop.orders@42": "source"}

@@ -136,7 +136,7 @@ def log_dataset_input(manifest, dataset_dir: str) -> None:
     datasets = [(MetaDataset(source, name=name, digest=dataset_digest(manifest)), "training")]
     # The tables it was prepared from, by name and version (pipelines.tables): `delta:<path>@v3`,
     # `iceberg:<table>@<snapshot id>`, `spark:<table or query>`, each as an input of its own.
-    for table, where in describe_sources(manifest.sources):
+    for table, where in describe_sources(getattr(manifest, "sources", [])):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             table_source = resolve_dataset_source(where) if "://" in where or where.startswith("/") else None
