@@ -29,14 +29,23 @@ def open_table(src: SourceConfig, where: str):
     props = {k: str(v) for k, v in src.catalog.items()}
     name = props.pop("name", "default")
     _check_sqlite(props)
-    if props.get("type") == "sql":
+    if _is_sql(props):
         props.setdefault("init_catalog_tables", "false")  # reading never creates a catalog's tables
     try:
         catalog = load_catalog(name, **props)
     except Exception as e:
         raise ConfigError(f"pipelines.source.catalog: cannot open the Iceberg catalog ({first_line(e)})") from None
     try:
-        table = catalog.load_table(src.table)
+        try:
+            table = catalog.load_table(src.table)
+        except (NoSuchTableError, NoSuchNamespaceError):
+            # A SQL catalog keeps each table under the catalog name it was made with: with no
+            # name given, the one name the catalog holds this table under.
+            other = _sql_catalog_name(props, src.table) if "name" not in src.catalog else None
+            if other is None:
+                raise
+            name, catalog = other, load_catalog(other, **props)
+            table = catalog.load_table(src.table)
     except (NoSuchTableError, NoSuchNamespaceError):
         raise ConfigError(f"{where}: no such table in catalog {name!r} (pipelines.source.table; a SQL catalog "
                           "keeps tables per catalog name: pipelines.source.catalog.name, default 'default')") from None
@@ -55,10 +64,35 @@ def open_table(src: SourceConfig, where: str):
     return table, snapshot
 
 
+def _is_sql(props: dict) -> bool:
+    """A SQL catalog: said so, or (as pyiceberg infers it) a SQLite or PostgreSQL uri."""
+    kind = props.get("type")
+    return kind == "sql" or (kind is None and str(props.get("uri", "")).startswith(("sqlite", "postgresql")))
+
+
+def _sql_catalog_name(props: dict, table: str) -> str | None:
+    """The catalog name a SQL catalog holds `table` under, when exactly one does."""
+    if not _is_sql(props):
+        return None
+    import sqlalchemy as sa
+
+    namespace, _, name = table.rpartition(".")
+    engine = sa.create_engine(props["uri"])
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(sa.text("SELECT DISTINCT catalog_name FROM iceberg_tables WHERE table_namespace = :ns "
+                                        "AND table_name = :name"), {"ns": namespace, "name": name}).fetchall()
+    except Exception:
+        return None
+    finally:
+        engine.dispose()
+    return rows[0][0] if len(rows) == 1 else None
+
+
 def _check_sqlite(props: dict) -> None:
     """A SQL catalog on a SQLite file that does not exist: SQLite would make an empty one."""
     uri = props.get("uri", "")
-    if props.get("type") == "sql" and uri.startswith("sqlite:///") and uri != "sqlite:///:memory:":
+    if _is_sql(props) and uri.startswith("sqlite:///") and uri != "sqlite:///:memory:":
         path = uri[len("sqlite:///"):].split("?", 1)[0]
         if not os.path.isfile(path):
             raise ConfigError(f"pipelines.source.catalog: uri = {uri!r}: no SQLite catalog database there")

@@ -173,7 +173,7 @@ def test_the_cli_scores_the_test_split_into_a_delta_table_twice(dask_client, pre
     out = tmp_path / "table"
     args = ["score", "--model", model.model_uri, "--input", prepared.dataset_dir, "--output", str(out),
             "--engine", "dask", "--set", f"dask.address='{dask_client.scheduler.address}'",
-            "--set", "serving.output_format='delta'"]
+            "--set", "serving.output_format='delta'", "--set", f"pipelines.dataset_dir='{prepared.dataset_dir}'"]
     env = {"MLFLOW_TRACKING_URI": tracking_uri}
     first = shardline_here(*args, cwd=tmp_path, env=env)
     assert first.returncode == 0, first.stderr
