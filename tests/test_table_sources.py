@@ -189,3 +189,24 @@ def test_the_mlflow_run_names_the_tables_and_their_versions(tmp_path, tracking_u
     named = {i.dataset.name: next(t.value for t in i.tags if t.key == "mlflow.data.context") for i in inputs}
     assert named == {f"{tmp_path / 'dataset'}@2": "training", "delta:/data/events@v3": "source",
                      "iceberg:shop.orders@42": "source"}
+
+
+def test_an_iceberg_column_renamed_after_the_files_were_written_is_read_by_its_field_id(tmp_path):
+    """The data files still name it `a`; the table calls it `alpha` now: tasks read it by id."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    from shardline.pipelines.config import SourceConfig
+    from shardline.pipelines.raw import plan_units, read_unit
+    from shardline.pipelines.tables import read_input
+
+    catalog, _ = _iceberg(tmp_path, f"file://{tmp_path / 'warehouse'}")
+    table = SqlCatalog("default", uri=catalog["uri"], warehouse=catalog["warehouse"]).load_table("shop.orders")
+    with table.update_schema() as update:
+        update.rename_column("a", "alpha")
+    ti = read_input(SourceConfig(format="iceberg", table="shop.orders", catalog=catalog))
+    assert "alpha" in ti.schema.names and "a" not in ti.schema.names
+    got = pa.concat_tables(t for u in plan_units(ti.files) for t in read_unit(u, ["id", "alpha"], ","))
+    own = table.refresh().scan().to_arrow()
+    assert dict(zip(got.column("id").to_pylist(), got.column("alpha").to_pylist())) == \
+        dict(zip(own.column("id").to_pylist(), own.column("alpha").to_pylist()))
+    assert got.column("alpha").null_count == 0
