@@ -23,6 +23,7 @@ from shardline.pipelines.errors import DataError, ShardlineError, StorageError
 from shardline.pipelines.lease import Lease
 from shardline.pipelines.progress import ProgressListener, listen_address
 
+from .delta_output import FORMATS, DeltaOutput
 from .inputs import Transform, Unit, check_unit, discover
 from .ledger import (
     Scores,
@@ -81,6 +82,12 @@ class ScorePlan:
     left: list[Unit] = field(default_factory=list)  # scored by another version; --backfill new
     discard: list[Scores] = field(default_factory=list)  # what --force removes
     rows: dict[str, int] = field(default_factory=dict)  # unit id -> rows, of checked units
+    table: DeltaOutput | None = None  # output_format = "delta": the table the run appends to
+
+    def publish(self) -> int:
+        """Delta output: append what the ledgers hold and the table lacks (a run with nothing
+        to score still finishes an earlier run's append). Rows appended."""
+        return self.table.publish(self) if self.table is not None else 0
 
     def describe_model(self) -> str:
         return f"model {self.model.name} version {self.model.version}"
@@ -90,7 +97,8 @@ class ScorePlan:
 
     def nothing_done(self) -> ScoreResult:
         """The result of a job that found nothing to score (no engine was started)."""
-        return ScoreResult(storage.display(self.out), storage.display(self.dir), 0, 0, len(self.skipped),
+        out = self.table.root if self.table is not None else self.out
+        return ScoreResult(storage.display(out), storage.display(self.dir), 0, 0, len(self.skipped),
                            len(self.left), self.model.uri, self.model.name, self.model.version, None,
                            self.nothing_to_do(), self.describe_discard())
 
@@ -112,6 +120,7 @@ def plan(
     incremental: bool = False,
     backfill: Backfill = "new",
     force: bool = False,
+    output_format: str = "parquet",
 ) -> ScorePlan:
     """Resolve the model, list and check the input, read the output's ledgers: read-only.
 
@@ -121,15 +130,21 @@ def plan(
     every one this version lacks). A run that is not incremental scores every unit of its
     input this version lacks: it asked for this model's scores of this input. force:
     discard whatever the output holds (every model and version) and score everything.
+    output_format: "delta": `output_dir` is a Delta table's root (serving.delta_output).
     """
     if backfill not in ("all", "new"):
         raise ShardlineError(f"--backfill {backfill!r}: use 'all' or 'new'")
+    if output_format not in FORMATS:
+        raise ShardlineError(f"serving.output_format {output_format!r}: use {' or '.join(FORMATS)}")
+    table = DeltaOutput(storage.resolve(output_dir, "serving.output_dir")) if output_format == "delta" else None
+    if table is not None:
+        table.check()
     model = resolve_model(model_uri, tracking_uri)
     units, transform = discover(input_path, split, model, tracking_uri)
-    out = storage.resolve(output_dir, "serving.output_dir")
+    out = table.scores if table is not None else storage.resolve(output_dir, "serving.output_dir")
     check_output_dir(out)
     p = ScorePlan(model, tracking_uri, units, transform, out, version_dir(out, model.name, model.version),
-                  incremental, backfill, force)
+                  incremental, backfill, force, table=table)
     select(p)
     for u in p.todo:
         p.rows[u.unit_id] = check_unit(u, transform, p.describe_model())
@@ -191,6 +206,8 @@ def execute(
     with nullcontext(lease) if lease is not None else output_lease(p.out) as held:
         # Again under the lock: another job may have committed since the plan.
         select(p)
+        if p.table is not None:
+            p.table.before(p)  # the table stops listing what this run replaces, first
         for s in p.discard:
             discard(s)
         for u in p.todo:
@@ -227,6 +244,7 @@ def execute(
         # Every unit is committed now; a temp file left is an attempt that died mid-unit
         # (a killed worker) and was retried elsewhere. Still under the lock: no job writes.
         remove_orphans(p.dir, read_ledger(p.dir))
+        p.publish()  # Delta output: the committed units appended in one transaction
     errors = [e for e in entries if "error" in e]
     if errors:
         done = len(entries) - len(errors)
@@ -236,9 +254,9 @@ def execute(
                                f"{done} file(s) were scored and committed)")
         raise DataError(f"{errors[0]['error']} ({done} other file(s) were scored and committed)")
     return ScoreResult(
-        storage.display(p.out), storage.display(p.dir), sum(e["rows"] for e in entries), len(entries),
-        len(p.skipped), len(p.left), model.uri, model.name, model.version, engine_name,
-        discarded=p.describe_discard(),
+        storage.display(p.table.root if p.table is not None else p.out), storage.display(p.dir),
+        sum(e["rows"] for e in entries), len(entries), len(p.skipped), len(p.left), model.uri, model.name,
+        model.version, engine_name, discarded=p.describe_discard(),
     )
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from shardline.pipelines import storage
 from shardline.pipelines.lease import LEASE_NAME, Lease
 
+from .delta_output import scores_of
 from .inputs import Unit
 from .ledger import all_scores, orphans
 
@@ -38,7 +39,7 @@ class OutputStatus:
 
 
 def output_status(output_dir: str, units: list[Unit] | None = None) -> OutputStatus:
-    out = storage.resolve(output_dir, "--status")
+    out = scores_of(storage.resolve(output_dir, "--status"))  # a Delta output: its scores folder
     found = all_scores(out)
     scored = {(uid, e["fingerprint"]) for s in found for uid, e in s.entries.items()}
     if units is None:

@@ -44,6 +44,7 @@ from shardline.pipelines import report
 from shardline.pipelines.errors import ConfigError
 from shardline.pipelines.manifest import ShardManifest
 from shardline.pipelines.report import stage
+from shardline.serving.delta_output import scores_dir
 from shardline.serving.score import ScoreResult
 from shardline.stages import check_prepare, dataset_lease, output_lease, run_prepare, run_score, run_train
 from shardline.training.result import TrainResult
@@ -134,26 +135,53 @@ def _training_job(given: ShardlineConfig, cfg: ShardlineConfig):
 @_keeps_callers_mlflow
 def prepare(
     config: Config = None, overrides: Overrides = (), *, spark=None, client=None,
-    append: bool = False, refit: bool = False, by_plan: bool = False,
+    append: bool = False, refit: bool = False, by_plan: bool = False, source=None,
 ) -> PrepareResult:
     """Validate, split, transform and shard `pipelines.source` into `pipelines.dataset_dir`.
 
     append: add the source as new shards (statistics frozen); with refit: re-prepare every
     source with new statistics. by_plan: lay shards out by the dataset's bandwidth plan.
+    source: a Spark or Dask DataFrame to prepare instead of pipelines.source, on its own
+    session (or the client given, else Dask's default client).
     """
     if refit and not append:
         raise ConfigError("refit goes with append (re-prepare every source of the dataset)")
     if by_plan and append and not refit:
         raise ConfigError("by_plan lays every shard out anew: use it without append, or with append and refit")
-    cfg = _choose(load_config(config, overrides), "pipelines.engine", spark, client)
+    cfg = load_config(config, overrides)
+    if source is not None:
+        cfg, spark, client = _frame_engine(cfg, source, spark, client)
+    cfg = _choose(cfg, "pipelines.engine", spark, client)
     engine = cfg.pipelines.engine
-    cfg = resolve_paths(cfg, [engine], (SOURCE, DATASET), spark=spark, client=client)
-    check_storage(cfg, reads=(SOURCE,), writes=(DATASET,))
-    checked = check_prepare(cfg, append=append, refit=refit, by_plan=by_plan)
+    cfg = resolve_paths(cfg, [engine], (SOURCE, DATASET) if source is None else (DATASET,), spark=spark,
+                        client=client)
+    check_storage(cfg, reads=(SOURCE,) if source is None else (), writes=(DATASET,))
+    checked = check_prepare(cfg, append=append, refit=refit, by_plan=by_plan, frame=source is not None)
     with dataset_lease(cfg) as lease, Engines(cfg, spark, client) as engines:
         manifest = run_prepare(cfg, engines.prepare_engine(engine), append=append, refit=refit,
-                               by_plan=by_plan, lease=lease, checked=checked)
+                               by_plan=by_plan, lease=lease, checked=checked, frame=source)
     return PrepareResult(cfg.pipelines.dataset_dir, manifest, engine)
+
+
+def _frame_engine(cfg: ShardlineConfig, df, spark, client):
+    """A DataFrame's own engine: a Spark one's session, a Dask one's client (the one given,
+    else the default); pipelines.engine must be that engine's."""
+    from shardline.pipelines.frames import engine_of
+
+    kind = engine_of(df)
+    p = cfg.pipelines
+    if "engine" in p.model_fields_set and p.engine != kind:
+        raise ConfigError(f"source: a {kind} DataFrame, but pipelines.engine = '{p.engine}'")
+    if kind == "spark":
+        spark = spark or df.sparkSession
+    elif client is None:
+        try:
+            from distributed import default_client
+
+            client = default_client()
+        except ValueError:  # no client: the config's Dask engine starts
+            pass
+    return cfg.model_copy(update={"pipelines": p.model_copy(update={"engine": kind})}), spark, client
 
 
 @_keeps_callers_mlflow
@@ -201,12 +229,13 @@ def score(
     check_store(cfg.tracking.resolved_uri())
     # The output's lease first (a second job is refused at once, exit 75), then every check
     # and the plan, read-only; an engine starts only when there is something to score.
-    with output_lease(s.output_dir) as lease:
+    with output_lease(scores_dir(s.output_dir, s.output_format)) as lease:
         p = score_plan(s.model_uri, cfg.tracking.resolved_uri(), input_path, s.output_dir, split=s.split,
-                       incremental=s.incremental, backfill=s.backfill, force=force)
+                       incremental=s.incremental, backfill=s.backfill, force=force, output_format=s.output_format)
         for line in p.describe_discard():
             report.warn(line)
         if not p.todo:
+            p.publish()  # a Delta output: what an earlier run committed but did not append
             return p.nothing_done()
         with Engines(cfg, spark, client) as engines:
             return run_score(cfg, engines, p, input_path, lease)
@@ -257,12 +286,13 @@ def run(config: Config = None, overrides: Overrides = (), *, spark=None, client=
     check_store(job.tracking_uri)
     s = cfg.serving
     if not force:  # another model's scores in the output: refused now, not after the training
-        check_owner(s.output_dir, all_scores(s.output_dir), cfg.tracking.registered_model or "an unregistered model")
+        out = scores_dir(s.output_dir, s.output_format)
+        check_owner(out, all_scores(out), cfg.tracking.registered_model or "an unregistered model")
     checked = check_prepare(cfg)
     with ExitStack() as stack:
         # Every lease before an engine starts: a second run on the same folders is refused at once.
         dataset = stack.enter_context(dataset_lease(cfg))
-        output = stack.enter_context(output_lease(cfg.serving.output_dir))
+        output = stack.enter_context(output_lease(scores_dir(s.output_dir, s.output_format)))
         job.hold()
         stack.callback(job.store.release)
         engines = stack.enter_context(Engines(cfg, spark, client, spark_ranks(cfg)))
@@ -272,7 +302,8 @@ def run(config: Config = None, overrides: Overrides = (), *, spark=None, client=
         trained = run_train(job, engines)
         s = cfg.serving
         p = score_plan(trained.model_uri, trained.tracking_uri, cfg.pipelines.dataset_dir, s.output_dir,
-                       split=s.split, incremental=s.incremental, backfill=s.backfill, force=force)
+                       split=s.split, incremental=s.incremental, backfill=s.backfill, force=force,
+                       output_format=s.output_format)
         for line in p.describe_discard():
             report.warn(line)
         scored = run_score(cfg, engines, p, cfg.pipelines.dataset_dir, output) if p.todo else p.nothing_done()

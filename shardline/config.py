@@ -153,7 +153,8 @@ def resolve_paths(
     local: list[str] = []
 
     def path(value: str, setting: str) -> str:
-        checked = cluster if setting in uses else None
+        read = setting != SOURCE or cfg.pipelines.source.reads_path
+        checked = cluster if setting in uses and read else None
         resolved = resolve(value, setting, checked)
         if checked and not is_remote(resolved):
             local.append(setting)
@@ -228,6 +229,8 @@ def check_storage(
 
     if SOURCE in reads and cfg.pipelines.source.format == "synthetic":
         reads, writes = tuple(r for r in reads if r != SOURCE), (*writes, SOURCE)
+    if not cfg.pipelines.source.reads_path:  # an Iceberg table or a Spark table: no path is read
+        reads = tuple(r for r in reads if r != SOURCE)
     for setting, url in [(r, path_of(cfg, r)) for r in reads] + list(other_reads):
         check_access(url, setting)
     for setting in writes:

@@ -35,15 +35,15 @@ def check_prepare(cfg: ShardlineConfig, **how):
     return checked
 
 
-def run_prepare(cfg: ShardlineConfig, engine, append=False, refit=False, by_plan=False, lease=None, checked=None):
+def run_prepare(cfg: ShardlineConfig, engine, append=False, refit=False, by_plan=False, lease=None, checked=None,
+                frame=None):
     from shardline.pipelines.prepare import prepare
 
-    src = cfg.pipelines.source
-    what = f"{src.synthetic.rows:,} synthetic rows" if src.format == "synthetic" else src.path
+    what = "the DataFrame given" if frame is not None else cfg.pipelines.source.describe()
     how = " by its bandwidth plan" if by_plan else ""
     with stage(f"Preparing {what} into {cfg.pipelines.dataset_dir}{how} with {engine.name}"):
         manifest = prepare(engine, cfg.pipelines, append=append, refit=refit, by_plan=by_plan, lease=lease,
-                           checked=checked)
+                           checked=checked, frame=frame)
     spec = manifest.feature_spec
     if spec.task == "classification" and spec.classes is None:
         report.note(

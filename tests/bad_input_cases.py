@@ -159,6 +159,34 @@ USERNETS = Path(__file__).parent / "usermodels" / "usernets"
 USER = f"code_paths = ['{USERNETS}']\n"
 
 
+DELTA = [*P, "--set", "pipelines.source.format='delta'", "--set", "pipelines.source.path='{dir}/delta'"]
+ICEBERG = [*P, "--set", "pipelines.source.format='iceberg'", "--set", "pipelines.source.table='shop.orders'"]
+
+
+def _delta_table(folder: Path, _dataset: str) -> None:
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    write_deltalake(str(folder / "delta"), pa.table({"key": [1, 2], "label": [0, 1], "x0": [0.5, 1.5]}))
+
+
+def _delta_table_without_label(folder: Path, _dataset: str) -> None:
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    write_deltalake(str(folder / "delta"), pa.table({"key": [1, 2], "x0": [0.5, 1.5]}))
+
+
+def _iceberg_table(folder: Path, _dataset: str) -> None:
+    import pyarrow as pa
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    cat = SqlCatalog("default", uri=f"sqlite:///{folder}/catalog.db", warehouse=f"file://{folder}/warehouse")
+    cat.create_namespace("shop")
+    cat.create_table("shop.orders", schema=pa.schema([("key", pa.int64()), ("label", pa.int64())])).append(
+        pa.table({"key": [1, 2], "label": [0, 1]}))
+
+
 def _user(what: str, settings: list[str], message: str) -> Case:
     return Case(what, [*T, *(a for s in settings for a in ("--set", s))], 2, message, toml=USER)
 
@@ -195,6 +223,24 @@ CASES = [
          toml="[pipelines.features.tensors.tokens]\ndtype = 'int32'\nshape = [8]\n"),
     Case("images source without an image column", IMAGES, 2, "declare the image column of the images source",
          setup=_class_folder),
+    # -- tables as the input (#47): refused before an engine starts (exit 2)
+    Case("a Delta source that is not a Delta table", [*DELTA, "--set", "pipelines.source.path='{dir}'"], 2,
+         "not a Delta table (no _delta_log folder in it)"),
+    Case("an unknown Delta version", [*DELTA, "--set", "pipelines.source.version=7"], 2,
+         "pipelines.source.version = 7: no such version (the table's latest is 0", setup=_delta_table),
+    Case("a Delta version and timestamp both", [*DELTA, "--set", "pipelines.source.version=0", "--set",
+         "pipelines.source.timestamp='2026-01-01'"], 2, "version and timestamp both pin the Delta table's version"),
+    Case("a Delta table without the label column", DELTA, 2, "column 'label' not found (the table's columns: key, x0)",
+         setup=_delta_table_without_label),
+    Case("an Iceberg catalog that cannot be reached", [*ICEBERG, "--set",
+         "pipelines.source.catalog={{type='rest', uri='http://127.0.0.1:9'}}"], 2,
+         "pipelines.source.catalog: cannot open the Iceberg catalog"),
+    Case("an unknown Iceberg snapshot", [*ICEBERG, "--set", "pipelines.source.catalog={{type='sql', "
+         "uri='sqlite:///{dir}/catalog.db', warehouse='file://{dir}/warehouse'}}", "--set",
+         "pipelines.source.snapshot_id=5"], 2, "pipelines.source.snapshot_id = 5: no such snapshot",
+         setup=_iceberg_table),
+    Case("a Spark table source on Dask", [*P, "--set", "pipelines.source.format='table'", "--set",
+         "pipelines.source.table='events'"], 2, "needs pipelines.engine = 'spark'"),
     # -- flags (exit 2)
     Case("unknown launcher flag", [*T, "--launcher", "yarn"], 2, "Invalid value for '--launcher'"),
     Case("world size not a number", [*T, "--world-size", "two"], 2, "Invalid value for '--world-size'"),

@@ -127,19 +127,34 @@ def log_dataset_input(manifest, dataset_dir: str) -> None:
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.exceptions import MlflowException
 
+    from shardline.pipelines.tables import describe_sources
+
     with warnings.catch_warnings():  # a local path matches two source kinds; either is right
         warnings.simplefilter("ignore")
         source = resolve_dataset_source(dataset_dir)
     name = redact(f"{storage.display(dataset_dir)}@{manifest.sequence}")
-    dataset = MetaDataset(source, name=name, digest=dataset_digest(manifest))
+    datasets = [(MetaDataset(source, name=name, digest=dataset_digest(manifest)), "training")]
+    # The tables it was prepared from, by name and version (pipelines.tables): `delta:<path>@v3`,
+    # `iceberg:<table>@<snapshot id>`, `spark:<table or query>`, each as an input of its own.
+    for table, where in describe_sources(getattr(manifest, "sources", [])):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            table_source = resolve_dataset_source(where) if "://" in where or where.startswith("/") else None
+        datasets.append((MetaDataset(table_source or source, name=redact(table),
+                                     digest=dataset_digest(manifest)), "source"))
+    for dataset, context in datasets:
+        _log_input(mlflow, dataset, context, MlflowException)
+
+
+def _log_input(mlflow, dataset, context: str, error) -> None:
     # A sweep's concurrent trials log the same dataset at once, and the store inserts it
     # after looking for it: the loser of that race fails on the table's unique key (seen on
     # SQLite in a Dask sweep). By the time it tries again the row exists and is only linked.
     for attempt in range(4):
         try:
-            mlflow.log_input(dataset, context="training")
+            mlflow.log_input(dataset, context=context)
             return
-        except MlflowException:
+        except error:
             if attempt == 3:
                 raise
             time.sleep(0.2 * (attempt + 1))
