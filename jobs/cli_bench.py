@@ -121,7 +121,8 @@ def bench_score(rows, rounds, as_json):
               "to generate, with --tokens, sequences [default: one epoch of the steps].")
 @click.option("--steps", type=click.IntRange(min=1), default=None,
               help="DDP steps per step-time run [default: 200, 20 warm-up]; --images 48, --tokens 30 timed.")
-@click.option("--rounds", type=int, default=3, show_default=True, help="Step-time runs per launcher (fastest counts).")
+@click.option("--rounds", type=click.IntRange(min=1), default=None,
+              help="Step-time runs per launcher, the fastest counts [default: 3; --images 2, --tokens 3].")
 @click.option("--images", "images", is_flag=True,
               help="A CNN on PNG images: shardline (plan, prepare, its loader, local and Spark) vs "
               "torchvision ImageFolder + DataLoader workers + DDP under torchrun.")
@@ -138,11 +139,11 @@ def bench_train(rows, steps, rounds, images, tokens, as_json):
     if images or tokens:
         from .cli_bench_train import bench_train_typed
 
-        bench_train_typed("images" if images else "tokens", rows, steps, as_json)
+        bench_train_typed("images" if images else "tokens", rows, steps, rounds, as_json)
         return
     from shardline.benchmarks.train import run as run_bench
 
-    rows, steps = rows or 100_000, steps or 200
+    rows, steps, rounds = rows or 100_000, steps or 200, rounds or 3
     # TorchDistributor relays its tasks' output with print(): keep stdout for the result.
     with redirect_stdout(sys.stderr):
         result = run_bench(rows, progress=lambda msg: console.print(f"[dim]… {msg}[/]"),

@@ -14,14 +14,15 @@ from rich.table import Table
 from .engines import console
 
 
-def bench_train_typed(kind: str, rows: int | None, steps: int | None, as_json: bool) -> None:
+def bench_train_typed(kind: str, rows: int | None, steps: int | None, rounds: int | None, as_json: bool) -> None:
     if kind == "images":
-        from shardline.benchmarks.train_images import STEPS, run
+        from shardline.benchmarks.train_images import ROUNDS, STEPS, run
     else:
-        from shardline.benchmarks.train_tokens import STEPS, run
+        from shardline.benchmarks.train_tokens import ROUNDS, STEPS, run
     # torchrun's and Spark's children may print: keep stdout for the result.
     with redirect_stdout(sys.stderr):
-        result = run(rows, progress=lambda msg: console.print(f"[dim]… {msg}[/]"), steps=steps or STEPS)
+        result = run(rows, progress=lambda msg: console.print(f"[dim]… {msg}[/]"), steps=steps or STEPS,
+                     rounds=rounds or ROUNDS)
     if as_json:
         click.echo(json.dumps(result))
         return
