@@ -314,10 +314,11 @@ def plan(config, overrides, as_json):
     from shardline.pipelines.manifest import manifest_url, store_plan
     from shardline.pipelines.storage import display
     from shardline.training.job import preflight
-    from shardline.training.plan import plan_dataset
+    from shardline.training.plan import measured_loader, plan_dataset
 
     t, where = cfg.training, cfg.pipelines.dataset_dir
-    preflight(t, where)  # no dataset, bad settings: one line, before the stage starts
+    manifest = preflight(t, where)  # no dataset, bad settings: one line, before the stage starts
+    measured_loader(manifest, where, t)  # an epoch too short to time the loader: the same
     with stage(f"Measuring {t.model} {t.hidden} and the loader on {where}"):
         measured, p = plan_dataset(t, where)
     manifest = store_plan(where, measured.version_id, p)

@@ -227,18 +227,10 @@ def measure_training(
         torch.set_num_threads(threads)
 
 
-def measure_loader(
-    manifest: ShardManifest, dataset_dir: str, cfg: TrainingConfig, *, budget_s: float = 1.0
-) -> float:
-    """Samples/s one loader worker delivers from rank 0's real train shards, drained
-    as fast as they come (no training), with training's shuffle buffer and prefetch.
-
-    Whole epochs, each from its start: reading, decoding (images) and the shuffle buffer's
-    first rows are paid as in training. An epoch longer than the budget is cut, still
-    counted from its start (the rows the buffer holds then are left out: the figure errs
-    low). At least MEASURED_BATCHES batches are timed. An epoch of fewer than
-    MIN_LOADER_BATCHES batches is refused: its start would be most of what is timed.
-    """
+def measured_loader(manifest: ShardManifest, dataset_dir: str, cfg: TrainingConfig) -> ShardLoader:
+    """The loader `measure_loader` times: one worker over rank 0's train shards. Raises the
+    one-line DataError when its epoch is too short to time (the CLI asks before it starts
+    measuring, so the refusal is the only line)."""
     parts = get_strategy(cfg.strategy).data_world(cfg)
     local_batch = cfg.batch_size // parts
     loader = ShardLoader(
@@ -259,6 +251,22 @@ def measure_loader(
             f"{local_batch} an epoch (at least {MIN_LOADER_BATCHES} are needed); prepare more rows, "
             "or lower training.batch_size"
         )
+    return loader
+
+
+def measure_loader(
+    manifest: ShardManifest, dataset_dir: str, cfg: TrainingConfig, *, budget_s: float = 1.0
+) -> float:
+    """Samples/s one loader worker delivers from rank 0's real train shards, drained
+    as fast as they come (no training), with training's shuffle buffer and prefetch.
+
+    Whole epochs, each from its start: reading, decoding (images) and the shuffle buffer's
+    first rows are paid as in training. An epoch longer than the budget is cut, still
+    counted from its start (the rows the buffer holds then are left out: the figure errs
+    low). At least MEASURED_BATCHES batches are timed. An epoch of fewer than
+    MIN_LOADER_BATCHES batches is refused: its start would be most of what is timed.
+    """
+    loader = measured_loader(manifest, dataset_dir, cfg)
     samples, seconds, batches = 0, 0.0, 0
     start = time.perf_counter()
     for epoch in itertools.count():
