@@ -13,6 +13,7 @@ shardline's side. Rank 0 prints RESULT_MARK + its figures as JSON.
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import json
 import sys
 from pathlib import Path
@@ -36,32 +37,39 @@ def main(p: dict) -> None:
     dist.init_process_group("gloo", timeout=dt.timedelta(seconds=p["timeout_s"]))
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        data = np.memmap(p["tokens"], dtype=np.uint16, mode="r")
-        length, local = p["length"], p["global_batch"] // world
-        g = torch.Generator().manual_seed(p["seed"] + rank)
+        # The model lives in train()'s frame only, collected before the group is left: a DDP
+        # model freed after destroy_process_group deadlocked at exit (its gloo group's
+        # destructor joined a thread waiting for the GIL the destructor held).
+        def train() -> dict:
+            data = np.memmap(p["tokens"], dtype=np.uint16, mode="r")
+            length, local = p["length"], p["global_batch"] // world
+            g = torch.Generator().manual_seed(p["seed"] + rank)
 
-        def get_batch():
-            ix = torch.randint(len(data) - length, (local,), generator=g)
-            x = torch.stack([torch.from_numpy(data[i : i + length].astype(np.int64)) for i in ix])
-            y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + length].astype(np.int64)) for i in ix])
-            return x, y
+            def get_batch():
+                ix = torch.randint(len(data) - length, (local,), generator=g)
+                x = torch.stack([torch.from_numpy(data[i : i + length].astype(np.int64)) for i in ix])
+                y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + length].astype(np.int64)) for i in ix])
+                return x, y
 
-        def batches():
-            while True:
-                yield get_batch()
+            def batches():
+                while True:
+                    yield get_batch()
 
-        torch.manual_seed(p["seed"])
-        model = DistributedDataParallel(Decoder(p["vocab"], length, p["d_model"], p["heads"], p["layers"]))
-        opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], weight_decay=p["weight_decay"])
+            torch.manual_seed(p["seed"])
+            model = DistributedDataParallel(Decoder(p["vocab"], length, p["d_model"], p["heads"], p["layers"]))
+            opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], weight_decay=p["weight_decay"])
 
-        def step(x, y):
-            logits = model(x)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            def step(x, y):
+                logits = model(x)
+                loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
 
-        out = timed_steps(batches(), step, p["warmup"], p["steps"], rank)
+            return timed_steps(batches(), step, p["warmup"], p["steps"], rank)
+
+        out = train()
+        gc.collect()
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -13,6 +13,7 @@ same loop (`train_loops.timed_steps`). Rank 0 prints RESULT_MARK + its figures a
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import json
 import sys
 import time
@@ -41,28 +42,34 @@ def main(p: dict) -> None:
     dist.init_process_group("gloo", timeout=dt.timedelta(seconds=p["timeout_s"]))
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        data = datasets.ImageFolder(p["images_dir"], transform=transforms.PILToTensor())
-        sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=p["seed"],
-                                     drop_last=True)
-        workers = p["num_workers"]
-        loader = DataLoader(data, batch_size=p["global_batch"] // world, sampler=sampler, drop_last=True,
-                            num_workers=workers, persistent_workers=workers > 0, pin_memory=False)
-        torch.manual_seed(p["seed"])
-        model = DistributedDataParallel(BenchCNN(p["shape"][0], len(data.classes), p["width"]))
-        opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], weight_decay=p["weight_decay"])
+        # The model lives in train()'s frame only, collected before the group is left: a DDP
+        # model freed after destroy_process_group deadlocked at exit (its gloo group's
+        # destructor joined a thread waiting for the GIL the destructor held).
+        def train() -> dict:
+            data = datasets.ImageFolder(p["images_dir"], transform=transforms.PILToTensor())
+            sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=p["seed"],
+                                         drop_last=True)
+            workers = p["num_workers"]
+            loader = DataLoader(data, batch_size=p["global_batch"] // world, sampler=sampler, drop_last=True,
+                                num_workers=workers, persistent_workers=workers > 0, pin_memory=False)
+            torch.manual_seed(p["seed"])
+            model = DistributedDataParallel(BenchCNN(p["shape"][0], len(data.classes), p["width"]))
+            opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], weight_decay=p["weight_decay"])
 
-        def step(x, y):
-            opt.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
+            def step(x, y):
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
 
-        def batches():
-            for epoch in range(p["epochs"]):
-                sampler.set_epoch(epoch)
-                yield from loader
+            def batches():
+                for epoch in range(p["epochs"]):
+                    sampler.set_epoch(epoch)
+                    yield from loader
 
-        out = timed_steps(batches(), step, p["warmup"], p["steps"], rank)
-        out["started_at"] = started
+            return timed_steps(batches(), step, p["warmup"], p["steps"], rank)
+
+        out = {**train(), "started_at": started}
+        gc.collect()
         dist.barrier()
     finally:
         dist.destroy_process_group()
