@@ -15,8 +15,9 @@ in class folders), the same CNN (benchmarks/bench_cnn.py), AdamW, global batch a
   w in NUM_WORKERS, the best kept (all reported: `torchvision_by_workers`).
 
 Each side runs WARMUP steps, then STEPS timed ones (train_loops.timed_steps): images/s =
-global batch x STEPS / the slowest rank's seconds; data_wait = the share of those seconds
-the slowest rank waited for its batch. The images are one epoch's worth, so every image is
+global batch x STEPS / the slowest rank's seconds; data_wait = the share of all its steps'
+seconds, warm-up included (an epoch's start is where a bad layout waits), the slowest rank
+waited for its batch. The images are one epoch's worth, so every image is
 decoded once on both sides. `ratio.vs_torchvision` = shardline_local / the best torchvision.
 Images per CPU-second: the same images over the CPU seconds of every rank process, its
 threads and its DataLoader workers: the work done, less sensitive than wall seconds to

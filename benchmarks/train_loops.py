@@ -19,8 +19,10 @@ def timed_steps(batches, step, warmup: int, steps: int, rank: int) -> dict:
     (x, y) from `batches` + `step(x, y)`. Inside a process group; every rank's figures come
     back (gathered), so the caller reports the slowest rank's.
 
-    elapsed: wall seconds of the timed steps on this rank; data_wait: the share of those
-    seconds spent waiting for batches (training.worker measures the same); cpu_s: CPU
+    elapsed: wall seconds of the timed steps on this rank; data_wait: the share of all the
+    steps' seconds, warm-up included, spent waiting for batches: an epoch's start (the first
+    row groups decoded before the first batch) is where a bad layout waits, and
+    training.worker's data_wait_fraction counts it too; cpu_s: CPU
     seconds of the rank's process, its threads and its child processes (a DataLoader's
     workers) over those steps, summed over the ranks: the work, whatever else the machine
     runs (on a shared machine wall seconds also count the others' load)."""
@@ -35,13 +37,13 @@ def timed_steps(batches, step, warmup: int, steps: int, rank: int) -> dict:
         step(x, y)
         return got - t, time.perf_counter() - t
 
-    for _ in range(warmup):
-        one()
+    warm = [one() for _ in range(warmup)]
     dist.barrier()  # every rank starts the clock together
     start, cpu = time.perf_counter(), cpu_seconds()
-    waited = sum(one()[0] for _ in range(steps))
+    timed = [one() for _ in range(steps)]
     elapsed = time.perf_counter() - start
-    mine = {"elapsed_s": elapsed, "data_wait": waited / elapsed, "rank": rank, "cpu_s": cpu_seconds() - cpu}
+    waited, stepping = (sum(w for w, _ in warm + timed), sum(t for _, t in warm + timed))
+    mine = {"elapsed_s": elapsed, "data_wait": waited / stepping, "rank": rank, "cpu_s": cpu_seconds() - cpu}
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return {

@@ -15,7 +15,7 @@ sequence length and steps:
 
 Each side, in ROUNDS rounds of alternating order (the fastest counts): WARMUP steps, then STEPS timed ones (train_loops.timed_steps); tokens/s = global
 batch x LENGTH x STEPS / the slowest rank's seconds, data_wait the share of them it waited
-for batches. `ratio.vs_memmap` = shardline / memmap; `per_cpu_vs_memmap` the same for tokens
+for batches (over all its steps, warm-up included). `ratio.vs_memmap` = shardline / memmap; `per_cpu_vs_memmap` the same for tokens
 per CPU-second of the rank processes (less sensitive to other jobs on a shared machine).
 """
 
