@@ -347,12 +347,13 @@ def plan(config: Config = None, overrides: Overrides = ()) -> PlanResult:
     shards out by it). Measured in this process."""
     from shardline.pipelines.manifest import store_plan
     from shardline.training.job import preflight
-    from shardline.training.plan import plan_dataset
+    from shardline.training.plan import measured_loader, plan_dataset
 
     cfg = resolve_paths(load_config(config, overrides), [])
     check_storage(cfg, writes=(DATASET,))
     t, where = cfg.training, cfg.pipelines.dataset_dir
     checked = preflight(t, where)  # no dataset, bad settings: one line, before measuring
+    measured_loader(checked, where, t)  # an epoch too short to time the loader: the same
     with stage(f"Measuring {t.model} {t.hidden} and the loader on {where}"):
         measured, p = plan_dataset(t, where, manifest=checked)
     return PlanResult(where, store_plan(where, measured.version_id, p), p)

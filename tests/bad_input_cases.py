@@ -295,6 +295,8 @@ CASES = [
          setup=_bad_manifest),
     Case("plan without a dataset", ["plan", "{cfg}", "--set", "pipelines.dataset_dir='{dir}/none'"], 1,
          "no manifest"),
+    Case("plan on a dataset too small to time the loader (3 batches an epoch)", ["plan", "{cfg}"], 1,
+         "the loader's rate cannot be measured: rank 0 of 2 reads"),
     Case("a tensor column that is missing", P, 1, "column 'tokens' not found",
          toml="[pipelines.features.tensors.tokens]\ndtype = 'int32'\nshape = [8]\n"),
     Case("a tensor of another shape than declared", TENSORS, 1,
