@@ -162,8 +162,12 @@ def stop_if_job_over() -> None:
         _end(guard.job, why)
 
 
+def stop_line(pid: int, job: str, why: str) -> str:
+    return f"[shardline] rank process {pid} stops: job {job} is over ({why})"
+
+
 def _end(job: str, why: str) -> None:
-    print(f"[shardline] rank process {os.getpid()} stops: job {job} is over ({why})", file=sys.stderr, flush=True)
+    print(stop_line(os.getpid(), job, why), file=sys.stderr, flush=True)
     os._exit(70)  # no cleanup that could write: another job may own the directory
 
 
