@@ -104,12 +104,12 @@ def _copy_prefix(cfg, ref_dir: str, into: str, keep: int) -> list[str]:
     paths = CheckpointStore(ref_dir).paths()[:keep]
     for p in paths:
         storage.write_bytes(storage.join(into, storage.name(p)), storage.read_bytes(p))
-        sharded = CheckpointStore.holding(p).read().get("sharded")
+        sharded = CheckpointStore.holding(p).read(p).get("sharded")
         if sharded:
             for f in storage.find_files(storage.join(ref_dir, sharded)):
                 rel = f[len(ref_dir) + 1:]
                 storage.write_bytes(storage.join(into, rel), storage.read_bytes(f))
-    step = CheckpointStore.holding(paths[-1]).read()["global_step"]
+    step = CheckpointStore.holding(paths[-1]).read(paths[-1])["global_step"]
     pointer = {"name": storage.name(paths[-1]), "step": step}
     storage.write_bytes(storage.join(into, POINTER), json.dumps(pointer).encode())
     return [storage.join(into, storage.name(p)) for p in paths]

@@ -269,10 +269,8 @@ def _resume(job: RankJob, store: CheckpointStore, parallel, scheduler, train: Sh
             world_size: int, device) -> tuple[int, int, torch.Tensor | None]:
     """Load the checkpoint into this rank; (global step, epoch, sums) to continue from.
 
-    sums: the resumed epoch's running sums of its figures (task.batch_sums) over the steps
-    before the checkpoint, when it resumes mid-epoch: all ranks' added up, on rank 0 (the
-    epoch's sums are summed over the ranks at its end, so where they sit does not matter,
-    and any mesh can take them); None on the other ranks and at an epoch's start.
+    sums: mid-epoch, the epoch's running sums (task.batch_sums) before the checkpoint, every
+    rank's added up on rank 0 (summed over the ranks at the epoch's end anyway); else None.
 
     Every rank reads the weights and optimizer state it holds now from the checkpoint's
     DCP directory, whichever ranks wrote them. At the mesh that wrote it every rank takes
