@@ -106,7 +106,7 @@ def run_in_group(
     job's driver goes away; a failure is raised as a `RankError` the driver can read.
     `code`: the user's code the launcher shipped (pipelines.code_travel), made current in
     this process before `fn` runs, so `fn` imports this job's version of it.
-    A payload with a `ranks_dir` (a TrainJob's) is where a bug's full traceback is written
+    A payload with a `ranks_dir` (a RankJob's) is where a bug's full traceback is written
     (`ranks/rank-N.log`), for the driver's one line to name (launchers.rank_errors).
     """
     import torch.distributed as dist

@@ -21,7 +21,7 @@ from shardline.pipelines.spark_setup import is_connect, spark_master, spark_sett
 
 from ..placement import Slot, host_of, slots
 from . import DriverGuard, RankFn, TrainingFailed, announced, free_port, run_in_group
-from .rank_errors import RankError, lost_rank
+from .rank_errors import RankError, lost_rank, rank_failures
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,8 @@ def launch_spark_barrier(
             ) from None
         # The rank's own marker is inside Spark's text (a Python traceback in a Java one):
         # it names the rank, its host and its error; a killed rank's task has none.
-        lost = _lost_task(e, getattr(payload, "ranks_dir", None), failed_executors(spark, group))
+        lost = "" if rank_failures(str(e)) else \
+            _lost_task(e, getattr(payload, "ranks_dir", None), failed_executors(spark, group))
         raise TrainingFailed.from_ranks("Spark barrier stage", str(e), lost) from e
     results = {r["rank"]: pickle.loads(r["result"]) for r in rows}
     return [results[r] for r in range(world_size)]
