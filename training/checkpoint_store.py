@@ -13,6 +13,8 @@ folder may be any URL:
       ckpt-000000120-7d02ee.dcp/ its ranks' weights and optimizer state (named in the object)
       LATEST                     the pointer: written after the object it names
       ranks/rank-N.json          which host and process is rank N
+      ranks/rank-N.log           rank N's traceback, when it failed with a bug (launchers.rank_errors)
+      ranks/stop.json            the job whose driver was interrupted: its ranks stop (launchers.guard)
       _lease.json                the running job's hold on the folder (pipelines.lease)
 
 A checkpoint is visible once the pointer names it: an interrupted write leaves at most an

@@ -20,6 +20,7 @@ from .checkpoint_store import CheckpointStore
 from .batch import forward, split as split_batch, to_device
 from .config import TrainingConfig
 from .evaluate import evaluate
+from .launchers.guard import stop_if_job_over
 from .loader import ShardLoader
 from .models import apply_activation_checkpointing, build_model
 from .strategies import get_strategy
@@ -56,6 +57,12 @@ class RankJob:
     def socket_ifname(self) -> str | None:
         """What launchers.run_in_group exports as GLOO/NCCL_SOCKET_IFNAME before the group starts."""
         return self.cfg.socket_ifname
+
+    @property
+    def ranks_dir(self) -> str:
+        """Where each rank says who it is (rank-N.json) and, failing with a bug, writes its
+        traceback (rank-N.log: launchers.rank_errors); every host can write there."""
+        return storage.join(self.cfg.checkpoint_dir, "ranks")
 
 
 def train_rank(rank: int, world_size: int, job: RankJob) -> dict | None:
@@ -112,17 +119,21 @@ def train_rank(rank: int, world_size: int, job: RankJob) -> dict | None:
     store.announce(rank)
 
     step = start_epoch = 0
+    resumed_sums = None  # a mid-epoch checkpoint's running sums of its epoch (this rank's share)
     if job.resume_from:
-        step, start_epoch = _resume(job, store, parallel, scheduler, train, rank, world_size, device)
+        step, start_epoch, resumed_sums = _resume(job, store, parallel, scheduler, train, rank, world_size, device)
         # A setting the user allowed to change (--allow-changed lr) wins over the checkpoint's.
         checkpoints.apply_changed(optimizer, scheduler, cfg, cfg.resume_allow_changed)
 
-    def checkpoint(epoch: int, step_in_epoch: int, artifact: bool) -> None:
+    def checkpoint(epoch: int, step_in_epoch: int, artifact: bool, sums: torch.Tensor) -> None:
         # Every rank writes what it holds of the weights and the optimizer state, in
         # parallel, into the checkpoint's DCP directory (training.sharded_checkpoints); then
         # one small file, gathered to rank 0, says what each rank needs besides to resume
-        # exactly (its schedule and RNG state) and names the directory. No weights in it.
-        mine = {"scheduler": scheduler.state_dict() if scheduler else {}, "rng": rng_state(device)}
+        # exactly (its schedule, RNG state, and mid-epoch its running sums of the epoch's
+        # figures: a resumed epoch logs them over all its steps) and names the directory.
+        # No weights in it.
+        mine = {"scheduler": scheduler.state_dict() if scheduler else {}, "rng": rng_state(device),
+                "sums": sums.cpu()}
         sharded = store.new_dcp_name(step)
         parallel.save_checkpoint(storage.join(store.url, sharded))
         ranks = collectives.gather_object(mine, dst=0)
@@ -140,6 +151,7 @@ def train_rank(rank: int, world_size: int, job: RankJob) -> dict | None:
             "code_files": job.code.files if job.code else {},
             "run_id": job.run_id or "",
         }
+        stop_if_job_over()  # an interrupted job commits no more checkpoints (launchers.guard)
         path = store.save(step, state, cfg.keep_checkpoints)  # and rotates, DCP directories too
         if reporter:
             reporter.checkpoint(path, step, artifact, storage.join(store.url, sharded))
@@ -150,6 +162,8 @@ def train_rank(rank: int, world_size: int, job: RankJob) -> dict | None:
         seen = waited = stepping = 0.0
         steps_run = 0  # this epoch's steps in this process (a resumed epoch: the rest only)
         sums = task.zero_sums(kind)
+        if resumed_sums is not None and epoch == start_epoch:  # the steps before the restart
+            sums += resumed_sums.to(sums.device)
         start = time.perf_counter()
         # Resuming mid-epoch, the loader (its state loaded) yields exactly the rest.
         position = train.state_dict()
@@ -186,7 +200,7 @@ def train_rank(rank: int, world_size: int, job: RankJob) -> dict | None:
                 if reporter:
                     reporter.log({"train_loss_step": step_loss, "lr": cfg.lr * schedule(step)}, step)
             if cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0:
-                checkpoint(epoch, step_in_epoch, artifact=False)
+                checkpoint(epoch, step_in_epoch, artifact=False, sums=sums)
         elapsed = time.perf_counter() - start
 
         # Per-rank figures go to rank 0 through one all-reduce of a [world, k] table.
@@ -228,7 +242,7 @@ def train_rank(rank: int, world_size: int, job: RankJob) -> dict | None:
                 # Once per job: later epochs' figures are in MLflow (rank*_data_wait_fraction).
                 _warn_data_wait(job, epoch, cfg, per_rank[:, 1], loader_settings["workers"])
                 warned = True
-        checkpoint(epoch + 1, 0, artifact=True)
+        checkpoint(epoch + 1, 0, artifact=True, sums=task.zero_sums(kind))
         if job.epoch_hook is not None and _stop_requested(job.epoch_hook, rank, epoch, metrics):
             # After the last epoch a stop changes nothing: the job simply completed.
             stopped_early = epoch + 1 < cfg.epochs
@@ -252,8 +266,11 @@ def train_rank(rank: int, world_size: int, job: RankJob) -> dict | None:
 
 
 def _resume(job: RankJob, store: CheckpointStore, parallel, scheduler, train: ShardLoader, rank: int,
-            world_size: int, device) -> tuple[int, int]:
-    """Load the checkpoint into this rank; (global step, epoch) to continue from.
+            world_size: int, device) -> tuple[int, int, torch.Tensor | None]:
+    """Load the checkpoint into this rank; (global step, epoch, sums) to continue from.
+
+    sums: mid-epoch, the epoch's running sums (task.batch_sums) before the checkpoint, every
+    rank's added up on rank 0 (summed over the ranks at the epoch's end anyway); else None.
 
     Every rank reads the weights and optimizer state it holds now from the checkpoint's
     DCP directory, whichever ranks wrote them. At the mesh that wrote it every rank takes
@@ -273,9 +290,13 @@ def _resume(job: RankJob, store: CheckpointStore, parallel, scheduler, train: Sh
         scheduler.load_state_dict(schedule)
     if own is not None:
         set_rng_state(own["rng"], device)
+    sums = None
     if state["loader"]["world_size"] == parallel.data_world:
         train.load_state_dict(state["loader"])
-    return state["global_step"], state["epoch"]
+        saved = [r["sums"] for r in state["ranks"] if r.get("sums") is not None]
+        if rank == 0 and state["step_in_epoch"] and saved:  # older checkpoints have none
+            sums = torch.stack(saved).sum(0)
+    return state["global_step"], state["epoch"], sums
 
 
 # The pieces of a step, shared with the bandwidth planner (training.plan) so that it
