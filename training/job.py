@@ -85,7 +85,7 @@ class TrainingJob:
             store = CheckpointStore.for_job(cfg, tracking.experiment, tracking.registered_model, dataset_dir)
         cfg = cfg.model_copy(update={"checkpoint_dir": store.url})
         tracking = tracking.model_copy(update={"tracking_uri": tracking.resolved_uri()})
-        checkpoints.check_allowed(cfg.resume_allow_changed)
+        checkpoints.check_allowed(cfg.resume_allow_changed, "--allow-changed / training.resume_allow_changed")
         # The user's code as it is now: the driver's checks, the fingerprint and every rank
         # use these bytes.
         code = snapshot(job_code_folders(cfg))
