@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from shardline.pipelines.errors import ConfigError
+from shardline.training.config import TrainingConfig
 from shardline.training.launchers.local import launch_local
 from shardline.training.launchers.spark import launch_spark_barrier
 from shardline.training.strategies import strategy_for
