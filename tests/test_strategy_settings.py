@@ -18,7 +18,7 @@ from shardline.pipelines.errors import ConfigError
 from shardline.training import checkpoints
 from shardline.training.config import TrainingConfig
 from shardline.training.strategies import strategy_for
-from shardline.training.strategy_settings import FLAT_NAMES, TABLES
+from shardline.training.strategy_settings import FLAT_NAMES, TABLES, merge_settings
 from shardline.training.sweep_config import SweepConfig, tunable
 from shardline.training.worker import TrainJob
 
@@ -182,6 +182,11 @@ def test_a_sweep_searches_a_strategy_setting_by_its_flat_name():
     assert sweep.space["micro_batches"].choices == [2, 4]
     with pytest.raises(ValueError, match=r"micro_batches: 0 is not a valid training.micro_batches"):
         SweepConfig(space={"micro_batches": {"type": "categorical", "choices": [0, 4]}})
+    # A trial's config: the base's full dump (every sub-table at its values) with the trial's
+    # flat-named values over it (training.sweep._run_trial), validated.
+    base = TrainingConfig(strategy="pipeline", micro_batches=4, pipeline_schedule="gpipe")
+    trial = TrainingConfig.model_validate(merge_settings(base.model_dump(), {"micro_batches": 8, "lr": 0.1}))
+    assert (trial.micro_batches, trial.pipeline_schedule, trial.lr) == (8, "gpipe", 0.1)
 
 
 def test_the_strategy_is_one_object_with_its_settings_and_mesh_that_travels_in_the_job():
