@@ -262,8 +262,8 @@ class TrainingJob:
             elif self.resume.changed:
                 _log_changed(self.resume.changed, self.resume.head.get("global_step", 0), code_changes)
             job = RankJob(
-                cfg=cfg, strategy=self.strategy, dataset_dir=self.dataset_dir, dataset_sequence=manifest.sequence, tracking_uri=uri,
-                run_id=run_id, fingerprint=self.fingerprint, code=self.code,
+                cfg=cfg, dataset_dir=self.dataset_dir, dataset_sequence=manifest.sequence, tracking_uri=uri,
+                strategy=self.strategy, run_id=run_id, fingerprint=self.fingerprint, code=self.code,
                 resume_from=self.resume.url if self.resume else None, epoch_hook=epoch_hook,
             )
             # Ranks' progress lines reach this process's reporter wherever they run (pipelines.progress).
