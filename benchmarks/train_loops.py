@@ -100,7 +100,7 @@ def shardline_rank(rank: int, world_size: int, p: dict) -> dict:
     from shardline.training.config import TrainingConfig
     from shardline.training.loader import ShardLoader
     from shardline.training.models import build_model
-    from shardline.training.strategies import get_strategy
+    from shardline.training.strategies import strategy_for
     from shardline.training.worker import make_optimizer
 
     if p.get("own_session"):
@@ -112,8 +112,8 @@ def shardline_rank(rank: int, world_size: int, p: dict) -> dict:
     torch.set_num_threads(p["threads"])
     cfg = TrainingConfig.model_validate(p["training"])
     manifest = load_manifest(p["dataset_dir"])
-    parallel = get_strategy("ddp").setup(build_model(manifest, cfg), cfg, rank, world_size,
-                                         torch.device("cpu"), lambda params: make_optimizer(params, cfg))
+    parallel = strategy_for(cfg).setup(build_model(manifest, cfg), cfg, rank, world_size,  # ddp: the default
+                                       torch.device("cpu"), lambda params: make_optimizer(params, cfg))
     loader = ShardLoader(manifest, p["dataset_dir"], "train", rank, world_size, cfg.batch_size // world_size,
                          cfg.seed, shuffle_buffer_rows=cfg.shuffle_buffer_rows, workers=p["workers"],
                          prefetch=cfg.prefetch_depth)

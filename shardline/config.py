@@ -17,6 +17,7 @@ from shardline.pipelines.errors import ConfigError
 from shardline.pipelines.storage import is_remote, resolve
 from shardline.serving.config import ServingConfig
 from shardline.training.config import TrackingConfig, TrainingConfig
+from shardline.training.strategy_settings import nest_source, override_path
 from shardline.training.sweep_config import SweepConfig
 
 
@@ -58,12 +59,15 @@ def load_config(
             raise ConfigError(f"{p}: invalid TOML: {e}") from None
         except UnicodeDecodeError:
             raise ConfigError(f"{p}: config file is not UTF-8 text") from None
+    # A strategy setting by either name (training.micro_batches, training.pipeline.micro_batches):
+    # one path in the data, so an override replaces the source's whichever name each used.
+    data, seen = nest_source(data, where), {}
     if isinstance(overrides, Mapping):
         for key, value in overrides.items():
-            _set(data, str(key), value, f"{key}={value!r}")
+            _set(data, override_path(str(key).strip(), value, seen), value, f"{key}={value!r}")
     else:
         for item in overrides:
-            _apply_override(data, item)
+            _apply_override(data, item, seen)
     try:
         return ShardlineConfig.model_validate(data)
     except ValidationError as e:
@@ -77,7 +81,7 @@ def load_config(
         raise ConfigError(f"{where}: {field}: {msg}{got}") from None
 
 
-def _apply_override(data: dict, item: str) -> None:
+def _apply_override(data: dict, item: str, seen: dict) -> None:
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {item!r}: expected section.field=value")
@@ -85,7 +89,7 @@ def _apply_override(data: dict, item: str) -> None:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw  # a bare word is a string: --set training.model=mlp
-    _set(data, key, value, item)
+    _set(data, override_path(key.strip(), value, seen), value, item)
 
 
 def _set(data: dict, key: str, value: Any, item: str) -> None:

@@ -251,6 +251,9 @@ CASES = [
     # -- training settings against the dataset (exit 2: a setting at fault)
     Case("unknown model", [*T, "--set", "training.model=resnet"], 2, "unknown model 'resnet'"),
     Case("unknown strategy", [*T, "--set", "training.strategy=zero"], 2, "unknown strategy 'zero'"),
+    Case("a strategy setting given by its flat name and in its sub-table, with different values",
+         [*T, "--set", "training.micro_batches=8", "--set", "training.pipeline.micro_batches=2"], 2,
+         "training.micro_batches = 8 and training.pipeline.micro_batches = 2 are one setting given twice"),
     Case("batch not a multiple of the ranks", [*T, "--set", "training.batch_size=101"], 2,
          "training.batch_size 101 must be a multiple"),
     Case("the language model on a dataset of another task", [*T, "--set", "training.model=decoder"], 2,

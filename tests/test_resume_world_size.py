@@ -149,7 +149,7 @@ def continued_single_process(head_path: Path, cfg: TrainingConfig, data_world: i
 )
 def test_resume_at_another_world_size_matches_single_process_continuation(prepared4, first_runs, tmp_path, first,
                                                                           then):
-    from shardline.training.strategies import get_strategy
+    from shardline.training.strategies import strategy_for
 
     tracking = TrackingConfig(experiment="resume-world", registered_model="resume-world")
     saved = _epoch_end(first_runs(first), 1)
@@ -158,7 +158,7 @@ def test_resume_at_another_world_size_matches_single_process_continuation(prepar
     _copy_checkpoint(saved, Path(after.checkpoint_dir))
     resumed = run_training(after, tracking, prepared4.dataset_dir, register=False)
 
-    data_world = get_strategy(after.strategy).data_world(after)
+    data_world = strategy_for(after).data_world
     reference = continued_single_process(saved, after, data_world, prepared4.dataset_dir)
     distance = relative_distance(resumed.weights, reference)
     assert distance <= TOLERANCE, distance

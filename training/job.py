@@ -42,7 +42,7 @@ from .model_inputs import ModelInputs
 from .models import build_model
 from .restarts import launch_with_restarts
 from .result import TrainResult
-from .strategies import get_strategy
+from .strategies import strategy_for
 from .tracking import check_store, describe_version, log_curves, log_dataset_input, open_experiment, run_name
 from .user_code import job_code_folders, refresh_driver_code
 from .worker import RankJob
@@ -65,7 +65,9 @@ class TrainingJob:
         self.cfg, self.tracking, self.dataset_dir = cfg, tracking, dataset_dir
         self.store = store  # the checkpoint folder's owner (training.checkpoint_store)
         self.code = code
-        self.strategy = get_strategy(cfg.strategy)
+        # The job's strategy, looked up once: its settings and mesh (a mesh that cannot be laid
+        # out is refused here); the checks use it and it travels to every rank in the RankJob.
+        self.strategy = strategy_for(cfg)
         # Found by check(): what run() acts on.
         self.manifest: ShardManifest | None = None
         self.model: torch.nn.Module | None = None
@@ -107,9 +109,9 @@ class TrainingJob:
         return self
 
     def check_settings(self) -> None:
-        """The checks that need no dataset (`shardline run` makes the dataset first)."""
-        # The mesh (its degrees multiply to world_size; PS leaves workers): needs no model.
-        self.strategy.data_world(self.cfg)
+        """The checks that need no dataset (`shardline run` makes the dataset first). The mesh
+        (its degrees multiply to world_size; PS leaves workers) was checked as the strategy
+        was resolved."""
         # The model, loss and metrics import and take their arguments.
         check_callables(self.cfg)
 
@@ -123,13 +125,13 @@ class TrainingJob:
         manifest = load_manifest(self.dataset_dir)
         manifest.split("train")
         self.model = build_model(manifest, cfg)
-        check_model(cfg, ModelInputs.from_manifest(manifest), self.model)
-        self.strategy.check(cfg, self.model)  # the plans the strategy needs, declared by the model
-        data_world = self.strategy.data_world(cfg)
+        inputs = ModelInputs.from_manifest(manifest)
+        check_model(cfg, inputs, self.model)
+        self.strategy.check(cfg, self.model, inputs)  # the plans the strategy needs, declared by the model
+        data_world = self.strategy.data_world
         check_world_size(manifest, "train", data_world)
         check_steps(cfg, manifest, data_world)
-        describe = getattr(self.strategy, "describe", None)
-        self.outline = describe(cfg, self.model) if describe else ""
+        self.outline = self.strategy.describe(cfg, self.model)
         self.manifest = manifest
         return manifest
 
@@ -164,7 +166,7 @@ class TrainingJob:
         fp = checkpoints.fingerprint(cfg, self.manifest.version_id, code)
         head = store.read(url, checkpoints.comparable(fp), allowed)
         # Another mesh than the one that wrote it: refused here unless it reshards.
-        sharded_checkpoints.check_resume(head, cfg, self.strategy.data_world(cfg), storage.display(url))
+        sharded_checkpoints.check_resume(head, cfg, self.strategy.data_world, storage.display(url))
         if head.get("epoch", 0) >= cfg.epochs:
             store.check_unfinished(cfg.epochs, allowed)
         saved = head.get("fingerprint", {})
@@ -261,7 +263,7 @@ class TrainingJob:
                 _log_changed(self.resume.changed, self.resume.head.get("global_step", 0), code_changes)
             job = RankJob(
                 cfg=cfg, dataset_dir=self.dataset_dir, dataset_sequence=manifest.sequence, tracking_uri=uri,
-                run_id=run_id, fingerprint=self.fingerprint, code=self.code,
+                strategy=self.strategy, run_id=run_id, fingerprint=self.fingerprint, code=self.code,
                 resume_from=self.resume.url if self.resume else None, epoch_hook=epoch_hook,
             )
             # Ranks' progress lines reach this process's reporter wherever they run (pipelines.progress).

@@ -34,7 +34,7 @@ from .config import TrainingConfig
 from .job import preflight
 from .launchers import available_cores
 from .loader import ShardLoader
-from .strategies import get_strategy
+from .strategies import Strategy, strategy_for
 from .strategies.base import autocast_for, train_step
 from .task import loss_for
 from .worker import make_optimizer, trainable_model
@@ -143,10 +143,12 @@ def plan_dataset(
     if manifest is None:
         manifest = preflight(cfg, dataset_dir)  # the errors training itself would raise
     device = training_device()
+    strategy = strategy_for(cfg)  # once: the measurements and the plan split batches as it does
     # The loader first: a dataset too small to time it is refused before the model is measured.
-    loader = measure_loader(manifest, dataset_dir, cfg, budget_s=budget_s)
-    train = measure_training(manifest, cfg, device, budget_s=budget_s)
-    return manifest, plan_from_measurements(manifest, cfg, train, loader, cores=cores, device=device)
+    loader = measure_loader(manifest, dataset_dir, cfg, budget_s=budget_s, strategy=strategy)
+    train = measure_training(manifest, cfg, device, budget_s=budget_s, strategy=strategy)
+    return manifest, plan_from_measurements(manifest, cfg, train, loader, cores=cores, device=device,
+                                            strategy=strategy)
 
 
 def plan_from_measurements(
@@ -157,13 +159,14 @@ def plan_from_measurements(
     *,
     cores: int | None = None,
     device: torch.device | None = None,
+    strategy: Strategy | None = None,
 ) -> BandwidthPlan:
     """The plan for two measured figures on this dataset and config: what `plan_dataset`
     does after measuring. Split out so the rule is tested on chosen figures, never on
-    a machine's speed."""
+    a machine's speed. strategy: the job's (strategy_for(cfg)); None resolves it here."""
     # The plan is per data part: the ranks that read one share of each batch (all of them
     # for ddp; ps workers; the dp replicas of a split model, whose ranks read alike).
-    parts = get_strategy(cfg.strategy).data_world(cfg)
+    parts = (strategy or strategy_for(cfg)).data_world
     train_split = manifest.split("train")
     by_size = math.ceil(
         sum(s.bytes for s in train_split.shards) / manifest.layout.target_shard_bytes / parts
@@ -188,7 +191,8 @@ def plan_from_measurements(
 
 
 def measure_training(
-    manifest: ShardManifest, cfg: TrainingConfig, device: torch.device, *, budget_s: float = 1.0
+    manifest: ShardManifest, cfg: TrainingConfig, device: torch.device, *, budget_s: float = 1.0,
+    strategy: Strategy | None = None,
 ) -> float:
     """Per-rank training samples/s: the model's steps on synthetic local batches.
 
@@ -199,7 +203,7 @@ def measure_training(
     host-to-device copy and loss.item() around it; 2 warm-up steps, then at least 2
     timed steps and until `budget_s` has passed.
     """
-    local_batch = cfg.batch_size // get_strategy(cfg.strategy).data_world(cfg)
+    local_batch = cfg.batch_size // (strategy or strategy_for(cfg)).data_world
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads_per_rank)  # as a rank runs; restored below
     try:
@@ -230,11 +234,12 @@ def measure_training(
         torch.set_num_threads(threads)
 
 
-def measured_loader(manifest: ShardManifest, dataset_dir: str, cfg: TrainingConfig) -> ShardLoader:
+def measured_loader(manifest: ShardManifest, dataset_dir: str, cfg: TrainingConfig,
+                    strategy: Strategy | None = None) -> ShardLoader:
     """The loader `measure_loader` times: one worker over rank 0's train shards. Raises the
     one-line DataError when its epoch is too short to time (the CLI asks before it starts
     measuring, so the refusal is the only line)."""
-    parts = get_strategy(cfg.strategy).data_world(cfg)
+    parts = (strategy or strategy_for(cfg)).data_world
     local_batch = cfg.batch_size // parts
     loader = ShardLoader(
         manifest, dataset_dir, "train", 0, parts, local_batch, cfg.seed,
@@ -258,7 +263,8 @@ def measured_loader(manifest: ShardManifest, dataset_dir: str, cfg: TrainingConf
 
 
 def measure_loader(
-    manifest: ShardManifest, dataset_dir: str, cfg: TrainingConfig, *, budget_s: float = 1.0
+    manifest: ShardManifest, dataset_dir: str, cfg: TrainingConfig, *, budget_s: float = 1.0,
+    strategy: Strategy | None = None,
 ) -> float:
     """Samples/s one loader worker delivers from rank 0's real train shards, drained
     as fast as they come (no training), with training's shuffle buffer and prefetch.
@@ -269,7 +275,7 @@ def measure_loader(
     low). At least MEASURED_BATCHES batches are timed. An epoch of fewer than
     MIN_LOADER_BATCHES batches is refused: its start would be most of what is timed.
     """
-    loader = measured_loader(manifest, dataset_dir, cfg)
+    loader = measured_loader(manifest, dataset_dir, cfg, strategy)
     samples, seconds, batches = 0, 0.0, 0
     start = time.perf_counter()
     for epoch in itertools.count():

@@ -23,8 +23,7 @@ from .evaluate import evaluate
 from .launchers.guard import stop_if_job_over
 from .loader import ShardLoader
 from .models import apply_activation_checkpointing, build_model
-from .strategies import get_strategy
-from .strategies.base import model_for
+from .strategies import Strategy, strategy_for
 from .tracking import MetricsReporter
 
 
@@ -39,6 +38,9 @@ class RankJob:
 
     cfg: TrainingConfig
     dataset_dir: str
+    # The job's strategy (its settings and mesh), resolved once on the driver; unset: resolved
+    # from cfg when the job is made, so a rank never looks it up.
+    strategy: Strategy | None = None
     # The dataset version (manifest number) the driver checked: ranks read it, not a newer one.
     dataset_sequence: int | None = None
     tracking_uri: str | None = None
@@ -52,6 +54,10 @@ class RankJob:
     progress_addr: str | None = None
     # The job's snapshot of the user's code (pipelines.code_travel): what every rank imports.
     code: UserCode | None = None
+
+    def __post_init__(self) -> None:
+        if self.strategy is None:
+            self.strategy = strategy_for(self.cfg)
 
     @property
     def socket_ifname(self) -> str | None:
@@ -71,11 +77,11 @@ def train_rank(rank: int, world_size: int, job: RankJob) -> dict | None:
     torch.set_num_threads(cfg.threads_per_rank)
     device = collectives.device()  # chosen by run_in_group before the group (training.placement)
     manifest = load_manifest(job.dataset_dir, job.dataset_sequence)
-    strategy = get_strategy(cfg.strategy)
+    strategy = job.strategy
     # The Parallel keeps what this rank holds (a PS server, an fsdp rank: its shard only);
     # fsdp builds the model itself, sharded, from the builder (never whole on every rank).
     parallel = strategy.setup(
-        model_for(strategy, partial(plain_model, manifest, cfg), device), cfg, rank, world_size, device,
+        strategy.model_for(partial(plain_model, manifest, cfg), device), cfg, rank, world_size, device,
         lambda params: make_optimizer(params, cfg),
     )
     reads = parallel.data_rank is not None
@@ -105,7 +111,7 @@ def train_rank(rank: int, world_size: int, job: RankJob) -> dict | None:
         if evaluated and parallel.reports
         else None
     )
-    sharded_eval = getattr(parallel, "evaluates_sharded", False)  # the same on every rank
+    sharded_eval = parallel.evaluates_sharded  # the same on every rank
     eval_model = build_model(manifest, cfg).to(device) if val is not None and not sharded_eval else None
     kind = task.task_of(manifest)
     # training.loss and training.metrics (the user's, if set), imported here in the rank.
@@ -235,7 +241,7 @@ def train_rank(rank: int, world_size: int, job: RankJob) -> dict | None:
             metrics.update(evaluate(run, val, device, kind, loss_fn, user_metrics, sharded_eval, scale))
         if reporter:
             reporter.log(metrics, epoch)
-            shown = ", ".join(f"{k} {metrics[k]:.4g}" for k in _shown(metrics))
+            shown = ", ".join(f"{k} {metrics[k]:.4g}" for k in _shown(metrics, strategy.name))
             progress.say(job.progress_addr, f"[shardline] epoch {epoch + 1}/{cfg.epochs}: {shown}")
             if not warned and data_wait_worth_warning(cfg, metrics["data_wait_fraction"],
                                                       per_rank[:, 4].max().item(), int(per_rank[:, 5].max().item())):
@@ -321,9 +327,10 @@ def make_optimizer(params, cfg: TrainingConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def _shown(metrics: dict[str, float]) -> list[str]:
-    """The epoch line: the usual figures, then the strategy's own (job-wide means)."""
-    own = [k for k in metrics if k.split("_")[0] in ("ps", "pipeline")]
+def _shown(metrics: dict[str, float], strategy: str) -> list[str]:
+    """The epoch line: the usual figures, then the strategy's own (job-wide means), which
+    are named after it (Parallel.epoch_metrics)."""
+    own = [k for k in metrics if k.startswith(f"{strategy}_")]
     return [k for k in _SHOWN if k in metrics] + own
 
 
