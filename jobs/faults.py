@@ -206,10 +206,10 @@ def checkpoints_planned(cfg) -> tuple[int, int, str]:
     optimizer steps, the newest keep_checkpoints kept; `how` says where the figures came from."""
     from shardline.pipelines.manifest import load_manifest
     from shardline.training.loader import epoch_steps, rows_per_rank
-    from shardline.training.strategies import get_strategy
+    from shardline.training.strategies import strategy_for
 
     t = cfg.training
-    data_world = get_strategy(t.strategy).data_world(t)
+    data_world = strategy_for(t).data_world
     steps = epoch_steps(rows_per_rank(load_manifest(cfg.pipelines.dataset_dir), "train", data_world),
                         max(1, t.batch_size // data_world), t.remainder)
     every = t.checkpoint_every_steps
