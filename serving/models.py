@@ -71,11 +71,14 @@ def cached_model(model_uri: str, tracking_uri: str, device=None):
         import mlflow
 
         from shardline.training.raw_model import load_torch_model
+        from shardline.training.tracking import callers_store_kept
 
-        mlflow.set_tracking_uri(tracking_uri)
         # The torch module alone: batch scoring applies the transform itself, and a
-        # prepared split needs none.
-        model = load_torch_model(model_uri)
+        # prepared split needs none. (In the caller's own process too: an estimator's
+        # predict of a pandas frame; its MLflow is left pointing where it was.)
+        with callers_store_kept():
+            mlflow.set_tracking_uri(tracking_uri)
+            model = load_torch_model(model_uri)
         _CACHE[key] = model.to(device).eval()
         # What loading brought in (torch, MLflow, the model: ~430k objects) lives as long as
         # the process: frozen out of the collector, so neither later collections nor the
@@ -146,12 +149,14 @@ def resolve_model(model_uri: str, tracking_uri: str) -> ResolvedModel:
     from mlflow.exceptions import MlflowException
 
     from shardline.pipelines.errors import ShardlineError
+    from shardline.training.tracking import callers_store_kept
 
     name, version = resolve_version(model_uri, tracking_uri)
     pinned = f"models:/{name}/{version}" if model_uri.startswith("models:/") else model_uri
-    mlflow.set_tracking_uri(tracking_uri)
     try:
-        info = _model_info(pinned)
+        with callers_store_kept():
+            mlflow.set_tracking_uri(tracking_uri)
+            info = _model_info(pinned)
     except (MlflowException, OSError):
         raise ShardlineError(f"model {model_uri} not found in MLflow at {redact(tracking_uri)}") from None
     if not version and info.run_id:

@@ -19,8 +19,6 @@ client: dask; only a SparkSession: spark); else the setting's default.
 from __future__ import annotations
 
 import functools
-import os
-import sys
 from collections.abc import Iterable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -83,26 +81,15 @@ class RunResult:
 
 
 def _keeps_callers_mlflow(fn):
-    """MLflow keeps its tracking URI in a module global and copies it into
-    os.environ["MLFLOW_TRACKING_URI"] (for subprocesses). A call whose config names its own
-    store would leave the caller's later MLflow calls, and shardline's own default for
-    tracking.tracking_uri, pointing at that store: put both back as they were."""
+    """The call leaves the caller's MLflow tracking URI as it was (training.tracking.
+    callers_store_kept): a config naming its own store does not repoint the caller's."""
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        env = os.environ.get("MLFLOW_TRACKING_URI")
-        utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
-        before = getattr(utils, "_tracking_uri", None)
-        try:
+        from shardline.training.tracking import callers_store_kept
+
+        with callers_store_kept():
             return fn(*args, **kwargs)
-        finally:
-            utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
-            if utils is not None:
-                utils._tracking_uri = before
-            if env is None:
-                os.environ.pop("MLFLOW_TRACKING_URI", None)
-            else:
-                os.environ["MLFLOW_TRACKING_URI"] = env
 
     return call
 

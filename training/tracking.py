@@ -6,6 +6,7 @@ import os
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 
 from shardline.pipelines import storage
 from shardline.pipelines.errors import ShardlineError
@@ -95,6 +96,28 @@ class MetricsReporter:
 
 
 # ------------------------------------------------------------ what a user sees in MLflow
+
+
+@contextmanager
+def callers_store_kept():
+    """MLflow keeps its tracking URI in a module global and copies it into
+    os.environ["MLFLOW_TRACKING_URI"] (for subprocesses). Work that points MLflow at a
+    job's own store (training, scoring, an estimator's predict in the caller's process)
+    would leave the caller's later MLflow calls, and shardline's own default for
+    tracking.tracking_uri, pointing at that store: both are put back as they were."""
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
+    before = getattr(utils, "_tracking_uri", None)
+    try:
+        yield
+    finally:
+        utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
+        if utils is not None:
+            utils._tracking_uri = before
+        if env is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = env
 
 
 def run_name(cfg) -> str:
