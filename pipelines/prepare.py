@@ -112,7 +112,8 @@ def prepare(
     if src.format == "synthetic":
         synthetic.generate(engine, src.synthetic, storage.resolve(src.path, "pipelines.source.path"))
     files = checked.files or describe(list_files(src), src.format, src.csv_delimiter)
-    sources = [{"format": src.format, "path": display(f.url)} for f in files]
+    # Read again by --append --refit: the path itself, not display's masked text.
+    sources = [{"format": src.format, "path": storage.local_path(f.url)} for f in files]
     if append and refit:
         old = [f for s in previous.sources for f in describe([_url(str(s["path"]))], str(s["format"]), src.csv_delimiter)]
         files, sources = old + files, previous.sources + sources

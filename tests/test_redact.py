@@ -22,6 +22,9 @@ from tests.conftest import shardline_here
         ("https://acct.blob/c/f?sv=1&sig=secret", "https://acct.blob/c/f?sv=1&sig=***"),
         ("s3://b/k?X-Amz-Signature=secret&X-Amz-Security-Token=secret", "s3://b/k?X-Amz-Signature=***&X-Amz-Security-Token=***"),
         ("sc://h:15002/;token=secret;user_id=me", "sc://h:15002/;token=***;user_id=me"),
+        # A bare token as the whole user part (issue #46); a user name alone looks the same.
+        ("https://secret@git.example/org/repo.git", "https://***@git.example/org/repo.git"),
+        ("http://user@host/", "http://***@host/"),
     ],
 )
 def test_redact_masks_the_secret_and_keeps_the_rest(uri, shown):
@@ -33,10 +36,23 @@ def test_redact_masks_the_secret_and_keeps_the_rest(uri, shown):
 @pytest.mark.parametrize(
     "text",
     ["sqlite:////tmp/mlflow.db", "http://127.0.0.1:5000", "s3://bucket/data/part-0.parquet",
-     "http://user@host/", "training.lr = 0.1", "https://h/a:b/c@d"],
+     "training.lr = 0.1", "https://h/a:b/c@d", "git@github.com:org/repo.git"],
 )
 def test_redact_leaves_uris_without_secrets_alone(text):
     assert redact(text) == text
+
+
+def test_errors_and_displayed_urls_are_masked_where_they_are_made():
+    """A Python caller sees the error as made (its traceback, a notebook), not the CLI's
+    last line: the text is masked in the exception itself, and in storage.display."""
+    from shardline.pipelines import storage
+    from shardline.pipelines.errors import DataError
+
+    e = DataError("s3://AKIA:secret@bucket/data: no rows; also https://secret@h/x and ?token=secret")
+    assert "secret" not in str(e) and "secret" not in repr(e) and "secret" not in str(e.args)
+    assert str(e) == "s3://AKIA:***@bucket/data: no rows; also https://***@h/x and ?token=***"
+    assert storage.display("https://secret@host/data?sig=secret") == "https://***@host/data?sig=***"
+    assert storage.display("/data/raw/a.csv") == "/data/raw/a.csv"
 
 
 def test_unreachable_tracking_server_error_hides_the_password():
