@@ -53,6 +53,7 @@ from shardline.pipelines.errors import ConfigError, DataError, StorageError
 from .config import TrainingConfig
 
 _NAME = re.compile(r"^ckpt-(\d{9})(-[0-9a-f]{6})?\.pt$")
+_SHARDED = re.compile(r"^ckpt-\d{9}-[0-9a-f]{6}\.dcp$")  # sharded_checkpoints.new_name's
 POINTER = "LATEST"
 
 # Settings a checkpoint must agree with to be resumed from: they shape the
@@ -285,6 +286,10 @@ def load(url: str, expected: dict[str, str], allow_changed=()) -> dict:
     # The weights are in the DCP directory the small file names (training.sharded_checkpoints),
     # whose .metadata is written last: without it the checkpoint cannot be resumed.
     sharded = state.get("sharded")
+    # Joined to the folder and read by every rank, like LATEST's name: only our own names.
+    if sharded is not None and not (isinstance(sharded, str) and _SHARDED.fullmatch(sharded)):
+        raise CheckpointUnreadable(f"{where}: corrupt checkpoint (DCP directory {sharded!r} is not a "
+                                   "ckpt-<step>-<id>.dcp in its folder); not followed")
     if isinstance(sharded, str) and not storage.exists(storage.join(storage.parent(str(url)), sharded, ".metadata")):
         raise CheckpointUnreadable(f"{where}: its DCP directory {sharded} is missing or incomplete (no .metadata)")
     return state
