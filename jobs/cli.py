@@ -98,7 +98,7 @@ def run(config, overrides, as_json):
         if k in result.metrics:
             table.add_row(k.replace("_", " "), f"{result.metrics[k]:.4f}")
     table.add_row("MLflow run", result.run_id)
-    table.add_row("MLflow store", result.tracking_uri)
+    table.add_row("MLflow store", redact(result.tracking_uri))
     table.add_row("model", f"{result.model_uri}")
     table.add_row("dataset", r.prepare.dataset_dir)
     table.add_row("scores", f"{score.output_dir} ({score.rows:,} rows)")

@@ -72,7 +72,9 @@ class TrainResult:
     stopped_early: bool = False
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        from shardline.pipelines.redact import redact
+
+        return {**dataclasses.asdict(self), "tracking_uri": redact(self.tracking_uri)}  # printed by --json
 
 
 @dataclass

@@ -240,6 +240,14 @@ CASES = [
          ["score", "{cfg}", "--model", "models:/m/1", "--output", "{dir}/out", "--engine", "dask",
           "--set", "tracking.tracking_uri='http://127.0.0.1:9'"], 1,
          "tracking.tracking_uri: MLflow at http://127.0.0.1:9 is not reachable"),
+    # -- a database store whose driver is not installed (exit 1, not MLflow's traceback)
+    Case("score with a database store whose driver is missing",
+         ["score", "{cfg}", "--model", "models:/m/1", "--output", "{dir}/out", "--engine", "dask",
+          "--set", "tracking.tracking_uri='postgresql://u:pw@127.0.0.1:9/mlflow'"], 1,
+         "MLflow at postgresql://u:***@127.0.0.1:9/mlflow is not usable (No module named 'psycopg'"),
+    Case("the UI on a database store whose driver is missing",
+         ["ui", "{cfg}", "--set", "tracking.tracking_uri='postgresql://u:pw@127.0.0.1:9/mlflow'"], 1,
+         "MLflow at postgresql://u:***@127.0.0.1:9/mlflow is not usable (No module named 'psycopg'"),
     # -- held leases (exit 75)
     Case("prepare while another prepare holds the dataset", ["prepare", "{cfg}", "--engine", "dask"], 75,
          "is in use by", setup=_hold_dataset),

@@ -172,19 +172,28 @@ def open_experiment(tracking_uri: str, experiment: str) -> str:
 
     bound_http()
     check_reachable(tracking_uri)
+    # MLflow prints "🏃 View run … at: URL" / "🧪 View experiment at: URL" on stdout when a run on
+    # a server ends: the URL holds the URI's password if it has one, and shardline's summary
+    # names the run and the UI already. A user who wants them sets the variable to false.
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     mlflow.set_tracking_uri(tracking_uri)
     try:
         return mlflow.set_experiment(experiment).experiment_id
     except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ShardlineError(redact(
-            f"tracking.tracking_uri: MLflow at {tracking_uri} is not usable ({first[:200]})"
-        )) from None
+        raise not_usable(tracking_uri, e) from None
+
+
+def not_usable(tracking_uri: str, e: BaseException, why: str = "") -> ShardlineError:
+    """The one line for a store MLflow cannot use: the first line of its error."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return ShardlineError(f"tracking.tracking_uri: MLflow at {tracking_uri} is not usable ({first[:200]}{why})")
 
 
 def check_reachable(tracking_uri: str, timeout_s: float = 5.0) -> None:
-    """One line, in seconds, when an MLflow server URL does not answer (other stores pass)."""
+    """One line, in seconds, when MLflow cannot use the store: a server URL that does not
+    answer, a database whose driver this Python lacks. Other stores pass."""
     if not tracking_uri.startswith(("http://", "https://")):
+        check_driver(tracking_uri)
         return
     # MLflow's client retries a dead server with backoff for minutes; one short
     # probe tells the user at once.
@@ -192,7 +201,7 @@ def check_reachable(tracking_uri: str, timeout_s: float = 5.0) -> None:
     import urllib.request
 
     try:
-        urllib.request.urlopen(f"{tracking_uri.rstrip('/')}/health", timeout=timeout_s).close()
+        urllib.request.urlopen(health_request(tracking_uri), timeout=timeout_s).close()
     except urllib.error.HTTPError:
         pass  # it answered: a server without /health, or behind auth; MLflow decides
     except (urllib.error.URLError, OSError) as e:
@@ -200,6 +209,47 @@ def check_reachable(tracking_uri: str, timeout_s: float = 5.0) -> None:
         raise ShardlineError(redact(
             f"tracking.tracking_uri: MLflow at {tracking_uri} is not reachable ({reason})"
         )) from None
+
+
+def check_driver(tracking_uri: str) -> None:
+    """A database store (postgresql://, mysql://, ...) whose driver is not installed: MLflow
+    meets it deep inside its store, as a traceback of 40 to 80 lines, and `shardline ui`'s
+    server only once it serves. SQLAlchemy says which module it needs without connecting."""
+    from mlflow.store.db.db_types import DATABASE_ENGINES
+
+    if tracking_uri.partition("://")[0].partition("+")[0] not in DATABASE_ENGINES:
+        return
+    from sqlalchemy.engine import make_url
+
+    try:
+        make_url(tracking_uri).get_dialect().import_dbapi()
+    except ImportError as e:
+        raise not_usable(tracking_uri, e, ": the database driver its URI names is not installed "
+                         "in this Python") from None
+    except Exception as e:  # a URI SQLAlchemy cannot parse
+        raise not_usable(tracking_uri, e) from None
+
+
+def health_request(server_uri: str):
+    """A GET of the server's /health. A user and password in the URL (http://u:pw@host/, as
+    MLflow's own client takes them) become a Basic authorization header: urllib would read
+    `u:pw@host` as the host's name and fail on resolving it."""
+    import base64
+    import urllib.parse
+    import urllib.request
+
+    parts = urllib.parse.urlsplit(server_uri.rstrip("/"))
+    netloc = parts.hostname or ""
+    netloc = f"[{netloc}]" if ":" in netloc else netloc
+    netloc += f":{parts.port}" if parts.port else ""
+    url = urllib.parse.urlunsplit((parts.scheme, netloc, f"{parts.path}/health", "", ""))
+    headers = {}
+    if parts.username is not None:
+        user = urllib.parse.unquote(parts.username)
+        password = urllib.parse.unquote(parts.password or "")
+        token = base64.b64encode(f"{user}:{password}".encode()).decode()
+        headers["Authorization"] = f"Basic {token}"
+    return urllib.request.Request(url, headers=headers)
 
 
 def log_curves(run_id: str, keys: list[str]) -> None:
