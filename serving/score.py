@@ -98,6 +98,7 @@ def plan(
     incremental: bool = False,
     backfill: Backfill = "new",
     force: bool = False,
+    allow_pickled: bool = False,
 ) -> ScorePlan:
     """Resolve the model, list and check the input, read the output's ledgers: read-only.
 
@@ -107,10 +108,11 @@ def plan(
     every one this version lacks). A run that is not incremental scores every unit of its
     input this version lacks: it asked for this model's scores of this input. force:
     discard whatever the output holds (every model and version) and score everything.
+    allow_pickled: a pytorch-flavour model may be scored (serving.allow_pickled_models).
     """
     if backfill not in ("all", "new"):
         raise ShardlineError(f"--backfill {backfill!r}: use 'all' or 'new'")
-    model = resolve_model(model_uri, tracking_uri)
+    model = resolve_model(model_uri, tracking_uri, allow_pickled)
     units, transform = discover(input_path, split, model, tracking_uri)
     out = storage.resolve(output_dir, "serving.output_dir")
     check_output_dir(out)
@@ -165,6 +167,7 @@ def execute(
     threads_per_task: int = 1,
     lease: Lease | None = None,
     user_code: Sequence[str] = (),
+    allow_pickled: bool = False,
 ) -> ScoreResult:
     """Run a plan. lease: the output's lease (`ledger.output_lease`), already held (the CLI
     takes it before planning); else taken here. user_code: folders (or .py files) of the
@@ -195,6 +198,7 @@ def execute(
                     output_dir=p.dir,
                     output_name=output_name(u.unit_id),
                     model_uri=model.pinned_uri,
+                    allow_pickled=model.pickled,  # the driver allowed it (serving.allow_pickled_models)
                     tracking_uri=p.tracking_uri,
                     model_name=model.name,
                     model_version=model.version,
@@ -255,7 +259,7 @@ def score(
     if engine_name not in ENGINES:
         raise ShardlineError(f"unknown engine '{engine_name}' (valid: {', '.join(ENGINES)})")
     p = plan(model_uri, tracking_uri, input_path, output_dir, split=split, incremental=incremental,
-             backfill=backfill, force=force)
+             backfill=backfill, force=force, allow_pickled=allow_pickled)
     for line in p.describe_discard():
         print(f"[shardline] {line}", file=sys.stderr, flush=True)
     return execute(p, engine_name, spark_or_client, batch_size=batch_size,

@@ -230,7 +230,8 @@ def score(
     # and the plan, read-only; an engine starts only when there is something to score.
     with output_lease(s.output_dir) as lease:
         p = plan(s.model_uri, cfg.tracking.resolved_uri(), input_path, s.output_dir, split=s.split,
-                 incremental=s.incremental, backfill=s.backfill, force=force)
+                 incremental=s.incremental, backfill=s.backfill, force=force,
+                 allow_pickled=s.allow_pickled_models)
         discarded = p.describe_discard()
         for line in discarded:
             console.print(f"  [yellow]{_escape(line)}[/]")

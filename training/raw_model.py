@@ -274,9 +274,19 @@ def log_raw_model(model, manifest: ShardManifest, cfg, registered_name: str | No
         )
 
 
-def load_torch_model(model_uri: str):
-    """The torch module of a logged model: a RawRowsModel's weights, or a pytorch-flavor
-    model (one logged by other code). On the CPU; the caller moves it.
+def pickled_refusal(model_uri: str) -> str:
+    """Why a pytorch-flavour model is not loaded. MLflow's pytorch loader unpickles the model:
+    whoever could write it to the registry runs code on every scorer. shardline's own models
+    are safetensors weights and a factory's import path (log_raw_model)."""
+    return (f"model {model_uri} has MLflow's pytorch flavour (logged with mlflow.pytorch.log_model): "
+            "loading it unpickles it, which runs whatever code its writer put in it; score it only if you "
+            "trust everyone who can write to this registry, with serving.allow_pickled_models = true")
+
+
+def load_torch_model(model_uri: str, allow_pickled: bool = False):
+    """The torch module of a logged model: a RawRowsModel's weights, or, with
+    `allow_pickled`, a pytorch-flavor model (one logged by other code, which MLflow
+    unpickles: serving.allow_pickled_models). On the CPU; the caller moves it.
 
     The model is downloaded into a temporary folder removed before returning: a scorer that
     loads models for days must not fill its disk with copies. The module is built by then,
@@ -291,6 +301,8 @@ def load_torch_model(model_uri: str):
         local = mlflow.artifacts.download_artifacts(model_uri, dst_path=tmp)
         flavors = Model.load(local).flavors
         if "pytorch" in flavors:
+            if not allow_pickled:  # the driver refused it already; a worker never loads it unasked
+                raise ShardlineError(pickled_refusal(model_uri))
             # A model logged by other code with mlflow.pytorch: MLflow's own loader.
             return mlflow.pytorch.load_model(local, map_location="cpu")
         pyfunc = flavors["python_function"]
