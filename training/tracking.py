@@ -26,6 +26,8 @@ class MetricsReporter:
         self.run_id = run_id
         self.client = None
         self.outbox = None
+        self.unlogged = 0  # checkpoints not logged as artifacts while the server was down
+        self._said = False  # the current outage's line is out
         if tracking_uri and run_id:
             from mlflow.tracking import MlflowClient
 
@@ -43,6 +45,9 @@ class MetricsReporter:
         """What could not be sent yet (one last try first)."""
         if self.outbox is None:
             return []
+        if self.unlogged > 1:
+            print(f"[shardline] MLflow was unreachable: {self.unlogged} checkpoints in all not logged as "
+                  "artifacts (each is in training.checkpoint_dir)", file=sys.stderr, flush=True)
         self.outbox.flush(force=True)
         return self.outbox.pending()
 
@@ -63,12 +68,18 @@ class MetricsReporter:
             if self.outbox.pending():
                 raise ConnectionError("kept calls wait for the server")
             self._artifacts(url, sharded)
+            self._said = False
         except Exception as e:
             if not unreachable(e):
                 raise
-            # The server is down: the checkpoint itself is safe in checkpoint_dir.
-            print(f"[shardline] MLflow unreachable: checkpoint {storage.name(url)} not logged as an artifact",
-                  file=sys.stderr, flush=True)
+            # The server is down: the checkpoint itself is safe in checkpoint_dir. Said once an
+            # outage, not for every checkpoint (30 lines in one run), and counted at the end.
+            self.unlogged += 1
+            if not self._said:
+                print(f"[shardline] MLflow unreachable: checkpoint {storage.name(url)} not logged as an "
+                      "artifact, nor those after it while MLflow is down (counted at the end)",
+                      file=sys.stderr, flush=True)
+                self._said = True
 
     def _artifacts(self, url: str, sharded: str | None) -> None:
         if sharded is not None:
