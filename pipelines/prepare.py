@@ -161,8 +161,9 @@ def prepare(
                 schema=transport_schema(spec),
                 parts=parts.total,
                 # A permanent failure (a full disk) comes back as a row: no engine retries it.
-                write=Counted(
-                    failure_rows(partial(
+                # Counted inside: a write that failed is not counted as a shard written.
+                write=failure_rows(Counted(
+                    partial(
                         write_parts,
                         parts=parts,
                         dataset_dir=root,
@@ -171,14 +172,15 @@ def prepare(
                         rows_per_row_group=layout.rows_per_row_group,
                         shard_offsets=offsets,
                         drop_repeats=task.drop_bad,
-                    ), SHARD_META_SCHEMA),
+                    ),
                     progress.address,
                     shards_out.key,
-                ),
+                ), SHARD_META_SCHEMA),
                 out_schema=SHARD_META_SCHEMA,
             )
-            # One write call per part with rows (a part's rows meet in one partition).
-            shards_out.total = sum(1 for m in metas if m["path"])
+            # One write call per part with rows (a part's rows meet in one partition); one
+            # that failed is a part too: "4/6 shards written", then the error.
+            shards_out.total = sum(1 for m in metas if m["path"] or m.get("error"))
         failed = next((m["error"] for m in metas if m.get("error")), None)
         if failed:
             raise StorageError(f"pipelines.dataset_dir: {failed} (not retried: trying again cannot fix it)")
