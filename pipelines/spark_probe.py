@@ -17,7 +17,7 @@ import uuid
 
 from .config import SparkConfig
 from .errors import ShardlineError
-from .spark_setup import is_connect, spark_master
+from .spark_setup import is_connect, master_as_written, spark_master
 
 # What ranks and scoring tasks import on an executor (the last three are shipped by
 # spark_setup as a zip; the others must be installed in the executors' Python).
@@ -109,7 +109,7 @@ def describe_executors(report: dict) -> str:
 
 
 def _where(spark) -> str:
-    return f"Spark Connect server, master {spark_master(spark)}" if is_connect(spark) else f"Spark master {spark_master(spark)}"
+    return f"Spark Connect server, master {spark_master(spark)}" if is_connect(spark) else f"Spark master {master_as_written(spark)}"
 
 
 def _fix(spark) -> str:

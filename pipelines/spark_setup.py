@@ -113,14 +113,21 @@ def spark_master(spark) -> str:
     return spark_setting(spark, "spark.master") or "unknown"
 
 
+def master_as_written(spark) -> str:
+    """The master as the config wrote it (`local[2]`), not the `local[2,4]` shardline started
+    it as (local_with_retries): what lines shown to the user name."""
+    return _WRITTEN.get(id(spark)) or spark_master(spark)
+
+
 def describe_spark(spark) -> str:
     """One line: where this session runs."""
     if is_connect(spark):
         return f"Spark Connect {_URLS.get(id(spark), 'server')} (master {spark_master(spark)})"
-    return f"Spark master {spark_master(spark)}"
+    return f"Spark master {master_as_written(spark)}"
 
 
 _URLS: dict[int, str] = {}
+_WRITTEN: dict[int, str] = {}  # id(session) -> its master as written, where shardline added retries
 
 
 def connect_url(spark) -> str | None:
@@ -234,7 +241,7 @@ def _classic(cfg: SparkConfig):
 
     user = user_spark_conf()  # spark-defaults.conf, PYSPARK_SUBMIT_ARGS
     master = cfg.master if "master" in cfg.model_fields_set else user.get("spark.master", cfg.master)
-    master = local_with_retries(master, {**user, **cfg.conf})
+    written, master = master, local_with_retries(master, {**user, **cfg.conf})
     _check_standalone_master(master, cfg.connect_timeout_s)
     builder = builder.master(master)
     if "app_name" in cfg.model_fields_set or "spark.app.name" not in user:
@@ -246,6 +253,8 @@ def _classic(cfg: SparkConfig):
         builder = builder.config(key, value)
     with _launch_env(local=master.startswith("local")), _context_start("spark.conf"):
         spark = builder.getOrCreate()
+    if written != master:
+        _WRITTEN[id(spark)] = written
     _fill_in(spark, session_defaults(cfg), explicit={**_explicit_session(cfg), **cfg.conf})
     return spark
 

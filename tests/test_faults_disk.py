@@ -72,6 +72,8 @@ def test_full_disk_prepare_on_spark_is_one_line_and_not_retried(spark, tmp_path)
         dataset = disk / "dataset"
         r = shardline("prepare", *_prepare_args(tmp_path, dataset), cwd=tmp_path)
         line = _one_line(r)
+        # The master as the quickstart writes it, not the local[2,4] it runs as (#46).
+        assert "  Spark master local[2]\n" in r.stderr and "local[2,4]" not in r.stderr, r.stderr
         assert "pipelines.dataset_dir" in line and "No space left on device" in line, line
         assert "not retried" in line
         # Nothing half-written: no version folder, no manifest (pipelines.manifest's names).
