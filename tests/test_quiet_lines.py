@@ -26,3 +26,29 @@ def test_an_outage_says_unlogged_checkpoints_once_and_counts_them(tmp_path, caps
         "training.checkpoint_dir)",
     ], said
     assert [e[2] for e in kept if e[0] == "tag"] == ["checkpoint_latest"] * 3  # the references are kept
+
+
+def test_an_experiment_of_a_sqlite_store_keeps_artifacts_beside_the_store(tmp_path, new_store, monkeypatch):
+    """#46: `mlruns/` appeared in the working folder when the store was a SQLite file elsewhere."""
+    import mlflow
+
+    from shardline.training.tracking import open_experiment
+
+    import os
+
+    # open_experiment points this process's MLflow at the store (its global and the variable):
+    # the session's store again afterwards, for the tests that come after.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", os.environ["MLFLOW_TRACKING_URI"])
+    uri = new_store(tmp_path / "store" / "mlflow.db")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    try:
+        experiment_id = open_experiment(uri, "beside the store")
+        with mlflow.start_run(experiment_id=experiment_id) as run:
+            mlflow.log_text("logged", "note.txt")
+        assert open_experiment(uri, "beside the store") == experiment_id  # found again, not made anew
+    finally:
+        mlflow.set_tracking_uri(None)  # then monkeypatch puts the variable back
+    assert list(work.iterdir()) == []
+    assert (tmp_path / "store" / "mlruns" / "beside%20the%20store" / run.info.run_id / "artifacts" / "note.txt").is_file()

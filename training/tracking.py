@@ -189,9 +189,35 @@ def open_experiment(tracking_uri: str, experiment: str) -> str:
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     mlflow.set_tracking_uri(tracking_uri)
     try:
+        create_beside_store(tracking_uri, experiment)
         return mlflow.set_experiment(experiment).experiment_id
     except Exception as e:
         raise not_usable(tracking_uri, e) from None
+
+
+def create_beside_store(tracking_uri: str, experiment: str) -> None:
+    """A new experiment of a SQLite store keeps its artifacts in `mlruns/` beside the store's
+    file. MLflow would put them in `./mlruns` of whatever folder the job ran from: a store
+    elsewhere (`sqlite:////data/mlflow.db`) left an `mlruns/` in every working folder. An
+    experiment that exists keeps its location."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return
+    from pathlib import Path
+    from urllib.parse import quote
+
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    if client.get_experiment_by_name(experiment) is not None:
+        return
+    db = Path(tracking_uri[len("sqlite:///"):].partition("?")[0]).resolve()
+    location = (db.parent / "mlruns" / quote(experiment, safe="")).as_uri()
+    try:
+        client.create_experiment(experiment, artifact_location=location)
+    except MlflowException:
+        if client.get_experiment_by_name(experiment) is None:  # not another job's, made meanwhile
+            raise
 
 
 def not_usable(tracking_uri: str, e: BaseException, why: str = "") -> ShardlineError:
