@@ -139,6 +139,10 @@ def prepare(config, overrides, engine, append, refit, by_plan, as_json):
         console.print(f"  {split}: {info.rows:,} rows in {len(info.shards)} shards")
     if r.manifest.dropped_rows:
         console.print(f"  dropped {r.manifest.dropped_rows:,} row(s) that could not be used")
+    if r.manifest.imputed_values:
+        by_col = ", ".join(f"{c} {n:,}" for c, n in r.manifest.imputed_values.items())
+        console.print(f"  imputed {sum(r.manifest.imputed_values.values()):,} NaN, inf or null feature "
+                      f"value(s) with the train mean ({escape(by_col)})")
 
 
 @cli.command()

@@ -190,6 +190,7 @@ def prepare(
             raise DataError(f"{display(src.path)}: no rows left to write")
         splits = {s: _split_info(written, s) for s in SPLITS}
         dropped = report["dropped"] + sum(m["repeated"] or 0 for m in metas)
+        imputed = _imputed(report, spec, previous.imputed_values if frozen else {})
         kept = rejects.collect(report["rejects"], metas, units, spec.key)
         rejects_path = rejects.write(version_dir, kept)
         if frozen:
@@ -217,6 +218,7 @@ def prepare(
             # A plain append keeps the existing shards, so their plan still describes them.
             plan=plan if plan is not None else (previous.plan if frozen else None),
             dropped_rows=dropped,
+            imputed_values=imputed,
             rejects=RejectsInfo(
                 path=f"{storage.name(version_dir)}/{rejects_path}", rows=len(kept), total=dropped, cap=rejects.CAP,
             ) if rejects_path else None,
@@ -259,6 +261,17 @@ def _moved(previous: ShardManifest | None, root: str) -> bool:
     """Whether the dataset's newest manifest is no longer `previous`."""
     newest = sequences(root)
     return (newest[-1] if newest else None) != (previous.sequence if previous else None)
+
+
+def _imputed(report: dict, spec: FeatureSpec, earlier: dict[str, int]) -> dict[str, int]:
+    """Feature values imputed per column: pass 1 counted them (rows kept, per column) as
+    problems of kind INVALID; an append adds the shards kept from before."""
+    if spec.on_invalid_features != "impute":
+        return dict(earlier)
+    out = dict(earlier)
+    for col, p in report["problems"].get(INVALID, {}).items():
+        out[col] = out.get(col, 0) + int(p["count"])
+    return {c: n for c, n in out.items() if n}
 
 
 def _rows(source, task: PrepareTask, stats: FittedStatistics, parts: Parts):

@@ -53,7 +53,7 @@ class PrepareResult:
         m = self.manifest
         return {
             "dataset_dir": self.dataset_dir, "engine": self.engine, "version_id": m.version_id,
-            "sequence": m.sequence, "dropped_rows": m.dropped_rows,
+            "sequence": m.sequence, "dropped_rows": m.dropped_rows, "imputed_values": m.imputed_values,
             "num_classes": m.statistics.num_classes,
             "splits": {s: {"rows": i.rows, "shards": len(i.shards)} for s, i in m.splits.items()},
         }

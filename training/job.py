@@ -224,6 +224,8 @@ def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guar
                     "dataset_version": manifest.version_id,
                     "dataset_sequence": manifest.sequence,
                     **{f"rows_{s}": info.rows for s, info in manifest.splits.items()},
+                    # Values prepare filled in (on_invalid_features = impute), per column in the manifest.
+                    "imputed_values": sum(manifest.imputed_values.values()),
                 }
             )
             log_dataset_input(manifest, dataset_dir)
