@@ -167,7 +167,6 @@ def execute(
     threads_per_task: int = 1,
     lease: Lease | None = None,
     user_code: Sequence[str] = (),
-    allow_pickled: bool = False,
 ) -> ScoreResult:
     """Run a plan. lease: the output's lease (`ledger.output_lease`), already held (the CLI
     takes it before planning); else taken here. user_code: folders (or .py files) of the
@@ -253,9 +252,10 @@ def score(
     threads_per_task: int = 1,
     lease: Lease | None = None,
     user_code: Sequence[str] = (),
+    allow_pickled: bool = False,
 ) -> ScoreResult:
     """Score `input_path` (a prepared dataset's `split`, or raw Parquet) into `output_dir`
-    (`plan`, then `execute`)."""
+    (`plan`, then `execute`). allow_pickled: serving.allow_pickled_models."""
     if engine_name not in ENGINES:
         raise ShardlineError(f"unknown engine '{engine_name}' (valid: {', '.join(ENGINES)})")
     p = plan(model_uri, tracking_uri, input_path, output_dir, split=split, incremental=incremental,
