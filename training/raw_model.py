@@ -16,8 +16,9 @@ A model of a dataset with tensor or image columns (`feature_spec.typed`) takes i
 inputs already decoded: `predict({"photo": uint8 [n, C, H, W], "tokens": int32 [n, L]})`
 (a dict of array-likes, or a DataFrame whose columns hold one array per row), each
 checked against its declared dtype and shape and given to the module by name
-(`predict_typed`). Such a model is logged without a signature or input example (MLflow's
-column types cannot say "uint8 [3, 8, 8]"). Over HTTP (`mlflow models serve`) an image
+(`predict_typed`). Such a model's signature names its inputs with any type and no input
+example is logged (MLflow's column types cannot say "uint8 [3, 8, 8]", and a tensor type
+would refuse a base64 image): the model checks dtype and shape itself. Over HTTP (`mlflow models serve`) an image
 input also comes as the base64 of its PNG/JPEG file and a sequence as a list of ids of
 any length: `training.encoded_inputs` decodes them as prepare and the loader would.
 
@@ -236,6 +237,26 @@ def signature(spec: FeatureSpec, stats: FittedStatistics):
     return ModelSignature(Schema(inputs), Schema(outputs))
 
 
+def typed_signature(spec: FeatureSpec, stats: FittedStatistics, names):
+    """A typed dataset's model: its named inputs declared by name with any type (arrays, a
+    base64 image, an id list: `typed_inputs` checks each against its dtype and shape, naming
+    it), the key optional; the outputs as batch scoring's columns for its task."""
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import AnyType, ColSpec, DataType, Schema
+
+    inputs = [ColSpec(DataType.long, spec.key, required=False)] if not spec.generate_key else []
+    inputs += [ColSpec(AnyType(), name) for name in names]
+    if spec.task == "next_token":
+        outputs = [ColSpec(DataType.long, "prediction"), ColSpec(DataType.double, "loss"),
+                   ColSpec(DataType.long, "tokens")]
+    elif spec.task == "classification":
+        outputs = [ColSpec(DataType.long, "prediction")]
+        outputs += [ColSpec(DataType.double, name) for name in class_names(spec, stats)]
+    else:
+        outputs = [ColSpec(DataType.double, "prediction")]
+    return ModelSignature(Schema(inputs), Schema(outputs))
+
+
 def log_raw_model(model, manifest: ShardManifest, cfg, registered_name: str | None, **kwargs):
     """Log `model` (built by `build_model(manifest, cfg)`) as a RawRowsModel of
     `manifest`'s transform, with the user's code; MLflow's ModelInfo."""
@@ -264,7 +285,8 @@ def log_raw_model(model, manifest: ShardManifest, cfg, registered_name: str | No
             python_model=str(ENTRY),
             artifacts={WEIGHTS: weights, MODULE: module, TRANSFORM: transform},
             # Named tensors: no MLflow column type says "uint8 [3, 8, 8]" (module docstring).
-            signature=None if spec.typed else signature(spec, stats),
+            signature=typed_signature(spec, stats, tensors) if spec.typed
+            else signature(spec, stats),
             input_example=None if spec.typed else example_rows(spec, stats),
             # Each folder lands in the model's code/ by its own name: code/shardline, and the
             # user's packages beside it, importable as they were in training.
