@@ -98,6 +98,11 @@ def _tensor_rows(grid, tokens):
     return setup
 
 
+def _folder_named_shardline(folder: Path, _dataset: str) -> None:
+    (folder / "shardline").mkdir()
+    (folder / "shardline" / "mynets.py").write_text("def build(inputs):\n    raise AssertionError('never imported')\n")
+
+
 def _hold_dataset(folder: Path, dataset: str):
     from shardline.pipelines.prepare import dataset_lease
 
@@ -181,6 +186,9 @@ CASES = [
     # -- the user's own model, loss and metrics (exit 2, before any engine starts)
     _user("model import path does not import", ["training.model='nosuchpkg.nets:build'"],
           "training.model: cannot import module 'nosuchpkg.nets' (ModuleNotFoundError: No module named 'nosuchpkg')"),
+    Case("model in a folder of the user's named shardline", [*T, "--set", "training.model='shardline.mynets:build'"],
+         2, "cannot import module 'shardline.mynets': the name 'shardline' is taken by shardline itself",
+         setup=_folder_named_shardline),
     _user("model is not callable", ["training.model='usernets.nets:NOT_CALLABLE'"],
           "training.model: usernets.nets:NOT_CALLABLE is not callable"),
     _user("model factory returns no nn.Module", ["training.model='usernets.nets:not_a_module'"],
