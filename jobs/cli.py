@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 import sys
-from contextlib import contextmanager
 
 import click
 from rich.console import Console
@@ -18,6 +15,10 @@ from shardline.pipelines.errors import ShardlineError
 from shardline.pipelines.redact import redact
 
 from .cli_bench import bench
+from .cli_json import json_file_option as _json_file_option
+from .cli_json import json_file_path, write_json_file
+from .cli_json import json_option as _json_option
+from .cli_json import json_out as _json_out
 from .config import (
     CHECKPOINTS,
     DATASET,
@@ -36,41 +37,6 @@ _set_option = click.option(
     metavar="SECTION.FIELD=VALUE",
     help="Override any config field, e.g. --set training.epochs=3 (repeatable).",
 )
-_json_option = click.option(
-    "--json", "as_json", is_flag=True,
-    help="Print the result as one JSON object on stdout; progress stays on stderr.",
-)
-
-
-@contextmanager
-def _json_out(as_json: bool):
-    """With --json, stdout carries the result alone, as one JSON document: while the work
-    runs, whatever prints to stdout (our code, a library, a child process started meanwhile:
-    ranks, a JVM, Dask workers) goes to stderr instead. Yields `emit(result)`."""
-    if not as_json:
-        yield lambda result: None
-        return
-    results: list = []
-    sys.stdout.flush()
-    saved, saved_fd = sys.stdout, os.dup(1)
-    try:
-        os.dup2(2, 1)
-        sys.stdout = sys.stderr
-        yield results.append
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved_fd, 1)
-        os.close(saved_fd)
-        sys.stdout = saved
-    click.echo(json.dumps(_jsonable(results[0]), indent=2, default=str))
-
-
-def _jsonable(result):
-    if hasattr(result, "to_dict"):
-        return result.to_dict()
-    return dataclasses.asdict(result)
-
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="shardline")
 def cli():
@@ -306,6 +272,7 @@ def sweep(config, overrides, trials, parallel, engine, name):
 @click.argument("config", type=click.Path(dir_okay=False))
 @_set_option
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object, nothing else.")
+@_json_file_option
 def plan(config, overrides, as_json):
     """Measure training and loader samples/s; choose loader workers, shards and row groups
     so loading >= 1.2 x training; store the plan in the dataset's manifest.
@@ -325,6 +292,8 @@ def plan(config, overrides, as_json):
     with stage(f"Measuring {t.model} {t.hidden} and the loader on {where}"):
         measured, p = plan_dataset(t, where)
     manifest = store_plan(where, measured.version_id, p)
+    if json_file_path():
+        write_json_file(json_file_path(), p.model_dump(mode="json"))
     if as_json:
         click.echo(p.model_dump_json())
         return

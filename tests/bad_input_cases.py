@@ -172,6 +172,8 @@ CASES = [
     Case("--refit without --append", ["prepare", "{cfg}", "--refit"], 2, "--refit goes with --append"),
     Case("score without a model", ["score", "{cfg}"], 2, "no model: pass --model or set serving.model_uri"),
     Case("unknown command", ["trian", "{cfg}"], 2, "No such command 'trian'"),
+    Case("--json-file in a folder that does not exist", [*T, "--json-file", "{dir}/none/result.json"], 2,
+         "none/result.json: no folder"),
     Case("benchmark rounds below 1", ["bench", "score", "--rounds", "0"], 2, "Invalid value for '--rounds'"),
     # -- training settings against the dataset (exit 2: a setting at fault)
     Case("unknown model", [*T, "--set", "training.model=resnet"], 2, "unknown model 'resnet'"),
