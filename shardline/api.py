@@ -275,6 +275,7 @@ def run(config: Config = None, overrides: Overrides = (), *, spark=None, client=
     shared by the stages."""
     from shardline.serving.score import plan
     from shardline.training.job import check_settings
+    from shardline.training.source_steps import check_steps_from_source
     from shardline.training.tracking import check_reachable
 
     cfg = load_config(config, overrides)
@@ -286,6 +287,8 @@ def run(config: Config = None, overrides: Overrides = (), *, spark=None, client=
     check_storage(cfg, reads=(SOURCE,), writes=(DATASET, CHECKPOINTS, OUTPUT))
     check_reachable(cfg.tracking.resolved_uri())  # a dead MLflow server: now, not after the prepare
     checked = check_prepare(cfg)
+    # A batch the source's rows cannot give a step: now, not after prepare (training.source_steps).
+    check_steps_from_source(cfg.training, cfg.pipelines, checked.files)
     with ExitStack() as stack:
         # Both leases before an engine starts: a second run on the same dirs is refused at once.
         dataset = stack.enter_context(dataset_lease(cfg))

@@ -103,6 +103,13 @@ def _folder_named_shardline(folder: Path, _dataset: str) -> None:
     (folder / "shardline" / "mynets.py").write_text("def build(inputs):\n    raise AssertionError('never imported')\n")
 
 
+def _small_csv(folder: Path, _dataset: str) -> None:
+    """442 rows (a classic small table) as CSV, the catalog's columns."""
+    (folder / "raw442").mkdir()
+    rows = "".join(f"{k},{k % 7 * 0.5},{k % 5 - 2.0},{k % 3 * 1.5},{k % 3}\n" for k in range(442))
+    (folder / "raw442" / "part-0.csv").write_text("key,a,b,c,label\n" + rows)
+
+
 def _hold_dataset(folder: Path, dataset: str):
     from shardline.pipelines.prepare import dataset_lease
 
@@ -216,6 +223,12 @@ CASES = [
     Case("default batch over a small dataset (0 steps)", [*T, "--set", "training.batch_size=512"], 1,
          "every epoch would take 0 optimizer steps"),
     Case("more ranks than shards", [*T, "--world-size", "8"], 1, "world size 8 is greater than the 2 shard(s)"),
+    Case("`run` with a batch the source's rows cannot give a step (before prepare)",
+         ["run", "{cfg}", "--set", "pipelines.source.format='csv'", "--set", "pipelines.source.path='{dir}/raw442'",
+          "--set", "pipelines.dataset_dir='{dir}/ds442'", "--set", "training.batch_size=512"], 1,
+         "the source's 442 rows give each rank about 177 train rows (pipelines.split.train = 0.8): every "
+         "epoch would take 0 optimizer steps and the model would not train; set training.batch_size to at most",
+         setup=_small_csv),
     Case("no prepared dataset", [*T, "--set", "pipelines.dataset_dir='{dir}/none'"], 1,
          "no manifest; run `shardline prepare` first"),
     Case("manifest is not JSON", [*T, "--set", "pipelines.dataset_dir='{dir}/ds'"], 1, "not valid JSON",
