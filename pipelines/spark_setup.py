@@ -93,8 +93,29 @@ def start_spark(cfg: SparkConfig):
 
 def adopt_session(spark) -> None:
     """A session the caller started (the Python API's `spark=`, classic or Connect): used as
-    it is, its settings untouched; only our packages go to executors that need them."""
+    it is, its settings untouched, but for the Python its local workers run (use_this_python);
+    our packages go to executors that need them, and executors whose Python shardline cannot
+    see are checked (one probe task: pipelines.spark_probe), before any job."""
+    from .spark_probe import check_executors
+
+    use_this_python(spark)
     _ship_packages(spark)
+    check_executors(spark)
+
+
+def use_this_python(spark) -> None:
+    """A classic local session whose Python workers would run pyspark's default `python3`
+    runs this process's interpreter instead. pyspark takes `python3` when PYSPARK_PYTHON was
+    unset as the session started: whatever `python3` is first on PATH, not the venv a script
+    was started from by its full path (`.venv/bin/python job.py`, the venv not activated),
+    so tasks failed after minutes on `No module named 'shardline'`. Left alone: Connect and
+    cluster masters (their executors' Python is not this machine's to choose: they are
+    probed), a spark.pyspark.python or a PYSPARK_PYTHON the session was given."""
+    if is_connect(spark) or not spark_master(spark).startswith("local") or spark_setting(spark, "spark.pyspark.python"):
+        return
+    context = spark.sparkContext
+    if context.pythonExec == "python3" and sys.executable:
+        context.pythonExec = sys.executable
 
 
 def is_connect(spark) -> bool:
@@ -222,6 +243,7 @@ def _classic(cfg: SparkConfig):
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     active = SparkSession.getActiveSession()
     if active is not None:
+        use_this_python(active)
         return active
     builder = SparkSession.builder
     submitted = "PYSPARK_GATEWAY_PORT" in os.environ  # spark-submit started the JVM
