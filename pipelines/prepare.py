@@ -52,6 +52,7 @@ from .tasks import (
     PrepareTask,
     existing_rows,
     first_problem,
+    imputed_values,
     merge_reports,
     report_unit,
     shuffle_rows,
@@ -190,7 +191,7 @@ def prepare(
             raise DataError(f"{display(src.path)}: no rows left to write")
         splits = {s: _split_info(written, s) for s in SPLITS}
         dropped = report["dropped"] + sum(m["repeated"] or 0 for m in metas)
-        imputed = _imputed(report, spec, previous.imputed_values if frozen else {})
+        imputed = imputed_values(report, spec, previous.imputed_values if frozen else {})
         kept = rejects.collect(report["rejects"], metas, units, spec.key)
         rejects_path = rejects.write(version_dir, kept)
         if frozen:
@@ -261,17 +262,6 @@ def _moved(previous: ShardManifest | None, root: str) -> bool:
     """Whether the dataset's newest manifest is no longer `previous`."""
     newest = sequences(root)
     return (newest[-1] if newest else None) != (previous.sequence if previous else None)
-
-
-def _imputed(report: dict, spec: FeatureSpec, earlier: dict[str, int]) -> dict[str, int]:
-    """Feature values imputed per column: pass 1 counted them (rows kept, per column) as
-    problems of kind INVALID; an append adds the shards kept from before."""
-    if spec.on_invalid_features != "impute":
-        return dict(earlier)
-    out = dict(earlier)
-    for col, p in report["problems"].get(INVALID, {}).items():
-        out[col] = out.get(col, 0) + int(p["count"])
-    return {c: n for c, n in out.items() if n}
 
 
 def _rows(source, task: PrepareTask, stats: FittedStatistics, parts: Parts):
