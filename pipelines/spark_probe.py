@@ -34,7 +34,7 @@ def needs_probe(spark) -> bool:
     session was given another one; everything else may not."""
     if is_connect(spark) or not spark_master(spark).startswith("local"):
         return True
-    exe = spark.sparkContext.pythonExec
+    exe = spark.sparkContext.pythonExec  # classic only: Connect returned above
     return os.path.abspath(shutil.which(exe) or exe) != os.path.abspath(sys.executable)
 
 
@@ -119,7 +119,7 @@ def _quiet_task_failures(spark):
     start, with none of shardline's log settings) is held back. Classic sessions only: a
     Connect server's log is its own."""
     try:
-        jvm = None if is_connect(spark) else spark.sparkContext._jvm
+        jvm = None if is_connect(spark) else spark.sparkContext._jvm  # classic only: a JVM here
         log4j = jvm.org.apache.logging.log4j if jvm is not None else None
         saved = {n: log4j.LogManager.getLogger(n).getLevel() for n in _TASK_FAILURE_LOGGERS} if log4j else {}
     except Exception:  # no log4j 2 behind this session: nothing to quiet

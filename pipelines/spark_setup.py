@@ -113,7 +113,7 @@ def use_this_python(spark) -> None:
     probed), a spark.pyspark.python or a PYSPARK_PYTHON the session was given."""
     if is_connect(spark) or not spark_master(spark).startswith("local") or spark_setting(spark, "spark.pyspark.python"):
         return
-    context = spark.sparkContext
+    context = spark.sparkContext  # classic only: Connect returned above
     if context.pythonExec == "python3" and sys.executable:
         context.pythonExec = sys.executable
 
