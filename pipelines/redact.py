@@ -21,8 +21,9 @@ MASK = "***"
 # in a password has to be written %40, so the first '@' closes it) and never spans
 # whitespace or a '/' (which would already be the path).
 _USERINFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s:/@]*:)([^\s/@]+)(@)")
-# scheme://TOKEN@ -- a user part without a ':', all of it.
-_TOKEN = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.\-]*://)([^\s:/@]+)(@)")
+# scheme://TOKEN@ -- a user part without a ':', all of it; but not Azure's
+# abfs[s]://container@account... and wasb[s]://, where the part before '@' is a container.
+_TOKEN = re.compile(r"(\b(?!(?:abfss?|wasbs?)://)[A-Za-z][A-Za-z0-9+.\-]*://)([^\s:/@]+)(@)")
 
 # ?name=value / &name=value / ;name=value (Spark Connect: sc://host/;token=...), for names
 # that end like a secret: password, pwd, token, secret, sig, signature, key, credential.

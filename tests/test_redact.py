@@ -38,7 +38,8 @@ def test_redact_masks_the_secret_and_keeps_the_rest(uri, shown):
 @pytest.mark.parametrize(
     "text",
     ["sqlite:////tmp/mlflow.db", "http://127.0.0.1:5000", "s3://bucket/data/part-0.parquet",
-     "training.lr = 0.1", "https://h/a:b/c@d", "git@github.com:org/repo.git"],
+     "training.lr = 0.1", "https://h/a:b/c@d", "git@github.com:org/repo.git",
+     "abfs://container@acct.dfs.core.windows.net/p", "wasbs://container@acct.blob.core.windows.net/p"],
 )
 def test_redact_leaves_uris_without_secrets_alone(text):
     assert redact(text) == text
