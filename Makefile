@@ -15,7 +15,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -e '.[test,docs]'
+	$(VENV)/bin/python -m pip install -q -e '.[test,docs,bench]'
 	touch $(STAMP)
 
 run: $(STAMP)

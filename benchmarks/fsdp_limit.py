@@ -32,12 +32,12 @@ STEPS, GLOBAL_BATCH = 2, 64
 
 def limited_rank(rank: int, world_size: int, p: dict) -> dict:
     """strategy_rank under RLIMIT_AS = the address space mapped now + p["budget_mb"]."""
-    from shardline.training.config import TrainingConfig  # noqa: F401 - imported before the limit
-    from shardline.training.models import TabularMLP  # noqa: F401
-    from shardline.training.strategies import get_strategy
-    from shardline.training.strategies.base import model_for  # noqa: F401
+    from shardline.training.config import TrainingConfig
+    from shardline.training.models import TabularMLP  # noqa: F401 - imported before the limit
+    from shardline.training.strategies import strategy_for
 
-    get_strategy(p["settings"]["strategy"])  # its modules (FSDP2, DTensor) mapped before the limit
+    # Its modules (FSDP2, DTensor) mapped before the limit.
+    strategy_for(TrainingConfig(world_size=world_size, **p["settings"]))
     base = _status_mb("VmSize")
     limit = int((base + p["budget_mb"]) * 2**20)
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))

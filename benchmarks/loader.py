@@ -39,7 +39,7 @@ import pyarrow.parquet as pq
 
 from shardline.benchmarks import prepare_with_dask, significant, synthetic_pipeline
 
-TARGET_VS_RAW = 0.85
+TARGET_VS_RAW = 0.95  # issue #49: back at >= 0.95 x the raw read (median of 3 runs, idle)
 TARGET_VS_PETASTORM = 3.0
 BATCH_SIZE = 1024
 SEED = 0

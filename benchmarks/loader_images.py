@@ -51,8 +51,8 @@ SEED = 0
 MODES = {1: "L", 3: "RGB", 4: "RGBA"}
 
 
-def make_images(root: Path, n: int, shape=SHAPE, seed: int = SEED) -> list[Path]:
-    """`n` images under root/<class>/, alternately PNG and JPEG (quality 90), sorted.
+def make_images(root: Path, n: int, shape=SHAPE, seed: int = SEED, jpeg: bool = True) -> list[Path]:
+    """`n` images under root/<class>/, alternately PNG and JPEG (quality 90; jpeg=False: all PNG), sorted.
     Smooth gradients plus noise: they compress like small photos, not like pure noise."""
     from PIL import Image
 
@@ -67,7 +67,7 @@ def make_images(root: Path, n: int, shape=SHAPE, seed: int = SEED) -> list[Path]
                          for _ in range(c)], axis=-1)
         pixels = np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
         img = Image.fromarray(pixels[..., 0] if c == 1 else pixels, MODES[c])
-        ext = "png" if k % 2 == 0 or c == 4 else "jpg"  # JPEG has no alpha
+        ext = "png" if k % 2 == 0 or c == 4 or not jpeg else "jpg"  # JPEG has no alpha
         path = root / cls / f"{k:05d}.{ext}"
         img.save(path, "PNG" if ext == "png" else "JPEG", quality=90)
         files.append(path)

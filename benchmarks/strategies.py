@@ -120,8 +120,7 @@ def strategy_rank(rank: int, world_size: int, p: dict) -> dict:
 
     from shardline.training.config import TrainingConfig
     from shardline.training.models import FeatureTransformer, TabularMLP
-    from shardline.training.strategies import get_strategy
-    from shardline.training.strategies.base import model_for
+    from shardline.training.strategies import strategy_for
 
     torch.set_num_threads(1)
     cuda = torch.cuda.is_available()
@@ -132,7 +131,7 @@ def strategy_rank(rank: int, world_size: int, p: dict) -> dict:
                          **p["settings"])
     # The strategy's modules first: importing FSDP2's or DTensor's adds 35-50 MB of RSS,
     # which is code, not what the strategy's training holds.
-    strategy = get_strategy(cfg.strategy)
+    strategy = strategy_for(cfg)
     if p.get("return_freed"):
         return_freed_memory()
 
@@ -146,7 +145,7 @@ def strategy_rank(rank: int, world_size: int, p: dict) -> dict:
         strategy.check(cfg, build())
     rss_before = reset_peak_rss() if not cuda else 0.0
     parallel = strategy.setup(
-        model_for(strategy, build, device), cfg, rank, world_size, device,
+        strategy.model_for(build, device), cfg, rank, world_size, device,
         lambda params: torch.optim.AdamW(params, lr=1e-3),
     )
     local = p["global_batch"] // parallel.data_world

@@ -117,12 +117,12 @@ def _measure(rank: int, world_size: int, p: dict) -> dict:
 
     from shardline.training.config import TrainingConfig
     from shardline.training.models import build_model
-    from shardline.training.strategies import get_strategy
+    from shardline.training.strategies import strategy_for
 
     torch.set_num_threads(p["threads"])
     manifest, x, y = _rank_data(p, rank, world_size)
     cfg = TrainingConfig(hidden=p["hidden"], world_size=world_size, batch_size=p["global_batch"])
-    parallel = get_strategy("ddp").setup(
+    parallel = strategy_for(cfg).setup(
         build_model(manifest, cfg), cfg, rank, world_size, torch.device("cpu"),
         lambda params: torch.optim.Adam(params, lr=cfg.lr),
     )

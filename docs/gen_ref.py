@@ -1,11 +1,12 @@
 """Generate the reference pages from the code itself, so they cannot drift from it:
 
 - docs/reference/settings.md: every config setting (section, name, type, default,
-  description) from the pydantic models that `jobs.config.ShardlineConfig` composes;
+  description) from the pydantic models that `shardline.config.ShardlineConfig` composes;
 - docs/reference/cli.md: every `shardline` command, argument and flag from the click CLI,
   and the fault runner's flags from its argparse parser;
 - docs/reference/errors.md: the exit codes and the bad-input catalog from
-  tests/bad_input_cases.py, the table tests/test_bad_input_catalog.py runs.
+  tests/bad_input_cases.py, the table tests/test_bad_input_catalog.py runs, and the
+  lines of a training job whose rank is lost, fails or is stopped (tests/rank_failure_lines.py).
 
     python docs/gen_ref.py           # rewrite the pages (after adding a setting, flag or case)
     python docs/gen_ref.py --check   # exit 1 naming the stale pages (tests/test_docs.py does this)
@@ -113,7 +114,7 @@ def _walk(model, prefix: str, out: list) -> None:
 
 
 def settings_page() -> str:
-    from shardline.jobs.config import ShardlineConfig
+    from shardline.config import ShardlineConfig
 
     sections: list = []
     for name, field in ShardlineConfig.model_fields.items():
@@ -281,7 +282,25 @@ def errors_page() -> str:
     )
     for c in CASES:
         out.append(f"| {c.what} | `shardline {c.args[0]}` | {c.code} | {c.message} |\n")
+    out.append(_training_failures())
     return "".join(out).rstrip() + "\n"
+
+
+def _training_failures() -> str:
+    from tests.rank_failure_lines import LINES
+
+    out = [
+        "\n## Training failures\n\n"
+        "What `shardline train` prints when a rank is lost, fails or is stopped (made by the code "
+        "that prints them; hosts, pids and paths are examples). A rank that was lost is named first, "
+        "with why (its exit code and signal, its worker gone, its Spark executor), then the restart; "
+        "a rank's own error that a relaunch would repeat ends the job at once. See "
+        "[Faults](../guide/faults.md).\n\n"
+        "| what happened | what shardline does | the line |\n|---|---|---|\n"
+    ]
+    for ln in LINES:
+        out.append(f"| {cell(ln.what)} | {cell(ln.then)} | `{cell(ln.line)}` |\n")
+    return "".join(out)
 
 
 PAGES = {"settings.md": settings_page, "cli.md": cli_page, "errors.md": errors_page}

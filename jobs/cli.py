@@ -14,20 +14,19 @@ from shardline import api
 from shardline.pipelines.errors import ShardlineError
 from shardline.pipelines.redact import redact
 
+from shardline.config import (
+    ShardlineConfig,
+    load_config,
+    resolve_paths,
+)
+from shardline.pipelines import report
+
 from .cli_bench import bench
 from .cli_json import json_file_option as _json_file_option
 from .cli_json import json_file_path, write_json_file
 from .cli_json import json_option as _json_option
 from .cli_json import json_out as _json_out
-from .config import (
-    CHECKPOINTS,
-    DATASET,
-    ShardlineConfig,
-    check_storage,
-    load_config,
-    resolve_paths,
-)
-from .engines import console, engine_handle, spark_ranks, stage
+from .console import ConsoleReporter, console
 from .ui import ui_hint
 
 _set_option = click.option(
@@ -37,6 +36,8 @@ _set_option = click.option(
     metavar="SECTION.FIELD=VALUE",
     help="Override any config field, e.g. --set training.epochs=3 (repeatable).",
 )
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="shardline")
 def cli():
@@ -47,12 +48,15 @@ def cli():
 @cli.command()
 @click.argument("config", type=click.Path(dir_okay=False))
 @_set_option
+@click.option("--force", is_flag=True, help="Discard the output's scores (every model and version, each "
+              "named as it is discarded) before scoring; without it the new version's scores join the "
+              "earlier versions' in serving.output_dir.")
 @_json_option
-def run(config, overrides, as_json):
+def run(config, overrides, force, as_json):
     """Generate/prepare data (pipelines.engine), train (training.launcher), register the
     model, and score with it (serving.engine): each stage on the engine its setting names."""
     with _json_out(as_json) as emit:
-        r = api.run(config, list(overrides))
+        r = api.run(config, list(overrides), force=force)
         emit(r)
     if as_json:
         return
@@ -67,7 +71,7 @@ def run(config, overrides, as_json):
     table.add_row("MLflow store", redact(result.tracking_uri))
     table.add_row("model", f"{result.model_uri}")
     table.add_row("dataset", r.prepare.dataset_dir)
-    table.add_row("scores", f"{score.output_dir} ({score.rows:,} rows)")
+    table.add_row("scores", f"{score.version_dir} ({score.rows:,} rows)" if score.engine else score.note)
     table.add_row("open the UI", ui_hint(result.tracking_uri))
     Console().print(table)
 
@@ -120,7 +124,7 @@ def prepare(config, overrides, engine, append, refit, by_plan, as_json):
               "(wherever it is stored); the same as --set training.resume=true.")
 @click.option("--allow-changed", "allow_changed", multiple=True, metavar="FIELDS",
               help="With --resume: fingerprint fields that may differ from the checkpoint's (comma-separated, "
-              "repeatable: lr, weight_decay, lr_schedule, warmup_steps, epochs, dataset_version); adds to "
+              "repeatable: lr, weight_decay, lr_schedule, warmup_steps, epochs, dataset_version, code); adds to "
               "training.resume_allow_changed.")
 @_json_option
 def train(config, overrides, launcher, world_size, resume, allow_changed, as_json):
@@ -211,8 +215,7 @@ def _score_status(cfg: ShardlineConfig, output_dir: str, input_path: str | None,
     for col in ("model", "version", "units", "rows", "last scored (UTC)", f"pending ({pending_of})", "interrupted"):
         table.add_column(col, justify="right" if col in ("units", "rows", "interrupted") else "left")
     for v in st.versions:
-        version = f"{v.model_version} (flat layout)" if v.legacy else v.model_version
-        table.add_row(v.model_name, version, f"{v.units:,}", f"{v.rows:,}", v.last_scored_at[:19],
+        table.add_row(v.model_name, v.model_version, f"{v.units:,}", f"{v.rows:,}", v.last_scored_at[:19],
                       f"{v.pending:,}", f"{v.interrupted:,}")
     Console(highlight=False).print(table)
     if not st.versions:
@@ -238,21 +241,7 @@ def sweep(config, overrides, trials, parallel, engine, name):
     extra += [f"sweep.parallel={parallel}"] if parallel is not None else []
     extra += [f"sweep.engine='{engine}'"] if engine else []
     extra += [f"sweep.name={json.dumps(name)}"] if name is not None else []
-    cfg = load_config(config, list(overrides) + extra)
-    cfg = resolve_paths(cfg, [cfg.sweep.engine or cfg.training.launcher], (DATASET, CHECKPOINTS),
-                        tracking=True, sweep=True)
-    check_storage(cfg, reads=(DATASET,), writes=(CHECKPOINTS,))
-    from shardline.training.sweep import check_sweep, run_sweep
-
-    check_sweep(cfg.sweep, cfg.training, cfg.pipelines.dataset_dir)  # before any engine starts
-    where = cfg.sweep.engine or cfg.training.launcher
-    args = (cfg.sweep, cfg.training, cfg.tracking, cfg.pipelines.dataset_dir)
-    with stage(f"Sweep '{cfg.sweep.name}' on {where}"):
-        if where == "local":
-            r = run_sweep(*args)
-        else:
-            with engine_handle(cfg, where, spark_ranks(cfg, where, cfg.sweep.world_size)) as handle:
-                r = run_sweep(*args, **{"spark" if where == "spark" else "dask_client": handle})
+    r = api.sweep(config, list(overrides) + extra)
 
     table = Table(title=f"shardline sweep {r.name}", show_header=False, title_justify="left")
     counts = ", ".join(f"{r.count(s)} {s}" for s in ("complete", "pruned", "failed"))
@@ -280,18 +269,11 @@ def plan(config, overrides, as_json):
     Then `shardline prepare CONFIG --plan` lays the shards out by it, and training
     uses its loader workers unless training.loader_workers is set.
     """
-    cfg = resolve_paths(load_config(config, list(overrides)), [])  # measured here, in this process
-    check_storage(cfg, writes=(DATASET,))
-    from shardline.pipelines.manifest import manifest_url, store_plan
+    from shardline.pipelines.manifest import manifest_url
     from shardline.pipelines.storage import display
-    from shardline.training.job import preflight
-    from shardline.training.plan import plan_dataset
 
-    t, where = cfg.training, cfg.pipelines.dataset_dir
-    preflight(t, where)  # no dataset, bad settings: one line, before the stage starts
-    with stage(f"Measuring {t.model} {t.hidden} and the loader on {where}"):
-        measured, p = plan_dataset(t, where)
-    manifest = store_plan(where, measured.version_id, p)
+    r = api.plan(config, list(overrides))  # measured here, in this process
+    manifest, p = r.manifest, r.plan
     if json_file_path():
         write_json_file(json_file_path(), p.model_dump(mode="json"))
     if as_json:
@@ -318,7 +300,7 @@ def plan(config, overrides, as_json):
                   f"(now {len(train.shards)})")
     table.add_row("rows per row group", f"{p.rows_per_row_group:,} (now {manifest.layout.rows_per_row_group:,}; "
                   f"{max(now_groups)} per train shard)")
-    table.add_row("stored in", display(manifest_url(where, manifest.sequence)))
+    table.add_row("stored in", display(manifest_url(r.dataset_dir, manifest.sequence)))
     Console().print(table)
     if not p.target_met:
         console.print(f"  loading cannot reach {p.headroom} × training with {p.max_loader_workers_per_rank} "
@@ -345,6 +327,13 @@ cli.add_command(bench)
 
 
 def main(argv: list[str] | None = None) -> None:
+    # The library reports through pipelines.report; the command shows it on its console
+    # (and puts the caller's reporter back: a test or a notebook may call main in-process).
+    with report.using(ConsoleReporter()):
+        _main(argv)
+
+
+def _main(argv: list[str] | None) -> None:
     try:
         cli.main(args=argv, prog_name="shardline", standalone_mode=False)
     except click.exceptions.Abort:

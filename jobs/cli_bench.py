@@ -13,7 +13,7 @@ from rich.table import Table
 
 from shardline.pipelines.errors import ShardlineError
 
-from .engines import console
+from .console import console
 
 IMAGES_DEFAULT = 512  # `bench loader --images`: a few hundred small images
 
@@ -116,16 +116,34 @@ def bench_score(rows, rounds, as_json):
 
 
 @bench.command("train")
-@click.option("--rows", type=int, default=100_000, show_default=True, help="Synthetic rows (the train split is read).")
-@click.option("--steps", type=int, default=200, show_default=True, help="DDP steps per step-time run (20 warm-up).")
-@click.option("--rounds", type=int, default=3, show_default=True, help="Step-time runs per launcher (fastest counts).")
+@click.option("--rows", type=click.IntRange(min=1), default=None,
+              help="Synthetic rows (the train split is read) [default: 100,000]; with --images, images "
+              "to generate, with --tokens, sequences [default: one epoch of the steps].")
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="DDP steps per step-time run [default: 200, 20 warm-up]; --images 48, --tokens 30 timed.")
+@click.option("--rounds", type=click.IntRange(min=1), default=None,
+              help="Step-time runs per launcher, the fastest counts [default: 3; --images 2, --tokens 3].")
+@click.option("--images", "images", is_flag=True,
+              help="A CNN on PNG images: shardline (plan, prepare, its loader, local and Spark) vs "
+              "torchvision ImageFolder + DataLoader workers + DDP under torchrun.")
+@click.option("--tokens", "tokens", is_flag=True,
+              help="The built-in decoder on token sequences: shardline vs a nanoGPT-style uint16 memmap loop.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
-def bench_train(rows, steps, rounds, as_json):
-    """DDP step time, launch to first step and all-reduce bytes/s: ours vs torchrun, TorchDistributor, raw."""
+def bench_train(rows, steps, rounds, images, tokens, as_json):
+    """DDP step time, launch to first step and all-reduce bytes/s: ours vs torchrun, TorchDistributor, raw;
+    --images / --tokens: training throughput vs the loops users write by hand."""
     from contextlib import redirect_stdout
 
+    if images and tokens:
+        raise click.UsageError("--images and --tokens are two benchmarks: give one")
+    if images or tokens:
+        from .cli_bench_train import bench_train_typed
+
+        bench_train_typed("images" if images else "tokens", rows, steps, rounds, as_json)
+        return
     from shardline.benchmarks.train import run as run_bench
 
+    rows, steps, rounds = rows or 100_000, steps or 200, rounds or 3
     # TorchDistributor relays its tasks' output with print(): keep stdout for the result.
     with redirect_stdout(sys.stderr):
         result = run_bench(rows, progress=lambda msg: console.print(f"[dim]… {msg}[/]"),

@@ -4,10 +4,14 @@
     python -m shardline.jobs.faults --list
 
 CONFIG is a training config as for `shardline train` (launcher, cluster, dataset,
-checkpoint_dir, tracking). The runner trains a reference run, then each case, under
-`<checkpoint_dir>/_faults-<id>/` (deleted at the end), and prints one line per case:
-`PASS`, `FAIL` or `SKIP` with what it checked; the exit status is 1 if any case failed.
-Nothing is registered in MLflow; the runs are in the configured experiment.
+checkpoint_dir, tracking). The runner first works out from the config and the dataset's
+manifest what each case needs (how many checkpoints the reference will write and keep;
+root and a local disk for full-disk): a case the config cannot give is refused in one line
+before anything runs when named with --case (exit 2), else said SKIP. Then it trains a
+reference run, then each case, under `<checkpoint_dir>/_faults-<id>/` (deleted at the
+end), and prints one line per case: `PASS`, `FAIL` or `SKIP` with what it checked; the
+exit status is 1 if any case failed. Nothing is registered in MLflow; the runs are in the
+configured experiment.
 
 Cases (each ends on the reference's weights or on the documented refusal):
 - kill-rank: SIGKILL rank 1 after the first checkpoint; the launcher relaunches from
@@ -17,6 +21,9 @@ Cases (each ends on the reference's weights or on the documented refusal):
 - truncated-checkpoint: the reference's newest checkpoint cut short in a copy of its
   directory; a resume falls back to the previous readable one and ends bit-equal.
 - changed-lr: a resume with another `lr` is refused, naming the field.
+- ctrl-c: SIGINT to the runner's own process (the driver) after the first checkpoint: the
+  job ends with KeyboardInterrupt, at most one checkpoint (one being written) is committed
+  after the signal and nothing is written once it ended; `--resume` then ends bit-equal.
 - full-disk, stale-lease: see jobs.faults_storage (a full checkpoint disk ends in one
   line without a relaunch; a killed job's lease is reported gone and taken over).
 """
@@ -36,10 +43,10 @@ from contextlib import ExitStack
 from functools import partial
 
 from shardline.pipelines import storage
-from shardline.pipelines.errors import ShardlineError
+from shardline.pipelines.errors import ConfigError, ShardlineError
 
 from . import faults_storage
-from .config import CHECKPOINTS, DATASET, check_storage, load_config, resolve_paths
+from shardline.config import CHECKPOINTS, DATASET, check_storage, load_config, resolve_paths
 
 
 def _train(cfg, ckpt: str, handles: dict, **changes):
@@ -56,7 +63,7 @@ def _equal(a: dict, b: dict) -> bool:
 
 
 def kill_rank(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
-    from shardline.training import checkpoints
+    from shardline.training.checkpoint_store import CheckpointStore
 
     ckpt = storage.join(root, "kill-rank")
     done, seen = threading.Event(), {}
@@ -64,7 +71,7 @@ def kill_rank(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
     def killer() -> None:
         info = storage.join(ckpt, "ranks", "rank-1.json")
         while not done.is_set():
-            if checkpoints.checkpoint_paths(ckpt) and storage.exists(info):
+            if CheckpointStore(ckpt).paths() and storage.exists(info):
                 rank = json.loads(storage.read_bytes(info))
                 seen["host"] = rank["host"]
                 if rank["host"] == socket.gethostname():
@@ -92,28 +99,28 @@ def kill_rank(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
 
 def _copy_prefix(cfg, ref_dir: str, into: str, keep: int) -> list[str]:
     """The reference's first `keep` checkpoints (and their DCP shards) into `into`."""
-    from shardline.training import checkpoints
+    from shardline.training.checkpoint_store import CheckpointStore, POINTER
 
-    paths = checkpoints.checkpoint_paths(ref_dir)[:keep]
+    paths = CheckpointStore(ref_dir).paths()[:keep]
     for p in paths:
         storage.write_bytes(storage.join(into, storage.name(p)), storage.read_bytes(p))
-        sharded = checkpoints.load(p, {}).get("sharded")
+        sharded = CheckpointStore.holding(p).read(p).get("sharded")
         if sharded:
             for f in storage.find_files(storage.join(ref_dir, sharded)):
                 rel = f[len(ref_dir) + 1:]
                 storage.write_bytes(storage.join(into, rel), storage.read_bytes(f))
-    step = checkpoints.load(paths[-1], {})["global_step"]
+    step = CheckpointStore.holding(paths[-1]).read(paths[-1])["global_step"]
     pointer = {"name": storage.name(paths[-1]), "step": step}
-    storage.write_bytes(storage.join(into, checkpoints.POINTER), json.dumps(pointer).encode())
+    storage.write_bytes(storage.join(into, POINTER), json.dumps(pointer).encode())
     return [storage.join(into, storage.name(p)) for p in paths]
 
 
 def truncated_checkpoint(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
-    from shardline.training import checkpoints
+    from shardline.training.checkpoint_store import CheckpointStore
 
-    kept = checkpoints.checkpoint_paths(ref.checkpoint_dir)
-    if len(kept) < 3:
-        return "FAIL", f"the reference wrote {len(kept)} checkpoint(s); the case needs 3 (train longer)"
+    kept = CheckpointStore(ref.checkpoint_dir).paths()
+    if len(kept) < 3:  # needs() said it would: the reference wrote fewer than planned
+        return "FAIL", f"the reference kept {len(kept)} checkpoint(s), not the 3 planned"
     ckpt = storage.join(root, "truncated")
     copied = _copy_prefix(cfg, ref.checkpoint_dir, ckpt, keep=len(kept) // 2 + 1)
     storage.write_bytes(copied[-1], storage.read_bytes(copied[-1])[:1000])  # a write cut short
@@ -124,10 +131,10 @@ def truncated_checkpoint(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
 
 
 def changed_lr(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
-    from shardline.training import checkpoints
+    from shardline.training.checkpoint_store import CheckpointStore
 
     ckpt = storage.join(root, "changed-lr")
-    _copy_prefix(cfg, ref.checkpoint_dir, ckpt, keep=max(1, len(checkpoints.checkpoint_paths(ref.checkpoint_dir)) // 2))
+    _copy_prefix(cfg, ref.checkpoint_dir, ckpt, keep=max(1, len(CheckpointStore(ref.checkpoint_dir).paths()) // 2))
     try:
         _train(cfg, ckpt, handles, resume=True, lr=cfg.training.lr * 10)
     except ShardlineError as e:
@@ -139,11 +146,91 @@ def changed_lr(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
     return "FAIL", "a resume with another lr was accepted"
 
 
+def _names(ckpt: str) -> set[str]:
+    from shardline.training.checkpoint_store import CheckpointStore
+
+    return {storage.name(p) for p in CheckpointStore(ckpt).paths()}
+
+
+def ctrl_c(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
+    ckpt = storage.join(root, "ctrl-c")
+    done, seen = threading.Event(), {}
+
+    def interrupter() -> None:
+        while not done.is_set():
+            names = _names(ckpt) if storage.exists(ckpt) else set()
+            if names:
+                seen["before"] = names
+                os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C to the driver: this process
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=interrupter, daemon=True)
+    watcher.start()
+    try:
+        _train(cfg, ckpt, handles)
+    except KeyboardInterrupt:
+        if "before" not in seen:
+            raise  # the user's own Ctrl-C, not the case's
+    else:
+        return "FAIL", "training ended before the interrupt landed: nothing to interrupt (train longer)"
+    finally:
+        done.set()
+        watcher.join()
+    after = _names(ckpt)
+    committed = sorted(after - seen["before"])
+    if len(committed) > 1:
+        return "FAIL", f"{len(committed)} checkpoints committed after the interrupt ({', '.join(committed)}); " \
+                       "at most the one being written may complete"
+    time.sleep(3)  # a rank still running would write its next checkpoint within this
+    if _names(ckpt) != after:
+        return "FAIL", "something still writes the checkpoint folder after the interrupted job ended"
+    result = _train(cfg, ckpt, handles, resume=True)
+    if not _equal(result.weights, ref.weights):
+        return "FAIL", "resumed after the interrupt, but the final weights differ from the reference"
+    return "PASS", (f"interrupted after the first checkpoint; {len(committed)} committed after the signal, "
+                    "nothing written once it ended; --resume ended bit-equal")
+
+
 CASES = {
     "kill-rank": kill_rank, "truncated-checkpoint": truncated_checkpoint, "changed-lr": changed_lr,
+    "ctrl-c": ctrl_c,
     "full-disk": partial(faults_storage.full_disk, train=_train),
     "stale-lease": partial(faults_storage.stale_lease, train=_train),
 }
+
+
+def checkpoints_planned(cfg) -> tuple[int, int, str]:
+    """(written, kept, how) for the reference run, from the config and the dataset's
+    manifest alone: an epoch-end checkpoint per epoch, one every checkpoint_every_steps
+    optimizer steps, the newest keep_checkpoints kept; `how` says where the figures came from."""
+    from shardline.pipelines.manifest import load_manifest
+    from shardline.training.loader import epoch_steps, rows_per_rank
+    from shardline.training.strategies import strategy_for
+
+    t = cfg.training
+    data_world = strategy_for(t).data_world
+    steps = epoch_steps(rows_per_rank(load_manifest(cfg.pipelines.dataset_dir), "train", data_world),
+                        max(1, t.batch_size // data_world), t.remainder)
+    every = t.checkpoint_every_steps
+    written = t.epochs + (t.epochs * steps // every if every else 0)
+    how = (f"training.epochs {t.epochs} x {steps} steps, training.checkpoint_every_steps {every}"
+           + (" (epoch ends only)" if not every else "") + f", training.keep_checkpoints {t.keep_checkpoints}")
+    return written, min(written, t.keep_checkpoints), how
+
+
+def needs(name: str, cfg, planned: tuple[int, int, str], root: str) -> str | None:
+    """Why case `name` cannot run with this config (None: it can), in words naming the fix."""
+    written, kept, how = planned
+    more = "raise training.epochs or set a smaller training.checkpoint_every_steps"
+    if name in ("kill-rank", "ctrl-c") and written < 2:
+        return f"needs a checkpoint before training ends, but the reference writes {written} ({how}): {more}"
+    if name == "truncated-checkpoint" and kept < 3:
+        return (f"needs 3 checkpoints kept, but the reference keeps {kept} ({how}): {more}"
+                + (", or raise training.keep_checkpoints" if written >= 3 else ""))
+    if name == "full-disk":
+        return faults_storage.full_disk_needs(root)
+    return None
 
 
 class _Reference:
@@ -168,13 +255,20 @@ def main(argv: list[str] | None = None) -> int:
         for name, fn in CASES.items():
             print(name)
         return 0
-    from .engines import engine_handle, spark_ranks
+    from shardline.engines import engine_handle, spark_ranks
 
     try:
         cfg = load_config(args.config, args.overrides)
         cfg = resolve_paths(cfg, [cfg.training.launcher], (DATASET, CHECKPOINTS), tracking=True)
         check_storage(cfg, reads=(DATASET,), writes=(CHECKPOINTS,))
         root = storage.join(cfg.training.checkpoint_dir, f"_faults-{uuid.uuid4().hex[:8]}")
+        # What each case needs, before any engine starts or the reference trains.
+        planned = checkpoints_planned(cfg)
+        chosen = args.cases or list(CASES)
+        cannot = {name: why for name in chosen if (why := needs(name, cfg, planned, root))}
+        named = [n for n in args.cases or [] if n in cannot]
+        if named:
+            raise ConfigError(f"--case {named[0]}: {cannot[named[0]]}")
         failed = False
         with ExitStack() as stack:
             handles = {}
@@ -182,9 +276,14 @@ def main(argv: list[str] | None = None) -> int:
                 handle = stack.enter_context(engine_handle(cfg, cfg.training.launcher, spark_ranks(cfg)))
                 handles = {"spark": handle} if cfg.training.launcher == "spark" else {"dask_client": handle}
             try:
-                ref_dir = storage.join(root, "reference")
-                ref = _Reference(_train(cfg, ref_dir, handles), ref_dir)
-                for name in args.cases or list(CASES):
+                ref = None
+                for name in chosen:
+                    if name in cannot:
+                        print(f"{name}: SKIP: {cannot[name]}", flush=True)
+                        continue
+                    if ref is None:  # trained once, for the first case that can run
+                        ref_dir = storage.join(root, "reference")
+                        ref = _Reference(_train(cfg, ref_dir, handles), ref_dir)
                     verdict, detail = CASES[name](cfg, ref, root, handles)
                     failed |= verdict == "FAIL"
                     print(f"{name}: {verdict}: {detail}", flush=True)

@@ -24,11 +24,18 @@ from shardline.pipelines.errors import ShardlineError
 from shardline.pipelines.lease import LEASE_NAME, Holder, Lease
 
 
-def full_disk(cfg, ref, root: str, handles: dict, train) -> tuple[str, str]:
+def full_disk_needs(root: str) -> str | None:
+    """Why full-disk cannot run here (None: it can): the runner checks before anything runs."""
     if storage.is_remote(root):
-        return "SKIP", "checkpoint_dir is not a local path: the runner can fill only a disk it mounts"
+        return "checkpoint_dir is not a local path: the runner can fill only a disk it mounts"
     if os.geteuid() != 0:
-        return "SKIP", "mounting a small disk (tmpfs) needs root"
+        return "mounting a small disk (tmpfs) needs root"
+    return None
+
+
+def full_disk(cfg, ref, root: str, handles: dict, train) -> tuple[str, str]:
+    if why := full_disk_needs(root):
+        return "SKIP", why
     disk = storage.local_path(storage.join(root, "full-disk"))
     os.makedirs(disk)
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", disk], capture_output=True, text=True)

@@ -16,6 +16,7 @@ from .errors import ConfigError, DataError
 from .manifest import BandwidthPlan, ShardManifest, has_manifest, load_manifest
 from .raw import RawFile, describe, sniff
 from .rows import numbers
+from .source_config import SPARK_FORMATS, TABLE_FORMATS
 from .sources import display, list_files
 from . import storage, synthetic
 
@@ -27,10 +28,18 @@ class CheckedInput:
     previous: ShardManifest | None  # the dataset there now
     plan: BandwidthPlan | None  # with --plan
     notes: list[str] = field(default_factory=list)  # what was inferred, for the user
+    # The manifest's records of the input when it is not a list of files (a table and its
+    # version: pipelines.tables), and the settings that pin the version that was read.
+    sources: list[dict] | None = None
+    pinned: dict = field(default_factory=dict)
 
 
-def check_prepare(cfg: PipelineConfig, append: bool = False, refit: bool = False, by_plan: bool = False) -> CheckedInput:
-    """Everything prepare can check without an engine; DataError/ConfigError on the first problem."""
+def check_prepare(cfg: PipelineConfig, append: bool = False, refit: bool = False, by_plan: bool = False,
+                  frame: bool = False) -> CheckedInput:
+    """Everything prepare can check without an engine; DataError/ConfigError on the first problem.
+
+    frame: the input is a DataFrame given to prepare (or a Spark table or query, read
+    through the engine): its columns are checked once the engine has it (pipelines.frames)."""
     from .prepare import usable_plan
 
     root = storage.resolve(cfg.dataset_dir, "pipelines.dataset_dir")
@@ -49,8 +58,21 @@ def check_prepare(cfg: PipelineConfig, append: bool = False, refit: bool = False
         )
     if append:
         spec = _fill(spec, previous.feature_spec)  # unset settings: the dataset's
+    if frame or src.format in SPARK_FORMATS:
+        if cfg.engine != "spark" and not frame:
+            raise ConfigError(f"pipelines.source.format = '{src.format}' reads through a Spark session: it needs "
+                              f"pipelines.engine = 'spark' (Dask has no Spark catalog or SQL)")
+        return CheckedInput(spec, [], previous, plan)
     files: list[RawFile] = []
-    if src.format == "synthetic":
+    sources, pinned = None, {}
+    if src.format in TABLE_FORMATS:
+        from .tables import check_columns, read_input
+
+        ti = read_input(src, previous.sources if append and not refit else None)
+        files, names, sources, pinned = ti.files, list(ti.schema.names), [ti.source], ti.pinned
+        spec, notes = _resolve(spec, names, _kinds(RawFile(ti.where, "parquet", ti.schema), ",", []), ti.where)
+        check_columns(spec, ti)
+    elif src.format == "synthetic":
         have = synthetic.check_target(src.synthetic, storage.resolve(src.path, "pipelines.source.path")) and list_files(src)
         if have:
             files = describe(have, src.format, src.csv_delimiter)
@@ -79,7 +101,7 @@ def check_prepare(cfg: PipelineConfig, append: bool = False, refit: bool = False
         raise DataError(
             f"{root}: pipelines.features differ from the dataset's; append needs the same spec"
         )
-    return CheckedInput(spec, files, previous, plan, notes)
+    return CheckedInput(spec, files, previous, plan, notes, sources, pinned)
 
 
 def _images_spec(spec: FeatureSpec, folder: RawFile, path: str) -> tuple[FeatureSpec, list[str]]:

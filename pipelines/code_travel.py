@@ -1,6 +1,6 @@
-"""The user's own code travels with the job: zipped on the driver, shipped to Spark
-executors (classic and Connect) and Dask workers, and made current in the process that
-runs it.
+"""Code travels with the job: shardline's own packages and the user's code, zipped on the
+driver, shipped to Spark executors (classic and Connect) and Dask workers, and (the user's)
+made current in the process that runs it. This module is the one place code is shipped.
 
 Which folders travel is the caller's to say (training: the package of `training.model`
 and friends plus `training.code_paths`); this module only moves them. Each folder goes
@@ -20,12 +20,14 @@ of theirs is unpickled before `use_code` has run.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import os
 import socket
 import sys
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ShardlineError
@@ -36,15 +38,42 @@ PREFIX = "shardline-user-"  # shardline-user-<sha>.zip
 
 @dataclass(frozen=True)
 class UserCode:
-    """What a worker needs to import the user's code; small and picklable.
+    """One version of the user's code: what a worker needs to import it, and what the code
+    is by content; small and picklable.
 
-    zip_name: the shipped zip (found on the worker's path or in its files folder);
-    None for processes of the driver's own host, which import from `folders` in place.
+    A job takes it once on the driver (`snapshot`), and every rank, restart and scorer of
+    the job imports exactly these bytes, whatever the folders hold by then.
+    files: each shipped file's sha256, keyed by its name in the zip (`mypkg/nets.py`),
+    hashed from the very bytes the zip is written from; `digest` is one hash of them all
+    (the checkpoints' fingerprint keeps it, and the files, to name what changed).
+    zip_name: the shipped zip (`shardline-user-<hash>.zip`), found on the worker's path or
+    in its files folder; zip_path: where it is on the driver's host (the local launcher's
+    ranks import it from there). No user code (a built-in model): no packages, no files,
+    an empty digest. `local_code`: folders used in place, no zip and no files.
     """
 
     packages: tuple[str, ...]  # the top-level import names it provides
     zip_name: str | None = None
     folders: tuple[str, ...] = ()  # the driver's paths (used in place when zip_name is None)
+    zip_path: str | None = None
+    files: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def digest(self) -> str:
+        return code_digest(self.files)
+
+    def changes(self, earlier: dict[str, str]) -> list[str]:
+        """How this code differs from `earlier` files ({name: sha256}), one phrase a file,
+        sorted by name: `mypkg/nets.py changed`, `... added`, `... removed`."""
+        out = []
+        for name in sorted(earlier.keys() | self.files.keys()):
+            if name not in earlier:
+                out.append(f"{name} added")
+            elif name not in self.files:
+                out.append(f"{name} removed")
+            elif earlier[name] != self.files[name]:
+                out.append(f"{name} changed")
+        return out
 
 
 def top_names(folders: Sequence[str]) -> list[tuple[str, Path]]:
@@ -85,54 +114,140 @@ def _files(folders: Sequence[str]) -> list[tuple[str, Path]]:
     return sorted(out)
 
 
+def code_digest(files: dict[str, str]) -> str:
+    """One digest of per-file digests ({name: sha256}); "" for no files."""
+    if not files:
+        return ""
+    h = hashlib.sha256()
+    for name in sorted(files):
+        h.update(f"{name}\0{files[name]}\n".encode())
+    return h.hexdigest()
+
+
 def code_zip(folders: Sequence[str]) -> tuple[str, UserCode]:
-    """The zip of `folders` (made once per content in this process) and its UserCode."""
-    path = content_zip(PREFIX, _files(folders))
-    return path, UserCode(tuple(n for n, _ in top_names(folders)), os.path.basename(path), tuple(str(f) for f in folders))
+    """The zip of `folders` (made once per content in this process) and its UserCode: each
+    file is read once, and both its digest and the zip come from those bytes."""
+    datas = [(arc, path.read_bytes(), path.stat().st_mode) for arc, path in _files(folders)]
+    path = content_zip(PREFIX, datas)
+    names = tuple(n for n, _ in top_names(folders))
+    files = {arc: hashlib.sha256(data).hexdigest() for arc, data, _ in datas}
+    return path, UserCode(names, os.path.basename(path), tuple(str(f) for f in folders), path, files)
+
+
+def snapshot(folders: Sequence[str]) -> UserCode:
+    """The user's code as it is now, zipped and named by its content; empty for no code."""
+    return code_zip(folders)[1] if folders else UserCode(())
 
 
 # ---------------------------------------------------------------- shipping (driver side)
 
-_SHIPPED: set[tuple[int, str]] = set()
+# Engine handle (a SparkSession or a Dask client) -> names of the zips it was given. Weak: a
+# session that is gone takes its entry along (an id() could be reused by the next session).
+_SHIPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def ship_to_spark(spark, folders: Sequence[str]) -> UserCode | None:
+def _ship_once(handle, name: str, send) -> None:
+    """send() unless `handle` has this zip already. Locked: a sweep's concurrent trials ship
+    the same zip."""
+    with LOCK:
+        done = _SHIPPED.setdefault(handle, set())
+        if name not in done:
+            send()
+            done.add(name)
+
+
+ENGINE_PACKAGES = ("pipelines", "training", "serving")
+
+
+def shardline_files():
+    """(name in the archive, file) for shardline's code that runs on executors: the
+    `shardline` package with pipelines, training and serving inside it, laid out as
+    installed, whether this process runs from a checkout or an installed package."""
+    import shardline
+
+    top = Path(shardline.__file__).resolve().parent
+    yield "shardline/__init__.py", top / "__init__.py"
+    for pkg in ENGINE_PACKAGES:
+        folder = Path(importlib.import_module(f"shardline.{pkg}").__file__).resolve().parent
+        for f in sorted(folder.rglob("*")):
+            if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc":
+                yield f"shardline/{pkg}/{f.relative_to(folder).as_posix()}", f
+
+
+def shardline_zip() -> str:
+    """shardline's engine packages as one zip (pipelines.zips: named by content)."""
+    global _SHARDLINE_ZIP
+    with LOCK:
+        if _SHARDLINE_ZIP is None:
+            _SHARDLINE_ZIP = content_zip("shardline-code-", shardline_files())
+    return _SHARDLINE_ZIP
+
+
+_SHARDLINE_ZIP: str | None = None
+
+
+def ship_shardline_to_spark(spark) -> None:
+    """pipelines, training and serving for executors that do not run on this machine's
+    Python path: every Connect server (its executors are the server's), classic non-local
+    masters. Without them a barrier stage aborts on ModuleNotFoundError.
+
+    `addArtifacts(..., pyfile=True)` is the one call for both (on classic Spark 4 it is
+    `addPyFile`); Spark puts the zip ahead of installed packages on the executors, so they
+    run this driver's code."""
+    from .spark_setup import is_connect, spark_master
+
+    if is_connect(spark) or not spark_master(spark).startswith("local"):
+        path = shardline_zip()
+        _ship_once(spark, os.path.basename(path), lambda: _add_artifact(spark, path))
+
+
+def ship_shardline_to_dask(client) -> None:
+    """Workers started elsewhere import our packages from this zip, also those that join
+    later; a LocalCluster's workers in this process's machine run its environment already.
+
+    To the workers only (`client.upload_file` sends it to the scheduler too, which runs no
+    task): a scheduler in the driver's own process (a notebook's LocalCluster given by its
+    address) would put the zip first on the driver's path and re-import shardline from it."""
+    if getattr(client, "cluster", None) is not None:
+        return
+    from distributed.diagnostics.plugin import UploadFile
+
+    path = shardline_zip()
+    name = os.path.basename(path)  # shardline-code-<digest>.zip
+    _ship_once(client, name, lambda: client.register_plugin(UploadFile(path), name=name))
+
+
+def ship_to_spark(spark, code: UserCode | None) -> UserCode | None:
     """Add the user's zip to a SparkSession (classic, any master, or Connect) as a Python
     artifact: every later task of the session has it on its path. Shipped on local
     masters too: their Python workers are reused from run to run like an executor's."""
-    if not folders:
-        return None
-    path, code = code_zip(folders)
-    key = (id(spark), code.zip_name)
-    with LOCK:  # a sweep's concurrent trials ship the same zip
-        if key in _SHIPPED:
-            return code
-        before = list(sys.path)
-        spark.addArtifacts(path, pyfile=True)
-        # Classic Spark's addPyFile also puts the zip on this driver's path ("for tests in
-        # local mode"): the driver imports the user's code from the folders themselves.
-        sys.path[:] = before
-        _SHIPPED.add(key)
+    if code is None or code.zip_path is None:  # no user code, or folders used in place
+        return code
+    _ship_once(spark, code.zip_name, lambda: _add_artifact(spark, code.zip_path))
     return code
 
 
-def ship_to_dask(client, folders: Sequence[str]) -> UserCode | None:
+def _add_artifact(spark, path: str) -> None:
+    before = list(sys.path)
+    spark.addArtifacts(path, pyfile=True)
+    # Classic Spark's addPyFile also puts the zip on this driver's path ("for tests in local
+    # mode"): the driver imports shardline and the user's code from where they are.
+    sys.path[:] = before
+
+
+def ship_to_dask(client, code: UserCode | None) -> UserCode | None:
     """Upload the user's zip to every Dask worker, also those that join later.
 
     To the workers only, and not imported on arrival (load=False): a scheduler in the
     driver's own process must not put it on the driver's path, and the user's modules
     are imported by the task that needs them, after `use_code`.
     """
-    if not folders:
-        return None
+    if code is None or code.zip_path is None:
+        return code
     from distributed.diagnostics.plugin import UploadFile
 
-    path, code = code_zip(folders)
-    key = (id(client), code.zip_name)
-    with LOCK:
-        if key not in _SHIPPED:
-            client.register_plugin(UploadFile(path, load=False), name=code.zip_name)
-            _SHIPPED.add(key)
+    _ship_once(client, code.zip_name,
+               lambda: client.register_plugin(UploadFile(code.zip_path, load=False), name=code.zip_name))
     return code
 
 
@@ -144,10 +259,11 @@ def use_code(code: UserCode | None) -> None:
     its folders' parents) first on sys.path, and every module of its top-level packages
     that was loaded from elsewhere (an older zip, another folder) dropped from sys.modules,
     so the next import reads this version. Modules already from here are kept."""
-    if code is None:
+    if code is None or not code.packages:
         return
     if code.zip_name:
-        roots = [_find_zip(code.zip_name)]
+        here = code.zip_path if code.zip_path and os.path.isfile(code.zip_path) else None
+        roots = [here or _find_zip(code.zip_name)]
     else:
         roots = list(dict.fromkeys(str(Path(f).parent) for f in code.folders))
     with LOCK:

@@ -8,13 +8,10 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-
-class Section(BaseModel):
-    """Base for every config section: unknown keys are errors, not silently ignored."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from .section import Section
+from .source_config import SourceConfig, SyntheticSource  # noqa: F401 (their home before)
 
 
 class SparkConfig(Section):
@@ -59,50 +56,9 @@ class DaskConfig(Section):
     memory_limit: str = Field("4GiB", description="Memory limit per embedded worker.")
 
 
-class SyntheticSource(Section):
-    """A deterministic classification dataset: each row is a pure function of its key.
-
-    Its columns are `key`, `x0`..`x{numeric_features-1}`, `color` and `label`; a
-    feature spec that leaves them out takes them from here.
-    """
-
-    rows: int = Field(200_000, ge=1, description="Rows to generate.")
-    numeric_features: int = Field(8, ge=1, description="Gaussian numeric columns x0..xN-1.")
-    categories: int = Field(6, ge=2, description="Levels of the categorical column `color`.")
-    classes: int = Field(3, ge=2, description="Label classes.")
-    noise: float = Field(0.5, ge=0, description="Label noise; 0 makes the labels separable.")
-    seed: int = Field(7, description="Seed of the generating weights and noise.")
-    partitions: int = Field(4, ge=1, description="Raw files to generate (one task each).")
-
-
 # Text that means "no value", compared case-insensitively after trimming whitespace.
 # The common spellings of missing values in CSV exports (pandas, R, SQL dumps, Excel).
 DEFAULT_NULL_VALUES = ["", "na", "n/a", "null", "none", "nan"]
-
-
-class SourceConfig(Section):
-    format: Literal["parquet", "csv", "json", "synthetic", "images"] = Field(
-        "parquet",
-        description="parquet, csv, json (JSON lines), synthetic: generate raw Parquet at "
-        "`path` first (only into a directory that is absent or that shardline generated), "
-        "then prepare it; or images: a folder of class folders, `path/<class>/*.png|jpg`, "
-        "read as the columns `key` (a hash of the file's path under `path`), `path`, "
-        "`label` (the class folder's name) and `image` (the file's bytes).",
-    )
-    path: str = Field(
-        "shardline-data/raw",
-        description="Raw input: a file, a directory of files, or a glob; a local path or a "
-        "URL (file://, s3://, gs://, abfs://, hdfs://).",
-    )
-    on_bad_rows: Literal["fail", "drop"] = Field(
-        "fail",
-        description="A row that cannot be used (a value that does not parse as its column's "
-        "type, a null key or label, a label outside the classes, a key seen before): fail "
-        "naming file, key and column, or drop the row and report the count (of repeated "
-        "keys the first in file and row order is kept).",
-    )
-    csv_delimiter: str = Field(",", min_length=1, max_length=1, description="CSV delimiter.")
-    synthetic: SyntheticSource = Field(default_factory=SyntheticSource)
 
 
 TENSOR_DTYPES = ("uint8", "int32", "int64", "float16", "bfloat16", "float32")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import os
 
 from .config import DaskConfig, SparkConfig
 
@@ -20,59 +18,13 @@ def spark_session(cfg: SparkConfig):
     return start_spark(cfg)
 
 
-ENGINE_PACKAGES = ("pipelines", "training", "serving")
-
-
-def code_files():
-    """(name in the archive, file) for shardline's code that runs on executors: the
-    `shardline` package with pipelines, training and serving inside it, laid out as
-    installed, whether this process runs from a checkout or an installed package."""
-    from pathlib import Path
-
-    import shardline
-
-    top = Path(shardline.__file__).resolve().parent
-    yield "shardline/__init__.py", top / "__init__.py"
-    for pkg in ENGINE_PACKAGES:
-        folder = Path(importlib.import_module(f"shardline.{pkg}").__file__).resolve().parent
-        for f in sorted(folder.rglob("*")):
-            if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc":
-                yield f"shardline/{pkg}/{f.relative_to(folder).as_posix()}", f
-
-
-def package_zip() -> str:
-    """The `shardline` package with pipelines, training and serving as one zip, for
-    executors and Dask workers (pipelines.zips: named by content, removed at exit)."""
-    global _ZIP
-    if _ZIP is None:
-        from .zips import content_zip
-
-        _ZIP = content_zip("shardline-code-", code_files())
-    return _ZIP
-
-
-_ZIP: str | None = None
-
-
-def _ship_code(client) -> None:
-    """Workers started elsewhere import our packages from this zip, also those that join later.
-
-    To the workers only (`client.upload_file` sends it to the scheduler too, which runs no
-    task): a scheduler in the driver's own process (a notebook's LocalCluster given by its
-    address) would put the zip first on the driver's path and re-import shardline from it.
-    """
-    from distributed.diagnostics.plugin import UploadFile
-
-    path = package_zip()
-    client.register_plugin(UploadFile(path), name=os.path.basename(path))  # shardline-code-<unique>.zip
-
-
 def adopt_client(client) -> None:
     """A client the caller made (the Python API's `client=`): workers it reaches by address
     get our code as `dask.address` clients do; a LocalCluster's in this process run this
     machine's environment already."""
-    if getattr(client, "cluster", None) is None:
-        _ship_code(client)
+    from .code_travel import ship_shardline_to_dask
+
+    ship_shardline_to_dask(client)
 
 
 def dask_client(cfg: DaskConfig):
@@ -85,7 +37,7 @@ def dask_client(cfg: DaskConfig):
     logging.getLogger("distributed.shuffle").setLevel(logging.ERROR)
     if cfg.address:
         client = Client(cfg.address, timeout="30s")
-        _ship_code(client)
+        adopt_client(client)
         return client
     import dask
 

@@ -62,7 +62,8 @@ class Holder:
         """Why this lease may be taken over, or None while its holder is alive."""
         if now > self.expires_at:
             return f"expired {now - self.expires_at:.0f} s ago"
-        if _same_process_table(self) and not _alive(self.pid, self.pid_start):
+        same_table = ProcessTable(self.host, self.boot_id, self.pid_ns).is_here()
+        if same_table and not process_alive(self.pid, self.pid_start):
             return f"its process {self.pid} on this host is gone"
         return None
 
@@ -186,11 +187,11 @@ class Lease:
                 return
 
     def _body(self, expires_at: float) -> bytes:
-        me = _me()
+        me = ProcessTable.here()
         holder = Holder(
-            job=self.job, host=me["host"], pid=os.getpid(), since=self._since,
-            expires_at=expires_at, boot_id=me["boot_id"], pid_ns=me["pid_ns"],
-            pid_start=_start_ticks(os.getpid()) or "", nonce=uuid.uuid4().hex,
+            job=self.job, host=me.host, pid=os.getpid(), since=self._since,
+            expires_at=expires_at, boot_id=me.boot_id, pid_ns=me.pid_ns,
+            pid_start=process_start_ticks(os.getpid()) or "", nonce=uuid.uuid4().hex,
         )
         return json.dumps(asdict(holder), indent=1).encode()
 
@@ -203,21 +204,29 @@ def _read(path: str) -> str:
         return ""
 
 
-def _me() -> dict[str, str]:
-    try:
-        pid_ns = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        pid_ns = ""
-    return {"host": socket.gethostname(), "boot_id": _read("/proc/sys/kernel/random/boot_id"), "pid_ns": pid_ns}
+@dataclass(frozen=True)
+class ProcessTable:
+    """Whose process table a pid is in: its host, that host's boot and the pid namespace.
+    A pid recorded with one means something only where all three are the same."""
+
+    host: str
+    boot_id: str
+    pid_ns: str
+
+    @classmethod
+    def here(cls) -> ProcessTable:
+        try:
+            pid_ns = os.readlink("/proc/self/ns/pid")
+        except OSError:
+            pid_ns = ""
+        return cls(socket.gethostname(), _read("/proc/sys/kernel/random/boot_id"), pid_ns)
+
+    def is_here(self) -> bool:
+        """This process's own table (without a boot id and pid namespace to compare: no)."""
+        return bool(self.boot_id and self.pid_ns) and self == ProcessTable.here()
 
 
-def _same_process_table(h: Holder) -> bool:
-    me = _me()
-    # Without a boot id and pid namespace to compare, a pid means nothing here.
-    return bool(h.boot_id and h.pid_ns) and (h.host, h.boot_id, h.pid_ns) == (me["host"], me["boot_id"], me["pid_ns"])
-
-
-def _start_ticks(pid: int) -> str | None:
+def process_start_ticks(pid: int) -> str | None:
     """Field 22 of /proc/<pid>/stat (start time), None if the process is gone or a zombie."""
     stat = _read(f"/proc/{pid}/stat")
     if not stat:
@@ -228,8 +237,10 @@ def _start_ticks(pid: int) -> str | None:
     return fields[19]
 
 
-def _alive(pid: int, start: str) -> bool:
-    ticks = _start_ticks(pid)
+def process_alive(pid: int, start: str) -> bool:
+    """Process `pid` of this table runs, and is the one that started at `start` (clock ticks,
+    process_start_ticks; "" for any): pids are reused."""
+    ticks = process_start_ticks(pid)
     return ticks is not None and (not start or ticks == start)
 
 

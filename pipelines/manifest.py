@@ -386,7 +386,7 @@ def remove_unreferenced(dataset_dir: str) -> None:
 
 def _ours(n: str) -> bool:
     return (
-        n in (MANIFEST_NAME, MANIFESTS, LEASE_NAME)
+        n in (MANIFEST_NAME, MANIFESTS, LEASE_NAME, "_staging")  # _staging: pipelines.frames
         or n.startswith(VERSION_PREFIX)
         or (n.startswith(".") and n.endswith(".tmp"))
     )

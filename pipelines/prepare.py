@@ -36,8 +36,6 @@ from .manifest import (
     TensorSpec,
     check_dataset_dir,
     commit_manifest,
-    has_manifest,
-    load_manifest,
     new_version_dir,
     sequences,
 )
@@ -45,7 +43,9 @@ from .progress import Counted, ProgressListener, listen_address
 from .raw import Unit, describe, plan_units
 from .rows import BAD_KINDS, INVALID
 from .shards import SHARD_META_SCHEMA, write_parts
+from .source_config import SPARK_FORMATS
 from .sources import display, list_files
+from .tables import previous_inputs
 from .splits import SPLITS
 from .tasks import (
     Parts,
@@ -87,6 +87,7 @@ def prepare(
     by_plan: bool = False,
     checked: CheckedInput | None = None,
     lease: Lease | None = None,
+    frame=None,
 ) -> ShardManifest:
     """Prepare `cfg.source` into `cfg.dataset_dir` and commit; returns the manifest.
 
@@ -98,26 +99,33 @@ def prepare(
     every split gets the plan's rows per row group; the new manifest keeps the plan.
     checked: `check_prepare`'s result, when the caller ran it before starting the engine.
     lease: the dataset's lease (`dataset_lease`), already held; else taken here.
+    frame: a Spark or Dask DataFrame to prepare instead of `cfg.source` (pipelines.frames).
     """
     root = storage.resolve(cfg.dataset_dir, "pipelines.dataset_dir")
     if lease is None:
         check_dataset_dir(root)  # before the lease: nothing of ours goes into a foreign directory
         # The lease removes the directory it made: a refused first prepare leaves nothing.
         with dataset_lease(root) as held:
-            return prepare(engine, cfg, append, refit, by_plan, checked=checked, lease=held)
+            return prepare(engine, cfg, append, refit, by_plan, checked=checked, lease=held, frame=frame)
+    if frame is not None or cfg.source.format in SPARK_FORMATS:
+        from .frames import prepare_frame  # staged as Parquet first, then prepared as such
+
+        return prepare_frame(engine, cfg, frame, append, refit, by_plan, lease)
     if checked is None or _moved(checked.previous, root):
-        # Checked before the lease was ours: another prepare may have committed since.
-        checked = check_prepare(cfg, append, refit, by_plan)
+        # Checked before the lease was ours: another prepare may have committed since. A table
+        # is read again at the version checked first: the driver pins it once.
+        pinned = cfg.source.model_copy(update=checked.pinned) if checked is not None else cfg.source
+        checked = check_prepare(cfg.model_copy(update={"source": pinned}), append, refit, by_plan)
     spec, previous, plan = checked.spec, checked.previous, checked.plan
     src = cfg.source
     if src.format == "synthetic":
         synthetic.generate(engine, src.synthetic, storage.resolve(src.path, "pipelines.source.path"))
     files = checked.files or describe(list_files(src), src.format, src.csv_delimiter)
     # Read again by --append --refit: the path itself, not display's masked text.
-    sources = [{"format": src.format, "path": storage.local_path(f.url)} for f in files]
+    sources = checked.sources or [{"format": src.format, "path": storage.local_path(f.url)} for f in files]
     if append and refit:
-        old = [f for s in previous.sources for f in describe([_url(str(s["path"]))], str(s["format"]), src.csv_delimiter)]
-        files, sources = old + files, previous.sources + sources
+        old, kept = previous_inputs(previous.sources, src, src.csv_delimiter)
+        files, sources = old + files, kept + sources
     units = plan_units(files)
 
     frozen = append and not refit  # statistics and existing shards stay as they are
@@ -391,12 +399,6 @@ def _shard_count(rows: int, row_bytes: int, cfg: PipelineConfig) -> int:
     return w * math.ceil(wanted / w)
 
 
-def check_plan(cfg: PipelineConfig) -> BandwidthPlan:
-    """The plan `prepare(..., by_plan=True)` would use, or its DataError (before an engine starts)."""
-    root = storage.resolve(cfg.dataset_dir, "pipelines.dataset_dir")
-    return usable_plan(load_manifest(root) if has_manifest(root) else None, cfg, root)
-
-
 def usable_plan(previous: ShardManifest | None, cfg: PipelineConfig, root: str) -> BandwidthPlan:
     if previous is None or previous.plan is None:
         raise DataError(f"{root}: no bandwidth plan to lay shards out by; run `shardline plan` first")
@@ -427,6 +429,3 @@ def _split_info(metas: list[dict], split: str) -> SplitInfo:
     shards = [ShardInfo(**{k: m[k] for k in ("path", "rows", "bytes", "row_groups", "sha256")}) for m in mine]
     return SplitInfo(rows=sum(s.rows for s in shards), shards=shards)
 
-
-def _url(path: str) -> str:
-    return path if "://" in path else f"file://{path}"

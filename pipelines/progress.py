@@ -33,12 +33,13 @@ import inspect
 import itertools
 import secrets
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
+
+from . import report
 
 CONNECT_TIMEOUT_S = 2.0
 DRAIN_S = 1.0  # at most this long the driver waits for lines in flight when the job ends
@@ -67,12 +68,13 @@ class _Stage:
 
 
 class ProgressListener:
-    """A driver-side listener printing every line it receives to this process's stderr."""
+    """A driver-side listener handing every line it receives to this process's reporter
+    (pipelines.report), or writing it to `out` when one is given."""
 
     def __init__(self, host: str = "127.0.0.1", out=None, drain: bool = True):
         """drain: wait at the end for free lines in flight (a rank's last epoch line);
         a listener used only for stages has waited for their ticks already."""
-        self._out = out or sys.stderr
+        self._out = out
         self._drain = drain
         self._server = socket.create_server((host, 0))
         self._server.settimeout(0.5)
@@ -152,7 +154,7 @@ class ProgressListener:
                     if line.startswith(TICK):
                         self._count(line[1:].split())
                     else:
-                        print(line.rstrip("\n"), file=self._out, flush=True)
+                        self._print(line.rstrip("\n"))
 
     def _count(self, fields: list[str]) -> None:
         st = self._stages.get(fields[0]) if fields else None
@@ -169,8 +171,14 @@ class ProgressListener:
         if st.done >= st.total or time.monotonic() - st.shown_at >= SHOW_EVERY_S:
             self._show(st)
 
+    def _print(self, text: str) -> None:
+        if self._out is None:
+            report.line(text)  # the driver's reporter: the CLI's console, a notebook's stderr
+        else:
+            print(text, file=self._out, flush=True)
+
     def _show(self, st: _Stage) -> None:
-        print(st.line(), file=self._out, flush=True)
+        self._print(st.line())
         st.shown, st.shown_at = min(st.done, st.total), time.monotonic()
 
 
@@ -210,7 +218,7 @@ def say(address: str | None, line: str) -> None:
     """Send `line` to the driver's listener at `address`; print it here if there is none
     or it cannot be reached (then stop trying: the driver may be gone)."""
     if not _send(address, line):
-        print(line, file=sys.stderr, flush=True)
+        report.line(line)
 
 
 def _send(address: str | None, line: str) -> bool:

@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 
 from .errors import DataError
 from .sources import display, open_raw
+from .table_files import TableFile
 
 # A unit is read, parsed and reported as one task; ~1M rows keep a task's memory
 # near 100-200 MB and give a big Parquet file several tasks.
@@ -41,6 +42,7 @@ class RawFile:
     schema: pa.Schema  # Parquet: the file's; CSV and JSON: every column text
     row_groups: tuple[int, ...] = ()  # rows per row group (Parquet only)
     files: tuple[str, ...] = ()  # the images source: its image files (url is its folder)
+    table: TableFile | None = None  # a Delta or Iceberg data file: its columns as the table's
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class Unit:
     row_groups: int = 0
     first_row: int = 0  # of the file: error messages name rows in the file
     files: tuple[str, ...] = ()  # the images source: this unit's image files
+    table: TableFile | None = None  # a table's data file (pipelines.table_files)
 
 
 def describe(files: list[str], fmt: str, delimiter: str) -> list[RawFile]:
@@ -110,7 +113,7 @@ def plan_units(described: list[RawFile]) -> list[Unit]:
             runs[-1].append(i)
         for run in runs:
             first = run[0] if run else 0
-            units.append(Unit(len(units), f.url, fmt, first, len(run), sum(f.row_groups[:first])))
+            units.append(Unit(len(units), f.url, fmt, first, len(run), sum(f.row_groups[:first]), table=f.table))
     return units
 
 
@@ -126,15 +129,18 @@ def read_unit(unit: Unit, columns: list[str], delimiter: str) -> Iterator[pa.Tab
 
         yield read_images(unit.url, unit.files, columns)
     elif _parquet(unit.fmt):
+        conform = (lambda t: unit.table.conform(t, columns)) if unit.table is not None else (lambda t: t)
         with open_raw(unit.url) as f:
             pf = pq.ParquetFile(f)
-            present = [c for c in columns if c in pf.schema_arrow.names]
+            names = pf.schema_arrow.names
+            present = unit.table.file_columns(columns, names) if unit.table is not None else \
+                [c for c in columns if c in names]
             groups = list(range(unit.first_row_group, unit.first_row_group + unit.row_groups))
             if not groups:
-                yield pf.schema_arrow.empty_table().select(present)
+                yield conform(pf.schema_arrow.empty_table().select(present))
                 return
             for batch in pf.iter_batches(batch_size=UNIT_ROWS, row_groups=groups, columns=present, use_threads=False):
-                yield pa.Table.from_batches([batch])
+                yield conform(pa.Table.from_batches([batch]))
     elif unit.fmt == "csv":
         with _lines(unit.url) as f:
             yield from _csv_tables(f, columns, delimiter)

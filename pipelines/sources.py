@@ -71,21 +71,6 @@ def open_raw(url: str):
     return storage.open_stream(url)
 
 
-def check_readable(files: list[str], fmt: str) -> None:
-    """Parquet: every footer parses. Others: every file opens. Names the first bad file."""
-    for url in files:
-        parquet = fmt in ("parquet", "synthetic")
-        try:
-            with open_raw(url) as f:
-                if parquet:
-                    pq.read_metadata(f)
-                else:
-                    f.read(1)
-        except Exception as e:
-            what = "not a readable Parquet file" if parquet else "unreadable"
-            raise DataError(f"{display(url)}: {what} ({_first_line(e)})") from None
-
-
 def display(url: str) -> str:
     """A path as the user wrote it: local files without file://."""
     return storage.display(url)
@@ -111,11 +96,6 @@ def _glob_regex(pattern: str) -> re.Pattern:
         else:
             out, i = out + re.escape(pattern[i]), i + 1
     return re.compile(out)
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:200]
 
 
 def write_raw_part(batches, raw_dir: str, index: int) -> int:

@@ -27,6 +27,7 @@ import warnings
 from contextlib import contextmanager
 from importlib import resources
 
+from .code_travel import ship_shardline_to_spark
 from .config import SparkConfig
 from .environ import restored
 from .errors import ConfigError, ShardlineError
@@ -87,7 +88,7 @@ def start_spark(cfg: SparkConfig):
     """A SparkSession on Spark Connect or classic Spark; see the module docstring."""
     url = remote_url(cfg)
     spark = _connect(url, cfg) if url else _classic(cfg)
-    _ship_packages(spark)
+    ship_shardline_to_spark(spark)
     return spark
 
 
@@ -99,7 +100,7 @@ def adopt_session(spark) -> None:
     from .spark_probe import check_executors
 
     use_this_python(spark)
-    _ship_packages(spark)
+    ship_shardline_to_spark(spark)
     check_executors(spark)
 
 
@@ -369,30 +370,6 @@ def _launch_env(local: bool):
         if "log4j2.configurationFile" not in opts:
             os.environ["SPARK_SUBMIT_OPTS"] = f"{opts} -Dlog4j2.configurationFile=file:{log4j}".strip()
         yield
-
-
-# ---------------------------------------------------------------- code for the executors
-
-
-_SHIPPED: set[int] = set()
-
-
-def _ship_packages(spark) -> None:
-    """pipelines, training and serving for executors that do not run on this machine's
-    Python path: every Connect server (its executors are the server's), classic
-    non-local masters. Without them a barrier stage aborts on ModuleNotFoundError.
-
-    `addArtifacts(..., pyfile=True)` is the one call for both (on classic Spark 4 it
-    is `addPyFile`); Spark puts the zip ahead of installed packages on the executors,
-    so they run this driver's code.
-    """
-    from .engines import package_zip
-
-    if id(spark) in _SHIPPED:
-        return
-    if is_connect(spark) or not spark_master(spark).startswith("local"):
-        spark.addArtifacts(package_zip(), pyfile=True)
-    _SHIPPED.add(id(spark))
 
 
 def _first_line(e: BaseException) -> str:

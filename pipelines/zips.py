@@ -31,10 +31,10 @@ _LIVE = "shardline-zips-"  # a folder of zips its process holds locked
 _NEW = ".shardline-zips-new-"  # its name while made: another process's sweep never sees it unlocked
 
 
-def content_zip(prefix: str, files: Iterable[tuple[str, Path]]) -> str:
-    """The zip of `files` ((name in the zip, file), in order) as `<prefix><sha>.zip` in this
-    process's folder, written once per content."""
-    datas = [(arc, Path(f).read_bytes(), Path(f).stat().st_mode) for arc, f in files]
+def content_zip(prefix: str, files: Iterable[tuple]) -> str:
+    """The zip of `files` ((name in the zip, file) or (name, bytes, mode), in order) as
+    `<prefix><sha>.zip` in this process's folder, written once per content."""
+    datas = [f if len(f) == 3 else (f[0], Path(f[1]).read_bytes(), Path(f[1]).stat().st_mode) for f in files]
     digest = hashlib.sha256()
     for arc, data, _ in datas:
         digest.update(arc.encode() + b"\0" + len(data).to_bytes(8, "big") + data)

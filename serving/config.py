@@ -16,7 +16,17 @@ class ServingConfig(Section):
         "`shardline run` scores the model it just registered.",
     )
     split: str = Field("test", description="Split of the prepared dataset to score.")
-    output_dir: str = Field("shardline-data/scores", description="Scored Parquet output.")
+    output_dir: str = Field(
+        "shardline-data/scores",
+        description="Scored output: a folder of Parquet files per model version, or with output_format = "
+        "'delta' the root of a Delta table (created by the first run).",
+    )
+    output_format: Literal["parquet", "delta"] = Field(
+        "parquet",
+        description="parquet: OUTPUT/model=NAME/version=V/scores-*.parquet. delta: each run appends its rows "
+        "to the Delta table at output_dir in one transaction, exactly once per input file and model version "
+        "(Delta's idempotent transaction id: app id `shardline-score NAME VERSION` and a version).",
+    )
     batch_size: int = Field(4096, ge=1, description="Rows per model call.")
     threads_per_task: int = Field(
         1,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import re
 
+from shardline.pipelines.environ import leave_removed_cwd
 from shardline.pipelines.errors import ShardlineError
 from shardline.pipelines.spark_probe import failed_task, spark_error_line
 
@@ -25,6 +26,8 @@ def run_units(spark, tasks: list[UnitTask]) -> list[dict]:
 
     def score_partition(batches):
         import pyarrow as pa
+
+        leave_removed_cwd()  # before the model's torch is imported (pipelines.environ)
 
         for batch in batches:
             for g in batch.column("id").to_pylist():

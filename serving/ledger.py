@@ -27,7 +27,6 @@ left where they are, and discarded only by `--force`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -53,12 +52,6 @@ def output_name(unit_id: str) -> str:
     return f"{PREFIX}{unit_id}.parquet"
 
 
-def legacy_output_name(unit_id: str, model_name: str, model_version: str) -> str:
-    """The flat layout's name (kept so its outputs stay readable)."""
-    tag = hashlib.sha256(f"{model_name}\0{model_version}".encode()).hexdigest()[:8]
-    return f"{PREFIX}{unit_id}-{tag}.parquet"
-
-
 def _ours(n: str) -> bool:
     # A lease write cut short by a SIGKILL leaves its temporary: ours, removed by the next holder.
     return (n in (LEDGER, LEASE_NAME, _OLD_LOCK) or n.startswith((MODEL_DIR, PREFIX, f".{PREFIX}"))
@@ -82,7 +75,6 @@ class Scores:
     model_version: str
     dir: str
     entries: dict[str, dict] = field(default_factory=dict)
-    legacy: bool = False  # the flat layout at the output's top
 
     @property
     def rows(self) -> int:
@@ -94,7 +86,7 @@ class Scores:
 
 
 def read_ledger(d) -> dict[str, dict]:
-    """Committed units of one directory (a version's, or a flat legacy output) by unit id."""
+    """Committed units of one version's directory by unit id."""
     ledger = storage.join(str(d), LEDGER)
     entries = {}
     for n in storage.list_dir(ledger):
@@ -147,7 +139,7 @@ def _check_names(entry, path: str) -> None:
 
 
 def all_scores(out) -> list[Scores]:
-    """Every model version's scores in the output (legacy flat ones included), by name and version."""
+    """Every model version's scores in the output, by name and version."""
     out = str(out)
     found = []
     for m in storage.list_dir(out):
@@ -158,12 +150,7 @@ def all_scores(out) -> list[Scores]:
                 d = storage.join(out, m, v)
                 name, version = unquote(m[len(MODEL_DIR):]), unquote(v[len(VERSION_DIR):])
                 found.append(Scores(name, version, d, read_ledger(d)))
-    legacy: dict[tuple[str, str], Scores] = {}
-    for uid, e in read_ledger(out).items():
-        key = (e["model_name"], e["model_version"])
-        legacy.setdefault(key, Scores(*key, out, legacy=True)).entries[uid] = e
-    found += legacy.values()
-    return sorted(found, key=lambda s: (s.model_name, _version_order(s.model_version), s.legacy))
+    return sorted(found, key=lambda s: (s.model_name, _version_order(s.model_version)))
 
 
 def _version_order(v: str) -> tuple:
@@ -195,10 +182,8 @@ def forget(d: str, entries: list[dict]) -> None:
 
 def discard(s: Scores) -> None:
     """Drop a version's scores whole (--force); its emptied local directories go too, so
-    `--status` no longer lists it. A legacy flat output keeps its top directory."""
+    `--status` no longer lists it."""
     forget(s.dir, list(s.entries.values()))
-    if s.legacy:
-        return
     remove_orphans(s.dir, {})  # interrupted units' files: nothing of this version is kept
     for d in (storage.join(s.dir, LEDGER), s.dir, storage.parent(s.dir)):
         storage.remove_empty_dir(d)

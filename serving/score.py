@@ -12,10 +12,9 @@ writing anything: a run with nothing to score ends there (the CLI exits 0 at onc
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Literal
 
@@ -24,6 +23,7 @@ from shardline.pipelines.errors import DataError, ShardlineError, StorageError
 from shardline.pipelines.lease import Lease
 from shardline.pipelines.progress import ProgressListener, listen_address
 
+from .delta_output import FORMATS, DeltaOutput
 from .inputs import Transform, Unit, check_unit, discover
 from .ledger import (
     Scores,
@@ -45,14 +45,23 @@ Backfill = Literal["all", "new"]
 
 @dataclass
 class ScoreResult:
+    """What a scoring job did (`shardline.score` returns it; `to_dict` is the CLI's --json)."""
+
     output_dir: str
+    version_dir: str  # this model version's scores: OUTPUT/model=NAME/version=V
     rows: int  # rows scored by this job
     files_scored: int
     files_skipped: int  # already in the ledger for this model version
+    files_left: int  # scored by other versions only, left out by --backfill new
+    model_uri: str  # as given
     model_name: str
     model_version: str
-    files_left: int = 0  # scored by other versions only, left out by --backfill new
-    version_dir: str = ""
+    engine: str | None  # None: nothing to score, no engine started
+    note: str = ""  # why nothing was scored
+    discarded: list[str] = field(default_factory=list)  # what force=True removed
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass
@@ -73,12 +82,25 @@ class ScorePlan:
     left: list[Unit] = field(default_factory=list)  # scored by another version; --backfill new
     discard: list[Scores] = field(default_factory=list)  # what --force removes
     rows: dict[str, int] = field(default_factory=dict)  # unit id -> rows, of checked units
+    table: DeltaOutput | None = None  # output_format = "delta": the table the run appends to
+
+    def publish(self) -> int:
+        """Delta output: append what the ledgers hold and the table lacks (a run with nothing
+        to score still finishes an earlier run's append). Rows appended."""
+        return self.table.publish(self) if self.table is not None else 0
 
     def describe_model(self) -> str:
         return f"model {self.model.name} version {self.model.version}"
 
     def describe_discard(self) -> list[str]:
         return [f"--force discards the scores of {s.describe()}" for s in self.discard]
+
+    def nothing_done(self) -> ScoreResult:
+        """The result of a job that found nothing to score (no engine was started)."""
+        out = self.table.root if self.table is not None else self.out
+        return ScoreResult(storage.display(out), storage.display(self.dir), 0, 0, len(self.skipped),
+                           len(self.left), self.model.uri, self.model.name, self.model.version, None,
+                           self.nothing_to_do(), self.describe_discard())
 
     def nothing_to_do(self) -> str:
         why = f"{len(self.skipped)} file(s) already scored by {self.model.name} version {self.model.version}"
@@ -98,6 +120,7 @@ def plan(
     incremental: bool = False,
     backfill: Backfill = "new",
     force: bool = False,
+    output_format: str = "parquet",
     allow_pickled: bool = False,
 ) -> ScorePlan:
     """Resolve the model, list and check the input, read the output's ledgers: read-only.
@@ -108,16 +131,22 @@ def plan(
     every one this version lacks). A run that is not incremental scores every unit of its
     input this version lacks: it asked for this model's scores of this input. force:
     discard whatever the output holds (every model and version) and score everything.
+    output_format: "delta": `output_dir` is a Delta table's root (serving.delta_output).
     allow_pickled: a pytorch-flavour model may be scored (serving.allow_pickled_models).
     """
     if backfill not in ("all", "new"):
         raise ShardlineError(f"--backfill {backfill!r}: use 'all' or 'new'")
+    if output_format not in FORMATS:
+        raise ShardlineError(f"serving.output_format {output_format!r}: use {' or '.join(FORMATS)}")
+    table = DeltaOutput(storage.resolve(output_dir, "serving.output_dir")) if output_format == "delta" else None
+    if table is not None:
+        table.check()
     model = resolve_model(model_uri, tracking_uri, allow_pickled)
     units, transform = discover(input_path, split, model, tracking_uri)
-    out = storage.resolve(output_dir, "serving.output_dir")
+    out = table.scores if table is not None else storage.resolve(output_dir, "serving.output_dir")
     check_output_dir(out)
     p = ScorePlan(model, tracking_uri, units, transform, out, version_dir(out, model.name, model.version),
-                  incremental, backfill, force)
+                  incremental, backfill, force, table=table)
     select(p)
     for u in p.todo:
         p.rows[u.unit_id] = check_unit(u, transform, p.describe_model())
@@ -133,7 +162,7 @@ def select(p: ScorePlan) -> None:
     if p.force:
         p.discard, found, mine = found, [], []
     else:
-        _check_owner(p.out, found, p.model)
+        check_owner(p.out, found, p.model.name)
     ledger = {uid: e for s in mine for uid, e in s.entries.items()}
     wanted = {u.unit_id for u in p.units}
     others = [e for uid, e in ledger.items() if uid not in wanted]
@@ -179,6 +208,8 @@ def execute(
     with nullcontext(lease) if lease is not None else output_lease(p.out) as held:
         # Again under the lock: another job may have committed since the plan.
         select(p)
+        if p.table is not None:
+            p.table.before(p)  # the table stops listing what this run replaces, first
         for s in p.discard:
             discard(s)
         for u in p.todo:
@@ -216,6 +247,7 @@ def execute(
         # Every unit is committed now; a temp file left is an attempt that died mid-unit
         # (a killed worker) and was retried elsewhere. Still under the lock: no job writes.
         remove_orphans(p.dir, read_ledger(p.dir))
+        p.publish()  # Delta output: the committed units appended in one transaction
     errors = [e for e in entries if "error" in e]
     if errors:
         done = len(entries) - len(errors)
@@ -225,54 +257,19 @@ def execute(
                                f"{done} file(s) were scored and committed)")
         raise DataError(f"{errors[0]['error']} ({done} other file(s) were scored and committed)")
     return ScoreResult(
-        storage.display(p.out),
-        sum(e["rows"] for e in entries),
-        len(entries),
-        len(p.skipped),
-        model.name,
-        model.version,
-        len(p.left),
-        storage.display(p.dir),
+        storage.display(p.table.root if p.table is not None else p.out), storage.display(p.dir),
+        sum(e["rows"] for e in entries), len(entries), len(p.skipped), len(p.left), model.uri, model.name,
+        model.version, engine_name, discarded=p.describe_discard(),
     )
 
 
-def score(
-    engine_name: str,
-    spark_or_client,
-    model_uri: str,
-    tracking_uri: str,
-    input_path: str,
-    output_dir: str,
-    *,
-    split: str = "test",
-    incremental: bool = False,
-    backfill: Backfill = "new",
-    force: bool = False,
-    batch_size: int = 4096,
-    threads_per_task: int = 1,
-    lease: Lease | None = None,
-    user_code: Sequence[str] = (),
-    allow_pickled: bool = False,
-) -> ScoreResult:
-    """Score `input_path` (a prepared dataset's `split`, or raw Parquet) into `output_dir`
-    (`plan`, then `execute`). allow_pickled: serving.allow_pickled_models."""
-    if engine_name not in ENGINES:
-        raise ShardlineError(f"unknown engine '{engine_name}' (valid: {', '.join(ENGINES)})")
-    p = plan(model_uri, tracking_uri, input_path, output_dir, split=split, incremental=incremental,
-             backfill=backfill, force=force, allow_pickled=allow_pickled)
-    for line in p.describe_discard():
-        print(f"[shardline] {line}", file=sys.stderr, flush=True)
-    return execute(p, engine_name, spark_or_client, batch_size=batch_size,
-                   threads_per_task=threads_per_task, lease=lease, user_code=user_code)
-
-
-def _check_owner(out: str, found: list[Scores], model) -> None:
+def check_owner(out: str, found: list[Scores], name: str) -> None:
     """Versions of one model share an output; another model's scores there are refused."""
-    other = next((s for s in found if s.model_name != model.name), None)
+    other = next((s for s in found if s.model_name != name), None)
     if other:
         raise DataError(
             f"{storage.display(out)}: holds scores of model {other.model_name} (version "
-            f"{other.model_version}), not of {model.name}; choose another output directory or "
+            f"{other.model_version}), not of {name}; choose another output directory or "
             f"pass --force to discard them"
         )
 
@@ -284,10 +281,11 @@ def _listen_address(engine_name: str, spark_or_client) -> str:
 
 
 def _ship_code(engine_name: str, spark_or_client, folders: Sequence[str]):
-    from shardline.pipelines.code_travel import ship_to_dask, ship_to_spark
+    """The user's code as it is now (one snapshot for the whole job), on the engine's workers."""
+    from shardline.pipelines.code_travel import ship_to_dask, ship_to_spark, snapshot
 
     ship = ship_to_spark if engine_name == "spark" else ship_to_dask
-    return ship(spark_or_client, folders)
+    return ship(spark_or_client, snapshot(folders))
 
 
 def _run(engine_name: str, spark_or_client, tasks: list[UnitTask]) -> list[dict]:

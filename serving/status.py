@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from shardline.pipelines import storage
 from shardline.pipelines.lease import LEASE_NAME, Lease
 
+from .delta_output import scores_of
 from .inputs import Unit
 from .ledger import all_scores, orphans
 
@@ -26,7 +27,6 @@ class VersionStatus:
     last_scored_at: str
     pending: int | None  # units (of the input, else of the output) this version has not scored
     interrupted: int  # output files of units that never committed (the next run replaces them)
-    legacy: bool
 
 
 @dataclass
@@ -39,7 +39,7 @@ class OutputStatus:
 
 
 def output_status(output_dir: str, units: list[Unit] | None = None) -> OutputStatus:
-    out = storage.resolve(output_dir, "--status")
+    out = scores_of(storage.resolve(output_dir, "--status"))  # a Delta output: its scores folder
     found = all_scores(out)
     scored = {(uid, e["fingerprint"]) for s in found for uid, e in s.entries.items()}
     if units is None:
@@ -51,27 +51,16 @@ def output_status(output_dir: str, units: list[Unit] | None = None) -> OutputSta
     rows = []
     for s in found:
         mine = {(uid, e["fingerprint"]) for uid, e in s.entries.items()}
-        if s.legacy:
-            # A flat legacy version is read together with its per-version directory, if any.
-            continue
-        legacy = [x for x in found if x.legacy and (x.model_name, x.model_version) == (s.model_name, s.model_version)]
-        for x in legacy:
-            mine |= {(uid, e["fingerprint"]) for uid, e in x.entries.items()}
-        rows.append(_row(s, legacy, len(universe - mine)))
-    for x in found:
-        if x.legacy and not any((r.model_name, r.model_version) == (x.model_name, x.model_version) for r in rows):
-            mine = {(uid, e["fingerprint"]) for uid, e in x.entries.items()}
-            rows.append(_row(x, [], len(universe - mine)))
+        rows.append(_row(s, len(universe - mine)))
     holder = Lease.holder(storage.join(out, LEASE_NAME))
     # The same judgement the next run makes before it takes the lease over.
     stale = holder.stale(time.time()) if holder else None
     return OutputStatus(storage.display(out), rows, new, holder.describe() if holder else None, stale)
 
 
-def _row(s, legacy: list, pending: int) -> VersionStatus:
-    entries = [e for x in [s, *legacy] for e in x.entries.values()]
+def _row(s, pending: int) -> VersionStatus:
+    entries = list(s.entries.values())
     return VersionStatus(
         s.model_name, s.model_version, storage.display(s.dir), len(entries), sum(e["rows"] for e in entries),
-        max((e["scored_at"] for e in entries), default=""), pending,
-        0 if s.legacy else len(orphans(s.dir, s.entries)), s.legacy or bool(legacy),
+        max((e["scored_at"] for e in entries), default=""), pending, len(orphans(s.dir, s.entries)),
     )

@@ -1,10 +1,15 @@
-"""shardline's Python API: prepare, train, score (and run, all three). The CLI calls these.
+"""shardline's Python API: prepare, train, score, run (all three), sweep, plan, score_status.
 
+The CLI (jobs/cli.py), a notebook, a spark-submit script and the estimators all call these.
 Each takes a config (a TOML path, a `ShardlineConfig`, a dict of sections, or None for the
 defaults) plus `overrides` ("section.field=value" strings as `--set` takes them, or a
-mapping {"section.field": value}), does every check it can before an engine starts, and
-returns a small result object. `spark=` (a SparkSession, classic or Connect) and `client=`
-(a Dask Client) are used instead of starting engines, and are never stopped here.
+mapping {"section.field": value}) and works in one order: the config resolved once (paths
+as every host opens them, engines, the user's code, the strategy), then every check, then
+the effects. A refusal — a ConfigError, DataError, StorageError... one line naming the
+setting, file or column — leaves every byte and every MLflow run as it was. `spark=` (a
+SparkSession, classic or Connect) and `client=` (a Dask Client) are used instead of
+starting engines, and are never stopped here. Progress goes to the process's reporter
+(pipelines.report).
 
 Which engine a stage runs on: the setting (pipelines.engine, training.launcher,
 serving.engine) when the config writes it; else the kind of engine given (only a Dask
@@ -13,34 +18,42 @@ client: dask; only a SparkSession: spark); else the setting's default.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import sys
 from collections.abc import Iterable, Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardline.jobs.config import (
+from shardline.config import (
     CHECKPOINTS,
     DATASET,
     OUTPUT,
     SOURCE,
     ShardlineConfig,
     check_storage,
+    checkpoint_store,
     cluster_of,
     resolve_paths,
 )
-from shardline.jobs.config import load_config as _load
-from shardline.jobs.engines import Engines, console, spark_ranks
-from shardline.jobs.stages import check_prepare, dataset_lease, output_lease, run_prepare, run_score, run_train
+from shardline.config import load_config as _load
+from shardline.engines import Engines, engine_handle, spark_ranks
+from shardline.pipelines import report
 from shardline.pipelines.errors import ConfigError
 from shardline.pipelines.manifest import ShardManifest
+from shardline.pipelines.report import stage
+from shardline.serving.delta_output import scores_dir
+from shardline.serving.score import ScoreResult
+from shardline.stages import check_prepare, dataset_lease, output_lease, run_prepare, run_score, run_train
+from shardline.training.result import TrainResult
 
 Config = str | Path | ShardlineConfig | Mapping | None
 Overrides = Iterable[str] | Mapping[str, Any]
+
+__all__ = ["prepare", "train", "score", "run", "sweep", "plan", "score_status", "load_config",
+           "PrepareResult", "TrainResult", "ScoreResult", "RunResult", "PlanResult"]
 
 
 @dataclass
@@ -57,43 +70,6 @@ class PrepareResult:
             "num_classes": m.statistics.num_classes,
             "splits": {s: {"rows": i.rows, "shards": len(i.shards)} for s, i in m.splits.items()},
         }
-
-
-@dataclass
-class TrainResult:
-    run_id: str
-    model_uri: str  # models:/NAME/VERSION, or runs:/ID/model when not registered
-    model_name: str
-    model_version: str
-    tracking_uri: str
-    metrics: dict[str, float]
-    checkpoint_dir: str
-    launcher: str
-    stopped_early: bool = False
-
-    def to_dict(self) -> dict:
-        from shardline.pipelines.redact import redact
-
-        return {**dataclasses.asdict(self), "tracking_uri": redact(self.tracking_uri)}  # printed by --json
-
-
-@dataclass
-class ScoreResult:
-    output_dir: str
-    version_dir: str  # this model version's scores: OUTPUT/model=NAME/version=V
-    rows: int  # rows scored by this call
-    files_scored: int
-    files_skipped: int  # already scored by this model version
-    files_left: int  # scored by other versions only (backfill = "new")
-    model_uri: str
-    model_name: str
-    model_version: str
-    engine: str | None  # None: nothing to score, no engine started
-    note: str = ""  # why nothing was scored
-    discarded: list[str] = field(default_factory=list)  # what force=True removed
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 @dataclass
@@ -131,7 +107,6 @@ def _keeps_callers_mlflow(fn):
     return call
 
 
-
 def load_config(config: Config = None, overrides: Overrides = ()) -> ShardlineConfig:
     """The typed config: `config` with `overrides` applied, validated (one ConfigError if not)."""
     return _load(config, overrides)
@@ -148,59 +123,84 @@ def _choose(cfg: ShardlineConfig, setting: str, spark, client) -> ShardlineConfi
     return cfg.model_copy(update={section_name: section.model_copy(update={name: value})})
 
 
+def _training_job(given: ShardlineConfig, cfg: ShardlineConfig):
+    """The training section resolved into one job object (training.job.TrainingJob); `given`
+    is the config as written (an unset checkpoint_dir makes the folder the job's own)."""
+    from shardline.training.job import TrainingJob  # torch and MLflow: only when training
+
+    return TrainingJob.resolve(cfg.training, cfg.tracking, cfg.pipelines.dataset_dir,
+                               store=checkpoint_store(given, cfg))
+
+
 @_keeps_callers_mlflow
 def prepare(
     config: Config = None, overrides: Overrides = (), *, spark=None, client=None,
-    append: bool = False, refit: bool = False, by_plan: bool = False,
+    append: bool = False, refit: bool = False, by_plan: bool = False, source=None,
 ) -> PrepareResult:
     """Validate, split, transform and shard `pipelines.source` into `pipelines.dataset_dir`.
 
     append: add the source as new shards (statistics frozen); with refit: re-prepare every
     source with new statistics. by_plan: lay shards out by the dataset's bandwidth plan.
+    source: a Spark or Dask DataFrame to prepare instead of pipelines.source, on its own
+    session (or the client given, else Dask's default client).
     """
     if refit and not append:
         raise ConfigError("refit goes with append (re-prepare every source of the dataset)")
     if by_plan and append and not refit:
         raise ConfigError("by_plan lays every shard out anew: use it without append, or with append and refit")
-    cfg = _choose(load_config(config, overrides), "pipelines.engine", spark, client)
+    cfg = load_config(config, overrides)
+    if source is not None:
+        cfg, spark, client = _frame_engine(cfg, source, spark, client)
+    cfg = _choose(cfg, "pipelines.engine", spark, client)
     engine = cfg.pipelines.engine
-    cfg = resolve_paths(cfg, [engine], (SOURCE, DATASET), spark=spark, client=client)
-    check_storage(cfg, reads=(SOURCE,), writes=(DATASET,))
-    checked = check_prepare(cfg, append=append, refit=refit, by_plan=by_plan)
+    cfg = resolve_paths(cfg, [engine], (SOURCE, DATASET) if source is None else (DATASET,), spark=spark,
+                        client=client)
+    check_storage(cfg, reads=(SOURCE,) if source is None else (), writes=(DATASET,))
+    checked = check_prepare(cfg, append=append, refit=refit, by_plan=by_plan, frame=source is not None)
     with dataset_lease(cfg) as lease, Engines(cfg, spark, client) as engines:
         manifest = run_prepare(cfg, engines.prepare_engine(engine), append=append, refit=refit,
-                               by_plan=by_plan, lease=lease, checked=checked)
+                               by_plan=by_plan, lease=lease, checked=checked, frame=source)
     return PrepareResult(cfg.pipelines.dataset_dir, manifest, engine)
+
+
+def _frame_engine(cfg: ShardlineConfig, df, spark, client):
+    """A DataFrame's own engine: a Spark one's session, a Dask one's client (the one given,
+    else the default); pipelines.engine must be that engine's."""
+    from shardline.pipelines.frames import engine_of
+
+    kind = engine_of(df)
+    p = cfg.pipelines
+    if "engine" in p.model_fields_set and p.engine != kind:
+        raise ConfigError(f"source: a {kind} DataFrame, but pipelines.engine = '{p.engine}'")
+    if kind == "spark":
+        spark = spark or df.sparkSession
+    elif client is None:
+        try:
+            from distributed import default_client
+
+            client = default_client()
+        except ValueError:  # no client: the config's Dask engine starts
+            pass
+    return cfg.model_copy(update={"pipelines": p.model_copy(update={"engine": kind})}), spark, client
 
 
 @_keeps_callers_mlflow
 def train(config: Config = None, overrides: Overrides = (), *, spark=None, client=None) -> TrainResult:
     """Train on the prepared dataset on `training.launcher`'s engine; track in MLflow; register."""
-    from shardline.training.checkpoints import check_allowed
-    from shardline.training.job import check_checkpoints, hold_checkpoint_dir, preflight
-
-    cfg = _choose(load_config(config, overrides), "training.launcher", spark, client)
-    launcher = cfg.training.launcher
-    cfg = resolve_paths(cfg, [launcher], (DATASET, CHECKPOINTS), tracking=True, spark=spark, client=client)
+    given = _choose(load_config(config, overrides), "training.launcher", spark, client)
+    cfg = resolve_paths(given, [given.training.launcher], (DATASET, CHECKPOINTS), tracking=True, spark=spark,
+                        client=client)
+    job = _training_job(given, cfg)
     check_storage(cfg, reads=(DATASET,), writes=(CHECKPOINTS,))
-    check_allowed(cfg.training.resume_allow_changed, "--allow-changed / training.resume_allow_changed")
-    # One job per checkpoint directory: a second is refused here, before an engine starts,
-    # and first: "in use by" says more than what the holder's checkpoints differ in.
-    lease = hold_checkpoint_dir(cfg.training)
+    # One job per checkpoint folder, refused first: "in use by" says more than what the
+    # holder's checkpoints differ in. Folders made only for the lease go with it.
+    job.hold()
     try:
-        # Names, the dataset, world size vs shards, batch vs rows, checkpoint_dir: one line
-        # before an engine starts (the cluster's free slots are checked once it runs).
-        check_checkpoints(cfg.training, preflight(cfg.training, cfg.pipelines.dataset_dir))
+        job.check()  # everything else, before an engine starts
         with Engines(cfg, spark, client, spark_ranks(cfg)) as engines:
-            result = run_train(cfg, engines, lease)
+            return run_train(job, engines)
     finally:
-        lease.release()
-    return _train_result(cfg, result)
-
-
-def _train_result(cfg: ShardlineConfig, r) -> TrainResult:
-    return TrainResult(r.run_id, r.model_uri, r.model_name, r.model_version, r.tracking_uri, dict(r.metrics),
-                       cfg.training.checkpoint_dir, cfg.training.launcher, r.stopped_early)
+        job.store.release()
 
 
 @_keeps_callers_mlflow
@@ -212,40 +212,34 @@ def score(
     Parquet) with `model_uri` (default serving.model_uri) into serving.output_dir, exactly
     once per input file and model version. force: discard the output's scores first."""
     from shardline.pipelines.storage import resolve
-    from shardline.serving.score import plan
+    from shardline.serving.score import plan as score_plan
+    from shardline.training.tracking import check_store
 
     cfg = load_config(config, overrides)
     if model_uri:
         cfg = load_config(cfg, {"serving.model_uri": model_uri})
     cfg = _choose(cfg, "serving.engine", spark, client)
-    s = cfg.serving
-    cfg = resolve_paths(cfg, [s.engine], (DATASET, OUTPUT), tracking=True, spark=spark, client=client)
+    cfg = resolve_paths(cfg, [cfg.serving.engine], (DATASET, OUTPUT), tracking=True, spark=spark, client=client)
     s = cfg.serving
     if not s.model_uri:
         raise ConfigError("no model: pass model_uri or set serving.model_uri")
     cluster = cluster_of(cfg, [s.engine], spark, client)
     input_path = resolve(input_path, "--input", cluster) if input_path else cfg.pipelines.dataset_dir
     check_storage(cfg, writes=(OUTPUT,), other_reads=(("--input", input_path),))
+    check_store(cfg.tracking.resolved_uri())
     # The output's lease first (a second job is refused at once, exit 75), then every check
     # and the plan, read-only; an engine starts only when there is something to score.
-    with output_lease(s.output_dir) as lease:
-        p = plan(s.model_uri, cfg.tracking.resolved_uri(), input_path, s.output_dir, split=s.split,
-                 incremental=s.incremental, backfill=s.backfill, force=force,
-                 allow_pickled=s.allow_pickled_models)
-        discarded = p.describe_discard()
-        for line in discarded:
-            console.print(f"  [yellow]{_escape(line)}[/]")
+    with output_lease(scores_dir(s.output_dir, s.output_format)) as lease:
+        p = score_plan(s.model_uri, cfg.tracking.resolved_uri(), input_path, s.output_dir, split=s.split,
+                       incremental=s.incremental, backfill=s.backfill, force=force, output_format=s.output_format,
+                       allow_pickled=s.allow_pickled_models)
+        for line in p.describe_discard():
+            report.warn(line)
         if not p.todo:
-            return ScoreResult(p.out, p.dir, 0, 0, len(p.skipped), len(p.left), s.model_uri, p.model.name,
-                               p.model.version, None, p.nothing_to_do(), discarded)
+            p.publish()  # a Delta output: what an earlier run committed but did not append
+            return p.nothing_done()
         with Engines(cfg, spark, client) as engines:
-            r = run_score(cfg, engines, p, input_path, lease)
-    return _score_result(r, s.model_uri, s.engine, discarded)
-
-
-def _score_result(r, model_uri: str, engine: str, discarded: list[str]) -> ScoreResult:
-    return ScoreResult(r.output_dir, r.version_dir, r.rows, r.files_scored, r.files_skipped, r.files_left,
-                       model_uri, r.model_name, r.model_version, engine, "", discarded)
+            return run_score(cfg, engines, p, input_path, lease)
 
 
 @_keeps_callers_mlflow
@@ -269,49 +263,101 @@ def score_status(config: Config = None, overrides: Overrides = (), *, output_dir
 
 
 @_keeps_callers_mlflow
-def run(config: Config = None, overrides: Overrides = (), *, spark=None, client=None) -> RunResult:
+def run(config: Config = None, overrides: Overrides = (), *, spark=None, client=None, force: bool = False) -> RunResult:
     """Prepare (pipelines.engine), train (training.launcher), register, and score the new
     model (serving.engine), each on the engine its setting names; one engine of a kind is
-    shared by the stages."""
-    from shardline.serving.score import plan
-    from shardline.training.job import check_settings
+    shared by the stages. The new version scores into its own version=V/ beside the
+    earlier versions' scores; force: discard the output's scores first, as score's does."""
+    from shardline.serving.ledger import all_scores
+    from shardline.serving.score import check_owner
+    from shardline.serving.score import plan as score_plan
     from shardline.training.source_steps import check_steps_from_source
-    from shardline.training.tracking import check_reachable
+    from shardline.training.tracking import check_store
 
-    cfg = load_config(config, overrides)
+    given = load_config(config, overrides)
     for setting in ("pipelines.engine", "training.launcher", "serving.engine"):
-        cfg = _choose(cfg, setting, spark, client)
-    uses = [cfg.pipelines.engine, cfg.training.launcher, cfg.serving.engine]
-    cfg = resolve_paths(cfg, uses, (SOURCE, DATASET, CHECKPOINTS, OUTPUT), tracking=True, spark=spark, client=client)
-    check_settings(cfg.training)  # a misspelt model or strategy: one line, before an engine starts
+        given = _choose(given, setting, spark, client)
+    uses = [given.pipelines.engine, given.training.launcher, given.serving.engine]
+    cfg = resolve_paths(given, uses, (SOURCE, DATASET, CHECKPOINTS, OUTPUT), tracking=True, spark=spark, client=client)
+    job = _training_job(given, cfg)
+    # What can be checked before the dataset exists, before anything is written: the
+    # settings, the stores, the checkpoint folder, the MLflow store, the input.
+    job.check_settings()
     check_storage(cfg, reads=(SOURCE,), writes=(DATASET, CHECKPOINTS, OUTPUT))
-    check_reachable(cfg.tracking.resolved_uri())  # a dead MLflow server: now, not after the prepare
+    job.check_folder()
+    check_store(job.tracking_uri)
+    s = cfg.serving
+    if not force:  # another model's scores in the output: refused now, not after the training
+        out = scores_dir(s.output_dir, s.output_format)
+        check_owner(out, all_scores(out), cfg.tracking.registered_model or "an unregistered model")
     checked = check_prepare(cfg)
     # A batch the source's rows cannot give a step: now, not after prepare (training.source_steps).
     check_steps_from_source(cfg.training, cfg.pipelines, checked.files)
     with ExitStack() as stack:
-        # Both leases before an engine starts: a second run on the same dirs is refused at once.
+        # Every lease before an engine starts: a second run on the same folders is refused at once.
         dataset = stack.enter_context(dataset_lease(cfg))
-        output = stack.enter_context(output_lease(cfg.serving.output_dir))
+        output = stack.enter_context(output_lease(scores_dir(s.output_dir, s.output_format)))
+        job.hold()
+        stack.callback(job.store.release)
         engines = stack.enter_context(Engines(cfg, spark, client, spark_ranks(cfg)))
         manifest = run_prepare(cfg, engines.prepare_engine(cfg.pipelines.engine), lease=dataset, checked=checked)
         dataset.release()
-        trained = run_train(cfg, engines)
+        job.check()  # the model on the dataset just made
+        trained = run_train(job, engines)
         s = cfg.serving
-        # force: each run trains a new model version and re-scores its own output with it.
-        p = plan(trained.model_uri, trained.tracking_uri, cfg.pipelines.dataset_dir, s.output_dir, split=s.split,
-                 incremental=s.incremental, backfill=s.backfill, force=True)
+        p = score_plan(trained.model_uri, trained.tracking_uri, cfg.pipelines.dataset_dir, s.output_dir,
+                       split=s.split, incremental=s.incremental, backfill=s.backfill, force=force,
+                       output_format=s.output_format)
         for line in p.describe_discard():
-            console.print(f"  [yellow]{_escape(line)}[/]")
-        scored = run_score(cfg, engines, p, cfg.pipelines.dataset_dir, output)
-    return RunResult(
-        PrepareResult(cfg.pipelines.dataset_dir, manifest, cfg.pipelines.engine),
-        _train_result(cfg, trained),
-        _score_result(scored, trained.model_uri, s.engine, p.describe_discard()),
-    )
+            report.warn(line)
+        scored = run_score(cfg, engines, p, cfg.pipelines.dataset_dir, output) if p.todo else p.nothing_done()
+    return RunResult(PrepareResult(cfg.pipelines.dataset_dir, manifest, cfg.pipelines.engine), trained, scored)
 
 
-def _escape(text: str) -> str:
-    from rich.markup import escape
+@_keeps_callers_mlflow
+def sweep(config: Config = None, overrides: Overrides = ()):
+    """Search hyperparameters with Optuna (sweep.*): trials are MLflow child runs of one
+    parent run, run in parallel on sweep.engine; the best model is registered. A sweep
+    whose name exists resumes it. Returns training.sweep.SweepResult."""
+    from shardline.training.sweep import check_sweep, run_sweep
 
-    return escape(text)
+    cfg = load_config(config, overrides)
+    where = cfg.sweep.engine or cfg.training.launcher
+    cfg = resolve_paths(cfg, [where], (DATASET, CHECKPOINTS), tracking=True, sweep=True)
+    check_storage(cfg, reads=(DATASET,), writes=(CHECKPOINTS,))
+    check_sweep(cfg.sweep, cfg.training, cfg.pipelines.dataset_dir)  # before any engine starts
+    args = (cfg.sweep, cfg.training, cfg.tracking, cfg.pipelines.dataset_dir)
+    with stage(f"Sweep '{cfg.sweep.name}' on {where}"):
+        if where == "local":
+            return run_sweep(*args)
+        with engine_handle(cfg, where, spark_ranks(cfg, where, cfg.sweep.world_size)) as handle:
+            return run_sweep(*args, **{"spark" if where == "spark" else "dask_client": handle})
+
+
+@dataclass
+class PlanResult:
+    dataset_dir: str
+    manifest: ShardManifest  # the version the plan was stored into
+    plan: Any  # pipelines.manifest.BandwidthPlan
+
+    def to_dict(self) -> dict:
+        return self.plan.model_dump(mode="json")
+
+
+def plan(config: Config = None, overrides: Overrides = ()) -> PlanResult:
+    """Measure the configured model's training rate and the loader's rate on the dataset,
+    choose loader workers, shards per rank and rows per row group so loading keeps ahead of
+    training, and store that plan in the dataset's manifest (`prepare(by_plan=True)` lays
+    shards out by it). Measured in this process."""
+    from shardline.pipelines.manifest import store_plan
+    from shardline.training.job import preflight
+    from shardline.training.plan import measured_loader, plan_dataset
+
+    cfg = resolve_paths(load_config(config, overrides), [])
+    check_storage(cfg, writes=(DATASET,))
+    t, where = cfg.training, cfg.pipelines.dataset_dir
+    checked = preflight(t, where)  # no dataset, bad settings: one line, before measuring
+    measured_loader(checked, where, t)  # an epoch too short to time the loader: the same
+    with stage(f"Measuring {t.model} {t.hidden} and the loader on {where}"):
+        measured, p = plan_dataset(t, where, manifest=checked)
+    return PlanResult(where, store_plan(where, measured.version_id, p), p)

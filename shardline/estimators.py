@@ -7,7 +7,7 @@ import datetime as dt
 import uuid
 from dataclasses import dataclass
 
-from shardline.jobs.config import ShardlineConfig, cluster_of
+from .config import ShardlineConfig, cluster_of
 from shardline.pipelines.errors import ConfigError
 
 GENERATED_KEY = "shardline_key"
@@ -115,3 +115,95 @@ class Fitted:
 
         return Transform(*self.transform_json)
 
+
+
+def label_name(config, overrides, label_col: str | None) -> str:
+    """The label column a fit names (label_col, else the config's pipelines.features.label
+    when written, else "label"): the name a separate `y` is given in the written DataFrame."""
+    if label_col is not None:
+        return label_col
+    from shardline.api import load_config
+
+    f = load_config(config, overrides).pipelines.features
+    return f.label if "label" in f.model_fields_set and f.label else "label"
+
+
+class SklearnParams:
+    """scikit-learn's parameter protocol without importing scikit-learn: the parameters are
+    `__init__`'s arguments, each stored as given under its own name (what `get_params`,
+    `set_params` and `sklearn.base.clone` rely on). Fitted state ends in `_` and is set
+    only by `fit` (so `sklearn.utils.validation.check_is_fitted` tells the two apart)."""
+
+    # Parameters a clone shares with the original instead of deep-copying (a connection).
+    _shared_params: tuple[str, ...] = ()
+
+    @classmethod
+    def _get_param_names(cls) -> list[str]:
+        import inspect
+
+        sig = inspect.signature(cls.__init__)
+        return sorted(p.name for p in sig.parameters.values()
+                      if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+
+    def get_params(self, deep: bool = True) -> dict:
+        out = {}
+        for name in self._get_param_names():
+            value = getattr(self, name)
+            if deep and hasattr(value, "get_params") and not isinstance(value, type):
+                out.update((f"{name}__{k}", v) for k, v in value.get_params().items())
+            out[name] = value
+        return out
+
+    def set_params(self, **params):
+        valid = self._get_param_names()
+        nested: dict[str, dict] = {}
+        for key, value in params.items():
+            name, _, sub = key.partition("__")
+            if name not in valid:
+                raise ValueError(f"Invalid parameter {name!r} for estimator {type(self).__name__}. "
+                                 f"Valid parameters are: {valid!r}.")
+            if sub:
+                nested.setdefault(name, {})[sub] = value
+            else:
+                setattr(self, name, value)
+        for name, sub_params in nested.items():
+            getattr(self, name).set_params(**sub_params)
+        return self
+
+    def __sklearn_clone__(self):
+        """sklearn.base.clone's contract (a new, unfitted instance; each parameter deep-copied),
+        except the shared ones: a clone of an estimator on a Dask client uses that client."""
+        params = {k: v if k in self._shared_params else _clone_param(v)
+                  for k, v in self.get_params(deep=False).items()}
+        return type(self)(**params)
+
+    def __sklearn_is_fitted__(self) -> bool:
+        return getattr(self, "fitted_", None) is not None
+
+    def __repr__(self) -> str:
+        import inspect
+
+        defaults = {p.name: p.default for p in inspect.signature(type(self).__init__).parameters.values()}
+        shown = [f"{k}={v!r}" for k, v in self.get_params(deep=False).items()
+                 if not _same(v, defaults.get(k, inspect.Parameter.empty))]
+        return f"{type(self).__name__}({', '.join(shown)})"
+
+
+def _clone_param(value):
+    """As sklearn's clone(value, safe=False): an estimator is cloned, anything else deep-copied."""
+    import copy
+
+    if hasattr(value, "__sklearn_clone__") and not isinstance(value, type):
+        return value.__sklearn_clone__()
+    if hasattr(value, "get_params") and not isinstance(value, type):
+        from sklearn.base import clone  # an estimator given as a parameter: sklearn is there
+
+        return clone(value)
+    return copy.deepcopy(value)
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a is b or a == b)
+    except Exception:  # noqa: BLE001 (a value whose == is not a bool, e.g. an array)
+        return False

@@ -13,7 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardline.pipelines.code_travel import snapshot
 from shardline.training import checkpoints
+from shardline.training.checkpoint_store import CheckpointStore
 from shardline.training.config import TrainingConfig
 
 # code -> (meaning, the exception classes or click errors that raise it). tests/test_defaults.py
@@ -44,7 +46,24 @@ class Case:
 
 def _others_checkpoints(folder: Path, _dataset: str) -> None:
     cfg = TrainingConfig(hidden=[16], batch_size=64)
-    checkpoints.save(str(folder / "ckpt"), 5, {"fingerprint": checkpoints.fingerprint(cfg, "v")}, keep=3)
+    CheckpointStore(str(folder / "ckpt")).save(5, {"fingerprint": checkpoints.fingerprint(cfg, "v")}, keep=3)
+
+
+def _checkpoint_of_other_code(folder: Path, _dataset: str) -> None:
+    """A checkpoint of this config written by other code: usernets/nets.py as it was then."""
+    from shardline.pipelines.code_travel import code_digest
+
+    files = {**snapshot([str(USERNETS)]).files, "usernets/nets.py": "0" * 64}
+    fp = {**checkpoints.fingerprint(TrainingConfig(), "v"), "code": code_digest(files)}
+    CheckpointStore(str(folder / "ckpt")).save(5, {"fingerprint": fp, "code_files": files, "epoch": 0}, keep=3)
+
+
+def _own_checkpoints(folder: Path, _dataset: str) -> None:
+    """This very job's earlier checkpoints (the base config's training settings): a new run
+    would start over there, replacing them, if nothing refused it first."""
+    cfg = TrainingConfig(launcher="spark", world_size=2, batch_size=64, epochs=1)
+    fp = checkpoints.fingerprint(cfg, "v", snapshot([]))
+    CheckpointStore(str(folder / "ckpt")).save(5, {"fingerprint": fp, "epoch": 1}, keep=3)
 
 
 def _file_as_checkpoint_dir(folder: Path, _dataset: str) -> None:
@@ -122,6 +141,20 @@ def _hold_output(folder: Path, _dataset: str):
     return output_lease(str(folder / "out"))
 
 
+def _other_models_scores(folder: Path, _dataset: str) -> None:
+    """An output holding a committed unit of model someone-else, version 7."""
+    import json
+
+    version = folder / "out" / "model=someone-else" / "version=7"
+    (version / "_ledger").mkdir(parents=True)
+    (version / "scores-0123456789abcdef.parquet").write_bytes(b"PAR1")
+    (version / "_ledger" / "0123456789abcdef.json").write_text(json.dumps({
+        "unit": "/elsewhere/x.parquet", "unit_id": "0123456789abcdef", "fingerprint": "f",
+        "output": "scores-0123456789abcdef.parquet", "rows": 5, "model_name": "someone-else",
+        "model_version": "7", "model_uri": "models:/someone-else/7", "scored_at": "2026-01-01T00:00:00+00:00",
+    }))
+
+
 T = ["train", "{cfg}"]
 P = ["prepare", "{cfg}", "--engine", "dask"]
 IMAGES = [*P, "--set", "pipelines.source.format='images'", "--set", "pipelines.source.path='{dir}/imgs'"]
@@ -134,7 +167,36 @@ TENSORS_TOML = ("[pipelines.features.tensors.grid]\ndtype = 'uint8'\nshape = [2,
                 "[pipelines.features.tensors.tokens]\ndtype = 'int32'\nshape = [4]\nvocab_size = 10\n")
 GOOD_GRID, GOOD_TOKENS = [[1, 2, 3], [4, 5, 6]], [1, 2, 3, 4]
 # The user's own model package (tests/usermodels/usernets), found through training.code_paths.
-USER = f"code_paths = ['{Path(__file__).parent / 'usermodels' / 'usernets'}']\n"
+USERNETS = Path(__file__).parent / "usermodels" / "usernets"
+USER = f"code_paths = ['{USERNETS}']\n"
+
+
+DELTA = [*P, "--set", "pipelines.source.format='delta'", "--set", "pipelines.source.path='{dir}/delta'"]
+ICEBERG = [*P, "--set", "pipelines.source.format='iceberg'", "--set", "pipelines.source.table='shop.orders'"]
+
+
+def _delta_table(folder: Path, _dataset: str) -> None:
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    write_deltalake(str(folder / "delta"), pa.table({"key": [1, 2], "label": [0, 1], "x0": [0.5, 1.5]}))
+
+
+def _delta_table_without_label(folder: Path, _dataset: str) -> None:
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    write_deltalake(str(folder / "delta"), pa.table({"key": [1, 2], "x0": [0.5, 1.5]}))
+
+
+def _iceberg_table(folder: Path, _dataset: str) -> None:
+    import pyarrow as pa
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    cat = SqlCatalog("default", uri=f"sqlite:///{folder}/catalog.db", warehouse=f"file://{folder}/warehouse")
+    cat.create_namespace("shop")
+    cat.create_table("shop.orders", schema=pa.schema([("key", pa.int64()), ("label", pa.int64())])).append(
+        pa.table({"key": [1, 2], "label": [0, 1]}))
 
 
 def _user(what: str, settings: list[str], message: str) -> Case:
@@ -173,6 +235,24 @@ CASES = [
          toml="[pipelines.features.tensors.tokens]\ndtype = 'int32'\nshape = [8]\n"),
     Case("images source without an image column", IMAGES, 2, "declare the image column of the images source",
          setup=_class_folder),
+    # -- tables as the input (#47): refused before an engine starts (exit 2)
+    Case("a Delta source that is not a Delta table", [*DELTA, "--set", "pipelines.source.path='{dir}'"], 2,
+         "not a Delta table (no _delta_log folder in it)"),
+    Case("an unknown Delta version", [*DELTA, "--set", "pipelines.source.version=7"], 2,
+         "pipelines.source.version = 7: no such version (the table's latest is 0", setup=_delta_table),
+    Case("a Delta version and timestamp both", [*DELTA, "--set", "pipelines.source.version=0", "--set",
+         "pipelines.source.timestamp='2026-01-01'"], 2, "version and timestamp both pin the Delta table's version"),
+    Case("a Delta table without the label column", DELTA, 2, "column 'label' not found (the table's columns: key, x0)",
+         setup=_delta_table_without_label),
+    Case("an Iceberg catalog that cannot be reached", [*ICEBERG, "--set",
+         "pipelines.source.catalog={{type='rest', uri='http://127.0.0.1:9'}}"], 2,
+         "pipelines.source.catalog: cannot open the Iceberg catalog"),
+    Case("an unknown Iceberg snapshot", [*ICEBERG, "--set", "pipelines.source.catalog={{type='sql', "
+         "uri='sqlite:///{dir}/catalog.db', warehouse='file://{dir}/warehouse'}}", "--set",
+         "pipelines.source.snapshot_id=5"], 2, "pipelines.source.snapshot_id = 5: no such snapshot",
+         setup=_iceberg_table),
+    Case("a Spark table source on Dask", [*P, "--set", "pipelines.source.format='table'", "--set",
+         "pipelines.source.table='events'"], 2, "needs pipelines.engine = 'spark'"),
     # -- flags (exit 2)
     Case("unknown launcher flag", [*T, "--launcher", "yarn"], 2, "Invalid value for '--launcher'"),
     Case("world size not a number", [*T, "--world-size", "two"], 2, "Invalid value for '--world-size'"),
@@ -185,6 +265,9 @@ CASES = [
     # -- training settings against the dataset (exit 2: a setting at fault)
     Case("unknown model", [*T, "--set", "training.model=resnet"], 2, "unknown model 'resnet'"),
     Case("unknown strategy", [*T, "--set", "training.strategy=zero"], 2, "unknown strategy 'zero'"),
+    Case("a strategy setting given by its flat name and in its sub-table, with different values",
+         [*T, "--set", "training.micro_batches=8", "--set", "training.pipeline.micro_batches=2"], 2,
+         "training.micro_batches = 8 and training.pipeline.micro_batches = 2 are one setting given twice"),
     Case("batch not a multiple of the ranks", [*T, "--set", "training.batch_size=101"], 2,
          "training.batch_size 101 must be a multiple"),
     Case("the language model on a dataset of another task", [*T, "--set", "training.model=decoder"], 2,
@@ -212,6 +295,9 @@ CASES = [
           "is no nn.Sequential and declares no pipeline_layers()"),
     _user("model output width does not match the classes", ["training.model='usernets.nets:wrong_width'"],
           "the output must be [batch, 3]"),
+    Case("resume over changed code", [*T, "--resume", "--set", "training.model='usernets.nets:build'"], 2,
+         "the code changed since the checkpoint: usernets/nets.py changed; to resume with it: --allow-changed code",
+         toml=USER, setup=_checkpoint_of_other_code),
     Case("sweep with nothing to search", ["sweep", "{cfg}"], 2, "sweep.space is empty"),
     Case("sweep objective not logged", ["sweep", "{cfg}", "--set", "sweep.objective='val_f1'"], 2,
          "training does not produce 'val_f1'",
@@ -235,6 +321,8 @@ CASES = [
          setup=_bad_manifest),
     Case("plan without a dataset", ["plan", "{cfg}", "--set", "pipelines.dataset_dir='{dir}/none'"], 1,
          "no manifest"),
+    Case("plan on a dataset too small to time the loader (3 batches an epoch)", ["plan", "{cfg}"], 1,
+         "the loader's rate cannot be measured: rank 0 of 2 reads"),
     Case("a tensor column that is missing", P, 1, "column 'tokens' not found",
          toml="[pipelines.features.tensors.tokens]\ndtype = 'int32'\nshape = [8]\n"),
     Case("a tensor of another shape than declared", TENSORS, 1,
@@ -263,14 +351,29 @@ CASES = [
          ["score", "{cfg}", "--model", "models:/m/1", "--output", "{dir}/out", "--engine", "dask",
           "--set", "tracking.tracking_uri='http://127.0.0.1:9'"], 1,
          "tracking.tracking_uri: MLflow at http://127.0.0.1:9 is not reachable"),
-    # -- a database store whose driver is not installed (exit 1, not MLflow's traceback)
-    Case("score with a database store whose driver is missing",
+    # A refused run loses nothing: the store is checked before the folder is started over
+    # (its earlier run's checkpoints stay) and before `run` prepares a dataset version.
+    Case("train over this job's own checkpoints with MLflow unreachable",
+         [*T, "--set", "tracking.tracking_uri='http://127.0.0.1:9'"], 1,
+         "tracking.tracking_uri: MLflow at http://127.0.0.1:9 is not reachable", setup=_own_checkpoints),
+    Case("train with an MLflow database store whose driver is not installed",
+         [*T, "--set", "tracking.tracking_uri='postgresql://u:secret@127.0.0.1:1/mlflow'"], 1,
+         "MLflow's postgresql store needs a database driver that is not installed", setup=_own_checkpoints),
+    Case("run with an MLflow database store whose driver is not installed",
+         ["run", "{cfg}", "--set", "tracking.tracking_uri='postgresql://u:secret@127.0.0.1:1/mlflow'"], 1,
+         "MLflow's postgresql store needs a database driver that is not installed"),
+    Case("score with an MLflow database store whose driver is not installed",
          ["score", "{cfg}", "--model", "models:/m/1", "--output", "{dir}/out", "--engine", "dask",
-          "--set", "tracking.tracking_uri='postgresql://u:pw@127.0.0.1:9/mlflow'"], 1,
-         "MLflow at postgresql://u:***@127.0.0.1:9/mlflow is not usable (No module named 'psycopg'"),
-    Case("the UI on a database store whose driver is missing",
-         ["ui", "{cfg}", "--set", "tracking.tracking_uri='postgresql://u:pw@127.0.0.1:9/mlflow'"], 1,
-         "MLflow at postgresql://u:***@127.0.0.1:9/mlflow is not usable (No module named 'psycopg'"),
+          "--set", "tracking.tracking_uri='postgresql://u:secret@127.0.0.1:1/mlflow'"], 1,
+         "MLflow's postgresql store needs a database driver that is not installed"),
+    Case("the UI on an MLflow database store whose driver is not installed (before its server)",
+         ["ui", "{cfg}", "--set", "tracking.tracking_uri='postgresql://u:secret@127.0.0.1:1/mlflow'"], 1,
+         "MLflow's postgresql store needs a database driver that is not installed"),
+    # -- an output of another model (exit 1; score refuses it the same way)
+    Case("run into an output holding another model's scores (before it prepares)",
+         ["run", "{cfg}", "--set", "serving.output_dir='{dir}/out'", "--set", "pipelines.engine='dask'"], 1,
+         "holds scores of model someone-else (version 7), not of shardline-model; choose another output "
+         "directory or pass --force to discard them", setup=_other_models_scores),
     # -- held leases (exit 75)
     Case("prepare while another prepare holds the dataset", ["prepare", "{cfg}", "--engine", "dask"], 75,
          "is in use by", setup=_hold_dataset),

@@ -38,7 +38,10 @@ def small_dataset(dask_client, tmp_path_factory) -> PipelineConfig:
     return cfg
 
 
-def tree(root: Path) -> dict[str, tuple[int, int]]:
-    """Every file under `root`: (size, mtime): what "nothing written or lost" compares."""
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(root.rglob("*")) if p.is_file()}
+def tree(root: Path) -> dict[str, tuple]:
+    """Every file under `root` by its bytes (size, mtime, sha256) and every folder: what
+    "nothing written or lost" compares (a folder made and left empty counts too)."""
+    import hashlib
+
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            if p.is_file() else "folder" for p in sorted(root.rglob("*"))}

@@ -14,8 +14,7 @@ from shardline.training.model_factory import create_model
 from shardline.training.model_inputs import ModelInputs, TensorInput
 from shardline.training.models import FeatureCNN, FeatureTransformer, TabularMLP, apply_activation_checkpointing
 from shardline.training.models_lm import Decoder
-from shardline.training.strategies import get_strategy
-from shardline.training.strategies.base import model_for
+from shardline.training.strategies import strategy_for
 
 MODELS = {
     "mlp": lambda: TabularMLP(5, [4], [16, 8], 3, embedding_dim=3),
@@ -110,11 +109,11 @@ def train_steps(rank: int, world_size: int, args: dict) -> dict:
             apply_activation_checkpointing(model)
         return model
 
-    chosen = get_strategy(strategy)
+    chosen = strategy_for(cfg)
     with torch.device("meta"):  # the check reads the model's structure only
         chosen.check(cfg, build())
     parallel = chosen.setup(
-        model_for(chosen, build, torch.device("cpu")), cfg, rank, world_size, torch.device("cpu"),
+        chosen.model_for(build, torch.device("cpu")), cfg, rank, world_size, torch.device("cpu"),
         OPTIMIZERS[args.get("optimizer", "sgd")],
     )
     for x, y in batches_of(args):
@@ -147,7 +146,7 @@ def unsynchronised(args: dict, parts: int) -> dict:
     cfg = TrainingConfig(world_size=1, batch_size=args["batch"], **_numerics(args.get("cfg", {})))
     torch.manual_seed(0)
     model = _model(args, cfg)
-    parallel = get_strategy("ddp").setup(
+    parallel = strategy_for(cfg).setup(
         model, cfg, 0, 1, torch.device("cpu"), OPTIMIZERS[args.get("optimizer", "sgd")]
     )
     for x, y in batches_of(args):
@@ -176,8 +175,8 @@ def resumed(rank: int, world_size: int, args: dict) -> dict:
             torch.manual_seed(seed)
             return MODELS["transformer"]()
 
-        strategy = get_strategy(cfg.strategy)
-        return strategy.setup(model_for(strategy, build, torch.device("cpu")), cfg, rank, world_size,
+        strategy = strategy_for(cfg)
+        return strategy.setup(strategy.model_for(build, torch.device("cpu")), cfg, rank, world_size,
                               torch.device("cpu"), OPTIMIZERS["adamw"])
 
     straight, first = fresh(0), fresh(0)

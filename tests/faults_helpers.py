@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from shardline.pipelines.lease import _alive
-from shardline.training import checkpoints
+from shardline.pipelines.lease import process_alive
+from shardline.training.checkpoint_store import CheckpointStore
 
 from .conftest import REPO
 
@@ -71,7 +71,7 @@ def wait_for(condition, what: str, within_s: float = UP_WITHIN_S, proc: subproce
 def rank_pids(ckpt: Path, world_size: int = 2) -> list[int] | None:
     """The ranks' pids once each has announced itself and a checkpoint exists."""
     files = [ckpt / "ranks" / f"rank-{r}.json" for r in range(world_size)]
-    if not checkpoints.checkpoint_paths(str(ckpt)) or not all(f.exists() for f in files):
+    if not CheckpointStore(str(ckpt)).paths() or not all(f.exists() for f in files):
         return None
     try:
         return [json.loads(f.read_text())["pid"] for f in files]
@@ -80,7 +80,7 @@ def rank_pids(ckpt: Path, world_size: int = 2) -> list[int] | None:
 
 
 def alive(pid: int) -> bool:
-    return _alive(pid, "")  # a zombie (killed, not reaped) counts as gone
+    return process_alive(pid, "")  # a zombie (killed, not reaped) counts as gone
 
 
 def error_lines(text: str) -> list[str]:

@@ -109,12 +109,12 @@ def _kill_rank_on_b(bed, ckpt_dir: str, done: threading.Event, outcome: dict) ->
     """When a checkpoint is in the bucket, SIGKILL the rank whose process is on host B (its
     /proc/<pid>/ns/net is B's namespace): the Spark Python worker or Dask worker running it."""
     from shardline.pipelines import storage
-    from shardline.training import checkpoints
+    from shardline.training.checkpoint_store import CheckpointStore
 
     on_b = bed.bed.hosts["b"].netns_inode
     while not done.is_set():
         try:
-            ckpts = checkpoints.checkpoint_paths(ckpt_dir)
+            ckpts = CheckpointStore(ckpt_dir).paths()
             ranks = [json.loads(storage.read_bytes(f"{ckpt_dir}/ranks/rank-{r}.json")) for r in (0, 1)]
         except (FileNotFoundError, OSError, ValueError):
             ckpts = []
@@ -148,12 +148,13 @@ def _check_restarted(job: dict, bed) -> None:
 
 
 def _final_weights(bed, ckpt: str) -> dict:
-    from shardline.training import checkpoints, sharded_checkpoints
+    from shardline.training import sharded_checkpoints
+    from shardline.training.checkpoint_store import CheckpointStore
 
-    latest = checkpoints.latest(f"{bed.bucket}/quickstart/{ckpt}")
+    latest = CheckpointStore(f"{bed.bucket}/quickstart/{ckpt}").latest()
     if latest is None:
         raise RuntimeError(f"no checkpoint in {bed.bucket}/quickstart/{ckpt}")
-    state = checkpoints.load(latest, {})
+    state = CheckpointStore.holding(latest).read()
     if state["epoch"] != bed.args.epochs:
         raise RuntimeError(f"{latest}: epoch {state['epoch']}, expected the last ({bed.args.epochs})")
     return sharded_checkpoints.read_weights(latest)

@@ -58,7 +58,10 @@ def test_bad_input(case: Case, small_dataset, tmp_path, monkeypatch, capsys):  #
         # One line (click's usage errors add a "Usage:" and a "Try" line around theirs).
         errors = [ln for ln in lines if not ln.startswith(("Usage:", "Try "))]
         assert len(errors) == 1 and case.message in errors[0], err
-        assert tree(folder) == before  # nothing written, nothing lost
+        assert "secret" not in err  # a password in a store's URL is never printed
+        # Nothing written, nothing lost: the checkpoints, the output and the MLflow store
+        # (tracking_uri is a SQLite file in the folder: no run, not even the file, is made).
+        assert tree(folder) == before
     assert tree(Path(dataset)) == data_before
 
 

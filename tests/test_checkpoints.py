@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import threading
@@ -15,7 +16,7 @@ import torch
 
 from shardline.pipelines import storage
 from shardline.pipelines.errors import DataError
-from shardline.training import checkpoints
+from shardline.training.checkpoint_store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 
@@ -44,7 +45,7 @@ def reference(prepared, tmp_path_factory):
     """An uninterrupted local run, and every checkpoint it wrote."""
     tmp = tmp_path_factory.mktemp("ref")
     result = run_training(_cfg(tmp), _tracking("ref"), prepared.dataset_dir)
-    return result, checkpoints.checkpoint_paths(tmp / "ckpt")
+    return result, CheckpointStore(tmp / "ckpt").paths()
 
 
 def test_checkpoints_are_plain_tensors_and_numbers(reference):
@@ -54,8 +55,8 @@ def test_checkpoints_are_plain_tensors_and_numbers(reference):
     assert {"sharded", "ranks", "global_step", "epoch", "step_in_epoch", "loader"} <= state.keys()
     # No weights in it: they and the optimizer state are in the DCP directory it names.
     assert "model" not in state and (Path(paths[0]).parent / state["sharded"] / ".metadata").exists()
-    # Each rank's own resume state besides: its schedule and RNG.
-    assert [set(r) for r in state["ranks"]] == [{"scheduler", "rng"}] * 2
+    # Each rank's own resume state besides: its schedule, RNG and running sums of the epoch's figures.
+    assert [set(r) for r in state["ranks"]] == [{"scheduler", "rng", "sums"}] * 2
     # The loader's position is the checkpoint's: epoch and batches delivered in it.
     for p in paths:
         s = torch.load(p, weights_only=True)
@@ -92,7 +93,7 @@ def test_a_checkpoint_without_its_dcp_directory_falls_back_to_the_previous_one(r
         shutil.copy(head, tmp_path / head.name)
     dcp = torch.load(older, weights_only=True)["sharded"]
     shutil.copytree(older.parent / dcp, tmp_path / dcp)  # the newest one's directory is lost
-    found, state = checkpoints.readable(str(tmp_path), {})
+    found, state = CheckpointStore(str(tmp_path)).readable()
     assert Path(found).name == older.name and state["sharded"] == dcp
     said = capsys.readouterr().err
     assert f"{newest.name}: its DCP directory" in said and f"resuming from {older.name}" in said, said
@@ -104,7 +105,7 @@ def _kill_rank_after_first_checkpoint(ckpt_dir, rank: int, done: threading.Event
     info = storage.join(ckpt_dir, "ranks", f"rank-{rank}.json")
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and not done.is_set():
-        if checkpoints.checkpoint_paths(ckpt_dir) and storage.exists(info):
+        if CheckpointStore(ckpt_dir).paths() and storage.exists(info):
             pid = json.loads(storage.read_bytes(info))["pid"]
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
@@ -112,9 +113,19 @@ def _kill_rank_after_first_checkpoint(ckpt_dir, rank: int, done: threading.Event
         time.sleep(0.05 if storage.is_remote(ckpt_dir) else 0.005)
 
 
+# How each launcher names the rank it lost, first in the restart line (#46): the signal
+# that ended it (local), its Dask worker gone, its Spark executor (the session is local[2,1]).
+LOST = {
+    "local": r"local training failed: rank 1 on \S+, pid {pid} was lost: killed by SIGKILL \(exit code -9\)",
+    "dask": r"Dask training failed: rank 1 on \S+ \(worker tcp://\S+\), pid {pid} was lost: its Dask worker left the cluster",
+    "spark": r"Spark barrier stage training failed: rank 1 on \S+ \(executor driver\), pid {pid} was lost: "
+             r"Python worker exited unexpectedly \(crashed\)",
+}
+
+
 @pytest.mark.parametrize("launcher", ["local", "spark", "dask"])
 def test_killed_rank_is_relaunched_and_ends_on_the_same_weights(
-    prepared, reference, tmp_path, launcher, request
+    prepared, reference, tmp_path, launcher, request, capfd
 ):
     from mlflow.tracking import MlflowClient
 
@@ -138,3 +149,21 @@ def test_killed_rank_is_relaunched_and_ends_on_the_same_weights(
     run = MlflowClient().get_run(result.run_id)
     assert run.data.metrics.get("restarts") == 1, "the kill did not land mid-training"
     _equal(result.weights, reference[0].weights)
+    # The restart line leads with the rank that was lost, then the restart; no Java trace.
+    err = capfd.readouterr().err
+    restarts = [ln for ln in err.splitlines() if "restarting from" in ln]
+    assert len(restarts) == 1 and re.match(r"\[shardline\] " + LOST[launcher].format(pid=killed[0]) + "; restarting from ",
+                                           restarts[0]), restarts or err[-3000:]
+    assert "ERROR Executor" not in err and "\tat org.apache" not in err, err[-3000:]
+    # The resumed epoch's figures cover all its steps, as the uninterrupted run's do: its
+    # running sums came back from the mid-epoch checkpoint.
+    for metric in ("train_loss", "train_accuracy"):
+        assert _by_epoch(result.run_id, metric) == pytest.approx(_by_epoch(reference[0].run_id, metric), rel=1e-9)
+
+
+def _by_epoch(run_id: str, metric: str) -> list[float]:
+    """The metric's last value logged at each epoch (a killed attempt may have logged one before)."""
+    from mlflow.tracking import MlflowClient
+
+    last = {m.step: m.value for m in sorted(MlflowClient().get_metric_history(run_id, metric), key=lambda m: m.timestamp)}
+    return [last[k] for k in sorted(last)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardline.jobs.config import load_config
+from shardline.config import load_config
 from shardline.pipelines.errors import ConfigError
 
 from .conftest import REPO, shardline, shardline_here

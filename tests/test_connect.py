@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from shardline.pipelines.manifest import load_manifest
-from shardline.training import checkpoints, sharded_checkpoints
+from shardline.training import sharded_checkpoints
+from shardline.training.checkpoint_store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 
@@ -145,7 +146,7 @@ def _kill_rank_after_first_checkpoint(ckpt: Path, rank: int, done: threading.Eve
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and not done.is_set():
         info = ckpt / "ranks" / f"rank-{rank}.json"
-        if checkpoints.checkpoint_paths(ckpt) and info.exists():
+        if CheckpointStore(ckpt).paths() and info.exists():
             pid = json.loads(info.read_text())["pid"]
             os.kill(pid, signal.SIGKILL)  # the rank's Python worker, under the Connect server
             killed.append(pid)
@@ -190,11 +191,11 @@ def test_killed_rank_on_connect_is_relaunched_and_ends_on_the_same_weights(
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run_id = re.search(r"run ([0-9a-f]{32}); model", proc.stderr)[1]
     assert client.get_run(run_id).data.metrics.get("restarts") == 1, "the kill did not land mid-training"
-    final = torch.load(checkpoints.checkpoint_paths(ckpt)[-1], weights_only=True)
+    final = torch.load(CheckpointStore(ckpt).paths()[-1], weights_only=True)
     assert final["global_step"] == torch.load(
-        checkpoints.checkpoint_paths(tmp_path / "ref")[-1], weights_only=True
+        CheckpointStore(tmp_path / "ref").paths()[-1], weights_only=True
     )["global_step"]
-    weights = sharded_checkpoints.read_weights(checkpoints.checkpoint_paths(ckpt)[-1])
+    weights = sharded_checkpoints.read_weights(CheckpointStore(ckpt).paths()[-1])
     assert weights.keys() == ref.weights.keys()
     for k in ref.weights:
         assert torch.equal(weights[k], ref.weights[k]), k

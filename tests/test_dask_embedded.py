@@ -59,7 +59,7 @@ def test_embedded_workers_get_dasks_variables_but_not_the_trim_threshold_and_the
 
         # After a run that succeeded, the close says nothing: not the nanny's "Worker process
         # still alive after 4.0 seconds, killing" for a worker slow to exit, nor a heartbeat's
-        # traceback (jobs.engines.open_dask closes a clean run this way).
+        # traceback (shardline.engines.open_dask closes a clean run this way).
         client.run(_exit_slowly)
         capfd.readouterr()
         close_quietly(client, cluster)

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from shardline.jobs.config import load_config, resolve_paths
+from shardline.config import load_config, resolve_paths
 from shardline.pipelines.errors import ConfigError, DataError, LeaseHeld, ShardlineError
 from shardline.training import checkpoints
+from shardline.training.checkpoint_store import CheckpointStore, POINTER
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 
@@ -177,27 +178,27 @@ def test_a_job_never_deletes_another_jobs_checkpoints(small_dataset, tmp_path):
     shared = str(tmp_path / "shared")
     theirs = TrainingConfig(launcher="local", batch_size=64, hidden=[16], checkpoint_dir=shared)
     fp = checkpoints.fingerprint(theirs, "v-old")
-    saved = checkpoints.save(shared, 7, {"fingerprint": fp, "run_id": ""}, keep=3)
+    saved = CheckpointStore(shared).save(7, {"fingerprint": fp, "run_id": ""}, keep=3)
 
     mine = theirs.model_copy(update={"hidden": [32]})
     with pytest.raises(DataError, match=r"holds another job's checkpoints \(hidden '\[16\]' \(this job: '\[32\]'\)\)"):
         run_training(mine, TrackingConfig(), small_dataset.dataset_dir)
-    assert checkpoints.latest(shared) == saved and Path(saved).exists()  # untouched
+    assert CheckpointStore(shared).latest() == saved and Path(saved).exists()  # untouched
 
     # The same job again (on another dataset version) clears its own.
-    checkpoints.start_over(shared, checkpoints.fingerprint(theirs, "v-new"))
-    assert checkpoints.latest(shared) is None and not Path(saved).exists()
+    CheckpointStore(shared).start_over(checkpoints.fingerprint(theirs, "v-new"))
+    assert CheckpointStore(shared).latest() is None and not Path(saved).exists()
 
 
 def test_a_pointer_without_fingerprint_falls_back_to_the_checkpoint(tmp_path):
     d = str(tmp_path / "old")
     theirs = checkpoints.fingerprint(TrainingConfig(hidden=[16]), "v")
-    checkpoints.save(d, 1, {"fingerprint": theirs}, keep=3)
-    (tmp_path / "old" / checkpoints.POINTER).write_text('{"name": "%s", "step": 1}'
-                                                        % Path(checkpoints.latest(d)).name)
-    assert checkpoints.owner(d) == theirs
+    CheckpointStore(d).save(1, {"fingerprint": theirs}, keep=3)
+    (tmp_path / "old" / POINTER).write_text('{"name": "%s", "step": 1}'
+                                                        % Path(CheckpointStore(d).latest()).name)
+    assert CheckpointStore(d).owner() == theirs
     with pytest.raises(DataError, match="another job's"):
-        checkpoints.start_over(d, checkpoints.fingerprint(TrainingConfig(hidden=[8]), "v"))
+        CheckpointStore(d).start_over(checkpoints.fingerprint(TrainingConfig(hidden=[8]), "v"))
 
 
 # -- item 5: the exit-code table ----------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 from pydantic import BaseModel
 
 from shardline.jobs.cli import cli
-from shardline.jobs.config import ShardlineConfig
+from shardline.config import ShardlineConfig
 
 from .conftest import REPO
 

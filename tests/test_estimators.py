@@ -61,6 +61,18 @@ def test_spark_estimator_fits_and_transforms(spark, tmp_path):
     accuracy = (merged["prediction"] == truth["label"]).mean()
     assert accuracy > 0.9, accuracy  # a linear boundary; chance is 0.5
 
+    # Saved and loaded: the registry URI and settings, no weights; the same predictions.
+    model.setPredictionCol("pred").setProbabilityCol("prob")
+    model.save(str(tmp_path / "saved"))
+    loaded = ShardlineModel.load(str(tmp_path / "saved"))
+    assert not list((tmp_path / "saved").rglob("*.safetensors")) and not list((tmp_path / "saved").rglob("*.pt"))
+    assert loaded.uid == model.uid and loaded.model_uri == "models:/estimator/1"
+    assert (loaded.getPredictionCol(), loaded.getProbabilityCol(), loaded.getLabelCol()) == ("pred", "prob", "label")
+    again = loaded.transform(df).toPandas().sort_values(["x0", "x1"]).reset_index(drop=True)
+    assert (again["pred"] == merged["prediction"]).all()
+    np.testing.assert_allclose(np.array(again["prob"].tolist()), np.array(merged["probability"].tolist()),
+                               atol=1e-6)
+
 
 @pytest.mark.slow
 def test_dask_estimator_fits_and_predicts(dask_client, tmp_path):
@@ -101,10 +113,24 @@ pdf = pd.read_parquet(data)
 df = spark.createDataFrame(pdf)
 model = ShardlineEstimator(config, label_col="label").fit(df)
 scored = model.transform(df).toPandas()
+# Saved and loaded on Connect (DataFrame writes only): alone, overwritten, and in a PipelineModel.
+from pyspark.ml import PipelineModel
+from shardline.spark import ShardlineModel
+saved = sys.argv[4]
+model.save(saved + "/model")
+model.write().overwrite().save(saved + "/model")
+PipelineModel([model]).save(saved + "/pipeline")
+loaded = ShardlineModel.load(saved + "/model")
+stage = PipelineModel.load(saved + "/pipeline").stages[0]
+key = ["x0", "x1"]
+ordered = scored.sort_values(key).reset_index(drop=True)
+same = [bool((m.transform(df).toPandas().sort_values(key).reset_index(drop=True)["prediction"]
+              == ordered["prediction"]).all()) for m in (loaded, stage)]
 print(json.dumps({
     "session": type(spark).__module__, "model_uri": model.model_uri, "launcher": model.trained.launcher,
     "columns": list(scored.columns), "rows": len(scored),
     "accuracy": float((scored["prediction"] == scored["label"]).mean()),
+    "loaded": [loaded.model_uri, stage.model_uri], "same": same,
 }))
 """
 
@@ -121,10 +147,221 @@ def test_spark_estimator_on_spark_connect(connect_server, connect_cli, tmp_path)
     data = tmp_path / "frame.parquet"
     _frame().to_parquet(data)
     proc = connect_cli.python(CONNECT_FIT, connect_server.url, str(data), json.dumps(_config(tmp_path)),
-                              cwd=tmp_path, timeout=1200)
+                              str(tmp_path / "saved"), cwd=tmp_path, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:] + connect_server.log_tail()
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["session"].startswith("pyspark.sql.connect")
     assert out["model_uri"] == "models:/estimator/1" and out["launcher"] == "spark"
     assert out["columns"] == ["x0", "x1", "x2", "color", "label", "prediction", "probability"]
     assert out["rows"] == ROWS and out["accuracy"] > 0.9, out
+    assert out["loaded"] == ["models:/estimator/1"] * 2 and out["same"] == [True, True], out
+
+
+def _small(tmp_path, rows: int = 600, **training) -> tuple[pd.DataFrame, dict]:
+    """A small fit: few rows, one epoch (fitting trains and registers a real model)."""
+    cfg = _config(tmp_path)
+    cfg["training"] |= {"epochs": 1, **training}
+    return _frame().head(rows), cfg
+
+
+def test_dask_estimator_params_follow_sklearn(dask_client, tmp_path):
+    """get_params/set_params from __init__'s signature, clone, the fitted-state check and the
+    estimator kind, without a fit."""
+    from sklearn.base import clone, is_classifier, is_regressor
+    from sklearn.exceptions import NotFittedError
+    from sklearn.utils.validation import check_is_fitted
+
+    from shardline.dask import ShardlineEstimator
+    from shardline.pipelines.errors import ShardlineError
+
+    config = _config(tmp_path)
+    est = ShardlineEstimator(config, ["training.epochs=1"], label_col="label", feature_cols=["x0", "x1"],
+                             client=dask_client)
+    params = est.get_params()
+    assert params == {"config": config, "overrides": ["training.epochs=1"], "label_col": "label",
+                      "feature_cols": ["x0", "x1"], "key_col": None, "raw_dir": None, "client": dask_client}
+    assert all(params[k] is getattr(est, k) for k in params)  # stored as given, under its own name
+    assert est.set_params(key_col="id", raw_dir=str(tmp_path / "raw")) is est
+    assert (est.key_col, est.get_params()["raw_dir"]) == ("id", str(tmp_path / "raw"))
+    with pytest.raises(ValueError, match="Invalid parameter 'epochs' for estimator ShardlineEstimator"):
+        est.set_params(epochs=3)
+
+    twin = clone(est)
+    assert type(twin) is ShardlineEstimator and twin is not est
+    assert twin.get_params(deep=False) == est.get_params(deep=False)
+    assert twin.config is not est.config and twin.feature_cols is not est.feature_cols  # deep copies
+    assert twin.client is dask_client  # a connection is shared, not copied
+    twin.set_params(label_col="y")
+    assert est.label_col == "label"
+    assert ShardlineEstimator(**twin.get_params()).get_params() == twin.get_params()
+    assert "ShardlineEstimator(" in repr(est) and "key_col='id'" in repr(est)
+
+    with pytest.raises(NotFittedError):
+        check_is_fitted(est)
+    with pytest.raises(ShardlineError, match="not fitted yet"):
+        est.predict(_frame().head(5))
+    assert is_classifier(est) and not is_regressor(est)  # the config's task: classification
+    assert is_regressor(ShardlineEstimator(config, ["pipelines.features.task=regression"]))
+
+
+def test_spark_params_setters_defaults_and_save(spark, tmp_path):
+    """Every setting a Param with a default and a setter; the estimator saved and loaded; a
+    model's saved tracking URI with its password masked, refused at transform until set again."""
+    from shardline.estimators import Fitted
+    from shardline.pipelines.errors import ShardlineError
+    from shardline.spark import ShardlineEstimator, ShardlineModel
+
+    est = ShardlineEstimator()
+    defaults = {p.name: est.getOrDefault(p) for p in est.params}
+    assert defaults == {"config": None, "overrides": [], "labelCol": "label", "featureCols": None, "keyCol": None,
+                        "rawDir": None, "predictionCol": "prediction", "probabilityCol": "probability"}
+    assert not any(est.isSet(p) for p in est.params)  # the config's label wins over labelCol's default
+    config = _config(tmp_path)
+    for setter, value in [("setConfig", config), ("setOverrides", ["training.epochs=1"]), ("setLabelCol", "y"),
+                          ("setFeatureCols", ["x0", "x1"]), ("setKeyCol", "id"), ("setRawDir", str(tmp_path)),
+                          ("setPredictionCol", "pred"), ("setProbabilityCol", "prob")]:
+        assert getattr(est, setter)(value) is est
+    assert (est.getConfig(), est.getOverrides(), est.getLabelCol(), est.getFeatureCols(), est.getKeyCol(),
+            est.getRawDir(), est.getPredictionCol(), est.getProbabilityCol()) == (
+        config, ["training.epochs=1"], "y", ["x0", "x1"], "id", str(tmp_path), "pred", "prob")
+    # The keyword arguments set the same Params.
+    kw = ShardlineEstimator(config, ["training.epochs=1"], label_col="y", feature_cols=["x0", "x1"], key_col="id",
+                            raw_dir=str(tmp_path), prediction_col="pred", probability_col="prob")
+    assert {p.name: kw.getOrDefault(p) for p in kw.params} == {p.name: est.getOrDefault(p) for p in est.params}
+
+    est.save(str(tmp_path / "est"))
+    back = ShardlineEstimator.load(str(tmp_path / "est"))
+    assert back.uid == est.uid
+    assert {p.name: back.getOrDefault(p) for p in back.params} == {p.name: est.getOrDefault(p) for p in est.params}
+    est.write().overwrite().save(str(tmp_path / "est"))  # overwrite goes through pyspark's own check
+    import shardline
+
+    with pytest.raises(ShardlineError, match="save: config is a ShardlineConfig"):
+        ShardlineEstimator(shardline.load_config(config)).save(str(tmp_path / "est-object"))
+    assert not (tmp_path / "est-object").exists()
+
+    # What a fitted model saves: its Params (no weights); a secret in the tracking URI is masked.
+    fitted = Fitted("models:/estimator/3", "postgresql://user:s3cret@db.example/mlflow", "run-id",
+                    ('{"spec": 1}', '{"stats": 2}', 7), True)
+    model = ShardlineModel(fitted)
+    model.save(str(tmp_path / "model"))
+    saved = "".join(p.read_text() for p in (tmp_path / "model").rglob("part-*"))
+    assert "s3cret" not in saved and "postgresql://user:***@db.example/mlflow" in saved
+    loaded = ShardlineModel.load(str(tmp_path / "model"))
+    assert loaded.fitted == Fitted("models:/estimator/3", "postgresql://user:***@db.example/mlflow", "run-id",
+                                   ('{"spec": 1}', '{"stats": 2}', 7), True)
+    with pytest.raises(ShardlineError, match="had its secret masked: set it with setTrackingUri"):
+        loaded.transform(spark.range(1))
+    assert loaded.setTrackingUri(fitted.tracking_uri).fitted == fitted
+    assert model.fitted == fitted  # the model itself keeps its URI whole
+    with pytest.raises(ShardlineError, match="holds no model"):
+        ShardlineModel().model_uri
+
+
+@pytest.mark.slow
+def test_spark_estimator_in_a_pipeline(spark, tmp_path):
+    """Inside a pyspark.ml Pipeline (after a SQLTransformer): fit, save the PipelineModel, load
+    it, transform: the same predictions."""
+    from pyspark.ml import Pipeline, PipelineModel
+    from pyspark.ml.feature import SQLTransformer
+
+    from shardline.spark import ShardlineEstimator, ShardlineModel
+
+    pdf, config = _small(tmp_path)
+    df = spark.createDataFrame(pdf)
+    pipeline = Pipeline(stages=[
+        SQLTransformer(statement="SELECT *, x0 + x1 AS x01 FROM __THIS__"),
+        ShardlineEstimator(config).setLabelCol("label").setFeatureCols(["x01", "x2", "color"])
+        .setPredictionCol("pred"),
+    ])
+    fitted = pipeline.fit(df)
+    model = fitted.stages[1]
+    assert isinstance(model, ShardlineModel) and model.model_uri == "models:/estimator/1"
+    assert model.prepared.manifest.feature_spec.numeric == ["x01", "x2"]
+    scored = fitted.transform(df).toPandas()
+    assert list(scored.columns) == [*pdf.columns, "x01", "pred", "probability"] and len(scored) == len(pdf)
+
+    fitted.save(str(tmp_path / "pipeline"))
+    loaded = PipelineModel.load(str(tmp_path / "pipeline"))
+    assert [type(s).__name__ for s in loaded.stages] == ["SQLTransformer", "ShardlineModel"]
+    assert loaded.stages[1].model_uri == "models:/estimator/1" and loaded.stages[1].getPredictionCol() == "pred"
+    again = loaded.transform(df).toPandas()
+    key = ["x0", "x1"]
+    a, b = (t.sort_values(key).reset_index(drop=True) for t in (scored, again))
+    assert (a["pred"] == b["pred"]).all()
+    np.testing.assert_allclose(np.array(a["probability"].tolist()), np.array(b["probability"].tolist()), atol=1e-6)
+    # The unfitted Pipeline saves and loads too (its estimator's Params).
+    pipeline.save(str(tmp_path / "unfitted"))
+    stages = Pipeline.load(str(tmp_path / "unfitted")).getStages()
+    assert stages[1].getFeatureCols() == ["x01", "x2", "color"] and stages[1].getConfig() == config
+
+
+@pytest.mark.slow
+def test_dask_estimator_on_pandas_with_named_classes(dask_client, tmp_path):
+    """fit(X, y) on pandas, labels named in pipelines.features.classes: classes_ are the
+    names, predict gives names, pandas in gives numpy out, score is sklearn's accuracy."""
+    import dask.dataframe as dd
+    from sklearn.base import clone
+    from sklearn.metrics import accuracy_score
+
+    from shardline.dask import ShardlineEstimator
+
+    pdf, config = _small(tmp_path)
+    config["pipelines"]["features"] = {"classes": ["neg", "pos"]}
+    X, y = pdf.drop(columns="label"), np.where(pdf["label"] == 1, "pos", "neg")
+    est = ShardlineEstimator(config, client=dask_client)
+    assert est.fit(X, y) is est
+    assert est.model_uri == "models:/estimator/1" and est.prepared_.manifest.feature_spec.label == "label"
+    assert list(est.classes_) == ["neg", "pos"]
+    assert est.n_features_in_ == 4 and list(est.feature_names_in_) == ["x0", "x1", "x2", "color"]
+
+    pred = est.predict(X)
+    assert isinstance(pred, np.ndarray) and pred.shape == (len(X),) and set(pred) <= {"neg", "pos"}
+    probs = est.predict_proba(X)
+    assert isinstance(probs, np.ndarray) and probs.shape == (len(X), 2)
+    np.testing.assert_allclose(probs.sum(1), 1.0, atol=1e-5)
+    assert (est.classes_[probs.argmax(1)] == pred).all()
+    assert est.score(X, y) == pytest.approx(accuracy_score(y, pred))
+    weights = np.linspace(0.5, 2.0, len(X))
+    assert est.score(X, y, sample_weight=weights) == pytest.approx(accuracy_score(y, pred, sample_weight=weights))
+
+    ddf = dd.from_pandas(X.assign(label=y), npartitions=2)
+    dpred = est.predict(ddf)
+    assert isinstance(dpred, dd.Series) and (dpred.compute().to_numpy() == pred).all()
+    dprobs = est.predict_proba(ddf)
+    assert isinstance(dprobs, dd.DataFrame) and list(dprobs.columns) == ["neg", "pos"]
+    np.testing.assert_allclose(dprobs.compute().to_numpy(), probs, atol=1e-6)
+    assert est.score(ddf) == pytest.approx(accuracy_score(y, pred))  # the label column of X
+
+    assert not hasattr(clone(est), "classes_")  # a clone is unfitted
+
+
+@pytest.mark.slow
+def test_dask_estimator_regression_on_dask_with_y(dask_client, tmp_path):
+    """fit(X, y) with X a Dask DataFrame and y a Dask Series; score is R², computed on the
+    workers, equal to sklearn's r2_score; no classes_; no predict_proba."""
+    import dask.dataframe as dd
+    from sklearn.metrics import r2_score
+
+    from shardline.dask import ShardlineEstimator
+    from shardline.pipelines.errors import ShardlineError
+
+    pdf, config = _small(tmp_path)
+    target = pdf["x0"] * 2.0 - pdf["x1"] + 0.5
+    X = dd.from_pandas(pdf.drop(columns="label"), npartitions=2)
+    y = dd.from_pandas(target.rename("target"), npartitions=2)
+    est = ShardlineEstimator(config, {"pipelines.features.task": "regression"}, label_col="target",
+                             client=dask_client).fit(X, y)
+    assert est.trained_.launcher == "dask" and not hasattr(est, "classes_")
+    assert est.prepared_.manifest.feature_spec.task == "regression"
+    pred = est.predict(X)
+    assert isinstance(pred, dd.Series)
+    got = pred.compute()
+    assert got.dtype == np.float64 and got.index.equals(pdf.index)
+    assert est.score(X, y) == pytest.approx(r2_score(target, got), abs=1e-9)
+    w = dd.from_pandas(pd.Series(np.linspace(1, 3, len(pdf))), npartitions=2)
+    assert est.score(X, y, sample_weight=w) == pytest.approx(
+        r2_score(target, got, sample_weight=w.compute()), abs=1e-9)
+    assert est.score(pdf.drop(columns="label"), target) == pytest.approx(r2_score(target, got), abs=1e-6)
+    with pytest.raises(ShardlineError, match="predict_proba: the model is a regression"):
+        est.predict_proba(X)

@@ -94,6 +94,8 @@ def test_example_on_dask(example, dask_client, tracking_uri, tmp_path, monkeypat
     assert out["trained"].launcher == "dask" and out["scored"].engine == "dask"
     assert out["prepared"].engine == "dask"
     _check(out, tracking_uri, rows=len(nb.frame(seed=1)))
+    pred = out["predictions"]
+    assert out["estimator_accuracy"] == pytest.approx((pred["prediction"] == pred["label"]).mean())
     assert dask_client.status == "running"
 
 

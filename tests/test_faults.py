@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from shardline.pipelines.errors import StorageError
-from shardline.training import checkpoints
+from shardline.training.checkpoint_store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 from shardline.training.launchers import TrainingFailed
@@ -65,7 +65,7 @@ def test_local_ranks_die_with_their_driver_and_a_second_job_is_refused(prepared,
 
         # A resume now takes the dead driver's lease over and finishes (one more epoch: the
         # epochs may change on resume when the user says so).
-        epoch = torch.load(checkpoints.latest(str(ckpt)), weights_only=True)["epoch"]
+        epoch = torch.load(CheckpointStore(str(ckpt)).latest(), weights_only=True)["epoch"]
         resumed = shardline_here(*train_args(prepared.dataset_dir, ckpt, **{"training.epochs": str(epoch + 1)}),
                                  "--resume", "--allow-changed", "epochs", cwd=tmp_path / "first")
         assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -156,10 +156,15 @@ def test_read_only_outputs_of_prepare_and_score_end_in_one_line(prepared, tmp_pa
     assert "Starting" not in proc.stderr  # refused before an engine started
 
 
-def test_ctrl_c_on_classic_spark_stops_the_ranks_and_says_one_line(prepared, tmp_path, monkeypatch):
+@pytest.mark.parametrize("signalled", ["terminal", pytest.param("driver", marks=pytest.mark.slow)])
+def test_ctrl_c_on_classic_spark_stops_the_ranks_and_says_one_line(prepared, tmp_path, monkeypatch, signalled):
     """SIGINT to `shardline train` on a classic local Spark: "aborted", exit 130, no
     traceback (PySpark's own handler re-entered the Py4J call the driver waited in:
-    "RuntimeError: reentrant call"), and the ranks' job cancelled, so they stop."""
+    "RuntimeError: reentrant call"), and the ranks' job cancelled, so they stop at once:
+    `LATEST` moves at most once after the signal (a checkpoint being written may complete).
+    From a terminal the whole foreground group gets it (the JVM too); `kill -INT` the driver
+    alone, whose cancelled Spark tasks took seconds to end while the ranks committed
+    checkpoint after checkpoint (#46)."""
     ckpt, log = tmp_path / "ckpt", tmp_path / "driver.log"
     # The driver's JVM forks its Python workers (the ranks) from a daemon that imported torch
     # and MLflow once (tests/preloaded_spark_daemon.py), not each rank importing them anew:
@@ -170,9 +175,14 @@ def test_ctrl_c_on_classic_spark_stops_the_ranks_and_says_one_line(prepared, tmp
     driver = start_driver(train_args(prepared.dataset_dir, ckpt, **{"training.launcher": "'spark'",
                                                                      "training.epochs": "400"}),
                           tmp_path / "run", log)
+    store = CheckpointStore(str(ckpt))
     try:
         pids = wait_for(lambda: rank_pids(ckpt), "the first checkpoint", proc=driver, log=log)
-        os.killpg(driver.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground group
+        before = {Path(p).name for p in store.paths()}
+        if signalled == "terminal":
+            os.killpg(driver.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground group
+        else:
+            os.kill(driver.pid, signal.SIGINT)  # `kill -INT <driver>`: the JVM and the ranks are not signalled
         code = driver.wait(timeout=300)
         out = log.read_text(errors="replace")
         assert code == 130, out[-3000:]
@@ -182,6 +192,10 @@ def test_ctrl_c_on_classic_spark_stops_the_ranks_and_says_one_line(prepared, tmp
         # rank trains on to print an epoch line after it.
         assert not [ln for ln in lines[lines.index("aborted"):] if "[shardline] epoch" in ln], out[-3000:]
         assert "Traceback" not in out and "reentrant" not in out and "Exception in thread" not in out, out[-3000:]
+        # Checkpoints every 5 steps: several a second while the ranks still ran.
+        at_exit = {Path(p).name for p in store.paths()}
+        assert len(at_exit - before) <= 1, f"committed after the signal: {sorted(at_exit - before)}"
         wait_for(lambda: not any(alive(p) for p in pids), f"ranks {pids} to stop", within_s=120)
+        assert {Path(p).name for p in store.paths()} == at_exit, "a checkpoint was written after the job ended"
     finally:
         stop_group(driver)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shardline.pipelines.errors import ConfigError, DataError
-from shardline.training import checkpoints
+from shardline.training.checkpoint_store import CheckpointStore, POINTER
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 
@@ -40,13 +40,13 @@ def reference(prepared, tmp_path_factory):
 def _copy_up_to(src: Path, dst: Path, keep: int) -> list[Path]:
     """The first `keep` checkpoints of `src` into `dst`, LATEST naming the last one."""
     dst.mkdir(parents=True)
-    paths = [Path(p) for p in checkpoints.checkpoint_paths(str(src))][:keep]
+    paths = [Path(p) for p in CheckpointStore(str(src)).paths()][:keep]
     for p in paths:
         shutil.copy(p, dst / p.name)
         dcp = torch.load(p, weights_only=True)["sharded"]  # its ranks' weights and optimizer state
         shutil.copytree(p.parent / dcp, dst / dcp)
     step = torch.load(paths[-1], weights_only=True)["global_step"]
-    (dst / checkpoints.POINTER).write_text(f'{{"name": "{paths[-1].name}", "step": {step}}}')
+    (dst / POINTER).write_text(f'{{"name": "{paths[-1].name}", "step": {step}}}')
     return [dst / p.name for p in paths]
 
 
@@ -94,7 +94,7 @@ def test_an_allowed_lr_change_is_the_lr_used_after_resume(prepared, reference, t
     copied = _copy_up_to(ref_ckpt, tmp_path / "ckpt", keep=3)
     resumed = run_training(_cfg(tmp_path / "ckpt", resume=True, lr=0.01, resume_allow_changed=["lr"]),
                            _tracking("ref"), prepared.dataset_dir)
-    later = [p for p in checkpoints.checkpoint_paths(str(tmp_path / "ckpt")) if Path(p) not in copied]
+    later = [p for p in CheckpointStore(str(tmp_path / "ckpt")).paths() if Path(p) not in copied]
     assert later, "the resumed job wrote no checkpoint"
     state = torch.load(later[-1], weights_only=True)
     assert state["fingerprint"]["lr"] == "0.01"
@@ -112,7 +112,7 @@ def test_cli_allow_changed_is_checked_before_anything_starts(prepared, reference
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert error_lines(proc.stderr) == [
         "error: --allow-changed / training.resume_allow_changed: hidden cannot change on resume; fields that "
-        "can: lr, weight_decay, lr_schedule, warmup_steps, epochs, dataset_version"
+        "can: lr, weight_decay, lr_schedule, warmup_steps, epochs, dataset_version, code"
     ], proc.stderr[-2000:]
     proc = shardline_here(*args, "--resume", cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr[-2000:]

@@ -29,7 +29,7 @@ from shardline.pipelines.config import SparkConfig
 from shardline.pipelines.engines import spark_session
 from shardline.pipelines.errors import ShardlineError
 from shardline.pipelines.spark_setup import spark_master
-from shardline.serving.score import score
+from tests.serving_helpers import score  # a python -c program: no package to be relative to
 flaky, dies, fails, tracking_uri, src, src_failed, out_flaky, out_dies, out_failed = sys.argv[1:]
 # shardline's default master; Python workers forked with torch and MLflow already imported
 # (each failed attempt is a fresh worker: tests/preloaded_spark_daemon.py).

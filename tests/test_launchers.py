@@ -4,11 +4,15 @@ see the launcher as it is at that launch, as freshly spawned processes would."""
 from __future__ import annotations
 
 import os
+import re
 import signal
+import socket
 import sys
 import time
+from dataclasses import dataclass
 
 import pytest
+import torch
 
 from shardline.training.launchers import TrainingFailed, available_cores, local
 from shardline.training.launchers.local import launch_local
@@ -46,6 +50,44 @@ def test_a_failing_rank_fails_the_launch_with_its_error():
         launch_local(report, {"fail_rank": 1}, world_size=2, timeout_s=60)
 
 
+@dataclass
+class WithRanksDir:
+    """A payload with a `ranks_dir`, as a TrainJob has: where a bug's traceback is written."""
+
+    ranks_dir: str
+
+
+class Boom(torch.nn.Module):
+    def forward(self, x):
+        raise ValueError("boom: the user's forward fails")
+
+
+BOOM_LINE = Boom.forward.__code__.co_firstlineno + 1
+
+
+def forward_fails(rank: int, world_size: int, payload: WithRanksDir) -> None:
+    Boom()(1)  # every rank: a user's deterministic bug
+
+
+def test_a_bug_on_every_rank_is_one_line_naming_the_users_frame_and_the_log(tmp_path, capfd):
+    ranks_dir = str(tmp_path / "ranks")
+    with pytest.raises(TrainingFailed) as failed:
+        launch_local(forward_fails, WithRanksDir(ranks_dir), world_size=2, timeout_s=60)
+    line = str(failed.value)
+    frame = f"tests/test_launchers.py, line {BOOM_LINE}, in forward"  # the user's file, relative to sys.path
+    assert line == (f"local training failed: rank 0 on {socket.gethostname()}: ValueError: boom: the user's "
+                    f"forward fails (at {frame}; rank 1 the same; traceback in {ranks_dir}/rank-0.log)"), line
+    assert failed.value.permanent  # a deterministic bug: a relaunch would raise it again
+    # The full traceback is in each rank's log, through torch's frames to the user's raise;
+    # the console gets none of it.
+    for rank in range(2):
+        log = (tmp_path / "ranks" / f"rank-{rank}.log").read_text()
+        assert log.startswith(f"rank {rank} on {socket.gethostname()}, pid ") and "torch/nn/modules/module.py" in log
+        assert f'test_launchers.py", line {BOOM_LINE}, in forward' in log and log.rstrip().endswith(
+            "ValueError: boom: the user's forward fails"), log
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def crash_in_native_code(rank: int, world_size: int, payload: None) -> None:
     if rank == 1:
         import ctypes
@@ -56,7 +98,9 @@ def crash_in_native_code(rank: int, world_size: int, payload: None) -> None:
 def test_a_rank_killed_by_native_code_prints_where_it_was(capfd):
     with pytest.raises(TrainingFailed) as failed:
         launch_local(crash_in_native_code, None, world_size=2, timeout_s=60)
-    assert "rank 1 exit code -11" in str(failed.value)  # the signal still ends it
+    # The signal still ends it, and the rank it killed is named first, by its signal.
+    assert re.match(r"local training failed: rank 1 on \S+, pid \d+ was lost: killed by SIGSEGV "
+                    r"\(exit code -11\)", str(failed.value)), str(failed.value)
     err = capfd.readouterr().err
     assert "Fatal Python error: Segmentation fault" in err and "in crash_in_native_code" in err, err[-2000:]
 
@@ -78,7 +122,9 @@ def test_a_killed_rank_ends_the_launch_without_waiting_for_its_survivor(tmp_path
     monkeypatch.setattr(local, "FAILED_RANK_GRACE_S", 1.0)
     with pytest.raises(TrainingFailed) as failed:
         launch_local(die_or_wait_unaware, str(tmp_path), world_size=2, timeout_s=3600)
-    assert "rank 1 exit code -9" in str(failed.value) and "rank 0 stopped by the launcher" in str(failed.value)
+    # The lost rank leads (not its survivor), then the survivor the launcher stopped.
+    assert re.fullmatch(r"local training failed: rank 1 on \S+, pid \d+ was lost: killed by SIGKILL "
+                        r"\(exit code -9\); rank 0 stopped by the launcher", str(failed.value)), str(failed.value)
     assert not failed.value.permanent  # a lost rank: the job restarts
     survivor = int((tmp_path / "rank-0").read_text())
     with pytest.raises(ProcessLookupError):  # ended and reaped, not left running
@@ -131,6 +177,22 @@ def test_a_lost_spark_executor_is_named_with_its_rank_executor_host_and_pid(tmp_
     )
     (tmp_path / "ranks").mkdir()
     (tmp_path / "ranks" / "rank-1.json").write_text(json.dumps({"rank": 1, "host": "worker-b", "pid": 4242}))
-    line = _lost_task(Exception(LOST_EXECUTOR), str(tmp_path))
+    line = _lost_task(Exception(LOST_EXECUTOR), str(tmp_path / "ranks"))
     assert line.startswith("rank 1 on worker-b (executor 1), pid 4242 was lost: ExecutorLostFailure"), line
     assert not failed.permanent  # a lost executor is relaunched
+    # A Python worker SIGKILLed in a live executor: Spark's error names no executor; the
+    # status store's record of the failed task does (failed_executors, classic Spark).
+    line = _lost_task(Exception(CRASHED_WORKER), str(tmp_path / "ranks"), {1: "driver"})
+    assert line == "rank 1 on worker-b (executor driver), pid 4242 was lost: Python worker exited unexpectedly (crashed)"
+
+
+# What classic Spark 4.3 raised when rank 1's Python worker was SIGKILLed (local[2]).
+CRASHED_WORKER = """An error occurred while calling o70.collectToPython.
+: org.apache.spark.SparkException: Job aborted due to stage failure: Could not recover from a failed \
+barrier ResultStage. Most recent failure reason: Stage failed because barrier task ResultTask(0, 1) \
+finished unsuccessfully.
+org.apache.spark.SparkException: Python worker exited unexpectedly (crashed). Consider setting \
+'spark.sql.execution.pyspark.udf.faulthandler.enabled' or'spark.python.worker.faulthandler.enabled' \
+configuration to 'true' for the better Python traceback.
+\tat org.apache.spark.api.python.BasePythonRunner$ReaderIterator$$anonfun$1.applyOrElse(PythonRunner.scala:1136)
+"""

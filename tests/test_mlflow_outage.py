@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.training import checkpoints
+from shardline.training.checkpoint_store import CheckpointStore
 from shardline.training.config import TrackingConfig
 from shardline.training.job import run_training
 
@@ -136,16 +136,16 @@ def test_training_survives_an_mlflow_outage_and_its_metrics_arrive_after(prepare
     def outage() -> None:
         """Kill the server after the first checkpoint; bring it back once three more
         were written while it was down (training went on without it)."""
-        while not done.is_set() and not checkpoints.checkpoint_paths(cfg.checkpoint_dir):
+        while not done.is_set() and not CheckpointStore(cfg.checkpoint_dir).paths():
             time.sleep(0.02)
         if done.is_set():
             return
         stop_group(procs[0])
-        seen["at_kill"] = len(checkpoints.checkpoint_paths(cfg.checkpoint_dir))
+        seen["at_kill"] = len(CheckpointStore(cfg.checkpoint_dir).paths())
         killed.write_text("down")
-        while not done.is_set() and len(checkpoints.checkpoint_paths(cfg.checkpoint_dir)) < seen["at_kill"] + 3:
+        while not done.is_set() and len(CheckpointStore(cfg.checkpoint_dir).paths()) < seen["at_kill"] + 3:
             time.sleep(0.05)
-        seen["at_return"] = len(checkpoints.checkpoint_paths(cfg.checkpoint_dir))
+        seen["at_return"] = len(CheckpointStore(cfg.checkpoint_dir).paths())
         procs.append(_server(root, port))
 
     watcher = threading.Thread(target=outage)
@@ -236,7 +236,7 @@ def test_a_server_gone_for_good_ends_in_the_jobs_one_line_after_saying_it_waits(
     done = threading.Event()
 
     def kill_after_first_checkpoint() -> None:
-        while not done.is_set() and not checkpoints.checkpoint_paths(cfg.checkpoint_dir):
+        while not done.is_set() and not CheckpointStore(cfg.checkpoint_dir).paths():
             time.sleep(0.02)
         stop_group(proc)
         killed.write_text("down")
@@ -255,7 +255,7 @@ def test_a_server_gone_for_good_ends_in_the_jobs_one_line_after_saying_it_waits(
     line = str(gone.value)
     assert "\n" not in line and line.startswith(f"tracking.tracking_uri: MLflow at http://127.0.0.1:{port} "
                                                 "has been unreachable since training was running"), line
-    newest = checkpoints.latest(cfg.checkpoint_dir)
+    newest = CheckpointStore(cfg.checkpoint_dir).latest()
     assert f"the trained weights are in checkpoint {newest}, the model is not registered" in line
     err = capfd.readouterr().err
     assert f"[shardline] training is done; MLflow at http://127.0.0.1:{port} is unreachable" in err, err[-3000:]

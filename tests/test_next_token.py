@@ -189,7 +189,7 @@ def test_a_job_trains_the_decoder_with_fsdp_registers_and_scores_it(lm, dask_cli
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from shardline.serving.score import score
+    from .serving_helpers import score
     from shardline.training.config import TrackingConfig, TrainingConfig
     from shardline.training.job import run_training
     from shardline.training.model_factory import build_model

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from shardline.pipelines.manifest import load_manifest
-from shardline.serving.score import score
+from .serving_helpers import score
 
 from .serving_helpers import post, raw_table, read_scores, served, trained_model, write_raw
 

@@ -102,7 +102,7 @@ def test_a_tick_without_a_listener_is_silent():
 def test_prepare_and_scoring_count_their_units_on_the_driver(engine, engines, prepared, tracking_uri, tmp_path, capfd):
     from shardline.pipelines.manifest import load_manifest
     from shardline.pipelines.prepare import prepare
-    from shardline.serving.score import score
+    from .serving_helpers import score
 
     from .conftest import small_pipeline
     from .serving_helpers import trained_model
@@ -140,7 +140,9 @@ def test_a_long_lived_task_process_keeps_only_its_newest_connections():
 def test_console_lines_reach_a_log_unbroken():
     """spark-submit's and a scheduler's logs are no terminal: a long path stays on its line."""
     path = "/data/" + "/".join(["a-long-folder-name"] * 8) + "/env/bin/python"
-    code = f"from shardline.jobs.engines import console, stage\nwith stage('Preparing into {path}'):\n    console.print('  {path} on vm')\n"
+    code = (f"from shardline.jobs.console import ConsoleReporter\nfrom shardline.pipelines import report\n"
+            f"report.use(ConsoleReporter())\nwith report.stage('Preparing into {path}'):\n"
+            f"    report.note('{path} on vm')\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stderr.splitlines()
@@ -169,3 +171,28 @@ def test_the_listener_prints_only_lines_from_its_own_job():
                 _wait_for(out, "epoch 1/9: ours")
     # the forged tick did not count either: the stage ends with none of its unit done
     assert out.getvalue().splitlines() == ["[shardline] epoch 1/9: ours", "[shardline] scoring: 0/1 units"]
+
+
+def test_the_library_reports_through_the_reporter_its_caller_chose(caplog):
+    """pipelines.report: the library's stage, note and warning lines go to the process's
+    reporter: plain lines by default (a notebook, spark-submit's log), the `shardline`
+    logger when a program routes its logs, the CLI's console when the command runs."""
+    import logging
+
+    from shardline.pipelines import report
+
+    out = io.StringIO()
+    with report.using(report.PlainReporter(out)):
+        with report.stage("Preparing [pipelines] data"):
+            report.note("inferred 3 classes")
+            report.warn("a warning")
+        report.line("[shardline] a status line")
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "→ Preparing [pipelines] data …" and lines[1:3] == ["  inferred 3 classes", "  a warning"]
+    assert lines[3].startswith("✓ Preparing [pipelines] data (") and lines[4] == "[shardline] a status line"
+    with caplog.at_level(logging.INFO, logger="shardline"), report.using(report.LoggingReporter()):
+        report.note("to the logger")
+        report.warn("careful")
+    got = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    assert ("shardline", logging.INFO, "  to the logger") in got and ("shardline", logging.WARNING, "careful") in got
+    assert isinstance(report.current(), report.PlainReporter)  # `using` put the default back

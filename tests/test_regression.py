@@ -79,7 +79,7 @@ def test_regression_trains_with_mse_matches_least_squares_and_scores_values(
 ):
     from mlflow.tracking import MlflowClient
 
-    from shardline.serving.score import score
+    from .serving_helpers import score
     from shardline.training.job import run_training
 
     dataset = regression_dataset.dataset_dir

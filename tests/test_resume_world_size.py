@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from shardline.pipelines.manifest import load_manifest
-from shardline.training import checkpoints, sharded_checkpoints
+from shardline.training import sharded_checkpoints
+from shardline.training.checkpoint_store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 from shardline.training.loader import ShardLoader
@@ -79,7 +80,7 @@ def stop_after_first_epoch(epoch: int, metrics: dict) -> bool:
 
 
 def _epoch_end(checkpoint_dir: str, epoch: int) -> Path:
-    for path in checkpoints.checkpoint_paths(checkpoint_dir):
+    for path in CheckpointStore(checkpoint_dir).paths():
         head = torch.load(path, weights_only=True)
         if head["epoch"] == epoch and head["step_in_epoch"] == 0:
             return Path(path)
@@ -148,7 +149,7 @@ def continued_single_process(head_path: Path, cfg: TrainingConfig, data_world: i
 )
 def test_resume_at_another_world_size_matches_single_process_continuation(prepared4, first_runs, tmp_path, first,
                                                                           then):
-    from shardline.training.strategies import get_strategy
+    from shardline.training.strategies import strategy_for
 
     tracking = TrackingConfig(experiment="resume-world", registered_model="resume-world")
     saved = _epoch_end(first_runs(first), 1)
@@ -157,7 +158,7 @@ def test_resume_at_another_world_size_matches_single_process_continuation(prepar
     _copy_checkpoint(saved, Path(after.checkpoint_dir))
     resumed = run_training(after, tracking, prepared4.dataset_dir, register=False)
 
-    data_world = get_strategy(after.strategy).data_world(after)
+    data_world = strategy_for(after).data_world
     reference = continued_single_process(saved, after, data_world, prepared4.dataset_dir)
     distance = relative_distance(resumed.weights, reference)
     assert distance <= TOLERANCE, distance
@@ -202,7 +203,7 @@ def _config(tmp: Path, dataset_dir: str, checkpoint_dir: str | Path, training: s
 )
 def test_cli_refuses_a_resume_that_cannot_reshard(prepared4, first_runs, tmp_path, first, resumed_with, message):
     # The mid-epoch checkpoint at step 5 alone in a directory: the latest, as a resume takes it.
-    mid = next(Path(p) for p in checkpoints.checkpoint_paths(first_runs(first))
+    mid = next(Path(p) for p in CheckpointStore(first_runs(first)).paths()
                if torch.load(p, weights_only=True)["global_step"] == 5)
     _copy_checkpoint(mid, tmp_path / "mid")
     if "earlier shardline" in message:  # as ddp, pipeline and ps wrote them before DCP

@@ -20,13 +20,13 @@ from shardline.pipelines.config import PipelineConfig
 from shardline.pipelines.manifest import load_manifest, sequences
 from shardline.pipelines.prepare import prepare
 from shardline.serving.ledger import read_ledger
-from shardline.serving.score import score
-from shardline.training import checkpoints
+from shardline.training.checkpoint_store import CheckpointStore
 from shardline.training.config import TrackingConfig
 from shardline.training.job import run_training
 from shardline.training.raw_model import load_torch_model
 
 from .fixtures_s3 import new_bucket, s3_keys
+from .serving_helpers import score
 from .test_checkpoints import _cfg, _equal, _kill_rank_after_first_checkpoint
 
 ROWS = 4000
@@ -99,10 +99,10 @@ def test_checkpoints_and_artifacts_live_in_the_buckets(reference, mlflow_server)
     result, cfg = reference
     names = s3_keys(cfg.checkpoint_dir)
     assert {"LATEST", "ranks/rank-0.json", "ranks/rank-1.json"} <= set(names)
-    ckpts = checkpoints.checkpoint_paths(cfg.checkpoint_dir)
+    ckpts = CheckpointStore(cfg.checkpoint_dir).paths()
     assert len(ckpts) == 5  # every 15 of 50 steps, and 2 epoch ends
-    latest = checkpoints.latest(cfg.checkpoint_dir)
-    assert latest == ckpts[-1] and checkpoints.load(latest, {})["epoch"] == 2
+    latest = CheckpointStore(cfg.checkpoint_dir).latest()
+    assert latest == ckpts[-1] and CheckpointStore.holding(latest).read()["epoch"] == 2
     # Artifacts went through the tracking server into its bucket (proxied): the run knows
     # them by an mlflow-artifacts: URI, and the objects are in s3://mlflow-artifacts.
     client = MlflowClient(mlflow_server)
@@ -174,9 +174,9 @@ def test_fsdp_checkpoints_in_the_bucket_resume_a_killed_rank_to_the_same_weights
     assert killed, "the rank was never killed"
     assert MlflowClient(mlflow_server).get_run(result.run_id).data.metrics.get("restarts") == 1
     _equal(result.weights, ref.weights)
-    kept = checkpoints.checkpoint_paths(kill_cfg.checkpoint_dir)
+    kept = CheckpointStore(kill_cfg.checkpoint_dir).paths()
     assert len(kept) == 2
-    named = {checkpoints.load(p, {})["sharded"] for p in kept}
+    named = {CheckpointStore.holding(p).read()["sharded"] for p in kept}
     left = {n.split("/")[0] for n in s3_keys(kill_cfg.checkpoint_dir) if ".dcp/" in n}
     assert left == named, (left, named)  # every older DCP prefix was deleted with its checkpoint
 
@@ -232,11 +232,11 @@ def test_cli_train_resume_continues_from_the_checkpoint_in_the_bucket(data, refe
 
     bucket, cfg, *_ = data
     result, ref_cfg = reference
-    mid = next(c for c in checkpoints.checkpoint_paths(ref_cfg.checkpoint_dir)
-               if checkpoints.load(c, {})["step_in_epoch"] and checkpoints.load(c, {})["epoch"] == 1)
+    mid = next(c for c in CheckpointStore(ref_cfg.checkpoint_dir).paths()
+               if CheckpointStore.holding(c).read()["step_in_epoch"] and CheckpointStore.holding(c).read()["epoch"] == 1)
     resumed_dir = f"{bucket}/ckpt-cli"
     storage.write_bytes(f"{resumed_dir}/{storage.name(mid)}", storage.read_bytes(mid))  # no pointer: the newest
-    dcp = checkpoints.load(mid, {})["sharded"]  # and its ranks' weights and optimizer state
+    dcp = CheckpointStore.holding(mid).read()["sharded"]  # and its ranks' weights and optimizer state
     for f in storage.find_files(storage.join(ref_cfg.checkpoint_dir, dcp)):
         storage.write_bytes(f"{resumed_dir}/{dcp}/{storage.name(f)}", storage.read_bytes(f))
     fields = {k: getattr(ref_cfg, k) for k in (
@@ -258,5 +258,5 @@ def test_cli_train_resume_continues_from_the_checkpoint_in_the_bucket(data, refe
     assert run_id == result.run_id  # the checkpoint's own MLflow run, continued
     mlflow.set_tracking_uri(mlflow_server)
     _equal(load_torch_model(model_uri).state_dict(), result.weights)
-    assert checkpoints.latest(resumed_dir) != f"{resumed_dir}/{storage.name(mid)}"  # it went on writing there
+    assert CheckpointStore(resumed_dir).latest() != f"{resumed_dir}/{storage.name(mid)}"  # it went on writing there
     assert not (tmp_path / "shardline-data").exists()  # nothing fell back to a local path

@@ -14,7 +14,7 @@ import pytest
 from shardline.pipelines.errors import DataError, ShardlineError
 from shardline.pipelines.manifest import load_manifest
 from shardline.serving.ledger import LEDGER, output_lease, read_ledger
-from shardline.serving.score import score
+from .serving_helpers import score
 
 from .serving_helpers import TRAINING, raw_table, read_scores, trained_model, version_dir, write_raw
 

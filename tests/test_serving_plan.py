@@ -12,9 +12,8 @@ import pytest
 
 from shardline.pipelines.errors import DataError
 from shardline.serving.inputs import list_units
-from shardline.serving.ledger import entry_bytes, legacy_output_name, output_name, version_dir
+from shardline.serving.ledger import entry_bytes, output_name, version_dir
 from shardline.serving.score import plan
-from shardline.serving.status import output_status
 
 from .conftest import shardline_here
 from .serving_helpers import promo_model, raw_table, write_raw
@@ -83,29 +82,6 @@ def test_an_explicit_score_of_a_newer_version_scores_its_input(promo, prepared, 
     assert r.returncode == 2, r.stderr
     assert "--backfill applies to --incremental (scheduled) runs" in r.stderr
     assert "Starting" not in r.stderr
-
-
-def test_flat_output_of_an_earlier_release_counts_as_its_version(promo, prepared, tracking_uri, tmp_path):
-    src, out = tmp_path / "in", tmp_path / "scores"
-    write_raw(raw_table(prepared).slice(0, 200), src, files=2)
-    u0, u1 = list_units(str(src), "test")
-    _commit_by_hand(out, u0, "1", rows=100, name=legacy_output_name(u0.unit_id, "promo", "1"))
-
-    p = plan("models:/promo/1", tracking_uri, str(src), str(out), incremental=True)
-    assert (_names(p.skipped), _names(p.todo)) == (["part-0000.parquet"], ["part-0001.parquet"])
-    p = plan("models:/promo/2", tracking_uri, str(src), str(out), incremental=True)
-    assert (_names(p.left), _names(p.todo)) == (["part-0000.parquet"], ["part-0001.parquet"])
-
-    st = output_status(str(out), list_units(str(src), "test"))
-    assert [(v.model_name, v.model_version, v.units, v.rows, v.pending, v.legacy) for v in st.versions] == [
-        ("promo", "1", 1, 100, 1, True)
-    ]
-    assert st.new_units == 1 and st.holder is None
-
-    p = plan("models:/promo/1", tracking_uri, str(src), str(out), force=True)
-    assert p.describe_discard() == [
-        f"--force discards the scores of model promo version 1: 1 unit(s), 100 rows in {out}"
-    ]
 
 
 def test_prepared_input_with_other_feature_columns_names_them(promo, prepared, tracking_uri, tmp_path):

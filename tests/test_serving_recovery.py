@@ -25,11 +25,11 @@ from pathlib import Path
 import pytest
 
 from shardline.serving.ledger import LEDGER, committed_files, read_ledger
-from shardline.serving.score import score as score_job
 
 from .conftest import REPO
 from .scoring_faults import DiesBetweenOutputAndLedger, StallsOnce
 from .serving_helpers import raw_table, read_scores, register_flaky, register_wrapped, version_dir, write_raw
+from .serving_helpers import score as score_job
 
 # Every model here is a fault-injecting wrapper logged with mlflow.pytorch (register_wrapped):
 # a pickled model, which scoring loads only when allowed (serving.allow_pickled_models).
@@ -195,7 +195,7 @@ def _wait_for_workers(client, n: int) -> None:
 KILLED_JOB = """
 from shardline.pipelines.config import DaskConfig
 from shardline.pipelines.engines import dask_client
-from shardline.serving.score import score
+from tests.serving_helpers import score
 import sys
 client = dask_client(DaskConfig(n_workers=1, threads_per_worker=2))
 score("dask", client, sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], batch_size=64, allow_pickled=True)

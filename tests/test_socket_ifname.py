@@ -19,11 +19,11 @@ def _seen(rank, world_size, payload):
 
 
 def test_the_setting_is_exported_while_the_group_lives_and_put_back_after(monkeypatch):
-    from shardline.training.worker import TrainJob
+    from shardline.training.worker import RankJob
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "before")
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
-    job = TrainJob(cfg=TrainingConfig(socket_ifname="lo"), dataset_dir="unused")
+    job = RankJob(cfg=TrainingConfig(socket_ifname="lo"), dataset_dir="unused")
     from shardline.training.launchers import free_port
 
     seen = run_in_group(_seen, 0, 1, f"tcp://127.0.0.1:{free_port()}", job, 30)

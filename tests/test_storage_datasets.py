@@ -20,7 +20,7 @@ from shardline.pipelines.config import PipelineConfig, RetentionConfig
 from shardline.pipelines.manifest import load_manifest, prune, sequences
 from shardline.pipelines.prepare import dataset_lease, prepare
 from shardline.serving.ledger import output_lease
-from shardline.training import checkpoints
+from shardline.training.checkpoint_store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 
@@ -76,7 +76,7 @@ def test_reprepare_while_training_leaves_the_training_unaffected(engines, tmp_pa
     def reprepare_then_kill():
         rank1 = ckpt / "ranks" / "rank-1.json"
         deadline = time.monotonic() + 600
-        while not (rank1.exists() and checkpoints.checkpoint_paths(str(ckpt))) and not done.is_set():
+        while not (rank1.exists() and CheckpointStore(str(ckpt)).paths()) and not done.is_set():
             if time.monotonic() > deadline:
                 return
             time.sleep(0.02)

@@ -10,7 +10,7 @@ import pytest
 
 from shardline.pipelines.errors import DataError
 from shardline.serving import ledger
-from shardline.training import checkpoints
+from shardline.training.checkpoint_store import CheckpointStore, POINTER
 
 UID = "0123456789abcdef"
 
@@ -73,17 +73,17 @@ def test_tampered_checkpoint_pointer_is_refused(tmp_path, name):
     ckpts.mkdir()
     (ckpts / "ckpt-000000001-abcdef.pt").write_bytes(b"ours")
     name = str(outside) if name == "{outside}" else name
-    (ckpts / checkpoints.POINTER).write_text(json.dumps({"name": name, "step": 1}))
+    (ckpts / POINTER).write_text(json.dumps({"name": name, "step": 1}))
     with pytest.raises(DataError) as e:
-        checkpoints.latest(str(ckpts))
+        CheckpointStore(str(ckpts)).latest()
     assert "corrupt checkpoint pointer" in str(e.value) and str(ckpts / "LATEST") in str(e.value)
     assert "\n" not in str(e.value)
 
 
 def test_own_checkpoint_pointer_is_followed(tmp_path):
     (tmp_path / "ckpt-000000002-abcdef.pt").write_bytes(b"ours")
-    (tmp_path / checkpoints.POINTER).write_text(json.dumps({"name": "ckpt-000000002-abcdef.pt", "step": 2}))
-    assert checkpoints.latest(str(tmp_path)) == str(tmp_path / "ckpt-000000002-abcdef.pt")
+    (tmp_path / POINTER).write_text(json.dumps({"name": "ckpt-000000002-abcdef.pt", "step": 2}))
+    assert CheckpointStore(str(tmp_path)).latest() == str(tmp_path / "ckpt-000000002-abcdef.pt")
 
 
 @pytest.mark.parametrize("sharded", ["../outside.dcp", "{outside}", "ckpt-000000001-abcdef.dcp/../../outside",
@@ -103,7 +103,7 @@ def test_tampered_dcp_directory_name_is_refused(tmp_path, sharded):
     sharded = str(outside) if sharded == "{outside}" else sharded
     torch.save({"epoch": 0, "sharded": sharded}, head)
     with pytest.raises(DataError) as e:
-        checkpoints.load(str(head), {})
+        CheckpointStore(str(ckpts)).read(str(head))
     assert "corrupt checkpoint" in str(e.value) and "not followed" in str(e.value), str(e.value)
     torch.save({"epoch": 0, "sharded": "ckpt-000000001-abcdef.dcp"}, head)
-    assert checkpoints.load(str(head), {})["sharded"] == "ckpt-000000001-abcdef.dcp"
+    assert CheckpointStore(str(ckpts)).read(str(head))["sharded"] == "ckpt-000000001-abcdef.dcp"

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from shardline.pipelines.errors import ConfigError
+from shardline.training.config import TrainingConfig
 from shardline.training.launchers.local import launch_local
 from shardline.training.launchers.spark import launch_spark_barrier
-from shardline.training.strategies import get_strategy
+from shardline.training.strategies import strategy_for
 
 from .dist_helpers import train_steps
 
@@ -79,4 +80,4 @@ def test_ddp_switches_and_models_match_single_process(variant, atol):
 
 def test_unknown_strategy_lists_the_valid_ones():
     with pytest.raises(ConfigError, match=r"unknown strategy 'nope' \(valid: ddp, fsdp, pipeline, ps, tensor\)"):
-        get_strategy("nope")
+        strategy_for(TrainingConfig(strategy="nope"))

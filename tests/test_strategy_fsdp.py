@@ -11,8 +11,7 @@ import torch
 from shardline.pipelines.errors import ConfigError
 from shardline.training.config import TrainingConfig
 from shardline.training.launchers.local import launch_local
-from shardline.training.strategies import get_strategy
-from shardline.training.strategies.base import model_for
+from shardline.training.strategies import strategy_for
 
 from .dist_helpers import MODELS, global_batches, resumed
 
@@ -33,8 +32,8 @@ def held(rank: int, world_size: int, settings: dict) -> dict:
         builds.append(sorted({p.device.type for p in model.parameters()}))
         return model
 
-    strategy = get_strategy("fsdp")
-    parallel = strategy.setup(model_for(strategy, build, torch.device("cpu")), cfg, rank, world_size,
+    strategy = strategy_for(cfg)
+    parallel = strategy.setup(strategy.model_for(build, torch.device("cpu")), cfg, rank, world_size,
                               torch.device("cpu"), lambda p: torch.optim.AdamW(p, lr=0.01))
     computed = set()
     for m in parallel.model.modules():
@@ -116,7 +115,7 @@ def test_resume_from_sharded_checkpoint_continues_exactly(settings, world, tmp_p
 def test_check_refuses_a_mesh_that_does_not_fit_the_ranks(settings, message):
     cfg = TrainingConfig(strategy="fsdp", **settings)
     with pytest.raises(ConfigError, match=message):
-        get_strategy("fsdp").check(cfg, MODELS["mlp"]())
+        strategy_for(cfg).check(cfg, MODELS["mlp"]())
 
 
 def units_returning_views(rank: int, world_size: int, _args) -> list[str]:
@@ -125,11 +124,11 @@ def units_returning_views(rank: int, world_size: int, _args) -> list[str]:
     import warnings
 
     cfg = TrainingConfig(world_size=world_size, strategy="fsdp", batch_size=4)
-    strategy = get_strategy("fsdp")
+    strategy = strategy_for(cfg)
     cpu = torch.device("cpu")
     with warnings.catch_warnings(record=True) as said:  # the filters in force, as they are
         parallel = strategy.setup(
-            model_for(strategy, lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)), cpu),
+            strategy.model_for(lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)), cpu),
             cfg, rank, world_size, cpu, lambda p: torch.optim.SGD(p, lr=0.1))
         out = parallel.model(torch.randn(2, 3, 4))
         assert out._base is not None  # a view: what torch warns about

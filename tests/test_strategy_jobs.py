@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shardline.pipelines.manifest import load_manifest
-from shardline.training import checkpoints
+from shardline.training.checkpoint_store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 from shardline.training.launchers.spark import launch_spark_barrier
@@ -46,7 +46,7 @@ def test_strategy_job_resumes_exactly_and_its_model_scores(name, prepared, dask_
                                                            capfd):
     from mlflow.tracking import MlflowClient
 
-    from shardline.serving.score import score
+    from .serving_helpers import score
 
     cfg = _cfg(tmp_path / "a", name)
     tracking = TrackingConfig(experiment=f"strategy-{name}", registered_model=f"strategy-{name}")
@@ -71,7 +71,7 @@ def test_strategy_job_resumes_exactly_and_its_model_scores(name, prepared, dask_
     assert mine is None or calls.get((mine, "cpu"), 0) > 0, calls
 
     # Resume from a mid-epoch checkpoint: the same final weights, bit for bit.
-    paths = checkpoints.checkpoint_paths(cfg.checkpoint_dir)
+    paths = CheckpointStore(cfg.checkpoint_dir).paths()
     mid = Path(next(p for p in paths if torch.load(p, weights_only=True)["step_in_epoch"] != 0))
     assert torch.load(mid, weights_only=True)["epoch"] == 0  # the resumed job crosses an epoch's end
     resumed_cfg = _cfg(tmp_path / "b", name, resume=True)

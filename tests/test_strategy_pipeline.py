@@ -16,7 +16,7 @@ from shardline.training.config import TrainingConfig
 from shardline.training.launchers.local import launch_local
 from shardline.training.models import TabularMLP
 from shardline.training.strategies.base import autocast_for, train_step
-from shardline.training.strategies.pipeline import Pipeline, balanced_bounds, pipeline_layout
+from shardline.training.strategies.pipeline import Pipeline, balanced_bounds
 from shardline.training.strategies.schedule import (
     SCHEDULES, Layout, ReplayStuck, closed_form, grid, in_flight, layout, replay, schedule_bubble,
     unit_timeline,
@@ -138,7 +138,7 @@ def test_balanced_bounds_minimise_the_largest_stage():
 def test_describe_shows_stages_grid_bubble_and_held_activations():
     model = MODELS["mlp"]()
     cfg = TrainingConfig(world_size=2, strategy="pipeline", batch_size=32, micro_batches=4)
-    text = Pipeline().describe(cfg, model)
+    text = Pipeline(cfg).describe(cfg, model)
     stage_lines = [line for line in text.splitlines() if line.startswith("  stage ")]
     counts = [int(line.rsplit(", ", 1)[1].split()[0].replace(",", "")) for line in stage_lines]
     assert len(counts) == 2 and sum(counts) == sum(p.numel() for p in model.parameters())
@@ -147,7 +147,7 @@ def test_describe_shows_stages_grid_bubble_and_held_activations():
     assert "holds at most: stage 0 2, stage 1 1" in text
     cfg = TrainingConfig(world_size=4, dp=2, strategy="pipeline", batch_size=32, micro_batches=4,
                          pipeline_schedule="interleaved-1f1b")
-    text = Pipeline().describe(cfg, model)
+    text = Pipeline(cfg).describe(cfg, model)
     assert "stage 2 (ranks 0, 2): layer 2 (Dense)" in text and "bubble (p-1)/(v*m+p-1) = 1/9 = 11.1%" in text
     assert "\n    ranks 1, 3 " in text
 
@@ -187,7 +187,7 @@ def test_check_names_the_bad_setting(settings, message):
     cfg = TrainingConfig(**{"world_size": 2, "strategy": "pipeline", "batch_size": 32, **settings})
     model = TabularMLP(5, [4], hidden, 3) if hidden else MODELS["mlp"]()
     with pytest.raises(ConfigError, match=message):
-        Pipeline().check(cfg, model)
+        Pipeline(cfg).check(cfg, model)
 
 
 # --- training on real process groups (each launch costs seconds: they are few and shared) ---
@@ -196,8 +196,9 @@ def _setup(rank: int, world_size: int, model: nn.Module, optimizer: str = "sgd",
     # These tests read what the executor did (orders, held activations): timed stages.
     settings.setdefault("pipeline_timing", True)
     cfg = TrainingConfig(world_size=world_size, strategy="pipeline", **settings)
-    Pipeline().check(cfg, model)
-    return Pipeline().setup(model, cfg, rank, world_size, torch.device("cpu"), OPTIMIZERS[optimizer])
+    strategy = Pipeline(cfg)
+    strategy.check(cfg, model)
+    return strategy.setup(model, cfg, rank, world_size, torch.device("cpu"), OPTIMIZERS[optimizer])
 
 
 def _train(parallel, batches) -> None:
@@ -314,7 +315,7 @@ def test_the_schedule_changes_only_the_timing(schedule_runs):
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_the_executor_runs_the_order_the_driver_prints(name, schedule_runs):
-    printed = pipeline_layout(_config(name))  # what `describe` draws on the driver, before any process
+    printed = Pipeline(_config(name)).layout()  # what `describe` draws on the driver, before any process
     for r, rank_result in enumerate(schedule_runs[name][1]):
         for precision in ATOL:
             steps = rank_result["orders", precision]
@@ -326,7 +327,7 @@ def test_the_executor_holds_the_activations_its_schedule_implies(name, schedule_
     """Measured on torch's executor (saved-tensor hooks): each stage held exactly as many
     micro-batches as its order has in flight (for 1F1B p - s on stage s, for GPipe all m),
     and nothing a step saved outlived it (zero-bubble's retained graphs included)."""
-    lay = pipeline_layout(_config(name))
+    lay = Pipeline(_config(name)).layout()
     expected = in_flight(lay)
     assert expected == {"gpipe": {0: 4, 1: 4}, "1f1b": {0: 2, 1: 1}}.get(name, expected)
     for r, rank_result in enumerate(schedule_runs[name][1]):

@@ -14,7 +14,7 @@ from torch import nn
 from shardline.pipelines.errors import ConfigError
 from shardline.training.config import TrainingConfig
 from shardline.training.launchers.local import launch_local
-from shardline.training.strategies import get_strategy
+from shardline.training.strategies import strategy_for
 from shardline.training.strategies.ps import shard_names
 
 from .dist_helpers import MODELS, global_batches, train_steps
@@ -32,8 +32,9 @@ def _setup(rank: int, world_size: int, settings: dict, momentum: float = 0.0):
     cfg = TrainingConfig(world_size=world_size, strategy="ps", batch_size=64, **settings)
     torch.manual_seed(0)
     model = MODELS["mlp"]()
-    get_strategy("ps").check(cfg, model)
-    return get_strategy("ps").setup(
+    strategy = strategy_for(cfg)
+    strategy.check(cfg, model)
+    return strategy.setup(
         model, cfg, rank, world_size, torch.device("cpu"),
         lambda p: torch.optim.SGD(p, lr=0.1, momentum=momentum),
     )
@@ -217,5 +218,5 @@ def test_async_training_lowers_the_loss():
 def test_check_refuses_bad_settings_in_one_line(settings, model, message):
     cfg = TrainingConfig(**{"strategy": "ps", "batch_size": 64, **settings})
     with pytest.raises(ConfigError, match=message) as err:
-        get_strategy("ps").check(cfg, model if model is not None else MODELS["mlp"]())
+        strategy_for(cfg).check(cfg, model if model is not None else MODELS["mlp"]())
     assert "\n" not in str(err.value)

@@ -8,7 +8,7 @@ import torch
 from shardline.pipelines.errors import ConfigError
 from shardline.training.config import TrainingConfig
 from shardline.training.launchers.local import launch_local
-from shardline.training.strategies import get_strategy
+from shardline.training.strategies import strategy_for
 
 from .dist_helpers import MODELS, resumed, train_steps
 
@@ -38,7 +38,7 @@ def shard_shapes(rank: int, world_size: int, model_name: str) -> dict:
 
     cfg = TrainingConfig(world_size=world_size, strategy="tensor", tp=world_size, batch_size=8)
     torch.manual_seed(0)
-    parallel = get_strategy("tensor").setup(
+    parallel = strategy_for(cfg).setup(
         MODELS[model_name](), cfg, rank, world_size, torch.device("cpu"),
         lambda p: torch.optim.SGD(p, lr=0.1),
     )
@@ -89,7 +89,7 @@ def test_resume_from_sharded_checkpoint_continues_exactly(tmp_path):
 
 def _check(model: str, **settings):
     cfg = TrainingConfig(strategy="tensor", model=model, **settings)
-    get_strategy("tensor").check(cfg, MODELS[model]())
+    strategy_for(cfg).check(cfg, MODELS[model]())
 
 
 @pytest.mark.parametrize(
@@ -136,4 +136,4 @@ def test_an_mlp_with_one_hidden_layer_has_nothing_to_split():
 
     cfg = TrainingConfig(strategy="tensor", world_size=2, hidden=[16])
     with pytest.raises(ConfigError, match=r"^training.strategy tensor: training.hidden \[16\] has no pair"):
-        get_strategy("tensor").check(cfg, TabularMLP(5, [4], [16], 3, embedding_dim=3))
+        strategy_for(cfg).check(cfg, TabularMLP(5, [4], [16], 3, embedding_dim=3))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.pipelines.code_travel import code_zip, local_code, use_code
+from shardline.pipelines.code_travel import code_zip, local_code, snapshot, use_code
 from shardline.pipelines.config import DaskConfig
 from shardline.training.launchers.local import launch_local
 
@@ -94,18 +94,21 @@ def test_a_zip_that_never_arrived_is_one_line():
 
 def test_local_ranks_import_the_users_folder_from_anywhere(tmp_path, clean_imports):
     """The fork server's path is that of its start: a package outside it (a code_paths entry
-    elsewhere) is importable in the ranks, and a copy of the package imported earlier from
-    another folder does not shadow it."""
+    elsewhere) is importable in the ranks, from the job's snapshot of it (a zip named by its
+    content, which the ranks import even once the folder has changed), and a copy of the
+    package imported earlier from another folder does not shadow it."""
     pkg = write_package(tmp_path / "elsewhere", 3)
-    ranks = launch_local(read_value, MODULE, world_size=2, timeout_s=120, user_code=[str(pkg)])
+    code = snapshot([str(pkg)])
+    write_package(tmp_path / "elsewhere", 4)  # changed after the job took its snapshot
+    ranks = launch_local(read_value, MODULE, world_size=2, timeout_s=120, code=code)
     assert [r["value"] for r in ranks] == [3, 3]
-    assert all(r["file"] == str(pkg / "model.py") for r in ranks)
+    assert all(r["file"] == os.path.join(code.zip_path, "shipped_pkg", "model.py") for r in ranks), ranks
 
     stale = write_package(tmp_path / "old", 1)
     sys.path.insert(0, str(stale.parent))
     assert importlib.import_module(MODULE).value() == 1
-    use_code(local_code([str(pkg)]))
-    assert importlib.import_module(MODULE).value() == 3
+    use_code(local_code([str(pkg)]))  # the folder in place: as it is now
+    assert importlib.import_module(MODULE).value() == 4
 
 
 def test_two_code_paths_of_one_name_are_refused_in_one_line(tmp_path):
@@ -127,9 +130,9 @@ def test_classic_spark_python_workers_run_each_runs_version(spark, tmp_path):
 
     pkg = write_package(tmp_path, 1)
     path = list(sys.path)
-    first = launch_spark_barrier(spark, value_rank(), MODULE, 2, 120, user_code=[str(pkg)])
+    first = launch_spark_barrier(spark, value_rank(), MODULE, 2, 120, code=snapshot([str(pkg)]))
     write_package(tmp_path, 2)
-    second = launch_spark_barrier(spark, value_rank(), MODULE, 2, 120, user_code=[str(pkg)])
+    second = launch_spark_barrier(spark, value_rank(), MODULE, 2, 120, code=snapshot([str(pkg)]))
     assert [r["value"] for r in first] == [1, 1] and [r["value"] for r in second] == [2, 2], second
     for r in first + second:
         assert "/shardline-user-" in r["file"], r
@@ -153,9 +156,9 @@ def test_dask_workers_without_the_package_run_each_runs_version(dask_cli_cluster
             return importlib.util.find_spec("shipped_pkg") is not None
 
         assert not any(client.run(has_package).values())
-        first = launch_dask(client, value_rank(), MODULE, world_size=2, timeout_s=120, user_code=[str(pkg)])
+        first = launch_dask(client, value_rank(), MODULE, world_size=2, timeout_s=120, code=snapshot([str(pkg)]))
         write_package(tmp_path, 2)
-        second = launch_dask(client, value_rank(), MODULE, world_size=2, timeout_s=120, user_code=[str(pkg)])
+        second = launch_dask(client, value_rank(), MODULE, world_size=2, timeout_s=120, code=snapshot([str(pkg)]))
     finally:
         client.close()
     assert [r["value"] for r in first] == [1, 1]
@@ -230,7 +233,7 @@ def test_scoring_ships_the_code_a_model_needs_to_dask_workers_without_it(
     theirs logged with mlflow.pytorch is): the CLI cluster's workers can unpickle it only
     from the code the scoring job ships (without `user_code`: ModuleNotFoundError)."""
     from shardline.pipelines.engines import dask_client
-    from shardline.serving.score import score
+    from .serving_helpers import score
 
     from .serving_helpers import read_scores, register_wrapped
 
@@ -255,20 +258,31 @@ def test_scoring_ships_the_code_a_model_needs_to_dask_workers_without_it(
 
 def test_a_task_whose_working_folder_was_removed_still_runs_torch(tmp_path):
     """A reused Spark Python worker can sit in a removed folder (a Connect session's); torch
-    imported there aborts the process at its first matrix product. A task imports shardline
-    (its function's package) before torch, and that moves it out. The control aborts."""
+    imported there aborts the process at its first matrix product. A Spark task's payload
+    (pipelines.environ.TaskPayload: here a reference to torch.ones, whose unpickling imports
+    torch) is opened only after the task has left such a folder. The control unpickles the
+    same bytes in place, and aborts."""
+    import pickle
+
+    import torch
+
+    from shardline.pipelines.environ import TaskPayload
+
+    blob = tmp_path / "payload.pickle"
+    blob.write_bytes(pickle.dumps(TaskPayload(torch.ones)))
     script = (
-        "import os, shutil, sys\n"
+        "import os, pickle, shutil, sys\n"
+        "payload = pickle.loads(open(sys.argv[3], 'rb').read())\n"
+        "assert 'torch' not in sys.modules  # the task's own modules are torch-free\n"
         "os.chdir(sys.argv[1]); shutil.rmtree(sys.argv[1])\n"
-        "if sys.argv[2] == 'task': import shardline.training.launchers\n"
-        "import torch\n"
-        "a = torch.ones(64, 64); print(float((a @ a).sum()))\n"
+        "ones = payload.open() if sys.argv[2] == 'task' else pickle.loads(payload._blob)\n"
+        "a = ones(64, 64); print(float((a @ a).sum()))\n"
     )
     runs = {}
     for mode in ("task", "control"):
         folder = tmp_path / mode
         folder.mkdir()
-        runs[mode] = subprocess.run([sys.executable, "-c", script, str(folder), mode],
+        runs[mode] = subprocess.run([sys.executable, "-c", script, str(folder), mode, str(blob)],
                                     capture_output=True, text=True, timeout=300)
     assert runs["task"].returncode == 0 and runs["task"].stdout.strip() == str(64.0**3), runs["task"].stderr
     assert runs["control"].returncode != 0 and "Cannot load" in runs["control"].stdout + runs["control"].stderr

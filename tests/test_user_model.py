@@ -20,7 +20,7 @@ from shardline.training.launchers.local import launch_local
 from shardline.training.model_check import check_callables, check_model
 from shardline.training.model_factory import build_model, create_model
 from shardline.training.model_inputs import ModelInputs, TensorInput
-from shardline.training.strategies import get_strategy
+from shardline.training.strategies import strategy_for
 
 from .defaults_helpers import small_dataset  # noqa: F401 (a fixture)
 from .dist_helpers import INPUTS, relative_distance, train_steps, train_variants, unsynchronised
@@ -199,7 +199,9 @@ def test_the_driver_checks_a_model_of_named_inputs_on_zeros_of_their_dtypes():
     assert y.dtype == torch.int64 and y.shape == (2,)
     cfg = TrainingConfig(model=TYPED, code_paths=[PACKAGE], strategy="pipeline", world_size=2)
     check_callables(cfg)
-    check_model(cfg, TYPED_INPUTS, create_model(TYPED_INPUTS, cfg))  # its layers compose too
+    model = create_model(TYPED_INPUTS, cfg)
+    check_model(cfg, TYPED_INPUTS, model)
+    strategy_for(cfg).check(cfg, model, TYPED_INPUTS)  # its layers compose too
     plain = cfg.model_copy(update={"model": "usernets.nets:plain", "strategy": "ddp"})
     with pytest.raises(ConfigError) as e:
         check_model(plain, TYPED_INPUTS, create_model(TYPED_INPUTS, plain))
@@ -270,9 +272,10 @@ def test_a_pipeline_refuses_layers_that_do_not_compose_into_the_forward():
     check_callables(cfg)
     model = create_model(INPUTS, cfg)
     model.pipeline_layers = lambda: ["features", "head", "block0"]  # another order than forward's
+    check_model(cfg, INPUTS, model)  # the model alone is fine: its forward runs
     with pytest.raises(ConfigError, match="pipeline_layers\\(\\) run one after the other do not give"):
-        check_model(cfg, INPUTS, model)
-    get_strategy("pipeline").check(cfg, create_model(INPUTS, cfg))  # its own order passes
+        strategy_for(cfg).check(cfg, model, INPUTS)  # the pipeline strategy's own check
+    strategy_for(cfg).check(cfg, create_model(INPUTS, cfg), INPUTS)  # its own order passes
 
 
 def _typed_rows(keys) -> dict[str, np.ndarray]:
@@ -292,7 +295,7 @@ def test_a_job_trains_scores_and_predicts_a_model_of_named_inputs(typed_dataset,
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from shardline.serving.score import score
+    from .serving_helpers import score
 
     from .serving_helpers import read_scores
 

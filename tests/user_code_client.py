@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `tests`, when
 from shardline.pipelines.config import SparkConfig  # noqa: E402
 from shardline.pipelines.engines import spark_session  # noqa: E402
 from shardline.training.launchers.spark import launch_spark_barrier  # noqa: E402
+from shardline.pipelines.code_travel import snapshot  # noqa: E402
 from shardline.training.user_code import user_code_folders  # noqa: E402
 from tests.user_code_helpers import MODULE, value_rank, write_package  # noqa: E402
 
@@ -38,7 +39,7 @@ def main() -> None:
             write_package(Path(os.getcwd()), value)
             folders = user_code_folders([f"{MODULE}:value"], [])
             assert folders == [os.path.join(os.getcwd(), "shipped_pkg")], folders
-            ranks = launch_spark_barrier(spark, value_rank(), MODULE, args.world_size, 300, user_code=folders)
+            ranks = launch_spark_barrier(spark, value_rank(), MODULE, args.world_size, 300, code=snapshot(folders))
             print("RESULT " + json.dumps(ranks), flush=True)
     finally:
         spark.stop()

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, PrivateAttr
+from pydantic import Field, model_validator
 
 from shardline.pipelines.config import Section
 from shardline.pipelines.manifest import BandwidthPlan
+
+from .strategy_settings import (
+    DdpSettings, FsdpSettings, PipelineSettings, PsSettings, TensorSettings, nest_flat_names, nest_update,
+)
 
 
 class TrainingConfig(Section):
@@ -26,58 +30,15 @@ class TrainingConfig(Section):
         "after tp, pp or dp_shard (dp x tp, dp x pp or dp x dp_shard must equal world_size). "
         "fsdp: the replicas (HSDP's replicate degree).",
     )
-    dp_shard: int | None = Field(
-        None, ge=1, description="strategy fsdp: ranks each parameter, its gradient and optimizer "
-        "state are sharded over; unset: world_size / dp (plain FSDP shards over every rank).",
+    # Each strategy's own settings (training.strategy_settings); their earlier flat names
+    # (training.tp, training.micro_batches, ...) are accepted too and readable below.
+    ddp: DdpSettings = Field(default_factory=DdpSettings, description="strategy ddp's settings.")
+    fsdp: FsdpSettings = Field(default_factory=FsdpSettings, description="strategy fsdp's settings.")
+    tensor: TensorSettings = Field(default_factory=TensorSettings, description="strategy tensor's settings.")
+    pipeline: PipelineSettings = Field(
+        default_factory=PipelineSettings, description="strategy pipeline's settings."
     )
-    tp: int | None = Field(
-        None, ge=1, description="strategy tensor: ranks each layer is split over (DTensor); "
-        "unset: world_size / dp.",
-    )
-    tp_plan: dict[str, Literal["colwise", "rowwise"]] | None = Field(
-        None, description="strategy tensor: module path -> colwise (output features split) or "
-        "rowwise (input features split, outputs summed), each colwise run closed by a rowwise "
-        "layer; unset: the model's own plan (its tp_plan(), training.model_plans).",
-    )
-    pp: int | None = Field(
-        None, ge=1, description="strategy pipeline: pipeline stages; unset: world_size / dp.",
-    )
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv"] = Field(
-        "1f1b", description="pipeline, a torch.distributed.pipelining schedule: gpipe runs all "
-        "micro-batches forward, then all backward; 1f1b interleaves them (same bubble, at most pp "
-        "micro-batches' activations held; needs micro_batches >= pp); interleaved-1f1b runs 1F1B "
-        "over several stages per rank (a smaller bubble); zbv (zero bubble, V-shaped, 2 stages per "
-        "rank) splits each backward into input and weight gradients and fills idle time with the latter.",
-    )
-    pipeline_stages_per_rank: int | None = Field(
-        None, ge=1, description="pipeline: model stages each rank holds (the model is cut into "
-        "pp x this); unset: 1 for gpipe and 1f1b, 2 for interleaved-1f1b (any from 2) and zbv (exactly 2).",
-    )
-    micro_batches: int = Field(
-        4, ge=1, description="pipeline: micro-batches per rank's batch (bubble (pp-1)/(m+pp-1)).",
-    )
-    pipeline_boundaries: list[int] | None = Field(
-        None, description="pipeline: index of the first layer of each stage after the first "
-        "(pp x pipeline_stages_per_rank - 1 increasing numbers); unset: stages balanced by parameter count.",
-    )
-    pipeline_timing: bool = Field(
-        False, description="pipeline: time every stage action and report the measured bubble "
-        "(pipeline_bubble, _predicted, pipeline_cpu_wait, held activations) per epoch. Off by "
-        "default: it waits for the device at every action, which on a GPU removes the overlap "
-        "of compute and communication; `shardline bench strategies` turns it on.",
-    )
-    ps_servers: int = Field(
-        1, ge=1, description="strategy ps: ranks that hold the parameters (the last ones); "
-        "the others are workers.",
-    )
-    ps_mode: Literal["sync", "async"] = Field(
-        "sync", description="ps: sync averages every worker's gradient into one update per "
-        "step (= single-process SGD on the global batch); async applies each push at once.",
-    )
-    ps_staleness: int = Field(
-        2, ge=0, description="ps async: a worker may run at most this many steps ahead of the "
-        "slowest worker (stale synchronous parallel); 0 is lockstep.",
-    )
+    ps: PsSettings = Field(default_factory=PsSettings, description="strategy ps's settings.")
     model: str = Field(
         "mlp", description="The model: a built-in name (mlp, cnn, transformer; decoder for task "
         "next_token) or the import path "
@@ -131,9 +92,6 @@ class TrainingConfig(Section):
     )
     activation_checkpointing: bool = Field(
         False, description="Recompute each block's activations in backward to save memory."
-    )
-    grad_compression: Literal["none", "fp16"] = Field(
-        "none", description="fp16: DDP all-reduces gradients in fp16 (half the bytes)."
     )
     seed: int = Field(0, description="Seeds weights, shuffling and dropout.")
     loader_workers: int | None = Field(
@@ -200,8 +158,9 @@ class TrainingConfig(Section):
     )
     resume_allow_changed: list[str] = Field(
         default_factory=list, description="Fingerprint fields a resume may change (lr, weight_decay, "
-        "lr_schedule, warmup_steps, epochs, dataset_version; --allow-changed); any other difference "
-        "from the checkpoint's config is refused, naming the fields.",
+        "lr_schedule, warmup_steps, epochs, dataset_version, code: the user's code files; "
+        "--allow-changed); any other difference from the checkpoint's config or code is refused, "
+        "naming the fields (the code: its files).",
     )
     max_restarts: int = Field(
         2, ge=0, description="Relaunches after a rank is lost (a killed process or worker); each "
@@ -213,11 +172,32 @@ class TrainingConfig(Section):
         "the driver renews it every third of this, and ranks whose driver stopped renewing it stop "
         "within about this long.",
     )
-    # Set where an unset checkpoint_dir is derived (training.checkpoints.job_dir): the folder
-    # is this job's own, so a new run there replaces an earlier run that differed only in what
-    # the folder's name leaves out (epochs, lr, ...), instead of being refused.
-    _own_checkpoint_dir: bool = PrivateAttr(False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_flat_names(cls, data: Any) -> Any:
+        return nest_flat_names(data)
+
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> TrainingConfig:
+        # pydantic copies an update's keys into the copy as they are: a flat name would land
+        # under its read-only attribute below and be silently ignored, so it goes to its table.
+        return super().model_copy(update=nest_update(self, update) if update else update, deep=deep)
+
+    # The earlier flat names, read-only: checkpoints' fingerprints read them (getattr over
+    # checkpoints.FINGERPRINT_FIELDS), so a fingerprint is the same for the same settings.
+    grad_compression = property(lambda self: self.ddp.grad_compression)
+    dp_shard = property(lambda self: self.fsdp.dp_shard)
+    tp = property(lambda self: self.tensor.tp)
+    tp_plan = property(lambda self: self.tensor.plan)
+    pp = property(lambda self: self.pipeline.pp)
+    pipeline_schedule = property(lambda self: self.pipeline.schedule)
+    pipeline_stages_per_rank = property(lambda self: self.pipeline.stages_per_rank)
+    micro_batches = property(lambda self: self.pipeline.micro_batches)
+    pipeline_boundaries = property(lambda self: self.pipeline.boundaries)
+    pipeline_timing = property(lambda self: self.pipeline.timing)
+    ps_servers = property(lambda self: self.ps.servers)
+    ps_mode = property(lambda self: self.ps.mode)
+    ps_staleness = property(lambda self: self.ps.staleness)
 
     def loader_workers_for(self, plan: BandwidthPlan | None) -> int:
         """loader_workers if set, else the plan's workers per rank, else 1.

@@ -1,93 +1,334 @@
-"""A training job on the driver: check, open the MLflow run, launch ranks, log the model."""
+"""A training job on the driver: resolved once, checked before anything happens, then run.
+
+`TrainingJob.resolve` turns the training section into one object: the paths every host
+opens (dataset, checkpoint folder, MLflow store), the user's code as one snapshot (a zip
+named by its content, which every rank and every restart imports, and which the driver
+imports too: training.user_code.refresh_driver_code), and the strategy.
+
+`check` runs every check that can refuse the job — the settings, the dataset, the model
+(built here once, one forward pass on a batch of the dataset's shape), the strategy's
+plans, the checkpoint folder, the MLflow store — and writes, deletes, launches and logs
+nothing: a refused job leaves every byte and every MLflow run as it was.
+
+`run` then does the effects, in one ordered place: the checkpoint folder held (one job
+per folder), the MLflow run opened (or continued), the folder started over (a new job),
+the ranks launched (relaunched from the latest checkpoint when one is lost: training.
+restarts), the trained weights loaded into the model the checks built, logged and
+registered.
+"""
 
 from __future__ import annotations
 
 import io
-import logging
-import sys
-import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from shardline.pipelines import storage
-from shardline.pipelines.errors import ConfigError, DataError, ShardlineError, StorageError
-from shardline.pipelines.lease import LEASE_NAME, Lease
+from shardline.pipelines import report, storage
+from shardline.pipelines.code_travel import UserCode, snapshot
+from shardline.pipelines.errors import ConfigError, DataError, ShardlineError
 from shardline.pipelines.manifest import ShardManifest, load_manifest, sequences
 from shardline.pipelines.progress import ProgressListener, listen_address
-from shardline.pipelines.redact import redact
 
 from . import checkpoints, sharded_checkpoints
+from .checkpoint_store import CheckpointStore
 from .config import TrackingConfig, TrainingConfig
-from .launchers import DriverGuard, TrainingFailed
+from .launchers import DriverGuard
 from .loader import check_world_size, epoch_steps, rows_per_rank
-from .mlflow_outage import Outbox, replay, tracked_run, when_reachable
+from .mlflow_outage import replay, tracked_run, when_reachable
 from .model_check import check_callables, check_model
 from .model_inputs import ModelInputs
 from .models import build_model
-from .strategies import get_strategy
-from .tracking import describe_version, log_curves, log_dataset_input, open_experiment, run_name
-from .worker import TrainJob, train_rank
+from .restarts import launch_with_restarts
+from .result import TrainResult
+from .strategies import strategy_for
+from .tracking import check_store, describe_version, log_curves, log_dataset_input, open_experiment, run_name
+from .user_code import job_code_folders, refresh_driver_code
+from .worker import RankJob
 
 
 @dataclass
-class TrainResult:
-    run_id: str
-    tracking_uri: str
-    model_name: str
-    model_version: str
-    metrics: dict[str, float]
-    weights: dict[str, torch.Tensor]  # the final plain-model state dict
-    stopped_early: bool = False  # the epoch hook stopped it before training.epochs
-    # Rank 0's tensor collectives by (call, device type), each checked against the rank's
-    # device (training.collectives): shows a job kept the device contract.
-    collective_calls: dict = field(default_factory=dict)
+class Resume:
+    """The checkpoint a resumed job continues from, as the checks found it."""
+
+    url: str  # its small file
+    head: dict  # what the small file holds (training.checkpoints)
+    changed: dict[str, tuple]  # allowed changes (--allow-changed): field -> (old, new)
+
+
+class TrainingJob:
+    """One training job on the driver (see the module docstring)."""
+
+    def __init__(self, cfg: TrainingConfig, tracking: TrackingConfig, dataset_dir: str, *,
+                 store: CheckpointStore, code: UserCode):
+        self.cfg, self.tracking, self.dataset_dir = cfg, tracking, dataset_dir
+        self.store = store  # the checkpoint folder's owner (training.checkpoint_store)
+        self.code = code
+        # The job's strategy, looked up once: its settings and mesh (a mesh that cannot be laid
+        # out is refused here); the checks use it and it travels to every rank in the RankJob.
+        self.strategy = strategy_for(cfg)
+        # Found by check(): what run() acts on.
+        self.manifest: ShardManifest | None = None
+        self.model: torch.nn.Module | None = None
+        self.fingerprint: dict[str, str] = {}
+        self.resume: Resume | None = None
+        self.outline = ""
+
+    @classmethod
+    def resolve(cls, cfg: TrainingConfig, tracking: TrackingConfig, dataset_dir: str, *,
+                store: CheckpointStore | None = None) -> TrainingJob:
+        """Paths as every host opens them, the checkpoint folder's store, the strategy, and
+        the user's code, once. store: the caller's (shardline.config.checkpoint_store, which
+        knows whether the config left checkpoint_dir unset); else made here
+        (CheckpointStore.for_job: an unset checkpoint_dir is this job's own folder)."""
+        dataset_dir = storage.resolve(dataset_dir, "pipelines.dataset_dir")
+        if store is None:
+            store = CheckpointStore.for_job(cfg, tracking.experiment, tracking.registered_model, dataset_dir)
+        cfg = cfg.model_copy(update={"checkpoint_dir": store.url})
+        tracking = tracking.model_copy(update={"tracking_uri": tracking.resolved_uri()})
+        checkpoints.check_allowed(cfg.resume_allow_changed, "--allow-changed / training.resume_allow_changed")
+        # The user's code as it is now: the driver's checks, the fingerprint and every rank
+        # use these bytes.
+        code = snapshot(job_code_folders(cfg))
+        refresh_driver_code(code)
+        return cls(cfg, tracking, dataset_dir, store=store, code=code)
 
     @property
-    def model_uri(self) -> str:
-        if not self.model_version:  # logged, not registered
-            return f"runs:/{self.run_id}/model"
-        return f"models:/{self.model_name}/{self.model_version}"
+    def tracking_uri(self) -> str:
+        return self.tracking.tracking_uri
 
+    # -- checks: read only ---------------------------------------------------------------
 
-def check_settings(cfg: TrainingConfig) -> None:
-    """The checks that need no dataset: run before an engine starts (`shardline run`
-    prepares the dataset first, so its preflight comes only after Spark is up)."""
-    # The mesh (its degrees multiply to world_size; PS leaves workers): needs no model.
-    get_strategy(cfg.strategy).data_world(cfg)
-    # The model, loss and metrics import and take their arguments (the user's code: the cwd
-    # and training.code_paths on sys.path).
-    check_callables(cfg)
+    def check(self) -> TrainingJob:
+        """Every check that can refuse the job before an engine starts, in the order a user
+        would fix them: settings, dataset and model, checkpoints, the MLflow store."""
+        self.check_model_and_data()
+        self._check_checkpoints()
+        check_store(self.tracking_uri)  # a dead server, a missing database driver: now, in one line
+        return self
+
+    def check_settings(self) -> None:
+        """The checks that need no dataset (`shardline run` makes the dataset first). The mesh
+        (its degrees multiply to world_size; PS leaves workers) was checked as the strategy
+        was resolved."""
+        # The model, loss and metrics import and take their arguments.
+        check_callables(self.cfg)
+
+    def check_model_and_data(self) -> ShardManifest:
+        """The dataset, and the model built once for it: one forward pass, the strategy's
+        plans, enough shards and rows for every rank to take a step."""
+        cfg = self.cfg
+        self.check_settings()
+        # The version checked here is the one every rank reads (and every restart), whatever a
+        # prepare commits meanwhile: retention keeps it (pipelines.retention).
+        manifest = load_manifest(self.dataset_dir)
+        manifest.split("train")
+        self.model = build_model(manifest, cfg)
+        inputs = ModelInputs.from_manifest(manifest)
+        check_model(cfg, inputs, self.model)
+        self.strategy.check(cfg, self.model, inputs)  # the plans the strategy needs, declared by the model
+        data_world = self.strategy.data_world
+        check_world_size(manifest, "train", data_world)
+        check_steps(cfg, manifest, data_world)
+        self.outline = self.strategy.describe(cfg, self.model)
+        self.manifest = manifest
+        return manifest
+
+    def check_folder(self) -> None:
+        """What can be told of the checkpoint folder before the dataset exists (`shardline
+        run` prepares it first): a checkpoint to resume from, over the same code; for a new
+        job, no other job's checkpoints (their dataset version is no part of that comparison)."""
+        cfg = self.cfg
+        fp = checkpoints.fingerprint(cfg, "", self.code)
+        if cfg.resume:
+            self.store.check_resume(fp, self.code, cfg.epochs, cfg.resume_allow_changed)
+        else:
+            self.store.check_new(fp)
+
+    def _check_checkpoints(self) -> None:
+        """The checkpoint folder fits the job: a checkpoint to resume from, of this job, over
+        the same code (unless allowed), at a mesh it reshards to, not already the job's end;
+        or, for a new job, no other job's checkpoints (starting over would delete them)."""
+        cfg, store, code = self.cfg, self.store, self.code
+        allowed = cfg.resume_allow_changed
+        if not cfg.resume:
+            self.fingerprint = checkpoints.fingerprint(cfg, self.manifest.version_id, code)
+            store.check_new(self.fingerprint)
+            return
+        store.check_resume(checkpoints.fingerprint(cfg, self.manifest.version_id, code), code, cfg.epochs, allowed)
+        found = store.readable()  # the newest readable one
+        if found is None:
+            raise DataError(f"{store.where}: no checkpoint to resume from")
+        url = found[0]
+        if "dataset_version" not in allowed:
+            self.manifest = _version_of(store, url, self.dataset_dir, self.manifest)
+        fp = checkpoints.fingerprint(cfg, self.manifest.version_id, code)
+        head = store.read(url, checkpoints.comparable(fp), allowed)
+        # Another mesh than the one that wrote it: refused here unless it reshards.
+        sharded_checkpoints.check_resume(head, cfg, self.strategy.data_world, storage.display(url))
+        if head.get("epoch", 0) >= cfg.epochs:
+            store.check_unfinished(cfg.epochs, allowed)
+        saved = head.get("fingerprint", {})
+        changed = {k: (saved.get(k), fp[k]) for k in checkpoints.differences(saved, fp) if k in allowed}
+        self.fingerprint, self.resume = fp, Resume(url, head, changed)
+
+    def check_capacity(self, spark=None, dask_client=None) -> None:
+        """Enough task slots or workers for every rank: the one check that needs the engine."""
+        cfg = self.cfg
+        if cfg.launcher == "spark" and spark is not None:
+            from shardline.pipelines.spark_probe import check_executors
+
+            from .launchers.spark import check_spark_slots
+
+            check_spark_slots(spark, cfg.world_size)
+            check_executors(spark)  # once per session: the API has usually run it already
+        if cfg.launcher == "dask" and dask_client is not None:
+            from .launchers.dask import check_dask_workers
+
+            check_dask_workers(dask_client, cfg.world_size)
+
+    def hold(self) -> None:
+        """The checkpoint folder's lease (CheckpointStore.hold): a second job on it is refused
+        (exit 75) naming the holder; one that cannot be written ends here, in one line, before
+        any rank starts. Folders made only to hold it go when it is released (a refused job
+        leaves nothing). `self.store.release()` lets it go."""
+        self.store.hold(self.cfg.lease_ttl_s)
+
+    # -- effects, in order ---------------------------------------------------------------
+
+    def run(self, spark=None, dask_client=None, *, into_run: str | None = None, register: bool = True,
+            epoch_hook: Callable[[int, dict[str, float]], bool] | None = None,
+            dask_workers: list[str] | None = None) -> TrainResult:
+        """Train, track, log and register (after `check`, and `check_capacity` on the engine
+        given). The keywords are for sweeps
+        (training.sweep): into_run reports into an existing (child) run; register=False
+        logs the model without registering it; epoch_hook: see RankJob.epoch_hook;
+        dask_workers: the workers the ranks run on. The folder's hold: the caller's if it
+        holds it already (the API takes it first), else taken here and released at the end."""
+        if self.manifest is None:
+            raise AssertionError("TrainingJob.run before check")
+        held_here = self.store.lease is None
+        held = self.store.hold(self.cfg.lease_ttl_s)
+        try:
+            guard = DriverGuard.for_this_process(held.url, held.job, held.ttl_s)
+            return self._run(spark, dask_client, guard, into_run, register, epoch_hook, dask_workers)
+        finally:
+            if held_here:
+                self.store.release()
+
+    def _run(self, spark, dask_client, guard, into_run, register, epoch_hook, dask_workers) -> TrainResult:
+        import mlflow
+
+        cfg, tracking, manifest, uri, store, code = (self.cfg, self.tracking, self.manifest, self.tracking_uri,
+                                                     self.store, self.code)
+        run_id, code_changes = into_run, []
+        if self.resume:
+            head = self.resume.head
+            code_changes = code.changes(head.get("code_files") or {}) if "code" in self.resume.changed else []
+            report.line(f"[shardline] resuming from {storage.display(self.resume.url)} (step "
+                        f"{head.get('global_step')}, epoch {head.get('epoch')} of {cfg.epochs} done)"
+                        + "".join(f"; {k} {old} -> {new}" if k != "code" else f"; code changed: {', '.join(code_changes)}"
+                                  for k, (old, new) in self.resume.changed.items()))
+            if code.files and "code" not in head.get("fingerprint", {}):
+                report.line(f"[shardline] {storage.display(self.resume.url)} was written before checkpoints kept the "
+                            "code's digest: this job's code cannot be compared with the one that wrote it")
+            run_id = head["run_id"] or None
+        open_experiment(uri, tracking.experiment)
+        if run_id:
+            run_id = _continue_run(run_id)
+        if self.outline:
+            report.line(self.outline)
+
+        latest = store.latest
+        # Not `with mlflow.start_run()`: its end, with the server down, would bury the job's one line.
+        with tracked_run(run_id, None if run_id else run_name(cfg), uri, tracking.outage_wait_s, latest) as run:
+            run_id = run.info.run_id
+            if self.outline:
+                mlflow.log_text(self.outline, f"strategy-{cfg.strategy}.txt")
+            if self.resume is None:
+                # A new job starts over (stale checkpoints would be resumed by its restarts),
+                # never over another job's checkpoints (check() refused those).
+                store.start_over(self.fingerprint)
+                mlflow.log_params(_flat(cfg.model_dump()))
+                mlflow.log_params({
+                    "dataset_dir": self.dataset_dir, "dataset_version": manifest.version_id,
+                    "dataset_sequence": manifest.sequence,
+                    **{f"rows_{s}": info.rows for s, info in manifest.splits.items()},
+                    # Values prepare filled in (on_invalid_features = impute), per column in the manifest.
+                    "imputed_values": sum(manifest.imputed_values.values()),
+                    # Which code trained it (the fingerprint's `code`): a user's model only.
+                    **({"code_digest": code.digest} if code.files else {}),
+                })
+                log_dataset_input(manifest, self.dataset_dir)
+            elif self.resume.changed:
+                _log_changed(self.resume.changed, self.resume.head.get("global_step", 0), code_changes)
+            job = RankJob(
+                cfg=cfg, dataset_dir=self.dataset_dir, dataset_sequence=manifest.sequence, tracking_uri=uri,
+                strategy=self.strategy, run_id=run_id, fingerprint=self.fingerprint, code=self.code,
+                resume_from=self.resume.url if self.resume else None, epoch_hook=epoch_hook,
+            )
+            # Ranks' progress lines reach this process's reporter wherever they run (pipelines.progress).
+            with ProgressListener(listen_address(cfg.launcher, spark, dask_client)) as listener:
+                job.progress_addr = listener.address
+                result = launch_with_restarts(job, store, spark, dask_client, dask_workers, guard)
+            # What the server was down for, sent now (waiting for it a while, else one line).
+            replay(uri, result.get("mlflow_pending", []), tracking.outage_wait_s, latest())
+            if result.get("steps", 1) == 0:
+                # check_steps refuses this; a model that never took a step must not be registered.
+                raise ShardlineError(
+                    f"the job took 0 optimizer steps in {cfg.epochs} epoch(s): the model did not train "
+                    "and is not logged or registered"
+                )
+            # The model the checks built (from this job's code), now with the trained weights.
+            model = self.model
+            model.load_state_dict(torch.load(io.BytesIO(result["state_dict"]), weights_only=True))
+
+            # The driver's own calls: a server down as training ends is waited for like one down during it.
+            def reachable(call):
+                return when_reachable(call, uri, tracking.outage_wait_s, latest())
+
+            from .raw_model import log_trained_model
+
+            reachable(lambda: log_curves(run_id, [k for k in result["metrics"] if not k.startswith("rank")]))
+            name = tracking.registered_model if register else None
+            version = reachable(lambda: log_trained_model(model, manifest, cfg, name, self.code))
+            if version:
+                reachable(lambda: describe_version(tracking.registered_model, version, cfg, manifest,
+                                                   self.dataset_dir, result["metrics"]))
+        model_uri = f"models:/{tracking.registered_model}/{version}" if version else f"runs:/{run_id}/model"
+        return TrainResult(
+            run_id, model_uri, tracking.registered_model, version, uri, result["metrics"], cfg.checkpoint_dir,
+            cfg.launcher, result.get("stopped_early", False), model.state_dict(), result.get("collective_calls", {}),
+        )
+
+def run_training(
+    cfg: TrainingConfig,
+    tracking: TrackingConfig,
+    dataset_dir: str,
+    spark=None,
+    dask_client=None,
+    *,
+    into_run: str | None = None,
+    register: bool = True,
+    epoch_hook: Callable[[int, dict[str, float]], bool] | None = None,
+    dask_workers: list[str] | None = None,
+    store: CheckpointStore | None = None,
+) -> TrainResult:
+    """Resolve, check and run a training job (TrainingJob) in one call: what a sweep's
+    trial, the fault runner and the benchmarks use. store: the job's checkpoint store
+    (CheckpointStore.for_job), held already or not; default: made from cfg."""
+    job = TrainingJob.resolve(cfg, tracking, dataset_dir, store=store)
+    job.check_capacity(spark, dask_client)  # the engine's slots first: the rest is moot without them
+    job.check()
+    return job.run(spark, dask_client, into_run=into_run, register=register, epoch_hook=epoch_hook,
+                   dask_workers=dask_workers)
 
 
 def preflight(cfg: TrainingConfig, dataset_dir: str) -> ShardManifest:
-    """Every check that can fail before a process starts: the strategy's (mesh, batch
-    split, model split) need the model, so the dataset's shape."""
-    check_settings(cfg)
-    manifest = load_manifest(dataset_dir)
-    manifest.split("train")
-    strategy = get_strategy(cfg.strategy)
-    model = build_model(manifest, cfg)
-    check_model(cfg, ModelInputs.from_manifest(manifest), model)  # one forward pass, its output's width
-    strategy.check(cfg, model)  # the plans the strategy needs, declared by the model
-    check_world_size(manifest, "train", strategy.data_world(cfg))
-    check_steps(cfg, manifest, strategy.data_world(cfg))
-    return manifest
-
-
-def check_checkpoints(cfg: TrainingConfig, manifest: ShardManifest) -> None:
-    """checkpoint_dir fits the job, before an engine starts: a checkpoint to resume from,
-    or, for a new job, no other job's checkpoints (which starting over would delete)."""
-    if cfg.resume:
-        if checkpoints.latest(cfg.checkpoint_dir) is None:
-            raise DataError(f"{storage.display(cfg.checkpoint_dir)}: no checkpoint to resume from")
-        checkpoints.check_unfinished(cfg.checkpoint_dir, cfg.epochs, cfg.resume_allow_changed,
-                                     checkpoints.fingerprint(cfg, manifest.version_id))
-    else:
-        checkpoints.check_owner(cfg.checkpoint_dir, checkpoints.fingerprint(cfg, manifest.version_id),
-                                own_folder=cfg._own_checkpoint_dir)
+    """The dataset and model checks of a job, no checkpoints or MLflow: the bandwidth plan's
+    and a sweep's checks of its trials. Returns the manifest checked."""
+    return TrainingJob.resolve(cfg, TrackingConfig(), dataset_dir).check_model_and_data()
 
 
 def check_steps(cfg: TrainingConfig, manifest: ShardManifest, data_world: int) -> None:
@@ -116,196 +357,30 @@ def check_steps(cfg: TrainingConfig, manifest: ShardManifest, data_world: int) -
     )
 
 
-def describe(cfg: TrainingConfig, manifest: ShardManifest) -> str:
-    """What the strategy will do, for the log at start ("" when it has nothing to say)."""
-    strategy = get_strategy(cfg.strategy)
-    text = getattr(strategy, "describe", None)
-    return text(cfg, build_model(manifest, cfg)) if text else ""
-
-
-def run_training(
-    cfg: TrainingConfig,
-    tracking: TrackingConfig,
-    dataset_dir: str,
-    spark=None,
-    dask_client=None,
-    *,
-    into_run: str | None = None,
-    register: bool = True,
-    epoch_hook: Callable[[int, dict[str, float]], bool] | None = None,
-    dask_workers: list[str] | None = None,
-    lease: Lease | None = None,
-) -> TrainResult:
-    """Train, track and log the model. The keywords are for sweeps (training.sweep):
-
-    into_run: report into this existing MLflow run (a child run) instead of a new one.
-    register: False logs the model without registering it (its URI is runs:/<id>/model).
-    epoch_hook: see TrainJob.epoch_hook.
-    dask_workers: the Dask workers the ranks run on (default: the first world_size).
-    lease: the checkpoint directory's lease, already held (hold_checkpoint_dir; the CLI takes
-    it before an engine starts); default: taken here and released at the end.
-    """
-    dataset_dir = storage.resolve(dataset_dir, "pipelines.dataset_dir")
-    ckpt, own = cfg.checkpoint_dir, cfg._own_checkpoint_dir
-    if "checkpoint_dir" not in cfg.model_fields_set:  # unset: a folder of this job's own
-        ckpt, own = checkpoints.job_dir(cfg, tracking.experiment, tracking.registered_model, dataset_dir), True
-    cfg = cfg.model_copy(update={"checkpoint_dir": storage.resolve(ckpt, "training.checkpoint_dir")})
-    cfg._own_checkpoint_dir = own
-    checkpoints.check_allowed(cfg.resume_allow_changed)
-    _check_capacity(cfg, spark, dask_client)
-    # The version checked here is the one every rank reads (and every restart), whatever
-    # a prepare commits meanwhile: retention keeps it (pipelines.retention).
-    manifest = preflight(cfg, dataset_dir)
-    # One job per checkpoint directory, held until its ranks are done; they watch it.
-    held = lease or hold_checkpoint_dir(cfg)
-    try:
-        guard = DriverGuard.for_this_process(held.url, held.job, held.ttl_s)
-        return _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guard,
-                             into_run, register, epoch_hook, dask_workers)
-    finally:
-        if lease is None:
-            held.release()
-
-
-def _run_training(cfg, tracking, dataset_dir, manifest, spark, dask_client, guard,
-                  into_run, register, epoch_hook, dask_workers) -> TrainResult:
-    import mlflow
-
-    resume_from, run_id, changed, head = None, into_run, {}, {}
-    check_checkpoints(cfg, manifest)
-    if cfg.resume:
-        found = checkpoints.readable(cfg.checkpoint_dir, {})  # the newest readable one
-        if found is None:
-            raise DataError(f"{storage.display(cfg.checkpoint_dir)}: no checkpoint to resume from")
-        resume_from = found[0]
-        if "dataset_version" not in cfg.resume_allow_changed:
-            manifest = _version_of(resume_from, dataset_dir, manifest)
-        fp = checkpoints.fingerprint(cfg, manifest.version_id)
-        head = checkpoints.load(resume_from, sharded_checkpoints.comparable(fp), cfg.resume_allow_changed)
-        # Another mesh than the one that wrote it: refused here unless it reshards.
-        data_world = get_strategy(cfg.strategy).data_world(cfg)
-        sharded_checkpoints.check_resume(head, cfg, data_world, storage.display(resume_from))
-        if head.get("epoch", 0) >= cfg.epochs:  # check_checkpoints says so first, before an engine
-            checkpoints.check_unfinished(cfg.checkpoint_dir, cfg.epochs, cfg.resume_allow_changed)
-        changed = {k: (head["fingerprint"].get(k), v) for k, v in fp.items()
-                   if k in cfg.resume_allow_changed and head.get("fingerprint", {}).get(k) != v}
-        print(f"[shardline] resuming from {storage.display(resume_from)} (step {head.get('global_step')}, "
-              f"epoch {head.get('epoch')} of {cfg.epochs} done)"
-              + "".join(f"; {k} {old} -> {new}" for k, (old, new) in changed.items()),
-              file=sys.stderr, flush=True)
-        run_id = head["run_id"] or None
-    else:
-        fp = checkpoints.fingerprint(cfg, manifest.version_id)
-        # A new job starts over (stale checkpoints would be resumed by its restarts), but
-        # never over another job's checkpoints.
-        checkpoints.start_over(cfg.checkpoint_dir, fp, own_folder=cfg._own_checkpoint_dir)
-        sharded_checkpoints.prune(cfg.checkpoint_dir)
-    uri = tracking.resolved_uri()
-    open_experiment(uri, tracking.experiment)
-    if run_id:
-        run_id = _continue_run(run_id)
-
-    outline = describe(cfg, manifest)
-    if outline:
-        print(outline, file=sys.stderr, flush=True)
-    # Not `with mlflow.start_run()`: its end, with the server down, would bury the job's one line.
-    with tracked_run(run_id, None if run_id else run_name(cfg), uri, tracking.outage_wait_s,
-                     lambda: checkpoints.latest(cfg.checkpoint_dir)) as run:
-        run_id = run.info.run_id
-        if outline:
-            mlflow.log_text(outline, f"strategy-{cfg.strategy}.txt")
-        if cfg.resume and changed:
-            _log_changed(changed, head.get("global_step", 0))
-        if not cfg.resume:
-            mlflow.log_params(_flat(cfg.model_dump()))
-            mlflow.log_params(
-                {
-                    "dataset_dir": dataset_dir,
-                    "dataset_version": manifest.version_id,
-                    "dataset_sequence": manifest.sequence,
-                    **{f"rows_{s}": info.rows for s, info in manifest.splits.items()},
-                    # Values prepare filled in (on_invalid_features = impute), per column in the manifest.
-                    "imputed_values": sum(manifest.imputed_values.values()),
-                }
-            )
-            log_dataset_input(manifest, dataset_dir)
-        job = TrainJob(
-            cfg=cfg,
-            dataset_dir=dataset_dir,
-            dataset_sequence=manifest.sequence,
-            tracking_uri=uri,
-            run_id=run_id,
-            fingerprint=fp,
-            resume_from=str(resume_from) if resume_from else None,
-            epoch_hook=epoch_hook,
-        )
-        # Ranks' progress lines reach this console wherever they run (pipelines.progress).
-        with ProgressListener(listen_address(cfg.launcher, spark, dask_client)) as listener:
-            job.progress_addr = listener.address
-            result = _launch_with_restarts(cfg, job, spark, dask_client, dask_workers, guard)
-        # What the server was down for, sent now (waiting for it a while, else one line).
-        replay(uri, result.get("mlflow_pending", []), tracking.outage_wait_s, checkpoints.latest(cfg.checkpoint_dir))
-        if result.get("steps", 1) == 0:
-            # Preflight refuses this; a model that never took a step must not be registered.
-            raise ShardlineError(
-                f"the job took 0 optimizer steps in {cfg.epochs} epoch(s): the model did not train "
-                "and is not logged or registered"
-            )
-
-        model = build_model(manifest, cfg)
-        model.load_state_dict(torch.load(io.BytesIO(result["state_dict"]), weights_only=True))
-        # The driver's own calls: a server down as training ends is waited for like one down during it.
-        def reachable(call):
-            return when_reachable(call, uri, tracking.outage_wait_s, checkpoints.latest(cfg.checkpoint_dir))
-
-        reachable(lambda: log_curves(run_id, [k for k in result["metrics"] if not k.startswith("rank")]))
-        version = reachable(lambda: log_model(model, manifest, cfg, tracking.registered_model if register else None))
-        if version:
-            reachable(lambda: describe_version(tracking.registered_model, version, cfg, manifest, dataset_dir,
-                                               result["metrics"]))
-    return TrainResult(
-        run_id, uri, tracking.registered_model, version, result["metrics"], model.state_dict(),
-        stopped_early=result.get("stopped_early", False), collective_calls=result.get("collective_calls", {}),
-    )
-
-
-def _log_changed(changed: dict[str, tuple], step: int) -> None:
+def _log_changed(changed: dict[str, tuple], step: int, code_changes: list[str] = ()) -> None:
     """A resume's allowed changes (--allow-changed lr) in the run: MLflow params cannot
     change, so each new value is a param of its own (`lr.from_step_120`) and a tag says
-    what changed, from when."""
+    what changed, from when. The code's: its digest, and a tag naming the files."""
     import mlflow
 
     mlflow.log_params({f"{k}.from_step_{step}": new for k, (_, new) in changed.items()})
     for k, (old, new) in changed.items():
         mlflow.set_tag(f"shardline.resume_changed.{k}", f"{old} -> {new} from step {step}")
+    if code_changes:
+        mlflow.set_tag("shardline.resume_changed.code_files", ", ".join(code_changes)[:5000])
 
 
-def _check_capacity(cfg: TrainingConfig, spark, dask_client) -> None:
-    """Enough task slots or workers for every rank, before anything starts."""
-    if cfg.launcher == "spark" and spark is not None:
-        from shardline.pipelines.spark_probe import check_executors
-
-        from .launchers.spark import check_spark_slots
-
-        check_spark_slots(spark, cfg.world_size)
-        check_executors(spark)  # once per session: the CLI has usually run it already
-    if cfg.launcher == "dask" and dask_client is not None:
-        from .launchers.dask import check_dask_workers
-
-        check_dask_workers(dask_client, cfg.world_size)
-
-
-def _version_of(checkpoint: str, dataset_dir: str, newest: ShardManifest) -> ShardManifest:
+def _version_of(store: CheckpointStore, checkpoint: str, dataset_dir: str, newest: ShardManifest) -> ShardManifest:
     """The dataset version a checkpoint was written on, if retention still keeps it: a
     resumed job goes on reading what it started on (else the fingerprint check refuses)."""
-    written_on = checkpoints.load(checkpoint, {}).get("fingerprint", {}).get("dataset_version")
+    written_on = store.read(checkpoint).get("fingerprint", {}).get("dataset_version")
     if written_on in (None, newest.version_id):
         return newest
     for seq in reversed(sequences(dataset_dir)):
         m = load_manifest(dataset_dir, seq)
         if m.version_id == written_on:
-            print(f"[shardline] resuming on dataset version {written_on} (manifest {seq}), the one "
-                  f"the checkpoint was written on; the newest is {newest.version_id}", file=sys.stderr, flush=True)
+            report.line(f"[shardline] resuming on dataset version {written_on} (manifest {seq}), the one "
+                        f"the checkpoint was written on; the newest is {newest.version_id}")
             return m
     return newest
 
@@ -321,113 +396,6 @@ def _continue_run(run_id: str) -> str | None:
         return None  # another tracking store: the resumed job gets a new run
     mlflow.set_experiment(experiment_id=run.info.experiment_id)
     return run_id
-
-
-def hold_checkpoint_dir(cfg: TrainingConfig) -> Lease:
-    """The checkpoint directory's lease: a second job on it is refused (exit 75) naming the
-    holder; one that cannot be written ends here, in one line, before any rank starts."""
-    url = storage.join(storage.resolve(cfg.checkpoint_dir, "training.checkpoint_dir"), LEASE_NAME)
-    lease = Lease(url, f"shardline train {uuid.uuid4().hex[:8]}", ttl_s=cfg.lease_ttl_s,
-                  what="training.checkpoint_dir")
-    try:
-        return lease.acquire()
-    except OSError as e:
-        raise StorageError(
-            f"training.checkpoint_dir {storage.display(cfg.checkpoint_dir)}: cannot write there "
-            f"({e.strerror or type(e).__name__})"
-        ) from None
-
-
-def _launch_with_restarts(
-    cfg: TrainingConfig, job: TrainJob, spark, dask_client, dask_workers=None, guard=None
-) -> dict:
-    """Launch; when a rank is lost, relaunch from the latest checkpoint, max_restarts times.
-
-    The launcher owns restarts: Spark does not retry a failed barrier result stage,
-    and a Dask task on a killed worker is never resolved (both seen with Spark 4.3 and
-    Dask 2026.8). A permanent failure (launchers.guard: permissions, a full disk, bad
-    data) is never retried.
-    """
-    from mlflow.tracking import MlflowClient
-
-    from .user_code import job_code_folders
-
-    # Found once, on the driver: every attempt's ranks import the same code.
-    user_code = job_code_folders(cfg)
-    # Restarts never wait on MLflow: the count is kept while the server is down.
-    outbox = Outbox(MlflowClient(job.tracking_uri)) if job.tracking_uri and job.run_id else None
-    for attempt in range(cfg.max_restarts + 1):
-        try:
-            result = _launch(cfg, job, spark, dask_client, attempt > 0, dask_workers, guard, user_code)[0]
-            if outbox is not None:
-                result["mlflow_pending"] = outbox.pending() + result.get("mlflow_pending", [])
-            return result
-        except TrainingFailed as e:
-            if e.permanent or attempt == cfg.max_restarts:
-                raise
-            if guard is not None and (why := guard.gone()):
-                raise ShardlineError(f"not restarting: {why}") from None  # another job has the directory
-            # The newest checkpoint a rank can read (a truncated newest one is skipped, said once).
-            found = checkpoints.readable(cfg.checkpoint_dir, job.fingerprint or {}, cfg.resume_allow_changed)
-            latest = found[0] if found else None
-            job.resume_from = latest
-            if outbox is not None:
-                outbox.send(("batch", job.run_id, [("restarts", float(attempt + 1), int(time.time() * 1000), 0)]))
-            where = storage.name(latest) if latest else "the start"
-            print(redact(f"[shardline] {e}; restarting from {where}"), file=sys.stderr, flush=True)
-    raise AssertionError("unreachable")
-
-
-def _launch(
-    cfg: TrainingConfig, job: TrainJob, spark, dask_client, relaunch: bool, dask_workers=None, guard=None,
-    user_code: list[str] | None = None,
-) -> list:
-    user_code = user_code or []
-    if cfg.launcher == "spark":
-        from .launchers.spark import launch_spark_barrier
-
-        if spark is None:
-            raise ConfigError("training.launcher = 'spark' needs a Spark session")
-        return launch_spark_barrier(spark, train_rank, job, cfg.world_size, cfg.timeout_s, guard,
-                                    user_code=user_code)
-    if cfg.launcher == "dask":
-        from .launchers.dask import launch_dask
-
-        if dask_client is None:
-            raise ConfigError("training.launcher = 'dask' needs a Dask client")
-        wait = 60 if relaunch else 0
-        return launch_dask(
-            dask_client, train_rank, job, cfg.world_size, cfg.timeout_s, wait, workers=dask_workers,
-            guard=guard, user_code=user_code,
-        )
-    from .launchers.local import launch_local
-
-    return launch_local(train_rank, job, cfg.world_size, cfg.timeout_s, guard, user_code=user_code)
-
-
-def log_model(model: torch.nn.Module, manifest: ShardManifest, cfg: TrainingConfig,
-              registered_name: str | None) -> str:
-    """Log the model as a pyfunc that takes raw rows (training.raw_model: the dataset's
-    transform inside, raw-feature signature and input example); register it if named.
-
-    Returns the registered version, or "" when not registered.
-    """
-    from .raw_model import log_raw_model
-
-    model.eval()
-    # MLflow warns that the pyfunc's python_model and the signature's optional key column
-    # are its own choices to document; both are deliberate here.
-    logging.getLogger("mlflow.pyfunc").setLevel(logging.ERROR)
-    logging.getLogger("mlflow.models.model").setLevel(logging.ERROR)
-    import safetensors
-
-    info = log_raw_model(
-        model, manifest, cfg, registered_name,
-        # Without an explicit list MLflow spends ~10 s inferring one.
-        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"safetensors=={safetensors.__version__}",
-                          "pydantic", "pyarrow", "pandas"],
-    )
-    return str(info.registered_model_version) if registered_name else ""
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -14,10 +14,12 @@ by `remainder`:
   least once per epoch and some rows twice.
 
 Order: one numpy generator per (seed, epoch, rank) shuffles the shard order, the
-row-group order inside each shard, and drives a shuffle buffer of
+row-group order inside each shard, and drives a shuffle buffer of up to
 `shuffle_buffer_rows` rows across row groups: after each row group is added the
-buffer emits a uniformly drawn set of rows that brings it back to capacity, and
-at the end it emits the rest in random order. Every draw depends on row counts
+buffer emits a uniformly drawn set of rows that brings it back to its size, and
+at the end it emits the rest in random order. Its size starts at WARM_BATCHES local
+batches and grows by 1/8 of the rows read up to `shuffle_buffer_rows` (ShuffleBuffer):
+the first batch of an epoch waits for a few batches' rows, not for a full buffer. Every draw depends on row counts
 only (manifest and Parquet metadata), never on values, timing or threads: the
 same seed gives the same order on every run, with any `workers`/`prefetch`, and
 on data prepared by Spark or by Dask (they write the same rows and row groups).
@@ -37,7 +39,8 @@ set to IGNORE_INDEX, -100, which the losses skip). Tabular datasets keep yieldin
 holds decoded rows, at most BUFFER_BYTES of them (`shuffle_buffer_rows` is lowered to fit).
 
 Prefetch: with `workers` >= 1 a producer thread assembles batches into a queue of
-`prefetch` batches, and `workers` threads decode up to 2 x workers row groups
+`prefetch` batches (handed over in lists of up to prefetch / 2: one thread switch
+per list), and `workers` threads decode up to 2 x workers row groups
 ahead of it (pyarrow releases the GIL); they are consumed in plan order,
 so threads never change the order. `workers=0` does everything inline. Arrow's float list becomes numpy
 without a copy; rows are copied once into the shuffle buffer and once out of it
@@ -78,6 +81,10 @@ _DONE = object()  # the end of the read-ahead queue
 # Decoded rows the shuffle buffer may hold, in bytes: 65,536 rows of 224 x 224 RGB images
 # would be 9.9 GB. Tabular rows stay far below it (65,536 rows of 1,000 floats: 262 MB).
 BUFFER_BYTES = 1 << 30
+# The shuffle buffer starts emitting once it holds this many local batches (ShuffleBuffer's
+# `warm`), then grows towards shuffle_buffer_rows as it reads: an epoch's first batch waits
+# for 8 batches' rows, not 65,536 rows (a rank's whole epoch of images, decoded first).
+WARM_BATCHES = 8
 
 
 def rank_shards(shards: list[ShardInfo], rank: int, world_size: int) -> list[ShardInfo]:
@@ -210,6 +217,11 @@ class ShardLoader:
     def steps_per_epoch(self) -> int:
         return self._steps
 
+    @property
+    def row_groups(self) -> int:
+        """The row groups this rank reads an epoch."""
+        return sum(len(groups) for groups in self._groups)
+
     def state_dict(self) -> dict:
         """The position (the same on every rank) and the settings that shape the order."""
         epoch, batches = self._position
@@ -243,28 +255,29 @@ class ShardLoader:
         self._position = (epoch, start)
         self._produced, self._busy = 0, 0.0
         if self.workers == 0:
-            batches = self._torch_batches(epoch, start, None)
+            groups = self._torch_batches(epoch, start, None)
             try:
-                for batch in self._timed(batches):
-                    self._position = (epoch, self._position[1] + 1)
-                    yield batch
+                for group in self._timed(groups):
+                    for batch in group:
+                        self._position = (epoch, self._position[1] + 1)
+                        yield batch
             finally:
-                batches.close()
+                groups.close()
         else:
             yield from self._from_producer(epoch, start)
         self._position = (epoch + 1, 0)
 
-    def _timed(self, batches: Iterator) -> Iterator:
-        """`batches`, counting the samples and the seconds spent producing them (not the
-        time the caller holds each batch): what epoch_stats reports."""
+    def _timed(self, groups: Iterator[list]) -> Iterator[list]:
+        """`groups` (lists of whole batches), counting the samples and the seconds spent
+        producing them (not the time the caller holds them): what epoch_stats reports."""
         while True:
             t = time.perf_counter()
-            batch = next(batches, None)
+            group = next(groups, None)
             self._busy += time.perf_counter() - t
-            if batch is None:
+            if group is None:
                 return
-            self._produced += len(batch["label"] if isinstance(batch, dict) else batch[1])
-            yield batch
+            self._produced += len(group) * self.local_batch
+            yield group
 
     def epoch_stats(self) -> dict[str, float]:
         """Of the current or last epoch: samples produced and the seconds spent producing them
@@ -280,9 +293,10 @@ class ShardLoader:
         pool = ThreadPoolExecutor(self.workers) if self.workers else None
         try:
             chunks = self._decoded(units, pool)
-            for cols in cut_batches(chunks, batch_size, self.rows, partial=True):
-                # A view of decoded Arrow memory is read-only; torch wants writable arrays.
-                yield self._to_torch(tuple(c if c.flags.writeable else c.copy() for c in cols))
+            for group in cut_batches(chunks, batch_size, self.rows, partial=True):
+                for cols in group:
+                    # A view of decoded Arrow memory is read-only; torch wants writable arrays.
+                    yield self._to_torch(tuple(c if c.flags.writeable else c.copy() for c in cols))
         finally:
             if pool:
                 pool.shutdown(cancel_futures=True)
@@ -298,12 +312,13 @@ class ShardLoader:
                 units.append((int(si), int(g), self._groups[si][g]))
         return rng, units
 
-    def _torch_batches(self, epoch: int, start: int, pool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _torch_batches(self, epoch: int, start: int, pool) -> Iterator[list]:
+        """The epoch's batches from batch `start` on, in lists (the batches each chunk completes)."""
         limit = (self._steps - start) * self.local_batch
         chunks = self._chunks(epoch, start * self.local_batch, pool)
         try:
-            for cols in cut_batches(chunks, self.local_batch, limit, partial=False):
-                yield self._to_torch(cols)
+            for group in cut_batches(chunks, self.local_batch, limit, partial=False):
+                yield [self._to_torch(cols) for cols in group]
         finally:
             chunks.close()
 
@@ -325,7 +340,7 @@ class ShardLoader:
         largest = max(n for _, _, n in units)
         # It never holds more than capacity + one row group, nor more than the pass.
         slots = min(self.shuffle_buffer_rows + largest, self.rows)
-        buf = ShuffleBuffer(self.shuffle_buffer_rows, slots, self._layout)
+        buf = ShuffleBuffer(self.shuffle_buffer_rows, slots, self._layout, warm=WARM_BATCHES * self.local_batch)
         first = 0  # the first row group to decode live
         if skip:
             # Replay the draws on row ids alone until the stream passes `skip`.
@@ -427,14 +442,19 @@ class ShardLoader:
         return files[si]
 
     def _to_torch(self, cols: tuple[np.ndarray, ...]):
+        if not self._typed and not self.pin_memory:  # tabular on the CPU: two tensors, nothing else
+            return torch.from_numpy(cols[0]), torch.from_numpy(cols[1])
         return to_torch(cols, self._inputs, self._typed, self.pin_memory)
 
     # -- the background producer -------------------------------------------------
 
     def _from_producer(self, epoch: int, start: int):
-        q: queue.Queue = queue.Queue(self.prefetch)
+        # Batches travel in lists of up to `piece`, at most `prefetch` batches queued: a
+        # hand-over is a thread switch (each costs the GIL twice), so fewer of them.
+        piece = max(1, self.prefetch // 2)
+        q: queue.Queue = queue.Queue(max(1, self.prefetch // piece))
         stop = threading.Event()
-        thread = threading.Thread(target=self._produce, args=(epoch, start, q, stop), daemon=True)
+        thread = threading.Thread(target=self._produce, args=(epoch, start, q, stop, piece), daemon=True)
         thread.start()
         try:
             while True:
@@ -443,8 +463,9 @@ class ShardLoader:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                self._position = (epoch, self._position[1] + 1)
-                yield item
+                for batch in item:
+                    self._position = (epoch, self._position[1] + 1)
+                    yield batch
         finally:
             stop.set()
             thread.join()
@@ -452,7 +473,7 @@ class ShardLoader:
     # Called first in the producer thread (collectives.enter_rank_device; a test swaps it).
     on_thread_start = staticmethod(collectives.enter_rank_device)
 
-    def _produce(self, epoch: int, start: int, q: queue.Queue, stop: threading.Event) -> None:
+    def _produce(self, epoch: int, start: int, q: queue.Queue, stop: threading.Event, piece: int) -> None:
         def put(item) -> bool:
             while not stop.is_set():
                 try:
@@ -463,16 +484,17 @@ class ShardLoader:
             return False
 
         pool = ThreadPoolExecutor(self.workers, thread_name_prefix="shardline-decode")
-        batches = self._torch_batches(epoch, start, pool)
+        groups = self._torch_batches(epoch, start, pool)
         try:
             # This thread pins the batches: on the rank's GPU, not on GPU 0 (a thread's default).
             self.on_thread_start()
-            for batch in self._timed(batches):
-                if not put(batch):
-                    return
+            for group in self._timed(groups):
+                for i in range(0, len(group), piece):
+                    if not put(group[i : i + piece]):
+                        return
             put(_DONE)
         except BaseException as e:  # handed to the consumer, raised in its thread
             put(e)
         finally:
-            batches.close()
+            groups.close()
             pool.shutdown(cancel_futures=True)

@@ -14,15 +14,26 @@ class ShuffleBuffer:
     `emit_*` hands them out and fills the holes below the new size with the kept
     rows above it.
 
+    A pass starts emitting once the buffer holds `warm` rows, then keeps
+    max(warm, rows added / GROWTH) of them, up to `capacity`: the first batch waits for
+    `warm` rows, not for a whole buffer (65,536 rows, or an epoch of a rank's images
+    decoded before its first step), and while the buffer grows it still passes on
+    (GROWTH - 1) / GROWTH of what it reads, so loading keeps pace with training.
+
     Replaying draws for a resume moves row ids only (`add_ids`/`emit_ids`); reading
     live moves the rows only (`add_rows`/`emit_rows`): ids kept alongside would cost
     ~8% of an epoch and nothing reads them. `ShardLoader._materialise` turns a
     replayed buffer live by filling its slots from their ids.
     """
 
-    def __init__(self, capacity: int, slots: int, layout: list[tuple[tuple[int, ...], np.dtype]]):
-        """layout: (row shape, dtype) per column of the chunks."""
-        self.capacity, self.n = capacity, 0
+    GROWTH = 8
+
+    def __init__(self, capacity: int, slots: int, layout: list[tuple[tuple[int, ...], np.dtype]],
+                 warm: int | None = None):
+        """layout: (row shape, dtype) per column of the chunks; warm: rows held before the first
+        emission (None: capacity, a buffer that fills before it emits)."""
+        self.capacity, self.n, self.added = capacity, 0, 0
+        self.warm = capacity if warm is None else min(warm, capacity)
         self.ids = np.empty(slots, np.int64)
         self.cols = [np.empty((slots, *shape), dtype) for shape, dtype in layout]
         # Rows as single items: scattering them is several times faster than 2-D fancy indexing.
@@ -34,17 +45,20 @@ class ShuffleBuffer:
     def add_ids(self, first_id: int, rows: int) -> None:
         self.ids[self.n : self.n + rows] = np.arange(first_id, first_id + rows)
         self.n += rows
+        self.added += rows
 
     def add_rows(self, chunk: tuple[np.ndarray, ...]) -> None:
         a, b = self.n, self.n + len(chunk[-1])
         for col, part in zip(self.cols, chunk):
             col[a:b] = part
         self.n = b
+        self.added += b - a
 
     def draw(self, rng: np.random.Generator, final: bool = False) -> np.ndarray | None:
         if final:
             return rng.permutation(self.n)
-        over = self.n - self.capacity
+        keep = min(self.capacity, max(self.warm, self.added // self.GROWTH))
+        over = self.n - keep
         return rng.choice(self.n, size=over, replace=False) if over > 0 else None
 
     def emit_ids(self, take: np.ndarray) -> np.ndarray:
@@ -72,8 +86,10 @@ class ShuffleBuffer:
 def cut_batches(chunks, batch: int, limit: int, partial: bool):
     """Re-cut chunks (tuples of column arrays) into batches of `batch` rows, `limit` rows in all.
 
-    Whole batches inside a chunk are views of it; only a batch that straddles
-    two chunks is copied.
+    Yields, for each chunk read, the list of batches it completes (maybe none): the
+    loader hands them to the training thread a list at a time, one thread switch per
+    chunk, not per batch. Whole batches inside a chunk are views of it; only a batch that
+    straddles two chunks is copied.
     """
     carry: list[tuple] = []
     have = 0
@@ -90,6 +106,7 @@ def cut_batches(chunks, batch: int, limit: int, partial: bool):
                 chunk, n = tuple(c[:limit] for c in chunk), limit
             limit -= n
             i = 0
+            out = []
             if have:
                 i = min(batch - have, n)
                 carry.append(tuple(c[:i] for c in chunk))
@@ -98,16 +115,21 @@ def cut_batches(chunks, batch: int, limit: int, partial: bool):
                     if limit == 0:
                         break
                     continue
-                yield joined()
+                out.append(joined())
                 carry, have = [], 0
-            while i + batch <= n:
-                yield tuple(c[i : i + batch] for c in chunk)
-                i += batch
+            if len(chunk) == 2:  # tabular (x, y): the common case without a loop over columns
+                x, y = chunk
+                out += [(x[j : j + batch], y[j : j + batch]) for j in range(i, n - batch + 1, batch)]
+            else:
+                out += [tuple(c[j : j + batch] for c in chunk) for j in range(i, n - batch + 1, batch)]
+            i += (n - i) // batch * batch
             if i < n:
                 carry, have = [tuple(c[i:] for c in chunk)], n - i
+            if out:
+                yield out
             if limit == 0:
                 break  # before asking for another chunk: it may start a whole new pass
         if have and partial:
-            yield joined()
+            yield [joined()]
     finally:
         chunks.close()

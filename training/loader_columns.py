@@ -54,8 +54,11 @@ def decode_column(col, t: TensorSpec, images: dict[str, ImageColumn], rows: int,
     if t.encoding == "raw":
         return decode_raw(arr, t.dtype, t.shape)
     width = t.shape[0]
-    # .flatten(), not .values: on a sliced list array .values is the whole parent.
-    x = np.asarray(arr.flatten().to_numpy(zero_copy_only=False), dtype=np.float32)
+    # .flatten(), not .values, on a sliced list array: its .values is the whole parent. A
+    # row group's own array is no slice; .values then skips a compute call (~0.1 ms a row group).
+    whole = arr.offset == 0 and arr.null_count == 0 and len(arr.values) == rows * width
+    flat = arr.values if whole else arr.flatten()
+    x = np.asarray(flat.to_numpy(zero_copy_only=False), dtype=np.float32)
     if len(x) != rows * width:
         raise DataError(f"{where} holds {len(x)} feature values; the manifest says {rows} rows of {width} features")
     return x.reshape(rows, width)

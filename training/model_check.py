@@ -22,7 +22,7 @@ from .batch import describe, forward
 from .config import TrainingConfig
 from .model_factory import factory_path, load_factory, one_line
 from .model_inputs import ModelInputs
-from .model_plans import pipeline_layers, recompute_units
+from .model_plans import recompute_units
 from .user_code import import_user_object
 from .task import TASKS, loss_for, metric_names, user_metric_names, user_metrics
 
@@ -84,8 +84,6 @@ def check_model(cfg: TrainingConfig, inputs: ModelInputs, model: nn.Module) -> N
             f"training.activation_checkpointing: {what} declares no recompute_units() or fsdp_units() "
             "(the submodules to recompute)"
         )
-    if cfg.strategy == "pipeline" and not isinstance(model, nn.Sequential):
-        _check_layers_compose(what, model, x, out)
 
 
 def _check_output(what: str, inputs: ModelInputs, out) -> None:
@@ -130,26 +128,4 @@ def _check_loss(cfg: TrainingConfig, out: torch.Tensor, y: torch.Tensor) -> None
         raise ConfigError(
             f"training.loss: {cfg.loss} returned a tensor with no gradient to the model's output "
             "(computed outside torch, or detached): the model would not train"
-        )
-
-
-def _check_layers_compose(what: str, model: nn.Module, x, out: torch.Tensor) -> None:
-    """A pipeline runs pipeline_layers() one after the other: that must be the model's forward
-    (the first layer takes the named inputs as keywords, as the model does)."""
-    layers = pipeline_layers(model, what)
-    if layers is None:
-        return  # the strategy's check says so
-    why = ""
-    try:
-        with torch.no_grad():
-            h = forward(layers[0][1], x)
-            for _, layer in layers[1:]:
-                h = layer(h)
-        same = isinstance(h, torch.Tensor) and h.shape == out.shape and torch.allclose(h, out.detach(), atol=1e-5)
-    except Exception as e:  # noqa: BLE001 - layers that do not chain: the same mistake
-        same, why = False, f" ({type(e).__name__}: {one_line(e)})"
-    if not same:
-        raise ConfigError(
-            f"{what}: its pipeline_layers() run one after the other do not give its forward's output "
-            f"(a pipeline would train another model){why}"
         )

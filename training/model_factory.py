@@ -79,14 +79,6 @@ def create_model(inputs: ModelInputs, cfg: TrainingConfig) -> nn.Module:
     return _call(factory, factory_path(cfg), inputs, factory_args(cfg), cfg.model_args, cfg.seed)
 
 
-def rebuild_model(path: str, inputs: ModelInputs, args: dict, code_paths: list[str] = ()) -> nn.Module:
-    """The module a job built, from what a registered model stores: the factory's import
-    path (`factory_path(cfg)`), its inputs and its arguments (`factory_args(cfg)`). The
-    weights are then loaded into it (so the seed does not matter)."""
-    factory = import_user_object(path, "training.model", list(code_paths))
-    return _call(factory, path, inputs, args, args, 0)
-
-
 def _call(factory, path: str, inputs: ModelInputs, args: dict, shown_args: dict, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     try:

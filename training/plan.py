@@ -3,7 +3,9 @@
 Two measurements, each bounded to about a second:
 - training samples/s per rank (`measure_training`): the configured model on
   synthetic batches of the dataset's shape, on the device training would use;
-- loader samples/s of one loader worker (`measure_loader`): rank 0's real train shards.
+- loader samples/s of one loader worker (`measure_loader`): rank 0's real train shards,
+  whole epochs from their start, decoding included; refused (one line) when an epoch
+  has too few batches to time.
 
 Then a pure rule (`choose_layout`) turns the two figures into loader workers per
 rank, train shards per rank and rows per row group, so that loading bandwidth is
@@ -32,7 +34,7 @@ from .config import TrainingConfig
 from .job import preflight
 from .launchers import available_cores
 from .loader import ShardLoader
-from .strategies import get_strategy
+from .strategies import Strategy, strategy_for
 from .strategies.base import autocast_for, train_step
 from .task import loss_for
 from .worker import make_optimizer, trainable_model
@@ -46,6 +48,15 @@ ROW_GROUP_ROUND = 1024
 # Below ~16k rows a row group's fixed cost shows: on the quickstart shards 4,096-row
 # groups load ~25% slower than 16,384, while 16,384 and 65,536 load alike.
 MIN_ROW_GROUP, MAX_ROW_GROUP = 16_384, 65_536
+# Images: local batches per row group. A worker decodes a row group whole before any of its
+# rows can leave, so its decode time is the first batch's wait and the unit the workers
+# share; decoding dwarfs a row group's fixed cost, so no 16,384-row floor (that many
+# 64 x 64 PNGs take ~5 s to decode on one core).
+DECODED_ROW_GROUP_BATCHES = 4
+# measure_loader: fewer batches than this in rank 0's epoch and the epoch's start (threads,
+# the shuffle buffer's first rows) is most of what is timed; at least MEASURED_BATCHES are
+# timed in all, over as many epochs as that takes.
+MIN_LOADER_BATCHES, MEASURED_BATCHES = 8, 16
 
 
 def choose_layout(
@@ -58,6 +69,7 @@ def choose_layout(
     max_workers_per_rank: int,
     min_shards_per_rank: int = 1,
     headroom: float = HEADROOM,
+    decoded: bool = False,
 ) -> BandwidthPlan:
     """The layout for the measured figures (per rank). Pure: same numbers, same plan.
 
@@ -71,7 +83,8 @@ def choose_layout(
       flight per worker stay small and the default 65,536-row shuffle buffer still mixes
       several; then at most a rank's rows / workers, so every worker has one to decode.
       The per-worker figure was measured on the current row groups: re-run the planner
-      after `prepare --plan` to confirm the plan on the new layout.
+      after `prepare --plan` to confirm the plan on the new layout. `decoded` (image
+      columns): DECODED_ROW_GROUP_BATCHES local batches, no 16,384-row floor.
     - shards per rank: at least the workers, so each worker can stream its own file, and
       at least `min_shards_per_rank` (the dataset's size rule, pipelines.layout.target_shard_bytes);
       at most a rank's rows / MIN_SHARD_ROWS (hash balance), and at least 1.
@@ -88,8 +101,11 @@ def choose_layout(
     loading = workers * loader_samples_per_s_per_worker
 
     rows_per_rank = max(1, train_rows // world_size)
-    group = ROW_GROUP_ROUND * math.ceil(ROW_GROUP_BATCHES * local_batch / ROW_GROUP_ROUND)
-    group = min(max(group, MIN_ROW_GROUP), MAX_ROW_GROUP)
+    if decoded:
+        group = DECODED_ROW_GROUP_BATCHES * local_batch
+    else:
+        group = ROW_GROUP_ROUND * math.ceil(ROW_GROUP_BATCHES * local_batch / ROW_GROUP_ROUND)
+        group = min(max(group, MIN_ROW_GROUP), MAX_ROW_GROUP)
     group = max(1, min(group, rows_per_rank // workers))
 
     shards = max(workers, min_shards_per_rank)
@@ -118,15 +134,21 @@ def plan_dataset(
     *,
     cores: int | None = None,
     budget_s: float = 1.0,
+    manifest: ShardManifest | None = None,
 ) -> tuple[ShardManifest, BandwidthPlan]:
     """Measure on the dataset and choose its layout; the manifest measured comes back
-    too, so the caller stores the plan only into that version (pipelines.manifest.store_plan)."""
+    too, so the caller stores the plan only into that version (pipelines.manifest.store_plan).
+    manifest: the version the caller checked already (training.job.preflight); else checked here."""
     dataset_dir = storage.resolve(str(dataset_dir), "pipelines.dataset_dir")
-    manifest = preflight(cfg, dataset_dir)  # the errors training itself would raise
+    if manifest is None:
+        manifest = preflight(cfg, dataset_dir)  # the errors training itself would raise
     device = training_device()
-    train = measure_training(manifest, cfg, device, budget_s=budget_s)
-    loader = measure_loader(manifest, dataset_dir, cfg, budget_s=budget_s)
-    return manifest, plan_from_measurements(manifest, cfg, train, loader, cores=cores, device=device)
+    strategy = strategy_for(cfg)  # once: the measurements and the plan split batches as it does
+    # The loader first: a dataset too small to time it is refused before the model is measured.
+    loader = measure_loader(manifest, dataset_dir, cfg, budget_s=budget_s, strategy=strategy)
+    train = measure_training(manifest, cfg, device, budget_s=budget_s, strategy=strategy)
+    return manifest, plan_from_measurements(manifest, cfg, train, loader, cores=cores, device=device,
+                                            strategy=strategy)
 
 
 def plan_from_measurements(
@@ -137,13 +159,14 @@ def plan_from_measurements(
     *,
     cores: int | None = None,
     device: torch.device | None = None,
+    strategy: Strategy | None = None,
 ) -> BandwidthPlan:
     """The plan for two measured figures on this dataset and config: what `plan_dataset`
     does after measuring. Split out so the rule is tested on chosen figures, never on
-    a machine's speed."""
+    a machine's speed. strategy: the job's (strategy_for(cfg)); None resolves it here."""
     # The plan is per data part: the ranks that read one share of each batch (all of them
     # for ddp; ps workers; the dp replicas of a split model, whose ranks read alike).
-    parts = get_strategy(cfg.strategy).data_world(cfg)
+    parts = (strategy or strategy_for(cfg)).data_world
     train_split = manifest.split("train")
     by_size = math.ceil(
         sum(s.bytes for s in train_split.shards) / manifest.layout.target_shard_bytes / parts
@@ -157,6 +180,7 @@ def plan_from_measurements(
         # threads than cores only contend, so the cores per rank cap the workers.
         max_workers_per_rank=(cores or available_cores()) // cfg.world_size,
         min_shards_per_rank=by_size,
+        decoded=bool(manifest.feature_spec.images),
     )
     ckpt = " activation-checkpointed" if cfg.activation_checkpointing else ""
     what = f"{cfg.model} {cfg.hidden} {cfg.strategy} {cfg.precision}{ckpt}, {cfg.threads_per_rank} thread(s)/rank"
@@ -167,7 +191,8 @@ def plan_from_measurements(
 
 
 def measure_training(
-    manifest: ShardManifest, cfg: TrainingConfig, device: torch.device, *, budget_s: float = 1.0
+    manifest: ShardManifest, cfg: TrainingConfig, device: torch.device, *, budget_s: float = 1.0,
+    strategy: Strategy | None = None,
 ) -> float:
     """Per-rank training samples/s: the model's steps on synthetic local batches.
 
@@ -178,7 +203,7 @@ def measure_training(
     host-to-device copy and loss.item() around it; 2 warm-up steps, then at least 2
     timed steps and until `budget_s` has passed.
     """
-    local_batch = cfg.batch_size // get_strategy(cfg.strategy).data_world(cfg)
+    local_batch = cfg.batch_size // (strategy or strategy_for(cfg)).data_world
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads_per_rank)  # as a rank runs; restored below
     try:
@@ -209,46 +234,62 @@ def measure_training(
         torch.set_num_threads(threads)
 
 
-def measure_loader(
-    manifest: ShardManifest, dataset_dir: str, cfg: TrainingConfig, *, budget_s: float = 1.0
-) -> float:
-    """Samples/s one loader worker delivers from rank 0's real train shards, drained
-    as fast as they come (no training), with training's shuffle buffer and prefetch.
-
-    Whole epochs count from their start, so the shuffle buffer's fill is paid as in
-    training. An epoch cut short by the budget counts only from its first batch on:
-    before it the buffer fills without emitting, after it every decoded row group
-    yields as many rows, so that window is the steady rate.
-    """
-    parts = get_strategy(cfg.strategy).data_world(cfg)
+def measured_loader(manifest: ShardManifest, dataset_dir: str, cfg: TrainingConfig,
+                    strategy: Strategy | None = None) -> ShardLoader:
+    """The loader `measure_loader` times: one worker over rank 0's train shards. Raises the
+    one-line DataError when its epoch is too short to time (the CLI asks before it starts
+    measuring, so the refusal is the only line)."""
+    parts = (strategy or strategy_for(cfg)).data_world
     local_batch = cfg.batch_size // parts
     loader = ShardLoader(
         manifest, dataset_dir, "train", 0, parts, local_batch, cfg.seed,
         remainder=cfg.remainder, shuffle_buffer_rows=cfg.shuffle_buffer_rows,
         workers=1, prefetch=cfg.prefetch_depth,
     )
-    if loader.steps_per_epoch() == 0:
+    steps = loader.steps_per_epoch()
+    if steps == 0:
         raise DataError(
             f"{dataset_dir}: rank 0 of {parts} has fewer train rows than one local "
             f"batch ({local_batch}); nothing to measure"
         )
-    samples, seconds = 0, 0.0
+    if steps < MIN_LOADER_BATCHES:
+        raise DataError(
+            f"{dataset_dir}: the loader's rate cannot be measured: rank 0 of {parts} reads "
+            f"{loader.rows} train rows in {loader.row_groups} row group(s), {steps} batch(es) of "
+            f"{local_batch} an epoch (at least {MIN_LOADER_BATCHES} are needed); prepare more rows, "
+            "or lower training.batch_size"
+        )
+    return loader
+
+
+def measure_loader(
+    manifest: ShardManifest, dataset_dir: str, cfg: TrainingConfig, *, budget_s: float = 1.0,
+    strategy: Strategy | None = None,
+) -> float:
+    """Samples/s one loader worker delivers from rank 0's real train shards, drained
+    as fast as they come (no training), with training's shuffle buffer and prefetch.
+
+    Whole epochs, each from its start: reading, decoding (images) and the shuffle buffer's
+    first rows are paid as in training. An epoch longer than the budget is cut, still
+    counted from its start (the rows the buffer holds then are left out: the figure errs
+    low). At least MEASURED_BATCHES batches are timed. An epoch of fewer than
+    MIN_LOADER_BATCHES batches is refused: its start would be most of what is timed.
+    """
+    loader = measured_loader(manifest, dataset_dir, cfg, strategy)
+    samples, seconds, batches = 0, 0.0, 0
     start = time.perf_counter()
     for epoch in itertools.count():
-        epoch_start, first, n, cut = time.perf_counter(), None, 0, False
-        for batch in loader.epoch(epoch):
-            now = time.perf_counter()
-            n += batch_rows(split(batch)[0])
-            if first is None:
-                first = (now, n)
-            elif now - start >= budget_s and n - first[1] >= 2 * local_batch:
+        epoch_start, cut = time.perf_counter(), False
+        it = loader.epoch(epoch)
+        for batch in it:
+            samples += batch_rows(split(batch)[0])
+            batches += 1
+            if time.perf_counter() - start >= budget_s and batches >= MEASURED_BATCHES:
                 cut = True
                 break
-        if cut:
-            samples, seconds = samples + n - first[1], seconds + now - first[0]
-            break
-        samples, seconds = samples + n, seconds + time.perf_counter() - epoch_start
-        if time.perf_counter() - start >= budget_s:
+        it.close()  # a cut epoch: its threads stop now
+        seconds += time.perf_counter() - epoch_start
+        if cut or (time.perf_counter() - start >= budget_s and batches >= MEASURED_BATCHES):
             break
     return samples / seconds
 
@@ -267,8 +308,11 @@ def _synthetic_batch(manifest: ShardManifest, rows: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     spec, stats = manifest.feature_spec, manifest.statistics
     if spec.typed:
-        x, _ = ModelInputs.from_manifest(manifest).sample_batch(rows)
-        return x, torch.randint(0, max(1, stats.num_classes), (rows,), generator=g)
+        # The target as the loader yields it: next_token's is the token ids [rows, length].
+        x, y = ModelInputs.from_manifest(manifest).sample_batch(rows)
+        if y.dim() == 1 and not y.is_floating_point():
+            y = torch.randint(0, max(1, stats.num_classes), (rows,), generator=g)
+        return x, y
     n = continuous_width(spec)
     x = torch.empty(rows, manifest.tensors["features"].shape[0])
     x[:, :n] = torch.randn(rows, n, generator=g)

@@ -257,22 +257,49 @@ def typed_signature(spec: FeatureSpec, stats: FittedStatistics, names):
     return ModelSignature(Schema(inputs), Schema(outputs))
 
 
-def log_raw_model(model, manifest: ShardManifest, cfg, registered_name: str | None, **kwargs):
+def log_trained_model(model, manifest: ShardManifest, cfg, registered_name: str | None, code=None) -> str:
+    """Log a job's trained model (training.job) as a RawRowsModel with the job's own code
+    snapshot (`code`: the bytes its ranks ran, whatever the folders hold by now); register
+    it if named. The registered version, or "" when not registered."""
+    import logging
+
+    import safetensors
+    import torch
+
+    model.eval()
+    # MLflow warns that the pyfunc's python_model and the signature's optional key column
+    # are its own choices to document; both are deliberate here.
+    logging.getLogger("mlflow.pyfunc").setLevel(logging.ERROR)
+    logging.getLogger("mlflow.models.model").setLevel(logging.ERROR)
+    info = log_raw_model(
+        model, manifest, cfg, registered_name, code=code,
+        # Without an explicit list MLflow spends ~10 s inferring one.
+        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"safetensors=={safetensors.__version__}",
+                          "pydantic", "pyarrow", "pandas"],
+    )
+    return str(info.registered_model_version) if registered_name else ""
+
+
+def log_raw_model(model, manifest: ShardManifest, cfg, registered_name: str | None, code=None, **kwargs):
     """Log `model` (built by `build_model(manifest, cfg)`) as a RawRowsModel of
-    `manifest`'s transform, with the user's code; MLflow's ModelInfo."""
-    from shardline.pipelines.engines import code_files
+    `manifest`'s transform, with the user's code (`code`, a pipelines.code_travel.UserCode
+    snapshot; else the folders as they are now); MLflow's ModelInfo."""
+    from shardline.pipelines.code_travel import shardline_files
 
     from .model_files import code_folders, write_module
 
     spec, stats = manifest.feature_spec, manifest.statistics
     # MLflow loads the model back to check its input example: no download bars on the console.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    user_code = code_folders(cfg)  # before anything is written: a missing code_paths entry is one line
+    # Before anything is written: a missing code_paths entry is one line.
+    user_code = None if code is not None and code.zip_path else code_folders(cfg)
     with tempfile.TemporaryDirectory() as d:
-        code = os.path.join(d, "code")
-        for arcname, f in code_files():  # shardline/{__init__.py,pipelines,training,serving}
-            os.makedirs(os.path.dirname(os.path.join(code, arcname)), exist_ok=True)
-            shutil.copyfile(f, os.path.join(code, arcname))
+        if user_code is None:
+            user_code = _unpacked(code, os.path.join(d, "usercode"))
+        code_dir = os.path.join(d, "code")
+        for arcname, f in shardline_files():  # shardline/{__init__.py,pipelines,training,serving}
+            os.makedirs(os.path.dirname(os.path.join(code_dir, arcname)), exist_ok=True)
+            shutil.copyfile(f, os.path.join(code_dir, arcname))
         weights, module = write_module(model, manifest, cfg, d)
         transform = os.path.join(d, "transform.json")
         tensors = {n: t.model_dump(mode="json") for n, t in manifest.tensors.items() if n != "label"}
@@ -284,13 +311,12 @@ def log_raw_model(model, manifest: ShardManifest, cfg, registered_name: str | No
             name="model",
             python_model=str(ENTRY),
             artifacts={WEIGHTS: weights, MODULE: module, TRANSFORM: transform},
-            # Named tensors: no MLflow column type says "uint8 [3, 8, 8]" (module docstring).
-            signature=typed_signature(spec, stats, tensors) if spec.typed
-            else signature(spec, stats),
+            # Named tensors: by name, any type (no MLflow type says "uint8 [3, 8, 8]": module docstring).
+            signature=typed_signature(spec, stats, tensors) if spec.typed else signature(spec, stats),
             input_example=None if spec.typed else example_rows(spec, stats),
             # Each folder lands in the model's code/ by its own name: code/shardline, and the
             # user's packages beside it, importable as they were in training.
-            code_paths=[os.path.join(code, "shardline"), *user_code],
+            code_paths=[os.path.join(code_dir, "shardline"), *user_code],
             registered_model_name=registered_name,
             **kwargs,
         )
@@ -303,6 +329,15 @@ def pickled_refusal(model_uri: str) -> str:
     return (f"model {model_uri} has MLflow's pytorch flavour (logged with mlflow.pytorch.log_model): "
             "loading it unpickles it, which runs whatever code its writer put in it; score it only if you "
             "trust everyone who can write to this registry, with serving.allow_pickled_models = true")
+
+
+def _unpacked(code, folder: str) -> list[str]:
+    """The snapshot's packages (folders, or single .py files) unpacked into `folder`."""
+    import zipfile
+
+    with zipfile.ZipFile(code.zip_path) as z:
+        z.extractall(folder)
+    return [p if os.path.isdir(p := os.path.join(folder, name)) else f"{p}.py" for name in code.packages]
 
 
 def load_torch_model(model_uri: str, allow_pickled: bool = False):

@@ -28,6 +28,10 @@ everything (`read_weights`: a checkpoint's plain weights, in one process).
 The directory is complete before the small file that names it is written (dcp.save
 returns on every rank after rank 0 wrote .metadata), and the small file is the commit.
 
+The directory's name (`CheckpointStore.new_dcp_name`) and its pruning with the rotation are
+the checkpoint folder's owner's (`training.checkpoint_store`); this module writes and reads
+what is in it.
+
 Resuming at another mesh (`checkpoints.MESH_FIELDS`: world_size, dp, tp, pp, dp_shard,
 ps_servers, the plans): the weights and optimizer state reshard; the loader's order
 within an epoch depends on how many ranks read data, so a checkpoint taken mid-epoch
@@ -42,27 +46,18 @@ local, a shared mount or an object store.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from shardline.pipelines import failures, storage
 from shardline.pipelines.errors import ConfigError, StorageError
 
-from . import collectives
-from .checkpoints import MESH_FIELDS, _cause
+from .checkpoint_store import CheckpointStore, error_cause
+from .checkpoints import MESH_FIELDS
 from .config import TrainingConfig
 
 # torch.distributed.checkpoint is imported inside the functions that save or load: with
 # DTensor and sympy it is ~0.6 s, which a driver that only reads the small file never needs.
-
-SUFFIX = ".dcp"
-
-
-def new_name(global_step: int) -> str:
-    """A fresh directory name, the same on every rank (rank 0's). Collective."""
-    mine = f"ckpt-{global_step:09d}-{uuid.uuid4().hex[:6]}{SUFFIX}"
-    return collectives.all_gather_object(mine)[0]
 
 
 def save(model, optimizer, directory: str) -> None:
@@ -187,7 +182,7 @@ def _rank_failure(directory: str, doing: str, writer=None) -> Iterator[None]:
             raise
         if failures.is_permanent(cause):
             raise StorageError(
-                f"training.checkpoint_dir: cannot {doing} {storage.display(directory)} ({_cause(cause)})"
+                f"training.checkpoint_dir: cannot {doing} {storage.display(directory)} ({error_cause(cause)})"
             ) from None
         raise cause from None
 
@@ -206,39 +201,16 @@ def read_weights(head_url: str) -> dict:
     process with no process group: every piece, whichever ranks and strategy wrote them."""
     import torch.distributed.checkpoint as dcp
 
-    from . import checkpoints, dcp_storage
+    from . import dcp_storage
 
-    directory = storage.join(storage.parent(head_url), checkpoints.load(head_url, {})["sharded"])
+    store = CheckpointStore.holding(head_url)
+    directory = store.dcp_dir(head_url, store.read(head_url))
     saved = dcp_storage.reader(directory).read_metadata().state_dict_metadata
     weights = {k[len("model."):]: _empty(m) for k, m in saved.items() if k.startswith("model.")}
     state = {"model": weights}
     with _rank_failure(directory, "read"):
         dcp.load(state, storage_reader=dcp_storage.reader(directory))
     return state["model"]
-
-
-def _step(name: str) -> int:
-    return int(name.split("-")[1].split(".")[0])
-
-
-def prune(checkpoint_dir: str) -> None:
-    """Remove the sharded directories no kept checkpoint can name: those older than the
-    oldest one kept (every one, when none is). A directory a lost attempt wrote at a kept
-    step goes once that step is rotated out."""
-    from .checkpoints import checkpoint_paths
-
-    heads = checkpoint_paths(checkpoint_dir)
-    oldest = _step(storage.name(heads[0])) if heads else None
-    for info in storage.list_dir_info(checkpoint_dir):
-        name = info.base_name
-        if name.startswith("ckpt-") and name.endswith(SUFFIX) and (oldest is None or _step(name) < oldest):
-            storage.delete_tree(storage.join(checkpoint_dir, name))
-
-
-def comparable(fingerprint: dict[str, str] | None) -> dict[str, str]:
-    """The fingerprint a checkpoint must match to be from the same run: all but the mesh,
-    which check_resume judges on the driver (it may change where the checkpoint reshards)."""
-    return {k: v for k, v in (fingerprint or {}).items() if k not in MESH_FIELDS}
 
 
 def check_resume(head: dict, cfg: TrainingConfig, data_world: int, where: str) -> bool:

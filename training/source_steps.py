@@ -22,7 +22,7 @@ from shardline.pipelines.errors import DataError
 from shardline.pipelines.raw import RawFile
 
 from .config import TrainingConfig
-from .strategies import get_strategy
+from .strategies import strategy_for
 
 # Text sources are counted line by line only up to this size: a large source is no small dataset.
 COUNT_TEXT_BYTES = 64 << 20
@@ -61,7 +61,7 @@ def check_steps_from_source(cfg: TrainingConfig, pipelines: PipelineConfig, file
     if cfg.remainder != "drop":
         return  # "pad": every rank with a row takes a step
     rows = source_rows(pipelines, files)
-    data_world = get_strategy(cfg.strategy).data_world(cfg)
+    data_world = strategy_for(cfg).data_world
     local = cfg.batch_size // data_world
     if not rows or local < 1:
         return  # unknown, or check_steps' own refusal once prepared

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import math
 import queue
-import sys
 import threading
 from dataclasses import dataclass
 
+from shardline.pipelines import report
 from shardline.pipelines.storage import join as join_url, resolve as resolve_path
 from shardline.pipelines.errors import ConfigError, DataError, ShardlineError
 from shardline.pipelines.redact import redact
@@ -28,6 +28,7 @@ from shardline.pipelines.redact import redact
 from .config import TrackingConfig, TrainingConfig
 from .job import preflight, run_training
 from .launchers import available_cores
+from .strategy_settings import merge_settings
 from .task import metric_names, task_of, user_metric_names
 from .sweep_config import SweepConfig
 from .sweep_report import TrialOutcome, fmt_params, log_summary, outcome, register_best
@@ -271,7 +272,7 @@ def _run_trial(results, number, base, name, params, tracking, dataset_dir, spark
     try:
         # Its own checkpoint directory: a job deletes stale checkpoints in its own at start.
         ckpt = join_url(base.checkpoint_dir, "sweeps", name, f"trial-{number}")
-        cfg = TrainingConfig.model_validate({**base.model_dump(), **params, "checkpoint_dir": ckpt})
+        cfg = TrainingConfig.model_validate(merge_settings(base.model_dump(), {**params, "checkpoint_dir": ckpt}))
         result = run_training(
             cfg, tracking, dataset_dir, spark, dask_client,
             into_run=run_id, register=False, epoch_hook=hook, dask_workers=group,
@@ -404,4 +405,4 @@ def _close_interrupted(study, storage, client, parent: str) -> None:
 
 
 def _say(msg: str) -> None:
-    print(f"[shardline] {msg}", file=sys.stderr, flush=True)
+    report.line(f"[shardline] {msg}")

@@ -10,6 +10,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from shardline.pipelines.config import Section
 
 from .config import TrainingConfig
+from .strategy_settings import FLAT_NAMES, TABLES, setting_field
 
 # Settings of the job around the model rather than of the model: never searched.
 FIXED = {
@@ -21,7 +22,9 @@ Choice = str | int | float | bool | list[int]
 
 
 def tunable() -> list[str]:
-    return sorted(n for n in TrainingConfig.model_fields if n not in FIXED)
+    # A strategy's settings by their flat names (training.micro_batches), not its sub-table.
+    general = [n for n in TrainingConfig.model_fields if n not in FIXED and n not in TABLES]
+    return sorted([*general, *FLAT_NAMES])
 
 
 class ParamSpace(Section):
@@ -128,7 +131,7 @@ class SweepConfig(Section):
         for name, spec in space.items():
             if name not in names:
                 raise ValueError(f"'{name}' is not a searchable training setting (valid: {', '.join(names)})")
-            is_list = get_origin(TrainingConfig.model_fields[name].annotation) is list
+            is_list = get_origin(setting_field(name).annotation) is list
             for value in spec.values_to_check():
                 if isinstance(value, list) != is_list:
                     want = "a list" if is_list else "a single value"

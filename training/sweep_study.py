@@ -11,7 +11,7 @@ from pathlib import Path
 from shardline.pipelines.errors import ConfigError, ShardlineError
 from shardline.pipelines.redact import redact
 
-from .config import TrainingConfig
+from .strategy_settings import setting_field
 from .sweep_config import ParamSpace, SweepConfig
 
 
@@ -77,7 +77,7 @@ def encode(value):
 def decode(name: str, value):
     from typing import get_origin
 
-    is_list = get_origin(TrainingConfig.model_fields[name].annotation) is list
+    is_list = get_origin(setting_field(name).annotation) is list
     return json.loads(value) if is_list and isinstance(value, str) else value
 
 

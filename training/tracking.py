@@ -138,19 +138,34 @@ def log_dataset_input(manifest, dataset_dir: str) -> None:
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.exceptions import MlflowException
 
+    from shardline.pipelines.tables import describe_sources
+
     with warnings.catch_warnings():  # a local path matches two source kinds; either is right
         warnings.simplefilter("ignore")
         source = resolve_dataset_source(dataset_dir)
     name = redact(f"{storage.display(dataset_dir)}@{manifest.sequence}")
-    dataset = MetaDataset(source, name=name, digest=dataset_digest(manifest))
+    datasets = [(MetaDataset(source, name=name, digest=dataset_digest(manifest)), "training")]
+    # The tables it was prepared from, by name and version (pipelines.tables): `delta:<path>@v3`,
+    # `iceberg:<table>@<snapshot id>`, `spark:<table or query>`, each as an input of its own.
+    for table, where in describe_sources(getattr(manifest, "sources", [])):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            table_source = resolve_dataset_source(where) if "://" in where or where.startswith("/") else None
+        datasets.append((MetaDataset(table_source or source, name=redact(table),
+                                     digest=dataset_digest(manifest)), "source"))
+    for dataset, context in datasets:
+        _log_input(mlflow, dataset, context, MlflowException)
+
+
+def _log_input(mlflow, dataset, context: str, error) -> None:
     # A sweep's concurrent trials log the same dataset at once, and the store inserts it
     # after looking for it: the loser of that race fails on the table's unique key (seen on
     # SQLite in a Dask sweep). By the time it tries again the row exists and is only linked.
     for attempt in range(4):
         try:
-            mlflow.log_input(dataset, context="training")
+            mlflow.log_input(dataset, context=context)
             return
-        except MlflowException:
+        except error:
             if attempt == 3:
                 raise
             time.sleep(0.2 * (attempt + 1))
@@ -220,17 +235,49 @@ def create_beside_store(tracking_uri: str, experiment: str) -> None:
             raise
 
 
-def not_usable(tracking_uri: str, e: BaseException, why: str = "") -> ShardlineError:
+def not_usable(tracking_uri: str, e: BaseException) -> ShardlineError:
     """The one line for a store MLflow cannot use: the first line of its error."""
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return ShardlineError(f"tracking.tracking_uri: MLflow at {tracking_uri} is not usable ({first[:200]}{why})")
+    return ShardlineError(f"tracking.tracking_uri: MLflow at {tracking_uri} is not usable ({first[:200]})")
+
+
+# MLflow's database stores (SQLAlchemy URLs) other than SQLite, whose driver is a separate package.
+_DATABASES = ("postgresql", "mysql", "mssql")
+
+
+def check_store(tracking_uri: str) -> None:
+    """The MLflow store can be used, checked without writing to it (a job refused later
+    must leave no run, not even a new experiment): a server answers; a database store's
+    driver is installed."""
+    check_reachable(tracking_uri)
+    check_driver(tracking_uri)
+
+
+def check_driver(tracking_uri: str) -> None:
+    """A database store's driver is installed: without it MLflow fails with a 77-line
+    ModuleNotFoundError (score), only once the job's effects have begun, and `shardline ui`'s
+    server only after its ready line. SQLAlchemy names the module without connecting."""
+    scheme = tracking_uri.split(":", 1)[0].split("+", 1)[0].lower()
+    if scheme not in _DATABASES:
+        return
+    from sqlalchemy.engine import make_url
+
+    try:
+        make_url(tracking_uri).get_dialect().import_dbapi()
+    except ImportError as e:
+        missing = getattr(e, "name", None) or str(e)
+        raise ShardlineError(redact(
+            f"tracking.tracking_uri: MLflow's {scheme} store needs a database driver that is not "
+            f"installed (no module named {missing!r}): install it beside shardline, or use an MLflow "
+            "server (tracking.tracking_uri = 'http://host:5000')"
+        )) from None
+    except Exception as e:  # a malformed URL
+        raise ShardlineError(redact(f"tracking.tracking_uri: {tracking_uri} is not a database URL ({e})")) from None
 
 
 def check_reachable(tracking_uri: str, timeout_s: float = 5.0) -> None:
-    """One line, in seconds, when MLflow cannot use the store: a server URL that does not
-    answer, a database whose driver this Python lacks. Other stores pass."""
+    """One line, in seconds, when an MLflow server URL does not answer (other stores pass)."""
     if not tracking_uri.startswith(("http://", "https://")):
-        check_driver(tracking_uri)
         return
     # MLflow's client retries a dead server with backoff for minutes; one short
     # probe tells the user at once.
@@ -246,25 +293,6 @@ def check_reachable(tracking_uri: str, timeout_s: float = 5.0) -> None:
         raise ShardlineError(redact(
             f"tracking.tracking_uri: MLflow at {tracking_uri} is not reachable ({reason})"
         )) from None
-
-
-def check_driver(tracking_uri: str) -> None:
-    """A database store (postgresql://, mysql://, ...) whose driver is not installed: MLflow
-    meets it deep inside its store, as a traceback of 40 to 80 lines, and `shardline ui`'s
-    server only once it serves. SQLAlchemy says which module it needs without connecting."""
-    from mlflow.store.db.db_types import DATABASE_ENGINES
-
-    if tracking_uri.partition("://")[0].partition("+")[0] not in DATABASE_ENGINES:
-        return
-    from sqlalchemy.engine import make_url
-
-    try:
-        make_url(tracking_uri).get_dialect().import_dbapi()
-    except ImportError as e:
-        raise not_usable(tracking_uri, e, ": the database driver its URI names is not installed "
-                         "in this Python") from None
-    except Exception as e:  # a URI SQLAlchemy cannot parse
-        raise not_usable(tracking_uri, e) from None
 
 
 def health_request(server_uri: str):

@@ -9,7 +9,7 @@ ranks, Spark executors, Dask workers, and into the registered model.
 from __future__ import annotations
 
 import importlib
-import importlib.util
+import importlib.machinery
 import os
 import sys
 import sysconfig
@@ -82,7 +82,9 @@ def package_location(path: str) -> Path | None:
     if top == "shardline":
         return None
     cwd_on_path()
-    spec = importlib.util.find_spec(top)
+    # Searched on sys.path, not taken from sys.modules: a package imported earlier in this
+    # process may come from somewhere else (a registered model's code folder, since removed).
+    spec = importlib.machinery.PathFinder.find_spec(top, sys.path)
     if spec is None or spec.origin in (None, "built-in", "frozen"):
         return None
     origin = Path(spec.origin).resolve()
@@ -142,3 +144,33 @@ def job_code_folders(cfg) -> list[str]:
     except ShardlineError as e:
         raise ConfigError(f"training.code_paths: {e}") from None
     return folders
+
+
+# Top-level package -> the digest of the code snapshot (pipelines.code_travel.UserCode) this
+# driver process last imported it for.
+_IMPORTED_FOR: dict[str, str] = {}
+
+
+def refresh_driver_code(code) -> None:
+    """Make this process import the user's code as `code` (the job's snapshot) holds it.
+
+    A notebook trains, the user edits the model's file, and trains again in the same Python:
+    the modules imported for the first job are still in sys.modules, and `import_module`
+    would hand the driver the old code while every rank runs the new (its zip is named by
+    its content). So when the snapshot's digest differs from the one the package was last
+    imported for here, every module of the user's top-level packages is dropped, and the
+    next import reads the files again. The same digest keeps what is loaded (a sweep's
+    trials, a job's restarts). A package imported before any job (a notebook's own import)
+    is dropped once too: which version it is cannot be told.
+    """
+    if code is None:
+        return
+    stale = [p for p in code.packages if _IMPORTED_FOR.get(p) != code.digest]
+    if not stale:
+        return
+    for name in list(sys.modules):
+        if name.split(".", 1)[0] in stale:
+            sys.modules.pop(name, None)
+    importlib.invalidate_caches()
+    for p in stale:
+        _IMPORTED_FOR[p] = code.digest

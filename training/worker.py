@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import json
-import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,16 +12,18 @@ from functools import partial
 import torch
 
 from shardline.pipelines import progress, storage
+from shardline.pipelines.code_travel import UserCode
 from shardline.pipelines.manifest import ShardManifest, load_manifest
 
-from . import checkpoints, collectives, sharded_checkpoints, task
+from . import checkpoints, collectives, task
+from .checkpoint_store import CheckpointStore
 from .batch import forward, split as split_batch, to_device
 from .config import TrainingConfig
 from .evaluate import evaluate
+from .launchers.guard import stop_if_job_over
 from .loader import ShardLoader
 from .models import apply_activation_checkpointing, build_model
-from .strategies import get_strategy
-from .strategies.base import model_for
+from .strategies import Strategy, strategy_for
 from .tracking import MetricsReporter
 
 
@@ -33,11 +32,15 @@ _SHOWN = ("train_loss", "train_accuracy", "train_rmse", "val_loss", "val_accurac
 
 
 @dataclass
-class TrainJob:
-    """Everything a rank needs; pickled to Spark tasks, Dask workers and processes."""
+class RankJob:
+    """Everything a rank needs, made once by the driver's TrainingJob (training.job) and
+    pickled to Spark tasks, Dask workers and processes; the same object for every attempt."""
 
     cfg: TrainingConfig
     dataset_dir: str
+    # The job's strategy (its settings and mesh), resolved once on the driver; unset: resolved
+    # from cfg when the job is made, so a rank never looks it up.
+    strategy: Strategy | None = None
     # The dataset version (manifest number) the driver checked: ranks read it, not a newer one.
     dataset_sequence: int | None = None
     tracking_uri: str | None = None
@@ -49,24 +52,36 @@ class TrainJob:
     epoch_hook: Callable[[int, dict[str, float]], bool] | None = None
     # host:port of the driver's progress listener (pipelines.progress); None prints here.
     progress_addr: str | None = None
+    # The job's snapshot of the user's code (pipelines.code_travel): what every rank imports.
+    code: UserCode | None = None
+
+    def __post_init__(self) -> None:
+        if self.strategy is None:
+            self.strategy = strategy_for(self.cfg)
 
     @property
     def socket_ifname(self) -> str | None:
         """What launchers.run_in_group exports as GLOO/NCCL_SOCKET_IFNAME before the group starts."""
         return self.cfg.socket_ifname
 
+    @property
+    def ranks_dir(self) -> str:
+        """Where each rank says who it is (rank-N.json) and, failing with a bug, writes its
+        traceback (rank-N.log: launchers.rank_errors); every host can write there."""
+        return storage.join(self.cfg.checkpoint_dir, "ranks")
 
-def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
+
+def train_rank(rank: int, world_size: int, job: RankJob) -> dict | None:
     """The rank function of a training job (see training.launchers)."""
     cfg = job.cfg
     torch.set_num_threads(cfg.threads_per_rank)
     device = collectives.device()  # chosen by run_in_group before the group (training.placement)
     manifest = load_manifest(job.dataset_dir, job.dataset_sequence)
-    strategy = get_strategy(cfg.strategy)
+    strategy = job.strategy
     # The Parallel keeps what this rank holds (a PS server, an fsdp rank: its shard only);
     # fsdp builds the model itself, sharded, from the builder (never whole on every rank).
     parallel = strategy.setup(
-        model_for(strategy, partial(plain_model, manifest, cfg), device), cfg, rank, world_size, device,
+        strategy.model_for(partial(plain_model, manifest, cfg), device), cfg, rank, world_size, device,
         lambda params: make_optimizer(params, cfg),
     )
     reads = parallel.data_rank is not None
@@ -96,7 +111,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         if evaluated and parallel.reports
         else None
     )
-    sharded_eval = getattr(parallel, "evaluates_sharded", False)  # the same on every rank
+    sharded_eval = parallel.evaluates_sharded  # the same on every rank
     eval_model = build_model(manifest, cfg).to(device) if val is not None and not sharded_eval else None
     kind = task.task_of(manifest)
     # training.loss and training.metrics (the user's, if set), imported here in the rank.
@@ -106,22 +121,27 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
     schedule = lr_factor(cfg, cfg.epochs * train.steps_per_epoch())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule) if optimizer else None
     reporter = MetricsReporter(job.tracking_uri, job.run_id) if rank == 0 else None
-    _announce(cfg.checkpoint_dir, rank)
+    store = CheckpointStore(cfg.checkpoint_dir)
+    store.announce(rank)
 
     step = start_epoch = 0
+    resumed_sums = None  # a mid-epoch checkpoint's running sums of its epoch (this rank's share)
     if job.resume_from:
-        step, start_epoch = _resume(job, parallel, scheduler, train, rank, world_size, device)
+        step, start_epoch, resumed_sums = _resume(job, store, parallel, scheduler, train, rank, world_size, device)
         # A setting the user allowed to change (--allow-changed lr) wins over the checkpoint's.
         checkpoints.apply_changed(optimizer, scheduler, cfg, cfg.resume_allow_changed)
 
-    def checkpoint(epoch: int, step_in_epoch: int, artifact: bool) -> None:
+    def checkpoint(epoch: int, step_in_epoch: int, artifact: bool, sums: torch.Tensor) -> None:
         # Every rank writes what it holds of the weights and the optimizer state, in
         # parallel, into the checkpoint's DCP directory (training.sharded_checkpoints); then
         # one small file, gathered to rank 0, says what each rank needs besides to resume
-        # exactly (its schedule and RNG state) and names the directory. No weights in it.
-        mine = {"scheduler": scheduler.state_dict() if scheduler else {}, "rng": rng_state(device)}
-        sharded = sharded_checkpoints.new_name(step)
-        parallel.save_checkpoint(storage.join(cfg.checkpoint_dir, sharded))
+        # exactly (its schedule, RNG state, and mid-epoch its running sums of the epoch's
+        # figures: a resumed epoch logs them over all its steps) and names the directory.
+        # No weights in it.
+        mine = {"scheduler": scheduler.state_dict() if scheduler else {}, "rng": rng_state(device),
+                "sums": sums.cpu()}
+        sharded = store.new_dcp_name(step)
+        parallel.save_checkpoint(storage.join(store.url, sharded))
         ranks = collectives.gather_object(mine, dst=0)
         if rank != 0:
             return
@@ -133,12 +153,14 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
             "step_in_epoch": step_in_epoch,
             "loader": train.state_dict(),
             "fingerprint": job.fingerprint or {},
+            # The code's per-file digests: a resume over changed code names the files.
+            "code_files": job.code.files if job.code else {},
             "run_id": job.run_id or "",
         }
-        path = checkpoints.save(cfg.checkpoint_dir, step, state, cfg.keep_checkpoints)
-        sharded_checkpoints.prune(cfg.checkpoint_dir)
+        stop_if_job_over()  # an interrupted job commits no more checkpoints (launchers.guard)
+        path = store.save(step, state, cfg.keep_checkpoints)  # and rotates, DCP directories too
         if reporter:
-            reporter.checkpoint(path, step, artifact, storage.join(cfg.checkpoint_dir, sharded))
+            reporter.checkpoint(path, step, artifact, storage.join(store.url, sharded))
 
     metrics: dict[str, float] = {}
     stopped_early = warned = False
@@ -146,6 +168,8 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
         seen = waited = stepping = 0.0
         steps_run = 0  # this epoch's steps in this process (a resumed epoch: the rest only)
         sums = task.zero_sums(kind)
+        if resumed_sums is not None and epoch == start_epoch:  # the steps before the restart
+            sums += resumed_sums.to(sums.device)
         start = time.perf_counter()
         # Resuming mid-epoch, the loader (its state loaded) yields exactly the rest.
         position = train.state_dict()
@@ -182,7 +206,7 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
                 if reporter:
                     reporter.log({"train_loss_step": step_loss, "lr": cfg.lr * schedule(step)}, step)
             if cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0:
-                checkpoint(epoch, step_in_epoch, artifact=False)
+                checkpoint(epoch, step_in_epoch, artifact=False, sums=sums)
         elapsed = time.perf_counter() - start
 
         # Per-rank figures go to rank 0 through one all-reduce of a [world, k] table.
@@ -217,14 +241,14 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
             metrics.update(evaluate(run, val, device, kind, loss_fn, user_metrics, sharded_eval, scale))
         if reporter:
             reporter.log(metrics, epoch)
-            shown = ", ".join(f"{k} {metrics[k]:.4g}" for k in _shown(metrics))
+            shown = ", ".join(f"{k} {metrics[k]:.4g}" for k in _shown(metrics, strategy.name))
             progress.say(job.progress_addr, f"[shardline] epoch {epoch + 1}/{cfg.epochs}: {shown}")
             if not warned and data_wait_worth_warning(cfg, metrics["data_wait_fraction"],
                                                       per_rank[:, 4].max().item(), int(per_rank[:, 5].max().item())):
                 # Once per job: later epochs' figures are in MLflow (rank*_data_wait_fraction).
                 _warn_data_wait(job, epoch, cfg, per_rank[:, 1], loader_settings["workers"])
                 warned = True
-        checkpoint(epoch + 1, 0, artifact=True)
+        checkpoint(epoch + 1, 0, artifact=True, sums=task.zero_sums(kind))
         if job.epoch_hook is not None and _stop_requested(job.epoch_hook, rank, epoch, metrics):
             # After the last epoch a stop changes nothing: the job simply completed.
             stopped_early = epoch + 1 < cfg.epochs
@@ -247,8 +271,12 @@ def train_rank(rank: int, world_size: int, job: TrainJob) -> dict | None:
     }
 
 
-def _resume(job: TrainJob, parallel, scheduler, train: ShardLoader, rank: int, world_size: int, device) -> tuple[int, int]:
-    """Load the checkpoint into this rank; (global step, epoch) to continue from.
+def _resume(job: RankJob, store: CheckpointStore, parallel, scheduler, train: ShardLoader, rank: int,
+            world_size: int, device) -> tuple[int, int, torch.Tensor | None]:
+    """Load the checkpoint into this rank; (global step, epoch, sums) to continue from.
+
+    sums: mid-epoch, the epoch's running sums (task.batch_sums) before the checkpoint, every
+    rank's added up on rank 0 (summed over the ranks at the epoch's end anyway); else None.
 
     Every rank reads the weights and optimizer state it holds now from the checkpoint's
     DCP directory, whichever ranks wrote them. At the mesh that wrote it every rank takes
@@ -257,9 +285,8 @@ def _resume(job: TrainJob, parallel, scheduler, train: ShardLoader, rank: int, w
     ranks changed) RNG states stay freshly seeded (no model here draws any) and the next
     epoch starts from its beginning.
     """
-    state = checkpoints.load(job.resume_from, sharded_checkpoints.comparable(job.fingerprint),
-                             job.cfg.resume_allow_changed)
-    parallel.load_checkpoint(storage.join(storage.parent(job.resume_from), state["sharded"]))
+    state = store.read(job.resume_from, checkpoints.comparable(job.fingerprint), job.cfg.resume_allow_changed)
+    parallel.load_checkpoint(store.dcp_dir(job.resume_from, state))
     own = state["ranks"][rank] if len(state["ranks"]) == world_size else None
     # Every rank runs the same schedule; a rank with no optimizer saved none (a ps worker, a
     # pipeline stage without parameters), so one that now has one takes another rank's.
@@ -269,9 +296,13 @@ def _resume(job: TrainJob, parallel, scheduler, train: ShardLoader, rank: int, w
         scheduler.load_state_dict(schedule)
     if own is not None:
         set_rng_state(own["rng"], device)
+    sums = None
     if state["loader"]["world_size"] == parallel.data_world:
         train.load_state_dict(state["loader"])
-    return state["global_step"], state["epoch"]
+        saved = [r["sums"] for r in state["ranks"] if r.get("sums") is not None]
+        if rank == 0 and state["step_in_epoch"] and saved:  # older checkpoints have none
+            sums = torch.stack(saved).sum(0)
+    return state["global_step"], state["epoch"], sums
 
 
 # The pieces of a step, shared with the bandwidth planner (training.plan) so that it
@@ -296,9 +327,10 @@ def make_optimizer(params, cfg: TrainingConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def _shown(metrics: dict[str, float]) -> list[str]:
-    """The epoch line: the usual figures, then the strategy's own (job-wide means)."""
-    own = [k for k in metrics if k.split("_")[0] in ("ps", "pipeline")]
+def _shown(metrics: dict[str, float], strategy: str) -> list[str]:
+    """The epoch line: the usual figures, then the strategy's own (job-wide means), which
+    are named after it (Parallel.epoch_metrics)."""
+    own = [k for k in metrics if k.startswith(f"{strategy}_")]
     return [k for k in _SHOWN if k in metrics] + own
 
 
@@ -348,7 +380,7 @@ def data_wait_worth_warning(cfg: TrainingConfig, fraction: float, waited_s: floa
             and steps >= cfg.data_wait_warning_min_steps)
 
 
-def _warn_data_wait(job: TrainJob, epoch: int, cfg: TrainingConfig, wait: torch.Tensor, workers: int) -> None:
+def _warn_data_wait(job: RankJob, epoch: int, cfg: TrainingConfig, wait: torch.Tensor, workers: int) -> None:
     worst = int(wait.argmax())
     progress.say(
         job.progress_addr,
@@ -364,12 +396,6 @@ def _stop_requested(hook, rank: int, epoch: int, metrics: dict[str, float]) -> b
     flag = collectives.tensor([1.0 if rank == 0 and hook(epoch, metrics) else 0.0])
     collectives.broadcast(flag, src=0)
     return bool(flag.item())
-
-
-def _announce(checkpoint_dir: str, rank: int) -> None:
-    """ranks/rank-N.json: which host and process is rank N (to watch or signal it)."""
-    info = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid()}
-    storage.write_bytes(storage.join(checkpoint_dir, "ranks", f"rank-{rank}.json"), json.dumps(info).encode())
 
 
 def lr_factor(cfg: TrainingConfig, total_steps: int):

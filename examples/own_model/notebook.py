@@ -73,14 +73,18 @@ def on_spark(spark, workdir, tracking_uri: str | None = None, name: str = "own-m
     trained = shardline.train(JOB, overrides, spark=spark)
     scored = shardline.score(JOB, overrides, spark=spark, model_uri=trained.model_uri)
 
-    from shardline.spark import ShardlineEstimator
+    from shardline.spark import ShardlineEstimator, ShardlineModel
 
     df = spark.createDataFrame(frame())
     model = ShardlineEstimator(_estimator_config(workdir / "estimator", tracking_uri, name + "-estimator"),
                                label_col="label").fit(df)
-    predictions = model.transform(df).toPandas()
+    # Saved as pyspark.ml saves a model (its registry URI and settings; the weights stay in
+    # MLflow), loaded back, and used as the fitted one would be.
+    model.write().overwrite().save(str(workdir / "estimator-model"))
+    loaded = ShardlineModel.load(str(workdir / "estimator-model"))
+    predictions = loaded.transform(df).toPandas()
     return {"prepared": prepared, "trained": trained, "scored": scored,
-            "estimator_model_uri": model.model_uri, "predictions": predictions}
+            "estimator_model_uri": loaded.model_uri, "predictions": predictions}
 
 
 def on_dask(client, workdir, tracking_uri: str | None = None, name: str = "own-model-dask") -> dict:
@@ -98,11 +102,14 @@ def on_dask(client, workdir, tracking_uri: str | None = None, name: str = "own-m
 
     pdf = frame(seed=1)
     ddf = dd.from_pandas(pdf, npartitions=2)
+    # scikit-learn's way: features X and labels y (a Dask Series partitioned as X).
+    X, y = ddf.drop(columns="label"), ddf["label"]
     est = ShardlineEstimator(_estimator_config(workdir / "estimator", tracking_uri, name + "-estimator"),
-                             label_col="label", client=client).fit(ddf)
-    predictions = pdf.assign(prediction=est.predict(ddf).compute())
+                             label_col="label", client=client).fit(X, y)
+    predictions = pdf.assign(prediction=est.predict(X).compute())
     return {"prepared": prepared, "trained": trained, "scored": scored,
-            "estimator_model_uri": est.model_uri, "predictions": predictions}
+            "estimator_model_uri": est.model_uri, "predictions": predictions,
+            "estimator_accuracy": est.score(X, y)}
 
 
 def _summary(engine: str, out: dict) -> str:

@@ -17,7 +17,8 @@ from shardline.pipelines.code_travel import UserCode, use_code
 from shardline.pipelines.errors import ShardlineError
 
 from ..placement import Slot
-from .guard import DriverGuard, RankError, is_permanent
+from .guard import DriverGuard
+from .rank_errors import RankError, is_permanent
 
 LOST_PEER_GRACE_S = 5.0
 
@@ -44,15 +45,33 @@ class TrainingFailed(ShardlineError):
         return type(self), (str(self), self.permanent)
 
     @classmethod
-    def from_ranks(cls, launcher: str, text: str, fallback: str) -> TrainingFailed:
-        """From the rank markers found in an error's text (guard.RankError), else `fallback`."""
-        from .guard import describe_failures, rank_failures
+    def from_ranks(cls, launcher: str, text: str, fallback: str, lost: list[str] = (),
+                   after: list[str] = ()) -> TrainingFailed:
+        """From the rank markers found in an error's text (rank_errors.RankError) and the
+        ranks the launcher saw lost (rank_errors.lost_rank: they lead, unless a rank's own
+        permanent error is the cause), else `fallback`; `after`: notes said last."""
+        from .rank_errors import describe_failures, rank_failures
 
         failures = rank_failures(text)
-        if not failures:  # no rank could say why: it was killed, or its worker was lost
-            return cls(f"{launcher} training failed: {fallback}")
-        return cls(f"{launcher} training failed: {describe_failures(failures)}",
+        said = describe_failures(failures, list(lost)) if failures or lost else fallback
+        return cls(f"{launcher} training failed: {'; '.join([said, *after])}",
                    any(f["permanent"] for f in failures))
+
+
+def announced(ranks_dir: str | None, rank: int) -> dict | None:
+    """What rank `rank` wrote about itself when this attempt started (ranks/rank-N.json: its
+    host and pid, training.worker), if it got that far: a lost rank's launcher names it so."""
+    import json
+
+    from shardline.pipelines import storage
+
+    if not ranks_dir:
+        return None
+    try:
+        info = json.loads(storage.read_bytes(storage.join(ranks_dir, f"rank-{rank}.json")))
+    except Exception:  # not written (the rank died first), or unreadable: the launcher's word alone
+        return None
+    return info if isinstance(info, dict) else None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -76,7 +95,7 @@ def run_in_group(
     with more ranks than GPUs is refused here, a permanent error. `fn` finds the device
     in training.collectives.device().
 
-    A payload with a `socket_ifname` (a TrainJob: training.socket_ifname) names the
+    A payload with a `socket_ifname` (a RankJob: training.socket_ifname) names the
     network interface(s) the collectives use (launchers.network); None keeps the
     environment's choice.
 
@@ -87,6 +106,8 @@ def run_in_group(
     job's driver goes away; a failure is raised as a `RankError` the driver can read.
     `code`: the user's code the launcher shipped (pipelines.code_travel), made current in
     this process before `fn` runs, so `fn` imports this job's version of it.
+    A payload with a `ranks_dir` (a RankJob's) is where a bug's full traceback is written
+    (`ranks/rank-N.log`), for the driver's one line to name (launchers.rank_errors).
     """
     import torch.distributed as dist
 
@@ -115,7 +136,7 @@ def run_in_group(
             finally:
                 dist.destroy_process_group()
     except Exception as e:
-        error = RankError.of(rank, e)
+        error = RankError.of(rank, e, getattr(payload, "ranks_dir", None))
         if not is_permanent(e):
             # This rank only saw a peer vanish: let the peer's own error be the first one
             # the launcher hears (Spark reports only the first failed task of a stage, Dask's

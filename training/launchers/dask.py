@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import time
 from typing import Any
 
-from shardline.pipelines.code_travel import ship_to_dask
+from shardline.pipelines.code_travel import UserCode, ship_to_dask
 from shardline.pipelines.errors import ShardlineError
 
 from ..placement import Slot, host_of, own_visible_gpus, slots
-from . import DriverGuard, RankFn, TrainingFailed, free_port, run_in_group
+from . import DriverGuard, RankFn, TrainingFailed, announced, free_port, run_in_group
+from .rank_errors import lost_rank, rank_failures
 
 
 def _rendezvous_address() -> str:
@@ -58,17 +60,17 @@ def launch_dask(
     wait_s: float = 0,
     workers: list[str] | None = None,
     guard: DriverGuard | None = None,
-    user_code: Sequence[str] = (),
+    code: UserCode | None = None,
 ) -> list[Any]:
     """Run `fn` on `world_size` Dask workers, one rank each; return the results by rank.
 
     wait_s: how long to wait for enough workers (a relaunch after a killed worker
     waits for its nanny to bring a new one up, under a new address). workers: the
     workers to use (a sweep gives each concurrent trial its own); default the first ones.
-    user_code: folders (or .py files) of the user's code, uploaded to the workers and made
-    current in each rank before `fn` runs (pipelines.code_travel).
+    code: the job's snapshot of the user's code (pipelines.code_travel), uploaded to the
+    workers and made current in each rank before `fn` runs.
     """
-    code = ship_to_dask(client, user_code)
+    ship_to_dask(client, code)
     if wait_s:
         try:
             client.wait_for_workers(world_size, timeout=wait_s)
@@ -85,16 +87,68 @@ def launch_dask(
     init_method = init.result()
     futures = [
         client.submit(
-            run_in_group, fn, rank, world_size, init_method, payload, timeout_s, guard, slot=placed[rank],
+            _rank, fn, rank, world_size, init_method, payload, timeout_s, guard, slot=placed[rank],
             code=code,
-            workers=[addr], allow_other_workers=False, pure=False, key=f"shardline-rank-{rank}-{init.key}",
+            workers=[addr], allow_other_workers=False, pure=False, key=f"{_KEY}{rank}-{init.key}",
         )
         for rank, addr in enumerate(chosen)
     ]
     try:
         return client.gather(futures)
-    except Exception as e:
+    except KeyboardInterrupt:
+        # Ctrl-C: a running Dask task cannot be cancelled, so the ranks are told through the
+        # checkpoint folder (guard.DriverGuard.stop) and end within a second.
+        if guard is not None:
+            guard.stop()
         for f in futures:
             f.cancel()
-        # The first failed rank's error; the others' were cancelled with it.
-        raise TrainingFailed.from_ranks("Dask", str(e), f"{type(e).__name__}: {e}") from e
+        raise
+    except Exception as e:
+        # The first failed rank's error (a survivor's "connection closed", when a peer's
+        # worker died): the rank whose worker left the cluster leads the line.
+        lost = [] if any(f["permanent"] for f in rank_failures(str(e))) else \
+            _lost_ranks(client, futures, chosen, getattr(payload, "ranks_dir", None))
+        for f in futures:
+            f.cancel()
+        raise TrainingFailed.from_ranks("Dask", str(e), f"{type(e).__name__}: {e}", lost) from e
+
+
+_KEY = "shardline-rank-"
+
+
+def _rank(*args, **kwargs):
+    """run_in_group on a Dask worker, whose own "Compute Failed" report of a failed rank (a
+    dozen lines on its log, the console for a LocalCluster) is dropped: the driver says it in
+    one line, and the traceback of a bug is in the rank's log file (launchers.rank_errors)."""
+    worker_log = logging.getLogger("distributed.worker")
+    if not any(isinstance(f, _RankReports) for f in worker_log.filters):
+        worker_log.addFilter(_RankReports())
+    return run_in_group(*args, **kwargs)
+
+
+class _RankReports(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (str(record.msg).startswith("Compute Failed") and _KEY in str(record.args)[:200])
+
+
+def _lost_ranks(client, futures, chosen: list[str], ranks_dir: str | None, within_s: float = 5.0) -> list[str]:
+    """The ranks whose worker left the cluster while they ran (killed, its host lost): the
+    scheduler drops a worker at once when its connection closes, but waiting a moment
+    covers a heartbeat's delay. Named with the host and pid they announced (ranks/rank-N.json)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            live = set(client.scheduler_info()["workers"])
+        except Exception:  # the scheduler itself is gone: nothing to tell the ranks apart
+            return []
+        gone = [r for r, (f, addr) in enumerate(zip(futures, chosen))
+                if addr not in live and f.status not in ("finished", "error")]
+        if gone or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    lines = []
+    for r in gone:
+        said = announced(ranks_dir, r) or {}
+        lines.append(lost_rank(r, said.get("host") or host_of(chosen[r]), "its Dask worker left the cluster",
+                               said.get("pid"), f"worker {chosen[r]}"))
+    return lines

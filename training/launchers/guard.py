@@ -10,13 +10,15 @@ On the driver's own host the guard also watches the driver's process (once a
 second), and the local launcher's ranks ask the kernel to kill them with their
 parent (PR_SET_PDEATHSIG; the fork server they come from exits with the driver).
 
-**Transient or permanent.** `run_in_group` turns a rank's exception into a
-`RankError` whose text carries a marker (rank, host, whether a restart can fix it,
-the error's first line). It survives every launcher's way of reporting a failure:
-a queue (local), a pickled exception (Dask), a Python traceback inside a Java one
-(Spark). `rank_failures` reads the markers back on the driver. Only a lost peer
-(a killed process, a broken connection, a timeout) is transient; a permission
-error, a full disk, bad data or config, or a bug would fail the same way again.
+**Ctrl-C stops the ranks at once.** A driver interrupted writes `ranks/stop.json`
+(its job's name) beside the lease before it cancels its launch (`DriverGuard.stop`). Each
+rank's guard looks for it every second, and rank 0 looks again just before it commits a
+checkpoint (`stop_if_job_over`, before `LATEST` moves): a rank of an interrupted job ends
+without committing another checkpoint; at most one whose commit had begun completes. The
+marker names its job, so a `--resume` after it (a new job) is not stopped by it.
+
+A rank's failure line (transient or permanent, who is named first, a bug's traceback):
+training.launchers.rank_errors.
 """
 
 from __future__ import annotations
@@ -24,78 +26,20 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import re
 import signal
-import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
 
-from shardline.pipelines import failures
+from .rank_errors import (  # noqa: F401 - their home before rank_errors; callers import them here
+    RankError, describe_failures, error_line, is_permanent, rank_failures,
+)
 
-_MARK = re.compile(r"<<shardline-rank (\{.*?\})>>")
-_LOST_PEER_TEXT = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out",
-                   "timed out", "Connection refused", "Socket Timeout")
-
-
-class RankError(Exception):
-    """A rank's failure, with the marker the driver reads (one string arg: it pickles)."""
-
-    @classmethod
-    def of(cls, rank: int, e: BaseException) -> RankError:
-        info = {"rank": rank, "host": socket.gethostname(), "permanent": is_permanent(e),
-                "error": error_line(e)}
-        return cls(f"<<shardline-rank {json.dumps(info)}>>")
-
-
-def error_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
-
-
-def is_permanent(e: BaseException) -> bool:
-    """Would a relaunch from the last checkpoint fail the same way?"""
-    from shardline.pipelines.errors import ShardlineError
-
-    from . import TrainingFailed
-
-    if isinstance(e, RankError):
-        return any(f["permanent"] for f in rank_failures(str(e)))
-    if isinstance(e, ShardlineError) and not isinstance(e, TrainingFailed):
-        return True  # bad config, data or storage, or a lease another job took over
-    if isinstance(e, ConnectionError | TimeoutError | EOFError):
-        return False
-    if failures.is_permanent(e):  # the rule prepare, scoring and storage use too
-        return True
-    text = str(e)
-    if _is_dist_error(e) or any(t in text for t in _LOST_PEER_TEXT):
-        return False  # a peer is gone: the relaunch brings it back
-    return not isinstance(e, KeyboardInterrupt | SystemExit)
-
-
-def _is_dist_error(e: BaseException) -> bool:
-    dist_error = getattr(sys.modules.get("torch.distributed"), "DistError", None)
-    return dist_error is not None and isinstance(e, dist_error)
-
-
-def rank_failures(text: str) -> list[dict]:
-    """The rank markers in an error's text, one per rank (the first seen)."""
-    found: dict[int, dict] = {}
-    for m in _MARK.finditer(text):
-        try:
-            info = json.loads(m.group(1))
-        except ValueError:
-            continue
-        found.setdefault(info["rank"], info)
-    return [found[r] for r in sorted(found)]
-
-
-def describe_failures(failures: list[dict]) -> str:
-    """One line: the permanent errors if any (the cause), else every rank's."""
-    shown = [f for f in failures if f["permanent"]] or failures
-    return "; ".join(f"rank {f['rank']} on {f['host']}: {f['error']}" for f in shown)
-
+STOP_NAME = "stop.json"  # in the checkpoint folder's ranks/, beside each rank's rank-N.json
+# The guard of the rank running in this thread (run_in_group's, which calls the rank function
+# in its own thread): a Dask worker's threads may run ranks of different jobs.
+_running = threading.local()
 
 # -- the driver's heartbeat, watched from each rank ------------------------------------
 
@@ -115,17 +59,44 @@ class DriverGuard:
 
     @classmethod
     def for_this_process(cls, lease_url: str, job: str, ttl_s: float) -> DriverGuard:
-        from shardline.pipelines.lease import _me, _start_ticks
+        from shardline.pipelines.lease import ProcessTable, process_start_ticks
 
-        me = _me()
-        return cls(lease_url, job, ttl_s, me["host"], me["boot_id"], me["pid_ns"], os.getpid(),
-                   _start_ticks(os.getpid()) or "")
+        me = ProcessTable.here()
+        return cls(lease_url, job, ttl_s, me.host, me.boot_id, me.pid_ns, os.getpid(),
+                   process_start_ticks(os.getpid()) or "")
 
     def start(self) -> threading.Event:
-        """Watch from a daemon thread until the returned event is set."""
-        stop = threading.Event()
+        """Watch from a daemon thread until the returned event is set; until then this
+        thread's rank asks it before each commit (stop_if_job_over)."""
+        stop = _Watching(self)
         threading.Thread(target=self._watch, args=(stop,), name="shardline-driver-guard", daemon=True).start()
         return stop
+
+    @property
+    def stop_url(self) -> str:
+        from shardline.pipelines import storage
+
+        return storage.join(storage.parent(self.lease_url), "ranks", STOP_NAME)
+
+    def stop(self) -> None:
+        """On the driver, interrupted: tell this job's ranks to stop now (see the module's doc).
+        Never raises: the Ctrl-C that called it must still end the job."""
+        from shardline.pipelines import storage
+
+        try:
+            storage.write_bytes(self.stop_url, json.dumps({"job": self.job}).encode())
+        except Exception as e:  # noqa: BLE001 - the ranks still stop when the lease is released
+            print(f"[shardline] could not tell the ranks to stop ({error_line(e)}): they stop when the "
+                  "lease is released", file=sys.stderr, flush=True)
+
+    def interrupted(self) -> bool:
+        """On a rank: did this job's driver ask its ranks to stop?"""
+        from shardline.pipelines import storage
+
+        try:
+            return json.loads(storage.read_bytes(self.stop_url)).get("job") == self.job
+        except Exception:  # none (the usual case), or unreadable: judge again on the next look
+            return False
 
     def gone(self) -> str | None:
         """Why this rank's job is over, or None while its driver holds the lease."""
@@ -145,25 +116,59 @@ class DriverGuard:
         return None
 
     def _driver_dead(self) -> bool:
-        from shardline.pipelines.lease import _alive, _me
+        from shardline.pipelines.lease import ProcessTable, process_alive
 
         # A Dask worker or Spark executor on this host may sit in another pid namespace
         # (a container): there the driver's pid means nothing, and only the lease counts.
-        me = _me()
-        same_table = bool(self.boot_id and self.pid_ns) and \
-            (self.host, self.boot_id, self.pid_ns) == (me["host"], me["boot_id"], me["pid_ns"])
-        return same_table and not _alive(self.pid, self.pid_start)
+        same_table = ProcessTable(self.host, self.boot_id, self.pid_ns).is_here()
+        return same_table and not process_alive(self.pid, self.pid_start)
 
     def _watch(self, stop: threading.Event) -> None:
         next_lease_look = time.monotonic() + self.ttl_s / 6
         while not stop.wait(1.0):
             why = "its driver process is gone" if self._driver_dead() else None
+            if why is None and self.interrupted():  # one small read a second: Ctrl-C acts at once
+                why = "its driver was interrupted"
             if why is None and time.monotonic() >= next_lease_look:
                 why, next_lease_look = self.gone(), time.monotonic() + self.ttl_s / 6
             if why and not stop.is_set():
-                print(f"[shardline] rank process {os.getpid()} stops: job {self.job} is over ({why})",
-                      file=sys.stderr, flush=True)
-                os._exit(70)  # no cleanup that could write: another job may own the directory
+                _end(self.job, why)
+
+
+class _Watching(threading.Event):
+    """A guard's stop event: while it is unset, the starting thread's rank runs under it."""
+
+    def __init__(self, guard: DriverGuard):
+        super().__init__()
+        self.guard = guard
+        _running.guard = guard
+
+    def set(self) -> None:
+        if getattr(_running, "guard", None) is self.guard:
+            _running.guard = None
+        super().set()
+
+
+def stop_if_job_over() -> None:
+    """Just before a rank commits (a checkpoint's LATEST): end this process if its job was
+    interrupted or is gone, so no checkpoint is committed after the driver stopped the job.
+    Nothing to do in a thread that runs no guard (a rank function called directly)."""
+    guard = getattr(_running, "guard", None)
+    if guard is None:
+        return
+    why = ("its driver was interrupted" if guard.interrupted()
+           else "its driver process is gone" if guard._driver_dead() else guard.gone())
+    if why:
+        _end(guard.job, why)
+
+
+def stop_line(pid: int, job: str, why: str) -> str:
+    return f"[shardline] rank process {pid} stops: job {job} is over ({why})"
+
+
+def _end(job: str, why: str) -> None:
+    print(stop_line(os.getpid(), job, why), file=sys.stderr, flush=True)
+    os._exit(70)  # no cleanup that could write: another job may own the directory
 
 
 def die_with_parent() -> None:

@@ -16,16 +16,16 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import socket
 import sys
 import time
-import traceback
-from collections.abc import Sequence
 from typing import Any
 
-from shardline.pipelines.code_travel import local_code
+from shardline.pipelines.code_travel import UserCode
 
 from . import LOST_PEER_GRACE_S, DriverGuard, RankFn, TrainingFailed, available_cores, free_port, run_in_group
 from .guard import die_with_parent
+from .rank_errors import exit_reason, lost_rank
 
 # Imported once by the fork server; a module that fails to import is skipped there. Three are
 # named for what they cost each rank that imports them itself (CPU-s, 2-core machine):
@@ -105,10 +105,9 @@ def _rank_main(fn, rank, world_size, init_method, payload, timeout_s, results, e
         # with this process before the parent reads it.
         results.put((rank, pickle.dumps(result), None))
     except BaseException as e:  # report, then fail the process
-        results.put((rank, None, str(e)))  # a RankError: its marker says rank, host and cause
-        if _is_bug(e.__cause__ or e):
-            traceback.print_exc()  # the driver's one line is for the user; this is for a bug report
-        raise SystemExit(1)
+        # A RankError: its marker says rank, host and cause (a bug's traceback is in its log file).
+        results.put((rank, None, str(e) or repr(e)))
+        raise SystemExit(1) from None
 
 
 def _torch_threads(world_size: int) -> None:
@@ -122,25 +121,16 @@ def _torch_threads(world_size: int) -> None:
                           else max(1, available_cores() // world_size))
 
 
-def _is_bug(e: BaseException) -> bool:
-    """A failure the user cannot fix from its one line (not bad input or storage, not a lost peer)."""
-    from shardline.pipelines.errors import ShardlineError
-
-    from .guard import is_permanent
-
-    return is_permanent(e) and not isinstance(e, OSError | ShardlineError)
-
-
 def launch_local(
     fn: RankFn, payload: Any, world_size: int, timeout_s: float = 300, guard: DriverGuard | None = None,
-    user_code: Sequence[str] = (),
+    code: UserCode | None = None,
 ) -> list[Any]:
     """Run `fn` on `world_size` processes of this machine; return the results by rank.
 
-    user_code: folders (or .py files) of the user's code: first on each rank's path (the
-    fork server's is that of its own start), imported from where they are.
+    code: the job's snapshot of the user's code (pipelines.code_travel): its zip first on
+    each rank's path, so the ranks import the very bytes the driver checked, whatever the
+    folders hold by the time a rank (or a restart) starts.
     """
-    code = local_code(user_code)
     ctx = process_context()
     results = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -156,6 +146,22 @@ def launch_local(
     ]
     for p in procs:
         p.start()
+    try:
+        return _wait(procs, results, world_size)
+    except KeyboardInterrupt:
+        # Ctrl-C: the ranks stop now, and any rank this misses (another host's view of the
+        # folder) stops before it commits a checkpoint (guard.DriverGuard.stop).
+        if guard is not None:
+            guard.stop()
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.join(timeout=30)
+        raise
+
+
+def _wait(procs, results, world_size: int) -> list[Any]:
+    """The ranks' results by rank, or TrainingFailed naming the rank that failed or was lost."""
     got, errors = {}, {}
     failed_at = None  # when a rank first failed: from then on the others have a grace to end
     # Drain before join: a process with a large result in the queue cannot exit first.
@@ -185,13 +191,11 @@ def launch_local(
         if p.is_alive():
             p.kill()
     if errors or len(got) < world_size:
-        # Ranks that could not say why (killed) are named beside the ones that did.
-        ended = [f"rank {r} exit code {p.exitcode}" for r, p in enumerate(procs)
-                 if p.exitcode and r not in got.keys() | errors.keys() | set(stopped)]
-        ended += [f"rank {r} stopped by the launcher" for r in stopped]
+        # A rank that could not say why (killed) was lost: it leads the line, before its peers'
+        # "connection closed" (launchers.rank_errors). Every rank runs on this host.
+        lost = [lost_rank(r, socket.gethostname(), exit_reason(p.exitcode), p.pid) for r, p in enumerate(procs)
+                if p.exitcode and r not in got.keys() | errors.keys() | set(stopped)]
         text = "; ".join(f"rank {r}: {e}" for r, e in errors.items())
-        failed = TrainingFailed.from_ranks("local", text, "; ".join(ended or ["no result"]))
-        if errors and ended:
-            failed = TrainingFailed(f"{failed} ({'; '.join(ended)})", failed.permanent)
-        raise failed
+        raise TrainingFailed.from_ranks("local", text, "no result", lost,
+                                        [f"rank {r} stopped by the launcher" for r in stopped])
     return [got[r] for r in range(world_size)]

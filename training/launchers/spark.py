@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import pickle
 import re
-from collections.abc import Sequence
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from shardline.pipelines.code_travel import ship_to_spark
+from shardline.pipelines.code_travel import UserCode, ship_to_spark
+from shardline.pipelines.environ import TaskPayload
 from shardline.pipelines.errors import ShardlineError
 from shardline.pipelines.spark_probe import failed_task, spark_error_line
 from shardline.pipelines.spark_setup import is_connect, master_as_written, spark_master, spark_setting
 
 from ..placement import Slot, host_of, slots
-from . import DriverGuard, RankFn, TrainingFailed, free_port, run_in_group
-from .guard import RankError
+from . import DriverGuard, RankFn, TrainingFailed, announced, free_port, run_in_group
+from .rank_errors import RankError, lost_rank, rank_failures
 
 
 @dataclass(frozen=True)
@@ -101,19 +102,24 @@ def check_spark_slots(spark, world_size: int, setting: str = "training.world_siz
 
 def launch_spark_barrier(
     spark, fn: RankFn, payload: Any, world_size: int, timeout_s: float = 300,
-    guard: DriverGuard | None = None, user_code: Sequence[str] = (),
+    guard: DriverGuard | None = None, code: UserCode | None = None,
 ) -> list[Any]:
     """Run `fn` on `world_size` ranks as one barrier stage; return the results by rank.
 
-    user_code: folders (or .py files) of the user's code, shipped to the executors as a
-    Python artifact and made current in each rank before `fn` runs (pipelines.code_travel).
+    code: the job's snapshot of the user's code (pipelines.code_travel), shipped to the
+    executors as a Python artifact and made current in each rank before `fn` runs.
     """
     check_spark_slots(spark, world_size)
-    code = ship_to_spark(spark, user_code)
+    ship_to_spark(spark, code)
+    # The rank function and its payload import torch when unpickled: opened inside the task,
+    # after it has left a removed working folder (pipelines.environ.TaskPayload).
+    work = TaskPayload((fn, payload))
 
     def rank_task(batches):
         import pyarrow as pa
         from pyspark import BarrierTaskContext
+
+        rank_fn, job = work.open()
 
         for _ in batches:  # one row: this partition's index, which is the rank
             pass
@@ -124,7 +130,7 @@ def launch_spark_barrier(
         # Rank 0 picks the port on its own host, where the store will bind it.
         mine = f"{rank}:{free_port(host) if rank == 0 else 0}"
         port = next(int(m.split(":")[1]) for m in ctx.allGather(mine) if m.startswith("0:"))
-        result = run_in_group(fn, rank, world_size, f"tcp://{host}:{port}", payload, timeout_s, guard,
+        result = run_in_group(rank_fn, rank, world_size, f"tcp://{host}:{port}", job, timeout_s, guard,
                               slot=slot, code=code)
         yield pa.RecordBatch.from_pydict(
             {"rank": [rank], "result": [pickle.dumps(result)]},
@@ -132,8 +138,10 @@ def launch_spark_barrier(
         )
 
     ranks = spark.range(0, world_size, numPartitions=world_size)
+    group = f"shardline-{uuid.uuid4().hex[:12]}"
     try:
-        rows = collect_interruptibly(spark, ranks.mapInArrow(rank_task, "rank int, result binary", barrier=True))
+        rows = collect_interruptibly(spark, ranks.mapInArrow(rank_task, "rank int, result binary", barrier=True),
+                                     group, on_interrupt=guard.stop if guard is not None else None)
     except Exception as e:
         if "SPARK-24819" in str(e):  # Spark's own slot check, after its retries
             raise ShardlineError(
@@ -142,14 +150,17 @@ def launch_spark_barrier(
             ) from None
         # The rank's own marker is inside Spark's text (a Python traceback in a Java one):
         # it names the rank, its host and its error; a killed rank's task has none.
-        checkpoint_dir = getattr(getattr(payload, "cfg", None), "checkpoint_dir", None)  # a TrainJob's
-        raise TrainingFailed.from_ranks("Spark barrier stage", str(e), _lost_task(e, checkpoint_dir)) from e
+        lost = "" if rank_failures(str(e)) else \
+            _lost_task(e, getattr(payload, "ranks_dir", None), failed_executors(spark, group))
+        raise TrainingFailed.from_ranks("Spark barrier stage", str(e), lost) from e
     results = {r["rank"]: pickle.loads(r["result"]) for r in rows}
     return [results[r] for r in range(world_size)]
 
 
-def collect_interruptibly(spark, frame) -> list:
-    """frame.collect(), which a Ctrl-C stops at once and in one line on classic Spark too.
+def collect_interruptibly(spark, frame, group: str, on_interrupt=None) -> list:
+    """frame.collect() as job group `group`, which a Ctrl-C stops at once and in one line on
+    classic Spark too; `on_interrupt` is called first (DriverGuard.stop: the ranks end
+    before they commit another checkpoint, however long their tasks take to be interrupted).
 
     Classic PySpark pins one Py4J connection per thread, and its SIGINT handler cancels the
     jobs through it: while the main thread waits in collect() on that very connection, the
@@ -160,14 +171,17 @@ def collect_interruptibly(spark, frame) -> list:
     its own operations cleanly on KeyboardInterrupt.
     """
     if is_connect(spark):
-        return frame.collect()
+        try:
+            return frame.collect()
+        except KeyboardInterrupt:
+            if on_interrupt is not None:
+                on_interrupt()
+            raise
     import threading
-    import uuid
 
     from pyspark import InheritableThread  # the caller's local properties (a pool, a description) carry over
 
     sc = spark.sparkContext  # classic only: Connect returned above
-    group = f"shardline-{uuid.uuid4().hex[:12]}"
     done, box = threading.Event(), {}
 
     def run() -> None:
@@ -184,6 +198,8 @@ def collect_interruptibly(spark, frame) -> list:
         while not done.wait(0.5):
             pass
     except KeyboardInterrupt:
+        if on_interrupt is not None:
+            on_interrupt()
         sc.cancelJobGroup(group)
         # The job fails at once, its tasks end a moment later (Spark ends a Python worker
         # still running 2 s after the interrupt): wait for that, so no rank trains or prints
@@ -212,35 +228,61 @@ def _wait_for_tasks_to_end(sc, group: str, within_s: float) -> None:
         time.sleep(0.2)
 
 
-def _lost_task(e: BaseException, checkpoint_dir: str | None = None) -> str:
+def failed_executors(spark, group: str, within_s: float = 3.0) -> dict[int, str]:
+    """{task index: executor id} of the failed tasks of job group `group`, from Spark's status
+    store (classic Spark; Connect has no such API: {}). Spark's error for a barrier stage
+    whose Python worker died names neither; the store hears of the failed task a moment
+    after the job fails, so it is asked again for up to `within_s`."""
+    import time
+
+    if is_connect(spark):
+        return {}
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            found = _failed_tasks(spark.sparkContext, group)
+        except Exception:  # a private API of Spark's: without it, the line names no executor
+            return {}
+        if found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.2)
+
+
+def _failed_tasks(sc, group: str) -> dict[int, str]:
+    tracker, store = sc.statusTracker(), sc._jsc.sc().statusStore()
+    found = {}
+    for job in tracker.getJobIdsForGroup(group):
+        info = tracker.getJobInfo(job)
+        for stage in info.stageIds if info else ():
+            stage_info = tracker.getStageInfo(stage)
+            tasks = store.taskList(stage, stage_info.currentAttemptId if stage_info else 0, 10000)
+            for i in range(tasks.size()):
+                task = tasks.apply(i)
+                if task.status() == "FAILED":
+                    found[int(task.index())] = str(task.executorId())
+    return found
+
+
+def _lost_task(e: BaseException, ranks_dir: str | None = None, executors: dict[int, str] | None = None) -> str:
     """A rank whose process or executor died said nothing: name it from Spark's own report
     (its task index in the barrier stage is its rank; the executor, and its host when Spark
-    says it), and from what the rank announced when it started (ranks/rank-N.json: its
-    host and pid, training.worker), which Spark's report of a lost executor lacks."""
+    says it), from the status store's record of its task (`executors`: the executor a
+    crashed Python worker ran in) and from what the rank announced when it started
+    (ranks/rank-N.json: its host and pid, training.worker)."""
     task = failed_task(e)
     if not task:
         return spark_error_line(e)
-    rank, _, where = task
-    announced = _announced(checkpoint_dir, rank)
-    if announced and announced.get("host") and announced["host"] not in where:
-        where = f"{announced['host']} ({where})" if where != "unknown host" else announced["host"]
-    pid = f", pid {announced['pid']}" if announced and announced.get("pid") else ""
-    return f"rank {rank} on {where}{pid} was lost: {spark_error_line(e)}"
-
-
-def _announced(checkpoint_dir: str | None, rank: int) -> dict | None:
-    """What rank `rank` wrote about itself when this attempt started, if it got that far."""
-    import json
-
-    from shardline.pipelines import storage
-
-    if not checkpoint_dir:
-        return None
-    try:
-        info = json.loads(storage.read_bytes(storage.join(checkpoint_dir, "ranks", f"rank-{rank}.json")))
-    except Exception:  # not written (the rank died first), or unreadable: Spark's word alone
-        return None
-    return info if isinstance(info, dict) else None
+    rank, _, where = task  # "host (executor id)", "executor id" or "unknown host"
+    named = re.search(r"executor ([^)\s]+)", where)
+    executor = named[1] if named else (executors or {}).get(rank)
+    spark_host = where.split(" (executor")[0] if " (executor" in where else None
+    said = announced(ranks_dir, rank) or {}
+    host = said.get("host") or spark_host
+    detail = [spark_host] if spark_host and spark_host != host else []
+    detail += [f"executor {executor}"] if executor else []
+    if host is None:  # no host known: the executor is where it ran
+        host, detail = (f"executor {executor}", []) if executor else ("unknown host", [])
+    return lost_rank(rank, host, spark_error_line(e), said.get("pid"), ", ".join(detail))
 
 
 def spark_slot(rank: int, addresses: list[str], task_gpu: str | None) -> Slot:

@@ -6,6 +6,7 @@ from importlib import import_module
 
 from shardline.pipelines.errors import ConfigError
 
+from ..config import TrainingConfig
 from .base import Strategy
 
 # name -> "module:class"; imported on use, so a strategy's dependencies load only when chosen.
@@ -18,11 +19,15 @@ STRATEGIES: dict[str, str] = {
 }
 
 
-def get_strategy(name: str) -> Strategy:
+def strategy_for(cfg: TrainingConfig) -> Strategy:
+    """The job's strategy, `training.strategy`, with its settings and its mesh: looked up once
+    per job on the driver, then handed on (it travels to the ranks inside the job). A mesh
+    that cannot be laid out is refused here, in one line naming the setting."""
+    name = cfg.strategy
     if name not in STRATEGIES:
         raise ConfigError(
             f"training.strategy: unknown strategy '{name}' "
             f"(valid: {', '.join(sorted(STRATEGIES))})"
         )
     module, cls = STRATEGIES[name].split(":")
-    return getattr(import_module(f"{__name__}.{module}"), cls)()
+    return getattr(import_module(f"{__name__}.{module}"), cls)(cfg)

@@ -1,7 +1,8 @@
 """The one interface every parallel strategy implements.
 
-A `Strategy` checks a config against a model before any process starts, and on
-each rank (inside an initialised process group) turns the plain model into a
+A `Strategy` is resolved once per job from the config (strategies.strategy_for), holding
+its own settings sub-table and its mesh. It checks the config against a model before any
+process starts, and on each rank (inside an initialised process group) turns the plain model into a
 `Parallel`: the rank's share of the model, its optimizer and its step. The
 worker (training.worker) only ever talks to a `Parallel`, so it runs every
 strategy the same way on every launcher, and the model never knows how it is
@@ -12,10 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
+from pydantic import BaseModel
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -24,6 +26,7 @@ from shardline.pipelines.errors import ConfigError
 from .. import collectives
 from ..batch import Inputs, forward
 from ..config import TrainingConfig
+from ..model_inputs import ModelInputs
 from ..task import LossFn, task_loss
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -31,12 +34,6 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 # call). A strategy whose `builds_model` is True takes one in place of the model and calls it
 # under torch.device("meta") on every rank, and for real where it needs the values (fsdp).
 ModelBuilder = Callable[[], nn.Module]
-
-
-def model_for(strategy, build: ModelBuilder, device: torch.device) -> nn.Module | ModelBuilder:
-    """What `strategy.setup` takes: `build` itself where the strategy builds the model
-    (sharded, never whole on every rank), else the plain model on `device`."""
-    return build if getattr(strategy, "builds_model", False) else build().to(device)
 
 
 @dataclass(frozen=True)
@@ -122,8 +119,9 @@ def mesh_for(cfg: TrainingConfig, inner_setting: str | None) -> Mesh:
     return Mesh(dp, inner, inner_setting)
 
 
-class Parallel(Protocol):
-    """One rank's share of a parallel model."""
+class Parallel:
+    """One rank's share of a parallel model: what a strategy's `setup` returns. The defaults
+    here are the optional parts; every strategy's rank class fills in the rest."""
 
     # Which part of each global batch this rank reads: the loader's rank and world
     # size (the data-parallel index and degree). data_rank None: reads no data.
@@ -133,26 +131,30 @@ class Parallel(Protocol):
     reports: bool
     # The optimizer whose learning rate the schedule drives; None if this rank has none.
     optimizer: torch.optim.Optimizer | None
+    # True where a rank holds shards (fsdp): it evaluates with `forward_eval` (every rank,
+    # in lockstep) in place of a plain model loaded with full_state_dict.
+    evaluates_sharded: bool = False
 
     def step(self, x: Inputs | None, y: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One optimizer step on the global batch; (logits, mean loss) of this rank's
         batch where `reports`, else None. x is the features tensor or the named tensors
         (training.batch); x, y are None where data_rank is None."""
-        ...
+        raise NotImplementedError
+
+    def forward_eval(self, x: Inputs) -> torch.Tensor:
+        """Where `evaluates_sharded`: the sharded model's outputs. Collective: every rank
+        calls it equally often."""
+        raise NotImplementedError(f"{type(self).__name__} evaluates a plain model (evaluates_sharded False)")
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's weights, on every rank, for a plain evaluation model. Collective."""
-        ...
+        raise NotImplementedError
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's weights on rank 0, in host memory, for the registered model;
         {} elsewhere. Rank 0 receives them a tensor at a time from the ranks that hold them,
         never gathered on every rank. Collective (its ranks that hold weights)."""
-        ...
-
-    # Optional, where a rank holds shards (fsdp): `evaluates_sharded` True with
-    # `forward_eval(x)`, the sharded model's outputs (collective: every rank calls it
-    # equally often), in place of a plain model loaded with full_state_dict for evaluation.
+        raise NotImplementedError
 
     # Checkpoints: every rank writes what it holds with torch.distributed.checkpoint,
     # keyed by the plain model's names, and reads what it holds now, so every strategy's
@@ -160,32 +162,54 @@ class Parallel(Protocol):
 
     def save_checkpoint(self, directory: str) -> None:
         """Write this rank's weights and optimizer state into the DCP directory. Collective."""
-        ...
+        raise NotImplementedError
 
     def load_checkpoint(self, directory: str) -> None:
         """Read this rank's weights and optimizer state, whichever ranks wrote them. Collective."""
-        ...
+        raise NotImplementedError
 
     def epoch_metrics(self) -> dict[str, float]:
         """The strategy's own figures since the last call (push/pull time, bubble ...),
-        this rank's; rank 0 logs every rank's to MLflow."""
-        ...
+        this rank's, each named `<strategy>_...`; rank 0 logs every rank's to MLflow."""
+        return {}
 
 
-class Strategy(Protocol):
-    name: str
+class Strategy:
+    """A parallel strategy, resolved once per job from the config (strategies.strategy_for):
+    its own settings (its sub-table, e.g. [training.pipeline]) and its mesh, computed once.
+    The driver checks with it before any process starts; it travels to every rank inside the
+    job, where `setup` turns the plain model into the rank's Parallel. The general training
+    settings (batch_size, precision, loss, ...) come with each call, in `cfg`."""
 
-    def check(self, cfg: TrainingConfig, model: nn.Module) -> None:
-        """Refuse, with one line naming the setting, what cannot run: before any process starts."""
-        ...
+    name: ClassVar[str]
+    # True: `setup` takes a ModelBuilder and builds the model itself, sharded, never whole
+    # on every rank (fsdp); False: it takes the plain model (`model_for`).
+    builds_model: ClassVar[bool] = False
 
-    def data_world(self, cfg: TrainingConfig) -> int:
-        """How many parts each global batch is read in (Parallel.data_world on every rank)."""
-        ...
+    def __init__(self, settings: BaseModel | None, mesh: Mesh | None, data_world: int):
+        self.settings = settings
+        # The device mesh's degrees; None where the strategy has no mesh (ps).
+        self.mesh = mesh
+        # How many parts each global batch is read in (Parallel.data_world on every rank).
+        self.data_world = data_world
+
+    def check(self, cfg: TrainingConfig, model: nn.Module, inputs: ModelInputs | None = None) -> None:
+        """Refuse, with one line naming the setting, what cannot run: before any process starts.
+        inputs: the dataset's shape, for checks that run the model on a sample batch (a
+        pipeline's layers composing into its forward); None leaves those out."""
+
+    def describe(self, cfg: TrainingConfig, model: nn.Module) -> str:
+        """What the strategy will do, printed on the driver at start; "" when it has nothing to say."""
+        return ""
+
+    def model_for(self, build: ModelBuilder, device: torch.device) -> nn.Module | ModelBuilder:
+        """What `setup` takes: `build` itself where the strategy builds the model (sharded,
+        never whole on every rank), else the plain model on `device`."""
+        return build if self.builds_model else build().to(device)
 
     def setup(
         self,
-        model: nn.Module,
+        model: nn.Module | ModelBuilder,
         cfg: TrainingConfig,
         rank: int,
         world_size: int,
@@ -194,7 +218,7 @@ class Strategy(Protocol):
     ) -> Parallel:
         """This rank's Parallel. Every rank passes the same (seeded) plain model, or, to a
         strategy whose `builds_model` is True, the same ModelBuilder (`model_for`)."""
-        ...
+        raise NotImplementedError
 
 
 def autocast_for(device: torch.device, cfg: TrainingConfig) -> torch.autocast:

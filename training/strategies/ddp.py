@@ -15,36 +15,39 @@ from shardline.pipelines.errors import ConfigError
 
 from .. import sharded_checkpoints
 from ..config import TrainingConfig
+from ..model_inputs import ModelInputs
+from ..strategy_settings import DdpSettings
 from ..task import loss_for
-from .base import OptimizerFactory, autocast_for, mesh_for, train_step
+from .base import OptimizerFactory, Parallel, Strategy, autocast_for, mesh_for, train_step
 
 
-class DataParallel:
+class DataParallel(Strategy):
     name = "ddp"
+    settings: DdpSettings
 
-    def check(self, cfg: TrainingConfig, model: nn.Module) -> None:
-        mesh_for(cfg, None)
+    def __init__(self, cfg: TrainingConfig):
+        super().__init__(cfg.ddp, mesh_for(cfg, None), cfg.world_size)
+
+    def check(self, cfg: TrainingConfig, model: nn.Module, inputs: ModelInputs | None = None) -> None:
         if cfg.batch_size % cfg.world_size:
             raise ConfigError(
                 f"training.batch_size {cfg.batch_size} must be a multiple of "
                 f"training.world_size {cfg.world_size}"
             )
 
-    def data_world(self, cfg: TrainingConfig) -> int:
-        return cfg.world_size
-
     def setup(
         self, model: nn.Module, cfg: TrainingConfig, rank: int, world_size: int,
         device: torch.device, make_optimizer: OptimizerFactory,
     ) -> DataParallelRank:
-        return DataParallelRank(model, cfg, rank, world_size, device, make_optimizer)
+        return DataParallelRank(model, cfg, rank, world_size, device, make_optimizer,
+                                self.settings.grad_compression)
 
 
-class DataParallelRank:
-    def __init__(self, model, cfg, rank, world_size, device, make_optimizer):
+class DataParallelRank(Parallel):
+    def __init__(self, model, cfg, rank, world_size, device, make_optimizer, grad_compression="none"):
         self.model = model
         self.ddp = DistributedDataParallel(model) if world_size > 1 else model
-        if world_size > 1 and cfg.grad_compression == "fp16":
+        if world_size > 1 and grad_compression == "fp16":
             # Gradients travel as fp16 and are cast back: half the all-reduce bytes.
             self.ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         self.optimizer = make_optimizer(self.ddp.parameters())
@@ -73,6 +76,3 @@ class DataParallelRank:
 
     def load_checkpoint(self, directory: str) -> None:
         sharded_checkpoints.load_plain(self.model.state_dict(), self.optimizer, self.names, directory)
-
-    def epoch_metrics(self) -> dict[str, float]:
-        return {}

@@ -35,9 +35,11 @@ from shardline.pipelines.errors import ConfigError
 from .. import collectives, sharded_checkpoints
 from ..batch import forward
 from ..config import TrainingConfig
+from ..model_inputs import ModelInputs
 from ..model_plans import fsdp_units
 from ..task import loss_for
-from .base import ModelBuilder, OptimizerFactory, autocast_for, mesh_for, train_step
+from ..strategy_settings import FsdpSettings
+from .base import Mesh, ModelBuilder, OptimizerFactory, Parallel, Strategy, autocast_for, mesh_for, train_step
 
 # torch warns, on every forward of an FSDP unit whose output is a view, that an in-place op
 # on it (`h += unit(x)`) would skip the unit's pre-backward all-gather. A view is common and
@@ -123,31 +125,31 @@ def build_sharded(build: ModelBuilder, mesh: DeviceMesh, mp_policy: MixedPrecisi
     return model
 
 
-class FullyShardedDataParallel:
+class FullyShardedDataParallel(Strategy):
     name = "fsdp"
-    # setup takes a ModelBuilder (strategies.base.model_for): the model is built sharded.
+    settings: FsdpSettings
+    mesh: Mesh
+    # setup takes a ModelBuilder (Strategy.model_for): the model is built sharded.
     builds_model = True
 
-    def check(self, cfg: TrainingConfig, model: nn.Module) -> None:
-        mesh_for(cfg, "dp_shard")
+    def __init__(self, cfg: TrainingConfig):
+        # Every rank reads its own part of each batch, whatever the replicas and shards.
+        super().__init__(cfg.fsdp, mesh_for(cfg, "dp_shard"), cfg.world_size)
+
+    def check(self, cfg: TrainingConfig, model: nn.Module, inputs: ModelInputs | None = None) -> None:
         if cfg.batch_size % cfg.world_size:
             raise ConfigError(
                 f"training.batch_size {cfg.batch_size} must be a multiple of "
                 f"training.world_size {cfg.world_size} (fsdp: every rank reads its part)"
             )
 
-    def data_world(self, cfg: TrainingConfig) -> int:
-        mesh_for(cfg, "dp_shard")
-        return cfg.world_size
-
     def setup(
         self, model: nn.Module | ModelBuilder, cfg: TrainingConfig, rank: int, world_size: int,
         device: torch.device, make_optimizer: OptimizerFactory,
     ) -> ShardedRank:
-        mesh = mesh_for(cfg, "dp_shard")
-        dm = mesh.device_mesh(device)
+        dm = self.mesh.device_mesh(device)
         # dp 1: plain FSDP over the shard dimension; dp > 1: HSDP (replicate x shard).
-        shard_mesh = dm if mesh.dp > 1 else dm["dp_shard"]
+        shard_mesh = dm if self.mesh.dp > 1 else dm["dp_shard"]
         policy = mixed_precision(cfg)
         if isinstance(model, nn.Module):  # built already (every rank holds it): sharded in place
             shard_layers(model, shard_mesh, policy)
@@ -158,7 +160,7 @@ class FullyShardedDataParallel:
                            reports=True, evaluates_sharded=True)
 
 
-class ShardedRank:
+class ShardedRank(Parallel):
     """One rank of a model whose parameters are DTensors (FSDP2, DTensor tensor parallel
     or both): torch's state-dict API gives the plain model's tensors, and DCP its shards."""
 

@@ -30,11 +30,14 @@ from torch.distributed.pipelining import PipelineStage
 from shardline.pipelines.errors import ConfigError
 
 from .. import collectives, sharded_checkpoints
-from ..batch import as_args, as_kwargs, names
+from ..batch import as_args, as_kwargs, forward, names
 from ..config import TrainingConfig
+from ..model_factory import factory_path, one_line
+from ..model_inputs import ModelInputs
 from ..model_plans import pipeline_layers
 from ..task import loss_for
-from .base import OptimizerFactory, average_gradients, mesh_for
+from ..strategy_settings import PipelineSettings
+from .base import Mesh, OptimizerFactory, Parallel, Strategy, average_gradients, mesh_for
 from .pipeline_timing import RankClock, StepLog, TimedStage, step_bubbles
 from .schedule import SCHEDULES, Layout, ReplayStuck, closed_form, grid, in_flight, layout, schedule_bubble
 
@@ -73,12 +76,12 @@ def model_layers(cfg: TrainingConfig, model: nn.Module) -> list[tuple[str, nn.Mo
     return layers
 
 
-def stage_bounds(cfg: TrainingConfig, layers: list[tuple[str, nn.Module]], stages: int) -> list[int]:
-    """[0, first layer of stage 1, ..., len(layers)]: from the config, else balanced."""
+def stage_bounds(settings: PipelineSettings, layers: list[tuple[str, nn.Module]], stages: int) -> list[int]:
+    """[0, first layer of stage 1, ..., len(layers)]: from the settings, else balanced."""
     n = len(layers)
-    if cfg.pipeline_boundaries is None:
+    if settings.boundaries is None:
         return balanced_bounds([_parameters([layer]) for _, layer in layers], stages)
-    cuts = list(cfg.pipeline_boundaries)
+    cuts = list(settings.boundaries)
     if len(cuts) != stages - 1:
         raise ConfigError(
             f"training.pipeline_boundaries {cuts}: {stages} pipeline stages need "
@@ -93,74 +96,81 @@ def stage_bounds(cfg: TrainingConfig, layers: list[tuple[str, nn.Module]], stage
     return bounds
 
 
-def stages_per_rank(cfg: TrainingConfig) -> int:
-    fixed = SCHEDULES[cfg.pipeline_schedule].stages_per_rank
-    v = cfg.pipeline_stages_per_rank or fixed or 2
+def stages_per_rank(settings: PipelineSettings) -> int:
+    fixed = SCHEDULES[settings.schedule].stages_per_rank
+    v = settings.stages_per_rank or fixed or 2
     if (fixed is not None and v != fixed) or v < 1 or (fixed is None and v < 2):
         need = f"exactly {fixed}" if fixed else "2 or more"
         raise ConfigError(
             f"training.pipeline_stages_per_rank {v}: training.pipeline_schedule "
-            f"{cfg.pipeline_schedule} runs {need} stages per rank"
+            f"{settings.schedule} runs {need} stages per rank"
         )
     return v
 
 
-def pipeline_layout(cfg: TrainingConfig) -> Layout:
-    """The schedule this config runs, or ConfigError naming the settings torch refuses."""
-    p, m, v = mesh_for(cfg, "pp").inner, cfg.micro_batches, stages_per_rank(cfg)
-    try:
-        lay = layout(cfg.pipeline_schedule, p, v, m)
-        schedule_bubble(lay)  # every action can run: no rank waits forever
-    except (ValueError, ReplayStuck) as e:
-        raise ConfigError(
-            f"training.pipeline_schedule {cfg.pipeline_schedule} with training.pp {p}, "
-            f"training.micro_batches {m}, {v} stage(s) per rank: {e}"
-        ) from None
-    return lay
-
-
-class Pipeline:
+class Pipeline(Strategy):
     name = "pipeline"
+    settings: PipelineSettings
+    mesh: Mesh
 
-    def check(self, cfg: TrainingConfig, model: nn.Module) -> None:
+    def __init__(self, cfg: TrainingConfig):
         mesh = mesh_for(cfg, "pp")
+        # Every rank of one pipeline reads the same batch: each pipeline is one data part.
+        super().__init__(cfg.pipeline, mesh, mesh.dp)
+
+    def layout(self) -> Layout:
+        """The schedule these settings run, or ConfigError naming the settings torch refuses."""
+        p, m, v = self.mesh.inner, self.settings.micro_batches, stages_per_rank(self.settings)
+        schedule = self.settings.schedule
+        try:
+            lay = layout(schedule, p, v, m)
+            schedule_bubble(lay)  # every action can run: no rank waits forever
+        except (ValueError, ReplayStuck) as e:
+            raise ConfigError(
+                f"training.pipeline_schedule {schedule} with training.pp {p}, "
+                f"training.micro_batches {m}, {v} stage(s) per rank: {e}"
+            ) from None
+        return lay
+
+    def check(self, cfg: TrainingConfig, model: nn.Module, inputs: ModelInputs | None = None) -> None:
+        mesh = self.mesh
         if mesh.inner < 2:
             raise ConfigError(
                 f"training.pp {mesh.inner}: a pipeline needs at least 2 ranks (one model "
                 "replica per rank is strategy ddp)"
             )
-        v = stages_per_rank(cfg)
+        v = stages_per_rank(self.settings)
         layers = model_layers(cfg, model)
         if mesh.inner * v > len(layers):
             split = f"training.pp {mesh.inner}" + (
                 f" x training.pipeline_stages_per_rank {v}" if v > 1 else ""
             )
             raise ConfigError(f"{split}: more pipeline stages than the model's {len(layers)} layers")
-        stage_bounds(cfg, layers, mesh.inner * v)
+        stage_bounds(self.settings, layers, mesh.inner * v)
         if cfg.batch_size % mesh.dp:
             raise ConfigError(
                 f"training.batch_size {cfg.batch_size} must be a multiple of training.dp {mesh.dp}"
             )
         local = cfg.batch_size // mesh.dp
-        if local % cfg.micro_batches:
+        m = self.settings.micro_batches
+        if local % m:
             raise ConfigError(
-                f"training.micro_batches {cfg.micro_batches} must divide each pipeline's batch "
+                f"training.micro_batches {m} must divide each pipeline's batch "
                 f"of {local} rows (training.batch_size {cfg.batch_size} / training.dp {mesh.dp})"
             )
-        pipeline_layout(cfg)
-
-    def data_world(self, cfg: TrainingConfig) -> int:
-        return mesh_for(cfg, "pp").dp
+        self.layout()
+        if inputs is not None and not isinstance(model, nn.Sequential):
+            _check_layers_compose(cfg, model, layers, inputs)
 
     def describe(self, cfg: TrainingConfig, model: nn.Module) -> str:
         """Stages, the schedule's grid and its bubble: printed on the driver at start."""
-        mesh, lay = mesh_for(cfg, "pp"), pipeline_layout(cfg)
-        p, m = mesh.inner, cfg.micro_batches
+        mesh, lay, schedule = self.mesh, self.layout(), self.settings.schedule
+        p, m = mesh.inner, self.settings.micro_batches
         all_layers = model_layers(cfg, model)
-        bounds = stage_bounds(cfg, all_layers, lay.stages)
+        bounds = stage_bounds(self.settings, all_layers, lay.stages)
         lines = [
-            f"pipeline: {p} ranks x dp {mesh.dp}, {cfg.pipeline_schedule} "
-            f"({SCHEDULES[cfg.pipeline_schedule].summary}), {lay.stages} stages, {m} micro-batches "
+            f"pipeline: {p} ranks x dp {mesh.dp}, {schedule} "
+            f"({SCHEDULES[schedule].summary}), {lay.stages} stages, {m} micro-batches "
             f"of {cfg.batch_size // mesh.dp // m} rows"
         ]
         # rank = dp_index * pp + position in the pipeline: the ranks at each position.
@@ -194,7 +204,33 @@ class Pipeline:
         self, model: nn.Module, cfg: TrainingConfig, rank: int, world_size: int,
         device: torch.device, make_optimizer: OptimizerFactory,
     ) -> PipelineRank:
-        return PipelineRank(model, cfg, rank, device, make_optimizer)
+        return PipelineRank(self, model, cfg, rank, device, make_optimizer)
+
+
+def _check_layers_compose(cfg: TrainingConfig, model: nn.Module, layers: list[tuple[str, nn.Module]],
+                          inputs: ModelInputs) -> None:
+    """A pipeline runs the model's pipeline_layers() one after the other: that must be its
+    forward (the first layer takes the named inputs as keywords, as the model does), tried on
+    a sample batch of the dataset's shape. An nn.Sequential's forward is that by definition."""
+    what = f"training.model {factory_path(cfg)}"
+    x, _ = inputs.sample_batch(2)
+    model.eval()  # no dropout: the two runs must agree
+    with torch.no_grad():
+        out = forward(model, x)  # check_model ran it already: a failure here is not the layers'
+    why = ""
+    try:
+        with torch.no_grad():
+            h = forward(layers[0][1], x)
+            for _, layer in layers[1:]:
+                h = layer(h)
+        same = isinstance(h, torch.Tensor) and h.shape == out.shape and torch.allclose(h, out, atol=1e-5)
+    except Exception as e:  # noqa: BLE001 - layers that do not chain: the same mistake
+        same, why = False, f" ({type(e).__name__}: {one_line(e)})"
+    if not same:
+        raise ConfigError(
+            f"{what}: its pipeline_layers() run one after the other do not give its forward's output "
+            f"(a pipeline would train another model){why}"
+        )
 
 
 class StageLayers(nn.Sequential):
@@ -224,19 +260,19 @@ class StageLayers(nn.Sequential):
         return out.float()
 
 
-class PipelineRank:
-    def __init__(self, model, cfg, rank, device, make_optimizer):
-        mesh = mesh_for(cfg, "pp")
+class PipelineRank(Parallel):
+    def __init__(self, strategy: Pipeline, model, cfg, rank, device, make_optimizer):
+        mesh = strategy.mesh
         self.dp = mesh.dp
         self.dp_group, self.pp_group = mesh.groups(rank)
-        self.layout = lay = pipeline_layout(cfg)
+        self.layout = lay = strategy.layout()
         self.loss = loss_for(cfg)
         self.pp_rank = mesh.inner_index(rank)  # position in the pipeline
         layers = model_layers(cfg, model)
-        bounds = stage_bounds(cfg, layers, lay.stages)
-        # Timing is opt-in (training.pipeline_timing): it synchronises the device around
+        bounds = stage_bounds(strategy.settings, layers, lay.stages)
+        # Timing is opt-in (training.pipeline.timing): it synchronises the device around
         # every action, which a GPU run cannot afford; the plain stage keeps the overlap.
-        self.clock = RankClock(device) if cfg.pipeline_timing else None
+        self.clock = RankClock(device) if strategy.settings.timing else None
 
         def stage(s: int) -> PipelineStage:
             part = StageLayers(layers, bounds[s], bounds[s + 1], cfg.precision == "bf16").to(device)

@@ -27,24 +27,28 @@ from shardline.pipelines.errors import ConfigError
 from .. import collectives, sharded_checkpoints
 from ..batch import forward
 from ..config import TrainingConfig
+from ..model_inputs import ModelInputs
 from ..task import loss_for
-from .base import OptimizerFactory, autocast_for
+from ..strategy_settings import PsSettings
+from .base import OptimizerFactory, Parallel, Strategy, autocast_for
 
 
-class ParameterServer:
+class ParameterServer(Strategy):
     name = "ps"
+    settings: PsSettings
 
-    def data_world(self, cfg: TrainingConfig) -> int:
-        workers = cfg.world_size - cfg.ps_servers
+    def __init__(self, cfg: TrainingConfig):
+        workers = cfg.world_size - cfg.ps.servers
         if workers < 1:
             raise ConfigError(
-                f"training.ps_servers {cfg.ps_servers} leaves no worker rank "
+                f"training.ps_servers {cfg.ps.servers} leaves no worker rank "
                 f"(training.world_size {cfg.world_size})"
             )
-        return workers
+        # No device mesh: the workers read the data, the servers hold the parameters.
+        super().__init__(cfg.ps, None, workers)
 
-    def check(self, cfg: TrainingConfig, model: nn.Module) -> None:
-        workers = self.data_world(cfg)
+    def check(self, cfg: TrainingConfig, model: nn.Module, inputs: ModelInputs | None = None) -> None:
+        workers, servers = self.data_world, self.settings.servers
         for setting in ("tp", "pp"):
             if getattr(cfg, setting) not in (None, 1):
                 raise ConfigError(
@@ -54,7 +58,7 @@ class ParameterServer:
         if cfg.dp not in (None, workers):
             raise ConfigError(
                 f"training.dp {cfg.dp} must equal the ps workers: training.world_size "
-                f"{cfg.world_size} - training.ps_servers {cfg.ps_servers} = {workers}"
+                f"{cfg.world_size} - training.ps_servers {servers} = {workers}"
             )
         if cfg.batch_size % workers:
             raise ConfigError(
@@ -62,9 +66,9 @@ class ParameterServer:
                 f"workers (training.world_size - training.ps_servers)"
             )
         n_params = len(list(model.parameters()))
-        if cfg.ps_servers > n_params:
+        if servers > n_params:
             raise ConfigError(
-                f"training.ps_servers {cfg.ps_servers} exceeds the model's {n_params} parameter "
+                f"training.ps_servers {servers} exceeds the model's {n_params} parameter "
                 f"tensors (a server owns whole parameters)"
             )
         if any(True for _ in model.buffers()):
@@ -78,7 +82,7 @@ class ParameterServer:
         self, model: nn.Module, cfg: TrainingConfig, rank: int, world_size: int,
         device: torch.device, make_optimizer: OptimizerFactory,
     ) -> WorkerRank | ServerRank:
-        layout = Layout(model, cfg, world_size)
+        layout = Layout(model, self.settings, world_size)
         model.to(device)
         if rank < layout.workers:
             return WorkerRank(model, cfg, rank, layout, device)
@@ -102,10 +106,10 @@ class Layout:
     """What every rank knows: who is a worker, which server owns which parameters, their
     shapes, and the process groups. Built on every rank, in the same order (collective)."""
 
-    def __init__(self, model: nn.Module, cfg: TrainingConfig, world_size: int):
-        self.mode, self.staleness = cfg.ps_mode, cfg.ps_staleness
-        self.workers = world_size - cfg.ps_servers
-        self.shards = shard_names(model, cfg.ps_servers)
+    def __init__(self, model: nn.Module, settings: PsSettings, world_size: int):
+        self.mode, self.staleness = settings.mode, settings.staleness
+        self.workers = world_size - settings.servers
+        self.shards = shard_names(model, settings.servers)
         self.shapes = {name: p.shape for name, p in model.named_parameters()}
         self.names = list(self.shapes)  # model order: full_state_dict's
         self.dtype = next(model.parameters()).dtype
@@ -113,7 +117,7 @@ class Layout:
             # Server s with every worker: its reduce (push) and broadcast (pull).
             self.groups = [
                 dist.new_group(list(range(self.workers)) + [self.server_rank(s)])
-                for s in range(cfg.ps_servers)
+                for s in range(settings.servers)
             ]
         else:
             # gloo whatever the world's backend: it can receive from any source (a
@@ -156,7 +160,7 @@ def _gather_full(
     return {name: out[name] for name in layout.names}
 
 
-class WorkerRank:
+class WorkerRank(Parallel):
     """A replica: gradients on the local batch out, the servers' values in."""
 
     def __init__(self, model, cfg, rank, layout: Layout, device):
@@ -259,7 +263,7 @@ class WorkerRank:
         return out
 
 
-class ServerRank:
+class ServerRank(Parallel):
     """Owns one shard and its optimizer; keeps no reference to the rest of the model."""
 
     def __init__(self, model, cfg, rank, layout: Layout, device, make_optimizer):

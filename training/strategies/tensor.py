@@ -26,19 +26,21 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from shardline.pipelines.errors import ConfigError
 
 from ..config import TrainingConfig
+from ..model_inputs import ModelInputs
 from ..model_plans import tp_plan
 from ..models import Attention, TabularMLP
-from .base import OptimizerFactory, mesh_for
+from ..strategy_settings import TensorSettings
+from .base import Mesh, OptimizerFactory, Strategy, mesh_for
 from .fsdp import ShardedRank, shard_layers
 
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
-def checked_plan(cfg: TrainingConfig, model: nn.Module, tp: int) -> dict[str, str]:
-    """The plan `cfg` asks for, refused (one line naming the setting) unless it splits
+def checked_plan(cfg: TrainingConfig, settings: TensorSettings, model: nn.Module, tp: int) -> dict[str, str]:
+    """The plan the settings ask for, refused (one line naming the setting) unless it splits
     this model correctly over `tp` ranks."""
-    if cfg.tp_plan is not None:
-        plan, setting = dict(cfg.tp_plan), "training.tp_plan"
+    if settings.plan is not None:
+        plan, setting = dict(settings.plan), "training.tp_plan"
     elif (own := tp_plan(model, f"training.model {cfg.model}")) is not None:
         plan, setting = own, f"training.model {cfg.model}'s plan"
     else:
@@ -119,27 +121,30 @@ def _width_name(model: nn.Module, path: str, style: str, width: int) -> str:
     return f"the {width} {side} features of {style} '{path}'"
 
 
-class TensorParallel:
+class TensorParallel(Strategy):
     name = "tensor"
+    settings: TensorSettings
+    mesh: Mesh
 
-    def check(self, cfg: TrainingConfig, model: nn.Module) -> None:
+    def __init__(self, cfg: TrainingConfig):
         mesh = mesh_for(cfg, "tp")
-        checked_plan(cfg, model, mesh.inner)
-        if cfg.batch_size % mesh.dp:
-            raise ConfigError(
-                f"training.batch_size {cfg.batch_size} must be a multiple of training.dp {mesh.dp}"
-            )
+        # The tp ranks of a replica read the same batch: each replica is one data part.
+        super().__init__(cfg.tensor, mesh, mesh.dp)
 
-    def data_world(self, cfg: TrainingConfig) -> int:
-        return mesh_for(cfg, "tp").dp
+    def check(self, cfg: TrainingConfig, model: nn.Module, inputs: ModelInputs | None = None) -> None:
+        checked_plan(cfg, self.settings, model, self.mesh.inner)
+        if cfg.batch_size % self.mesh.dp:
+            raise ConfigError(
+                f"training.batch_size {cfg.batch_size} must be a multiple of training.dp {self.mesh.dp}"
+            )
 
     def setup(
         self, model: nn.Module, cfg: TrainingConfig, rank: int, world_size: int,
         device: torch.device, make_optimizer: OptimizerFactory,
     ) -> ShardedRank:
-        mesh = mesh_for(cfg, "tp")
+        mesh = self.mesh
         dm = mesh.device_mesh(device)
-        plan = checked_plan(cfg, model, mesh.inner)
+        plan = checked_plan(cfg, self.settings, model, mesh.inner)
         parallelize_module(model, dm["tp"], {path: STYLES[style]() for path, style in plan.items()})
         if mesh.dp > 1:
             shard_layers(model, dm["dp"])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -13,10 +12,12 @@ from typing import Any
 from pydantic import Field, ValidationError
 
 from shardline.pipelines.config import DaskConfig, PipelineConfig, Section, SparkConfig
+from shardline.pipelines import report
 from shardline.pipelines.errors import ConfigError
 from shardline.pipelines.storage import is_remote, resolve
 from shardline.serving.config import ServingConfig
 from shardline.training.config import TrackingConfig, TrainingConfig
+from shardline.training.strategy_settings import nest_source, override_path
 from shardline.training.sweep_config import SweepConfig
 
 
@@ -58,12 +59,15 @@ def load_config(
             raise ConfigError(f"{p}: invalid TOML: {e}") from None
         except UnicodeDecodeError:
             raise ConfigError(f"{p}: config file is not UTF-8 text") from None
+    # A strategy setting by either name (training.micro_batches, training.pipeline.micro_batches):
+    # one path in the data, so an override replaces the source's whichever name each used.
+    data, seen = nest_source(data, where), {}
     if isinstance(overrides, Mapping):
         for key, value in overrides.items():
-            _set(data, str(key), value, f"{key}={value!r}")
+            _set(data, override_path(str(key).strip(), value, seen), value, f"{key}={value!r}")
     else:
         for item in overrides:
-            _apply_override(data, item)
+            _apply_override(data, item, seen)
     try:
         return ShardlineConfig.model_validate(data)
     except ValidationError as e:
@@ -77,7 +81,7 @@ def load_config(
         raise ConfigError(f"{where}: {field}: {msg}{got}") from None
 
 
-def _apply_override(data: dict, item: str) -> None:
+def _apply_override(data: dict, item: str, seen: dict) -> None:
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {item!r}: expected section.field=value")
@@ -85,7 +89,7 @@ def _apply_override(data: dict, item: str) -> None:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw  # a bare word is a string: --set training.model=mlp
-    _set(data, key, value, item)
+    _set(data, override_path(key.strip(), value, seen), value, item)
 
 
 def _set(data: dict, key: str, value: Any, item: str) -> None:
@@ -153,7 +157,8 @@ def resolve_paths(
     local: list[str] = []
 
     def path(value: str, setting: str) -> str:
-        checked = cluster if setting in uses else None
+        read = setting != SOURCE or cfg.pipelines.source.reads_path
+        checked = cluster if setting in uses and read else None
         resolved = resolve(value, setting, checked)
         if checked and not is_remote(resolved):
             local.append(setting)
@@ -174,16 +179,14 @@ def resolve_paths(
                                 "a database server every host reaches (sweep.storage = 'postgresql://...')", local)
     if local:
         names = " and ".join([", ".join(local[:-1]), local[-1]] if len(local) > 1 else local)
-        print(f"[shardline] note: {cluster} runs tasks on other hosts, and {names} "
-              f"{'is a path' if len(local) == 1 else 'are paths'} on this machine: every host must see "
-              f"{'it' if len(local) == 1 else 'them'} at the same path (a shared filesystem); else use "
-              f"URLs (s3://bucket/prefix) and an MLflow server", file=sys.stderr, flush=True)
-    training = t.model_copy(update={"checkpoint_dir": checkpoint_dir})
-    training._own_checkpoint_dir = t._own_checkpoint_dir or "checkpoint_dir" not in t.model_fields_set
+        report.line(f"[shardline] note: {cluster} runs tasks on other hosts, and {names} "
+                    f"{'is a path' if len(local) == 1 else 'are paths'} on this machine: every host must see "
+                    f"{'it' if len(local) == 1 else 'them'} at the same path (a shared filesystem); else use "
+                    f"URLs (s3://bucket/prefix) and an MLflow server")
     return cfg.model_copy(
         update={
             "pipelines": p.model_copy(update={"source": source, "dataset_dir": dataset_dir}),
-            "training": training,
+            "training": t.model_copy(update={"checkpoint_dir": checkpoint_dir}),
             "serving": s.model_copy(update={"output_dir": output_dir}),
             "tracking": cfg.tracking.model_copy(update={"tracking_uri": tracking_uri}),
             "sweep": cfg.sweep.model_copy(update={"storage": sweep_storage}),
@@ -200,6 +203,15 @@ def _checkpoint_dir(cfg: ShardlineConfig) -> str:
     from shardline.training.checkpoints import job_dir
 
     return job_dir(t, cfg.tracking.experiment, cfg.tracking.registered_model, cfg.pipelines.dataset_dir)
+
+
+def checkpoint_store(given: ShardlineConfig, resolved: ShardlineConfig):
+    """The job's training.checkpoint_store.CheckpointStore: the folder resolve_paths gave
+    `resolved`, the job's own (job_dir: a new run there replaces an earlier one that differs
+    only in what the folder's name leaves out) when the config as `given` leaves it unset."""
+    from shardline.training.checkpoint_store import CheckpointStore
+
+    return CheckpointStore(resolved.training.checkpoint_dir, own="checkpoint_dir" not in given.training.model_fields_set)
 
 
 def path_of(cfg: ShardlineConfig, setting: str) -> str:
@@ -221,6 +233,8 @@ def check_storage(
 
     if SOURCE in reads and cfg.pipelines.source.format == "synthetic":
         reads, writes = tuple(r for r in reads if r != SOURCE), (*writes, SOURCE)
+    if not cfg.pipelines.source.reads_path:  # an Iceberg table or a Spark table: no path is read
+        reads = tuple(r for r in reads if r != SOURCE)
     for setting, url in [(r, path_of(cfg, r)) for r in reads] + list(other_reads):
         check_access(url, setting)
     for setting in writes:

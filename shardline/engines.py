@@ -1,29 +1,15 @@
-"""The engines a command runs on, opened and described on the console: a SparkSession
-(checked before any work) or a Dask client; plus the console's stage lines."""
+"""The engines an API call runs on, opened and described through the reporter
+(pipelines.report): a SparkSession (checked before any work) or a Dask client."""
 
 from __future__ import annotations
 
-import time
 from contextlib import ExitStack, contextmanager
 
-from rich.console import Console
-
+from shardline.pipelines import report
 from shardline.pipelines.redact import redact
+from shardline.pipelines.report import stage
 
 from .config import ShardlineConfig
-
-# soft_wrap: the lines go unbroken to a log (spark-submit's, a scheduler's) as to a terminal.
-# Rich otherwise breaks them at 80 columns when stderr is no terminal, paths mid-word.
-console = Console(stderr=True, highlight=False, soft_wrap=True)
-
-
-@contextmanager
-def stage(title: str):
-    """One line when a stage starts and one when it ends, with its wall time."""
-    console.print(f"[bold]→[/] {title} …")
-    start = time.perf_counter()
-    yield
-    console.print(f"[green]✓[/] {title} [dim]({time.perf_counter() - start:.1f} s)[/]")
 
 
 def open_spark(cfg: ShardlineConfig, barrier_ranks: int | None = None):
@@ -37,14 +23,14 @@ def open_spark(cfg: ShardlineConfig, barrier_ranks: int | None = None):
     with stage(f"Connecting to Spark Connect {redact(url)}" if url else "Starting Spark"):
         spark = spark_session(cfg.spark)
     # Under spark-submit its --master wins over the config's: say which one runs.
-    console.print(f"  {describe_spark(spark)}")
+    report.note(describe_spark(spark))
     if barrier_ranks:
         from shardline.training.launchers.spark import check_spark_slots
 
         check_spark_slots(spark, barrier_ranks)
-    report = check_executors(spark, cfg.spark.probe_timeout_s)
-    if report:
-        console.print(f"  {describe_executors(report)}")
+    executors = check_executors(spark, cfg.spark.probe_timeout_s)
+    if executors:
+        report.note(describe_executors(executors))
     return spark
 
 
@@ -123,7 +109,7 @@ class Engines:
             from shardline.pipelines.spark_setup import adopt_session, describe_spark
 
             adopt_session(self._spark)
-            console.print(f"  using the SparkSession given: {describe_spark(self._spark)}")
+            report.note(f"using the SparkSession given: {describe_spark(self._spark)}")
         self._adopted.add("spark")
         return self._spark
 
@@ -134,7 +120,7 @@ class Engines:
             from shardline.pipelines.engines import adopt_client
 
             adopt_client(self._client)
-            console.print(f"  using the Dask client given: scheduler {self._client.scheduler.address}")
+            report.note(f"using the Dask client given: scheduler {self._client.scheduler.address}")
         self._adopted.add("dask")
         return self._client
 

@@ -1,12 +1,13 @@
-"""The stages of the API's calls (shardline.api), each between its console lines: the checks
-before an engine starts, the leases, and the prepare, training and scoring runs."""
+"""The stages of the API's calls (shardline.api), each between its reporter's lines: the
+checks before an engine starts, the leases, and the prepare, training and scoring runs."""
 
 from __future__ import annotations
 
-from rich.markup import escape
+from shardline.pipelines import report
+from shardline.pipelines.report import stage
 
 from .config import ShardlineConfig
-from .engines import Engines, console, stage
+from .engines import Engines
 
 
 def dataset_lease(cfg: ShardlineConfig):
@@ -30,39 +31,38 @@ def check_prepare(cfg: ShardlineConfig, **how):
 
     checked = check(cfg.pipelines, **how)
     for note in checked.notes:
-        console.print(f"  {escape(note)}")
+        report.note(note)
     return checked
 
 
-def run_prepare(cfg: ShardlineConfig, engine, append=False, refit=False, by_plan=False, lease=None, checked=None):
+def run_prepare(cfg: ShardlineConfig, engine, append=False, refit=False, by_plan=False, lease=None, checked=None,
+                frame=None):
     from shardline.pipelines.prepare import prepare
 
-    src = cfg.pipelines.source
-    what = f"{src.synthetic.rows:,} synthetic rows" if src.format == "synthetic" else src.path
+    what = "the DataFrame given" if frame is not None else cfg.pipelines.source.describe()
     how = " by its bandwidth plan" if by_plan else ""
     with stage(f"Preparing {what} into {cfg.pipelines.dataset_dir}{how} with {engine.name}"):
         manifest = prepare(engine, cfg.pipelines, append=append, refit=refit, by_plan=by_plan, lease=lease,
-                           checked=checked)
+                           checked=checked, frame=frame)
     spec = manifest.feature_spec
     if spec.task == "classification" and spec.classes is None:
-        console.print(
-            f"  pipelines.features.classes = {manifest.statistics.num_classes}  "
+        report.note(
+            f"pipelines.features.classes = {manifest.statistics.num_classes}  "
             "(inferred: the largest label + 1; declare it to have other labels refused)"
         )
     return manifest
 
 
-def run_train(cfg: ShardlineConfig, engines: Engines, lease=None):
-    """training.job.run_training on training.launcher's engine (none for `local`)."""
-    from shardline.training.job import run_training
-
-    t = cfg.training
+def run_train(job, engines: Engines):
+    """A checked training.job.TrainingJob, run on training.launcher's engine (none for `local`)."""
+    t = job.cfg
     handle = engines.handle(t.launcher)
     spark = handle if t.launcher == "spark" else None
     client = handle if t.launcher == "dask" else None
-    console.print(f"  checkpoints: {escape(t.checkpoint_dir)}")
+    job.check_capacity(spark, client)
+    report.note(f"checkpoints: {t.checkpoint_dir}")
     with stage(f"Training {t.model} with {t.strategy} on {t.world_size} {t.launcher} ranks"):
-        return run_training(t, cfg.tracking, cfg.pipelines.dataset_dir, spark=spark, dask_client=client, lease=lease)
+        return job.run(spark, client)
 
 
 def run_score(cfg: ShardlineConfig, engines: Engines, p, input_path: str, lease=None):
