@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 import sys
-from contextlib import contextmanager
 
 import click
 from rich.console import Console
@@ -25,6 +22,10 @@ from shardline.config import (
 from shardline.pipelines import report
 
 from .cli_bench import bench
+from .cli_json import json_file_option as _json_file_option
+from .cli_json import json_file_path, write_json_file
+from .cli_json import json_option as _json_option
+from .cli_json import json_out as _json_out
 from .console import ConsoleReporter, console
 from .ui import ui_hint
 
@@ -35,39 +36,6 @@ _set_option = click.option(
     metavar="SECTION.FIELD=VALUE",
     help="Override any config field, e.g. --set training.epochs=3 (repeatable).",
 )
-_json_option = click.option(
-    "--json", "as_json", is_flag=True,
-    help="Print the result as one JSON object on stdout; progress stays on stderr.",
-)
-
-
-@contextmanager
-def _json_out(as_json: bool):
-    """With --json, stdout carries the result alone, as one JSON document: while the work
-    runs, whatever prints to stdout (our code, a library, a child process started meanwhile:
-    ranks, a JVM, Dask workers) goes to stderr instead. Yields `emit(result)`."""
-    if not as_json:
-        yield lambda result: None
-        return
-    results: list = []
-    sys.stdout.flush()
-    saved, saved_fd = sys.stdout, os.dup(1)
-    try:
-        os.dup2(2, 1)
-        sys.stdout = sys.stderr
-        yield results.append
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved_fd, 1)
-        os.close(saved_fd)
-        sys.stdout = saved
-    click.echo(json.dumps(_jsonable(results[0]), indent=2, default=str))
-
-
-def _jsonable(result):
-    if hasattr(result, "to_dict"):
-        return result.to_dict()
-    return dataclasses.asdict(result)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -100,7 +68,7 @@ def run(config, overrides, force, as_json):
         if k in result.metrics:
             table.add_row(k.replace("_", " "), f"{result.metrics[k]:.4f}")
     table.add_row("MLflow run", result.run_id)
-    table.add_row("MLflow store", result.tracking_uri)
+    table.add_row("MLflow store", redact(result.tracking_uri))
     table.add_row("model", f"{result.model_uri}")
     table.add_row("dataset", r.prepare.dataset_dir)
     table.add_row("scores", f"{score.version_dir} ({score.rows:,} rows)" if score.engine else score.note)
@@ -141,6 +109,10 @@ def prepare(config, overrides, engine, append, refit, by_plan, as_json):
         console.print(f"  {split}: {info.rows:,} rows in {len(info.shards)} shards")
     if r.manifest.dropped_rows:
         console.print(f"  dropped {r.manifest.dropped_rows:,} row(s) that could not be used")
+    if r.manifest.imputed_values:
+        by_col = ", ".join(f"{c} {n:,}" for c, n in r.manifest.imputed_values.items())
+        console.print(f"  imputed {sum(r.manifest.imputed_values.values()):,} NaN, inf or null feature "
+                      f"value(s) with the train mean ({escape(by_col)})")
 
 
 @cli.command()
@@ -289,6 +261,7 @@ def sweep(config, overrides, trials, parallel, engine, name):
 @click.argument("config", type=click.Path(dir_okay=False))
 @_set_option
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object, nothing else.")
+@_json_file_option
 def plan(config, overrides, as_json):
     """Measure training and loader samples/s; choose loader workers, shards and row groups
     so loading >= 1.2 x training; store the plan in the dataset's manifest.
@@ -301,6 +274,8 @@ def plan(config, overrides, as_json):
 
     r = api.plan(config, list(overrides))  # measured here, in this process
     manifest, p = r.manifest, r.plan
+    if json_file_path():
+        write_json_file(json_file_path(), p.model_dump(mode="json"))
     if as_json:
         click.echo(p.model_dump_json())
         return

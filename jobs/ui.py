@@ -46,8 +46,10 @@ def _absolute(uri: str) -> str:
 
 def check_server(uri: str, timeout_s: float = 10.0) -> None:
     """An MLflow server answers its /health, or one line saying it does not."""
+    from shardline.training.tracking import health_request
+
     try:
-        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s) as r:
+        with urllib.request.urlopen(health_request(uri), timeout=timeout_s) as r:
             if r.status == 200:
                 return
             reason = f"HTTP {r.status}"
@@ -93,7 +95,10 @@ def serve(uri: str, host: str, port: int, say) -> None:
         check_server(uri)
         say(f"The MLflow server {redact(uri)} serves the UI itself: open {redact(uri)}")
         return
+    from shardline.training.tracking import check_driver
+
     check_store(uri)
+    check_driver(uri)  # the server would say it in a traceback, after "ready"
     check_port(host, port)
     if host not in LOOPBACK:
         say(f"note: --host {host}: the MLflow UI has no login; anyone who reaches {host}:{port} "

@@ -63,6 +63,10 @@ def dask_client(cfg: DaskConfig):
             processes=True,
             memory_limit=cfg.memory_limit,
             dashboard_address=None,
+            # With no dashboard the scheduler still serves its HTTP routes (health, metrics) on
+            # 8787, and says in four lines of warning that it moved when another process holds
+            # that port. Any free port of loopback, which nobody is told about, says nothing.
+            scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
         )
     return Client(cluster)
 

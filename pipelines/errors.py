@@ -1,10 +1,19 @@
 """User-facing errors. The CLI prints these as one line; anything else is a bug."""
 
+from .redact import redact
+
 
 class ShardlineError(Exception):
-    """A mistake in the user's input, config or environment (exit code 1)."""
+    """A mistake in the user's input, config or environment (exit code 1).
+
+    Its text has URI passwords, tokens and secret query values masked when it is made
+    (pipelines.redact): a Python caller's traceback, a notebook or a log shows the
+    error as it is, not only the CLI's last line."""
 
     exit_code = 1
+
+    def __init__(self, *args):
+        super().__init__(*(redact(a) if isinstance(a, str) else a for a in args))
 
 
 class ConfigError(ShardlineError):

@@ -179,6 +179,11 @@ class ShardManifest(_Model):
     splits: dict[str, SplitInfo]
     plan: BandwidthPlan | None = None
     dropped_rows: int = Field(0, description="Rows dropped as unparseable (on_bad_rows = drop).")
+    imputed_values: dict[str, int] = Field(
+        default_factory=dict,
+        description="Feature values filled in, per column, in all splits (on_invalid_features = "
+        "impute: NaN, inf or null, as the train mean); columns with none are left out.",
+    )
     rejects: RejectsInfo | None = Field(
         None, description="Where the dropped rows' keys and reasons are (None: no row was dropped)."
     )

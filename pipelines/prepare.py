@@ -52,6 +52,7 @@ from .tasks import (
     PrepareTask,
     existing_rows,
     first_problem,
+    imputed_values,
     merge_reports,
     report_unit,
     shuffle_rows,
@@ -120,7 +121,8 @@ def prepare(
     if src.format == "synthetic":
         synthetic.generate(engine, src.synthetic, storage.resolve(src.path, "pipelines.source.path"))
     files = checked.files or describe(list_files(src), src.format, src.csv_delimiter)
-    sources = checked.sources or [{"format": src.format, "path": display(f.url)} for f in files]
+    # Read again by --append --refit: the path itself, not display's masked text.
+    sources = checked.sources or [{"format": src.format, "path": storage.local_path(f.url)} for f in files]
     if append and refit:
         old, kept = previous_inputs(previous.sources, src, src.csv_delimiter)
         files, sources = old + files, kept + sources
@@ -168,8 +170,9 @@ def prepare(
                 schema=transport_schema(spec),
                 parts=parts.total,
                 # A permanent failure (a full disk) comes back as a row: no engine retries it.
-                write=Counted(
-                    failure_rows(partial(
+                # Counted inside: a write that failed is not counted as a shard written.
+                write=failure_rows(Counted(
+                    partial(
                         write_parts,
                         parts=parts,
                         dataset_dir=root,
@@ -178,14 +181,15 @@ def prepare(
                         rows_per_row_group=layout.rows_per_row_group,
                         shard_offsets=offsets,
                         drop_repeats=task.drop_bad,
-                    ), SHARD_META_SCHEMA),
+                    ),
                     progress.address,
                     shards_out.key,
-                ),
+                ), SHARD_META_SCHEMA),
                 out_schema=SHARD_META_SCHEMA,
             )
-            # One write call per part with rows (a part's rows meet in one partition).
-            shards_out.total = sum(1 for m in metas if m["path"])
+            # One write call per part with rows (a part's rows meet in one partition); one
+            # that failed is a part too: "4/6 shards written", then the error.
+            shards_out.total = sum(1 for m in metas if m["path"] or m.get("error"))
         failed = next((m["error"] for m in metas if m.get("error")), None)
         if failed:
             raise StorageError(f"pipelines.dataset_dir: {failed} (not retried: trying again cannot fix it)")
@@ -195,6 +199,7 @@ def prepare(
             raise DataError(f"{display(src.path)}: no rows left to write")
         splits = {s: _split_info(written, s) for s in SPLITS}
         dropped = report["dropped"] + sum(m["repeated"] or 0 for m in metas)
+        imputed = imputed_values(report, spec, previous.imputed_values if frozen else {})
         kept = rejects.collect(report["rejects"], metas, units, spec.key)
         rejects_path = rejects.write(version_dir, kept)
         if frozen:
@@ -222,6 +227,7 @@ def prepare(
             # A plain append keeps the existing shards, so their plan still describes them.
             plan=plan if plan is not None else (previous.plan if frozen else None),
             dropped_rows=dropped,
+            imputed_values=imputed,
             rejects=RejectsInfo(
                 path=f"{storage.name(version_dir)}/{rejects_path}", rows=len(kept), total=dropped, cap=rejects.CAP,
             ) if rejects_path else None,

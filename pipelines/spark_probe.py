@@ -10,14 +10,17 @@ Also here: Spark's errors as one line, and a job that gives up after a timeout.
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import sys
 import threading
 import uuid
+from contextlib import contextmanager
 
 from .config import SparkConfig
 from .errors import ShardlineError
-from .spark_setup import is_connect, spark_master
+from .spark_setup import is_connect, master_as_written, spark_master
 
 # What ranks and scoring tasks import on an executor (the last three are shipped by
 # spark_setup as a zip; the others must be installed in the executors' Python).
@@ -27,8 +30,12 @@ _REPORTS: dict[int, dict] = {}
 
 
 def needs_probe(spark) -> bool:
-    """Local classic masters run our own interpreter; everything else may not."""
-    return is_connect(spark) or not spark_master(spark).startswith("local")
+    """Local classic masters run our own interpreter (spark_setup.use_this_python), unless the
+    session was given another one; everything else may not."""
+    if is_connect(spark) or not spark_master(spark).startswith("local"):
+        return True
+    exe = spark.sparkContext.pythonExec  # classic only: Connect returned above
+    return os.path.abspath(shutil.which(exe) or exe) != os.path.abspath(sys.executable)
 
 
 def check_executors(spark, timeout_s: float | None = None) -> dict | None:
@@ -75,11 +82,12 @@ def check_executors(spark, timeout_s: float | None = None) -> dict | None:
 
     df = spark.range(0, 1, numPartitions=1).mapInArrow(probe, "report string")
     try:
-        rows = collect_within(
-            spark, df, timeout_s,
-            f"no Spark executor ran shardline's environment probe within {timeout_s:g} s "
-            f"({_where(spark)}): has a worker registered with free cores? (spark.probe_timeout_s)",
-        )
+        with _quiet_task_failures(spark):
+            rows = collect_within(
+                spark, df, timeout_s,
+                f"no Spark executor ran shardline's environment probe within {timeout_s:g} s "
+                f"({_where(spark)}): has a worker registered with free cores? (spark.probe_timeout_s)",
+            )
     except ShardlineError:
         raise
     except Exception as e:
@@ -100,6 +108,31 @@ def check_executors(spark, timeout_s: float | None = None) -> dict | None:
     return report
 
 
+# Spark's loggers that report a failed task: each prints its Java stack and the Python one.
+_TASK_FAILURE_LOGGERS = ("org.apache.spark.executor.Executor", "org.apache.spark.scheduler.TaskSetManager")
+
+
+@contextmanager
+def _quiet_task_failures(spark):
+    """While the probe runs, a failed probe task is said only in shardline's one line: Spark's
+    own log of it (a Java and a Python stack, 60+ lines, from a session shardline did not
+    start, with none of shardline's log settings) is held back. Classic sessions only: a
+    Connect server's log is its own."""
+    try:
+        jvm = None if is_connect(spark) else spark.sparkContext._jvm  # classic only: a JVM here
+        log4j = jvm.org.apache.logging.log4j if jvm is not None else None
+        saved = {n: log4j.LogManager.getLogger(n).getLevel() for n in _TASK_FAILURE_LOGGERS} if log4j else {}
+    except Exception:  # no log4j 2 behind this session: nothing to quiet
+        saved = {}
+    for name in saved:
+        log4j.core.config.Configurator.setLevel(name, log4j.Level.OFF)
+    try:
+        yield
+    finally:
+        for name, level in saved.items():
+            log4j.core.config.Configurator.setLevel(name, level)
+
+
 def describe_executors(report: dict) -> str:
     v = report["versions"]
     return (
@@ -109,7 +142,7 @@ def describe_executors(report: dict) -> str:
 
 
 def _where(spark) -> str:
-    return f"Spark Connect server, master {spark_master(spark)}" if is_connect(spark) else f"Spark master {spark_master(spark)}"
+    return f"Spark Connect server, master {spark_master(spark)}" if is_connect(spark) else f"Spark master {master_as_written(spark)}"
 
 
 def _fix(spark) -> str:

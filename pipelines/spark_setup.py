@@ -94,8 +94,29 @@ def start_spark(cfg: SparkConfig):
 
 def adopt_session(spark) -> None:
     """A session the caller started (the Python API's `spark=`, classic or Connect): used as
-    it is, its settings untouched; only our packages go to executors that need them."""
+    it is, its settings untouched, but for the Python its local workers run (use_this_python);
+    our packages go to executors that need them, and executors whose Python shardline cannot
+    see are checked (one probe task: pipelines.spark_probe), before any job."""
+    from .spark_probe import check_executors
+
+    use_this_python(spark)
     ship_shardline_to_spark(spark)
+    check_executors(spark)
+
+
+def use_this_python(spark) -> None:
+    """A classic local session whose Python workers would run pyspark's default `python3`
+    runs this process's interpreter instead. pyspark takes `python3` when PYSPARK_PYTHON was
+    unset as the session started: whatever `python3` is first on PATH, not the venv a script
+    was started from by its full path (`.venv/bin/python job.py`, the venv not activated),
+    so tasks failed after minutes on `No module named 'shardline'`. Left alone: Connect and
+    cluster masters (their executors' Python is not this machine's to choose: they are
+    probed), a spark.pyspark.python or a PYSPARK_PYTHON the session was given."""
+    if is_connect(spark) or not spark_master(spark).startswith("local") or spark_setting(spark, "spark.pyspark.python"):
+        return
+    context = spark.sparkContext  # classic only: Connect returned above
+    if context.pythonExec == "python3" and sys.executable:
+        context.pythonExec = sys.executable
 
 
 def is_connect(spark) -> bool:
@@ -114,14 +135,21 @@ def spark_master(spark) -> str:
     return spark_setting(spark, "spark.master") or "unknown"
 
 
+def master_as_written(spark) -> str:
+    """The master as the config wrote it (`local[2]`), not the `local[2,4]` shardline started
+    it as (local_with_retries): what lines shown to the user name."""
+    return _WRITTEN.get(id(spark)) or spark_master(spark)
+
+
 def describe_spark(spark) -> str:
     """One line: where this session runs."""
     if is_connect(spark):
         return f"Spark Connect {_URLS.get(id(spark), 'server')} (master {spark_master(spark)})"
-    return f"Spark master {spark_master(spark)}"
+    return f"Spark master {master_as_written(spark)}"
 
 
 _URLS: dict[int, str] = {}
+_WRITTEN: dict[int, str] = {}  # id(session) -> its master as written, where shardline added retries
 
 
 def connect_url(spark) -> str | None:
@@ -216,6 +244,7 @@ def _classic(cfg: SparkConfig):
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     active = SparkSession.getActiveSession()
     if active is not None:
+        use_this_python(active)
         return active
     builder = SparkSession.builder
     submitted = "PYSPARK_GATEWAY_PORT" in os.environ  # spark-submit started the JVM
@@ -235,7 +264,7 @@ def _classic(cfg: SparkConfig):
 
     user = user_spark_conf()  # spark-defaults.conf, PYSPARK_SUBMIT_ARGS
     master = cfg.master if "master" in cfg.model_fields_set else user.get("spark.master", cfg.master)
-    master = local_with_retries(master, {**user, **cfg.conf})
+    written, master = master, local_with_retries(master, {**user, **cfg.conf})
     _check_standalone_master(master, cfg.connect_timeout_s)
     builder = builder.master(master)
     if "app_name" in cfg.model_fields_set or "spark.app.name" not in user:
@@ -247,6 +276,8 @@ def _classic(cfg: SparkConfig):
         builder = builder.config(key, value)
     with _launch_env(local=master.startswith("local")), _context_start("spark.conf"):
         spark = builder.getOrCreate()
+    if written != master:
+        _WRITTEN[id(spark)] = written
     _fill_in(spark, session_defaults(cfg), explicit={**_explicit_session(cfg), **cfg.conf})
     return spark
 

@@ -30,6 +30,7 @@ from typing import IO
 
 from . import failures
 from .errors import ConfigError, StorageError
+from .redact import redact
 
 REMOTE_SCHEMES = ("s3", "gs", "gcs", "abfs", "abfss", "hdfs")
 _SCHEMES = ("file", *REMOTE_SCHEMES)
@@ -112,8 +113,9 @@ def parent(url: str) -> str:
 
 
 def display(url: str) -> str:
-    """A URL as the user wrote it: local files without file://."""
-    return local_path(url)
+    """A URL as the user wrote it, for messages: local files without file://, a password,
+    token or signature in it masked (pipelines.redact). Not for opening: `local_path`."""
+    return redact(local_path(url))
 
 
 # -- the filesystem helper --------------------------------------------------------

@@ -204,6 +204,17 @@ def _merge(out: dict, r: dict) -> None:
             acc[v] = acc.get(v, 0) + n
 
 
+def imputed_values(report: dict, spec: FeatureSpec, earlier: dict[str, int]) -> dict[str, int]:
+    """Feature values imputed per column: pass 1 counted them (rows kept, per column) as
+    problems of kind INVALID; an append adds the shards kept from before."""
+    if spec.on_invalid_features != "impute":
+        return dict(earlier)
+    out = dict(earlier)
+    for col, p in report["problems"].get(INVALID, {}).items():
+        out[col] = out.get(col, 0) + int(p["count"])
+    return {c: n for c, n in out.items() if n}
+
+
 def _merge_moments(a, b) -> tuple:
     """(count, mean, sum of squared deviations) of a's rows then b's (Chan et al.)."""
     n0, mean0, m20 = a if a is not None else (0, 0.0, 0.0)

@@ -36,6 +36,13 @@ class ServingConfig(Section):
         "from being oversubscribed; raise it with spark.task.cpus.",
     )
     engine: Literal["spark", "dask"] = Field("spark", description="Engine that runs the scoring tasks.")
+    allow_pickled_models: bool = Field(
+        False,
+        description="Score a model with MLflow's `pytorch` flavour (logged by other code with "
+        "mlflow.pytorch.log_model): loading one unpickles it, which runs any code its writer put in "
+        "it on every scoring worker. Off: such a model is refused in one line. shardline's own "
+        "models (safetensors weights and a factory's import path) never need it.",
+    )
     incremental: bool = Field(
         False,
         description="Score only input files the output's ledger does not hold yet, adding to "

@@ -167,7 +167,7 @@ def _raw_files(input_path: str) -> list[str]:
         if "no parquet files" in str(e):
             raise DataError(f"{input_path}: input is empty (no Parquet files)") from None
         raise
-    return [storage.display(f) for f in files]
+    return [storage.local_path(f) for f in files]  # opened later: not display's masked text
 
 
 def check_unit(unit: Unit, transform: Transform, for_model: str = "") -> int:

@@ -57,10 +57,11 @@ def scoring_device():
     return choose_scoring_device(gpus, torch.cuda.device_count(), current)
 
 
-def cached_model(model_uri: str, tracking_uri: str, device=None):
+def cached_model(model_uri: str, tracking_uri: str, device=None, allow_pickled: bool = False):
     """The model on `device` (scoring_device() when None), loaded once per process and device:
     Spark reuses a Python worker for tasks that may have been given different GPUs. A GPU
-    becomes the calling thread's current device, so nothing of the task lands on GPU 0."""
+    becomes the calling thread's current device, so nothing of the task lands on GPU 0.
+    allow_pickled: a pytorch-flavour model may be unpickled (serving.allow_pickled_models)."""
     import torch
 
     device = device if device is not None else scoring_device()
@@ -78,7 +79,7 @@ def cached_model(model_uri: str, tracking_uri: str, device=None):
         # predict of a pandas frame; its MLflow is left pointing where it was.)
         with callers_store_kept():
             mlflow.set_tracking_uri(tracking_uri)
-            model = load_torch_model(model_uri)
+            model = load_torch_model(model_uri, allow_pickled=allow_pickled)
         _CACHE[key] = model.to(device).eval()
         # What loading brought in (torch, MLflow, the model: ~430k objects) lives as long as
         # the process: frozen out of the collector, so neither later collections nor the
@@ -137,14 +138,17 @@ def resolve_version(model_uri: str, tracking_uri: str) -> tuple[str, str]:
 class ResolvedModel:
     """A model URI pinned to one version, so workers cannot load another (an alias may move)."""
 
-    def __init__(self, uri: str, pinned_uri: str, name: str, version: str, run_id: str | None):
+    def __init__(self, uri: str, pinned_uri: str, name: str, version: str, run_id: str | None,
+                 pickled: bool = False):
         self.uri, self.pinned_uri, self.name, self.version, self.run_id = (
             uri, pinned_uri, name, version, run_id
         )
+        self.pickled = pickled  # a pytorch-flavour model, allowed by serving.allow_pickled_models
 
 
-def resolve_model(model_uri: str, tracking_uri: str) -> ResolvedModel:
-    """Check the model exists (its MLmodel file only, no weights) and pin its version."""
+def resolve_model(model_uri: str, tracking_uri: str, allow_pickled: bool = False) -> ResolvedModel:
+    """Check the model exists (its MLmodel file only, no weights) and pin its version; a
+    pytorch-flavour model is refused unless `allow_pickled` (see check_not_pickled)."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
@@ -162,7 +166,13 @@ def resolve_model(model_uri: str, tracking_uri: str) -> ResolvedModel:
     if not version and info.run_id:
         # runs:/ and path URIs have no registry version; the run id identifies them.
         version = f"run-{info.run_id}"
-    return ResolvedModel(model_uri, pinned, name, version, info.run_id)
+    pickled = "pytorch" in info.flavors
+    if pickled and not allow_pickled:
+        from shardline.training.raw_model import pickled_refusal
+
+        raise ShardlineError(pickled_refusal(model_uri))
+    return ResolvedModel(model_uri, pinned, name, version, info.run_id, pickled)
+
 
 
 def _model_info(model_uri: str):

@@ -121,6 +121,7 @@ def plan(
     backfill: Backfill = "new",
     force: bool = False,
     output_format: str = "parquet",
+    allow_pickled: bool = False,
 ) -> ScorePlan:
     """Resolve the model, list and check the input, read the output's ledgers: read-only.
 
@@ -131,6 +132,7 @@ def plan(
     input this version lacks: it asked for this model's scores of this input. force:
     discard whatever the output holds (every model and version) and score everything.
     output_format: "delta": `output_dir` is a Delta table's root (serving.delta_output).
+    allow_pickled: a pytorch-flavour model may be scored (serving.allow_pickled_models).
     """
     if backfill not in ("all", "new"):
         raise ShardlineError(f"--backfill {backfill!r}: use 'all' or 'new'")
@@ -139,7 +141,7 @@ def plan(
     table = DeltaOutput(storage.resolve(output_dir, "serving.output_dir")) if output_format == "delta" else None
     if table is not None:
         table.check()
-    model = resolve_model(model_uri, tracking_uri)
+    model = resolve_model(model_uri, tracking_uri, allow_pickled)
     units, transform = discover(input_path, split, model, tracking_uri)
     out = table.scores if table is not None else storage.resolve(output_dir, "serving.output_dir")
     check_output_dir(out)
@@ -226,6 +228,7 @@ def execute(
                     output_dir=p.dir,
                     output_name=output_name(u.unit_id),
                     model_uri=model.pinned_uri,
+                    allow_pickled=model.pickled,  # the driver allowed it (serving.allow_pickled_models)
                     tracking_uri=p.tracking_uri,
                     model_name=model.name,
                     model_version=model.version,

@@ -41,6 +41,7 @@ class UnitTask:
     progress_addr: str | None = None  # the driver's progress listener and stage (pipelines.progress)
     progress_key: str | None = None
     code: UserCode | None = None  # the user's code the model needs (pipelines.code_travel), shipped by the driver
+    allow_pickled: bool = False  # a pytorch-flavour model, allowed by serving.allow_pickled_models
 
 
 def output_schema(classification: bool, next_token: bool = False) -> pa.Schema:
@@ -92,7 +93,7 @@ def _score_unit(task: UnitTask) -> dict:
     next_token = spec.task == "next_token"
     schema = output_schema(classification, next_token)
     use_code(task.code)  # before the model is built: this job's version of the user's code
-    model = cached_model(task.model_uri, task.tracking_uri)
+    model = cached_model(task.model_uri, task.tracking_uri, allow_pickled=task.allow_pickled)
     # torch defaults to one thread per core in every worker process: with one task
     # per core that oversubscribes the machine.
     torch.set_num_threads(task.threads)

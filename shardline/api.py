@@ -64,7 +64,7 @@ class PrepareResult:
         m = self.manifest
         return {
             "dataset_dir": self.dataset_dir, "engine": self.engine, "version_id": m.version_id,
-            "sequence": m.sequence, "dropped_rows": m.dropped_rows,
+            "sequence": m.sequence, "dropped_rows": m.dropped_rows, "imputed_values": m.imputed_values,
             "num_classes": m.statistics.num_classes,
             "splits": {s: {"rows": i.rows, "shards": len(i.shards)} for s, i in m.splits.items()},
         }
@@ -218,7 +218,8 @@ def score(
     # and the plan, read-only; an engine starts only when there is something to score.
     with output_lease(scores_dir(s.output_dir, s.output_format)) as lease:
         p = score_plan(s.model_uri, cfg.tracking.resolved_uri(), input_path, s.output_dir, split=s.split,
-                       incremental=s.incremental, backfill=s.backfill, force=force, output_format=s.output_format)
+                       incremental=s.incremental, backfill=s.backfill, force=force, output_format=s.output_format,
+                       allow_pickled=s.allow_pickled_models)
         for line in p.describe_discard():
             report.warn(line)
         if not p.todo:
@@ -257,6 +258,7 @@ def run(config: Config = None, overrides: Overrides = (), *, spark=None, client=
     from shardline.serving.ledger import all_scores
     from shardline.serving.score import check_owner
     from shardline.serving.score import plan as score_plan
+    from shardline.training.source_steps import check_steps_from_source
     from shardline.training.tracking import check_store
 
     given = load_config(config, overrides)
@@ -276,6 +278,8 @@ def run(config: Config = None, overrides: Overrides = (), *, spark=None, client=
         out = scores_dir(s.output_dir, s.output_format)
         check_owner(out, all_scores(out), cfg.tracking.registered_model or "an unregistered model")
     checked = check_prepare(cfg)
+    # A batch the source's rows cannot give a step: now, not after prepare (training.source_steps).
+    check_steps_from_source(cfg.training, cfg.pipelines, checked.files)
     with ExitStack() as stack:
         # Every lease before an engine starts: a second run on the same folders is refused at once.
         dataset = stack.enter_context(dataset_lease(cfg))

@@ -117,6 +117,18 @@ def _tensor_rows(grid, tokens):
     return setup
 
 
+def _folder_named_shardline(folder: Path, _dataset: str) -> None:
+    (folder / "shardline").mkdir()
+    (folder / "shardline" / "mynets.py").write_text("def build(inputs):\n    raise AssertionError('never imported')\n")
+
+
+def _small_csv(folder: Path, _dataset: str) -> None:
+    """442 rows (a classic small table) as CSV, the catalog's columns."""
+    (folder / "raw442").mkdir()
+    rows = "".join(f"{k},{k % 7 * 0.5},{k % 5 - 2.0},{k % 3 * 1.5},{k % 3}\n" for k in range(442))
+    (folder / "raw442" / "part-0.csv").write_text("key,a,b,c,label\n" + rows)
+
+
 def _hold_dataset(folder: Path, dataset: str):
     from shardline.pipelines.prepare import dataset_lease
 
@@ -247,6 +259,8 @@ CASES = [
     Case("--refit without --append", ["prepare", "{cfg}", "--refit"], 2, "--refit goes with --append"),
     Case("score without a model", ["score", "{cfg}"], 2, "no model: pass --model or set serving.model_uri"),
     Case("unknown command", ["trian", "{cfg}"], 2, "No such command 'trian'"),
+    Case("--json-file in a folder that does not exist", [*T, "--json-file", "{dir}/none/result.json"], 2,
+         "none/result.json: no folder"),
     Case("benchmark rounds below 1", ["bench", "score", "--rounds", "0"], 2, "Invalid value for '--rounds'"),
     # -- training settings against the dataset (exit 2: a setting at fault)
     Case("unknown model", [*T, "--set", "training.model=resnet"], 2, "unknown model 'resnet'"),
@@ -264,6 +278,9 @@ CASES = [
     # -- the user's own model, loss and metrics (exit 2, before any engine starts)
     _user("model import path does not import", ["training.model='nosuchpkg.nets:build'"],
           "training.model: cannot import module 'nosuchpkg.nets' (ModuleNotFoundError: No module named 'nosuchpkg')"),
+    Case("model in a folder of the user's named shardline", [*T, "--set", "training.model='shardline.mynets:build'"],
+         2, "cannot import module 'shardline.mynets': the name 'shardline' is taken by shardline itself",
+         setup=_folder_named_shardline),
     _user("model is not callable", ["training.model='usernets.nets:NOT_CALLABLE'"],
           "training.model: usernets.nets:NOT_CALLABLE is not callable"),
     _user("model factory returns no nn.Module", ["training.model='usernets.nets:not_a_module'"],
@@ -292,6 +309,12 @@ CASES = [
     Case("default batch over a small dataset (0 steps)", [*T, "--set", "training.batch_size=512"], 1,
          "every epoch would take 0 optimizer steps"),
     Case("more ranks than shards", [*T, "--world-size", "8"], 1, "world size 8 is greater than the 2 shard(s)"),
+    Case("`run` with a batch the source's rows cannot give a step (before prepare)",
+         ["run", "{cfg}", "--set", "pipelines.source.format='csv'", "--set", "pipelines.source.path='{dir}/raw442'",
+          "--set", "pipelines.dataset_dir='{dir}/ds442'", "--set", "training.batch_size=512"], 1,
+         "the source's 442 rows give each rank about 177 train rows (pipelines.split.train = 0.8): every "
+         "epoch would take 0 optimizer steps and the model would not train; set training.batch_size to at most",
+         setup=_small_csv),
     Case("no prepared dataset", [*T, "--set", "pipelines.dataset_dir='{dir}/none'"], 1,
          "no manifest; run `shardline prepare` first"),
     Case("manifest is not JSON", [*T, "--set", "pipelines.dataset_dir='{dir}/ds'"], 1, "not valid JSON",
@@ -342,6 +365,9 @@ CASES = [
     Case("score with an MLflow database store whose driver is not installed",
          ["score", "{cfg}", "--model", "models:/m/1", "--output", "{dir}/out", "--engine", "dask",
           "--set", "tracking.tracking_uri='postgresql://u:secret@127.0.0.1:1/mlflow'"], 1,
+         "MLflow's postgresql store needs a database driver that is not installed"),
+    Case("the UI on an MLflow database store whose driver is not installed (before its server)",
+         ["ui", "{cfg}", "--set", "tracking.tracking_uri='postgresql://u:secret@127.0.0.1:1/mlflow'"], 1,
          "MLflow's postgresql store needs a database driver that is not installed"),
     # -- an output of another model (exit 1; score refuses it the same way)
     Case("run into an output holding another model's scores (before it prepares)",

@@ -116,10 +116,23 @@ def register_flaky(prepared, tracking_uri: str, marker: Path, name: str) -> str:
 
 def promo_model(prepared, tracking_uri: str) -> str:
     """Registered model `promo` with versions 1 and 2 (the same weights: where scores land
-    is the point, not their values), registered once per session."""
+    is the point, not their values), registered once per session, as shardline registers
+    its own models (no pickle: scoring needs no serving.allow_pickled_models)."""
     if "promo" not in _TRAINED:
-        for _ in range(2):
-            register_wrapped(prepared, tracking_uri, "promo", lambda inner: inner)
+        import mlflow
+
+        from shardline.pipelines.manifest import load_manifest
+        from shardline.training.config import TrainingConfig
+        from shardline.training.raw_model import load_torch_model, log_raw_model
+
+        base = trained_model(prepared)
+        mlflow.set_tracking_uri(tracking_uri)
+        inner = load_torch_model(base.model_uri)
+        mlflow.set_experiment(experiment_id=mlflow.get_run(base.run_id).info.experiment_id)
+        with mlflow.start_run(run_id=base.run_id):  # the training run's: raw input finds its dataset
+            for _ in range(2):
+                log_raw_model(inner, load_manifest(prepared.dataset_dir), TrainingConfig(**TRAINING), "promo",
+                              pip_requirements=["torch"])
         _TRAINED["promo"] = "promo"
     return _TRAINED["promo"]
 
@@ -182,13 +195,14 @@ def post(url: str, body: dict) -> dict:
 
 def score(engine_name, spark_or_client, model_uri, tracking_uri, input_path, output_dir, *, split="test",
           incremental=False, backfill="new", force=False, batch_size=4096, threads_per_task=1, lease=None,
-          user_code=()):
+          user_code=(), allow_pickled=False):
     """A scoring job on a given engine handle: serving.score's plan, then execute (what
     shardline.score does after its checks and leases), for tests that drive the engine
-    layer directly."""
+    layer directly. allow_pickled: serving.allow_pickled_models (the fault-injecting
+    wrappers register_wrapped logs are pickled models)."""
     from shardline.serving.score import execute, plan
 
     p = plan(model_uri, tracking_uri, input_path, output_dir, split=split, incremental=incremental,
-             backfill=backfill, force=force)
+             backfill=backfill, force=force, allow_pickled=allow_pickled)
     return execute(p, engine_name, spark_or_client, batch_size=batch_size, threads_per_task=threads_per_task,
                    lease=lease, user_code=user_code)

@@ -131,9 +131,12 @@ def test_json_results_of_prepare_train_score_and_status(small_dataset, dask_clie
     cfg = _small_config(tmp_path, raw, dask_client.scheduler.address)
     new_store(tmp_path / "mlflow.db")  # the config's tracking_uri, empty
 
-    proc = shardline_here("prepare", str(cfg), "--engine", "dask", "--json", cwd=tmp_path)
+    proc = shardline_here("prepare", str(cfg), "--engine", "dask", "--json", "--json-file", "prepared.json",
+                          cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     prepared = json.loads(proc.stdout)
+    # --json-file (#46): the same document in a file, for spark-submit, whose stdout holds stderr too.
+    assert json.loads((tmp_path / "prepared.json").read_text()) == prepared
     assert prepared["engine"] == "dask" and prepared["dataset_dir"] == str(tmp_path / "dataset")
     assert sum(s["rows"] for s in prepared["splits"].values()) == ROWS
     assert "rows in" in proc.stderr  # the summary still goes to stderr
@@ -166,6 +169,11 @@ def test_json_results_of_prepare_train_score_and_status(small_dataset, dask_clie
         ("json-model", "1", scored["rows"])
     ]
     assert st["holder"] is None
+    # --json-file without --json: the table for a person on stdout, the document in the file.
+    table = shardline_here("score", "--status", str(tmp_path / "out"), "--json-file", "status.json", cwd=tmp_path)
+    assert table.returncode == 0 and "json-model" in table.stdout and not table.stdout.startswith("{"), table.stdout
+    assert json.loads((tmp_path / "status.json").read_text()) == st
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["prepared.json", "status.json"]  # no temp file left
 
 
 def test_api_on_the_callers_engines(spark, dask_client, small_dataset, tracking_uri, new_store,  # noqa: F811

@@ -53,6 +53,55 @@ def test_zero_steps_is_refused_before_any_engine_starts(small_dataset, tmp_path)
     assert list(work.iterdir()) == []
 
 
+def _csv_442(folder: Path) -> Path:
+    """A 442-row table (a classic small one) as CSV."""
+    (folder / "raw").mkdir(parents=True)
+    rows = "".join(f"{k},{k % 7 * 0.5},{k % 5 - 2.0},{k % 3 * 1.5},{k % 3}\n" for k in range(442))
+    (folder / "raw" / "part-0.csv").write_text("key,a,b,c,label\n" + rows)
+    return folder / "raw"
+
+
+def test_run_refuses_the_default_batch_on_a_small_source_before_any_engine(tmp_path):
+    """#46: `shardline run` with the default batch (512) on 442 rows was refused only after
+    Spark started and prepare ran; now from the source's row count, before either."""
+    work = tmp_path / "work"
+    work.mkdir()
+    raw = _csv_442(tmp_path)
+    config = tmp_path / "run.toml"
+    config.write_text(
+        f"[pipelines]\ndataset_dir = '{tmp_path / 'dataset'}'\n"
+        f"[pipelines.source]\nformat = 'csv'\npath = '{raw}'\n"
+        f"[pipelines.features]\nkey = 'key'\nlabel = 'label'\nnumeric = ['a', 'b', 'c']\ncategorical = []\n"
+        f"[training]\nlauncher = 'spark'\nworld_size = 2\n"
+    )
+    proc = shardline_here("run", str(config), cwd=work)
+    assert proc.returncode == 1, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("error: training.batch_size 512 is 256 rows per step on each of 2 data-parallel rank(s), "
+                           "but the source's 442 rows give each rank about 177 train rows"), line
+    suggested = int(re.search(r"set training.batch_size to at most (\d+)", line).group(1))
+    assert 0 < suggested <= 340  # 340: what the prepared split allows (the late check's figure)
+    assert "Starting" not in proc.stdout + proc.stderr
+    assert list(work.iterdir()) == [] and not (tmp_path / "dataset").exists()
+
+
+def test_a_batch_the_source_may_allow_is_left_to_the_exact_check(tmp_path):
+    from shardline.pipelines.config import PipelineConfig
+    from shardline.pipelines.raw import describe
+    from shardline.pipelines.sources import list_files
+    from shardline.training.source_steps import check_steps_from_source, source_rows
+
+    raw = _csv_442(tmp_path)
+    pipelines = PipelineConfig.model_validate({"source": {"format": "csv", "path": str(raw)}})
+    files = describe(list_files(pipelines.source), "csv", ",")
+    assert source_rows(pipelines, files) == 442
+    for batch in (256, 340, 400):  # about 177 train rows a rank: close enough to leave to the prepared split
+        check_steps_from_source(TrainingConfig(world_size=2, batch_size=batch), pipelines, files)
+    check_steps_from_source(TrainingConfig(world_size=2, batch_size=512, remainder="pad"), pipelines, files)
+    with pytest.raises(DataError, match="0 optimizer steps"):
+        check_steps_from_source(TrainingConfig(world_size=2, batch_size=512), pipelines, files)
+
+
 def test_the_suggested_batch_trains_and_registers(small_dataset, tracking_uri, capfd):
     from mlflow.tracking import MlflowClient
 

@@ -12,6 +12,7 @@ import importlib.util
 import re
 
 import click
+import pytest
 from pydantic import BaseModel
 
 from shardline.jobs.cli import cli
@@ -106,3 +107,23 @@ def test_readme_commands_and_links_hold():
     for link in links:
         if not link.startswith(("http://", "https://")):
             assert (REPO / link).is_file(), link
+
+
+def test_the_api_guide_says_a_job_file_with_a_source_is_no_estimators_config(dask_client, tmp_path):
+    """#46: an estimator refuses a config whose pipelines.source.format is not its own (the
+    DataFrame is its source): the guide says so before a user meets the refusal."""
+    import dask.dataframe as dd
+    import pandas as pd
+
+    from shardline.dask import ShardlineEstimator
+    from shardline.pipelines.errors import ConfigError
+
+    job = tmp_path / "job.toml"
+    job.write_text("[pipelines.source]\nformat = 'csv'\npath = 'raw/'\n")
+    ddf = dd.from_pandas(pd.DataFrame({"x": [1.0, 2.0], "label": [0, 1]}), npartitions=1)
+    with pytest.raises(ConfigError, match="pipelines.source.format = 'csv': an estimator's source is the DataFrame"):
+        ShardlineEstimator(str(job), label_col="label", client=dask_client).fit(ddf)
+    guide = " ".join((REPO / "docs" / "guide" / "api.md").read_text().split())
+    assert "A job file is not an estimator's config as it is." in guide
+    assert "a config that sets `pipelines.source.format` to anything but `parquet`" in guide
+    assert list(tmp_path.iterdir()) == [job]  # refused before anything was written

@@ -8,6 +8,7 @@ would block the next run; once the disk is grown, the next run succeeds.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,8 @@ def test_full_disk_prepare_on_spark_is_one_line_and_not_retried(spark, tmp_path)
         dataset = disk / "dataset"
         r = shardline("prepare", *_prepare_args(tmp_path, dataset), cwd=tmp_path)
         line = _one_line(r)
+        # The master as the quickstart writes it, not the local[2,4] it runs as (#46).
+        assert "  Spark master local[2]\n" in r.stderr and "local[2,4]" not in r.stderr, r.stderr
         assert "pipelines.dataset_dir" in line and "No space left on device" in line, line
         assert "not retried" in line
         # Nothing half-written: no version folder, no manifest (pipelines.manifest's names).
@@ -85,8 +88,12 @@ def test_full_disk_prepare_on_dask_is_one_line_and_not_retried(on_session_dask, 
     with small_disk(tmp_path / "disk") as disk:
         dataset = disk / "dataset"
         args = ["prepare", *_prepare_args(tmp_path, dataset), "--engine", "dask", *on_session_dask]
-        line = _one_line(shardline_here(*args, cwd=tmp_path))
+        r = shardline_here(*args, cwd=tmp_path)
+        line = _one_line(r)
         assert "pipelines.dataset_dir" in line and "No space left on device" in line, line
+        # A write that met the full disk is not counted as a shard written (#46: "prepare
+        # write: 4/4 shards written", then the error).
+        assert not re.search(r"prepare write: (\d+)/\1 shards written", r.stderr), r.stderr
         grow(disk)
         r = shardline_here(*args, cwd=tmp_path)
         assert r.returncode == 0, r.stderr

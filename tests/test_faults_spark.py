@@ -36,12 +36,12 @@ flaky, dies, fails, tracking_uri, src, src_failed, out_flaky, out_dies, out_fail
 spark = spark_session(SparkConfig(shuffle_partitions=2,
                                   conf={"spark.python.daemon.module": "tests.preloaded_spark_daemon"}))
 print("MASTER", spark_master(spark), flush=True)
-r = score("spark", spark, flaky, tracking_uri, src, out_flaky, batch_size=256)
+r = score("spark", spark, flaky, tracking_uri, src, out_flaky, batch_size=256, allow_pickled=True)
 print("RETRIED", r.rows, r.files_scored, flush=True)
-r = score("spark", spark, dies, tracking_uri, src, out_dies, batch_size=256)
+r = score("spark", spark, dies, tracking_uri, src, out_dies, batch_size=256, allow_pickled=True)
 print("ROWS", r.rows, r.files_scored, flush=True)
 try:
-    score("spark", spark, fails, tracking_uri, src_failed, out_failed, batch_size=256)
+    score("spark", spark, fails, tracking_uri, src_failed, out_failed, batch_size=256, allow_pickled=True)
 except ShardlineError as e:
     print("ERROR", e, flush=True)
 """

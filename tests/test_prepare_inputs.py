@@ -195,6 +195,36 @@ def test_nan_and_inf_features_fail_or_are_imputed(engines, engine, tmp_path):
     rows = pd.concat(rows_by_split(cfg).values()).set_index("id")
     assert rows.loc[11, "features"][1] == 0.0 and rows.loc[12, "features"][0] == 0.0
     assert np.isfinite(np.stack(rows["features"])).all()
+    assert load_manifest(cfg.dataset_dir).imputed_values == {"a": 1, "b": 1}  # recorded (#46)
+
+
+@pytest.mark.slow
+def test_imputed_values_are_counted_in_the_manifest_and_the_training_run(engines, tmp_path):
+    """#46: how many values prepare filled in was recorded nowhere."""
+    from mlflow.tracking import MlflowClient
+
+    from shardline.training.config import TrackingConfig, TrainingConfig
+    from shardline.training.job import run_training
+
+    df = raw_frame()
+    df.loc[df["id"].isin([11, 21, 31]), "a"] = np.nan
+    df.loc[df["id"] == 12, "b"] = -np.inf
+    write_raw(df, tmp_path / "raw", "parquet")
+    cfg = config(tmp_path, "parquet", on_invalid_features="impute")
+    prepare(engines["dask"], cfg)
+    assert load_manifest(cfg.dataset_dir).imputed_values == {"a": 3, "b": 1}
+    # An append adds its own to those of the shards kept from before.
+    more = raw_frame(rows=100, start=400)
+    more.loc[more["id"] == 450, "a"] = None
+    write_raw(more, tmp_path / "more", "parquet", files=1)
+    prepare(engines["dask"], cfg.model_copy(update={"source": cfg.source.model_copy(
+        update={"path": str(tmp_path / "more")})}), append=True)
+    assert load_manifest(cfg.dataset_dir).imputed_values == {"a": 4, "b": 1}
+
+    result = run_training(TrainingConfig(launcher="local", world_size=1, epochs=1, batch_size=32, hidden=[8],
+                                         checkpoint_dir=str(tmp_path / "ckpt")),
+                          TrackingConfig(experiment="imputed"), cfg.dataset_dir, register=False)
+    assert MlflowClient(result.tracking_uri).get_run(result.run_id).data.params["imputed_values"] == "5"
 
 
 @pytest.mark.parametrize("engine", ENGINES)

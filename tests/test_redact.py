@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from shardline.pipelines.errors import ShardlineError
@@ -22,6 +24,9 @@ from tests.conftest import shardline_here
         ("https://acct.blob/c/f?sv=1&sig=secret", "https://acct.blob/c/f?sv=1&sig=***"),
         ("s3://b/k?X-Amz-Signature=secret&X-Amz-Security-Token=secret", "s3://b/k?X-Amz-Signature=***&X-Amz-Security-Token=***"),
         ("sc://h:15002/;token=secret;user_id=me", "sc://h:15002/;token=***;user_id=me"),
+        # A bare token as the whole user part (issue #46); a user name alone looks the same.
+        ("https://secret@git.example/org/repo.git", "https://***@git.example/org/repo.git"),
+        ("http://user@host/", "http://***@host/"),
     ],
 )
 def test_redact_masks_the_secret_and_keeps_the_rest(uri, shown):
@@ -33,10 +38,24 @@ def test_redact_masks_the_secret_and_keeps_the_rest(uri, shown):
 @pytest.mark.parametrize(
     "text",
     ["sqlite:////tmp/mlflow.db", "http://127.0.0.1:5000", "s3://bucket/data/part-0.parquet",
-     "http://user@host/", "training.lr = 0.1", "https://h/a:b/c@d"],
+     "training.lr = 0.1", "https://h/a:b/c@d", "git@github.com:org/repo.git",
+     "abfs://container@acct.dfs.core.windows.net/p", "wasbs://container@acct.blob.core.windows.net/p"],
 )
 def test_redact_leaves_uris_without_secrets_alone(text):
     assert redact(text) == text
+
+
+def test_errors_and_displayed_urls_are_masked_where_they_are_made():
+    """A Python caller sees the error as made (its traceback, a notebook), not the CLI's
+    last line: the text is masked in the exception itself, and in storage.display."""
+    from shardline.pipelines import storage
+    from shardline.pipelines.errors import DataError
+
+    e = DataError("s3://AKIA:secret@bucket/data: no rows; also https://secret@h/x and ?token=secret")
+    assert "secret" not in str(e) and "secret" not in repr(e) and "secret" not in str(e.args)
+    assert str(e) == "s3://AKIA:***@bucket/data: no rows; also https://***@h/x and ?token=***"
+    assert storage.display("https://secret@host/data?sig=secret") == "https://***@host/data?sig=***"
+    assert storage.display("/data/raw/a.csv") == "/data/raw/a.csv"
 
 
 def test_unreachable_tracking_server_error_hides_the_password():
@@ -61,3 +80,36 @@ def test_cli_error_lines_are_redacted_whatever_raised_them(tmp_path):
     proc = shardline_here("ui", "--set", f"tracking.tracking_uri='sqlite:///{store}?password=secret'", cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr
     assert "password=***" in proc.stderr and "secret" not in proc.stderr + proc.stdout, proc.stderr
+
+
+@pytest.mark.slow
+def test_train_on_a_server_whose_uri_has_a_user_and_password(prepared, mlflow_server, tmp_path):
+    """#46: `http://u:pw@host:port` was refused ("Name or service not known": urllib took
+    `u:pw@127.0.0.1` for the host) although MLflow's client takes it; MLflow's own "View
+    run" lines then printed the password. The real CLI in a process of its own, so that
+    every line of the driver and its ranks is seen."""
+    from mlflow.tracking import MlflowClient
+
+    from tests.conftest import shardline
+
+    uri = mlflow_server.replace("http://", "http://u:pw@")
+    (tmp_path / "job.toml").write_text(
+        f"[pipelines]\ndataset_dir = '{prepared.dataset_dir}'\n"
+        f"[training]\nlauncher = 'local'\nworld_size = 2\nepochs = 1\nbatch_size = 64\nhidden = [16]\n"
+        f"checkpoint_dir = '{tmp_path / 'ckpt'}'\n"
+        f"[tracking]\ntracking_uri = '{uri}'\nexperiment = 'credentials'\nregistered_model = 'credentials'\n"
+    )
+    proc = shardline("train", "job.toml", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "pw" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    [run_id] = re.findall(r"^  run (\w+); model models:/credentials/\d+$", proc.stdout + proc.stderr, re.M)
+    assert MlflowClient(mlflow_server).get_run(run_id).info.status == "FINISHED"
+
+
+def test_the_json_result_masks_the_tracking_uri():
+    """`--json` prints the result's to_dict(): the URI there is masked, the object keeps it."""
+    from shardline.api import TrainResult
+
+    r = TrainResult("id", "models:/m/1", "m", "1", "http://u:pw@127.0.0.1:5000", {}, "/c", "local")
+    assert r.to_dict()["tracking_uri"] == "http://u:***@127.0.0.1:5000"
+    assert r.tracking_uri == "http://u:pw@127.0.0.1:5000"

@@ -281,3 +281,28 @@ def test_scoring_leaves_no_model_copy_in_the_temp_folder(engine, request, model,
               str(tmp_path / "scores"))
     assert r.rows == load_manifest(prepared.dataset_dir).splits["test"].rows
     assert _model_copies(temps, run.info.run_id) - before == set()
+
+
+def test_a_pickled_model_is_scored_only_when_allowed(on_session_dask, prepared, tracking_uri, tmp_path):
+    """#46: a model logged by other code with mlflow.pytorch is unpickled by MLflow's loader,
+    which runs whatever code its writer put in it. `shardline score` refuses it in one line,
+    before any engine starts, unless serving.allow_pickled_models = true."""
+    from .conftest import shardline_here
+    from .serving_helpers import register_wrapped
+
+    uri = register_wrapped(prepared, tracking_uri, "pickled-by-others", lambda inner: inner)
+    out = tmp_path / "scores"
+    args = ["score", "--model", uri, "--output", str(out), "--engine", "dask", *on_session_dask,
+            "--set", f"pipelines.dataset_dir='{prepared.dataset_dir}'"]
+    env = {"MLFLOW_TRACKING_URI": tracking_uri}
+    refused = shardline_here(*args, cwd=tmp_path, env=env)
+    assert refused.returncode == 1, refused.stderr
+    *notes, line = refused.stderr.strip().splitlines()  # notes: dask.address's about shared paths
+    assert all(n.startswith("[shardline] note:") for n in notes), refused.stderr
+    assert line.startswith(f"error: model {uri} has MLflow's pytorch flavour") and \
+        "serving.allow_pickled_models = true" in line, line
+    assert not out.exists()
+
+    allowed = shardline_here(*args, "--set", "serving.allow_pickled_models=true", cwd=tmp_path, env=env)
+    assert allowed.returncode == 0, allowed.stderr
+    assert read_scores(out).num_rows == load_manifest(prepared.dataset_dir).splits["test"].rows

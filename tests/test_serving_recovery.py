@@ -11,6 +11,7 @@ rows out, no duplicate keys, no orphan or temp files.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -24,11 +25,15 @@ from pathlib import Path
 import pytest
 
 from shardline.serving.ledger import LEDGER, committed_files, read_ledger
-from .serving_helpers import score
 
 from .conftest import REPO
 from .scoring_faults import DiesBetweenOutputAndLedger, StallsOnce
 from .serving_helpers import raw_table, read_scores, register_flaky, register_wrapped, version_dir, write_raw
+from .serving_helpers import score as score_job
+
+# Every model here is a fault-injecting wrapper logged with mlflow.pytorch (register_wrapped):
+# a pickled model, which scoring loads only when allowed (serving.allow_pickled_models).
+score = functools.partial(score_job, allow_pickled=True)
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +198,7 @@ from shardline.pipelines.engines import dask_client
 from tests.serving_helpers import score
 import sys
 client = dask_client(DaskConfig(n_workers=1, threads_per_worker=2))
-score("dask", client, sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], batch_size=64)
+score("dask", client, sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], batch_size=64, allow_pickled=True)
 """
 
 

@@ -331,3 +331,55 @@ def test_user_settings_are_read_as_spark_submit_reads_them(tmp_path, monkeypatch
     )
     got = user_spark_conf()
     assert (got["spark.sql.shuffle.partitions"], got["spark.ui.enabled"]) == ("9", "true")
+
+
+USERS_SESSION = """
+import sys
+from pyspark.sql import SparkSession
+import shardline
+from shardline.pipelines.errors import ShardlineError
+# The user's own local session, made as a tutorial makes it: nothing says which Python.
+spark = SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false").getOrCreate()
+try:
+    r = shardline.prepare({"pipelines": {"dataset_dir": sys.argv[1], "source": {"format": "synthetic",
+                           "path": sys.argv[2], "synthetic": {"rows": 2000, "partitions": 2}},
+                           "layout": {"world_size": 2}}}, spark=spark)
+    print("ROWS", sum(s.rows for s in r.manifest.splits.values()), flush=True)
+except ShardlineError as e:
+    print("ERROR", e, flush=True)
+spark.stop()
+"""
+
+
+@pytest.mark.slow  # a JVM of its own
+def test_a_users_local_session_from_an_unactivated_venv_runs_this_python(tmp_path):
+    """#46: `.venv/bin/python script.py` (the venv not activated) with the script's own local
+    SparkSession: Spark's Python workers ran the `python3` first on PATH, which has none of
+    shardline's packages, and prepare failed after minutes in ~160 lines. shardline's tasks
+    now run the driver's own interpreter. The `python3` on PATH here is the base Python the
+    venv was made from (no pyarrow, no shardline), ahead of everything else."""
+    on_path = tmp_path / "bin"
+    on_path.mkdir()
+    python3 = on_path / "python3"
+    python3.write_text(f"#!/bin/sh\nexec {Path(sys.base_prefix) / 'bin' / 'python3'} \"$@\"\n")
+    python3.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "PYTHONPATH",
+                                                          "VIRTUAL_ENV", "MLFLOW_TRACKING_URI")}
+    env["PATH"] = os.pathsep.join([str(on_path), *(p for p in os.environ["PATH"].split(os.pathsep)
+                                                   if Path(p).resolve() != BIN.resolve())])
+    args = [sys.executable, "-c", USERS_SESSION, str(tmp_path / "dataset"), str(tmp_path / "raw")]
+    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ROWS 2000" in proc.stdout, proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+    # The session told to run that Python (PYSPARK_PYTHON): not shardline's to change, so its
+    # workers are checked by one probe task before the job, and it ends in one line.
+    told = subprocess.run(args, cwd=tmp_path, env={**env, "PYSPARK_PYTHON": str(python3)}, capture_output=True,
+                          text=True, timeout=600)
+    errors = [ln for ln in told.stdout.splitlines() if ln.startswith("ERROR")]
+    assert len(errors) == 1, told.stdout + told.stderr[-3000:]
+    error = errors[0]
+    assert error.startswith(f"ERROR Spark executors cannot import pyarrow (Spark master local[2]): set "
+                            f"PYSPARK_PYTHON"), told.stdout + told.stderr[-3000:]
+    assert "Traceback" not in told.stderr and "ModuleNotFoundError" not in told.stderr, told.stderr[-3000:]

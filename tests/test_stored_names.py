@@ -84,3 +84,26 @@ def test_own_checkpoint_pointer_is_followed(tmp_path):
     (tmp_path / "ckpt-000000002-abcdef.pt").write_bytes(b"ours")
     (tmp_path / POINTER).write_text(json.dumps({"name": "ckpt-000000002-abcdef.pt", "step": 2}))
     assert CheckpointStore(str(tmp_path)).latest() == str(tmp_path / "ckpt-000000002-abcdef.pt")
+
+
+@pytest.mark.parametrize("sharded", ["../outside.dcp", "{outside}", "ckpt-000000001-abcdef.dcp/../../outside",
+                                     "ckpt-000000001.dcp", 7])
+def test_tampered_dcp_directory_name_is_refused(tmp_path, sharded):
+    """The small file's `sharded` name is joined to the folder and read by every rank (#46):
+    confined like the pointer's name."""
+    import torch
+
+    outside = tmp_path / "outside.dcp"
+    (outside / ".metadata").parent.mkdir()
+    (outside / ".metadata").write_bytes(b"not ours")
+    ckpts = tmp_path / "ckpts"
+    (ckpts / "ckpt-000000001-abcdef.dcp").mkdir(parents=True)
+    (ckpts / "ckpt-000000001-abcdef.dcp" / ".metadata").write_bytes(b"ours")
+    head = ckpts / "ckpt-000000001-abcdef.pt"
+    sharded = str(outside) if sharded == "{outside}" else sharded
+    torch.save({"epoch": 0, "sharded": sharded}, head)
+    with pytest.raises(DataError) as e:
+        CheckpointStore(str(ckpts)).read(str(head))
+    assert "corrupt checkpoint" in str(e.value) and "not followed" in str(e.value), str(e.value)
+    torch.save({"epoch": 0, "sharded": "ckpt-000000001-abcdef.dcp"}, head)
+    assert CheckpointStore(str(ckpts)).read(str(head))["sharded"] == "ckpt-000000001-abcdef.dcp"

@@ -249,7 +249,7 @@ def test_scoring_ships_the_code_a_model_needs_to_dask_workers_without_it(
     client = dask_client(DaskConfig(address=dask_cli_cluster.address))
     try:
         result = score("dask", client, uri, tracking_uri, prepared.dataset_dir, str(tmp_path / "out"),
-                       user_code=[str(pkg)])
+                       user_code=[str(pkg)], allow_pickled=True)
     finally:
         client.close()
     assert result.rows == read_scores(tmp_path / "out").num_rows > 0

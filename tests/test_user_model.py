@@ -331,6 +331,10 @@ def test_a_job_trains_scores_and_predicts_a_model_of_named_inputs(typed_dataset,
 
     # The registered model predicts from decoded arrays (a dict, or a DataFrame of one array per row).
     pyfunc = mlflow.pyfunc.load_model(result.model_uri)
+    # Registered with a signature (#46): its named inputs (any type: the model checks them) and outputs.
+    signature = pyfunc.metadata.signature
+    assert set(signature.inputs.input_names()) == {"id", *rows} and signature.inputs.optional_input_names() == ["id"]
+    assert signature.outputs.input_names() == ["prediction", "prob_cat", "prob_dog", "prob_owl"]
     first = {n: a[:3] for n, a in rows.items()}
     frame = pd.DataFrame({n: list(a) for n, a in first.items()})
     for given in (first, frame):

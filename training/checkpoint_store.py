@@ -61,6 +61,7 @@ from .checkpoints import (
 from .config import TrainingConfig
 
 _NAME = re.compile(r"^ckpt-(\d{9})(-[0-9a-f]{6})?\.pt$")
+_SHARDED = re.compile(r"^ckpt-\d{9}-[0-9a-f]{6}\.dcp$")  # sharded_checkpoints.new_name's
 POINTER = "LATEST"
 DCP_SUFFIX = ".dcp"
 
@@ -166,6 +167,8 @@ class CheckpointStore:
         # The weights are in the DCP directory the small file names (training.sharded_checkpoints),
         # whose .metadata is written last: without it the checkpoint cannot be resumed.
         sharded = state.get("sharded")
+        if sharded is not None:
+            self.dcp_dir(url, state)  # a name of ours, or refused
         if isinstance(sharded, str) and not storage.exists(storage.join(self.dcp_dir(url, state), ".metadata")):
             raise CheckpointUnreadable(f"{where}: its DCP directory {sharded} is missing or incomplete (no .metadata)")
         return state
@@ -196,8 +199,13 @@ class CheckpointStore:
         raise CheckpointUnreadable(f"{bad}; no older checkpoint in {self.where} is readable either")
 
     def dcp_dir(self, head_url: str, head: dict) -> str:
-        """The DCP directory of the checkpoint at `head_url` (its state: `head`)."""
-        return storage.join(storage.parent(head_url), head["sharded"])
+        """The DCP directory of the checkpoint at `head_url` (its state: `head`). The name is
+        joined to the folder and read by every rank: like LATEST's, only our own is followed."""
+        name = head["sharded"]
+        if not isinstance(name, str) or not _SHARDED.fullmatch(name):
+            raise CheckpointUnreadable(f"{storage.display(head_url)}: corrupt checkpoint (DCP directory {name!r} "
+                                       "is not a ckpt-<step>-<id>.dcp in its folder); not followed")
+        return storage.join(storage.parent(head_url), name)
 
     def code_changes(self, code: UserCode) -> list[str] | None:
         """How `code` differs from the newest checkpoint's, a phrase a file

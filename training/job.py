@@ -255,6 +255,8 @@ class TrainingJob:
                     "dataset_dir": self.dataset_dir, "dataset_version": manifest.version_id,
                     "dataset_sequence": manifest.sequence,
                     **{f"rows_{s}": info.rows for s, info in manifest.splits.items()},
+                    # Values prepare filled in (on_invalid_features = impute), per column in the manifest.
+                    "imputed_values": sum(manifest.imputed_values.values()),
                     # Which code trained it (the fingerprint's `code`): a user's model only.
                     **({"code_digest": code.digest} if code.files else {}),
                 })

@@ -16,8 +16,9 @@ A model of a dataset with tensor or image columns (`feature_spec.typed`) takes i
 inputs already decoded: `predict({"photo": uint8 [n, C, H, W], "tokens": int32 [n, L]})`
 (a dict of array-likes, or a DataFrame whose columns hold one array per row), each
 checked against its declared dtype and shape and given to the module by name
-(`predict_typed`). Such a model is logged without a signature or input example (MLflow's
-column types cannot say "uint8 [3, 8, 8]"). Over HTTP (`mlflow models serve`) an image
+(`predict_typed`). Such a model's signature names its inputs with any type and no input
+example is logged (MLflow's column types cannot say "uint8 [3, 8, 8]", and a tensor type
+would refuse a base64 image): the model checks dtype and shape itself. Over HTTP (`mlflow models serve`) an image
 input also comes as the base64 of its PNG/JPEG file and a sequence as a list of ids of
 any length: `training.encoded_inputs` decodes them as prepare and the loader would.
 
@@ -236,6 +237,26 @@ def signature(spec: FeatureSpec, stats: FittedStatistics):
     return ModelSignature(Schema(inputs), Schema(outputs))
 
 
+def typed_signature(spec: FeatureSpec, stats: FittedStatistics, names):
+    """A typed dataset's model: its named inputs declared by name with any type (arrays, a
+    base64 image, an id list: `typed_inputs` checks each against its dtype and shape, naming
+    it), the key optional; the outputs as batch scoring's columns for its task."""
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import AnyType, ColSpec, DataType, Schema
+
+    inputs = [ColSpec(DataType.long, spec.key, required=False)] if not spec.generate_key else []
+    inputs += [ColSpec(AnyType(), name) for name in names]
+    if spec.task == "next_token":
+        outputs = [ColSpec(DataType.long, "prediction"), ColSpec(DataType.double, "loss"),
+                   ColSpec(DataType.long, "tokens")]
+    elif spec.task == "classification":
+        outputs = [ColSpec(DataType.long, "prediction")]
+        outputs += [ColSpec(DataType.double, name) for name in class_names(spec, stats)]
+    else:
+        outputs = [ColSpec(DataType.double, "prediction")]
+    return ModelSignature(Schema(inputs), Schema(outputs))
+
+
 def log_trained_model(model, manifest: ShardManifest, cfg, registered_name: str | None, code=None) -> str:
     """Log a job's trained model (training.job) as a RawRowsModel with the job's own code
     snapshot (`code`: the bytes its ranks ran, whatever the folders hold by now); register
@@ -290,8 +311,8 @@ def log_raw_model(model, manifest: ShardManifest, cfg, registered_name: str | No
             name="model",
             python_model=str(ENTRY),
             artifacts={WEIGHTS: weights, MODULE: module, TRANSFORM: transform},
-            # Named tensors: no MLflow column type says "uint8 [3, 8, 8]" (module docstring).
-            signature=None if spec.typed else signature(spec, stats),
+            # Named tensors: by name, any type (no MLflow type says "uint8 [3, 8, 8]": module docstring).
+            signature=typed_signature(spec, stats, tensors) if spec.typed else signature(spec, stats),
             input_example=None if spec.typed else example_rows(spec, stats),
             # Each folder lands in the model's code/ by its own name: code/shardline, and the
             # user's packages beside it, importable as they were in training.
@@ -299,6 +320,15 @@ def log_raw_model(model, manifest: ShardManifest, cfg, registered_name: str | No
             registered_model_name=registered_name,
             **kwargs,
         )
+
+
+def pickled_refusal(model_uri: str) -> str:
+    """Why a pytorch-flavour model is not loaded. MLflow's pytorch loader unpickles the model:
+    whoever could write it to the registry runs code on every scorer. shardline's own models
+    are safetensors weights and a factory's import path (log_raw_model)."""
+    return (f"model {model_uri} has MLflow's pytorch flavour (logged with mlflow.pytorch.log_model): "
+            "loading it unpickles it, which runs whatever code its writer put in it; score it only if you "
+            "trust everyone who can write to this registry, with serving.allow_pickled_models = true")
 
 
 def _unpacked(code, folder: str) -> list[str]:
@@ -310,9 +340,10 @@ def _unpacked(code, folder: str) -> list[str]:
     return [p if os.path.isdir(p := os.path.join(folder, name)) else f"{p}.py" for name in code.packages]
 
 
-def load_torch_model(model_uri: str):
-    """The torch module of a logged model: a RawRowsModel's weights, or a pytorch-flavor
-    model (one logged by other code). On the CPU; the caller moves it.
+def load_torch_model(model_uri: str, allow_pickled: bool = False):
+    """The torch module of a logged model: a RawRowsModel's weights, or, with
+    `allow_pickled`, a pytorch-flavor model (one logged by other code, which MLflow
+    unpickles: serving.allow_pickled_models). On the CPU; the caller moves it.
 
     The model is downloaded into a temporary folder removed before returning: a scorer that
     loads models for days must not fill its disk with copies. The module is built by then,
@@ -327,6 +358,8 @@ def load_torch_model(model_uri: str):
         local = mlflow.artifacts.download_artifacts(model_uri, dst_path=tmp)
         flavors = Model.load(local).flavors
         if "pytorch" in flavors:
+            if not allow_pickled:  # the driver refused it already; a worker never loads it unasked
+                raise ShardlineError(pickled_refusal(model_uri))
             # A model logged by other code with mlflow.pytorch: MLflow's own loader.
             return mlflow.pytorch.load_model(local, map_location="cpu")
         pyfunc = flavors["python_function"]

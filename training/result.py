@@ -27,5 +27,8 @@ class TrainResult:
 
     def to_dict(self) -> dict:
         # Not asdict(): it would deep-copy every weight only to leave them out.
+        from shardline.pipelines.redact import redact
+
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("weights", "collective_calls")}
-        return {**out, "metrics": dict(self.metrics)}
+        # Printed (--json): a tracking URI's password masked, as in every line; the object keeps it.
+        return {**out, "metrics": dict(self.metrics), "tracking_uri": redact(self.tracking_uri)}

@@ -27,6 +27,8 @@ class MetricsReporter:
         self.run_id = run_id
         self.client = None
         self.outbox = None
+        self.unlogged = 0  # checkpoints not logged as artifacts while the server was down
+        self._said = False  # the current outage's line is out
         if tracking_uri and run_id:
             from mlflow.tracking import MlflowClient
 
@@ -44,6 +46,9 @@ class MetricsReporter:
         """What could not be sent yet (one last try first)."""
         if self.outbox is None:
             return []
+        if self.unlogged > 1:
+            print(f"[shardline] MLflow was unreachable: {self.unlogged} checkpoints in all not logged as "
+                  "artifacts (each is in training.checkpoint_dir)", file=sys.stderr, flush=True)
         self.outbox.flush(force=True)
         return self.outbox.pending()
 
@@ -64,12 +69,18 @@ class MetricsReporter:
             if self.outbox.pending():
                 raise ConnectionError("kept calls wait for the server")
             self._artifacts(url, sharded)
+            self._said = False
         except Exception as e:
             if not unreachable(e):
                 raise
-            # The server is down: the checkpoint itself is safe in checkpoint_dir.
-            print(f"[shardline] MLflow unreachable: checkpoint {storage.name(url)} not logged as an artifact",
-                  file=sys.stderr, flush=True)
+            # The server is down: the checkpoint itself is safe in checkpoint_dir. Said once an
+            # outage, not for every checkpoint (30 lines in one run), and counted at the end.
+            self.unlogged += 1
+            if not self._said:
+                print(f"[shardline] MLflow unreachable: checkpoint {storage.name(url)} not logged as an "
+                      "artifact, nor those after it while MLflow is down (counted at the end)",
+                      file=sys.stderr, flush=True)
+                self._said = True
 
     def _artifacts(self, url: str, sharded: str | None) -> None:
         if sharded is not None:
@@ -210,14 +221,47 @@ def open_experiment(tracking_uri: str, experiment: str) -> str:
 
     bound_http()
     check_reachable(tracking_uri)
+    # MLflow prints "🏃 View run … at: URL" / "🧪 View experiment at: URL" on stdout when a run on
+    # a server ends: the URL holds the URI's password if it has one, and shardline's summary
+    # names the run and the UI already. A user who wants them sets the variable to false.
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     mlflow.set_tracking_uri(tracking_uri)
     try:
+        create_beside_store(tracking_uri, experiment)
         return mlflow.set_experiment(experiment).experiment_id
     except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ShardlineError(redact(
-            f"tracking.tracking_uri: MLflow at {tracking_uri} is not usable ({first[:200]})"
-        )) from None
+        raise not_usable(tracking_uri, e) from None
+
+
+def create_beside_store(tracking_uri: str, experiment: str) -> None:
+    """A new experiment of a SQLite store keeps its artifacts in `mlruns/` beside the store's
+    file. MLflow would put them in `./mlruns` of whatever folder the job ran from: a store
+    elsewhere (`sqlite:////data/mlflow.db`) left an `mlruns/` in every working folder. An
+    experiment that exists keeps its location."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return
+    from pathlib import Path
+    from urllib.parse import quote
+
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    if client.get_experiment_by_name(experiment) is not None:
+        return
+    db = Path(tracking_uri[len("sqlite:///"):].partition("?")[0]).resolve()
+    location = (db.parent / "mlruns" / quote(experiment, safe="")).as_uri()
+    try:
+        client.create_experiment(experiment, artifact_location=location)
+    except MlflowException:
+        if client.get_experiment_by_name(experiment) is None:  # not another job's, made meanwhile
+            raise
+
+
+def not_usable(tracking_uri: str, e: BaseException) -> ShardlineError:
+    """The one line for a store MLflow cannot use: the first line of its error."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return ShardlineError(f"tracking.tracking_uri: MLflow at {tracking_uri} is not usable ({first[:200]})")
 
 
 # MLflow's database stores (SQLAlchemy URLs) other than SQLite, whose driver is a separate package.
@@ -227,9 +271,15 @@ _DATABASES = ("postgresql", "mysql", "mssql")
 def check_store(tracking_uri: str) -> None:
     """The MLflow store can be used, checked without writing to it (a job refused later
     must leave no run, not even a new experiment): a server answers; a database store's
-    driver is installed (without it MLflow fails with a 77-line ModuleNotFoundError, and
-    only once the job's effects have begun)."""
+    driver is installed."""
     check_reachable(tracking_uri)
+    check_driver(tracking_uri)
+
+
+def check_driver(tracking_uri: str) -> None:
+    """A database store's driver is installed: without it MLflow fails with a 77-line
+    ModuleNotFoundError (score), only once the job's effects have begun, and `shardline ui`'s
+    server only after its ready line. SQLAlchemy names the module without connecting."""
     scheme = tracking_uri.split(":", 1)[0].split("+", 1)[0].lower()
     if scheme not in _DATABASES:
         return
@@ -258,7 +308,7 @@ def check_reachable(tracking_uri: str, timeout_s: float = 5.0) -> None:
     import urllib.request
 
     try:
-        urllib.request.urlopen(f"{tracking_uri.rstrip('/')}/health", timeout=timeout_s).close()
+        urllib.request.urlopen(health_request(tracking_uri), timeout=timeout_s).close()
     except urllib.error.HTTPError:
         pass  # it answered: a server without /health, or behind auth; MLflow decides
     except (urllib.error.URLError, OSError) as e:
@@ -266,6 +316,28 @@ def check_reachable(tracking_uri: str, timeout_s: float = 5.0) -> None:
         raise ShardlineError(redact(
             f"tracking.tracking_uri: MLflow at {tracking_uri} is not reachable ({reason})"
         )) from None
+
+
+def health_request(server_uri: str):
+    """A GET of the server's /health. A user and password in the URL (http://u:pw@host/, as
+    MLflow's own client takes them) become a Basic authorization header: urllib would read
+    `u:pw@host` as the host's name and fail on resolving it."""
+    import base64
+    import urllib.parse
+    import urllib.request
+
+    parts = urllib.parse.urlsplit(server_uri.rstrip("/"))
+    netloc = parts.hostname or ""
+    netloc = f"[{netloc}]" if ":" in netloc else netloc
+    netloc += f":{parts.port}" if parts.port else ""
+    url = urllib.parse.urlunsplit((parts.scheme, netloc, f"{parts.path}/health", "", ""))
+    headers = {}
+    if parts.username is not None:
+        user = urllib.parse.unquote(parts.username)
+        password = urllib.parse.unquote(parts.password or "")
+        token = base64.b64encode(f"{user}:{password}".encode()).decode()
+        headers["Authorization"] = f"Basic {token}"
+    return urllib.request.Request(url, headers=headers)
 
 
 def log_curves(run_id: str, keys: list[str]) -> None:

@@ -39,6 +39,12 @@ def import_object(path: str, setting: str):
     try:
         obj = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - any error in the user's module is theirs to see
+        shadowed = _own_shardline_folder(module_name) if isinstance(e, ModuleNotFoundError) else None
+        if shadowed is not None:
+            raise ConfigError(
+                f"{setting}: cannot import module {module_name!r}: the name 'shardline' is taken by shardline "
+                f"itself, so your folder {shadowed} is never imported by it; rename that folder and "
+                f"{setting} with it") from None
         raise ConfigError(f"{setting}: cannot import module {module_name!r} ({type(e).__name__}: {e})") from None
     for part in attr.split("."):
         try:
@@ -46,6 +52,22 @@ def import_object(path: str, setting: str):
         except AttributeError:
             raise ConfigError(f"{setting}: module {module_name!r} has no attribute {attr!r}") from None
     return obj
+
+
+def _own_shardline_folder(module_name: str) -> Path | None:
+    """A folder of the user's named `shardline` holding `module_name`'s next part, on the
+    import path: `shardline.mynets` then finds shardline's own package, which has no `mynets`."""
+    parts = module_name.split(".")
+    if parts[0] != "shardline" or len(parts) < 2:
+        return None
+    import shardline
+
+    ours = Path(shardline.__file__).resolve().parent
+    for entry in dict.fromkeys([os.getcwd(), *sys.path]):
+        folder = Path(entry or os.getcwd()).resolve() / "shardline"
+        if folder.resolve() != ours and ((folder / f"{parts[1]}.py").is_file() or (folder / parts[1]).is_dir()):
+            return folder
+    return None
 
 
 def _installed_roots() -> set[Path]:

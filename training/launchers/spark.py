@@ -17,7 +17,7 @@ from shardline.pipelines.code_travel import UserCode, ship_to_spark
 from shardline.pipelines.environ import TaskPayload
 from shardline.pipelines.errors import ShardlineError
 from shardline.pipelines.spark_probe import failed_task, spark_error_line
-from shardline.pipelines.spark_setup import is_connect, spark_master, spark_setting
+from shardline.pipelines.spark_setup import is_connect, master_as_written, spark_master, spark_setting
 
 from ..placement import Slot, host_of, slots
 from . import DriverGuard, RankFn, TrainingFailed, announced, free_port, run_in_group
@@ -45,7 +45,8 @@ def spark_task_slots(spark) -> TaskSlots:
 
     def slots(count: int | None, *settings: str) -> TaskSlots:
         notes = [*settings, *said]
-        return TaskSlots(count, f"Spark master {master}" + (f" ({', '.join(notes)})" if notes else ""))
+        shown = master_as_written(spark)  # local[2] as configured, not the local[2,4] it runs as
+        return TaskSlots(count, f"Spark master {shown}" + (f" ({', '.join(notes)})" if notes else ""))
 
     m = re.fullmatch(r"local(?:\[(\d+|\*)(?:,\s*\d+)?\])?", master)
     if m:
