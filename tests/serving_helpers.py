@@ -195,7 +195,7 @@ def post(url: str, body: dict) -> dict:
 
 def score(engine_name, spark_or_client, model_uri, tracking_uri, input_path, output_dir, *, split="test",
           incremental=False, backfill="new", force=False, batch_size=4096, threads_per_task=1, lease=None,
-          user_code=(), allow_pickled=False):
+          user_code=(), allow_pickled=False, output_format="parquet"):
     """A scoring job on a given engine handle: serving.score's plan, then execute (what
     shardline.score does after its checks and leases), for tests that drive the engine
     layer directly. allow_pickled: serving.allow_pickled_models (the fault-injecting
@@ -203,6 +203,6 @@ def score(engine_name, spark_or_client, model_uri, tracking_uri, input_path, out
     from shardline.serving.score import execute, plan
 
     p = plan(model_uri, tracking_uri, input_path, output_dir, split=split, incremental=incremental,
-             backfill=backfill, force=force, allow_pickled=allow_pickled)
+             backfill=backfill, force=force, allow_pickled=allow_pickled, output_format=output_format)
     return execute(p, engine_name, spark_or_client, batch_size=batch_size, threads_per_task=threads_per_task,
                    lease=lease, user_code=user_code)

@@ -11,7 +11,7 @@ import pytest
 
 from shardline.pipelines.manifest import load_manifest
 
-from .bench_figures import REL, assert_met, assert_quotient
+from .bench_figures import assert_met, assert_quotient
 from .serving_helpers import trained_model
 
 

@@ -80,7 +80,7 @@ def test_a_scheduler_in_this_process_gets_no_code_zip_only_its_workers_do(dask_c
     import sys
 
     from shardline import pipelines
-    from shardline.pipelines.engines import close_quietly, dask_client as connect
+    from shardline.pipelines.engines import dask_client as connect
 
     before = (pipelines.__file__, list(sys.path))
     client = connect(DaskConfig(address=dask_client.scheduler.address))

@@ -22,10 +22,10 @@ from deltalake import DeltaTable
 from shardline.pipelines.errors import ConfigError
 from shardline.serving.delta_output import SCORES, app_id, version_scores
 from shardline.serving.ledger import read_ledger
-from shardline.serving.score import plan, score
+from shardline.serving.score import plan
 
 from .scoring_faults import StallsOnce
-from .serving_helpers import raw_table, register_wrapped, trained_model, write_raw
+from .serving_helpers import raw_table, register_wrapped, score, trained_model, write_raw
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ def test_a_worker_killed_mid_unit_leaves_each_row_once(dask_client, prepared, ra
     killer.start()
     try:
         r = score("dask", dask_client, uri, tracking_uri, str(tmp_path / "in"), out, batch_size=64,
-                  output_format="delta")
+                  output_format="delta", allow_pickled=True)  # the wrapper is a pickled model
     finally:
         stop.set()
         killer.join()

@@ -20,7 +20,7 @@ from shardline.training.config import TrackingConfig
 from shardline.training.job import run_training
 
 from .cli_inprocess import forget_tracking_uri
-from .conftest import REPO, absolute_paths, shardline, shardline_here
+from .conftest import REPO, absolute_paths, shardline_here
 from .fixtures_s3 import NO_JOB_RUNNER, free_port, stop_group, wait_until
 from .storage_helpers import hold_until_exists
 from .test_checkpoints import _cfg, _equal

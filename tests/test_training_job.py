@@ -10,7 +10,7 @@ from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 from shardline.training.tracking import dataset_digest
 
-from .conftest import REPO, shardline, shardline_here
+from .conftest import REPO, shardline_here
 
 
 def test_local_launcher_trains_tracks_and_registers(prepared, tracking_uri, capfd):
