@@ -112,10 +112,13 @@ def _kill_rank_after_first_checkpoint(ckpt_dir, rank: int, done: threading.Event
         time.sleep(0.05 if storage.is_remote(ckpt_dir) else 0.005)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["local", "spark", "dask"])
 def test_killed_rank_is_relaunched_and_ends_on_the_same_weights(
     prepared, reference, tmp_path, launcher, request
 ):
+    """Full tier only (`make test-all`, marker `slow`): a kill test: a rank SIGKILLed mid-training and
+    relaunched, on each launcher."""
     from mlflow.tracking import MlflowClient
 
     handles = {}
