@@ -1,5 +1,9 @@
 # `make run`: create .venv and run the quickstart on the embedded engines.
-# `make test`: create .venv and run the whole test suite.
+# `make test`: create .venv and run the quick tier (every test not marked slow, cluster or
+#   multihost; about 10 minutes on 2 cores), what a contributor runs before a commit.
+# `make test-all`: create .venv and run the whole suite, the quick tier then the rest, each
+#   timed (tests/tiers.sh); what CI runs. It installs Chromium if missing (as root, apt-get).
+#   PYTEST_ARGS go to pytest in both, e.g. make test PYTEST_ARGS=-x
 # `make docs` / `make docs-serve`: build (strict) / serve the documentation site (mkdocs.yml).
 # `make docs-ref`: regenerate docs/reference/ from the code (config models, CLI, bad-input catalog).
 PYTHON ?= python3.11
@@ -8,7 +12,7 @@ STAMP := $(VENV)/.installed
 # mkdocs-material prints a banner about its successor on every build; not ours to act on.
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: run test venv docs docs-serve docs-ref clean
+.PHONY: run test test-all venv docs docs-serve docs-ref clean
 
 venv: $(STAMP)
 
@@ -21,8 +25,12 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/shardline run jobs/configs/quickstart.toml
 
+# A test's tier is its marker (pyproject.toml); tests/tiers.sh holds the expression.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -x
+	PYTHON=$(VENV)/bin/python bash tests/tiers.sh quick $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	PYTHON=$(VENV)/bin/python bash tests/tiers.sh all $(PYTEST_ARGS)
 
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict

@@ -38,6 +38,23 @@ for _var in ("SPARK_SUBMIT_OPTS", "SPARK_DAEMON_JAVA_OPTS"):
         os.environ[_var] = f"{TEST_JVM_OPTS} {os.environ.get(_var, '')}".strip()
 
 
+# The two tiers (tests/tiers.sh): `make test` runs every test not marked slow, cluster or
+# multihost; `make test-all` all of them. The servers and clusters only the full tier starts
+# are these fixtures': a test that asks for one, itself or through another fixture, is
+# given its marker here, whatever it says, so the quick tier never starts one.
+FULL_TIER_FIXTURES = {
+    "connect_server": "slow", "connect_cli": "slow", "mlflow_server": "slow",
+    "spark_standalone": "cluster", "dask_cli_cluster": "cluster",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects on the markers
+def pytest_collection_modifyitems(items):
+    for item in items:
+        for fixture in FULL_TIER_FIXTURES.keys() & set(item.fixturenames):
+            item.add_marker(FULL_TIER_FIXTURES[fixture])
+
+
 # The class archive being written in the background (see jvm_class_archive).
 _ARCHIVE: dict = {}
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The suite under load: one CPU hog per core beside pytest, stopped however this ends.
+# A tier of the suite under load: one CPU hog per core beside it, stopped however this ends.
 #
-#   tests/load_run.sh [pytest args]           # the whole suite once, under load
+#   tests/load_run.sh [pytest args]           # the whole suite once (make test-all), under load
+#   TIER=quick tests/load_run.sh              # the quick tier (make test), under load
 #   RUNS=3 tests/load_run.sh                  # three runs in a row; stops at the first failure
-#   HOGS=0 tests/load_run.sh -k serving       # no hogs: a quiet run, timed the same way
+#   HOGS=0 TIER=quick tests/load_run.sh -k serving   # no hogs: a quiet run, timed the same way
 #   PYTHON=/path/to/venv/bin/python tests/load_run.sh
 #
 # Prints each run's exit status and wall time; exits with the first non-zero status.
@@ -11,6 +12,7 @@ set -u
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
 RUNS=${RUNS:-1}
+TIER=${TIER:-all}
 HOGS=${HOGS:-$(nproc)}
 
 hogs=()
@@ -35,9 +37,9 @@ echo "load_run: $HOGS CPU hog(s) running: ${hogs[*]:-none}; $(nproc) core(s)"
 status=0
 for run in $(seq "$RUNS"); do
     start=$(date +%s)
-    "$PYTHON" -m pytest -p no:cacheprovider "$@"
+    PYTHON=$PYTHON bash tests/tiers.sh "$TIER" "$@"
     status=$?
-    echo "load_run: run $run of $RUNS: pytest exit $status in $(( $(date +%s) - start )) s with $HOGS hog(s)"
+    echo "load_run: run $run of $RUNS: the $TIER tier's exit $status in $(( $(date +%s) - start )) s with $HOGS hog(s)"
     [ "$status" -eq 0 ] || break
 done
 exit "$status"

@@ -15,7 +15,11 @@ from .bench_figures import assert_met, assert_quotient
 from .serving_helpers import trained_model
 
 
+@pytest.mark.slow
 def test_bench_score_figures_keep_their_relations(spark, dask_client, prepared, tracking_uri, tmp_path):
+    """Full tier only (`make test-all`, marker `slow`): the benchmark scores the dataset by every
+    method it compares, each on its engine (about 50 CPU-s); test_measure_rounds below keeps its
+    arithmetic in the quick tier."""
     from shardline.benchmarks.score import run
 
     model = trained_model(prepared)

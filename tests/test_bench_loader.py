@@ -11,7 +11,10 @@ import pytest
 from .bench_figures import assert_met, assert_quotient
 
 
+@pytest.mark.slow
 def test_bench_loader_tiny(tmp_path):
+    """Full tier only (`make test-all`, marker `slow`): a benchmark run: the loader against its raw
+    baselines, each timed."""
     from shardline.benchmarks.loader import BATCH_SIZE, NAIVE_BATCHES, run
 
     result = run(20_000, workdir=str(tmp_path), progress=lambda msg: None, petastorm=False)
@@ -57,10 +60,15 @@ def test_petastorm_venv_failure_is_one_line(tmp_path, monkeypatch):
     assert not (tmp_path / "venv" / ".shardline-ready").exists()
 
 
+@pytest.mark.slow
 def test_bench_loader_images_tiny(tmp_path):
     """`shardline bench loader --images --json` on 24 images: one JSON object whose figures keep
     their relations (each rate its images over its own seconds, each ratio the quotient of the
-    rates it names); nothing is claimed about speed."""
+    rates it names); nothing is claimed about speed.
+
+    Full tier only (`make test-all`, marker `slow`): a benchmark run: the images loader against its
+    baselines, each timed.
+    """
     from shardline.benchmarks.loader_images import TARGET_VS_PILLOW
 
     from .conftest import shardline_here

@@ -1,5 +1,9 @@
 """`shardline bench strategies` at a tiny size: every row's figures are there and keep
-their relations (no timing claims)."""
+their relations (no timing claims).
+
+Full tier only (`make test-all`, marker `slow`): the benchmark launches every strategy's ranks, up
+to 4 on 2 cores, for its rounds.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ import json
 import pytest
 
 from shardline.benchmarks.strategies import CONFIGS, MEMORY_CONFIGS, run
+
+pytestmark = pytest.mark.slow
 
 
 def test_bench_strategies_tiny():

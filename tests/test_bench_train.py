@@ -1,11 +1,19 @@
 """`shardline bench train` at a tiny size: every figure is there and keeps its relations
-(a ratio is the quotient of the two figures it names); nothing is claimed about speed."""
+(a ratio is the quotient of the two figures it names); nothing is claimed about speed.
+
+Full tier only (`make test-all`, marker `slow`): the benchmark starts torchrun and TorchDistributor
+processes beside its Spark job (about 70 CPU-s).
+"""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
 from .bench_figures import assert_quotient
+
+pytestmark = pytest.mark.slow
 
 
 def test_bench_train_tiny(spark, prepared, tmp_path):

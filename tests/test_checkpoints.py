@@ -123,10 +123,13 @@ LOST = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["local", "spark", "dask"])
 def test_killed_rank_is_relaunched_and_ends_on_the_same_weights(
     prepared, reference, tmp_path, launcher, request, capfd
 ):
+    """Full tier only (`make test-all`, marker `slow`): a kill test: a rank SIGKILLed mid-training and
+    relaunched, on each launcher."""
     from mlflow.tracking import MlflowClient
 
     handles = {}

@@ -75,7 +75,10 @@ def test_cli_bad_config_one_line_exit_2_nothing_written(tmp_path, content, messa
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+@pytest.mark.slow
 def test_help_lists_the_commands(tmp_path):
+    """Full tier only (`make test-all`, marker `slow`): the `shardline` command in a process of its
+    own."""
     proc = shardline("--help", cwd=tmp_path)
     assert proc.returncode == 0
     for command in ("run", "prepare", "train", "score"):

@@ -3,6 +3,10 @@
 An unreachable or wrong endpoint, a server whose executors lack shardline's
 environment, more ranks than the server has slots, a JVM setting a client
 cannot change.
+
+Full tier only (`make test-all`, marker `slow`): every case runs the CLI in a process of its own, or
+needs a Spark Connect server (the session's, or one of its own whose executors lack the
+environment).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from shardline.training.launchers import free_port
 
 from .conftest import REPO, absolute_paths, shardline
 from .fixtures_connect import start_connect_server
+
+pytestmark = pytest.mark.slow
 
 QUICKSTART = REPO / "jobs" / "configs" / "quickstart.toml"
 

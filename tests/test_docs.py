@@ -95,9 +95,9 @@ def test_readme_is_short_and_opens_with_the_support_matrix():
 
 def test_readme_commands_and_links_hold():
     text = README.read_text()
-    assert "make run" in text and "make test" in text
+    assert "make run" in text and "make test" in text and "make test-all" in text
     makefile = (REPO / "Makefile").read_text()
-    for target in ("run", "test", "docs", "docs-serve", "docs-ref"):
+    for target in ("run", "test", "test-all", "docs", "docs-serve", "docs-ref"):
         assert re.search(rf"^{re.escape(target)}:", makefile, re.M), target
     assert "jobs/configs/quickstart.toml" in makefile and (REPO / "jobs/configs/quickstart.toml").is_file()
     # A user's clone has only the repository: no link may leave it.

@@ -19,6 +19,12 @@ part of each batch alone, what a strategy that never combined gradients would gi
 AdamW in bf16 is loose because AdamW divides each update by the gradient's own running
 size, so the relative rounding of bf16 (2^-8) reaches the weights undamped: bf16 alone
 moves single-process AdamW 1.3e-2 from fp32 on this model. The tolerance is 2.4 x that.
+
+Full tier only (`make test-all`, marker `slow`): the matrix of every strategy with SGD and AdamW in
+fp32 and bf16 on the transformer, meshes of up to 4 ranks on 2 cores (about 110 CPU-s). The quick
+tier keeps each strategy's own match against single-process training (tests/test_strategies.py,
+test_strategy_fsdp.py, test_strategy_tensor.py, test_strategy_pipeline.py, test_strategy_ps.py,
+test_strategy_jobs.py).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import pytest
 from shardline.training.launchers.local import launch_local
 
 from .dist_helpers import relative_distance, train_steps, train_variants, unsynchronised
+
+pytestmark = pytest.mark.slow
 
 STEPS, BATCH = 8, 32
 TOLERANCE = {("sgd", "fp32"): 1e-6, ("adamw", "fp32"): 1e-5, ("sgd", "bf16"): 1e-3, ("adamw", "bf16"): 3e-2}

@@ -7,6 +7,9 @@
 - Permanent errors end at once, never relaunched: a full disk under `checkpoint_dir`
   (a small tmpfs: the lease fits, a checkpoint does not), a read-only one (a read-only
   tmpfs, which stops root too).
+
+Full tier only (`make test-all`, marker `slow`): drivers SIGKILLed or interrupted (Ctrl-C)
+mid-training, and small or read-only tmpfs disks, which only root can mount.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from .conftest import REPO, shardline_here
 from .faults_helpers import (
     alive, error_lines, mounted_tmpfs, rank_pids, start_driver, stop_group, train_args, wait_for,
 )
+
+pytestmark = pytest.mark.slow
 
 
 def _snapshot(ckpt: Path) -> dict[str, int]:

@@ -34,7 +34,9 @@ def _one_line(r) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_lease_renewal_on_a_full_disk_leaves_nothing_that_blocks_the_next_run(tmp_path):
+    """Full tier only (`make test-all`, marker `slow`): mounts a tmpfs, which needs root."""
     with small_disk(tmp_path / "disk") as disk:
         out = disk / "scores"
         out.mkdir()
@@ -64,10 +66,15 @@ def _prepare_args(tmp_path: Path, dataset: Path) -> list[str]:
             "--set", "pipelines.source.synthetic.rows=40000"]
 
 
+@pytest.mark.slow
 def test_full_disk_prepare_on_spark_is_one_line_and_not_retried(spark, tmp_path):
     """The failing run is a process of its own: its Spark master retries a failed task 4
     times (the session's does not). The run after the disk grew needs no retrying master:
-    it runs in this process on the session's Spark (no second Python and JVM start)."""
+    it runs in this process on the session's Spark (no second Python and JVM start).
+
+    Full tier only (`make test-all`, marker `slow`): mounts a tmpfs, which needs root; and the CLI
+    in a process of its own.
+    """
     with small_disk(tmp_path / "disk") as disk:
         dataset = disk / "dataset"
         r = shardline("prepare", *_prepare_args(tmp_path, dataset), cwd=tmp_path)
@@ -84,7 +91,9 @@ def test_full_disk_prepare_on_spark_is_one_line_and_not_retried(spark, tmp_path)
         assert has_manifest(str(dataset))
 
 
+@pytest.mark.slow
 def test_full_disk_prepare_on_dask_is_one_line_and_not_retried(on_session_dask, tmp_path):
+    """Full tier only (`make test-all`, marker `slow`): mounts a tmpfs, which needs root."""
     with small_disk(tmp_path / "disk") as disk:
         dataset = disk / "dataset"
         args = ["prepare", *_prepare_args(tmp_path, dataset), "--engine", "dask", *on_session_dask]
@@ -104,9 +113,11 @@ def promo(prepared, tracking_uri):
     return promo_model(prepared, tracking_uri)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["dask", "spark"])
 def test_full_disk_score_is_one_line_and_the_next_score_succeeds(engine, promo, prepared, tracking_uri,
                                                                  request, tmp_path):
+    """Full tier only (`make test-all`, marker `slow`): mounts a tmpfs, which needs root."""
     handle = ("--set", f"dask.address='{request.getfixturevalue('dask_client').scheduler.address}'") \
         if engine == "dask" else ()
     if engine == "spark":

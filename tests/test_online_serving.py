@@ -17,7 +17,9 @@ from .serving_helpers import score
 from .serving_helpers import post, raw_table, read_scores, served, trained_model, write_raw
 
 
+@pytest.mark.slow
 def test_mlflow_models_serve_takes_raw_rows_and_agrees_with_the_batch_job(prepared, tracking_uri, dask_client, tmp_path):
+    """Full tier only (`make test-all`, marker `slow`): `mlflow models serve` is a server of its own."""
     result = trained_model(prepared)
     with served(result.model_uri, tracking_uri, tmp_path) as base:
         # The same raw rows to the served model over HTTP and to the batch job.

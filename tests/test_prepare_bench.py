@@ -1,5 +1,9 @@
 """`shardline bench prepare` at a tiny size: the native baselines do the same work, and the
-figures are the quotients they claim to be (never a claim about speed)."""
+figures are the quotients they claim to be (never a claim about speed).
+
+Full tier only (`make test-all`, marker `slow`): the benchmark prepares the same data on both
+engines and with the native baselines, each timed.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from shardline.benchmarks.prepare import JOBS, bench_config, run
 from shardline.benchmarks.prepare_native import native_dask, native_pyarrow, native_spark
 from shardline.pipelines.engine_dask import DaskEngine
 from shardline.pipelines.synthetic import generate
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

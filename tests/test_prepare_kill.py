@@ -1,4 +1,8 @@
-"""A prepare killed mid-write leaves the previous dataset intact and no partial one visible."""
+"""A prepare killed mid-write leaves the previous dataset intact and no partial one visible.
+
+Full tier only (`make test-all`, marker `slow`): it SIGKILLs a CLI process in the middle of its
+writes.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +14,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from shardline.pipelines.manifest import load_manifest, manifest_url
 from shardline.pipelines.prepare import prepare
 
 from .conftest import REPO, small_pipeline
+
+pytestmark = pytest.mark.slow
 
 
 def test_kill_during_shard_writes(engines, tmp_path):

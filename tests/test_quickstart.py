@@ -7,13 +7,15 @@ show a real process does (tests/test_clusters.py runs the quickstart config thro
 subprocess and spark-submit; tests/test_api.py's `run --json` is a real process and pipe).
 The run keeps what makes it the quickstart: the shipped config as is, its relative paths
 and default MLflow store resolved in the fresh directory (shardline_here starts each
-command with no tracking URI, as a new process would)."""
+command with no tracking URI, as a new process would).
+
+The quick tier's end-to-end run on embedded Spark (`make test`; it was marked `slow` until
+the tiers of #48): prepare -> train -> score, all on the session's `local[2]`."""
 
 from __future__ import annotations
 
 import numpy as np
 import pyarrow.parquet as pq
-import pytest
 
 from shardline.pipelines.manifest import load_manifest
 
@@ -22,7 +24,6 @@ from .conftest import REPO, shardline_here
 QUICKSTART = REPO / "jobs" / "configs" / "quickstart.toml"
 
 
-@pytest.mark.slow
 def test_quickstart_end_to_end(spark, tmp_path):
     proc = shardline_here(
         "run",

@@ -90,11 +90,14 @@ np.savez(sys.argv[5], torch=torch_out, pyfunc=pyfunc_out.filter(like="prob_").to
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("factory", [
     "builtin",
     "user",
 ])
 def test_model_with_user_code_round_trips_in_a_fresh_process(factory, prepared, tracking_uri, tmp_path, monkeypatch):
+    """Full tier only (`make test-all`, marker `slow`): the model is loaded in a Python process of its
+    own."""
     import mlflow
     import torch
 

@@ -126,6 +126,7 @@ def continued_single_process(head_path: Path, cfg: TrainingConfig, data_world: i
     return model.state_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "first, then",
     [
@@ -149,6 +150,9 @@ def continued_single_process(head_path: Path, cfg: TrainingConfig, data_world: i
 )
 def test_resume_at_another_world_size_matches_single_process_continuation(prepared4, first_runs, tmp_path, first,
                                                                           then):
+    """Full tier only (`make test-all`, marker `slow`): ten pairs of jobs of up to 4 ranks (about 160
+    CPU-s). The quick tier keeps the refusals of a resume that cannot reshard (below), and each
+    strategy's exact resume at the same world size (tests/test_strategy_jobs.py)."""
     from shardline.training.strategies import strategy_for
 
     tracking = TrackingConfig(experiment="resume-world", registered_model="resume-world")

@@ -96,7 +96,9 @@ def _prepare_config(tmp: Path, dataset_dir: str) -> Path:
                    **{"pipelines.source": {"format": "parquet", "path": str(tmp / "raw")}})
 
 
+@pytest.mark.slow
 def test_unreachable_endpoint(s3, tmp_path):
+    """Full tier only (`make test-all`, marker `slow`): the CLI in a process of its own."""
     closed = f"http://127.0.0.1:{free_port()}"
     proc = shardline("prepare", str(_prepare_config(tmp_path, "s3://any-bucket/ds")), cwd=tmp_path,
                      env={"AWS_ENDPOINT_URL": closed})
@@ -105,12 +107,16 @@ def test_unreachable_endpoint(s3, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["job.toml"]
 
 
+@pytest.mark.slow
 def test_missing_bucket(s3, tmp_path):
+    """Full tier only (`make test-all`, marker `slow`): the CLI in a process of its own."""
     proc = shardline("prepare", str(_prepare_config(tmp_path, "s3://no-such-bucket/ds")), cwd=tmp_path)
     _one_line(proc, 1, "pipelines.dataset_dir: s3://no-such-bucket/ds: bucket 'no-such-bucket' does not exist")
 
 
+@pytest.mark.slow
 def test_no_credentials(iam_s3, tmp_path):
+    """Full tier only (`make test-all`, marker `slow`): the CLI in a process of its own."""
     endpoint, admin, _ = iam_s3
     # Nothing in the environment, no ~/.aws files to fall back on, no instance metadata.
     env = {"AWS_ENDPOINT_URL": endpoint, "AWS_DEFAULT_REGION": "us-east-1", "HOME": str(tmp_path),
@@ -121,14 +127,18 @@ def test_no_credentials(iam_s3, tmp_path):
     assert _bucket_keys(admin, "guarded") == []
 
 
+@pytest.mark.slow
 def test_wrong_credentials(iam_s3, tmp_path):
+    """Full tier only (`make test-all`, marker `slow`): the CLI in a process of its own."""
     endpoint, admin, _ = iam_s3
     env = {**admin, "AWS_SECRET_ACCESS_KEY": "not-the-secret"}
     proc = shardline("prepare", str(_prepare_config(tmp_path, "s3://guarded/ds")), cwd=tmp_path, env=env)
     _one_line(proc, 1, "s3://guarded/ds: the AWS credentials were rejected (SignatureDoesNotMatch)")
 
 
+@pytest.mark.slow
 def test_access_denied_on_write(iam_s3, tmp_path):
+    """Full tier only (`make test-all`, marker `slow`): the CLI in a process of its own."""
     endpoint, admin, reader = iam_s3
     (tmp_path / "raw").mkdir()
     proc = shardline("prepare", str(_prepare_config(tmp_path, "s3://guarded/ds")), cwd=tmp_path, env=reader)

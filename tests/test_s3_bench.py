@@ -1,11 +1,19 @@
 """`shardline bench loader --storage s3` at a tiny size: both figures and their ratio, one JSON
-object, its own S3 server started and stopped (no timing claims)."""
+object, its own S3 server started and stopped (no timing claims).
+
+Full tier only (`make test-all`, marker `slow`): the CLI in a process of its own, starting its own
+S3 server.
+"""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
 from .conftest import shardline
+
+pytestmark = pytest.mark.slow
 
 
 def test_bench_loader_s3_tiny(tmp_path):

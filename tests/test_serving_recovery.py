@@ -142,7 +142,10 @@ def test_spark_worker_dying_between_output_and_ledger_rerun_rewrites_that_unit(
     _assert_exactly_once(out, raw.num_rows, 3)
 
 
+@pytest.mark.slow
 def test_dask_worker_killed_mid_scoring_ends_once(dask_client, prepared, raw, tracking_uri, tmp_path):
+    """Full tier only (`make test-all`, marker `slow`): a kill test: a Dask worker SIGKILLed
+    mid-scoring (the session's cluster restarts it)."""
     marker = tmp_path / "stalled"
     uri = register_wrapped(prepared, tracking_uri, "stalls-dask",
                            lambda inner: StallsOnce(inner, str(marker)))

@@ -94,6 +94,7 @@ def _driver(tmp: Path) -> Path:
     return script
 
 
+@pytest.mark.slow
 def test_spark_submit_conf_and_spark_defaults_conf_win_over_shardlines_defaults(prepared, tmp_path):
     """One spark-submit JVM for both of the user's sources: the UI from spark-defaults.conf,
     the shuffle partitions from --conf, which also beats the file's value (Spark's own order);
@@ -101,7 +102,10 @@ def test_spark_submit_conf_and_spark_defaults_conf_win_over_shardlines_defaults(
     first, each refused by name before it does anything: a JVM setting only the config names
     (spark-submit started the JVM, it can no longer apply), and spark.task.cpus leaving fewer
     task slots than ranks (a prepared dataset and a batch it trains with: those are checked
-    before Spark starts)."""
+    before Spark starts).
+
+    Full tier only (`make test-all`, marker `slow`): a spark-submit JVM of its own.
+    """
     ui = free_port()
     env = _env(tmp_path, ["spark.ui.enabled true", f"spark.ui.port={ui}", "spark.sql.shuffle.partitions : 5"])
     commands = [
@@ -137,10 +141,14 @@ def test_spark_submit_conf_and_spark_defaults_conf_win_over_shardlines_defaults(
     assert not [ln for ln in jvm_output if " INFO " in ln], jvm_output[-20:]  # the log4j configuration took effect
 
 
+@pytest.mark.slow
 def test_user_settings_win_and_shardline_fills_in_the_rest_when_shardline_starts_spark(tmp_path):
     """One JVM started by shardline's session factory: the user's site file sets a JVM
     setting and a session setting (they win), the job's [spark].conf beats the file, and
-    shardline's defaults fill in what nobody set, of both kinds."""
+    shardline's defaults fill in what nobody set, of both kinds.
+
+    Full tier only (`make test-all`, marker `slow`): a Python and JVM of its own.
+    """
     ui = free_port()
     env = _env(tmp_path, [
         "# the user's site settings", f"spark.ui.port {ui}", "spark.ui.showConsoleProgress   true",
@@ -162,9 +170,13 @@ def test_user_settings_win_and_shardline_fills_in_the_rest_when_shardline_starts
     assert " INFO " not in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_missing_archive_under_spark_submit_is_one_line_naming_it(tmp_path):
     """A SparkContext that cannot start (here: `--archives` names no file) was a Py4J
-    traceback; now one line with Java's own cause, exit 2, and no dataset written."""
+    traceback; now one line with Java's own cause, exit 2, and no dataset written.
+
+    Full tier only (`make test-all`, marker `slow`): a spark-submit JVM of its own.
+    """
     missing = tmp_path / "nowhere" / "env.tar.gz"
     proc = _submit_shardline(
         tmp_path, ["--master", "local[1]", "--archives", f"{missing}#env"],
@@ -267,7 +279,9 @@ def test_a_cluster_with_fewer_slots_than_ranks_is_one_line_from_sparks_own_check
     ], err[-2000:]
 
 
+@pytest.mark.slow
 def test_a_standalone_master_nobody_answers_at_is_one_line(tmp_path):
+    """Full tier only (`make test-all`, marker `slow`): the CLI in a process of its own."""
     port = free_port()  # nothing listens there: Spark alone would retry, then print a stack
     proc = shardline(
         "prepare", str(QUICKSTART),

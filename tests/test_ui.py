@@ -53,7 +53,7 @@ def _rendered(url: str, profile) -> str:
 @pytest.mark.slow
 def test_ui_shows_the_run_in_chromium(tmp_path):
     if CHROMIUM is None:
-        pytest.fail("no chromium on PATH: `apt-get install -y chromium` (.ci/run does it)")
+        pytest.fail("no chromium on PATH: `apt-get install -y chromium` (`make test-all` does it as root)")
     store = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
     (tmp_path / "store").mkdir()
     experiment, run_id = _log_run(store)

@@ -1,6 +1,10 @@
 """A user's own project beside shardline (#36.6): its `training/` and `jobs/` packages are
 its own, and shardline (installed under the one name `shardline`) neither shadows them nor
-is shadowed by them, from Python and from the `shardline` command run in that folder."""
+is shadowed by them, from Python and from the `shardline` command run in that folder.
+
+Full tier only (`make test-all`, marker `slow`): the project's own commands and `shardline` run in
+processes of their own, and the cluster tests on the session's clusters.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from .defaults_helpers import FEATURES, small_dataset  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.slow
 
 MYMODEL = '''"""The user's model factory."""
 from pathlib import Path
