@@ -111,8 +111,6 @@ class DeltaOutput:
         live = self._live(table)
         adds, rows = [], 0
         for s in all_scores(self.scores):
-            if s.legacy:
-                continue
             for e in sorted(s.entries.values(), key=lambda e: e["output"]):
                 rel = self._rel(s.dir, e["output"])
                 if rel in live:

@@ -197,7 +197,7 @@ def test_a_trial_whose_rank_crashes_is_recorded_failed_and_the_sweep_goes_on(pre
         killer.join()
 
     crashed, fine = result.trials
-    assert crashed.state == "failed" and "rank 0 exit code -9" in crashed.error, crashed.error
+    assert crashed.state == "failed" and "rank 0 on " in crashed.error and "killed by SIGKILL (exit code -9)" in crashed.error, crashed.error
     assert fine.state == "complete" and result.best.number == fine.number
     client = MlflowClient(tracking_uri)
     run = client.get_run(crashed.run_id)

@@ -240,7 +240,7 @@ def failed_executors(spark, group: str, within_s: float = 3.0) -> dict[int, str]
     deadline = time.monotonic() + within_s
     while True:
         try:
-            found = _failed_tasks(spark.sparkContext, group)
+            found = _failed_tasks(spark.sparkContext, group)  # classic only: Connect returned above
         except Exception:  # a private API of Spark's: without it, the line names no executor
             return {}
         if found or time.monotonic() >= deadline:
