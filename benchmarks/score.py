@@ -73,14 +73,14 @@ def measure_rounds(methods: dict[str, Callable[[Path], tuple[int, float]]], root
 
 def score_measure(engine: str, handle, model_uri: str, tracking_uri: str, input_path: str,
                   **options) -> Callable[[Path], tuple[int, float]]:
-    """A `measure` for `measure_rounds`: the whole batch job (`serving.score.score`) of
-    `input_path` into `out`, timed."""
-    from shardline.serving.score import score
+    """A `measure` for `measure_rounds`: the whole batch job of `input_path` into `out`
+    (serving.score's plan, then its execute, as shardline.score runs them), timed."""
+    from shardline.serving.score import execute, plan
 
     def measure(out: Path) -> tuple[int, float]:
         start = time.perf_counter()
-        r = score(engine, handle, model_uri, tracking_uri, input_path, str(out), force=True,
-                  batch_size=BATCH_SIZE, **options)
+        p = plan(model_uri, tracking_uri, input_path, str(out), force=True, **options)
+        r = execute(p, engine, handle, batch_size=BATCH_SIZE)
         return r.rows, time.perf_counter() - start
     return measure
 

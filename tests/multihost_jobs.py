@@ -154,7 +154,7 @@ def _final_weights(bed, ckpt: str) -> dict:
     latest = CheckpointStore(f"{bed.bucket}/quickstart/{ckpt}").latest()
     if latest is None:
         raise RuntimeError(f"no checkpoint in {bed.bucket}/quickstart/{ckpt}")
-    state = CheckpointStore.holding(latest).read()
+    state = CheckpointStore.holding(latest).read(latest)
     if state["epoch"] != bed.args.epochs:
         raise RuntimeError(f"{latest}: epoch {state['epoch']}, expected the last ({bed.args.epochs})")
     return sharded_checkpoints.read_weights(latest)

@@ -102,7 +102,7 @@ def test_checkpoints_and_artifacts_live_in_the_buckets(reference, mlflow_server)
     ckpts = CheckpointStore(cfg.checkpoint_dir).paths()
     assert len(ckpts) == 5  # every 15 of 50 steps, and 2 epoch ends
     latest = CheckpointStore(cfg.checkpoint_dir).latest()
-    assert latest == ckpts[-1] and CheckpointStore.holding(latest).read()["epoch"] == 2
+    assert latest == ckpts[-1] and CheckpointStore.holding(latest).read(latest)["epoch"] == 2
     # Artifacts went through the tracking server into its bucket (proxied): the run knows
     # them by an mlflow-artifacts: URI, and the objects are in s3://mlflow-artifacts.
     client = MlflowClient(mlflow_server)
@@ -176,7 +176,7 @@ def test_fsdp_checkpoints_in_the_bucket_resume_a_killed_rank_to_the_same_weights
     _equal(result.weights, ref.weights)
     kept = CheckpointStore(kill_cfg.checkpoint_dir).paths()
     assert len(kept) == 2
-    named = {CheckpointStore.holding(p).read()["sharded"] for p in kept}
+    named = {CheckpointStore.holding(p).read(p)["sharded"] for p in kept}
     left = {n.split("/")[0] for n in s3_keys(kill_cfg.checkpoint_dir) if ".dcp/" in n}
     assert left == named, (left, named)  # every older DCP prefix was deleted with its checkpoint
 
@@ -233,10 +233,10 @@ def test_cli_train_resume_continues_from_the_checkpoint_in_the_bucket(data, refe
     bucket, cfg, *_ = data
     result, ref_cfg = reference
     mid = next(c for c in CheckpointStore(ref_cfg.checkpoint_dir).paths()
-               if CheckpointStore.holding(c).read()["step_in_epoch"] and CheckpointStore.holding(c).read()["epoch"] == 1)
+               if CheckpointStore.holding(c).read(c)["step_in_epoch"] and CheckpointStore.holding(c).read(c)["epoch"] == 1)
     resumed_dir = f"{bucket}/ckpt-cli"
     storage.write_bytes(f"{resumed_dir}/{storage.name(mid)}", storage.read_bytes(mid))  # no pointer: the newest
-    dcp = CheckpointStore.holding(mid).read()["sharded"]  # and its ranks' weights and optimizer state
+    dcp = CheckpointStore.holding(mid).read(mid)["sharded"]  # and its ranks' weights and optimizer state
     for f in storage.find_files(storage.join(ref_cfg.checkpoint_dir, dcp)):
         storage.write_bytes(f"{resumed_dir}/{dcp}/{storage.name(f)}", storage.read_bytes(f))
     fields = {k: getattr(ref_cfg, k) for k in (
