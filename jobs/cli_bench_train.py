@@ -11,7 +11,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from .engines import console
+from .console import console
 
 
 def bench_train_typed(kind: str, rows: int | None, steps: int | None, rounds: int | None, as_json: bool) -> None:
