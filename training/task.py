@@ -105,9 +105,14 @@ def _shifted(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, 
 
 def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of logits [B, L, V] at positions 0..L-2 against tokens 1..L-1,
-    over the targets that are not IGNORE_INDEX (pads). A batch of pads only gives 0, not NaN."""
-    x, t = _shifted(logits, tokens)
-    total = F.cross_entropy(x.float(), t, ignore_index=IGNORE_INDEX, reduction="sum")
+    over the targets that are not IGNORE_INDEX (pads). A batch of pads only gives 0, not NaN.
+    Position L-1 is given the target IGNORE_INDEX rather than sliced off: the logits then
+    stay one contiguous view, where a slice is a [B, L-1, V] copy in the forward and a
+    zero-filled [B, L, V] gradient it is copied into in the backward, on every step."""
+    last = tokens.new_full((tokens.shape[0], 1), IGNORE_INDEX, dtype=torch.long)
+    t = torch.cat([tokens[:, 1:].long(), last], dim=1).reshape(-1)
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), t, ignore_index=IGNORE_INDEX,
+                            reduction="sum")
     return total / (t != IGNORE_INDEX).sum().clamp(min=1)
 
 
