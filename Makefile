@@ -1,6 +1,6 @@
 # `make run`: create .venv and run the quickstart on the embedded engines.
 # `make test`: create .venv and run the quick tier (every test not marked slow, cluster or
-#   multihost; about 10 minutes on 2 cores), what a contributor runs before a commit.
+#   multihost; under 10 minutes on 2 cores), what a contributor runs before a commit.
 # `make test-all`: create .venv and run the whole suite, the quick tier then the rest, each
 #   timed (tests/tiers.sh); what CI runs. It installs Chromium if missing (as root, apt-get).
 #   PYTEST_ARGS go to pytest in both, e.g. make test PYTEST_ARGS=-x
