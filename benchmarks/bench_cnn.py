@@ -23,5 +23,5 @@ class BenchCNN(nn.Module):
 
 
 def build(inputs, width: int = 16) -> BenchCNN:
-    """shardline's factory: `inputs` (training.model_inputs.ModelInputs) gives channels and classes."""
+    """shardline's factory: `inputs` (training.models.inputs.ModelInputs) gives channels and classes."""
     return BenchCNN(inputs.inputs["image"].shape[0], inputs.num_classes, width)

@@ -33,7 +33,7 @@ STEPS, GLOBAL_BATCH = 2, 64
 def limited_rank(rank: int, world_size: int, p: dict) -> dict:
     """strategy_rank under RLIMIT_AS = the address space mapped now + p["budget_mb"]."""
     from shardline.training.config import TrainingConfig
-    from shardline.training.models import TabularMLP  # noqa: F401 - imported before the limit
+    from shardline.training.models.builtin import TabularMLP
     from shardline.training.strategies import strategy_for
 
     # Its modules (FSDP2, DTensor) mapped before the limit.

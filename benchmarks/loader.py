@@ -4,7 +4,7 @@ One run, the train split of one prepared synthetic dataset, one process, world
 size 1, the same batch size everywhere. Each figure is one epoch from the shard
 files: samples yielded / seconds from opening the loader to its last batch.
 
-- ours: `training.loader.ShardLoader`, shuffle on, its default workers/prefetch.
+- ours: `training.loader.reader.ShardLoader`, shuffle on, its default workers/prefetch.
 - raw_pyarrow: each shard's row groups read in order -> numpy -> torch batches.
   No shuffle, no worker, no checks: the upper limit for reading these files.
 - petastorm: `make_batch_reader` (row groups shuffled, a thread pool of one
@@ -166,7 +166,7 @@ def naive_loader(paths: list[str], feature: str, label: str, batch: int, seed: i
 
 def ours_batches(manifest, dataset_dir: str, batch: int, seed: int):
     """One epoch of ShardLoader: rank 0 of 1, shuffle on, its defaults otherwise."""
-    from shardline.training.loader import ShardLoader
+    from shardline.training.loader.reader import ShardLoader
 
     yield from ShardLoader(manifest, dataset_dir, "train", 0, 1, batch, seed).epoch(0)
 
@@ -211,7 +211,7 @@ def run(rows: int, workdir: str | None = None, progress=print, petastorm: bool =
     import torch
 
     from shardline.pipelines.manifest import load_manifest
-    from shardline.training.loader import ShardLoader
+    from shardline.training.loader.reader import ShardLoader
 
     cores = len(os.sched_getaffinity(0))
     defaults = {k: p.default for k, p in inspect.signature(ShardLoader).parameters.items()

@@ -4,7 +4,7 @@ One run, one process. A folder of small images in class folders is generated
 locally (half PNG, half JPEG; nothing downloaded), prepared with the images
 source (`source.format = "images"`) on an in-process Dask cluster, and read back:
 
-- ours: `training.loader.ShardLoader` over the shards, shuffle on, with 1 and with
+- ours: `training.loader.reader.ShardLoader` over the shards, shuffle on, with 1 and with
   N decoding threads (`workers`; N = the cores, at least 2): Parquet row groups ->
   PNG/JPEG bytes -> Pillow -> uint8 [B, C, H, W] batches through the shuffle buffer.
 - pillow: a plain loop over the same image files: open, decode, convert to the
@@ -94,7 +94,7 @@ def pillow_batches(files: list, shape, batch: int):
 
 
 def ours_batches(manifest, dataset_dir: str, batch: int, workers: int):
-    from shardline.training.loader import ShardLoader
+    from shardline.training.loader.reader import ShardLoader
 
     yield from ShardLoader(manifest, dataset_dir, "train", 0, 1, batch, SEED, workers=workers).epoch(0)
 

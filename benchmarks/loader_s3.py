@@ -29,7 +29,7 @@ from shardline.benchmarks.s3_server import loopback_bucket, stop_loopback
 def run(rows: int, s3_url: str | None = None, workdir: str | None = None, progress=print) -> dict:
     import torch
 
-    from shardline.pipelines import storage
+    from shardline.foundation import storage
     from shardline.pipelines.manifest import load_manifest
 
     root = Path(tempfile.mkdtemp(prefix="shardline-bench-s3-", dir=workdir))

@@ -5,7 +5,7 @@
 nanoGPT's `get_batch`: the token ids are one `np.memmap` of uint16; each sample is a
 random window of `length` ids (x) and the same window one id later (y), drawn on the
 training thread (no loader). The model is shardline's built-in decoder
-(training/models_lm.py `Decoder`, the same sizes), wrapped in DDP, AdamW; the loss is
+(training/models/decoder.py `Decoder`, the same sizes), wrapped in DDP, AdamW; the loss is
 cross-entropy over every position of the window. Timed by `train_loops.timed_steps`, as
 shardline's side. Rank 0 prints RESULT_MARK + its figures as JSON.
 """
@@ -31,7 +31,7 @@ def main(p: dict) -> None:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
-    from shardline.training.models_lm import Decoder
+    from shardline.training.models.decoder import Decoder
 
     torch.set_num_threads(p["threads"])
     dist.init_process_group("gloo", timeout=dt.timedelta(seconds=p["timeout_s"]))

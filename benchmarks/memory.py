@@ -22,7 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from shardline.pipelines.config import DaskConfig, PipelineConfig, SparkConfig
+from shardline.foundation.engine_config import DaskConfig, SparkConfig
+from shardline.pipelines.config import PipelineConfig
 
 
 def main() -> None:
@@ -34,7 +35,7 @@ def main() -> None:
     ap.add_argument("--s3-url", default=None, help="data under this s3:// prefix (the AWS chain's store)")
     args = ap.parse_args()
 
-    from shardline.pipelines import storage
+    from shardline.foundation import storage
     from shardline.pipelines.prepare import prepare
 
     root = Path(tempfile.mkdtemp(prefix="shardline-mem-", dir=args.workdir))
@@ -60,12 +61,12 @@ def main() -> None:
     try:
         if args.engine == "spark":
             from shardline.pipelines.engine_spark import SparkEngine
-            from shardline.pipelines.engines import spark_session
+            from shardline.foundation.sessions import spark_session
 
             engine = SparkEngine(spark_session(SparkConfig()))
         else:
             from shardline.pipelines.engine_dask import DaskEngine
-            from shardline.pipelines.engines import dask_client
+            from shardline.foundation.sessions import dask_client
 
             engine = DaskEngine(dask_client(DaskConfig()))
         start = time.perf_counter()

@@ -17,7 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from shardline.pipelines.config import DaskConfig, PipelineConfig, SparkConfig
+from shardline.foundation.engine_config import DaskConfig, SparkConfig
+from shardline.pipelines.config import PipelineConfig
 
 from .prepare_native import native_dask, native_pyarrow, native_spark
 
@@ -44,8 +45,8 @@ def run(rows: int, rounds: int = 1, workdir: str | None = None, progress=print, 
     Spark: the active session if there is one (spark_session), else a new one."""
     from shardline.pipelines.engine_dask import DaskEngine
     from shardline.pipelines.engine_spark import SparkEngine
-    from shardline.pipelines.engines import dask_client as make_dask_client
-    from shardline.pipelines.engines import spark_session
+    from shardline.foundation.sessions import dask_client as make_dask_client
+    from shardline.foundation.sessions import spark_session
     from shardline.pipelines.prepare import prepare
     from shardline.pipelines.synthetic import generate
 

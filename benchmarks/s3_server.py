@@ -86,7 +86,7 @@ def stop_group(proc: subprocess.Popen) -> None:
 def loopback_bucket(root: Path, progress=print) -> tuple[subprocess.Popen, str]:
     """Start moto_server for this run and point this process's AWS chain at it (child
     processes started from now on inherit it); (server, bucket URL). stop_loopback undoes it."""
-    from shardline.pipelines import object_stores
+    from shardline.foundation import object_stores
 
     port = free_port()
     progress(f"starting an S3 server (moto) on 127.0.0.1:{port}")
@@ -102,7 +102,7 @@ def loopback_bucket(root: Path, progress=print) -> tuple[subprocess.Popen, str]:
 
 
 def stop_loopback(server: subprocess.Popen, saved_env: dict) -> None:
-    from shardline.pipelines import object_stores
+    from shardline.foundation import object_stores
 
     stop_group(server)
     os.environ.clear()

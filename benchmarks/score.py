@@ -42,8 +42,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shardline.benchmarks import significant, synthetic_pipeline
-from shardline.pipelines.config import DaskConfig, SparkConfig
-from shardline.training.raw_model import load_torch_model
+from shardline.foundation.engine_config import DaskConfig, SparkConfig
+from shardline.training.models.registered import load_torch_model
 
 TARGET_VS_LIMIT = 0.9
 TARGET_VS_PROCESSES = 0.95  # issue 18: the engines against plain processes doing the same work
@@ -260,8 +260,8 @@ def run(rows: int, workdir: str | None = None, progress=print, *, spark=None, da
     import torch
 
     from shardline.pipelines.engine_dask import DaskEngine
-    from shardline.pipelines.engines import dask_client as make_dask_client
-    from shardline.pipelines.engines import spark_session
+    from shardline.foundation.sessions import dask_client as make_dask_client
+    from shardline.foundation.sessions import spark_session
     from shardline.pipelines.manifest import load_manifest
     from shardline.pipelines.prepare import prepare
     from shardline.serving.models import resolve_model

@@ -1,5 +1,5 @@
 """`shardline bench score`, raw rows: scoring the dataset's raw Parquet files through the
-model's transform (the one the registered pyfunc embeds, training.raw_model), so the
+model's transform (the one the registered pyfunc embeds, training.models.registered), so the
 read -> parse -> transform -> infer -> write path is measured, not only inference on
 prepared features.
 
@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shardline.training.raw_model import load_torch_model
+from shardline.training.models.registered import load_torch_model
 
 BATCH_SIZE = 4096  # serving.score's default, as for the prepared figures
 

@@ -119,7 +119,7 @@ def strategy_rank(rank: int, world_size: int, p: dict) -> dict:
     import torch
 
     from shardline.training.config import TrainingConfig
-    from shardline.training.models import FeatureTransformer, TabularMLP
+    from shardline.training.models.builtin import FeatureTransformer, TabularMLP
     from shardline.training.strategies import strategy_for
 
     torch.set_num_threads(1)
@@ -253,6 +253,6 @@ def run(progress=print, steps: int = 30, warmup: int = 5, global_batch: int = GL
 
 
 def _mlp_parameters(hidden: list[int]) -> int:
-    from shardline.training.models import TabularMLP
+    from shardline.training.models.builtin import TabularMLP
 
     return sum(p.numel() for p in TabularMLP(N_NUMERIC, CARDINALITIES, hidden, CLASSES).parameters())

@@ -2,8 +2,8 @@
 
 One run, one prepared synthetic dataset, one model (an MLP, `HIDDEN`), two ranks on
 gloo. Every figure comes from the same rank function, `ddp_rank`: it reads its
-shards (training.loader.rank_shards) with pyarrow into tensors, builds the model
-with training.models.build_model, wraps it with the "ddp" strategy and times a
+shards (training.loader.reader.rank_shards) with pyarrow into tensors, builds the model
+with training.models.builtin.build_model, wraps it with the "ddp" strategy and times a
 fixed number of optimizer steps. Only the launcher around it changes:
 
 - step time: `launch_spark_barrier` (ours) vs `python -m torch.distributed.run
@@ -96,7 +96,7 @@ def _rank_data(p: dict, rank: int, world_size: int):
     import torch
 
     from shardline.pipelines.manifest import load_manifest
-    from shardline.training.loader import rank_shards
+    from shardline.training.loader.reader import rank_shards
 
     manifest = load_manifest(p["dataset_dir"])
     label = manifest.feature_spec.label
@@ -116,7 +116,7 @@ def _measure(rank: int, world_size: int, p: dict) -> dict:
     import torch.nn.functional as F
 
     from shardline.training.config import TrainingConfig
-    from shardline.training.models import build_model
+    from shardline.training.models.builtin import build_model
     from shardline.training.strategies import strategy_for
 
     torch.set_num_threads(p["threads"])
@@ -270,9 +270,9 @@ def run(rows: int = 100_000, workdir: str | None = None, progress=print, *, step
         hidden: list[int] | None = None, rounds: int = ROUNDS, dataset_dir: str | None = None) -> dict:
     """Run every leg once per round; `dataset_dir` (prepared for 2 ranks) skips preparing `rows`."""
     from shardline.benchmarks import significant, synthetic_pipeline
-    from shardline.pipelines.config import SparkConfig
+    from shardline.foundation.engine_config import SparkConfig
     from shardline.pipelines.engine_spark import SparkEngine
-    from shardline.pipelines.engines import spark_session
+    from shardline.foundation.sessions import spark_session
     from shardline.pipelines.manifest import load_manifest
     from shardline.pipelines.prepare import prepare
 

@@ -88,9 +88,10 @@ def run(n_images: int | None = None, workdir: str | None = None, progress=print,
         warmup: int = WARMUP, global_batch: int = GLOBAL_BATCH, num_workers=NUM_WORKERS,
         rounds: int = ROUNDS, spark=None) -> dict:
     from shardline.benchmarks.loader_images import CLASSES, make_images
-    from shardline.pipelines.config import PipelineConfig, SparkConfig
+    from shardline.pipelines.config import PipelineConfig
+    from shardline.foundation.engine_config import SparkConfig
     from shardline.pipelines.engine_spark import SparkEngine
-    from shardline.pipelines.engines import spark_session
+    from shardline.foundation.sessions import spark_session
     from shardline.pipelines.manifest import load_manifest, store_plan
     from shardline.pipelines.prepare import prepare
     from shardline.training.config import TrainingConfig

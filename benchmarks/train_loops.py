@@ -98,8 +98,8 @@ def shardline_rank(rank: int, world_size: int, p: dict) -> dict:
     from shardline.pipelines.manifest import load_manifest
     from shardline.training.batch import split
     from shardline.training.config import TrainingConfig
-    from shardline.training.loader import ShardLoader
-    from shardline.training.models import build_model
+    from shardline.training.loader.reader import ShardLoader
+    from shardline.training.models.builtin import build_model
     from shardline.training.strategies import strategy_for
     from shardline.training.worker import make_optimizer
 

@@ -2,7 +2,7 @@
 nanoGPT-style loop.
 
 One run, 2 ranks of DDP on gloo, one generated token stream (ids 0..VOCAB-1), the same
-decoder (training/models_lm.py: d_model, blocks, heads below), AdamW, global batch,
+decoder (training/models/decoder.py: d_model, blocks, heads below), AdamW, global batch,
 sequence length and steps:
 
 - shardline: the stream cut into rows of LENGTH ids (a Parquet `tokens` list<int32>
@@ -75,9 +75,10 @@ def write_tokens(root: Path, rows: int) -> tuple[Path, Path]:
 
 def run(rows: int | None = None, workdir: str | None = None, progress=print, *, steps: int = STEPS,
         warmup: int = WARMUP, global_batch: int = GLOBAL_BATCH, rounds: int = ROUNDS, spark=None) -> dict:
-    from shardline.pipelines.config import PipelineConfig, SparkConfig
+    from shardline.pipelines.config import PipelineConfig
+    from shardline.foundation.engine_config import SparkConfig
     from shardline.pipelines.engine_spark import SparkEngine
-    from shardline.pipelines.engines import spark_session
+    from shardline.foundation.sessions import spark_session
     from shardline.pipelines.manifest import load_manifest, store_plan
     from shardline.pipelines.prepare import prepare
     from shardline.training.config import TrainingConfig

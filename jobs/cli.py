@@ -11,15 +11,15 @@ from rich.markup import escape
 from rich.table import Table
 
 from shardline import api
-from shardline.pipelines.errors import ShardlineError
-from shardline.pipelines.redact import redact
+from shardline.foundation.errors import ShardlineError
+from shardline.foundation.redact import redact
 
 from shardline.config import (
     ShardlineConfig,
     load_config,
     resolve_paths,
 )
-from shardline.pipelines import report
+from shardline.foundation import report
 
 from .cli_bench import bench
 from .cli_json import json_file_option as _json_file_option
@@ -270,7 +270,7 @@ def plan(config, overrides, as_json):
     uses its loader workers unless training.loader_workers is set.
     """
     from shardline.pipelines.manifest import manifest_url
-    from shardline.pipelines.storage import display
+    from shardline.foundation.storage import display
 
     r = api.plan(config, list(overrides))  # measured here, in this process
     manifest, p = r.manifest, r.plan
@@ -327,7 +327,7 @@ cli.add_command(bench)
 
 
 def main(argv: list[str] | None = None) -> None:
-    # The library reports through pipelines.report; the command shows it on its console
+    # The library reports through foundation.report; the command shows it on its console
     # (and puts the caller's reporter back: a test or a notebook may call main in-process).
     with report.using(ConsoleReporter()):
         _main(argv)
@@ -349,7 +349,7 @@ def _main(argv: list[str] | None) -> None:
         console.print(f"[red]error:[/] {escape(redact(str(e)))}")
         sys.exit(e.exit_code)
     except OSError as e:
-        from shardline.pipelines.failures import describe, is_permanent
+        from shardline.foundation.failures import describe, is_permanent
 
         if not is_permanent(e):
             raise  # a bug, or a hiccup worth its traceback

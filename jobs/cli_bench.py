@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from shardline.pipelines.errors import ShardlineError
+from shardline.foundation.errors import ShardlineError
 
 from .console import console
 
@@ -257,7 +257,7 @@ def _bench_loader_images(n: int, as_json: bool) -> None:
 
 def _bench_loader_s3(rows: int, as_json: bool, s3_url: str | None) -> None:
     from shardline.benchmarks.loader_s3 import run as run_bench
-    from shardline.pipelines.storage import check_access, resolve
+    from shardline.foundation.storage import check_access, resolve
 
     if s3_url:
         if not resolve(s3_url, "--s3-url").startswith("s3://"):

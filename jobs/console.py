@@ -1,4 +1,4 @@
-"""The `shardline` command's console: rich on stderr, and the reporter (pipelines.report)
+"""The `shardline` command's console: rich on stderr, and the reporter (foundation.report)
 that shows the library's stages, notes and warnings on it."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.markup import escape
 
-from shardline.pipelines.report import Reporter
+from shardline.foundation.report import Reporter
 
 # soft_wrap: the lines go unbroken to a log (spark-submit's, a scheduler's) as to a terminal.
 # Rich otherwise breaks them at 80 columns when stderr is no terminal, paths mid-word.

@@ -42,8 +42,8 @@ import uuid
 from contextlib import ExitStack
 from functools import partial
 
-from shardline.pipelines import storage
-from shardline.pipelines.errors import ConfigError, ShardlineError
+from shardline.foundation import storage
+from shardline.foundation.errors import ConfigError, ShardlineError
 
 from . import faults_storage
 from shardline.config import CHECKPOINTS, DATASET, check_storage, load_config, resolve_paths
@@ -63,7 +63,7 @@ def _equal(a: dict, b: dict) -> bool:
 
 
 def kill_rank(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
-    from shardline.training.checkpoint_store import CheckpointStore
+    from shardline.training.checkpoints.store import CheckpointStore
 
     ckpt = storage.join(root, "kill-rank")
     done, seen = threading.Event(), {}
@@ -99,7 +99,7 @@ def kill_rank(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
 
 def _copy_prefix(cfg, ref_dir: str, into: str, keep: int) -> list[str]:
     """The reference's first `keep` checkpoints (and their DCP shards) into `into`."""
-    from shardline.training.checkpoint_store import CheckpointStore, POINTER
+    from shardline.training.checkpoints.store import CheckpointStore, POINTER
 
     paths = CheckpointStore(ref_dir).paths()[:keep]
     for p in paths:
@@ -116,7 +116,7 @@ def _copy_prefix(cfg, ref_dir: str, into: str, keep: int) -> list[str]:
 
 
 def truncated_checkpoint(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
-    from shardline.training.checkpoint_store import CheckpointStore
+    from shardline.training.checkpoints.store import CheckpointStore
 
     kept = CheckpointStore(ref.checkpoint_dir).paths()
     if len(kept) < 3:  # needs() said it would: the reference wrote fewer than planned
@@ -131,7 +131,7 @@ def truncated_checkpoint(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
 
 
 def changed_lr(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
-    from shardline.training.checkpoint_store import CheckpointStore
+    from shardline.training.checkpoints.store import CheckpointStore
 
     ckpt = storage.join(root, "changed-lr")
     _copy_prefix(cfg, ref.checkpoint_dir, ckpt, keep=max(1, len(CheckpointStore(ref.checkpoint_dir).paths()) // 2))
@@ -147,7 +147,7 @@ def changed_lr(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
 
 
 def _names(ckpt: str) -> set[str]:
-    from shardline.training.checkpoint_store import CheckpointStore
+    from shardline.training.checkpoints.store import CheckpointStore
 
     return {storage.name(p) for p in CheckpointStore(ckpt).paths()}
 
@@ -205,7 +205,7 @@ def checkpoints_planned(cfg) -> tuple[int, int, str]:
     manifest alone: an epoch-end checkpoint per epoch, one every checkpoint_every_steps
     optimizer steps, the newest keep_checkpoints kept; `how` says where the figures came from."""
     from shardline.pipelines.manifest import load_manifest
-    from shardline.training.loader import epoch_steps, rows_per_rank
+    from shardline.training.loader.reader import epoch_steps, rows_per_rank
     from shardline.training.strategies import strategy_for
 
     t = cfg.training

@@ -3,7 +3,7 @@
 - full-disk: the checkpoint folder on a full disk (a small tmpfs the runner mounts, so
   only as root and for a local checkpoint_dir; else SKIP, saying why). The job must end
   in one line naming the cause, with no relaunch: a full disk is permanent
-  (pipelines.failures).
+  (foundation.failures).
 - stale-lease: jobs that took a lease and were SIGKILLed. Of a scoring output's,
   `shardline score --status` must say the holder is gone, not "being written now"; a
   checkpoint folder's the next training job must take over and end bit-equal to the
@@ -19,9 +19,9 @@ import subprocess
 import sys
 import tempfile
 
-from shardline.pipelines import storage
-from shardline.pipelines.errors import ShardlineError
-from shardline.pipelines.lease import LEASE_NAME, Holder, Lease
+from shardline.foundation import storage
+from shardline.foundation.errors import ShardlineError
+from shardline.foundation.lease import LEASE_NAME, Holder, Lease
 
 
 def full_disk_needs(root: str) -> str | None:
@@ -90,7 +90,7 @@ def stale_lease(cfg, ref, root: str, handles: dict, train) -> tuple[str, str]:
 
 def _lease_of_a_killed_job(url: str, job: str) -> Holder:
     """The lease at `url` of a real process that took it and was SIGKILLed (no release)."""
-    code = ("import os, signal, sys; from shardline.pipelines.lease import Lease; "
+    code = ("import os, signal, sys; from shardline.foundation.lease import Lease; "
             "Lease(sys.argv[1], sys.argv[2]).acquire(); os.kill(os.getpid(), signal.SIGKILL)")
     with tempfile.TemporaryDirectory() as cwd:
         subprocess.run([sys.executable, "-c", code, url, f"{job} (killed by the fault runner)"], cwd=cwd,

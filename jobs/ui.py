@@ -16,8 +16,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from shardline.pipelines.errors import ShardlineError, StorageError
-from shardline.pipelines.redact import redact
+from shardline.foundation.errors import ShardlineError, StorageError
+from shardline.foundation.redact import redact
 
 SETTING = "tracking.tracking_uri"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

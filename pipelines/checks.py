@@ -12,13 +12,14 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from .config import FeatureSpec, PipelineConfig
-from .errors import ConfigError, DataError
+from shardline.foundation.errors import ConfigError, DataError
 from .manifest import BandwidthPlan, ShardManifest, has_manifest, load_manifest
 from .raw import RawFile, describe, sniff
 from .rows import numbers
 from .source_config import SPARK_FORMATS, TABLE_FORMATS
 from .sources import display, list_files
-from . import storage, synthetic
+from shardline.foundation import storage
+from . import synthetic
 
 
 @dataclass

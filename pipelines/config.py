@@ -1,4 +1,5 @@
-"""Config owned by `pipelines`: the engines and the prepare stage.
+"""Config owned by `pipelines`: the prepare stage (the engines' sections are
+`shardline.foundation.engine_config`).
 
 Every field has a default that works on the embedded local engines.
 """
@@ -10,50 +11,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from .section import Section
+from shardline.foundation.section import Section
 from .source_config import SourceConfig, SyntheticSource  # noqa: F401 (their home before)
-
-
-class SparkConfig(Section):
-    remote: str | None = Field(
-        None,
-        description="Spark Connect server URL (sc://host:port). None: the SPARK_REMOTE "
-        "environment variable if set, else classic Spark on `master`.",
-    )
-    master: str = Field(
-        "local[2]",
-        description="Spark master URL of classic Spark. Under spark-submit its --master wins; "
-        "on Spark Connect the server's master is used.",
-    )
-    app_name: str = Field("shardline", description="Spark application name (classic Spark).")
-    shuffle_partitions: int = Field(
-        4, ge=1, description="spark.sql.shuffle.partitions when nobody else set it; "
-        "small is right for small data.",
-    )
-    conf: dict[str, str] = Field(
-        default_factory=dict,
-        description="Spark settings of this job. They win over spark-defaults.conf and a "
-        "Connect server's session settings; under spark-submit its own settings win.",
-    )
-    connect_timeout_s: float = Field(
-        10, gt=0, description="Seconds to wait for a Spark Connect server to accept a connection."
-    )
-    probe_timeout_s: float = Field(
-        180,
-        gt=0,
-        description="Seconds for the environment probe (one task checking that executors "
-        "can import shardline's dependencies; Connect and cluster masters) to get an executor.",
-    )
-
-
-class DaskConfig(Section):
-    address: str | None = Field(
-        None,
-        description="Scheduler address (tcp://host:8786); none starts an embedded LocalCluster.",
-    )
-    n_workers: int = Field(2, ge=1, description="Workers of the embedded LocalCluster.")
-    threads_per_worker: int = Field(1, ge=1, description="Threads per embedded worker.")
-    memory_limit: str = Field("4GiB", description="Memory limit per embedded worker.")
 
 
 # Text that means "no value", compared case-insensitively after trimming whitespace.

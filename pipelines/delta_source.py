@@ -15,8 +15,8 @@ from urllib.parse import unquote
 
 import pyarrow as pa
 
-from . import storage
-from .errors import ConfigError, DataError
+from shardline.foundation import storage
+from shardline.foundation.errors import ConfigError, DataError
 from .raw import first_line
 from .source_config import SourceConfig
 from .table_files import CHANGE_TYPE
@@ -35,7 +35,7 @@ def storage_options(url: str) -> dict[str, str] | None:
     other stores: delta-rs reads their standard environment variables itself)."""
     if storage.scheme(url) != "s3":
         return None
-    from .object_stores import _custom_endpoint, s3_client
+    from shardline.foundation.object_stores import _custom_endpoint, s3_client
 
     client = s3_client()
     opts = {"AWS_REGION": client.meta.region_name or "us-east-1"}

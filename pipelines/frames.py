@@ -14,9 +14,9 @@ from __future__ import annotations
 import re
 import uuid
 
-from . import storage
+from shardline.foundation import storage
 from .config import PipelineConfig, SourceConfig
-from .errors import ConfigError
+from shardline.foundation.errors import ConfigError
 from .raw import first_line
 
 STAGING = "_staging"

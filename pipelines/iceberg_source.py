@@ -13,7 +13,7 @@ import os
 
 import pyarrow as pa
 
-from .errors import ConfigError, DataError
+from shardline.foundation.errors import ConfigError, DataError
 from .raw import first_line
 from .source_config import SourceConfig
 
@@ -183,6 +183,6 @@ def renames(file_schema: pa.Schema, ids: dict[str, int]) -> tuple[tuple[str, str
 
 def catalog_name(src: SourceConfig) -> str:
     """How the manifest names the catalog: its name, else its uri, never its credentials."""
-    from .redact import redact
+    from shardline.foundation.redact import redact
 
     return redact(str(src.catalog.get("name") or src.catalog.get("uri") or src.catalog.get("type", "")))

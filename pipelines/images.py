@@ -17,9 +17,9 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from . import storage
+from shardline.foundation import storage
 from .config import ImageColumn
-from .errors import DataError
+from shardline.foundation.errors import DataError
 
 IMAGE_KINDS = ("bad_image", "image_size")
 FORMATS = ("PNG", "JPEG")

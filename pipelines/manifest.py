@@ -5,7 +5,7 @@ Layout of a dataset (a local directory or an object store prefix: a URL):
     _manifests/manifest-000000007.json   one per committed version, each written by ONE
                                          create-only write after every shard it names
     v-<version-id>/<split>/shard-00000.parquet
-    _lease.json                          held by the prepare writing here (pipelines.lease)
+    _lease.json                          held by the prepare writing here (foundation.lease)
     manifest.json                        a dataset of an earlier shardline (read as version 0)
 
 Readers take the newest manifest, or the one they pinned: a job's ranks read the
@@ -25,10 +25,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from . import storage
+from shardline.foundation import storage
 from .config import FeatureSpec, LayoutConfig, RetentionConfig
-from .errors import DataError
-from .lease import LEASE_NAME
+from shardline.foundation.errors import DataError
+from shardline.foundation.lease import LEASE_NAME
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"  # the single manifest of datasets written before _manifests/

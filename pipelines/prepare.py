@@ -19,12 +19,13 @@ from typing import Protocol
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import rejects, storage, synthetic
+from . import rejects, synthetic
+from shardline.foundation import storage
 from .checks import CheckedInput, check_prepare, declared_classes
-from .failures import failure_rows
+from shardline.foundation.failures import failure_rows
 from .config import FeatureSpec, PipelineConfig
-from .errors import DataError, StorageError
-from .lease import LEASE_NAME, Lease
+from shardline.foundation.errors import DataError, StorageError
+from shardline.foundation.lease import LEASE_NAME, Lease
 from .manifest import (
     BandwidthPlan,
     FittedStatistics,
@@ -39,7 +40,7 @@ from .manifest import (
     new_version_dir,
     sequences,
 )
-from .progress import Counted, ProgressListener, listen_address
+from shardline.foundation.progress import Counted, ProgressListener, listen_address
 from .raw import Unit, describe, plan_units
 from .rows import BAD_KINDS, INVALID
 from .shards import SHARD_META_SCHEMA, write_parts
@@ -260,7 +261,7 @@ def tensor_specs(spec: FeatureSpec) -> dict[str, TensorSpec]:
 
 
 def _listener(engine) -> ProgressListener:
-    """The driver's progress listener, where the engine's tasks reach it (pipelines.progress):
+    """The driver's progress listener, where the engine's tasks reach it (foundation.progress):
     the passes' counts show on this console wherever the tasks run."""
     return ProgressListener(listen_address(engine.name, getattr(engine, "spark", None),
                                            getattr(engine, "client", None)), drain=False)

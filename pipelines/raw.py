@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
-from .errors import DataError
+from shardline.foundation.errors import DataError
 from .sources import display, open_raw
 from .table_files import TableFile
 

@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import storage
+from shardline.foundation import storage
 from .rows import BAD_KINDS
 from .sources import display
 

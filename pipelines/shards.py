@@ -3,7 +3,7 @@
 The engine delivers the rows of pass 2 (tasks.shuffle_rows), every row of one part
 (split, shard) in the same partition. The writer sorts a part by key (so a shard's
 bytes depend neither on the engine nor on the partitioning), finds keys seen twice,
-and writes the shard through `pipelines.storage` under a deterministic name: a
+and writes the shard through `foundation.storage` under a deterministic name: a
 retried task rewrites the same file, which appears whole (one upload of the
 finished object; locally a rename) or not at all.
 """
@@ -17,7 +17,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import rejects, storage
+from . import rejects
+from shardline.foundation import storage
 from .config import FeatureSpec
 from .tasks import PART_COL, POS_COL, Parts, label_fields
 from .tensors import row_bytes, tensor_array

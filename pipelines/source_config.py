@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from .section import Section
+from shardline.foundation.section import Section
 
 # Read through their own metadata (pipelines.tables): the version is resolved once on the
 # driver and every task reads exactly that version's files.

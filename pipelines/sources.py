@@ -1,6 +1,6 @@
 """Raw inputs: resolve a path, directory, glob or URL to files; refuse unreadable ones early.
 
-Listing and opening go through `pipelines.storage`, so a source on s3:// (or gs://,
+Listing and opening go through `foundation.storage`, so a source on s3:// (or gs://,
 abfs://, hdfs://) is read the same way as a local one, on the driver and in tasks.
 """
 
@@ -10,9 +10,9 @@ import re
 
 import pyarrow.parquet as pq
 
-from . import storage
+from shardline.foundation import storage
 from .config import SourceConfig
-from .errors import DataError
+from shardline.foundation.errors import DataError
 
 SUFFIXES = {
     "parquet": (".parquet", ".parq", ".pq"),
@@ -61,7 +61,7 @@ _PY_CODECS = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}
 
 def open_raw(url: str):
     """A raw input file opened for reading (binary, seekable), anywhere it lives: the one
-    place tasks open raw files, through `pipelines.storage`. Compressed files (.gz, .bz2,
+    place tasks open raw files, through `foundation.storage`. Compressed files (.gz, .bz2,
     .xz; .zst, .lz4 as a forward-only stream) are decompressed."""
     import importlib
 

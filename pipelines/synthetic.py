@@ -18,9 +18,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import failures, storage
+from shardline.foundation import failures, storage
 from .config import FeatureSpec, SyntheticSource
-from .errors import DataError
+from shardline.foundation.errors import DataError
 from .hashing import bucket, uniform
 
 # In the generated directory; `_`-prefixed, so never listed as input.
@@ -52,7 +52,7 @@ def columns(src: SyntheticSource) -> FeatureSpec:
 
 def generate(engine, src: SyntheticSource, out: str) -> None:
     """Write `src` as Parquet files under the URL `out`, one task per file, through
-    `pipelines.storage`, unless `out` already holds them.
+    `foundation.storage`, unless `out` already holds them.
 
     Refuses an `out` that exists without the marker: it is not ours to replace. The
     marker is written first (empty: not finished) and holds the settings once every

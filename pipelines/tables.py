@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import delta_source, iceberg_source, storage
+from . import delta_source, iceberg_source
+from shardline.foundation import storage
 from .config import FeatureSpec, SourceConfig
-from .errors import ConfigError, DataError
+from shardline.foundation.errors import ConfigError, DataError
 from .raw import RawFile, first_line
 from .source_config import TABLE_FORMATS
 from .sources import display, open_raw

@@ -21,9 +21,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import rejects, storage
+from . import rejects
+from shardline.foundation import storage
 from .config import FeatureSpec, SplitConfig
-from .errors import DataError
+from shardline.foundation.errors import DataError
 from .manifest import FittedStatistics
 from .raw import Unit, first_line, read_unit
 from .rows import BAD_KINDS, INVALID, Parsed, parse, shard_hash

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from shardline.pipelines.config import Section
+from shardline.foundation.section import Section
 
 
 class ServingConfig(Section):

@@ -27,9 +27,9 @@ from urllib.parse import unquote
 
 import pyarrow as pa
 
-from shardline.pipelines import storage
+from shardline.foundation import storage
 from shardline.pipelines.delta_source import is_table, native, storage_options
-from shardline.pipelines.errors import ConfigError, DataError
+from shardline.foundation.errors import ConfigError, DataError
 
 from .ledger import all_scores, read_ledger, version_dir
 

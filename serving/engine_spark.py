@@ -5,9 +5,9 @@ from __future__ import annotations
 import pickle
 import re
 
-from shardline.pipelines.environ import leave_removed_cwd
-from shardline.pipelines.errors import ShardlineError
-from shardline.pipelines.spark_probe import failed_task, spark_error_line
+from shardline.foundation.environ import leave_removed_cwd
+from shardline.foundation.errors import ShardlineError
+from shardline.foundation.spark_probe import failed_task, spark_error_line
 
 from .ledger import read_entry
 from .worker import UnitTask, score_unit
@@ -27,7 +27,7 @@ def run_units(spark, tasks: list[UnitTask]) -> list[dict]:
     def score_partition(batches):
         import pyarrow as pa
 
-        leave_removed_cwd()  # before the model's torch is imported (pipelines.environ)
+        leave_removed_cwd()  # before the model's torch is imported (foundation.environ)
 
         for batch in batches:
             for g in batch.column("id").to_pylist():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from shardline.pipelines.errors import ShardlineError
+from shardline.foundation.errors import ShardlineError
 
 from .inputs import Transform
 from .models import cached_model

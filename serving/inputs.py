@@ -8,7 +8,7 @@ before anything is written.
 
 A dataset with tensor or image columns (`feature_spec.typed`) is scored from its
 prepared shards: each input tensor is read and decoded as the loader does
-(training.loader_columns) and the model is called with the named tensors. Raw input
+(training.loader.columns) and the model is called with the named tensors. Raw input
 of such a model is refused: its tensors and images would need prepare's parsing.
 """
 
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from shardline.pipelines import storage
+from shardline.foundation import storage
 from shardline.pipelines.config import FeatureSpec, SourceConfig
-from shardline.pipelines.errors import DataError, ShardlineError
+from shardline.foundation.errors import DataError, ShardlineError
 from shardline.pipelines.manifest import (
     FittedStatistics,
     ShardManifest,

@@ -32,9 +32,9 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import quote, unquote
 
-from shardline.pipelines import storage
-from shardline.pipelines.errors import DataError
-from shardline.pipelines.lease import LEASE_NAME, Lease
+from shardline.foundation import storage
+from shardline.foundation.errors import DataError
+from shardline.foundation.lease import LEASE_NAME, Lease
 
 LEDGER = "_ledger"
 PREFIX = "scores-"
@@ -206,5 +206,5 @@ def remove_orphans(d: str, ledger: dict[str, dict]) -> None:
 
 def output_lease(out) -> Lease:
     """The output's lease: one scoring job writes here at a time; a second is refused at
-    once naming the holder; a dead holder's lease is taken over (pipelines.lease)."""
+    once naming the holder; a dead holder's lease is taken over (foundation.lease)."""
     return Lease(storage.join(str(out), LEASE_NAME), "shardline score", what="scoring output")

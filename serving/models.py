@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from shardline.pipelines.redact import redact
+from shardline.foundation.redact import redact
 
 _CACHE: dict[tuple[str, str, str], object] = {}
 
@@ -21,7 +21,7 @@ def choose_scoring_device(task_gpus: list[str], device_count: int, current: int)
     GPU is its device 0), else the CPU."""
     import torch
 
-    from shardline.pipelines.errors import ShardlineError
+    from shardline.foundation.errors import ShardlineError
 
     if device_count == 0:
         return torch.device("cpu")
@@ -71,7 +71,7 @@ def cached_model(model_uri: str, tracking_uri: str, device=None, allow_pickled: 
     if key not in _CACHE:
         import mlflow
 
-        from shardline.training.raw_model import load_torch_model
+        from shardline.training.models.registered import load_torch_model
         from shardline.training.tracking import callers_store_kept
 
         # The torch module alone: batch scoring applies the transform itself, and a
@@ -97,7 +97,7 @@ def resolve_version(model_uri: str, tracking_uri: str) -> tuple[str, str]:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from shardline.pipelines.errors import ShardlineError
+    from shardline.foundation.errors import ShardlineError
     from shardline.training.mlflow_outage import bound_http
     from shardline.training.tracking import check_reachable
 
@@ -152,7 +152,7 @@ def resolve_model(model_uri: str, tracking_uri: str, allow_pickled: bool = False
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from shardline.pipelines.errors import ShardlineError
+    from shardline.foundation.errors import ShardlineError
     from shardline.training.tracking import callers_store_kept
 
     name, version = resolve_version(model_uri, tracking_uri)
@@ -168,7 +168,7 @@ def resolve_model(model_uri: str, tracking_uri: str, allow_pickled: bool = False
         version = f"run-{info.run_id}"
     pickled = "pytorch" in info.flavors
     if pickled and not allow_pickled:
-        from shardline.training.raw_model import pickled_refusal
+        from shardline.training.models.registered import pickled_refusal
 
         raise ShardlineError(pickled_refusal(model_uri))
     return ResolvedModel(model_uri, pinned, name, version, info.run_id, pickled)

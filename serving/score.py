@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Literal
 
-from shardline.pipelines import storage
-from shardline.pipelines.errors import DataError, ShardlineError, StorageError
-from shardline.pipelines.lease import Lease
-from shardline.pipelines.progress import ProgressListener, listen_address
+from shardline.foundation import storage
+from shardline.foundation.errors import DataError, ShardlineError, StorageError
+from shardline.foundation.lease import Lease
+from shardline.foundation.progress import ProgressListener, listen_address
 
 from .delta_output import FORMATS, DeltaOutput
 from .inputs import Transform, Unit, check_unit, discover
@@ -199,7 +199,7 @@ def execute(
 ) -> ScoreResult:
     """Run a plan. lease: the output's lease (`ledger.output_lease`), already held (the CLI
     takes it before planning); else taken here. user_code: folders (or .py files) of the
-    user's code the model needs, shipped to the engine's workers (pipelines.code_travel)."""
+    user's code the model needs, shipped to the engine's workers (foundation.code_travel)."""
     if engine_name not in ENGINES:
         raise ShardlineError(f"unknown engine '{engine_name}' (valid: {', '.join(ENGINES)})")
     model = p.model
@@ -282,7 +282,7 @@ def _listen_address(engine_name: str, spark_or_client) -> str:
 
 def _ship_code(engine_name: str, spark_or_client, folders: Sequence[str]):
     """The user's code as it is now (one snapshot for the whole job), on the engine's workers."""
-    from shardline.pipelines.code_travel import ship_to_dask, ship_to_spark, snapshot
+    from shardline.foundation.code_travel import ship_to_dask, ship_to_spark, snapshot
 
     ship = ship_to_spark if engine_name == "spark" else ship_to_dask
     return ship(spark_or_client, snapshot(folders))

@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from shardline.pipelines import storage
-from shardline.pipelines.lease import LEASE_NAME, Lease
+from shardline.foundation import storage
+from shardline.foundation.lease import LEASE_NAME, Lease
 
 from .delta_output import scores_of
 from .inputs import Unit

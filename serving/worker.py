@@ -4,7 +4,7 @@ A unit's output name depends only on the unit and the model, and its bytes only
 on the unit, the model and the job's `scored_at` (fixed on the driver), so a
 retried or duplicated task rewrites the same bytes under the same name; the
 ledger entry is written after the file is in place, so a unit is either committed
-whole or not at all. Both go through `pipelines.storage`: any store, no temp file
+whole or not at all. Both go through `foundation.storage`: any store, no temp file
 left behind.
 """
 
@@ -16,9 +16,9 @@ from datetime import datetime, timezone
 import numpy as np
 import pyarrow as pa
 
-from shardline.pipelines import failures, progress, storage
-from shardline.pipelines.code_travel import UserCode, use_code
-from shardline.pipelines.errors import ShardlineError
+from shardline.foundation import failures, progress, storage
+from shardline.foundation.code_travel import UserCode, use_code
+from shardline.foundation.errors import ShardlineError
 
 from .inputs import Transform, Unit
 from .ledger import commit
@@ -38,9 +38,9 @@ class UnitTask:
     batch_size: int
     threads: int = 1  # torch intra-op threads while this unit is scored
     scored_at: str = ""  # UTC ISO 8601, one per job (the driver's clock): retries write the same bytes
-    progress_addr: str | None = None  # the driver's progress listener and stage (pipelines.progress)
+    progress_addr: str | None = None  # the driver's progress listener and stage (foundation.progress)
     progress_key: str | None = None
-    code: UserCode | None = None  # the user's code the model needs (pipelines.code_travel), shipped by the driver
+    code: UserCode | None = None  # the user's code the model needs (foundation.code_travel), shipped by the driver
     allow_pickled: bool = False  # a pytorch-flavour model, allowed by serving.allow_pickled_models
 
 
@@ -72,7 +72,7 @@ def output_schema(classification: bool, next_token: bool = False) -> pa.Schema:
 
 def score_unit(task: UnitTask) -> dict:
     """The unit's ledger entry; a data error or a permanent failure (a full disk, no
-    permission: pipelines.failures) comes back as {"error": ...}, not raised, because
+    permission: foundation.failures) comes back as {"error": ...}, not raised, because
     retrying the task cannot fix either: no engine retries it."""
     try:
         return _score_unit(task)
@@ -148,7 +148,7 @@ def _next_token_columns(model, x: dict, tensors: dict, token_column: str, pad_id
     import torch
 
     from shardline.training.batch import forward, from_numpy, to_device
-    from shardline.training.loader_columns import label_tokens
+    from shardline.training.loader.columns import label_tokens
     from shardline.training.task import next_token_rows
 
     device = next(model.parameters()).device
@@ -163,7 +163,7 @@ def _next_token_columns(model, x: dict, tensors: dict, token_column: str, pad_id
 def _batches(task: UnitTask, spec):
     """(int64 keys, inputs) per batch, bounded in memory: inputs are float32 [n, width]
     features, or for a dataset with tensor or image columns {name: numpy [n, *shape]},
-    each column decoded as the loader decodes it (training.loader_columns)."""
+    each column decoded as the loader decodes it (training.loader.columns)."""
     import pyarrow.parquet as pq
 
     from shardline.pipelines.transform import features_matrix
@@ -198,7 +198,7 @@ def _batches(task: UnitTask, spec):
 def _decoded(batch: pa.RecordBatch, tensors: dict, spec, path: str) -> dict[str, np.ndarray]:
     """A batch's input tensors {name: numpy [n, *shape]}, decoded as the loader decodes them
     (images with Pillow, raw tensors viewed in their dtype, bfloat16 as its 16 bits)."""
-    from shardline.training.loader_columns import decode_column
+    from shardline.training.loader.columns import decode_column
 
     n = batch.num_rows
     return {name: decode_column(batch.column(t.column), t, spec.images, n, f"{path}: column '{t.column}'")

@@ -9,7 +9,7 @@ the effects. A refusal — a ConfigError, DataError, StorageError... one line na
 setting, file or column — leaves every byte and every MLflow run as it was. `spark=` (a
 SparkSession, classic or Connect) and `client=` (a Dask Client) are used instead of
 starting engines, and are never stopped here. Progress goes to the process's reporter
-(pipelines.report).
+(foundation.report).
 
 Which engine a stage runs on: the setting (pipelines.engine, training.launcher,
 serving.engine) when the config writes it; else the kind of engine given (only a Dask
@@ -38,10 +38,10 @@ from shardline.config import (
 )
 from shardline.config import load_config as _load
 from shardline.engines import Engines, engine_handle, spark_ranks
-from shardline.pipelines import report
-from shardline.pipelines.errors import ConfigError
+from shardline.foundation import report
+from shardline.foundation.errors import ConfigError
 from shardline.pipelines.manifest import ShardManifest
-from shardline.pipelines.report import stage
+from shardline.foundation.report import stage
 from shardline.serving.delta_output import scores_dir
 from shardline.serving.score import ScoreResult
 from shardline.stages import check_prepare, dataset_lease, output_lease, run_prepare, run_score, run_train
@@ -198,7 +198,7 @@ def score(
     """Batch-score `input_path` (default pipelines.dataset_dir: its serving.split; or raw
     Parquet) with `model_uri` (default serving.model_uri) into serving.output_dir, exactly
     once per input file and model version. force: discard the output's scores first."""
-    from shardline.pipelines.storage import resolve
+    from shardline.foundation.storage import resolve
     from shardline.serving.score import plan as score_plan
     from shardline.training.tracking import check_store
 
@@ -235,7 +235,7 @@ def score_status(config: Config = None, overrides: Overrides = (), *, output_dir
     """Per model version in `output_dir`: units and rows scored, what is pending (of
     `input_path` if given), the job writing there now. Starts no engine.
     Returns serving.status.OutputStatus (dataclasses)."""
-    from shardline.pipelines.storage import resolve
+    from shardline.foundation.storage import resolve
     from shardline.serving.inputs import list_units
     from shardline.serving.status import output_status
 
@@ -305,8 +305,8 @@ def run(config: Config = None, overrides: Overrides = (), *, spark=None, client=
 def sweep(config: Config = None, overrides: Overrides = ()):
     """Search hyperparameters with Optuna (sweep.*): trials are MLflow child runs of one
     parent run, run in parallel on sweep.engine; the best model is registered. A sweep
-    whose name exists resumes it. Returns training.sweep.SweepResult."""
-    from shardline.training.sweep import check_sweep, run_sweep
+    whose name exists resumes it. Returns training.sweeps.run.SweepResult."""
+    from shardline.training.sweeps.run import check_sweep, run_sweep
 
     cfg = load_config(config, overrides)
     where = cfg.sweep.engine or cfg.training.launcher

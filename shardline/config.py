@@ -11,14 +11,16 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
-from shardline.pipelines.config import DaskConfig, PipelineConfig, Section, SparkConfig
-from shardline.pipelines import report
-from shardline.pipelines.errors import ConfigError
-from shardline.pipelines.storage import is_remote, resolve
+from shardline.foundation.engine_config import DaskConfig, SparkConfig
+from shardline.foundation.section import Section
+from shardline.pipelines.config import PipelineConfig
+from shardline.foundation import report
+from shardline.foundation.errors import ConfigError
+from shardline.foundation.storage import is_remote, resolve
 from shardline.serving.config import ServingConfig
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.strategy_settings import nest_source, override_path
-from shardline.training.sweep_config import SweepConfig
+from shardline.training.sweeps.config import SweepConfig
 
 
 class ShardlineConfig(Section):
@@ -115,7 +117,7 @@ def cluster_of(cfg: ShardlineConfig, engines: list[str], spark=None, client=None
     `client=`): where it runs, not the config, says."""
     for engine in engines:
         if engine == "spark" and spark is not None:
-            from shardline.pipelines.spark_setup import is_connect, spark_master
+            from shardline.foundation.spark_setup import is_connect, spark_master
 
             if is_connect(spark):
                 return "the Spark Connect session given"
@@ -125,7 +127,7 @@ def cluster_of(cfg: ShardlineConfig, engines: list[str], spark=None, client=None
             if getattr(client, "cluster", None) is None:  # a scheduler reached by its address
                 return f"the Dask client given (scheduler {client.scheduler.address})"
         elif engine == "spark":
-            from shardline.pipelines.spark_setup import remote_url
+            from shardline.foundation.spark_setup import remote_url
 
             remote = remote_url(cfg.spark)  # a malformed one: a config error, said first
             if remote:
@@ -146,7 +148,7 @@ def resolve_paths(
     cfg: ShardlineConfig, engines: list[str | None], uses: tuple[str, ...] = (), *,
     tracking: bool = False, sweep: bool = False, spark=None, client=None,
 ) -> ShardlineConfig:
-    """Every path setting as every host will open it (pipelines.storage.resolve): local
+    """Every path setting as every host will open it (foundation.storage.resolve): local
     paths absolute, URLs as they are. When `engines` run tasks on other hosts, a relative
     path among the settings the command `uses` is refused, and so is a relative SQLite
     file as the MLflow store (`tracking`) or the Optuna storage (`sweep`) its tasks open;
@@ -173,7 +175,7 @@ def resolve_paths(
                            "an MLflow tracking server (tracking.tracking_uri = 'http://host:5000')", local)
     sweep_storage = cfg.sweep.storage
     if sweep:
-        from shardline.training.sweep_study import resolve_storage
+        from shardline.training.sweeps.study import resolve_storage
 
         sweep_storage = _sqlite(resolve_storage(cfg.sweep, tracking_uri), "sweep.storage", cluster,
                                 "a database server every host reaches (sweep.storage = 'postgresql://...')", local)
@@ -195,21 +197,21 @@ def resolve_paths(
 
 
 def _checkpoint_dir(cfg: ShardlineConfig) -> str:
-    """training.checkpoint_dir as set, else this job's own folder (training.checkpoints.job_dir):
+    """training.checkpoint_dir as set, else this job's own folder (training.checkpoints.fingerprint.job_dir):
     two configs never share, or clear, each other's checkpoints. The training stage prints it."""
     t = cfg.training
     if "checkpoint_dir" in t.model_fields_set:
         return t.checkpoint_dir
-    from shardline.training.checkpoints import job_dir
+    from shardline.training.checkpoints.fingerprint import job_dir
 
     return job_dir(t, cfg.tracking.experiment, cfg.tracking.registered_model, cfg.pipelines.dataset_dir)
 
 
 def checkpoint_store(given: ShardlineConfig, resolved: ShardlineConfig):
-    """The job's training.checkpoint_store.CheckpointStore: the folder resolve_paths gave
+    """The job's training.checkpoints.store.CheckpointStore: the folder resolve_paths gave
     `resolved`, the job's own (job_dir: a new run there replaces an earlier one that differs
     only in what the folder's name leaves out) when the config as `given` leaves it unset."""
-    from shardline.training.checkpoint_store import CheckpointStore
+    from shardline.training.checkpoints.store import CheckpointStore
 
     return CheckpointStore(resolved.training.checkpoint_dir, own="checkpoint_dir" not in given.training.model_fields_set)
 
@@ -227,9 +229,9 @@ def check_storage(
     other_reads: tuple[tuple[str, str], ...] = (),
 ) -> None:
     """Every store the command reads or writes answers, with access, in seconds, before an
-    engine starts (pipelines.storage.check_access). A synthetic source is written, not read.
+    engine starts (foundation.storage.check_access). A synthetic source is written, not read.
     other_reads: (what to call it, URL) of paths given on the command line."""
-    from shardline.pipelines.storage import check_access
+    from shardline.foundation.storage import check_access
 
     if SOURCE in reads and cfg.pipelines.source.format == "synthetic":
         reads, writes = tuple(r for r in reads if r != SOURCE), (*writes, SOURCE)

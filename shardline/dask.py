@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shardline.pipelines.errors import ConfigError, ShardlineError
+from shardline.foundation.errors import ConfigError, ShardlineError
 from shardline.pipelines.sources import with_row_key, write_pandas_part
 from shardline.serving.frames import feature_columns, predict_partition
 
@@ -64,7 +64,7 @@ class ShardlineEstimator(SklearnParams):
         partitioned as X when X is Dask): the label, written as the label column (label_col,
         else the config's, else "label"); without y, X holds the label column."""
         from shardline import api
-        from shardline.pipelines.report import stage
+        from shardline.foundation.report import stage
 
         for name in _FITTED:  # a refit of another task must not keep the old classes_
             self.__dict__.pop(name, None)

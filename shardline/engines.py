@@ -1,13 +1,13 @@
 """The engines an API call runs on, opened and described through the reporter
-(pipelines.report): a SparkSession (checked before any work) or a Dask client."""
+(foundation.report): a SparkSession (checked before any work) or a Dask client."""
 
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
 
-from shardline.pipelines import report
-from shardline.pipelines.redact import redact
-from shardline.pipelines.report import stage
+from shardline.foundation import report
+from shardline.foundation.redact import redact
+from shardline.foundation.report import stage
 
 from .config import ShardlineConfig
 
@@ -15,9 +15,9 @@ from .config import ShardlineConfig
 def open_spark(cfg: ShardlineConfig, barrier_ranks: int | None = None):
     """The session, checked before any work: a barrier stage's slots (`barrier_ranks`),
     then the executors' environment (one probe task; Connect and cluster masters)."""
-    from shardline.pipelines.engines import spark_session
-    from shardline.pipelines.spark_probe import check_executors, describe_executors
-    from shardline.pipelines.spark_setup import describe_spark, remote_url
+    from shardline.foundation.sessions import spark_session
+    from shardline.foundation.spark_probe import check_executors, describe_executors
+    from shardline.foundation.spark_setup import describe_spark, remote_url
 
     url = remote_url(cfg.spark)
     with stage(f"Connecting to Spark Connect {redact(url)}" if url else "Starting Spark"):
@@ -62,7 +62,7 @@ def prepare_engine(cfg: ShardlineConfig):
 
 @contextmanager
 def open_dask(cfg: ShardlineConfig):
-    from shardline.pipelines.engines import close_quietly, dask_client
+    from shardline.foundation.sessions import close_quietly, dask_client
 
     where = cfg.dask.address or f"LocalCluster of {cfg.dask.n_workers} workers"
     with stage(f"Starting Dask ({where})"):
@@ -106,7 +106,7 @@ class Engines:
         if self._spark is None:
             self._spark = open_spark(self._cfg, self._ranks)
         elif "spark" not in self._adopted:
-            from shardline.pipelines.spark_setup import adopt_session, describe_spark
+            from shardline.foundation.spark_setup import adopt_session, describe_spark
 
             adopt_session(self._spark)
             report.note(f"using the SparkSession given: {describe_spark(self._spark)}")
@@ -117,7 +117,7 @@ class Engines:
         if self._client is None:
             self._client = self._stack.enter_context(open_dask(self._cfg))
         elif "dask" not in self._adopted:
-            from shardline.pipelines.engines import adopt_client
+            from shardline.foundation.sessions import adopt_client
 
             adopt_client(self._client)
             report.note(f"using the Dask client given: scheduler {self._client.scheduler.address}")

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass
 
 from .config import ShardlineConfig, cluster_of
-from shardline.pipelines.errors import ConfigError
+from shardline.foundation.errors import ConfigError
 
 GENERATED_KEY = "shardline_key"
 
@@ -31,7 +31,7 @@ def plan_fit(
     kinds: column -> "numeric", "categorical" or None (a type shardline cannot use).
     """
     from shardline.api import load_config
-    from shardline.pipelines.storage import join, resolve
+    from shardline.foundation.storage import join, resolve
 
     cfg = load_config(config, overrides)
     f, src = cfg.pipelines.features, cfg.pipelines.source

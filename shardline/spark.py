@@ -24,7 +24,7 @@ from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.param.shared import HasLabelCol, HasPredictionCol, HasProbabilityCol
 from pyspark.ml.util import DefaultParamsReadable, DefaultParamsWritable, DefaultParamsWriter
 
-from shardline.pipelines.errors import ShardlineError
+from shardline.foundation.errors import ShardlineError
 
 from .estimators import Fitted, plan_fit
 
@@ -66,7 +66,7 @@ class _Writer(DefaultParamsWriter):
         super().saveImpl(path)
 
     def _handleOverwrite(self, path: str) -> None:
-        from shardline.pipelines.spark_setup import is_connect
+        from shardline.foundation.spark_setup import is_connect
 
         if is_connect(self.sparkSession):  # pyspark's own way reaches for the JVM; Connect has its helper
             from pyspark.ml.connect.readwrite import RemoteMLWriter
@@ -150,9 +150,9 @@ class ShardlineEstimator(Estimator, HasLabelCol, HasPredictionCol, HasProbabilit
         from pyspark.sql import functions as F
 
         from shardline import api
-        from shardline.pipelines.report import stage
+        from shardline.foundation.report import stage
 
-        from shardline.pipelines.spark_setup import adopt_session
+        from shardline.foundation.spark_setup import adopt_session
 
         spark = dataset.sparkSession
         adopt_session(spark)  # the write below runs our code on the executors already
@@ -240,7 +240,7 @@ class ShardlineModel(Model, HasLabelCol, HasPredictionCol, HasProbabilityCol, _S
 
     def write(self):
         """As _Saved's, with the tracking URI's secrets masked in what is written."""
-        from shardline.pipelines.redact import redact
+        from shardline.foundation.redact import redact
 
         writer = _Writer(self)
         if self.isSet(self.trackingUri) and redact(self.getTrackingUri()) != self.getTrackingUri():
@@ -252,8 +252,8 @@ class ShardlineModel(Model, HasLabelCol, HasPredictionCol, HasProbabilityCol, _S
     def _transform(self, dataset):
         from pyspark.sql.types import ArrayType, DoubleType, FloatType, LongType, StructField, StructType
 
-        from shardline.pipelines.redact import MASK
-        from shardline.pipelines.spark_setup import adopt_session
+        from shardline.foundation.redact import MASK
+        from shardline.foundation.spark_setup import adopt_session
 
         fitted = self.fitted
         if MASK in fitted.tracking_uri:
@@ -273,9 +273,9 @@ class ShardlineModel(Model, HasLabelCol, HasPredictionCol, HasProbabilityCol, _S
         def predict(batches):
             import pyarrow as pa
 
-            from shardline.pipelines.environ import leave_removed_cwd
+            from shardline.foundation.environ import leave_removed_cwd
 
-            leave_removed_cwd()  # before the model's torch is imported (pipelines.environ)
+            leave_removed_cwd()  # before the model's torch is imported (foundation.environ)
 
             from shardline.serving.frames import predict_table, probabilities_array
             from shardline.serving.inputs import Transform
@@ -308,7 +308,7 @@ def spark_kinds(schema) -> dict[str, str | None]:
 
 
 def _write(spark, df, raw_dir: str) -> int:
-    """Each partition writes its own Parquet file through pipelines.storage (DataFrame
+    """Each partition writes its own Parquet file through foundation.storage (DataFrame
     operations only: Connect has no RDD); rows written."""
 
     def write(batches):

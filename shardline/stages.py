@@ -3,8 +3,8 @@ checks before an engine starts, the leases, and the prepare, training and scorin
 
 from __future__ import annotations
 
-from shardline.pipelines import report
-from shardline.pipelines.report import stage
+from shardline.foundation import report
+from shardline.foundation.report import stage
 
 from .config import ShardlineConfig
 from .engines import Engines

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardline.pipelines.code_travel import snapshot
-from shardline.training import checkpoints
-from shardline.training.checkpoint_store import CheckpointStore
+from shardline.foundation.code_travel import snapshot
+from shardline.training.checkpoints import fingerprint
+from shardline.training.checkpoints.store import CheckpointStore
 from shardline.training.config import TrainingConfig
 
 # code -> (meaning, the exception classes or click errors that raise it). tests/test_defaults.py
@@ -25,7 +25,7 @@ EXIT_CODES: dict[int, tuple[str, str]] = {
     1: ("bad data or a refused run: a missing or unreadable input, a dataset that cannot train as "
         "configured (world size over shards, a global batch that gives a rank 0 steps an epoch), a "
         "checkpoint of another job, unreachable storage or MLflow",
-        "`ShardlineError`, `DataError`, `StorageError` (`pipelines/errors.py`)"),
+        "`ShardlineError`, `DataError`, `StorageError` (`shardline/foundation/errors.py`)"),
     2: ("a config or usage error: a missing or invalid config file, an unknown setting, a wrong type or "
         "value, a bad flag", "`ConfigError`, click's usage errors"),
     75: ("another job holds the lease of the dataset, checkpoint or output directory: try again later "
@@ -46,15 +46,15 @@ class Case:
 
 def _others_checkpoints(folder: Path, _dataset: str) -> None:
     cfg = TrainingConfig(hidden=[16], batch_size=64)
-    CheckpointStore(str(folder / "ckpt")).save(5, {"fingerprint": checkpoints.fingerprint(cfg, "v")}, keep=3)
+    CheckpointStore(str(folder / "ckpt")).save(5, {"fingerprint": fingerprint.fingerprint(cfg, "v")}, keep=3)
 
 
 def _checkpoint_of_other_code(folder: Path, _dataset: str) -> None:
     """A checkpoint of this config written by other code: usernets/nets.py as it was then."""
-    from shardline.pipelines.code_travel import code_digest
+    from shardline.foundation.code_travel import code_digest
 
     files = {**snapshot([str(USERNETS)]).files, "usernets/nets.py": "0" * 64}
-    fp = {**checkpoints.fingerprint(TrainingConfig(), "v"), "code": code_digest(files)}
+    fp = {**fingerprint.fingerprint(TrainingConfig(), "v"), "code": code_digest(files)}
     CheckpointStore(str(folder / "ckpt")).save(5, {"fingerprint": fp, "code_files": files, "epoch": 0}, keep=3)
 
 
@@ -62,7 +62,7 @@ def _own_checkpoints(folder: Path, _dataset: str) -> None:
     """This very job's earlier checkpoints (the base config's training settings): a new run
     would start over there, replacing them, if nothing refused it first."""
     cfg = TrainingConfig(launcher="spark", world_size=2, batch_size=64, epochs=1)
-    fp = checkpoints.fingerprint(cfg, "v", snapshot([]))
+    fp = fingerprint.fingerprint(cfg, "v", snapshot([]))
     CheckpointStore(str(folder / "ckpt")).save(5, {"fingerprint": fp, "epoch": 1}, keep=3)
 
 

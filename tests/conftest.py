@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from shardline.pipelines.config import PipelineConfig, SparkConfig
+from shardline.pipelines.config import PipelineConfig
+from shardline.foundation.engine_config import SparkConfig
 
 from .cli_inprocess import run_cli
 
@@ -124,7 +125,7 @@ def _without_archive(why: str) -> None:
 
 @pytest.fixture(scope="session")
 def spark():
-    from shardline.pipelines.engines import spark_session
+    from shardline.foundation.sessions import spark_session
 
     # local[2,1]: one attempt per task, said explicitly (shardline's own local masters retry
     # each task 4 times): the recovery tests place a fault and watch the whole job fail.
@@ -181,8 +182,8 @@ def prepared(spark, tmp_path_factory) -> PipelineConfig:
 
 @pytest.fixture(scope="session")
 def dask_client():
-    from shardline.pipelines.config import DaskConfig
-    from shardline.pipelines.engines import dask_client as make_client
+    from shardline.foundation.engine_config import DaskConfig
+    from shardline.foundation.sessions import dask_client as make_client
 
     client = make_client(DaskConfig(n_workers=2, memory_limit="3GiB"))
     yield client
@@ -234,7 +235,7 @@ def shardline_here(*args: str, cwd: Path, env: dict | None = None) -> subprocess
     `shardline()` without a Python start and its imports (~3 s a case on a 2-core machine).
 
     For a command refused before any engine starts, and for one that runs on the session's
-    engines: the active SparkSession (the `spark` fixture's, which `pipelines.spark_setup`
+    engines: the active SparkSession (the `spark` fixture's, which `foundation.spark_setup`
     reuses; request the fixture, or the CLI's own session becomes the session's) or the
     session's Dask scheduler (`--set dask.address=...`, with absolute paths; the CLI closes
     only its client). Not for Spark Connect: pyspark refuses a remote session beside the

@@ -9,11 +9,16 @@ import torch
 from shardline.pipelines.manifest import load_manifest
 from shardline.training.batch import rows, split, take
 from shardline.training.config import TrainingConfig
-from shardline.training.loader import ShardLoader
-from shardline.training.model_factory import create_model
-from shardline.training.model_inputs import ModelInputs, TensorInput
-from shardline.training.models import FeatureCNN, FeatureTransformer, TabularMLP, apply_activation_checkpointing
-from shardline.training.models_lm import Decoder
+from shardline.training.loader.reader import ShardLoader
+from shardline.training.models.factory import create_model
+from shardline.training.models.inputs import ModelInputs, TensorInput
+from shardline.training.models.builtin import (
+    FeatureCNN,
+    FeatureTransformer,
+    TabularMLP,
+    apply_activation_checkpointing,
+)
+from shardline.training.models.decoder import Decoder
 from shardline.training.strategies import strategy_for
 
 MODELS = {

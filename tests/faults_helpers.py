@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from shardline.pipelines.lease import process_alive
-from shardline.training.checkpoint_store import CheckpointStore
+from shardline.foundation.lease import process_alive
+from shardline.training.checkpoints.store import CheckpointStore
 
 from .conftest import REPO
 

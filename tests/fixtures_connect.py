@@ -26,7 +26,7 @@ import pytest
 from .connect_client import ConnectClient
 
 SPARK_HOME = Path(__import__("pyspark").__file__).parent
-LOG4J = Path(__file__).resolve().parent.parent / "pipelines" / "log4j2.properties"
+LOG4J = Path(__file__).resolve().parent.parent / "shardline" / "foundation" / "log4j2.properties"
 
 
 @dataclass

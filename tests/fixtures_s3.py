@@ -57,7 +57,7 @@ def s3(tmp_path_factory) -> str:
 
 def new_bucket(prefix: str = "t") -> str:
     """A fresh, empty bucket: s3://<prefix>-<random>."""
-    from shardline.pipelines.object_stores import s3_client
+    from shardline.foundation.object_stores import s3_client
 
     name = f"{prefix}-{uuid.uuid4().hex[:12]}"
     s3_client().create_bucket(Bucket=name)
@@ -71,7 +71,7 @@ def bucket(s3) -> str:
 
 def s3_keys(url: str) -> list[str]:
     """Every key under an s3:// URL, relative to it."""
-    from shardline.pipelines import storage
+    from shardline.foundation import storage
 
     return [k[len(url) + 1 :] for k in storage.find_files(url)]
 
@@ -83,7 +83,7 @@ def mlflow_server(s3, tmp_path_factory) -> str:
     The server has the AWS variables; its clients (ranks included) never need them:
     they upload artifacts to the server, which writes them to the bucket.
     """
-    from shardline.pipelines.object_stores import s3_client
+    from shardline.foundation.object_stores import s3_client
 
     s3_client().create_bucket(Bucket="mlflow-artifacts")
     root = tmp_path_factory.mktemp("mlflow-server")

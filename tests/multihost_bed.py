@@ -191,7 +191,7 @@ class Inside:
         """Every service and cluster daemon, started side by side: each waits only on what it
         needs (a worker on its master or scheduler, the buckets on the S3 server), not on the
         daemons before it; then all of them are waited for."""
-        from shardline.pipelines.object_stores import s3_client
+        from shardline.foundation.object_stores import s3_client
 
         s = self.s.address
         self.tracking_uri = f"http://{s}:{MLFLOW_PORT}"

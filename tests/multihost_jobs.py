@@ -108,8 +108,8 @@ def _job(bed, command: str, ckpt: str, kill: str | None = None, more: list[str] 
 def _kill_rank_on_b(bed, ckpt_dir: str, done: threading.Event, outcome: dict) -> None:
     """When a checkpoint is in the bucket, SIGKILL the rank whose process is on host B (its
     /proc/<pid>/ns/net is B's namespace): the Spark Python worker or Dask worker running it."""
-    from shardline.pipelines import storage
-    from shardline.training.checkpoint_store import CheckpointStore
+    from shardline.foundation import storage
+    from shardline.training.checkpoints.store import CheckpointStore
 
     on_b = bed.bed.hosts["b"].netns_inode
     while not done.is_set():
@@ -148,8 +148,8 @@ def _check_restarted(job: dict, bed) -> None:
 
 
 def _final_weights(bed, ckpt: str) -> dict:
-    from shardline.training import sharded_checkpoints
-    from shardline.training.checkpoint_store import CheckpointStore
+    from shardline.training.checkpoints import sharded
+    from shardline.training.checkpoints.store import CheckpointStore
 
     latest = CheckpointStore(f"{bed.bucket}/quickstart/{ckpt}").latest()
     if latest is None:
@@ -157,7 +157,7 @@ def _final_weights(bed, ckpt: str) -> dict:
     state = CheckpointStore.holding(latest).read(latest)
     if state["epoch"] != bed.args.epochs:
         raise RuntimeError(f"{latest}: epoch {state['epoch']}, expected the last ({bed.args.epochs})")
-    return sharded_checkpoints.read_weights(latest)
+    return sharded.read_weights(latest)
 
 
 def _check_same_weights(bed, ckpt: str, reference: str) -> None:
@@ -173,7 +173,7 @@ def _check_same_weights(bed, ckpt: str, reference: str) -> None:
 
 def _check_stage_lines(log: str) -> None:
     """Prepare's and scoring's unit counts reached the console on host S from the
-    executors on hosts A and B (pipelines.progress)."""
+    executors on hosts A and B (foundation.progress)."""
     for pattern in (r"\[shardline\] prepare pass 1: (\d+)/\1 units read",
                     r"\[shardline\] prepare write: \d+/\d+ shards written",
                     r"\[shardline\] score: (\d+)/\1 units scored \([\d,]+ rows\)"):
@@ -185,7 +185,7 @@ def _check_scores(bed) -> None:
     """Every test row scored once, in the bucket (the quickstart's last stage)."""
     import pyarrow.parquet as pq
 
-    from shardline.pipelines import storage
+    from shardline.foundation import storage
     from shardline.pipelines.manifest import load_manifest
 
     out = f"{bed.bucket}/quickstart/scores"

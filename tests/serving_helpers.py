@@ -93,7 +93,7 @@ def register_wrapped(prepared, tracking_uri: str, name: str, wrap) -> str:
 
     base = trained_model(prepared)
     mlflow.set_tracking_uri(tracking_uri)
-    from shardline.training.raw_model import load_torch_model
+    from shardline.training.models.registered import load_torch_model
 
     inner = load_torch_model(base.model_uri)
     # Into the training run's experiment: the active one is whichever an earlier test set,
@@ -123,7 +123,7 @@ def promo_model(prepared, tracking_uri: str) -> str:
 
         from shardline.pipelines.manifest import load_manifest
         from shardline.training.config import TrainingConfig
-        from shardline.training.raw_model import load_torch_model, log_raw_model
+        from shardline.training.models.registered import load_torch_model, log_raw_model
 
         base = trained_model(prepared)
         mlflow.set_tracking_uri(tracking_uri)

@@ -219,7 +219,7 @@ def test_api_on_the_callers_engines(spark, dask_client, small_dataset, tracking_
 
 
 def test_api_refuses_what_it_cannot_honour(tmp_path):
-    from shardline.pipelines.errors import ConfigError
+    from shardline.foundation.errors import ConfigError
 
     with pytest.raises(ConfigError, match="refit goes with append"):
         shardline.prepare(None, refit=True)

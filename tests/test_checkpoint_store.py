@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from shardline.pipelines import storage
-from shardline.pipelines.code_travel import _files, code_zip, snapshot
-from shardline.pipelines.errors import ConfigError, DataError, LeaseHeld
-from shardline.training import checkpoints
-from shardline.training.checkpoint_store import POINTER, CheckpointStore
-from shardline.training.checkpoints import CheckpointUnreadable
+from shardline.foundation import storage
+from shardline.foundation.code_travel import _files, code_zip, snapshot
+from shardline.foundation.errors import ConfigError, DataError, LeaseHeld
+from shardline.training.checkpoints import fingerprint
+from shardline.training.checkpoints.store import POINTER, CheckpointStore
+from shardline.training.checkpoints.fingerprint import CheckpointUnreadable
 from shardline.training.config import TrainingConfig
 
 from .fixtures_s3 import new_bucket
@@ -59,14 +59,14 @@ def _write(store: CheckpointStore, step: int, epoch: int, fp: dict, code_files: 
 def test_save_rotates_points_and_prunes(folder):
     store = CheckpointStore(folder)
     code = snapshot([])
-    fp = checkpoints.fingerprint(CFG, "v1", code)
+    fp = fingerprint.fingerprint(CFG, "v1", code)
     files = {"mynets/nets.py": "ab" * 32}
     written = [_write(store, s, 1, fp, files, keep=2) for s in (10, 20, 30, 40)]
     assert store.paths() == written[-2:]  # the newest two, oldest first
     assert store.latest() == written[-1]
     dcps = sorted(n for n in storage.list_dir(folder) if n.endswith(".dcp"))
     assert dcps == [f"ckpt-{s:09d}-{s:06x}.dcp" for s in (30, 40)]  # the rotated ones' went with them
-    state = store.read(written[-1], checkpoints.comparable(fp))
+    state = store.read(written[-1], fingerprint.comparable(fp))
     assert state["global_step"] == 40 and store.dcp_dir(written[-1], state).endswith(dcps[-1])
     assert store.owner() == fp  # from the pointer, which names whose folder this is
     pointer = json.loads(storage.read_bytes(storage.join(folder, POINTER)))
@@ -76,10 +76,10 @@ def test_save_rotates_points_and_prunes(folder):
 
 def test_read_refuses_another_run_and_falls_back_past_an_unreadable_one(folder, capsys):
     store = CheckpointStore(folder)
-    fp = checkpoints.fingerprint(CFG, "v1", snapshot([]))
+    fp = fingerprint.fingerprint(CFG, "v1", snapshot([]))
     older = _write(store, 10, 1, fp)
     newest = _write(store, 20, 1, fp)
-    other = checkpoints.fingerprint(CFG.model_copy(update={"lr": 0.5}), "v1", snapshot([]))
+    other = fingerprint.fingerprint(CFG.model_copy(update={"lr": 0.5}), "v1", snapshot([]))
     with pytest.raises(DataError, match=r"different run: lr='0.003' \(config has '0.5'\) \(to resume with the "
                                         r"new value, allow it: --allow-changed lr\)"):
         store.read(newest, other)
@@ -96,7 +96,7 @@ def test_checks_only_read_and_refuse_in_one_line(folder, tmp_path):
     store = CheckpointStore(folder)
     pkg = _package(tmp_path / "code")
     code = snapshot([str(pkg)])
-    fp = checkpoints.fingerprint(CFG, "v1", code)
+    fp = fingerprint.fingerprint(CFG, "v1", code)
     assert store.check_new(fp) == [] and storage.find_files(folder) == []  # an empty folder: nothing written
     with pytest.raises(DataError, match="no checkpoint to resume from"):
         store.check_resume(fp, code, CFG.epochs)
@@ -106,7 +106,7 @@ def test_checks_only_read_and_refuse_in_one_line(folder, tmp_path):
     # Unchanged code, epochs left: a resume may go on.
     store.check_resume(fp, code, CFG.epochs)
     # Another job's checkpoints: a new job is refused, naming what differs.
-    theirs = checkpoints.fingerprint(CFG.model_copy(update={"hidden": [32]}), "v1", code)
+    theirs = fingerprint.fingerprint(CFG.model_copy(update={"hidden": [32]}), "v1", code)
     with pytest.raises(DataError, match=r"holds another job's checkpoints \(hidden '\[16\]' \(this job: '\[32\]'\)\)"):
         store.check_new(theirs)
     # Edited code is the same job: a new run starts over (its resume compares the code).
@@ -114,14 +114,14 @@ def test_checks_only_read_and_refuse_in_one_line(folder, tmp_path):
     (pkg / "extra.py").write_text("X = 1\n")
     (pkg / "__init__.py").unlink()
     edited = snapshot([str(pkg)])
-    assert store.check_new(checkpoints.fingerprint(CFG, "v1", edited)) == []
+    assert store.check_new(fingerprint.fingerprint(CFG, "v1", edited)) == []
     with pytest.raises(ConfigError) as refused:
-        store.check_resume(checkpoints.fingerprint(CFG, "v1", edited), edited, CFG.epochs)
+        store.check_resume(fingerprint.fingerprint(CFG, "v1", edited), edited, CFG.epochs)
     line = str(refused.value)
     assert refused.value.exit_code == 2 and "\n" not in line
     assert line == (f"{storage.display(folder)}: the code changed since the checkpoint: mynets/__init__.py removed, "
                     "mynets/extra.py added, mynets/nets.py changed; to resume with it: --allow-changed code"), line
-    store.check_resume(checkpoints.fingerprint(CFG, "v1", edited), edited, CFG.epochs, ["code"])
+    store.check_resume(fingerprint.fingerprint(CFG, "v1", edited), edited, CFG.epochs, ["code"])
     # Its last epoch done: a resume would train 0 steps.
     with pytest.raises(DataError, match=r"the newest checkpoint ends the job \(epoch 1 of training.epochs = 1"):
         store.check_resume(fp, code, 1)
@@ -131,19 +131,19 @@ def test_checks_only_read_and_refuse_in_one_line(folder, tmp_path):
 def test_a_checkpoint_from_before_the_code_digest_still_resumes(folder, tmp_path):
     store = CheckpointStore(folder)
     code = snapshot([str(_package(tmp_path / "code"))])
-    old = checkpoints.fingerprint(CFG, "v1")  # no `code`: written before it was fingerprinted
+    old = fingerprint.fingerprint(CFG, "v1")  # no `code`: written before it was fingerprinted
     assert "code" not in old
     path = _write(store, 10, 1, old)
     assert store.code_changes(code) is None  # cannot be compared, so not refused
-    new = checkpoints.fingerprint(CFG, "v1", code)
+    new = fingerprint.fingerprint(CFG, "v1", code)
     store.check_resume(new, code, CFG.epochs)
-    assert store.read(path, checkpoints.comparable(new))["global_step"] == 10
+    assert store.read(path, fingerprint.comparable(new))["global_step"] == 10
     assert store.check_new(new) == []
 
 
 def test_own_folder_replaces_an_earlier_run_and_effects_do_what_they_say(folder, capsys):
-    mine = checkpoints.fingerprint(CFG, "v1", snapshot([]))
-    earlier = checkpoints.fingerprint(CFG.model_copy(update={"epochs": 5}), "v0", snapshot([]))
+    mine = fingerprint.fingerprint(CFG, "v1", snapshot([]))
+    earlier = fingerprint.fingerprint(CFG.model_copy(update={"epochs": 5}), "v0", snapshot([]))
     _write(CheckpointStore(folder), 10, 1, earlier)
     with pytest.raises(DataError, match=r"another job's checkpoints \(epochs '5' \(this job: '2'\)\)"):
         CheckpointStore(folder).check_new(mine)  # a folder the user named: refused
@@ -168,7 +168,7 @@ def test_own_folder_replaces_an_earlier_run_and_effects_do_what_they_say(folder,
 def test_for_job_names_the_own_folder_without_the_code(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     unset = CheckpointStore.for_job(CFG, "exp", "model", "data")
-    assert unset.own and unset.url == str(tmp_path / checkpoints.job_dir(CFG, "exp", "model", "data"))
+    assert unset.own and unset.url == str(tmp_path / fingerprint.job_dir(CFG, "exp", "model", "data"))
     # The code is not in the folder's name (job_dir takes no code): a resume after an edit finds it.
     assert CheckpointStore.for_job(CFG, "exp", "model", "data") == unset
     named = CheckpointStore.for_job(CFG.model_copy(update={"checkpoint_dir": str(tmp_path / "mine")}), "exp",

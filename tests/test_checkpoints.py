@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardline.pipelines import storage
-from shardline.pipelines.errors import DataError
-from shardline.training.checkpoint_store import CheckpointStore
+from shardline.foundation import storage
+from shardline.foundation.errors import DataError
+from shardline.training.checkpoints.store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shardline.config import load_config
-from shardline.pipelines.errors import ConfigError
+from shardline.foundation.errors import ConfigError
 
 from .conftest import REPO, shardline, shardline_here
 

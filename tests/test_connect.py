@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from shardline.pipelines.manifest import load_manifest
-from shardline.training import sharded_checkpoints
-from shardline.training.checkpoint_store import CheckpointStore
+from shardline.training.checkpoints import sharded
+from shardline.training.checkpoints.store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 
@@ -195,7 +195,7 @@ def test_killed_rank_on_connect_is_relaunched_and_ends_on_the_same_weights(
     assert final["global_step"] == torch.load(
         CheckpointStore(tmp_path / "ref").paths()[-1], weights_only=True
     )["global_step"]
-    weights = sharded_checkpoints.read_weights(CheckpointStore(ckpt).paths()[-1])
+    weights = sharded.read_weights(CheckpointStore(ckpt).paths()[-1])
     assert weights.keys() == ref.weights.keys()
     for k in ref.weights:
         assert torch.equal(weights[k], ref.weights[k]), k

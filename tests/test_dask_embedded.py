@@ -1,4 +1,4 @@
-"""The embedded Dask cluster (`pipelines.engines.dask_client` with no address) and the
+"""The embedded Dask cluster (`foundation.sessions.dask_client` with no address) and the
 environment: Dask's nanny passes its pre-spawn variables to a worker by setting them in
 the driver's own environment, where a Spark JVM started later would inherit them. And a
 scheduler in the driver's own process, given by its address: shardline's code zip goes to
@@ -14,8 +14,8 @@ import warnings
 import dask
 import distributed  # noqa: F401  (registers its config: distributed.nanny.*)
 
-from shardline.pipelines.config import DaskConfig
-from shardline.pipelines.engines import close_quietly, dask_client
+from shardline.foundation.engine_config import DaskConfig
+from shardline.foundation.sessions import close_quietly, dask_client
 
 
 def _spawn_names() -> list[str]:
@@ -54,7 +54,7 @@ def test_embedded_workers_get_dasks_variables_but_not_the_trim_threshold_and_the
         # ... the worker has Dask's variables (one thread for numpy's pools, the hash seed) ...
         (worker,) = client.run(lambda: {k: os.environ.get(k) for k in names}).values()
         assert worker["OMP_NUM_THREADS"] == "1" and worker["PYTHONHASHSEED"]
-        # ... except the trim threshold, which slows every large allocation (pipelines/engines.py)
+        # ... except the trim threshold, which slows every large allocation (shardline/foundation/sessions.py)
         assert worker["MALLOC_TRIM_THRESHOLD_"] is None
 
         # After a run that succeeded, the close says nothing: not the nanny's "Worker process
@@ -80,7 +80,7 @@ def test_a_scheduler_in_this_process_gets_no_code_zip_only_its_workers_do(dask_c
     import sys
 
     from shardline import pipelines
-    from shardline.pipelines.engines import dask_client as connect
+    from shardline.foundation.sessions import dask_client as connect
 
     before = (pipelines.__file__, list(sys.path))
     client = connect(DaskConfig(address=dask_client.scheduler.address))

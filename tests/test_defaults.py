@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from shardline.config import load_config, resolve_paths
-from shardline.pipelines.errors import ConfigError, DataError, LeaseHeld, ShardlineError
-from shardline.training import checkpoints
-from shardline.training.checkpoint_store import CheckpointStore, POINTER
+from shardline.foundation.errors import ConfigError, DataError, LeaseHeld, ShardlineError
+from shardline.training.checkpoints import fingerprint
+from shardline.training.checkpoints.store import CheckpointStore, POINTER
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 
@@ -177,7 +177,7 @@ def test_default_checkpoint_dir_is_per_job(tmp_path):
 def test_a_job_never_deletes_another_jobs_checkpoints(small_dataset, tmp_path):
     shared = str(tmp_path / "shared")
     theirs = TrainingConfig(launcher="local", batch_size=64, hidden=[16], checkpoint_dir=shared)
-    fp = checkpoints.fingerprint(theirs, "v-old")
+    fp = fingerprint.fingerprint(theirs, "v-old")
     saved = CheckpointStore(shared).save(7, {"fingerprint": fp, "run_id": ""}, keep=3)
 
     mine = theirs.model_copy(update={"hidden": [32]})
@@ -186,19 +186,19 @@ def test_a_job_never_deletes_another_jobs_checkpoints(small_dataset, tmp_path):
     assert CheckpointStore(shared).latest() == saved and Path(saved).exists()  # untouched
 
     # The same job again (on another dataset version) clears its own.
-    CheckpointStore(shared).start_over(checkpoints.fingerprint(theirs, "v-new"))
+    CheckpointStore(shared).start_over(fingerprint.fingerprint(theirs, "v-new"))
     assert CheckpointStore(shared).latest() is None and not Path(saved).exists()
 
 
 def test_a_pointer_without_fingerprint_falls_back_to_the_checkpoint(tmp_path):
     d = str(tmp_path / "old")
-    theirs = checkpoints.fingerprint(TrainingConfig(hidden=[16]), "v")
+    theirs = fingerprint.fingerprint(TrainingConfig(hidden=[16]), "v")
     CheckpointStore(d).save(1, {"fingerprint": theirs}, keep=3)
     (tmp_path / "old" / POINTER).write_text('{"name": "%s", "step": 1}'
                                                         % Path(CheckpointStore(d).latest()).name)
     assert CheckpointStore(d).owner() == theirs
     with pytest.raises(DataError, match="another job's"):
-        CheckpointStore(d).start_over(checkpoints.fingerprint(TrainingConfig(hidden=[8]), "v"))
+        CheckpointStore(d).start_over(fingerprint.fingerprint(TrainingConfig(hidden=[8]), "v"))
 
 
 # -- item 5: the exit-code table ----------------------------------------------------------

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
-from shardline.pipelines.errors import ConfigError
+from shardline.foundation.errors import ConfigError
 from shardline.serving.delta_output import SCORES, app_id, version_scores
 from shardline.serving.ledger import read_ledger
 from shardline.serving.score import plan

@@ -116,7 +116,7 @@ def test_the_api_guide_says_a_job_file_with_a_source_is_no_estimators_config(das
     import pandas as pd
 
     from shardline.dask import ShardlineEstimator
-    from shardline.pipelines.errors import ConfigError
+    from shardline.foundation.errors import ConfigError
 
     job = tmp_path / "job.toml"
     job.write_text("[pipelines.source]\nformat = 'csv'\npath = 'raw/'\n")

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from shardline.pipelines.config import SplitConfig
-from shardline.pipelines.errors import DataError
+from shardline.foundation.errors import DataError
 from shardline.pipelines.hashing import hash64
 from shardline.pipelines.manifest import load_manifest, manifest_url, sequences
 from shardline.pipelines.prepare import prepare

@@ -172,7 +172,7 @@ def test_dask_estimator_params_follow_sklearn(dask_client, tmp_path):
     from sklearn.utils.validation import check_is_fitted
 
     from shardline.dask import ShardlineEstimator
-    from shardline.pipelines.errors import ShardlineError
+    from shardline.foundation.errors import ShardlineError
 
     config = _config(tmp_path)
     est = ShardlineEstimator(config, ["training.epochs=1"], label_col="label", feature_cols=["x0", "x1"],
@@ -208,7 +208,7 @@ def test_spark_params_setters_defaults_and_save(spark, tmp_path):
     """Every setting a Param with a default and a setter; the estimator saved and loaded; a
     model's saved tracking URI with its password masked, refused at transform until set again."""
     from shardline.estimators import Fitted
-    from shardline.pipelines.errors import ShardlineError
+    from shardline.foundation.errors import ShardlineError
     from shardline.spark import ShardlineEstimator, ShardlineModel
 
     est = ShardlineEstimator()
@@ -344,7 +344,7 @@ def test_dask_estimator_regression_on_dask_with_y(dask_client, tmp_path):
     from sklearn.metrics import r2_score
 
     from shardline.dask import ShardlineEstimator
-    from shardline.pipelines.errors import ShardlineError
+    from shardline.foundation.errors import ShardlineError
 
     pdf, config = _small(tmp_path)
     target = pdf["x0"] * 2.0 - pdf["x1"] + 0.5

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardline.pipelines.errors import StorageError
-from shardline.training.checkpoint_store import CheckpointStore
+from shardline.foundation.errors import StorageError
+from shardline.training.checkpoints.store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 from shardline.training.launchers import TrainingFailed

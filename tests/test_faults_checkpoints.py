@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardline.pipelines.errors import ConfigError, DataError
-from shardline.training.checkpoint_store import CheckpointStore, POINTER
+from shardline.foundation.errors import ConfigError, DataError
+from shardline.training.checkpoints.store import CheckpointStore, POINTER
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 

@@ -1,6 +1,6 @@
 """A full disk, for real: a 1 MiB tmpfs as the scoring output and as the dataset_dir.
 
-A full disk is permanent (pipelines.failures): prepare and score end in one line, no
+A full disk is permanent (foundation.failures): prepare and score end in one line, no
 traceback, no task retried; a lease renewal that meets it leaves nothing behind that
 would block the next run; once the disk is grown, the next run succeeds.
 """
@@ -142,10 +142,10 @@ def test_full_disk_score_is_one_line_and_the_next_score_succeeds(engine, promo, 
 
 
 def test_one_rule_sorts_permanent_from_transient_failures(tmp_path):
-    """pipelines.failures: what prepare, training, scoring and storage all ask."""
+    """foundation.failures: what prepare, training, scoring and storage all ask."""
     import errno
 
-    from shardline.pipelines import failures
+    from shardline.foundation import failures
     from shardline.training.launchers.guard import is_permanent as rank_failure_is_permanent
 
     (tmp_path / "file").write_text("x")

@@ -102,7 +102,7 @@ def test_the_runners_plan_counts_the_checkpoints_a_run_writes(prepared, tracking
     """What the runner decides a case on: the reference's checkpoints, worked out from the
     config and the manifest, equal those a real run writes (mid-epoch and epoch ends)."""
     from shardline.config import load_config
-    from shardline.training.checkpoint_store import CheckpointStore
+    from shardline.training.checkpoints.store import CheckpointStore
     from shardline.jobs.faults import checkpoints_planned
     from shardline.training.job import run_training
 

@@ -26,9 +26,9 @@ from .test_serving_recovery import _assert_exactly_once, _died_between_output_an
 JOBS = """
 import sys
 from shardline.pipelines.config import SparkConfig
-from shardline.pipelines.engines import spark_session
-from shardline.pipelines.errors import ShardlineError
-from shardline.pipelines.spark_setup import spark_master
+from shardline.foundation.sessions import spark_session
+from shardline.foundation.errors import ShardlineError
+from shardline.foundation.spark_setup import spark_master
 from tests.serving_helpers import score  # a python -c program: no package to be relative to
 flaky, dies, fails, tracking_uri, src, src_failed, out_flaky, out_dies, out_failed = sys.argv[1:]
 # shardline's default master; Python workers forked with torch and MLflow already imported

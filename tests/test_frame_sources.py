@@ -13,7 +13,7 @@ import pytest
 
 import shardline
 from shardline.pipelines.checks import check_prepare
-from shardline.pipelines.errors import ConfigError
+from shardline.foundation.errors import ConfigError
 from shardline.pipelines.manifest import load_manifest
 from shardline.pipelines.prepare import prepare
 

@@ -12,10 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from shardline.pipelines.errors import ConfigError, DataError
+from shardline.foundation.errors import ConfigError, DataError
 from shardline.pipelines.manifest import ShardInfo, load_manifest
 from shardline.pipelines.prepare import prepare
-from shardline.training.loader import ShardLoader, check_world_size, rank_shards
+from shardline.training.loader.reader import ShardLoader, check_world_size, rank_shards
 
 from .conftest import small_pipeline
 

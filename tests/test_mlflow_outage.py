@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.training.checkpoint_store import CheckpointStore
+from shardline.training.checkpoints.store import CheckpointStore
 from shardline.training.config import TrackingConfig
 from shardline.training.job import run_training
 
@@ -196,7 +196,7 @@ def test_the_drivers_last_calls_wait_for_a_server_that_went_away(monkeypatch):
     server is unreachable: answered once it is back, one line naming the checkpoint if never."""
     from mlflow.tracking import MlflowClient
 
-    from shardline.pipelines.errors import ShardlineError
+    from shardline.foundation.errors import ShardlineError
     from shardline.training.mlflow_outage import when_reachable
 
     # Each failing call is the real client's, attempts and all, without its sleeps between
@@ -226,7 +226,7 @@ def test_a_server_gone_for_good_ends_in_the_jobs_one_line_after_saying_it_waits(
                                                                                 monkeypatch, capfd):
     """The server dies during training and never comes back: the driver says it waits (not a
     silent minute), then ends in its one line, not in MLflow's failure to close the run."""
-    from shardline.pipelines.errors import ShardlineError
+    from shardline.foundation.errors import ShardlineError
 
     for k, v in NO_BACKOFF.items():
         monkeypatch.setenv(k, v)

@@ -17,12 +17,12 @@ import torch.nn.functional as F
 
 from shardline.pipelines.checks import check_prepare
 from shardline.pipelines.config import PipelineConfig
-from shardline.pipelines.errors import ConfigError
+from shardline.foundation.errors import ConfigError
 from shardline.pipelines.manifest import TensorSpec, load_manifest
 from shardline.training.launchers.local import launch_local
-from shardline.training.loader import ShardLoader
-from shardline.training.model_inputs import ModelInputs, TensorInput
-from shardline.training.models_lm import decoder
+from shardline.training.loader.reader import ShardLoader
+from shardline.training.models.inputs import ModelInputs, TensorInput
+from shardline.training.models.decoder import decoder
 from shardline.training.task import batch_sums, figures, next_token_loss, next_token_rows, task_loss
 
 from .dist_helpers import relative_distance, train_steps, train_variants, unsynchronised
@@ -192,7 +192,7 @@ def test_a_job_trains_the_decoder_with_fsdp_registers_and_scores_it(lm, dask_cli
     from .serving_helpers import score
     from shardline.training.config import TrackingConfig, TrainingConfig
     from shardline.training.job import run_training
-    from shardline.training.model_factory import build_model
+    from shardline.training.models.factory import build_model
 
     from .serving_helpers import read_scores
 

@@ -1,6 +1,6 @@
 """The notebook loop (#45 item 5): train, edit the model's code, train again in the same
 Python process. The second job must check, train and register the new code on the driver
-and on every rank: the job's code snapshot (pipelines.code_travel.snapshot, a zip named by
+and on every rank: the job's code snapshot (foundation.code_travel.snapshot, a zip named by
 its content) is what the ranks import, and the driver drops the modules it imported for an
 older snapshot (training.user_code.refresh_driver_code).
 
@@ -61,7 +61,7 @@ def first_weight(result) -> tuple[int, ...]:
 
 
 def train_edit_train(tmp_path, prepared, tracking_uri, launcher, **engines):
-    from shardline.training.raw_model import load_torch_model
+    from shardline.training.models.registered import load_torch_model
 
     write_nets(tmp_path / "code", 16)
     sys.path.insert(0, str(tmp_path / "code"))

@@ -130,7 +130,7 @@ def submit(cluster: PackedCluster, args: list[str], cwd: Path, timeout: float = 
         return subprocess.run(
             [str(VENV / "bin" / "spark-submit"), "--master", cluster.master,
              "--archives", f"{cluster.archive}#env", "--conf", "spark.executor.cores=1", "--conf", "spark.cores.max=1",
-             "--driver-java-options", f"-Dlog4j2.configurationFile=file:{REPO / 'pipelines/log4j2.properties'}",
+             "--driver-java-options", f"-Dlog4j2.configurationFile=file:{REPO / 'shardline/foundation/log4j2.properties'}",
              *args],
             cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
         )  # fmt: skip
@@ -196,9 +196,9 @@ def test_the_users_package_reaches_workers_without_it_and_a_change_reaches_them_
 
 
 def test_the_code_zip_is_removed_when_its_process_ends():
-    # A killed process's zips are swept by the next one: pipelines.zips, tested with the
+    # A killed process's zips are swept by the next one: foundation.zips, tested with the
     # user's code zip in tests/test_user_code_travel.py.
-    code = "from shardline.pipelines.code_travel import shardline_zip\nimport os\np = shardline_zip()\nassert os.path.getsize(p) > 0\nprint(p)"
+    code = "from shardline.foundation.code_travel import shardline_zip\nimport os\np = shardline_zip()\nassert os.path.getsize(p) > 0\nprint(p)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     path = proc.stdout.strip()

@@ -17,7 +17,7 @@ import torch
 from pyspark.resource import ResourceInformation
 from pyspark.taskcontext import BarrierTaskInfo
 
-from shardline.pipelines.errors import ShardlineError
+from shardline.foundation.errors import ShardlineError
 from shardline.serving.models import choose_scoring_device, scoring_device, spark_task_gpus
 from shardline.training import collectives, placement
 from shardline.training.launchers import TrainingFailed
@@ -25,7 +25,7 @@ from shardline.training.launchers.dask import launch_dask
 from shardline.training.launchers.guard import RankError, is_permanent
 from shardline.training.launchers.local import launch_local
 from shardline.training.launchers.spark import launch_spark_barrier, spark_slot
-from shardline.training.loader import ShardLoader
+from shardline.training.loader.reader import ShardLoader
 from shardline.training.placement import Slot, cuda_index, host_of, local_ranks, own_visible_gpus, rank_device
 
 

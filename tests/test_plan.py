@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.pipelines.errors import DataError
+from shardline.foundation.errors import DataError
 from shardline.pipelines.manifest import BandwidthPlan, load_manifest, store_plan
 from shardline.training.config import TrainingConfig
 from shardline.training.plan import MIN_SHARD_ROWS, choose_layout, plan_dataset, plan_from_measurements

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shardline.pipelines.errors import DataError
-from shardline.training.loader_batches import ShuffleBuffer
+from shardline.foundation.errors import DataError
+from shardline.training.loader.batches import ShuffleBuffer
 from shardline.training.plan import DECODED_ROW_GROUP_BATCHES, MIN_LOADER_BATCHES, MIN_ROW_GROUP, choose_layout
 
 from .conftest import shardline_here

@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from shardline.pipelines.errors import DataError
+from shardline.foundation.errors import DataError
 from shardline.pipelines.manifest import load_manifest
 from shardline.pipelines.prepare import prepare
 

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from shardline.pipelines.config import PipelineConfig
-from shardline.pipelines.errors import DataError
+from shardline.foundation.errors import DataError
 from shardline.pipelines.manifest import load_manifest
 from shardline.pipelines.prepare import prepare
 

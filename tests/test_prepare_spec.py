@@ -12,7 +12,7 @@ import pytest
 
 from shardline.pipelines.checks import check_prepare
 from shardline.pipelines.config import PipelineConfig
-from shardline.pipelines.errors import ConfigError, DataError
+from shardline.foundation.errors import ConfigError, DataError
 from shardline.pipelines.manifest import load_manifest
 from shardline.pipelines.prepare import prepare
 

@@ -15,11 +15,11 @@ import torch
 from PIL import Image
 
 from shardline.pipelines.config import ImageColumn, PipelineConfig, TensorColumn
-from shardline.pipelines.errors import DataError
+from shardline.foundation.errors import DataError
 from shardline.pipelines.manifest import TensorSpec, load_manifest
 from shardline.pipelines.prepare import prepare
 from shardline.pipelines.tensors import parse_tensor
-from shardline.training.loader import ShardLoader
+from shardline.training.loader.reader import ShardLoader
 
 from .test_engines_equal import engine_dirs, prepare_both
 

@@ -1,4 +1,4 @@
-"""pipelines.progress: ranks' lines reach the driver's console over a socket, and a rank
+"""foundation.progress: ranks' lines reach the driver's console over a socket, and a rank
 whose driver cannot be reached prints them itself instead of waiting. The console's own
 lines reach a log unbroken."""
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from shardline.pipelines import progress
+from shardline.foundation import progress
 from shardline.training.launchers import free_port
 
 from .conftest import REPO
@@ -27,7 +27,7 @@ def test_lines_from_another_process_reach_the_listener_in_order():
     out = io.StringIO()
     with progress.ProgressListener("127.0.0.1", out=out) as listener:
         code = (
-            "from shardline.pipelines import progress\n"
+            "from shardline.foundation import progress\n"
             f"for i in range(3): progress.say({listener.address!r}, f'[shardline] epoch {{i + 1}}/3: ok')\n"
         )
         proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -39,7 +39,7 @@ def test_lines_from_another_process_reach_the_listener_in_order():
 
 def test_an_unreachable_driver_makes_the_rank_print_the_line_itself():
     nobody = f"127.0.0.1:{free_port()}"  # nothing listens there
-    code = f"from shardline.pipelines import progress\nprogress.say({nobody!r}, 'epoch 1/1: ok')\nprogress.say({nobody!r}, 'epoch 2/2: ok')\n"
+    code = f"from shardline.foundation import progress\nprogress.say({nobody!r}, 'epoch 1/1: ok')\nprogress.say({nobody!r}, 'epoch 2/2: ok')\n"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stderr.splitlines() == ["epoch 1/1: ok", "epoch 2/2: ok"], proc.stderr
 
@@ -54,7 +54,7 @@ def test_a_stage_counts_its_units_ticks_and_prints_no_tick():
     with progress.ProgressListener("127.0.0.1", out=out) as listener:
         with listener.stage("score", 3, "units scored") as stage:
             code = (
-                "from shardline.pipelines import progress\n"
+                "from shardline.foundation import progress\n"
                 f"for rows in (10, 20, 1000): progress.tick({listener.address!r}, {stage.key!r}, rows)\n"
             )
             proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -73,7 +73,7 @@ def test_a_retried_unit_counts_once_and_no_count_passes_its_total():
         with (listener.stage("score", 2, "units scored") as named,
               listener.stage("prepare pass 1", 2, "units read") as unnamed):
             code = (
-                "from shardline.pipelines import progress\n"
+                "from shardline.foundation import progress\n"
                 f"a = {listener.address!r}\n"
                 f"for _ in range(3): progress.tick(a, {unnamed.key!r})\n"
                 f"for unit, rows in (('u1', 10), ('u1', 10), ('u2', 5)): progress.tick(a, {named.key!r}, rows, unit=unit)\n"
@@ -93,7 +93,7 @@ def test_a_retried_unit_counts_once_and_no_count_passes_its_total():
 
 def test_a_tick_without_a_listener_is_silent():
     nobody = f"127.0.0.1:{free_port()}"
-    code = f"from shardline.pipelines import progress\nprogress.tick({nobody!r}, 's0', 5)\nprogress.tick(None, 's0')\n"
+    code = f"from shardline.foundation import progress\nprogress.tick({nobody!r}, 's0', 5)\nprogress.tick(None, 's0')\n"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
 
@@ -140,7 +140,7 @@ def test_a_long_lived_task_process_keeps_only_its_newest_connections():
 def test_console_lines_reach_a_log_unbroken():
     """spark-submit's and a scheduler's logs are no terminal: a long path stays on its line."""
     path = "/data/" + "/".join(["a-long-folder-name"] * 8) + "/env/bin/python"
-    code = (f"from shardline.jobs.console import ConsoleReporter\nfrom shardline.pipelines import report\n"
+    code = (f"from shardline.jobs.console import ConsoleReporter\nfrom shardline.foundation import report\n"
             f"report.use(ConsoleReporter())\nwith report.stage('Preparing into {path}'):\n"
             f"    report.note('{path} on vm')\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -174,12 +174,12 @@ def test_the_listener_prints_only_lines_from_its_own_job():
 
 
 def test_the_library_reports_through_the_reporter_its_caller_chose(caplog):
-    """pipelines.report: the library's stage, note and warning lines go to the process's
+    """foundation.report: the library's stage, note and warning lines go to the process's
     reporter: plain lines by default (a notebook, spark-submit's log), the `shardline`
     logger when a program routes its logs, the CLI's console when the command runs."""
     import logging
 
-    from shardline.pipelines import report
+    from shardline.foundation import report
 
     out = io.StringIO()
     with report.using(report.PlainReporter(out)):

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from shardline.pipelines.errors import ShardlineError
-from shardline.pipelines.redact import redact
+from shardline.foundation.errors import ShardlineError
+from shardline.foundation.redact import redact
 from shardline.training.launchers import free_port
 from shardline.training.tracking import check_reachable
 from tests.conftest import shardline_here
@@ -48,8 +48,8 @@ def test_redact_leaves_uris_without_secrets_alone(text):
 def test_errors_and_displayed_urls_are_masked_where_they_are_made():
     """A Python caller sees the error as made (its traceback, a notebook), not the CLI's
     last line: the text is masked in the exception itself, and in storage.display."""
-    from shardline.pipelines import storage
-    from shardline.pipelines.errors import DataError
+    from shardline.foundation import storage
+    from shardline.foundation.errors import DataError
 
     e = DataError("s3://AKIA:secret@bucket/data: no rows; also https://secret@h/x and ?token=secret")
     assert "secret" not in str(e) and "secret" not in repr(e) and "secret" not in str(e.args)

@@ -42,13 +42,13 @@ def test_the_registered_model_holds_safetensors_and_json_not_a_pickle(prepared, 
     import mlflow
     from safetensors import safe_open
 
-    from shardline.training.raw_model import load_torch_model
+    from shardline.training.models.registered import load_torch_model
 
     result = trained_model(prepared)
     mlflow.set_tracking_uri(tracking_uri)
     local = Path(mlflow.artifacts.download_artifacts(result.model_uri, dst_path=str(tmp_path / "model")))
     assert _pickles(local) == []
-    assert (local / "code" / "shardline" / "training" / "model_files.py").is_file()
+    assert (local / "code" / "shardline" / "training" / "models" / "files.py").is_file()
 
     weights = list(local.rglob("*.safetensors"))
     assert len(weights) == 1
@@ -80,7 +80,7 @@ FRESH = '''
 import importlib.util, json, sys
 import numpy as np, pandas as pd, torch, mlflow
 assert importlib.util.find_spec(sys.argv[1]) is None, "the user's package is importable without the model"
-from shardline.training.raw_model import load_torch_model
+from shardline.training.models.registered import load_torch_model
 x = torch.from_numpy(np.load(sys.argv[3]))
 with torch.inference_mode():
     torch_out = load_torch_model(sys.argv[2])(x).numpy()
@@ -103,8 +103,8 @@ def test_model_with_user_code_round_trips_in_a_fresh_process(factory, prepared, 
 
     from shardline.pipelines.transform import features_matrix
     from shardline.training.config import TrainingConfig
-    from shardline.training.models import build_model
-    from shardline.training.raw_model import log_raw_model, predict_raw
+    from shardline.training.models.builtin import build_model
+    from shardline.training.models.registered import log_raw_model, predict_raw
 
     pkg = f"shardline_user_{factory}_{os.getpid()}"  # a name no other test imports
     (tmp_path / "proj" / pkg).mkdir(parents=True)
@@ -160,8 +160,8 @@ def test_a_model_of_an_older_shardline_is_refused_in_one_line(tracking_uri, tmp_
     """One logged as a pickled module (no safetensors weights): refused, never unpickled."""
     import mlflow
 
-    from shardline.pipelines.errors import ShardlineError
-    from shardline.training.raw_model import RawRowsModel, load_torch_model
+    from shardline.foundation.errors import ShardlineError
+    from shardline.training.models.registered import RawRowsModel, load_torch_model
 
     mlflow.set_tracking_uri(tracking_uri)
     mlflow.set_experiment("model-files-test")

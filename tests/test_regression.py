@@ -152,8 +152,8 @@ def test_regression_defaults_learn_labels_far_from_zero(regression_dataset, tmp_
 def test_regression_sweep_minimises_rmse(regression_dataset, tmp_path):
     """Full tier only (`make test-all`, marker `slow`): a sweep of several regression trainings; the
     regression job itself stays in the quick tier (above)."""
-    from shardline.training.sweep import check_sweep, run_sweep
-    from shardline.training.sweep_config import SweepConfig
+    from shardline.training.sweeps.run import check_sweep, run_sweep
+    from shardline.training.sweeps.config import SweepConfig
 
     dataset = regression_dataset.dataset_dir
     sweep = SweepConfig.model_validate({

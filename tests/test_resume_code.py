@@ -14,8 +14,8 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from shardline.pipelines.code_travel import snapshot
-from shardline.training.checkpoint_store import POINTER, CheckpointStore
+from shardline.foundation.code_travel import snapshot
+from shardline.training.checkpoints.store import POINTER, CheckpointStore
 
 from .conftest import shardline_here
 from .defaults_helpers import small_dataset  # noqa: F401 (a fixture)

@@ -24,12 +24,12 @@ import pytest
 import torch
 
 from shardline.pipelines.manifest import load_manifest
-from shardline.training import sharded_checkpoints
-from shardline.training.checkpoint_store import CheckpointStore
+from shardline.training.checkpoints import sharded
+from shardline.training.checkpoints.store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
-from shardline.training.loader import ShardLoader
-from shardline.training.models import build_model
+from shardline.training.loader.reader import ShardLoader
+from shardline.training.models.builtin import build_model
 from shardline.training.strategies.base import autocast_for, train_step
 from shardline.training.worker import lr_factor, make_optimizer
 
@@ -106,8 +106,8 @@ def continued_single_process(head_path: Path, cfg: TrainingConfig, data_world: i
     # No process group here: DCP reads every piece itself, whichever strategy and ranks
     # wrote them. keep_optimizer False: the state goes to a throwaway optimizer.
     into = optimizer if keep_optimizer else make_optimizer(model.parameters(), cfg)
-    names = sharded_checkpoints.optimizer_names(model.named_parameters(), into)
-    sharded_checkpoints.load_plain(model.state_dict(), into, names, str(head_path.parent / head["sharded"]))
+    names = sharded.optimizer_names(model.named_parameters(), into)
+    sharded.load_plain(model.state_dict(), into, names, str(head_path.parent / head["sharded"]))
     loaders = [
         ShardLoader(manifest, dataset_dir, "train", r, data_world, cfg.batch_size // data_world, cfg.seed,
                     remainder=cfg.remainder, shuffle_buffer_rows=cfg.shuffle_buffer_rows)
@@ -212,7 +212,7 @@ def test_cli_refuses_a_resume_that_cannot_reshard(prepared4, first_runs, tmp_pat
     _copy_checkpoint(mid, tmp_path / "mid")
     if "earlier shardline" in message:  # as ddp, pipeline and ps wrote them before DCP
         head = torch.load(mid, weights_only=True)
-        head["model"] = sharded_checkpoints.read_weights(str(tmp_path / "mid" / mid.name))
+        head["model"] = sharded.read_weights(str(tmp_path / "mid" / mid.name))
         shutil.rmtree(tmp_path / "mid" / head.pop("sharded"))
         torch.save(head, tmp_path / "mid" / mid.name)
     work = tmp_path / "work"

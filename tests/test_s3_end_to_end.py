@@ -15,15 +15,15 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from shardline.pipelines import storage
+from shardline.foundation import storage
 from shardline.pipelines.config import PipelineConfig
 from shardline.pipelines.manifest import load_manifest, sequences
 from shardline.pipelines.prepare import prepare
 from shardline.serving.ledger import read_ledger
-from shardline.training.checkpoint_store import CheckpointStore
+from shardline.training.checkpoints.store import CheckpointStore
 from shardline.training.config import TrackingConfig
 from shardline.training.job import run_training
-from shardline.training.raw_model import load_torch_model
+from shardline.training.models.registered import load_torch_model
 
 from .fixtures_s3 import new_bucket, s3_keys
 from .serving_helpers import score
@@ -144,7 +144,7 @@ def test_killed_rank_resumes_from_the_bucket_and_ends_on_the_same_weights(
 
 
 def test_fsdp_checkpoints_in_the_bucket_resume_a_killed_rank_to_the_same_weights(data, mlflow_server):
-    """fsdp's ranks write DCP shards straight into the bucket (training.dcp_storage); a rank
+    """fsdp's ranks write DCP shards straight into the bucket (training.checkpoints.dcp_storage); a rank
     SIGKILLed after the first checkpoint is relaunched and resumes from them, ending on an
     uninterrupted fsdp run's weights. Rotation deletes the DCP prefixes it no longer needs,
     and epoch-end checkpoints reach MLflow's artifacts with their shards."""

@@ -1,4 +1,4 @@
-"""pipelines.storage and leases against a real S3-protocol server (moto_server on loopback)."""
+"""foundation.storage and leases against a real S3-protocol server (moto_server on loopback)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from shardline.pipelines import storage
-from shardline.pipelines.errors import LeaseHeld
-from shardline.pipelines.lease import LEASE_NAME, Lease, LeaseLost
+from shardline.foundation import storage
+from shardline.foundation.errors import LeaseHeld
+from shardline.foundation.lease import LEASE_NAME, Lease, LeaseLost
 
 from .storage_helpers import create_only_race
 
@@ -94,7 +94,7 @@ def test_expired_lease_on_s3_is_taken_over_by_exactly_one(bucket):
     # Each contender stays alive until all have answered: a winner that exited would
     # leave a dead holder's lease, which the next one may rightly take over.
     code = (
-        "import sys; from shardline.pipelines.lease import Lease; from shardline.pipelines.errors import LeaseHeld\n"
+        "import sys; from shardline.foundation.lease import Lease; from shardline.foundation.errors import LeaseHeld\n"
         "try:\n    Lease(sys.argv[1], 'contender', ttl_s=600).acquire(); print('won', flush=True)\n"
         "except LeaseHeld:\n    print('refused', flush=True)\n"
         "sys.stdin.read()"

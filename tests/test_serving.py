@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from shardline.pipelines.errors import DataError, ShardlineError
+from shardline.foundation.errors import DataError, ShardlineError
 from shardline.pipelines.manifest import load_manifest
 from shardline.serving.ledger import LEDGER, output_lease, read_ledger
 from .serving_helpers import score
@@ -260,7 +260,7 @@ def test_scoring_leaves_no_model_copy_in_the_temp_folder(engine, request, model,
     import mlflow
 
     from shardline.training.config import TrainingConfig
-    from shardline.training.raw_model import load_torch_model, log_raw_model
+    from shardline.training.models.registered import load_torch_model, log_raw_model
 
     client = request.getfixturevalue(engine if engine == "spark" else "dask_client")
     # The temp folders of every process that loads the model: the workers' and this one's.

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.pipelines.errors import DataError
+from shardline.foundation.errors import DataError
 from shardline.serving.inputs import list_units
 from shardline.serving.ledger import entry_bytes, output_name, version_dir
 from shardline.serving.score import plan

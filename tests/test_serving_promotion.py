@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from shardline.pipelines.lease import Holder
+from shardline.foundation.lease import Holder
 from shardline.serving.ledger import output_lease, read_ledger
 
 from .conftest import absolute_paths, shardline_here

@@ -196,8 +196,8 @@ def _wait_for_workers(client, n: int) -> None:
 
 
 KILLED_JOB = """
-from shardline.pipelines.config import DaskConfig
-from shardline.pipelines.engines import dask_client
+from shardline.foundation.engine_config import DaskConfig
+from shardline.foundation.sessions import dask_client
 from tests.serving_helpers import score
 import sys
 client = dask_client(DaskConfig(n_workers=1, threads_per_worker=2))

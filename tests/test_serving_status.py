@@ -1,5 +1,5 @@
 """`shardline score --status` says whether the lease it finds belongs to a live job, judged as
-the next run judges it (pipelines.lease.Holder.stale): a dead holder's lease is not "being
+the next run judges it (foundation.lease.Holder.stale): a dead holder's lease is not "being
 written now". Engine-free: the CLI runs in this process."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from shardline.pipelines.lease import Holder
+from shardline.foundation.lease import Holder
 from shardline.serving.ledger import output_lease
 
 from .conftest import REPO, shardline_here

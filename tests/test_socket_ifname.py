@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from shardline.pipelines.errors import ConfigError
+from shardline.foundation.errors import ConfigError
 from shardline.training.config import TrainingConfig
 from shardline.training.launchers import run_in_group
 from shardline.training.launchers.network import VARIABLES, socket_interface

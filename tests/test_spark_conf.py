@@ -26,7 +26,7 @@ from .mlflow_store import empty_store
 
 BIN = Path(sys.executable).parent
 QUICKSTART = REPO / "jobs" / "configs" / "quickstart.toml"
-LOG4J = REPO / "pipelines" / "log4j2.properties"
+LOG4J = REPO / "shardline" / "foundation" / "log4j2.properties"
 KEYS = [
     "spark.ui.enabled", "spark.sql.shuffle.partitions", "spark.sql.execution.arrow.maxRecordsPerBatch",
     "spark.ui.showConsoleProgress", "spark.master", "spark.sql.execution.arrow.pyspark.enabled",
@@ -39,8 +39,8 @@ DRIVER = f"""
 import json, os, socket, sys
 sys.path.insert(0, {str(REPO / "tests")!r})
 from cli_inprocess import run_cli
-from shardline.pipelines.config import SparkConfig
-from shardline.pipelines.engines import spark_session
+from shardline.foundation.engine_config import SparkConfig
+from shardline.foundation.sessions import spark_session
 cli = [run_cli(args, os.getcwd()) for args in json.loads(sys.argv[4] if sys.argv[4:] else "[]")]
 spark = spark_session(SparkConfig.model_validate(json.loads(sys.argv[1])))
 out = {{k: spark.conf.get(k, None) for k in {KEYS!r}}}
@@ -316,7 +316,7 @@ def test_arrow_disabled_for_pandas_conversions_changes_nothing(spark, tmp_path):
 
 def test_user_settings_are_read_as_spark_submit_reads_them(tmp_path, monkeypatch):
     """No JVM: the sources shardline reads before starting one, in spark-submit's order."""
-    from shardline.pipelines.spark_user_conf import user_spark_conf
+    from shardline.foundation.spark_user_conf import user_spark_conf
 
     conf_dir = tmp_path / "conf"
     conf_dir.mkdir()
@@ -351,7 +351,7 @@ USERS_SESSION = """
 import sys
 from pyspark.sql import SparkSession
 import shardline
-from shardline.pipelines.errors import ShardlineError
+from shardline.foundation.errors import ShardlineError
 # The user's own local session, made as a tutorial makes it: nothing says which Python.
 spark = SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false").getOrCreate()
 try:

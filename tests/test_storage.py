@@ -1,4 +1,4 @@
-"""pipelines.storage and pipelines.lease on a local disk: URLs, the commit steps, leases.
+"""foundation.storage and foundation.lease on a local disk: URLs, the commit steps, leases.
 
 The same primitives against a real S3 server are in test_s3_storage.py.
 """
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from shardline.pipelines import storage
-from shardline.pipelines.errors import ConfigError, LeaseHeld, StorageError
-from shardline.pipelines.lease import LEASE_NAME, Lease, LeaseLost
+from shardline.foundation import storage
+from shardline.foundation.errors import ConfigError, LeaseHeld, StorageError
+from shardline.foundation.lease import LEASE_NAME, Lease, LeaseLost
 
 from .storage_helpers import create_only_race
 
@@ -169,7 +169,7 @@ def test_expired_lease_is_taken_over_and_its_old_holder_cannot_commit(tmp_path):
 def test_lease_of_a_killed_process_on_this_host_is_taken_over_at_once(tmp_path):
     url = str(tmp_path / LEASE_NAME)
     code = (
-        "import sys, time; from shardline.pipelines.lease import Lease; "
+        "import sys, time; from shardline.foundation.lease import Lease; "
         "Lease(sys.argv[1], 'victim', ttl_s=3600).acquire(); print('held', flush=True); time.sleep(3600)"
     )
     proc = subprocess.Popen([sys.executable, "-c", code, url], stdout=subprocess.PIPE, text=True)

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardline.pipelines import storage
+from shardline.foundation import storage
 from shardline.pipelines.config import PipelineConfig, RetentionConfig
 from shardline.pipelines.manifest import load_manifest, prune, sequences
 from shardline.pipelines.prepare import dataset_lease, prepare
 from shardline.serving.ledger import output_lease
-from shardline.training.checkpoint_store import CheckpointStore
+from shardline.training.checkpoints.store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from shardline.pipelines.errors import DataError
+from shardline.foundation.errors import DataError
 from shardline.serving import ledger
-from shardline.training.checkpoint_store import CheckpointStore, POINTER
+from shardline.training.checkpoints.store import CheckpointStore, POINTER
 
 UID = "0123456789abcdef"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardline.pipelines.errors import ConfigError
+from shardline.foundation.errors import ConfigError
 from shardline.training.config import TrainingConfig
 from shardline.training.launchers.local import launch_local
 from shardline.training.launchers.spark import launch_spark_barrier

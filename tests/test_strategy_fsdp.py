@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardline.pipelines.errors import ConfigError
+from shardline.foundation.errors import ConfigError
 from shardline.training.config import TrainingConfig
 from shardline.training.launchers.local import launch_local
 from shardline.training.strategies import strategy_for

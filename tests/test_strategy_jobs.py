@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from shardline.pipelines.manifest import load_manifest
-from shardline.training.checkpoint_store import CheckpointStore
+from shardline.training.checkpoints.store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 from shardline.training.launchers.spark import launch_spark_barrier
-from shardline.training.models import build_model
+from shardline.training.models.builtin import build_model
 
 from .conftest import REPO, shardline_here
 from .dist_helpers import train_steps

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardline.pipelines.errors import ConfigError
+from shardline.foundation.errors import ConfigError
 from shardline.training.config import TrainingConfig
 from shardline.training.launchers.local import launch_local
-from shardline.training.models import TabularMLP
+from shardline.training.models.builtin import TabularMLP
 from shardline.training.strategies.base import autocast_for, train_step
 from shardline.training.strategies.pipeline import Pipeline, balanced_bounds
 from shardline.training.strategies.schedule import (

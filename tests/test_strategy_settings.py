@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from shardline.config import ShardlineConfig, load_config
-from shardline.pipelines.errors import ConfigError
-from shardline.training import checkpoints
+from shardline.foundation.errors import ConfigError
+from shardline.training.checkpoints import fingerprint
 from shardline.training.config import TrainingConfig
 from shardline.training.strategies import strategy_for
 from shardline.training.strategy_settings import FLAT_NAMES, TABLES, merge_settings
-from shardline.training.sweep_config import SweepConfig, tunable
+from shardline.training.sweeps.config import SweepConfig, tunable
 from shardline.training.worker import RankJob
 
 from .conftest import REPO
@@ -55,7 +55,7 @@ def test_a_flat_name_and_its_sub_table_give_the_same_config(name):
     nested = TrainingConfig(**{table: {field: VALUES[name]}})
     assert flat == nested
     assert getattr(getattr(flat, table), field) == VALUES[name] == getattr(nested, name)
-    assert checkpoints.fingerprint(flat, "v") == checkpoints.fingerprint(nested, "v")
+    assert fingerprint.fingerprint(flat, "v") == fingerprint.fingerprint(nested, "v")
 
 
 def test_flat_and_sub_tables_agree_through_toml_set_and_the_api(tmp_path):
@@ -171,7 +171,7 @@ def test_fingerprints_stay_as_the_flat_settings_wrote_them():
         "micro_batches": "8", "pipeline_boundaries": "[1, 2, 3]", "pipeline_schedule": "interleaved-1f1b",
         "pipeline_stages_per_rank": "2", "grad_compression": "fp16", "dataset_version": "v1",
     }
-    fp = checkpoints.fingerprint(cfg, "v1")
+    fp = fingerprint.fingerprint(cfg, "v1")
     assert {k: fp[k] for k in expected} == expected
 
 
@@ -183,7 +183,7 @@ def test_a_sweep_searches_a_strategy_setting_by_its_flat_name():
     with pytest.raises(ValueError, match=r"micro_batches: 0 is not a valid training.micro_batches"):
         SweepConfig(space={"micro_batches": {"type": "categorical", "choices": [0, 4]}})
     # A trial's config: the base's full dump (every sub-table at its values) with the trial's
-    # flat-named values over it (training.sweep._run_trial), validated.
+    # flat-named values over it (training.sweeps.run._run_trial), validated.
     base = TrainingConfig(strategy="pipeline", micro_batches=4, pipeline_schedule="gpipe")
     trial = TrainingConfig.model_validate(merge_settings(base.model_dump(), {"micro_batches": 8, "lr": 0.1}))
     assert (trial.micro_batches, trial.pipeline_schedule, trial.lr) == (8, "gpipe", 0.1)

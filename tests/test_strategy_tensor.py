@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardline.pipelines.errors import ConfigError
+from shardline.foundation.errors import ConfigError
 from shardline.training.config import TrainingConfig
 from shardline.training.launchers.local import launch_local
 from shardline.training.strategies import strategy_for
@@ -132,7 +132,7 @@ def test_check_accepts_a_dividing_tp():
 
 
 def test_an_mlp_with_one_hidden_layer_has_nothing_to_split():
-    from shardline.training.models import TabularMLP
+    from shardline.training.models.builtin import TabularMLP
 
     cfg = TrainingConfig(strategy="tensor", world_size=2, hidden=[16])
     with pytest.raises(ConfigError, match=r"^training.strategy tensor: training.hidden \[16\] has no pair"):

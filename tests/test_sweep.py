@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from shardline.pipelines.errors import ShardlineError
+from shardline.foundation.errors import ShardlineError
 from shardline.pipelines.manifest import load_manifest
 from shardline.training.config import TrackingConfig, TrainingConfig
-from shardline.training.sweep import EPOCH_METRICS, VAL_METRICS, run_sweep
-from shardline.training.sweep_config import SweepConfig
+from shardline.training.sweeps.run import EPOCH_METRICS, VAL_METRICS, run_sweep
+from shardline.training.sweeps.config import SweepConfig
 
 from .conftest import shardline_here
 
@@ -134,7 +134,7 @@ def test_each_pruner_stops_trials_reporting_worse_than_their_peers(tmp_path, pru
     import optuna
     from optuna.trial import TrialState
 
-    from shardline.training.sweep_study import PruningReporter, make_pruner, open_storage
+    from shardline.training.sweeps.study import PruningReporter, make_pruner, open_storage
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     epochs = 4

@@ -18,10 +18,10 @@ from deltalake import DeltaTable, write_deltalake
 from shardline.pipelines.checks import check_prepare
 from shardline.pipelines.config import PipelineConfig
 from shardline.pipelines.delta_source import storage_options
-from shardline.pipelines.errors import DataError
+from shardline.foundation.errors import DataError
 from shardline.pipelines.manifest import load_manifest
 from shardline.pipelines.prepare import prepare
-from shardline.pipelines import storage
+from shardline.foundation import storage
 
 from .test_engines_equal import engine_dirs, prepare_both
 

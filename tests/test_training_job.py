@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardline.pipelines.errors import ConfigError, DataError, ShardlineError
+from shardline.foundation.errors import ConfigError, DataError, ShardlineError
 from shardline.pipelines.manifest import load_manifest
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training

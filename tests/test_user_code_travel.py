@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from shardline.pipelines.code_travel import code_zip, local_code, snapshot, use_code
-from shardline.pipelines.config import DaskConfig
+from shardline.foundation.code_travel import code_zip, local_code, snapshot, use_code
+from shardline.foundation.engine_config import DaskConfig
 from shardline.training.launchers.local import launch_local
 
 from .conftest import REPO
@@ -85,8 +85,8 @@ def test_a_worker_that_imported_an_older_zip_imports_the_new_one(tmp_path, clean
 
 
 def test_a_zip_that_never_arrived_is_one_line():
-    from shardline.pipelines.code_travel import UserCode
-    from shardline.pipelines.errors import ShardlineError
+    from shardline.foundation.code_travel import UserCode
+    from shardline.foundation.errors import ShardlineError
 
     with pytest.raises(ShardlineError, match=r"the user's code \(shardline-user-0\.zip\) did not reach this worker"):
         use_code(UserCode(("shipped_pkg",), "shardline-user-0.zip"))
@@ -112,7 +112,7 @@ def test_local_ranks_import_the_users_folder_from_anywhere(tmp_path, clean_impor
 
 
 def test_two_code_paths_of_one_name_are_refused_in_one_line(tmp_path):
-    from shardline.pipelines.errors import ConfigError
+    from shardline.foundation.errors import ConfigError
     from shardline.training.config import TrainingConfig
     from shardline.training.user_code import job_code_folders
 
@@ -144,7 +144,7 @@ def test_classic_spark_python_workers_run_each_runs_version(spark, tmp_path):
 def test_dask_workers_without_the_package_run_each_runs_version(dask_cli_cluster, tmp_path):
     """The CLI cluster's workers have neither shardline nor the user's package; the same
     worker processes run two launches, the package changed in between."""
-    from shardline.pipelines.engines import dask_client
+    from shardline.foundation.sessions import dask_client
     from shardline.training.launchers.dask import launch_dask
 
     pkg = write_package(tmp_path, 1)
@@ -198,7 +198,7 @@ def test_the_zips_go_with_their_process_and_a_killed_ones_with_the_next(tmp_path
     """atexit never runs on SIGKILL: the next process to make a zip removes the folder of a
     process that is gone, and only such folders (each is locked while its process lives)."""
     pkg = write_package(tmp_path, 1)
-    make = (f"from shardline.pipelines.code_travel import code_zip\nimport time\n"
+    make = (f"from shardline.foundation.code_travel import code_zip\nimport time\n"
             f"print(code_zip([{str(pkg)!r}])[0], flush=True)\n")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     live, killed = (subprocess.Popen([sys.executable, "-c", make + "time.sleep(600)"], stdout=subprocess.PIPE,
@@ -218,7 +218,7 @@ def test_the_zips_go_with_their_process_and_a_killed_ones_with_the_next(tmp_path
         for p in (live, killed):
             p.kill()
             p.wait(timeout=30)
-        from shardline.pipelines.zips import remove_orphans
+        from shardline.foundation.zips import remove_orphans
 
         remove_orphans(os.path.dirname(os.path.dirname(live_zip)))
     assert not os.path.exists(live_zip)
@@ -232,7 +232,7 @@ def test_scoring_ships_the_code_a_model_needs_to_dask_workers_without_it(
     """A registered model whose class is the user's (pickled by reference, as a model of
     theirs logged with mlflow.pytorch is): the CLI cluster's workers can unpickle it only
     from the code the scoring job ships (without `user_code`: ModuleNotFoundError)."""
-    from shardline.pipelines.engines import dask_client
+    from shardline.foundation.sessions import dask_client
     from .serving_helpers import score
 
     from .serving_helpers import read_scores, register_wrapped
@@ -259,14 +259,14 @@ def test_scoring_ships_the_code_a_model_needs_to_dask_workers_without_it(
 def test_a_task_whose_working_folder_was_removed_still_runs_torch(tmp_path):
     """A reused Spark Python worker can sit in a removed folder (a Connect session's); torch
     imported there aborts the process at its first matrix product. A Spark task's payload
-    (pipelines.environ.TaskPayload: here a reference to torch.ones, whose unpickling imports
+    (foundation.environ.TaskPayload: here a reference to torch.ones, whose unpickling imports
     torch) is opened only after the task has left such a folder. The control unpickles the
     same bytes in place, and aborts."""
     import pickle
 
     import torch
 
-    from shardline.pipelines.environ import TaskPayload
+    from shardline.foundation.environ import TaskPayload
 
     blob = tmp_path / "payload.pickle"
     blob.write_bytes(pickle.dumps(TaskPayload(torch.ones)))

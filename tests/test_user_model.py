@@ -12,14 +12,14 @@ import pandas as pd
 import pytest
 import torch
 
-from shardline.pipelines.errors import ConfigError
+from shardline.foundation.errors import ConfigError
 from shardline.pipelines.manifest import load_manifest
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import preflight, run_training
 from shardline.training.launchers.local import launch_local
-from shardline.training.model_check import check_callables, check_model
-from shardline.training.model_factory import build_model, create_model
-from shardline.training.model_inputs import ModelInputs, TensorInput
+from shardline.training.models.check import check_callables, check_model
+from shardline.training.models.factory import build_model, create_model
+from shardline.training.models.inputs import ModelInputs, TensorInput
 from shardline.training.strategies import strategy_for
 
 from .defaults_helpers import small_dataset  # noqa: F401 (a fixture)
@@ -121,7 +121,7 @@ def test_a_built_in_name_is_its_import_path_with_the_settings_as_arguments():
     cfg = TrainingConfig(model="transformer", hidden=[16, 16], heads=2)
     by_name = create_model(INPUTS, cfg)
     by_path = create_model(INPUTS, cfg.model_copy(update={
-        "model": "shardline.training.models:transformer", "model_args": {"hidden": [16, 16], "heads": 2},
+        "model": "shardline.training.models.builtin:transformer", "model_args": {"hidden": [16, 16], "heads": 2},
     }))
     assert type(by_name) is type(by_path)
     for (k, a), (_, b) in zip(by_name.state_dict().items(), by_path.state_dict().items()):
@@ -216,7 +216,7 @@ def test_the_registered_model_takes_decoded_arrays_of_the_declared_dtypes_and_sh
     from mlflow.exceptions import MlflowException
 
     from shardline.pipelines.manifest import TensorSpec
-    from shardline.training.raw_model import typed_inputs
+    from shardline.training.models.registered import typed_inputs
 
     tensors = {"grid": TensorSpec(column="grid", dtype="uint8", shape=[2, 3], encoding="raw"),
                "w": TensorSpec(column="w", dtype="bfloat16", shape=[2], encoding="raw")}
@@ -243,7 +243,7 @@ def test_the_registered_model_decodes_base64_images_and_id_lists_as_prepare_does
     from mlflow.exceptions import MlflowException
 
     from shardline.pipelines.manifest import TensorSpec
-    from shardline.training.raw_model import typed_inputs
+    from shardline.training.models.registered import typed_inputs
 
     spec = typed_config(tmp_path).features
     tensors = {"photo": TensorSpec(column="photo", dtype="uint8", shape=[3, 8, 6], encoding="image"),

@@ -69,9 +69,9 @@ def test_a_user_project_with_its_own_training_and_jobs(small_dataset, tmp_path):
     env = _env()
 
     # Python in the project's folder: its packages are its own, shardline's are shardline's.
-    code = ("import shardline, shardline.api, shardline.training.models, shardline.jobs.cli, training.mymodel, jobs\n"
+    code = ("import shardline, shardline.api, shardline.training.models.builtin, shardline.jobs.cli, training.mymodel, jobs\n"
             "print(training.mymodel.__file__); print(jobs.WHOSE)\n"
-            "print(shardline.training.models.__file__); print(callable(shardline.train))")
+            "print(shardline.training.models.builtin.__file__); print(callable(shardline.train))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=project, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     mine, whose, theirs, api = proc.stdout.splitlines()
@@ -112,7 +112,7 @@ def test_a_user_project_with_its_own_training_and_jobs(small_dataset, tmp_path):
 # From the project's folder, as a user runs it: the command prepares the raw rows, trains the
 # project's model with its loss, registers it and scores the test split, on Spark Connect and
 # on a Dask CLI cluster, whose executors and workers have neither shardline nor the project's
-# `training` package: it reaches them only as the job's shipped code (pipelines/code_travel.py).
+# `training` package: it reaches them only as the job's shipped code (shardline/foundation/code_travel.py).
 # The session's MLflow store, its tables made once (a new SQLite store takes seconds to make).
 RUN_SETS = ("--set", "training.model='training.mymodel:build'", "--set", "training.loss='training.losses:shifted_ce'",
             "--set", "training.metrics=['training.losses:ce']")

@@ -104,7 +104,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def from_numpy(arrays: dict[str, np.ndarray], dtypes: dict[str, str]) -> dict[str, torch.Tensor]:
-    """Decoded numpy columns (training.loader_columns.decode_column) as named tensors of the
+    """Decoded numpy columns (training.loader.columns.decode_column) as named tensors of the
     declared dtypes; bfloat16 arrives as its 16 bits and is viewed, not converted."""
     out = {}
     for name, a in arrays.items():

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from shardline.pipelines.config import Section
+from shardline.foundation.section import Section
 from shardline.pipelines.manifest import BandwidthPlan
 
 from .strategy_settings import (
@@ -47,7 +47,7 @@ class TrainingConfig(Section):
     )
     model_args: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments for the model factory, called as "
-        "factory(inputs, **model_args) (inputs: training.model_inputs.ModelInputs). A built-in takes "
+        "factory(inputs, **model_args) (inputs: training.models.inputs.ModelInputs). A built-in takes "
         "training.hidden, heads and embedding_dim as its defaults, which these override.",
     )
     loss: str | None = Field(
@@ -146,7 +146,7 @@ class TrainingConfig(Section):
     checkpoint_dir: str = Field(
         "shardline-data/checkpoints", description="Where checkpoints go, one job per directory; "
         "unset: a folder of the job's own, shardline-data/checkpoints/<experiment>/<registered "
-        "model>-<hash of its settings and dataset> (training.checkpoints.job_dir). A new job "
+        "model>-<hash of its settings and dataset> (training.checkpoints.fingerprint.job_dir). A new job "
         "clears its own earlier checkpoints and refuses a directory holding another job's.",
     )
     checkpoint_every_steps: int = Field(

@@ -8,7 +8,7 @@ import torch
 
 from . import collectives, task
 from .batch import split as split_batch, take, to_device
-from .loader import ShardLoader
+from .loader.reader import ShardLoader
 
 
 @torch.no_grad()

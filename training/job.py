@@ -25,21 +25,21 @@ from dataclasses import dataclass
 
 import torch
 
-from shardline.pipelines import report, storage
-from shardline.pipelines.code_travel import UserCode, snapshot
-from shardline.pipelines.errors import ConfigError, DataError, ShardlineError
+from shardline.foundation import report, storage
+from shardline.foundation.code_travel import UserCode, snapshot
+from shardline.foundation.errors import ConfigError, DataError, ShardlineError
 from shardline.pipelines.manifest import ShardManifest, load_manifest, sequences
-from shardline.pipelines.progress import ProgressListener, listen_address
+from shardline.foundation.progress import ProgressListener, listen_address
 
-from . import checkpoints, sharded_checkpoints
-from .checkpoint_store import CheckpointStore
+from .checkpoints import fingerprint, sharded
+from .checkpoints.store import CheckpointStore
 from .config import TrackingConfig, TrainingConfig
 from .launchers import DriverGuard
-from .loader import check_world_size, epoch_steps, rows_per_rank
+from .loader.reader import check_world_size, epoch_steps, rows_per_rank
 from .mlflow_outage import replay, tracked_run, when_reachable
-from .model_check import check_callables, check_model
-from .model_inputs import ModelInputs
-from .models import build_model
+from .models.check import check_callables, check_model
+from .models.inputs import ModelInputs
+from .models.builtin import build_model
 from .restarts import launch_with_restarts
 from .result import TrainResult
 from .strategies import strategy_for
@@ -53,7 +53,7 @@ class Resume:
     """The checkpoint a resumed job continues from, as the checks found it."""
 
     url: str  # its small file
-    head: dict  # what the small file holds (training.checkpoints)
+    head: dict  # what the small file holds (training.checkpoints.fingerprint)
     changed: dict[str, tuple]  # allowed changes (--allow-changed): field -> (old, new)
 
 
@@ -63,7 +63,7 @@ class TrainingJob:
     def __init__(self, cfg: TrainingConfig, tracking: TrackingConfig, dataset_dir: str, *,
                  store: CheckpointStore, code: UserCode):
         self.cfg, self.tracking, self.dataset_dir = cfg, tracking, dataset_dir
-        self.store = store  # the checkpoint folder's owner (training.checkpoint_store)
+        self.store = store  # the checkpoint folder's owner (training.checkpoints.store)
         self.code = code
         # The job's strategy, looked up once: its settings and mesh (a mesh that cannot be laid
         # out is refused here); the checks use it and it travels to every rank in the RankJob.
@@ -87,7 +87,7 @@ class TrainingJob:
             store = CheckpointStore.for_job(cfg, tracking.experiment, tracking.registered_model, dataset_dir)
         cfg = cfg.model_copy(update={"checkpoint_dir": store.url})
         tracking = tracking.model_copy(update={"tracking_uri": tracking.resolved_uri()})
-        checkpoints.check_allowed(cfg.resume_allow_changed, "--allow-changed / training.resume_allow_changed")
+        fingerprint.check_allowed(cfg.resume_allow_changed, "--allow-changed / training.resume_allow_changed")
         # The user's code as it is now: the driver's checks, the fingerprint and every rank
         # use these bytes.
         code = snapshot(job_code_folders(cfg))
@@ -140,7 +140,7 @@ class TrainingJob:
         run` prepares it first): a checkpoint to resume from, over the same code; for a new
         job, no other job's checkpoints (their dataset version is no part of that comparison)."""
         cfg = self.cfg
-        fp = checkpoints.fingerprint(cfg, "", self.code)
+        fp = fingerprint.fingerprint(cfg, "", self.code)
         if cfg.resume:
             self.store.check_resume(fp, self.code, cfg.epochs, cfg.resume_allow_changed)
         else:
@@ -153,31 +153,31 @@ class TrainingJob:
         cfg, store, code = self.cfg, self.store, self.code
         allowed = cfg.resume_allow_changed
         if not cfg.resume:
-            self.fingerprint = checkpoints.fingerprint(cfg, self.manifest.version_id, code)
+            self.fingerprint = fingerprint.fingerprint(cfg, self.manifest.version_id, code)
             store.check_new(self.fingerprint)
             return
-        store.check_resume(checkpoints.fingerprint(cfg, self.manifest.version_id, code), code, cfg.epochs, allowed)
+        store.check_resume(fingerprint.fingerprint(cfg, self.manifest.version_id, code), code, cfg.epochs, allowed)
         found = store.readable()  # the newest readable one
         if found is None:
             raise DataError(f"{store.where}: no checkpoint to resume from")
         url = found[0]
         if "dataset_version" not in allowed:
             self.manifest = _version_of(store, url, self.dataset_dir, self.manifest)
-        fp = checkpoints.fingerprint(cfg, self.manifest.version_id, code)
-        head = store.read(url, checkpoints.comparable(fp), allowed)
+        fp = fingerprint.fingerprint(cfg, self.manifest.version_id, code)
+        head = store.read(url, fingerprint.comparable(fp), allowed)
         # Another mesh than the one that wrote it: refused here unless it reshards.
-        sharded_checkpoints.check_resume(head, cfg, self.strategy.data_world, storage.display(url))
+        sharded.check_resume(head, cfg, self.strategy.data_world, storage.display(url))
         if head.get("epoch", 0) >= cfg.epochs:
             store.check_unfinished(cfg.epochs, allowed)
         saved = head.get("fingerprint", {})
-        changed = {k: (saved.get(k), fp[k]) for k in checkpoints.differences(saved, fp) if k in allowed}
+        changed = {k: (saved.get(k), fp[k]) for k in fingerprint.differences(saved, fp) if k in allowed}
         self.fingerprint, self.resume = fp, Resume(url, head, changed)
 
     def check_capacity(self, spark=None, dask_client=None) -> None:
         """Enough task slots or workers for every rank: the one check that needs the engine."""
         cfg = self.cfg
         if cfg.launcher == "spark" and spark is not None:
-            from shardline.pipelines.spark_probe import check_executors
+            from shardline.foundation.spark_probe import check_executors
 
             from .launchers.spark import check_spark_slots
 
@@ -202,7 +202,7 @@ class TrainingJob:
             dask_workers: list[str] | None = None) -> TrainResult:
         """Train, track, log and register (after `check`, and `check_capacity` on the engine
         given). The keywords are for sweeps
-        (training.sweep): into_run reports into an existing (child) run; register=False
+        (training.sweeps.run): into_run reports into an existing (child) run; register=False
         logs the model without registering it; epoch_hook: see RankJob.epoch_hook;
         dask_workers: the workers the ranks run on. The folder's hold: the caller's if it
         holds it already (the API takes it first), else taken here and released at the end."""
@@ -268,7 +268,7 @@ class TrainingJob:
                 strategy=self.strategy, run_id=run_id, fingerprint=self.fingerprint, code=self.code,
                 resume_from=self.resume.url if self.resume else None, epoch_hook=epoch_hook,
             )
-            # Ranks' progress lines reach this process's reporter wherever they run (pipelines.progress).
+            # Ranks' progress lines reach this process's reporter wherever they run (foundation.progress).
             with ProgressListener(listen_address(cfg.launcher, spark, dask_client)) as listener:
                 job.progress_addr = listener.address
                 result = launch_with_restarts(job, store, spark, dask_client, dask_workers, guard)
@@ -288,7 +288,7 @@ class TrainingJob:
             def reachable(call):
                 return when_reachable(call, uri, tracking.outage_wait_s, latest())
 
-            from .raw_model import log_trained_model
+            from .models.registered import log_trained_model
 
             reachable(lambda: log_curves(run_id, [k for k in result["metrics"] if not k.startswith("rank")]))
             name = tracking.registered_model if register else None

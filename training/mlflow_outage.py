@@ -170,7 +170,7 @@ class _Waiting:
         left = max(0.0, self.wait_s - (now - self.start))
         first = self.said is None
         self.said = now
-        from shardline.pipelines.redact import redact
+        from shardline.foundation.redact import redact
 
         print(redact(f"[shardline] training is done; MLflow at {self.uri} is unreachable ({detail}): "
               f"{'waiting' if first else 'still waiting'} up to {left:.0f} s more for it "
@@ -205,8 +205,8 @@ def tracked_run(run_id: str | None, run_name: str | None, tracking_uri: str, wai
 
 
 def _gone(tracking_uri: str, wait_s: float, checkpoint: str | None, detail: str):
-    from shardline.pipelines.errors import ShardlineError
-    from shardline.pipelines.redact import redact
+    from shardline.foundation.errors import ShardlineError
+    from shardline.foundation.redact import redact
 
     return ShardlineError(redact(
         f"tracking.tracking_uri: MLflow at {tracking_uri} has been unreachable since training "

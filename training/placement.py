@@ -26,7 +26,7 @@ import socket
 from collections import Counter
 from dataclasses import dataclass
 
-from shardline.pipelines.errors import ShardlineError
+from shardline.foundation.errors import ShardlineError
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from shardline.pipelines import storage
-from shardline.pipelines.errors import DataError
+from shardline.foundation import storage
+from shardline.foundation.errors import DataError
 from shardline.pipelines.manifest import BandwidthPlan, ShardManifest
 from shardline.pipelines.transform import continuous_width
 
@@ -33,7 +33,7 @@ from .batch import pin, rows as batch_rows, split, to_device
 from .config import TrainingConfig
 from .job import preflight
 from .launchers import available_cores
-from .loader import ShardLoader
+from .loader.reader import ShardLoader
 from .strategies import Strategy, strategy_for
 from .strategies.base import autocast_for, train_step
 from .task import loss_for
@@ -303,7 +303,7 @@ def _synthetic_batch(manifest: ShardManifest, rows: int, seed: int):
     """Random rows of the dataset's shape: standard-normal continuous features, valid
     category indices (0 is unknown) and labels; values never change a step's cost. A
     dataset with tensor or image columns: the named tensors' zeros (ModelInputs.sample_batch)."""
-    from .model_inputs import ModelInputs
+    from .models.inputs import ModelInputs
 
     g = torch.Generator().manual_seed(seed)
     spec, stats = manifest.feature_spec, manifest.statistics

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import time
 
-from shardline.pipelines import report, storage
-from shardline.pipelines.errors import ConfigError, ShardlineError
-from shardline.pipelines.redact import redact
+from shardline.foundation import report, storage
+from shardline.foundation.errors import ConfigError, ShardlineError
+from shardline.foundation.redact import redact
 
-from . import checkpoints
-from .checkpoint_store import CheckpointStore
+from .checkpoints import fingerprint
+from .checkpoints.store import CheckpointStore
 from .launchers import DriverGuard, TrainingFailed
 from .mlflow_outage import Outbox
 from .worker import RankJob, train_rank
@@ -44,7 +44,7 @@ def launch_with_restarts(job: RankJob, store: CheckpointStore, spark=None, dask_
             # The newest checkpoint a rank can read (a truncated newest one is skipped, said once).
             # Comparable: a job resumed at another mesh restarts from the checkpoint it resumed
             # from (written at the old mesh) until it has written one of its own.
-            found = store.readable(checkpoints.comparable(job.fingerprint), cfg.resume_allow_changed)
+            found = store.readable(fingerprint.comparable(job.fingerprint), cfg.resume_allow_changed)
             latest = found[0] if found else None
             job.resume_from = latest
             if outbox is not None:

@@ -27,7 +27,7 @@ class TrainResult:
 
     def to_dict(self) -> dict:
         # Not asdict(): it would deep-copy every weight only to leave them out.
-        from shardline.pipelines.redact import redact
+        from shardline.foundation.redact import redact
 
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("weights", "collective_calls")}
         # Printed (--json): a tracking URI's password masked, as in every line; the object keeps it.

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import math
 
-from shardline.pipelines import storage
+from shardline.foundation import storage
 from shardline.pipelines.config import PipelineConfig
-from shardline.pipelines.errors import DataError
+from shardline.foundation.errors import DataError
 from shardline.pipelines.raw import RawFile
 
 from .config import TrainingConfig

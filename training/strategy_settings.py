@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from shardline.pipelines.config import Section
-from shardline.pipelines.errors import ConfigError
+from shardline.foundation.section import Section
+from shardline.foundation.errors import ConfigError
 
 
 class DdpSettings(Section):
@@ -46,7 +46,7 @@ class TensorSettings(Section):
     plan: dict[str, Literal["colwise", "rowwise"]] | None = Field(
         None, description="Module path -> colwise (output features split) or rowwise (input "
         "features split, outputs summed), each colwise run closed by a rowwise layer; unset: "
-        "the model's own plan (its tp_plan(), training.model_plans).",
+        "the model's own plan (its tp_plan(), training.models.plans).",
     )
 
 

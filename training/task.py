@@ -19,7 +19,7 @@ train split's statistics (the manifest's `statistics.label`, `label_scale`). A l
 from 0, or in the thousands, would otherwise leave a model initialised near 0 with a huge
 loss and gradients that the default learning rate cannot follow (a 442-row set trained to
 R^2 -4.4). The loader standardises the label; the figures are given back in the label's
-units; the registered model un-standardises its output (training.model_files), so scores
+units; the registered model un-standardises its output (training.models.files), so scores
 and the served model speak the label's units too. A user's own loss gets the label as it
 is: its scale is the user's choice.
 
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from shardline.pipelines.manifest import ShardManifest
 
 from .config import TrainingConfig
-from .loader_columns import IGNORE_INDEX  # a target position no loss counts: the loader marks pads so
+from .loader.columns import IGNORE_INDEX  # a target position no loss counts: the loader marks pads so
 from .user_code import import_user_object
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -77,7 +77,7 @@ def label_scale(manifest: ShardManifest, loss: str | None) -> tuple[float, float
 
 class LabelUnits(torch.nn.Module):
     """A model that learnt the standardised label (`label_scale`), giving values in the
-    label's units: what training.model_files loads for scoring and serving."""
+    label's units: what training.models.files loads for scoring and serving."""
 
     def __init__(self, inner: torch.nn.Module, mean: float, std: float):
         super().__init__()

@@ -8,9 +8,9 @@ import tempfile
 import time
 from contextlib import contextmanager
 
-from shardline.pipelines import storage
-from shardline.pipelines.errors import ShardlineError
-from shardline.pipelines.redact import redact
+from shardline.foundation import storage
+from shardline.foundation.errors import ShardlineError
+from shardline.foundation.redact import redact
 
 from .mlflow_outage import Outbox, bound_http, unreachable
 

@@ -15,7 +15,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from shardline.pipelines.errors import ConfigError
+from shardline.foundation.errors import ConfigError
 
 
 def is_import_path(name: str) -> bool:
@@ -135,8 +135,8 @@ def job_code_folders(cfg) -> list[str]:
     the packages of `training.model`, `training.loss` and `training.metrics` (when they are
     the user's own) and every `training.code_paths` entry. Two of one name are refused:
     both would be imported as that name."""
-    from shardline.pipelines.code_travel import top_names
-    from shardline.pipelines.errors import ShardlineError
+    from shardline.foundation.code_travel import top_names
+    from shardline.foundation.errors import ShardlineError
 
     folders = user_code_folders([cfg.model, cfg.loss or "", *cfg.metrics], cfg.code_paths)
     try:
@@ -146,7 +146,7 @@ def job_code_folders(cfg) -> list[str]:
     return folders
 
 
-# Top-level package -> the digest of the code snapshot (pipelines.code_travel.UserCode) this
+# Top-level package -> the digest of the code snapshot (foundation.code_travel.UserCode) this
 # driver process last imported it for.
 _IMPORTED_FOR: dict[str, str] = {}
 

@@ -11,18 +11,19 @@ from functools import partial
 
 import torch
 
-from shardline.pipelines import progress, storage
-from shardline.pipelines.code_travel import UserCode
+from shardline.foundation import progress, storage
+from shardline.foundation.code_travel import UserCode
 from shardline.pipelines.manifest import ShardManifest, load_manifest
 
-from . import checkpoints, collectives, task
-from .checkpoint_store import CheckpointStore
+from .checkpoints import fingerprint
+from . import collectives, task
+from .checkpoints.store import CheckpointStore
 from .batch import forward, split as split_batch, to_device
 from .config import TrainingConfig
 from .evaluate import evaluate
 from .launchers.guard import stop_if_job_over
-from .loader import ShardLoader
-from .models import apply_activation_checkpointing, build_model
+from .loader.reader import ShardLoader
+from .models.builtin import apply_activation_checkpointing, build_model
 from .strategies import Strategy, strategy_for
 from .tracking import MetricsReporter
 
@@ -50,9 +51,9 @@ class RankJob:
     # Rank 0 calls it after each epoch with (epoch, metrics); True stops every rank
     # after that epoch (a sweep's pruner). Must pickle, like the rest of the job.
     epoch_hook: Callable[[int, dict[str, float]], bool] | None = None
-    # host:port of the driver's progress listener (pipelines.progress); None prints here.
+    # host:port of the driver's progress listener (foundation.progress); None prints here.
     progress_addr: str | None = None
-    # The job's snapshot of the user's code (pipelines.code_travel): what every rank imports.
+    # The job's snapshot of the user's code (foundation.code_travel): what every rank imports.
     code: UserCode | None = None
 
     def __post_init__(self) -> None:
@@ -129,11 +130,11 @@ def train_rank(rank: int, world_size: int, job: RankJob) -> dict | None:
     if job.resume_from:
         step, start_epoch, resumed_sums = _resume(job, store, parallel, scheduler, train, rank, world_size, device)
         # A setting the user allowed to change (--allow-changed lr) wins over the checkpoint's.
-        checkpoints.apply_changed(optimizer, scheduler, cfg, cfg.resume_allow_changed)
+        fingerprint.apply_changed(optimizer, scheduler, cfg, cfg.resume_allow_changed)
 
     def checkpoint(epoch: int, step_in_epoch: int, artifact: bool, sums: torch.Tensor) -> None:
         # Every rank writes what it holds of the weights and the optimizer state, in
-        # parallel, into the checkpoint's DCP directory (training.sharded_checkpoints); then
+        # parallel, into the checkpoint's DCP directory (training.checkpoints.sharded); then
         # one small file, gathered to rank 0, says what each rank needs besides to resume
         # exactly (its schedule, RNG state, and mid-epoch its running sums of the epoch's
         # figures: a resumed epoch logs them over all its steps) and names the directory.
@@ -285,7 +286,7 @@ def _resume(job: RankJob, store: CheckpointStore, parallel, scheduler, train: Sh
     ranks changed) RNG states stay freshly seeded (no model here draws any) and the next
     epoch starts from its beginning.
     """
-    state = store.read(job.resume_from, checkpoints.comparable(job.fingerprint), job.cfg.resume_allow_changed)
+    state = store.read(job.resume_from, fingerprint.comparable(job.fingerprint), job.cfg.resume_allow_changed)
     parallel.load_checkpoint(store.dcp_dir(job.resume_from, state))
     own = state["ranks"][rank] if len(state["ranks"]) == world_size else None
     # Every rank runs the same schedule; a rank with no optimizer saved none (a ps worker, a

@@ -57,8 +57,8 @@ def run(spark, client, workdir, tracking_uri: str | None = None, name: str = "la
 
 
 if __name__ == "__main__":
-    from shardline.pipelines.config import DaskConfig, SparkConfig
-    from shardline.pipelines.engines import dask_client, spark_session
+    from shardline.foundation.engine_config import DaskConfig, SparkConfig
+    from shardline.foundation.sessions import dask_client, spark_session
 
     spark = spark_session(SparkConfig(master="local[2]"))
     client = dask_client(DaskConfig(n_workers=2))

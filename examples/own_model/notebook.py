@@ -123,8 +123,8 @@ def _summary(engine: str, out: dict) -> str:
 if __name__ == "__main__":
     import sys
 
-    from shardline.pipelines.config import DaskConfig, SparkConfig
-    from shardline.pipelines.engines import dask_client, spark_session
+    from shardline.foundation.engine_config import DaskConfig, SparkConfig
+    from shardline.foundation.sessions import dask_client, spark_session
 
     workdir = Path(sys.argv[1] if len(sys.argv) > 1 else "example-out")
     spark = spark_session(SparkConfig(master="local[2]"))

@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shardline.pipelines.code_travel import UserCode, use_code
-from shardline.pipelines.errors import ShardlineError
+from shardline.foundation.code_travel import UserCode, use_code
+from shardline.foundation.errors import ShardlineError
 
 from ..placement import Slot
 from .guard import DriverGuard
@@ -63,7 +63,7 @@ def announced(ranks_dir: str | None, rank: int) -> dict | None:
     host and pid, training.worker), if it got that far: a lost rank's launcher names it so."""
     import json
 
-    from shardline.pipelines import storage
+    from shardline.foundation import storage
 
     if not ranks_dir:
         return None
@@ -104,7 +104,7 @@ def run_in_group(
     Spark barrier task yields made later jobs hang (seen with Spark 4.3). The timeout bounds
     how long a stopped peer can hang the others. `guard` ends this process if the
     job's driver goes away; a failure is raised as a `RankError` the driver can read.
-    `code`: the user's code the launcher shipped (pipelines.code_travel), made current in
+    `code`: the user's code the launcher shipped (foundation.code_travel), made current in
     this process before `fn` runs, so `fn` imports this job's version of it.
     A payload with a `ranks_dir` (a RankJob's) is where a bug's full traceback is written
     (`ranks/rank-N.log`), for the driver's one line to name (launchers.rank_errors).

@@ -6,8 +6,8 @@ import logging
 import time
 from typing import Any
 
-from shardline.pipelines.code_travel import UserCode, ship_to_dask
-from shardline.pipelines.errors import ShardlineError
+from shardline.foundation.code_travel import UserCode, ship_to_dask
+from shardline.foundation.errors import ShardlineError
 
 from ..placement import Slot, host_of, own_visible_gpus, slots
 from . import DriverGuard, RankFn, TrainingFailed, announced, free_port, run_in_group
@@ -67,7 +67,7 @@ def launch_dask(
     wait_s: how long to wait for enough workers (a relaunch after a killed worker
     waits for its nanny to bring a new one up, under a new address). workers: the
     workers to use (a sweep gives each concurrent trial its own); default the first ones.
-    code: the job's snapshot of the user's code (pipelines.code_travel), uploaded to the
+    code: the job's snapshot of the user's code (foundation.code_travel), uploaded to the
     workers and made current in each rank before `fn` runs.
     """
     ship_to_dask(client, code)

@@ -1,7 +1,7 @@
 """Ranks never outlive their job, and a rank's failure reaches the driver as one line.
 
 **No orphans.** The driver holds the checkpoint directory's lease
-(`pipelines.lease`) while its ranks run and renews it every third of its time to
+(`foundation.lease`) while its ranks run and renews it every third of its time to
 live. Each rank runs a `DriverGuard` thread that reads the lease every few seconds
 and ends its own process when the job is gone: the lease released, taken over by
 another job, or not renewed past its expiry (a SIGKILLed driver, a lost host). This
@@ -59,7 +59,7 @@ class DriverGuard:
 
     @classmethod
     def for_this_process(cls, lease_url: str, job: str, ttl_s: float) -> DriverGuard:
-        from shardline.pipelines.lease import ProcessTable, process_start_ticks
+        from shardline.foundation.lease import ProcessTable, process_start_ticks
 
         me = ProcessTable.here()
         return cls(lease_url, job, ttl_s, me.host, me.boot_id, me.pid_ns, os.getpid(),
@@ -74,14 +74,14 @@ class DriverGuard:
 
     @property
     def stop_url(self) -> str:
-        from shardline.pipelines import storage
+        from shardline.foundation import storage
 
         return storage.join(storage.parent(self.lease_url), "ranks", STOP_NAME)
 
     def stop(self) -> None:
         """On the driver, interrupted: tell this job's ranks to stop now (see the module's doc).
         Never raises: the Ctrl-C that called it must still end the job."""
-        from shardline.pipelines import storage
+        from shardline.foundation import storage
 
         try:
             storage.write_bytes(self.stop_url, json.dumps({"job": self.job}).encode())
@@ -91,7 +91,7 @@ class DriverGuard:
 
     def interrupted(self) -> bool:
         """On a rank: did this job's driver ask its ranks to stop?"""
-        from shardline.pipelines import storage
+        from shardline.foundation import storage
 
         try:
             return json.loads(storage.read_bytes(self.stop_url)).get("job") == self.job
@@ -100,7 +100,7 @@ class DriverGuard:
 
     def gone(self) -> str | None:
         """Why this rank's job is over, or None while its driver holds the lease."""
-        from shardline.pipelines.lease import Lease
+        from shardline.foundation.lease import Lease
 
         try:
             holder = Lease.holder(self.lease_url)
@@ -116,7 +116,7 @@ class DriverGuard:
         return None
 
     def _driver_dead(self) -> bool:
-        from shardline.pipelines.lease import ProcessTable, process_alive
+        from shardline.foundation.lease import ProcessTable, process_alive
 
         # A Dask worker or Spark executor on this host may sit in another pid namespace
         # (a container): there the driver's pid means nothing, and only the lease counts.

@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from shardline.pipelines.code_travel import UserCode
+from shardline.foundation.code_travel import UserCode
 
 from . import LOST_PEER_GRACE_S, DriverGuard, RankFn, TrainingFailed, available_cores, free_port, run_in_group
 from .guard import die_with_parent
@@ -127,7 +127,7 @@ def launch_local(
 ) -> list[Any]:
     """Run `fn` on `world_size` processes of this machine; return the results by rank.
 
-    code: the job's snapshot of the user's code (pipelines.code_travel): its zip first on
+    code: the job's snapshot of the user's code (foundation.code_travel): its zip first on
     each rank's path, so the ranks import the very bytes the driver checked, whatever the
     folders hold by the time a rank (or a restart) starts.
     """

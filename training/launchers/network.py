@@ -16,8 +16,8 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from shardline.pipelines.environ import restored
-from shardline.pipelines.errors import ConfigError
+from shardline.foundation.environ import restored
+from shardline.foundation.errors import ConfigError
 
 VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 

@@ -21,7 +21,7 @@ closed" is said only when no rank is known lost.
 user's model or in shardline) is said once, with the innermost frame of the user's code
 (file relative to its folder on sys.path, line, function), and its full traceback goes to
 the rank's log file, `ranks/rank-N.log` in the checkpoint folder (every host writes there,
-through pipelines.storage, as it writes `ranks/rank-N.json`); the line names that file.
+through foundation.storage, as it writes `ranks/rank-N.json`); the line names that file.
 Ranks that failed with the same error at the same place are named together.
 """
 
@@ -37,7 +37,7 @@ import sysconfig
 import time
 import traceback
 
-from shardline.pipelines import failures
+from shardline.foundation import failures
 
 _MARK = re.compile(r"<<shardline-rank (\{.*?\})>>")
 _LOST_PEER_TEXT = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out",
@@ -65,7 +65,7 @@ def error_line(e: BaseException) -> str:
 
 def is_permanent(e: BaseException) -> bool:
     """Would a relaunch from the last checkpoint fail the same way?"""
-    from shardline.pipelines.errors import ShardlineError
+    from shardline.foundation.errors import ShardlineError
 
     from . import TrainingFailed
 
@@ -85,7 +85,7 @@ def is_permanent(e: BaseException) -> bool:
 
 def is_bug(e: BaseException) -> bool:
     """A failure the user cannot fix from its one line (not bad input or storage, not a lost peer)."""
-    from shardline.pipelines.errors import ShardlineError
+    from shardline.foundation.errors import ShardlineError
 
     return is_permanent(e) and not isinstance(e, OSError | ShardlineError | RankError)
 
@@ -142,7 +142,7 @@ def write_rank_log(ranks_dir: str | None, rank: int, e: BaseException) -> str | 
     console for local ranks, the executor's or worker's log on a cluster)."""
     text = "".join(traceback.format_exception(e))
     if ranks_dir:
-        from shardline.pipelines import storage
+        from shardline.foundation import storage
 
         url = storage.join(ranks_dir, f"rank-{rank}.log")
         head = (f"rank {rank} on {socket.gethostname()}, pid {os.getpid()}, "
@@ -189,7 +189,7 @@ def exit_reason(code: int) -> str:
 def describe_failures(failures: list[dict], lost: list[str] = ()) -> str:
     """One line: a rank's own permanent error if any (the cause), then the ranks that were
     lost; the peers' lost connections only when no rank is known lost."""
-    from shardline.pipelines import storage
+    from shardline.foundation import storage
 
     permanent = [f for f in failures if f["permanent"]]
     shown = permanent or ([] if lost else failures)

@@ -13,11 +13,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from shardline.pipelines.code_travel import UserCode, ship_to_spark
-from shardline.pipelines.environ import TaskPayload
-from shardline.pipelines.errors import ShardlineError
-from shardline.pipelines.spark_probe import failed_task, spark_error_line
-from shardline.pipelines.spark_setup import is_connect, master_as_written, spark_master, spark_setting
+from shardline.foundation.code_travel import UserCode, ship_to_spark
+from shardline.foundation.environ import TaskPayload
+from shardline.foundation.errors import ShardlineError
+from shardline.foundation.spark_probe import failed_task, spark_error_line
+from shardline.foundation.spark_setup import is_connect, master_as_written, spark_master, spark_setting
 
 from ..placement import Slot, host_of, slots
 from . import DriverGuard, RankFn, TrainingFailed, announced, free_port, run_in_group
@@ -106,13 +106,13 @@ def launch_spark_barrier(
 ) -> list[Any]:
     """Run `fn` on `world_size` ranks as one barrier stage; return the results by rank.
 
-    code: the job's snapshot of the user's code (pipelines.code_travel), shipped to the
+    code: the job's snapshot of the user's code (foundation.code_travel), shipped to the
     executors as a Python artifact and made current in each rank before `fn` runs.
     """
     check_spark_slots(spark, world_size)
     ship_to_spark(spark, code)
     # The rank function and its payload import torch when unpickled: opened inside the task,
-    # after it has left a removed working folder (pipelines.environ.TaskPayload).
+    # after it has left a removed working folder (foundation.environ.TaskPayload).
     work = TaskPayload((fn, payload))
 
     def rank_task(batches):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib import import_module
 
-from shardline.pipelines.errors import ConfigError
+from shardline.foundation.errors import ConfigError
 
 from ..config import TrainingConfig
 from .base import Strategy

@@ -21,12 +21,12 @@ from pydantic import BaseModel
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from shardline.pipelines.errors import ConfigError
+from shardline.foundation.errors import ConfigError
 
 from .. import collectives
 from ..batch import Inputs, forward
 from ..config import TrainingConfig
-from ..model_inputs import ModelInputs
+from ..models.inputs import ModelInputs
 from ..task import LossFn, task_loss
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -158,7 +158,7 @@ class Parallel:
 
     # Checkpoints: every rank writes what it holds with torch.distributed.checkpoint,
     # keyed by the plain model's names, and reads what it holds now, so every strategy's
-    # checkpoints reshard (training.sharded_checkpoints).
+    # checkpoints reshard (training.checkpoints.sharded).
 
     def save_checkpoint(self, directory: str) -> None:
         """Write this rank's weights and optimizer state into the DCP directory. Collective."""

@@ -11,11 +11,11 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from shardline.pipelines.errors import ConfigError
+from shardline.foundation.errors import ConfigError
 
-from .. import sharded_checkpoints
+from ..checkpoints import sharded
 from ..config import TrainingConfig
-from ..model_inputs import ModelInputs
+from ..models.inputs import ModelInputs
 from ..strategy_settings import DdpSettings
 from ..task import loss_for
 from .base import OptimizerFactory, Parallel, Strategy, autocast_for, mesh_for, train_step
@@ -52,7 +52,7 @@ class DataParallelRank(Parallel):
             self.ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         self.optimizer = make_optimizer(self.ddp.parameters())
         self.rank = rank
-        self.names = sharded_checkpoints.optimizer_names(model.named_parameters(), self.optimizer)
+        self.names = sharded.optimizer_names(model.named_parameters(), self.optimizer)
         self.autocast = autocast_for(device, cfg)
         self.loss = loss_for(cfg)
         self.data_rank, self.data_world, self.reports = rank, world_size, True
@@ -72,7 +72,7 @@ class DataParallelRank(Parallel):
     # resume at any world size reads them all on every rank.
 
     def save_checkpoint(self, directory: str) -> None:
-        sharded_checkpoints.save_plain(self.model.state_dict(), self.optimizer, self.names, directory)
+        sharded.save_plain(self.model.state_dict(), self.optimizer, self.names, directory)
 
     def load_checkpoint(self, directory: str) -> None:
-        sharded_checkpoints.load_plain(self.model.state_dict(), self.optimizer, self.names, directory)
+        sharded.load_plain(self.model.state_dict(), self.optimizer, self.names, directory)

@@ -10,7 +10,7 @@ batches' mean-loss gradients is the global batch's: single-process training on i
 HSDP (dp > 1): the mesh is dp replicas x dp_shard; each replica group shards as above
 and the replicas all-reduce their gradient shards. FSDP2 takes the 2-D mesh as it is.
 
-The model's FSDP units (training.model_plans.fsdp_units: its `fsdp_units()`, else each
+The model's FSDP units (training.models.plans.fsdp_units: its `fsdp_units()`, else each
 child of a Sequential) are sharded each on its own (parameters gathered just before it
 runs, freed after), then the root: at most one unit is whole at a time.
 
@@ -30,13 +30,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from shardline.pipelines.errors import ConfigError
+from shardline.foundation.errors import ConfigError
 
-from .. import collectives, sharded_checkpoints
+from .. import collectives
+from ..checkpoints import sharded
 from ..batch import forward
 from ..config import TrainingConfig
-from ..model_inputs import ModelInputs
-from ..model_plans import fsdp_units
+from ..models.inputs import ModelInputs
+from ..models.plans import fsdp_units
 from ..task import loss_for
 from ..strategy_settings import FsdpSettings
 from .base import Mesh, ModelBuilder, OptimizerFactory, Parallel, Strategy, autocast_for, mesh_for, train_step
@@ -197,13 +198,13 @@ class ShardedRank(Parallel):
         return get_model_state_dict(self.model, options=_EXPORT)
 
     # Checkpoints: each rank writes and reads its own shards through torch's state-dict API
-    # (training.sharded_checkpoints).
+    # (training.checkpoints.sharded).
 
     def save_checkpoint(self, directory: str) -> None:
-        sharded_checkpoints.save(self.model, self.optimizer, directory)
+        sharded.save(self.model, self.optimizer, directory)
 
     def load_checkpoint(self, directory: str) -> None:
-        sharded_checkpoints.load(self.model, self.optimizer, directory)
+        sharded.load(self.model, self.optimizer, directory)
 
     def epoch_metrics(self) -> dict[str, float]:
         # The collectives run inside torch (FSDP2, DTensor): no figures of our own.

@@ -1,7 +1,7 @@
 """Pipeline parallel on torch.distributed.pipelining: the model's layers cut into stages,
 each a `PipelineStage`, run by one of torch's schedules (schedule.py).
 
-The model's layers (training.model_plans.pipeline_layers: an nn.Sequential's children,
+The model's layers (training.models.plans.pipeline_layers: an nn.Sequential's children,
 or the children its `pipeline_layers()` names, in forward order) are cut at stage bounds (from the config, else balanced by
 parameter count) into p x v stages: v per rank of a pipeline of p ranks, placed as the
 schedule wants them (rank r holds stage r for GPipe and 1F1B, r, r+p, ... for
@@ -27,14 +27,15 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from shardline.pipelines.errors import ConfigError
+from shardline.foundation.errors import ConfigError
 
-from .. import collectives, sharded_checkpoints
+from .. import collectives
+from ..checkpoints import sharded
 from ..batch import as_args, as_kwargs, forward, names
 from ..config import TrainingConfig
-from ..model_factory import factory_path, one_line
-from ..model_inputs import ModelInputs
-from ..model_plans import pipeline_layers
+from ..models.factory import factory_path, one_line
+from ..models.inputs import ModelInputs
+from ..models.plans import pipeline_layers
 from ..task import loss_for
 from ..strategy_settings import PipelineSettings
 from .base import Mesh, OptimizerFactory, Parallel, Strategy, average_gradients, mesh_for
@@ -288,7 +289,7 @@ class PipelineRank(Parallel):
         self.schedule = SCHEDULES[lay.name].torch_class(
             self.stages[0] if single else self.stages, lay.micro_batches, loss_fn=self._loss
         )
-        self.names = (sharded_checkpoints.optimizer_names(self._named_parameters(), self.optimizer)
+        self.names = (sharded.optimizer_names(self._named_parameters(), self.optimizer)
                       if self.optimizer else [])
         # Export: every weight's name, shape and dtype, in the plain model's order, and the
         # rank of the first pipeline replica holding it (rank 0 receives them one by one).
@@ -378,10 +379,10 @@ class PipelineRank(Parallel):
     # read other names, so a pipeline checkpoint reshards like any other.
 
     def save_checkpoint(self, directory: str) -> None:
-        sharded_checkpoints.save_plain(self._weights(), self.optimizer, self.names, directory)
+        sharded.save_plain(self._weights(), self.optimizer, self.names, directory)
 
     def load_checkpoint(self, directory: str) -> None:
-        sharded_checkpoints.load_plain(self._weights(), self.optimizer, self.names, directory)
+        sharded.load_plain(self._weights(), self.optimizer, self.names, directory)
 
     def gathered_steps(self) -> list[list[StepLog]]:
         """Every rank of this pipeline's step logs since the last call, logs[rank][step].

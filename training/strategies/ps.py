@@ -22,12 +22,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardline.pipelines.errors import ConfigError
+from shardline.foundation.errors import ConfigError
 
-from .. import collectives, sharded_checkpoints
+from .. import collectives
+from ..checkpoints import sharded
 from ..batch import forward
 from ..config import TrainingConfig
-from ..model_inputs import ModelInputs
+from ..models.inputs import ModelInputs
 from ..task import loss_for
 from ..strategy_settings import PsSettings
 from .base import OptimizerFactory, Parallel, Strategy, autocast_for
@@ -250,10 +251,10 @@ class WorkerRank(Parallel):
     # reads every weight back (the servers' values, whichever servers wrote them).
 
     def save_checkpoint(self, directory: str) -> None:
-        sharded_checkpoints.save_plain({}, None, [], directory)
+        sharded.save_plain({}, None, [], directory)
 
     def load_checkpoint(self, directory: str) -> None:
-        sharded_checkpoints.load_plain(self.model.state_dict(), None, [], directory)
+        sharded.load_plain(self.model.state_dict(), None, [], directory)
 
     def epoch_metrics(self) -> dict[str, float]:
         steps = max(self.steps, 1)
@@ -375,11 +376,11 @@ class ServerRank(Parallel):
     def save_checkpoint(self, directory: str) -> None:
         self._settle()
         weights = {n: p.detach() for n, p in self.shard.items()}
-        sharded_checkpoints.save_plain(weights, self.optimizer, list(self.shard), directory)
+        sharded.save_plain(weights, self.optimizer, list(self.shard), directory)
 
     def load_checkpoint(self, directory: str) -> None:
         weights = {n: p.detach() for n, p in self.shard.items()}
-        sharded_checkpoints.load_plain(weights, self.optimizer, list(self.shard), directory)
+        sharded.load_plain(weights, self.optimizer, list(self.shard), directory)
 
     def epoch_metrics(self) -> dict[str, float]:
         out = {

@@ -1,7 +1,7 @@
 """Tensor parallel on DTensor: the planned Linear layers split over the tp ranks of a DeviceMesh.
 
 The plan (module path -> "colwise" / "rowwise") is the model's own (its `tp_plan()`,
-training.model_plans) or `training.tp_plan`; torch's `parallelize_module`
+training.models.plans) or `training.tp_plan`; torch's `parallelize_module`
 applies it with `ColwiseParallel` (output features split, the input whole on every
 rank) and `RowwiseParallel` (input features split, the partial outputs all-reduced).
 Everything off the plan (embeddings, norms, heads, rowwise biases) stays whole and
@@ -23,12 +23,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from shardline.pipelines.errors import ConfigError
+from shardline.foundation.errors import ConfigError
 
 from ..config import TrainingConfig
-from ..model_inputs import ModelInputs
-from ..model_plans import tp_plan
-from ..models import Attention, TabularMLP
+from ..models.inputs import ModelInputs
+from ..models.plans import tp_plan
+from ..models.builtin import Attention, TabularMLP
 from ..strategy_settings import TensorSettings
 from .base import Mesh, OptimizerFactory, Strategy, mesh_for
 from .fsdp import ShardedRank, shard_layers

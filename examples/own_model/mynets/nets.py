@@ -1,7 +1,7 @@
 """A small residual MLP, built by shardline from `training.model = "mynets.nets:build"`.
 
 The protocol: shardline calls `build(inputs, **training.model_args)` with a
-`shardline.training.model_inputs.ModelInputs` describing the prepared data. The module's
+`shardline.training.models.inputs.ModelInputs` describing the prepared data. The module's
 forward takes the `features` float32 tensor [batch, inputs.feature_width] — standardised
 numerics (and vector elements) first, then one category index per categorical column
 (0: unknown) — and returns [batch, inputs.num_classes] logits (or [batch, 1] values for a

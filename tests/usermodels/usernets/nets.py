@@ -34,7 +34,7 @@ class Residual(nn.Module):
 
 
 class Net(nn.Module):
-    """Not an nn.Sequential: it declares its plans itself (shardline.training.model_plans)."""
+    """Not an nn.Sequential: it declares its plans itself (shardline.training.models.plans)."""
 
     def __init__(self, inputs, width: int, depth: int):
         super().__init__()

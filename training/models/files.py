@@ -1,0 +1,107 @@
+"""The torch module inside a registered model, stored so that loading it never unpickles.
+
+A pickled module (`torch.save(model)`) runs whatever its bytes say when loaded: anyone who
+can write the registry would run code on every scorer. So the module is stored as data
+only: its weights as safetensors, and a JSON file naming what rebuilds it, the model
+factory (`training.model`, a built-in name or the user's 'pkg.mod:callable') with the
+TrainingConfig fields a factory reads and the dataset's manifest. Loading calls
+`build_model(manifest, cfg)` again, as training did, and fills in the weights. The user's
+own code (the factory's package, `training.code_paths`) travels in the model's code folder
+beside shardline's: code the user chose to ship, imported like any installed package.
+
+A regression model trained on the standardised label (training.task.label_scale) is
+loaded wrapped in `LabelUnits`, which un-standardises its output: batch scores, the
+estimators and the served pyfunc all get values in the label's units from this one place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+FORMAT = 1
+WEIGHTS_FILE = "weights.safetensors"
+MODULE_FILE = "module.json"
+
+
+def write_module(model, manifest, cfg, directory: str) -> tuple[str, str]:
+    """Write `model`'s weights and its rebuild description into `directory`; their paths."""
+    from safetensors.torch import save_model
+
+    weights, module = os.path.join(directory, WEIGHTS_FILE), os.path.join(directory, MODULE_FILE)
+    # save_model, not save_file(state_dict): tied parameters (one tensor under two names)
+    # are stored once, and load_model ties them again.
+    save_model(model, weights)
+    # The whole training section: build_model gets the config it got in training (the
+    # factory's name and arguments, the built-ins' shape settings, the seed).
+    Path(module).write_text(json.dumps({
+        "format": FORMAT,
+        "training": cfg.model_dump(mode="json"),
+        "manifest": manifest.model_dump(mode="json"),
+    }))
+    return weights, module
+
+
+def read_module(weights: str, module: str):
+    """The torch module `write_module` stored, on the CPU, in eval mode. The factory's code
+    must be importable (the model's code folder on sys.path: `code_on_path`)."""
+    import torch
+    from safetensors.torch import load_model
+
+    from shardline.pipelines.manifest import ShardManifest
+
+    from ..config import TrainingConfig
+    from .builtin import build_model
+    from ..strategy_settings import FLAT_NAMES
+    from ..task import LabelUnits, label_scale
+
+    d = json.loads(Path(module).read_text())
+    if d.get("format") != FORMAT:
+        raise ValueError(f"{module}: format {d.get('format')!r} is not one this shardline reads ({FORMAT})")
+    manifest = ShardManifest.model_validate(d["manifest"])
+    # Settings a later shardline no longer has are left out (they cannot shape the module it
+    # builds); code_paths were the training machine's folders, whose code is in the model now.
+    # Models written before the strategy sub-tables hold their settings under the flat names.
+    known = {k: v for k, v in d["training"].items() if k in TrainingConfig.model_fields or k in FLAT_NAMES}
+    cfg = TrainingConfig(**{**known, "code_paths": []})
+    # build_model seeds torch's generator; a scorer's own random state is none of its business.
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(manifest, cfg)
+    load_model(model, weights, strict=True, device="cpu")
+    # A regression model that learnt the standardised label answers in the label's units.
+    scale = label_scale(manifest, cfg.loss)
+    if scale is not None:
+        model = LabelUnits(model, *scale)
+    return model.eval()
+
+
+
+def code_folders(cfg) -> list[str]:
+    """The user's code to store with the model: the factory's, the loss's and the metrics'
+    packages (unless installed) and `training.code_paths`: the folders the job shipped."""
+    from ..user_code import job_code_folders
+
+    return job_code_folders(cfg)
+
+
+@contextmanager
+def code_on_path(code_dir: str | None):
+    """The model's code folder importable while the module is built, then off sys.path.
+
+    First on the path, so the model's own packages are the ones imported; shardline itself,
+    already imported, is not re-imported from the model's copy (a submodule import goes
+    through the imported package's __path__). Modules imported from it stay in sys.modules
+    after: the folder may be deleted once the module is built."""
+    if not code_dir or not os.path.isdir(code_dir):
+        yield
+        return
+    sys.path.insert(0, code_dir)
+    try:
+        yield
+    finally:
+        if code_dir in sys.path:
+            sys.path.remove(code_dir)
+        sys.path_importer_cache.pop(code_dir, None)

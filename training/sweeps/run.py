@@ -1,0 +1,415 @@
+"""Hyperparameter sweeps: Optuna proposes, trials train P at a time as MLflow child runs.
+
+The driver alone asks Optuna for trials and tells it their outcome (study.ask /
+study.tell). Each trial is one training job (training.job.run_training) started
+from a driver thread: a barrier stage on Spark, pinned futures on Dask, processes
+locally. Rank 0 of each trial reports every epoch's objective to the study and asks
+the pruner whether to go on, so the study lives in an RDB storage (SQLite by
+default) that the trial's process can open too. That storage is also what makes a
+sweep resumable: started again under the same name, it continues the same study.
+
+A pruner's "step" is the number of epochs a trial has trained (1 after its first
+epoch): the resource successive halving and Hyperband count. MLflow's epoch
+metrics keep their 0-based epoch as step, like any training run.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from dataclasses import dataclass
+
+from shardline.foundation import report
+from shardline.foundation.storage import join as join_url, resolve as resolve_path
+from shardline.foundation.errors import ConfigError, DataError, ShardlineError
+from shardline.foundation.redact import redact
+
+from ..config import TrackingConfig, TrainingConfig
+from ..job import preflight, run_training
+from ..launchers import available_cores
+from ..strategy_settings import merge_settings
+from ..task import metric_names, task_of, user_metric_names
+from .config import SweepConfig
+from .report import TrialOutcome, fmt_params, log_summary, outcome, register_best
+from .study import (
+    PruningReporter,
+    decode,
+    distribution,
+    grid,
+    make_pruner,
+    make_sampler,
+    open_storage,
+    resolve_storage,
+)
+from ..tracking import open_experiment
+
+# The per-epoch metrics train_rank logs (training/worker.py); val_* need a val split
+# with at least one shard per rank.
+# Classification's; regression logs train_/val_ loss, rmse, mae and r2 instead (training.task).
+EPOCH_METRICS = ("train_loss", "train_accuracy", "samples_per_s", "data_wait_fraction")
+VAL_METRICS = ("val_loss", "val_accuracy")
+
+
+@dataclass
+class SweepResult:
+    name: str
+    storage: str
+    parent_run_id: str
+    objective: str
+    direction: str
+    trials: list[TrialOutcome]  # every trial of the study, this run's and earlier ones
+    ran: int  # trials run by this call
+    best: TrialOutcome | None
+    model_uri: str | None  # models:/<name>@<alias>, None when no trial completed
+    model_version: str | None
+
+    def count(self, state: str) -> int:
+        return sum(t.state == state for t in self.trials)
+
+
+# ---------------------------------------------------------------- checks, before anything starts
+
+
+def trial_base(sweep: SweepConfig, training: TrainingConfig) -> TrainingConfig:
+    """The training config every trial starts from."""
+    engine = sweep.engine or training.launcher
+    return TrainingConfig.model_validate(
+        {**training.model_dump(), "launcher": engine, "world_size": sweep.world_size, "resume": False}
+    )
+
+
+def check_sweep(sweep: SweepConfig, training: TrainingConfig, dataset_dir: str) -> None:
+    """Every check that needs no engine: the space, the objective, each value's trainability."""
+    if not sweep.space:
+        raise ConfigError(
+            "sweep.space is empty: name at least one training setting to search, "
+            "e.g. sweep.space.lr = {type = \"float\", low = 1e-4, high = 0.1, log = true}"
+        )
+    base = trial_base(sweep, training)
+    manifest = preflight(base, dataset_dir)
+    kind = task_of(manifest)
+    produced = [*metric_names(kind, "train"), *EPOCH_METRICS[2:]]
+    val = manifest.splits.get("val")
+    if val is not None and len(val.shards) >= base.world_size:
+        produced += metric_names(kind, "val") + user_metric_names(base)
+    if sweep.objective not in produced:
+        raise ConfigError(
+            f"sweep.objective: training does not produce '{sweep.objective}' on this dataset "
+            f"(it produces: {', '.join(produced)})"
+        )
+    # Each edge value alone must train; combinations are the trials' business.
+    for name, space in sweep.space.items():
+        for value in space.values_to_check():
+            try:
+                preflight(base.model_copy(update={name: value}), dataset_dir)
+            except (ConfigError, DataError) as e:
+                raise ConfigError(f"sweep.space.{name}: {value!r} cannot train: {e}") from None
+    if sweep.sampler == "grid":
+        grid(sweep.space)
+    if base.launcher == "local":  # the other engines' slots are known once they run
+        check_parallel(sweep, base, None, None)
+
+
+def check_parallel(sweep: SweepConfig, base: TrainingConfig, spark, dask_client) -> list[list[str]] | None:
+    """Refuse more parallel trials than the engine runs at once; Dask: a worker group per trial."""
+    ws = base.world_size
+    if base.launcher == "spark":
+        if spark is None:
+            raise ConfigError("sweep.engine 'spark' needs a Spark session")
+        from ..launchers.spark import spark_task_slots
+
+        slots = spark_task_slots(spark)
+        if slots.count is None:  # nothing bounds the cluster: Spark's barrier check decides
+            return None
+        total, per_trial = slots.count, ws
+        where = f"{total} task slots of {slots.where}"
+    elif base.launcher == "dask":
+        if dask_client is None:
+            raise ConfigError("sweep.engine 'dask' needs a Dask client")
+        workers = sorted(dask_client.scheduler_info()["workers"])
+        total, per_trial = len(workers), ws
+        where = f"{total} Dask workers of {dask_client.scheduler.address}"
+    else:
+        total = available_cores()  # a container or taskset may give this process fewer
+        per_trial = ws * base.threads_per_rank
+        where = f"{total} cores of this machine"
+    slots = total // per_trial
+    if sweep.parallel > slots:
+        raise ConfigError(
+            f"sweep.parallel {sweep.parallel} is more than the {slots} trial(s) of "
+            f"{ws} rank(s) that the {where} can run at once"
+        )
+    if base.launcher == "dask":
+        return [workers[i * ws : (i + 1) * ws] for i in range(sweep.parallel)]
+    return None
+
+
+# ---------------------------------------------------------------- the sweep
+
+
+def run_sweep(
+    sweep: SweepConfig,
+    training: TrainingConfig,
+    tracking: TrackingConfig,
+    dataset_dir: str,
+    spark=None,
+    dask_client=None,
+) -> SweepResult:
+    """Run (or resume) the sweep `sweep.name` until it holds `sweep.trials` finished trials."""
+    import optuna
+    from mlflow.tracking import MlflowClient
+
+    dataset_dir = resolve_path(dataset_dir, "pipelines.dataset_dir")
+    training = training.model_copy(
+        update={"checkpoint_dir": resolve_path(training.checkpoint_dir, "training.checkpoint_dir")}
+    )
+    check_sweep(sweep, training, dataset_dir)
+    base = trial_base(sweep, training)
+    groups = check_parallel(sweep, base, spark, dask_client)
+    uri = tracking.resolved_uri()
+    experiment_id = open_experiment(uri, tracking.experiment)
+    client = MlflowClient(uri)
+    storage_url = resolve_storage(sweep, uri)
+    direction = sweep.resolved_direction()
+    searched = sweep.space.get("epochs")
+    max_epochs = max([base.epochs, *(int(v) for v in searched.values_to_check())] if searched else [base.epochs])
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = open_storage(storage_url)
+    study = optuna.create_study(
+        study_name=sweep.name,
+        storage=storage,
+        direction=direction,
+        pruner=make_pruner(sweep, max_epochs),
+        load_if_exists=True,
+    )
+    _check_same_study(study, sweep, direction)
+    # A fresh seed per resume: the same seed would propose the first trials again.
+    study.sampler = make_sampler(sweep, sweep.seed + len(study.trials))
+    parent = _parent_run(client, study, experiment_id, sweep, direction, storage_url, dataset_dir)
+    _close_interrupted(study, storage, client, parent)
+
+    dists = {name: distribution(s) for name, s in sweep.space.items()}
+    target = sweep.trials
+    if sweep.sampler == "grid":
+        size = math.prod(len(v) for v in grid(sweep.space).values())
+        if target > size:
+            _say(f"the grid has {size} points: sweep.trials {target} capped to {size}")
+            target = size
+    done = sum(1 for t in study.get_trials(deepcopy=False) if _counts(t))
+    todo = max(0, target - done)
+    _say(
+        f"sweep '{sweep.name}': {done} trial(s) done, {todo} to run, {sweep.parallel} at a time "
+        f"on {base.launcher} ({base.world_size} rank(s) each); study in {redact(storage_url)}"
+    )
+
+    results: queue.Queue = queue.Queue()
+    running: dict[int, tuple] = {}
+    free_groups = list(groups) if groups is not None else None
+    started = 0
+    try:
+        while started < todo or running:
+            while started < todo and len(running) < sweep.parallel:
+                trial = study.ask(dists)
+                run_id = client.create_run(
+                    experiment_id,
+                    run_name=f"sweep {sweep.name} trial {trial.number}",
+                    tags={
+                        "mlflow.parentRunId": parent,
+                        "shardline.sweep": sweep.name,
+                        "trial_number": str(trial.number),
+                        "trial_state": "running",
+                    },
+                ).info.run_id
+                trial.set_user_attr("mlflow_run_id", run_id)
+                group = free_groups.pop() if free_groups is not None else None
+                hook = PruningReporter(
+                    storage_url, sweep.name, trial._trial_id, sweep.objective, sweep, max_epochs
+                )
+                params = {n: decode(n, v) for n, v in trial.params.items()}
+                _say(f"trial {trial.number} started: {fmt_params(params)}")
+                threading.Thread(
+                    target=_run_trial,
+                    args=(results, trial.number, base, sweep.name, params, tracking, dataset_dir,
+                          spark, dask_client, run_id, hook, group),
+                    name=f"trial-{trial.number}",
+                    daemon=True,  # Ctrl-C ends the sweep now; the study marks the trial interrupted
+                ).start()
+                running[trial.number] = (trial, run_id, group)
+                started += 1
+            number, result, error = results.get()
+            trial, run_id, group = running.pop(number)
+            if group is not None:
+                free_groups.append(group)
+            _tell(study, trial, run_id, result, error, sweep.objective, client)
+    except KeyboardInterrupt:
+        # Close the running trials now, as a resume would (their processes end with this one).
+        _close_interrupted(study, storage, client, parent)
+        client.set_terminated(parent, "KILLED")
+        _say(f"sweep '{sweep.name}' interrupted: run it again with the same name to resume")
+        raise
+
+    trials = study.get_trials(deepcopy=False)
+    outcomes = [outcome(t) for t in trials]
+    counted = [o for t, o in zip(trials, outcomes) if _counts(t)]
+    complete = [t for t in outcomes if t.state == "complete"]
+    best = version = model_uri = None
+    if complete:
+        best = outcome(study.best_trial)
+        version = register_best(client, tracking.registered_model, sweep.alias, best.run_id)
+        model_uri = f"models:/{tracking.registered_model}@{sweep.alias}"
+    log_summary(client, parent, study, outcomes, sweep, direction, best)
+    if counted and all(t.state == "failed" for t in counted):
+        client.set_terminated(parent, "FAILED")
+        raise ShardlineError(
+            f"sweep '{sweep.name}': all {len(counted)} trial(s) failed; "
+            f"trial {counted[0].number}: {counted[0].error}"
+        )
+    client.set_terminated(parent, "FINISHED")
+    return SweepResult(
+        sweep.name, storage_url, parent, sweep.objective, direction, outcomes, started, best,
+        model_uri, version,
+    )
+
+
+def _run_trial(results, number, base, name, params, tracking, dataset_dir, spark, dask_client,
+               run_id, hook, group) -> None:
+    """A driver thread: one training job; whatever happens goes back through `results`."""
+    try:
+        # Its own checkpoint directory: a job deletes stale checkpoints in its own at start.
+        ckpt = join_url(base.checkpoint_dir, "sweeps", name, f"trial-{number}")
+        cfg = TrainingConfig.model_validate(merge_settings(base.model_dump(), {**params, "checkpoint_dir": ckpt}))
+        result = run_training(
+            cfg, tracking, dataset_dir, spark, dask_client,
+            into_run=run_id, register=False, epoch_hook=hook, dask_workers=group,
+        )
+        results.put((number, result, None))
+    except BaseException as e:  # recorded as a failed trial; the sweep goes on
+        results.put((number, None, e))
+
+
+def _tell(study, trial, run_id, result, error, objective, client) -> None:
+    from optuna.trial import TrialState
+
+    if error is None and result.stopped_early:
+        study.tell(trial, state=TrialState.PRUNED)
+        client.set_tag(run_id, "trial_state", "pruned")
+        epochs = len(study.get_trials(deepcopy=False)[trial.number].intermediate_values)
+        _say(f"trial {trial.number} pruned after epoch {epochs}")
+        return
+    if error is None and objective not in result.metrics:
+        error = ShardlineError(f"training logged no '{objective}'")
+    if error is None:
+        value = result.metrics[objective]
+        study.tell(trial, value)
+        client.set_tag(run_id, "trial_state", "complete")
+        _say(f"trial {trial.number} complete: {objective} {value:.4g}")
+        return
+    reason = _reason(error)
+    trial.set_user_attr("error", reason)
+    study.tell(trial, state=TrialState.FAIL)
+    client.set_tag(run_id, "trial_state", "failed")
+    client.set_tag(run_id, "trial_error", reason)
+    client.set_terminated(run_id, "FAILED")  # also when it failed before training opened it
+    _say(f"trial {trial.number} failed: {reason}")
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e) if isinstance(e, ShardlineError) else f"{type(e).__name__}: {e}"
+    return (text.strip().splitlines() or [type(e).__name__])[0][:500]
+
+
+def _counts(t) -> bool:
+    """A finished trial counts toward sweep.trials; an interrupted one is run again."""
+    return t.state.is_finished() and not t.user_attrs.get("interrupted")
+
+
+def _check_same_study(study, sweep: SweepConfig, direction: str) -> None:
+    had = study.user_attrs.get("objective")
+    if had is None:
+        study.set_user_attr("objective", sweep.objective)
+        return
+    if had != sweep.objective or study.direction.name.lower() != direction:
+        raise ConfigError(
+            f"sweep.objective: sweep '{sweep.name}' already optimises {had} "
+            f"({study.direction.name.lower()}); give a new objective a new --name"
+        )
+
+
+def _parent_run(client, study, experiment_id, sweep, direction, storage_url, dataset_dir) -> str:
+    """The sweep's parent run: the study's own when resuming, else a new one."""
+    from mlflow.exceptions import MlflowException
+
+    run_id = study.user_attrs.get("mlflow_parent_run_id")
+    if run_id:
+        try:
+            if client.get_run(run_id).info.status != "RUNNING":
+                client.update_run(run_id, status="RUNNING")
+            return run_id
+        except MlflowException:
+            pass  # another tracking store: a new parent run
+    run_id = client.create_run(
+        experiment_id, run_name=f"sweep {sweep.name}", tags={"shardline.sweep": sweep.name}
+    ).info.run_id
+    client.log_batch(
+        run_id,
+        params=_params(
+            {
+                "objective": sweep.objective,
+                "direction": direction,
+                "sampler": sweep.sampler,
+                "pruner": sweep.pruner,
+                "world_size": sweep.world_size,
+                "storage": redact(storage_url),
+                "dataset_dir": dataset_dir,
+                **{f"space.{n}": s.model_dump_json(exclude_none=True) for n, s in sweep.space.items()},
+            }
+        ),
+        synchronous=True,
+    )
+    study.set_user_attr("mlflow_parent_run_id", run_id)
+    return run_id
+
+
+def _params(d: dict):
+    from mlflow.entities import Param
+
+    return [Param(k, str(v)) for k, v in d.items()]
+
+
+def _close_interrupted(study, storage, client, parent: str) -> None:
+    """Trials left running by an interrupted sweep: failed (interrupted), their params queued again."""
+    from mlflow.exceptions import MlflowException
+    from optuna.trial import TrialState
+
+    # The sweep may have died between creating a child run and recording its id in the
+    # study: find the parent's children still running by their trial number too.
+    open_children = {}
+    try:
+        experiment_id = client.get_run(parent).info.experiment_id
+        query = f"tags.mlflow.parentRunId = '{parent}' and attributes.status = 'RUNNING'"
+        for r in client.search_runs([experiment_id], query):
+            open_children[r.data.tags.get("trial_number")] = r.info.run_id
+    except MlflowException:
+        pass  # another tracking store
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        run_id = t.user_attrs.get("mlflow_run_id") or open_children.get(str(t.number))
+        if run_id and "mlflow_run_id" not in t.user_attrs:
+            storage.set_trial_user_attr(t._trial_id, "mlflow_run_id", run_id)
+        storage.set_trial_user_attr(t._trial_id, "interrupted", True)
+        storage.set_trial_user_attr(t._trial_id, "error", "interrupted: the sweep stopped while it ran")
+        study.tell(t.number, state=TrialState.FAIL)
+        study.enqueue_trial(t.params)
+        if run_id:
+            try:
+                client.set_tag(run_id, "trial_state", "failed")
+                client.set_tag(run_id, "trial_error", "interrupted")
+                client.set_terminated(run_id, "KILLED")
+            except MlflowException:
+                pass  # another tracking store
+        _say(f"trial {t.number} was interrupted: it runs again")
+
+
+def _say(msg: str) -> None:
+    report.line(f"[shardline] {msg}")
