@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -106,14 +107,30 @@ def launch_dask(
     except Exception as e:
         # The first failed rank's error (a survivor's "connection closed", when a peer's
         # worker died): the rank whose worker left the cluster leads the line.
-        lost = [] if any(f["permanent"] for f in rank_failures(str(e))) else \
-            _lost_ranks(client, futures, chosen, getattr(payload, "ranks_dir", None))
+        bug = any(f["permanent"] for f in rank_failures(str(e)))
+        lost = [] if bug else _lost_ranks(client, futures, chosen, getattr(payload, "ranks_dir", None))
+        text = "; ".join([str(e), *_peers_errors(futures)]) if bug else str(e)
         for f in futures:
             f.cancel()
-        raise TrainingFailed.from_ranks("Dask", str(e), f"{type(e).__name__}: {e}", lost) from e
+        raise TrainingFailed.from_ranks("Dask", text, f"{type(e).__name__}: {e}", lost,
+                                        ranks_dir=getattr(payload, "ranks_dir", None)) from e
 
 
 _KEY = "shardline-rank-"
+PEERS_WAIT_S = 30.0
+
+
+def _peers_errors(futures) -> list[str]:
+    """The other ranks' errors, when one rank's own error ended the job: gather hands over
+    the first, and a running Dask task is not stopped, so its peers, running the same code
+    on the same kind of batch, end in a moment too, failing alike or losing it (a lost
+    peer's rank waits LOST_PEER_GRACE_S first): PEERS_WAIT_S at most. Their markers let the
+    line say "rank 0 the same"."""
+    from distributed import wait
+
+    with contextlib.suppress(Exception):  # the line is said without them
+        wait(futures, timeout=PEERS_WAIT_S)
+    return [str(f.exception()) for f in futures if f.status == "error"]
 
 
 def _rank(*args, **kwargs):
