@@ -69,7 +69,7 @@ class RankJob:
     def ranks_dir(self) -> str:
         """Where each rank says who it is (rank-N.json) and, failing with a bug, writes its
         traceback (rank-N.log: launchers.rank_errors); every host can write there."""
-        return storage.join(self.cfg.checkpoint_dir, "ranks")
+        return CheckpointStore(self.cfg.checkpoint_dir).ranks_dir
 
 
 def train_rank(rank: int, world_size: int, job: RankJob) -> dict | None:
@@ -121,7 +121,7 @@ def train_rank(rank: int, world_size: int, job: RankJob) -> dict | None:
     optimizer = parallel.optimizer
     schedule = lr_factor(cfg, cfg.epochs * train.steps_per_epoch())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule) if optimizer else None
-    reporter = MetricsReporter(job.tracking_uri, job.run_id) if rank == 0 else None
+    reporter = MetricsReporter(job.tracking_uri, job.run_id, job.progress_addr) if rank == 0 else None
     store = CheckpointStore(cfg.checkpoint_dir)
     store.announce(rank)
 
