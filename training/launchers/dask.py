@@ -105,15 +105,19 @@ def launch_dask(
             f.cancel()
         raise
     except Exception as e:
-        # The first failed rank's error (a survivor's "connection closed", when a peer's
-        # worker died): the rank whose worker left the cluster leads the line.
-        bug = any(f["permanent"] for f in rank_failures(str(e)))
-        lost = [] if bug else _lost_ranks(client, futures, chosen, getattr(payload, "ranks_dir", None))
-        text = "; ".join([str(e), *_peers_errors(futures)]) if bug else str(e)
-        for f in futures:
-            f.cancel()
-        raise TrainingFailed.from_ranks("Dask", text, f"{type(e).__name__}: {e}", lost,
-                                        ranks_dir=getattr(payload, "ranks_dir", None)) from e
+        raise _failed(client, futures, chosen, getattr(payload, "ranks_dir", None), e) from e
+
+
+def _failed(client, futures, chosen: list[str], ranks_dir: str | None, e: Exception) -> TrainingFailed:
+    """The job's one line from the first failed rank's error `e` (a survivor's "connection
+    closed", when a peer's worker died: the rank whose worker left the cluster leads the
+    line; a rank's own bug: its peers' errors beside it)."""
+    bug = any(f["permanent"] for f in rank_failures(str(e)))
+    lost = [] if bug else _lost_ranks(client, futures, chosen, ranks_dir)
+    text = "; ".join([str(e), *_peers_errors(futures)]) if bug else str(e)
+    for f in futures:
+        f.cancel()
+    return TrainingFailed.from_ranks("Dask", text, f"{type(e).__name__}: {e}", lost, ranks_dir=ranks_dir)
 
 
 _KEY = "shardline-rank-"
