@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from shardline.foundation import report
 
 from .rank_errors import (  # noqa: F401 - their home before rank_errors; callers import them here
-    RankError, describe_failures, error_line, is_permanent, rank_failures,
+    RankError, describe_failures, is_permanent, rank_failures,
 )
 
 # The guard of the rank running in this thread (run_in_group's, which calls the rank function
@@ -82,7 +82,7 @@ class DriverGuard:
         try:
             storage.write_bytes(self.stop_url, json.dumps({"job": self.job}).encode())
         except Exception as e:  # noqa: BLE001 - the ranks still stop when the lease is released
-            report.line(f"[shardline] could not tell the ranks to stop ({error_line(e)}): they stop when the "
+            report.line(f"[shardline] could not tell the ranks to stop ({first_line(e, with_type=True)}): they stop when the "
                         "lease is released")
 
     def interrupted(self) -> bool:

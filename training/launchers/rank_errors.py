@@ -38,6 +38,7 @@ import time
 import traceback
 
 from shardline.foundation import failures
+from shardline.foundation.errors import first_line
 
 _MARK = re.compile(r"<<shardline-rank (\{.*?\})>>")
 # How long the driver waits for a peer's log when a rank's bug is reported (alike_in_logs).
@@ -53,16 +54,11 @@ class RankError(Exception):
     def of(cls, rank: int, e: BaseException, ranks_dir: str | None = None) -> RankError:
         """The marker of `e` on this rank; a bug's traceback is written under `ranks_dir`."""
         info = {"rank": rank, "host": socket.gethostname(), "permanent": is_permanent(e),
-                "error": error_line(e)}
+                "error": first_line(e, with_type=True)}
         if is_bug(e):
             info["where"] = user_frame(e)
             info["log"] = write_rank_log(ranks_dir, rank, e)
         return cls(f"<<shardline-rank {json.dumps(info)}>>")
-
-
-def error_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
 
 def is_permanent(e: BaseException) -> bool:
@@ -156,7 +152,7 @@ def write_rank_log(ranks_dir: str | None, rank: int, e: BaseException) -> str | 
             storage.write_bytes(url, (head + text).encode())
             return url
         except Exception as write_error:  # noqa: BLE001 - the traceback must still go somewhere
-            text += f"\n(not written to {storage.display(url)}: {error_line(write_error)})\n"
+            text += f"\n(not written to {storage.display(url)}: {first_line(write_error, with_type=True)})\n"
     print(text, file=sys.stderr, flush=True)
     return None
 
