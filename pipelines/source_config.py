@@ -67,7 +67,7 @@ class SourceConfig(Section):
     timestamp: str | None = Field(
         None,
         description="format = 'delta': read the version that was current at this time (ISO 8601, "
-        "e.g. '2026-11-27T10:00:00Z'; without a zone: UTC).",
+        "e.g. '2026-11-27T10:00:00Z', quoted or as a TOML datetime; without a zone: UTC).",
     )
     table: str | None = Field(
         None,
