@@ -199,12 +199,6 @@ def resolve_paths(
 
         sweep_storage = _sqlite(resolve_storage(cfg.sweep, tracking_uri), "sweep.storage", cluster,
                                 "a database server every host reaches (sweep.storage = 'postgresql://...')", local)
-    if local:
-        names = " and ".join([", ".join(local[:-1]), local[-1]] if len(local) > 1 else local)
-        report.line(f"[shardline] note: {cluster} runs tasks on other hosts, and {names} "
-                    f"{'is a path' if len(local) == 1 else 'are paths'} on this machine: every host must see "
-                    f"{'it' if len(local) == 1 else 'them'} at the same path (a shared filesystem); else use "
-                    f"URLs (s3://bucket/prefix) and an MLflow server")
     resolved = cfg.model_copy(
         update={
             "pipelines": p.model_copy(update={"source": source, "dataset_dir": dataset_dir}),
@@ -214,7 +208,13 @@ def resolve_paths(
             "sweep": cfg.sweep.model_copy(update={"storage": sweep_storage}),
         }
     )
-    check_folders(resolved, uses if apart is None else apart)
+    check_folders(resolved, uses if apart is None else apart)  # refused before the note: one line
+    if local:
+        names = " and ".join([", ".join(local[:-1]), local[-1]] if len(local) > 1 else local)
+        report.line(f"[shardline] note: {cluster} runs tasks on other hosts, and {names} "
+                    f"{'is a path' if len(local) == 1 else 'are paths'} on this machine: every host must see "
+                    f"{'it' if len(local) == 1 else 'them'} at the same path (a shared filesystem); else use "
+                    f"URLs (s3://bucket/prefix) and an MLflow server")
     return resolved
 
 
