@@ -26,7 +26,7 @@ def synthetic_pipeline(root: Path, rows: int, partitions: int = 4, world_size: i
 def prepare_with_dask(cfg: PipelineConfig, progress=print):
     """Generate and prepare `cfg` on an embedded Dask cluster, closed after; the manifest."""
     from shardline.foundation.engine_config import DaskConfig
-    from shardline.pipelines.engine_dask import DaskEngine
+    from shardline.engines import DaskEngine
     from shardline.foundation.sessions import dask_client
     from shardline.pipelines.prepare import prepare
 

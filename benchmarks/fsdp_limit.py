@@ -47,7 +47,7 @@ def limited_rank(rank: int, world_size: int, p: dict) -> dict:
 
 def _run_one(strategy: str, p: dict, progress) -> dict[str, Any]:
     from shardline.training.launchers import TrainingFailed
-    from shardline.training.launchers.local import launch_local
+    from shardline.engines.local.launch import launch_local
 
     progress(f"{strategy}: {WORLD} ranks, each limited to its address space + {p['budget_mb']} MB")
     try:

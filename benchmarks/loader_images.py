@@ -143,7 +143,7 @@ def _prepare(images_dir: Path, dataset_dir: Path, shape, progress) -> None:
     from distributed import Client, LocalCluster
 
     from shardline.pipelines.config import PipelineConfig
-    from shardline.pipelines.engine_dask import DaskEngine
+    from shardline.engines import DaskEngine
     from shardline.pipelines.prepare import prepare
 
     cfg = PipelineConfig.model_validate({

@@ -22,7 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from shardline.foundation.engine_config import DaskConfig, SparkConfig
+from shardline.config import ShardlineConfig
+from shardline.engines import engine_class
 from shardline.pipelines.config import PipelineConfig
 
 
@@ -59,16 +60,7 @@ def main() -> None:
         }
     )
     try:
-        if args.engine == "spark":
-            from shardline.pipelines.engine_spark import SparkEngine
-            from shardline.foundation.sessions import spark_session
-
-            engine = SparkEngine(spark_session(SparkConfig()))
-        else:
-            from shardline.pipelines.engine_dask import DaskEngine
-            from shardline.foundation.sessions import dask_client
-
-            engine = DaskEngine(dask_client(DaskConfig()))
+        engine = engine_class(args.engine, "--engine").open(ShardlineConfig())
         start = time.perf_counter()
         m = prepare(engine, cfg)
         seconds = time.perf_counter() - start

@@ -43,8 +43,8 @@ def run(rows: int, rounds: int = 1, workdir: str | None = None, progress=print, 
     """Given a running Dask client (`dask_client`: the tests pass the session's), it measures
     on that instead of starting a local cluster of its own: the same figures, less set-up.
     Spark: the active session if there is one (spark_session), else a new one."""
-    from shardline.pipelines.engine_dask import DaskEngine
-    from shardline.pipelines.engine_spark import SparkEngine
+    from shardline.engines import DaskEngine
+    from shardline.engines import SparkEngine
     from shardline.foundation.sessions import dask_client as make_dask_client
     from shardline.foundation.sessions import spark_session
     from shardline.pipelines.prepare import prepare

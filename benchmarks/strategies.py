@@ -179,7 +179,7 @@ def strategy_rank(rank: int, world_size: int, p: dict) -> dict:
 
 def _measure(name: str, world: int, settings: dict, p: dict, progress) -> dict:
     """One row: `world` ranks of strategy_rank."""
-    from shardline.training.launchers.local import launch_local
+    from shardline.engines.local.launch import launch_local
 
     progress(f"{name}: {world} rank(s), {p['warmup']} warm-up + {p['steps']} timed steps")
     ranks = launch_local(strategy_rank, {**p, "settings": settings}, world_size=world, timeout_s=900)

@@ -246,7 +246,7 @@ def run_torchrun(payload: dict, world_size: int = 2) -> tuple[dict, float]:
 
 
 def run_spark(spark, payload: dict, world_size: int = 2) -> tuple[dict, float]:
-    from shardline.training.launchers.spark import launch_spark_barrier
+    from shardline.engines.spark.launch import launch_spark_barrier
 
     started = time.time()
     results = launch_spark_barrier(spark, ddp_rank, payload, world_size, payload["timeout_s"])
@@ -271,7 +271,7 @@ def run(rows: int = 100_000, workdir: str | None = None, progress=print, *, step
     """Run every leg once per round; `dataset_dir` (prepared for 2 ranks) skips preparing `rows`."""
     from shardline.benchmarks import significant, synthetic_pipeline
     from shardline.foundation.engine_config import SparkConfig
-    from shardline.pipelines.engine_spark import SparkEngine
+    from shardline.engines import SparkEngine
     from shardline.foundation.sessions import spark_session
     from shardline.pipelines.manifest import load_manifest
     from shardline.pipelines.prepare import prepare

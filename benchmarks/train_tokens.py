@@ -77,12 +77,12 @@ def run(rows: int | None = None, workdir: str | None = None, progress=print, *, 
         warmup: int = WARMUP, global_batch: int = GLOBAL_BATCH, rounds: int = ROUNDS, spark=None) -> dict:
     from shardline.pipelines.config import PipelineConfig
     from shardline.foundation.engine_config import SparkConfig
-    from shardline.pipelines.engine_spark import SparkEngine
+    from shardline.engines import SparkEngine
     from shardline.foundation.sessions import spark_session
     from shardline.pipelines.manifest import load_manifest, store_plan
     from shardline.pipelines.prepare import prepare
     from shardline.training.config import TrainingConfig
-    from shardline.training.launchers.local import launch_local
+    from shardline.engines.local.launch import launch_local
     from shardline.training.plan import plan_dataset
 
     cores = len(os.sched_getaffinity(0))

@@ -274,7 +274,7 @@ def _bench_loader_s3(rows: int, as_json: bool, s3_url: str | None) -> None:
     for col in ("", "seconds", "samples/s", "× local"):
         table.add_column(col, justify="right")
     for k, text in (("local", "ShardLoader, local disk"), ("s3", f"ShardLoader, S3 ({result['s3']})")):
-        ratio = "" if k == "local" else f"{result['ratio_s3_vs_local']:.2f}"
+        ratio = f"{result['ratio_s3_vs_local']:.2f}" if k == "s3" else ""  # the S3 row, against local disk
         table.add_row(text, f"{result['seconds'][k]:.3f}", f"{result['samples_per_s'][k]:,.0f}", ratio)
     Console().print(table)
 

@@ -39,7 +39,6 @@ import sys
 import threading
 import time
 import uuid
-from contextlib import ExitStack
 from functools import partial
 
 from shardline.foundation import storage
@@ -49,11 +48,11 @@ from . import faults_storage
 from shardline.config import CHECKPOINTS, DATASET, check_storage, load_config, resolve_paths
 
 
-def _train(cfg, ckpt: str, handles: dict, **changes):
+def _train(cfg, ckpt: str, engine, **changes):
     from shardline.training.job import run_training
 
     t = cfg.training.model_copy(update={"checkpoint_dir": ckpt, **changes})
-    return run_training(t, cfg.tracking, cfg.pipelines.dataset_dir, register=False, **handles)
+    return run_training(t, cfg.tracking, cfg.pipelines.dataset_dir, engine, register=False)
 
 
 def _equal(a: dict, b: dict) -> bool:
@@ -62,7 +61,7 @@ def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def kill_rank(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
+def kill_rank(cfg, ref, root: str, engine) -> tuple[str, str]:
     from shardline.training.checkpoints.store import CheckpointStore
 
     ckpt = storage.join(root, "kill-rank")
@@ -83,7 +82,7 @@ def kill_rank(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
     watcher = threading.Thread(target=killer, daemon=True)
     watcher.start()
     try:
-        result = _train(cfg, ckpt, handles)
+        result = _train(cfg, ckpt, engine)
     finally:
         done.set()
         watcher.join()
@@ -115,7 +114,7 @@ def _copy_prefix(cfg, ref_dir: str, into: str, keep: int) -> list[str]:
     return [storage.join(into, storage.name(p)) for p in paths]
 
 
-def truncated_checkpoint(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
+def truncated_checkpoint(cfg, ref, root: str, engine) -> tuple[str, str]:
     from shardline.training.checkpoints.store import CheckpointStore
 
     kept = CheckpointStore(ref.checkpoint_dir).paths()
@@ -124,19 +123,19 @@ def truncated_checkpoint(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
     ckpt = storage.join(root, "truncated")
     copied = _copy_prefix(cfg, ref.checkpoint_dir, ckpt, keep=len(kept) // 2 + 1)
     storage.write_bytes(copied[-1], storage.read_bytes(copied[-1])[:1000])  # a write cut short
-    result = _train(cfg, ckpt, handles, resume=True)
+    result = _train(cfg, ckpt, engine, resume=True)
     if _equal(result.weights, ref.weights):
         return "PASS", f"newest of {len(copied)} checkpoints truncated; resumed from the previous one, bit-equal"
     return "FAIL", "resumed past the truncated checkpoint, but the final weights differ from the reference"
 
 
-def changed_lr(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
+def changed_lr(cfg, ref, root: str, engine) -> tuple[str, str]:
     from shardline.training.checkpoints.store import CheckpointStore
 
     ckpt = storage.join(root, "changed-lr")
     _copy_prefix(cfg, ref.checkpoint_dir, ckpt, keep=max(1, len(CheckpointStore(ref.checkpoint_dir).paths()) // 2))
     try:
-        _train(cfg, ckpt, handles, resume=True, lr=cfg.training.lr * 10)
+        _train(cfg, ckpt, engine, resume=True, lr=cfg.training.lr * 10)
     except ShardlineError as e:
         line = str(e).splitlines()[0]
         said = line[line.find("different run"):] if "different run" in line else line  # past the path
@@ -152,7 +151,7 @@ def _names(ckpt: str) -> set[str]:
     return {storage.name(p) for p in CheckpointStore(ckpt).paths()}
 
 
-def ctrl_c(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
+def ctrl_c(cfg, ref, root: str, engine) -> tuple[str, str]:
     ckpt = storage.join(root, "ctrl-c")
     done, seen = threading.Event(), {}
 
@@ -168,7 +167,7 @@ def ctrl_c(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
     watcher = threading.Thread(target=interrupter, daemon=True)
     watcher.start()
     try:
-        _train(cfg, ckpt, handles)
+        _train(cfg, ckpt, engine)
     except KeyboardInterrupt:
         if "before" not in seen:
             raise  # the user's own Ctrl-C, not the case's
@@ -185,7 +184,7 @@ def ctrl_c(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
     time.sleep(3)  # a rank still running would write its next checkpoint within this
     if _names(ckpt) != after:
         return "FAIL", "something still writes the checkpoint folder after the interrupted job ended"
-    result = _train(cfg, ckpt, handles, resume=True)
+    result = _train(cfg, ckpt, engine, resume=True)
     if not _equal(result.weights, ref.weights):
         return "FAIL", "resumed after the interrupt, but the final weights differ from the reference"
     return "PASS", (f"interrupted after the first checkpoint; {len(committed)} committed after the signal, "
@@ -255,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, fn in CASES.items():
             print(name)
         return 0
-    from shardline.engines import engine_handle, spark_ranks
+    from shardline.engines import Engines
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -270,11 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         if named:
             raise ConfigError(f"--case {named[0]}: {cannot[named[0]]}")
         failed = False
-        with ExitStack() as stack:
-            handles = {}
-            if cfg.training.launcher in ("spark", "dask"):
-                handle = stack.enter_context(engine_handle(cfg, cfg.training.launcher, spark_ranks(cfg)))
-                handles = {"spark": handle} if cfg.training.launcher == "spark" else {"dask_client": handle}
+        t = cfg.training
+        with Engines(cfg, ranks=(t.launcher, t.world_size)) as engines:
+            engine = engines.get(t.launcher, "training.launcher")
             try:
                 ref = None
                 for name in chosen:
@@ -283,8 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     if ref is None:  # trained once, for the first case that can run
                         ref_dir = storage.join(root, "reference")
-                        ref = _Reference(_train(cfg, ref_dir, handles), ref_dir)
-                    verdict, detail = CASES[name](cfg, ref, root, handles)
+                        ref = _Reference(_train(cfg, ref_dir, engine), ref_dir)
+                    verdict, detail = CASES[name](cfg, ref, root, engine)
                     failed |= verdict == "FAIL"
                     print(f"{name}: {verdict}: {detail}", flush=True)
             finally:

@@ -36,11 +36,13 @@ class CheckedInput:
 
 
 def check_prepare(cfg: PipelineConfig, append: bool = False, refit: bool = False, by_plan: bool = False,
-                  frame: bool = False) -> CheckedInput:
+                  frame: bool = False, reads_tables: bool = False) -> CheckedInput:
     """Everything prepare can check without an engine; DataError/ConfigError on the first problem.
 
     frame: the input is a DataFrame given to prepare (or a Spark table or query, read
-    through the engine): its columns are checked once the engine has it (pipelines.frames)."""
+    through the engine): its columns are checked once the engine has it (pipelines.frames).
+    reads_tables: pipelines.engine reads Spark catalog tables and SQL (the API asks the
+    engine's class: shardline.engines.base.Engine.reads_tables)."""
     from .prepare import usable_plan
 
     root = storage.resolve(cfg.dataset_dir, "pipelines.dataset_dir")
@@ -60,9 +62,9 @@ def check_prepare(cfg: PipelineConfig, append: bool = False, refit: bool = False
     if append:
         spec = _fill(spec, previous.feature_spec)  # unset settings: the dataset's
     if frame or src.format in SPARK_FORMATS:
-        if cfg.engine != "spark" and not frame:
+        if not reads_tables and not frame:
             raise ConfigError(f"pipelines.source.format = '{src.format}' reads through a Spark session: it needs "
-                              f"pipelines.engine = 'spark' (Dask has no Spark catalog or SQL)")
+                              f"pipelines.engine = 'spark' (the {cfg.engine} engine has no Spark catalog or SQL)")
         return CheckedInput(spec, [], previous, plan)
     files: list[RawFile] = []
     sources, pinned = None, {}

@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
+from shardline.engines import engine_class, given_engines
 from shardline.foundation.engine_config import DaskConfig, SparkConfig
 from shardline.foundation.section import Section
 from shardline.pipelines.config import PipelineConfig
@@ -107,35 +108,16 @@ def _set(data: dict, key: str, value: Any, item: str) -> None:
 
 # -- paths: resolved once, here on the driver, before anything starts ---------------------
 
-_ENGINE_OF = {"spark": "spark", "dask": "dask", "local": None}
-
-
 def cluster_of(cfg: ShardlineConfig, engines: list[str], spark=None, client=None) -> str | None:
     """The setting that sends tasks to other hosts, among the engines a command uses; None
     when every task runs on this machine (embedded Spark `local[...]`, a LocalCluster).
     spark, client: a SparkSession or Dask client the caller gave (the API's `spark=`,
-    `client=`): where it runs, not the config, says."""
+    `client=`): where it runs, not the config, says (shardline.engines.base.Engine.cluster)."""
+    given = given_engines(spark, client)
     for engine in engines:
-        if engine == "spark" and spark is not None:
-            from shardline.foundation.spark_setup import is_connect, spark_master
-
-            if is_connect(spark):
-                return "the Spark Connect session given"
-            if not spark_master(spark).startswith("local"):
-                return f"the SparkSession given (master {spark_master(spark)!r})"
-        elif engine == "dask" and client is not None:
-            if getattr(client, "cluster", None) is None:  # a scheduler reached by its address
-                return f"the Dask client given (scheduler {client.scheduler.address})"
-        elif engine == "spark":
-            from shardline.foundation.spark_setup import remote_url
-
-            remote = remote_url(cfg.spark)  # a malformed one: a config error, said first
-            if remote:
-                return f"Spark Connect at {remote!r}"
-            if not cfg.spark.master.startswith("local"):
-                return f"spark.master = {cfg.spark.master!r}"
-        if engine == "dask" and client is None and cfg.dask.address:
-            return f"dask.address = {cfg.dask.address!r}"
+        where = engine_class(engine).cluster(cfg, given.get(engine))
+        if where:
+            return where
     return None
 
 

@@ -14,6 +14,8 @@ from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 from shardline.training.launchers import TrainingFailed
 
+from .conftest import engine_for
+
 PACKAGE = str(Path(__file__).parent / "usermodels" / "usernets")
 RAISE_LINE = next(i for i, ln in enumerate((Path(PACKAGE) / "faults.py").read_text().splitlines(), 1)
                   if ln.strip().startswith("raise ValueError"))
@@ -24,13 +26,13 @@ PREFIX = {"local": "local", "spark": "Spark barrier stage"}
 def test_a_users_forward_that_raises_is_one_line_naming_its_frame_and_its_log(
     prepared, tmp_path, capfd, launcher, request
 ):
-    handles = {"spark": request.getfixturevalue("spark")} if launcher == "spark" else {}
+    engine = engine_for(request, launcher)
     ckpt = tmp_path / "ckpt"
     cfg = TrainingConfig(launcher=launcher, world_size=2, epochs=1, batch_size=256, checkpoint_dir=str(ckpt),
                          model="usernets.faults:raises_in_training", code_paths=[PACKAGE], max_restarts=2,
                          timeout_s=60)
     with pytest.raises(TrainingFailed) as failed:
-        run_training(cfg, TrackingConfig(experiment=f"forward-{launcher}"), prepared.dataset_dir, **handles)
+        run_training(cfg, TrackingConfig(experiment=f"forward-{launcher}"), prepared.dataset_dir, engine)
     line = str(failed.value)
     # Spark reports the first failed task of the stage; the local launcher hears both ranks,
     # which failed alike: said once.

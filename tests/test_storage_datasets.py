@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardline.engines import LocalEngine
 from shardline.foundation import storage
 from shardline.pipelines.config import PipelineConfig, RetentionConfig
 from shardline.pipelines.manifest import load_manifest, prune, sequences
@@ -67,7 +68,7 @@ def test_reprepare_while_training_leaves_the_training_unaffected(engines, tmp_pa
                checkpoint_every_steps=5, keep_checkpoints=100, timeout_s=600)
     reference = run_training(
         TrainingConfig(**cfg, checkpoint_dir=str(tmp_path / "ckpt-ref")),
-        TrackingConfig(experiment="reprepare-ref", registered_model="reprepare-ref"), first.dataset_dir,
+        TrackingConfig(experiment="reprepare-ref", registered_model="reprepare-ref"), first.dataset_dir, LocalEngine(),
     )
 
     ckpt, marker = tmp_path / "ckpt", tmp_path / "re-prepared"
@@ -91,7 +92,7 @@ def test_reprepare_while_training_leaves_the_training_unaffected(engines, tmp_pa
     try:
         result = run_training(
             TrainingConfig(**cfg, checkpoint_dir=str(ckpt)),
-            TrackingConfig(experiment="reprepare", registered_model="reprepare"), first.dataset_dir,
+            TrackingConfig(experiment="reprepare", registered_model="reprepare"), first.dataset_dir, LocalEngine(),
             epoch_hook=functools.partial(hold_until_exists, str(marker)),
         )
     finally:

@@ -297,7 +297,7 @@ def log_raw_model(model, manifest: ShardManifest, cfg, registered_name: str | No
         if user_code is None:
             user_code = _unpacked(code, os.path.join(d, "usercode"))
         code_dir = os.path.join(d, "code")
-        for arcname, f in shardline_files():  # shardline/{__init__.py,pipelines,training,serving}
+        for arcname, f in shardline_files():  # shardline/__init__.py and code_travel.ENGINE_PACKAGES
             os.makedirs(os.path.dirname(os.path.join(code_dir, arcname)), exist_ok=True)
             shutil.copyfile(f, os.path.join(code_dir, arcname))
         weights, module = write_module(model, manifest, cfg, d)

@@ -19,9 +19,9 @@ from shardline.foundation.errors import ShardlineError
 from shardline.foundation.spark_probe import failed_task, spark_error_line
 from shardline.foundation.spark_setup import is_connect, master_as_written, spark_master, spark_setting
 
-from ..placement import Slot, host_of, slots
-from . import DriverGuard, RankFn, TrainingFailed, announced, free_port, run_in_group
-from .rank_errors import RankError, lost_rank, rank_failures
+from shardline.training.launchers import DriverGuard, RankFn, TrainingFailed, announced, free_port, run_in_group
+from shardline.training.launchers.rank_errors import RankError, lost_rank, rank_failures
+from shardline.training.placement import Slot, host_of, slots
 
 
 @dataclass(frozen=True)
