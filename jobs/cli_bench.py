@@ -185,7 +185,7 @@ def bench_train(rows, steps, rounds, images, tokens, as_json):
 def bench_loader(rows, images, as_json, store, s3_url):
     """Loader samples/s: ours vs raw pyarrow (the limit), petastorm (own venv) and a naive Dataset."""
     if images:
-        if store != "local" or s3_url:
+        if store == "s3" or s3_url:
             raise click.UsageError("--images reads local shards; it does not go with --storage s3 or --s3-url")
         _bench_loader_images(rows or IMAGES_DEFAULT, as_json)
         return

@@ -37,7 +37,7 @@ from shardline.config import (
     resolve_paths,
 )
 from shardline.config import load_config as _load
-from shardline.engines import Engines, frame_engine, given_engines, given_pair
+from shardline.engines import Engines, engine_class, frame_engine, given_engines, given_pair
 from shardline.foundation.errors import ConfigError
 from shardline.pipelines.manifest import ShardManifest
 from shardline.foundation.report import stage
@@ -153,7 +153,7 @@ def _frame_engine(cfg: ShardlineConfig, df, spark, client):
     else the default); pipelines.engine must be that engine's."""
     engine = frame_engine(df)
     p = cfg.pipelines
-    if "engine" in p.model_fields_set and p.engine != engine.name:
+    if "engine" in p.model_fields_set and engine is not engine_class(p.engine, "pipelines.engine"):
         raise ConfigError(f"source: a {engine.name} DataFrame, but pipelines.engine = '{p.engine}'")
     given = given_engines(spark, client)
     given[engine.name] = given[engine.name] or engine.frame_session(df)

@@ -44,6 +44,8 @@ from shardline.pipelines.config import FeatureSpec
 from shardline.foundation.errors import ShardlineError
 from shardline.pipelines.manifest import FittedStatistics, ShardManifest, TensorSpec
 
+from ..inference import pickled_refusal
+
 WEIGHTS = "weights"  # artifact names inside the logged model
 MODULE = "module"
 TRANSFORM = "transform"
@@ -320,15 +322,6 @@ def log_raw_model(model, manifest: ShardManifest, cfg, registered_name: str | No
             registered_model_name=registered_name,
             **kwargs,
         )
-
-
-def pickled_refusal(model_uri: str) -> str:
-    """Why a pytorch-flavour model is not loaded. MLflow's pytorch loader unpickles the model:
-    whoever could write it to the registry runs code on every scorer. shardline's own models
-    are safetensors weights and a factory's import path (log_raw_model)."""
-    return (f"model {model_uri} has MLflow's pytorch flavour (logged with mlflow.pytorch.log_model): "
-            "loading it unpickles it, which runs whatever code its writer put in it; score it only if you "
-            "trust everyone who can write to this registry, with serving.allow_pickled_models = true")
 
 
 def _unpacked(code, folder: str) -> list[str]:
