@@ -30,6 +30,7 @@ from shardline.foundation.report import stage
 from .config import ServingConfig
 from .delta_output import scores_dir
 from .ledger import all_scores, output_lease
+from .models import ResolvedModel, resolve_model
 from .score import ScorePlan, ScoreResult, check_owner, execute, plan
 
 
@@ -67,6 +68,14 @@ class ScoringJob:
         first): another model's scores there, unless forced."""
         if not self.force:
             check_owner(self.output, all_scores(self.output), model_name)
+
+    def check_model(self) -> ResolvedModel:
+        """The model alone, checked as `check` checks it (the version exists, MLflow answers, a
+        pytorch-flavour model only when allowed), pinned to its version: the check of scoring
+        that has no input folder or output folder (the estimators' predictions on DataFrames)."""
+        if not self.model_uri:
+            raise ConfigError("no model: pass model_uri or set serving.model_uri")
+        return resolve_model(self.model_uri, self.tracking_uri, self.cfg.allow_pickled_models)
 
     def check(self) -> ScoringJob:
         """The model version, the input and the output, and what to score; nothing written."""

@@ -187,6 +187,7 @@ class ShardlineEstimator(SklearnParams):
         fitted = getattr(self, "fitted_", None)
         if fitted is None:
             raise ShardlineError("this ShardlineEstimator is not fitted yet: call fit(X) first")
+        fitted.check()  # the model version, before any worker loads it
         return fitted
 
 

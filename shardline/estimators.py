@@ -7,8 +7,11 @@ import datetime as dt
 import uuid
 from dataclasses import dataclass
 
-from .config import ShardlineConfig, cluster_of
 from shardline.foundation.errors import ConfigError
+from shardline.serving.config import ServingConfig
+from shardline.serving.job import ScoringJob
+
+from .config import ShardlineConfig, cluster_of
 
 GENERATED_KEY = "shardline_key"
 
@@ -114,6 +117,18 @@ class Fitted:
         from shardline.serving.inputs import Transform
 
         return Transform(*self.transform_json)
+
+    def check(self) -> None:
+        """Its model checked on the driver before any task loads it (serving.job.ScoringJob.
+        check_model): a version deleted since the fit, or a store that does not answer, is one
+        line here, not a traceback from every task. Once per process and model."""
+        key = (self.model_uri, self.tracking_uri)
+        if key not in _CHECKED:
+            ScoringJob.resolve(ServingConfig(), self.tracking_uri, "", model_uri=self.model_uri).check_model()
+            _CHECKED.add(key)
+
+
+_CHECKED: set[tuple[str, str]] = set()  # Fitted.check's models, checked already in this process
 
 
 

@@ -259,6 +259,7 @@ class ShardlineModel(Model, HasLabelCol, HasPredictionCol, HasProbabilityCol, _S
         if MASK in fitted.tracking_uri:
             raise ShardlineError(f"the saved tracking URI {fitted.tracking_uri} had its secret masked: set it "
                                  "with setTrackingUri before transform")
+        fitted.check()  # the model version, before any task loads it
         adopt_session(dataset.sparkSession)  # executors that need our code get it
         # Plain values only in the closure: executors have shardline's engine packages, not this module.
         uri, tracking, tjson = fitted.model_uri, fitted.tracking_uri, fitted.transform_json
