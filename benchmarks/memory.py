@@ -24,7 +24,10 @@ from pathlib import Path
 
 from shardline.config import ShardlineConfig
 from shardline.engines import engine_class
+from shardline.foundation import storage
 from shardline.pipelines.config import PipelineConfig
+
+# Imported inside the functions that use them: pipelines.prepare (imports pandas).
 
 
 def main() -> None:
@@ -36,7 +39,6 @@ def main() -> None:
     ap.add_argument("--s3-url", default=None, help="data under this s3:// prefix (the AWS chain's store)")
     args = ap.parse_args()
 
-    from shardline.foundation import storage
     from shardline.pipelines.prepare import prepare
 
     root = Path(tempfile.mkdtemp(prefix="shardline-mem-", dir=args.workdir))

@@ -46,6 +46,12 @@ from shardline.foundation.errors import ConfigError, ShardlineError
 
 from . import faults_storage
 from shardline.config import CHECKPOINTS, DATASET, check_storage, load_config, resolve_paths
+from shardline.engines import Engines
+from shardline.pipelines.manifest import load_manifest
+from shardline.training.checkpoints.store import CheckpointStore, POINTER
+
+# Imported inside the functions that use them: training.job (imports torch); torch (~2 s: only where a model
+# or a rank runs); training.loader.reader (imports torch); training.strategies (imports torch).
 
 
 def _train(cfg, ckpt: str, engine, **changes):
@@ -62,8 +68,6 @@ def _equal(a: dict, b: dict) -> bool:
 
 
 def kill_rank(cfg, ref, root: str, engine) -> tuple[str, str]:
-    from shardline.training.checkpoints.store import CheckpointStore
-
     ckpt = storage.join(root, "kill-rank")
     done, seen = threading.Event(), {}
 
@@ -98,8 +102,6 @@ def kill_rank(cfg, ref, root: str, engine) -> tuple[str, str]:
 
 def _copy_prefix(cfg, ref_dir: str, into: str, keep: int) -> list[str]:
     """The reference's first `keep` checkpoints (and their DCP shards) into `into`."""
-    from shardline.training.checkpoints.store import CheckpointStore, POINTER
-
     paths = CheckpointStore(ref_dir).paths()[:keep]
     for p in paths:
         storage.write_bytes(storage.join(into, storage.name(p)), storage.read_bytes(p))
@@ -115,8 +117,6 @@ def _copy_prefix(cfg, ref_dir: str, into: str, keep: int) -> list[str]:
 
 
 def truncated_checkpoint(cfg, ref, root: str, engine) -> tuple[str, str]:
-    from shardline.training.checkpoints.store import CheckpointStore
-
     kept = CheckpointStore(ref.checkpoint_dir).paths()
     if len(kept) < 3:  # needs() said it would: the reference wrote fewer than planned
         return "FAIL", f"the reference kept {len(kept)} checkpoint(s), not the 3 planned"
@@ -130,8 +130,6 @@ def truncated_checkpoint(cfg, ref, root: str, engine) -> tuple[str, str]:
 
 
 def changed_lr(cfg, ref, root: str, engine) -> tuple[str, str]:
-    from shardline.training.checkpoints.store import CheckpointStore
-
     ckpt = storage.join(root, "changed-lr")
     _copy_prefix(cfg, ref.checkpoint_dir, ckpt, keep=max(1, len(CheckpointStore(ref.checkpoint_dir).paths()) // 2))
     try:
@@ -146,8 +144,6 @@ def changed_lr(cfg, ref, root: str, engine) -> tuple[str, str]:
 
 
 def _names(ckpt: str) -> set[str]:
-    from shardline.training.checkpoints.store import CheckpointStore
-
     return {storage.name(p) for p in CheckpointStore(ckpt).paths()}
 
 
@@ -203,7 +199,6 @@ def checkpoints_planned(cfg) -> tuple[int, int, str]:
     """(written, kept, how) for the reference run, from the config and the dataset's
     manifest alone: an epoch-end checkpoint per epoch, one every checkpoint_every_steps
     optimizer steps, the newest keep_checkpoints kept; `how` says where the figures came from."""
-    from shardline.pipelines.manifest import load_manifest
     from shardline.training.loader.reader import epoch_steps, rows_per_rank
     from shardline.training.strategies import strategy_for
 
@@ -254,7 +249,6 @@ def main(argv: list[str] | None = None) -> int:
         for name, fn in CASES.items():
             print(name)
         return 0
-    from shardline.engines import Engines
 
     try:
         cfg = load_config(args.config, args.overrides)

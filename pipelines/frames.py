@@ -18,6 +18,9 @@ from shardline.foundation import storage
 from .config import PipelineConfig, SourceConfig
 from shardline.foundation.errors import ConfigError
 
+# Imported inside the functions that use them: pipelines.checks (imports pandas); pipelines.prepare (imports
+# pandas).
+
 STAGING = "_staging"
 
 

@@ -14,8 +14,12 @@ import os
 import pyarrow as pa
 
 from shardline.foundation.errors import ConfigError, DataError
+from shardline.foundation.redact import redact
 from .raw import first_line
 from .source_config import SourceConfig
+
+# Imported inside the functions that use them: pyiceberg (only for an Iceberg table); SQLAlchemy (only for a
+# database store).
 
 FIELD_ID = b"PARQUET:field_id"
 
@@ -183,6 +187,4 @@ def renames(file_schema: pa.Schema, ids: dict[str, int]) -> tuple[tuple[str, str
 
 def catalog_name(src: SourceConfig) -> str:
     """How the manifest names the catalog: its name, else its uri, never its credentials."""
-    from shardline.foundation.redact import redact
-
     return redact(str(src.catalog.get("name") or src.catalog.get("uri") or src.catalog.get("type", "")))

@@ -28,10 +28,13 @@ from urllib.parse import unquote
 import pyarrow as pa
 
 from shardline.foundation import storage
-from shardline.pipelines.delta_source import is_table, native, storage_options
 from shardline.foundation.errors import ConfigError, DataError
+from shardline.pipelines.delta_source import is_table, native, storage_options
 
 from .ledger import all_scores, read_ledger, version_dir
+from .worker import output_schema
+
+# Imported inside the functions that use them: deltalake (only for a Delta table).
 
 SCORES = "_shardline_scores"
 FORMATS = ("parquet", "delta")
@@ -104,8 +107,6 @@ class DeltaOutput:
         """Append every committed score file the table does not list yet: one transaction.
         Rows appended."""
         from deltalake.transaction import AddAction
-
-        from .worker import output_schema
 
         table = self._table()
         live = self._live(table)

@@ -16,6 +16,9 @@ from shardline.training.inference import predict
 from .inputs import Transform
 from .models import cached_model
 
+# Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs); pandas (~0.7
+# s: only where a DataFrame is built).
+
 
 def feature_columns(transform: Transform) -> list[str]:
     spec = transform.spec

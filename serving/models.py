@@ -9,6 +9,9 @@ from shardline.foundation.errors import ShardlineError
 from shardline.foundation.redact import redact
 from shardline.training.inference import load_model, model_info, pickled_refusal, registry_client
 
+# Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs); MLflow (~2.5
+# s: only where MLflow is called).
+
 _CACHE: dict[tuple[str, str, str], object] = {}
 
 

@@ -28,6 +28,8 @@ from .inputs import Transform, Unit
 from .ledger import commit
 from .models import cached_model
 
+# Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs).
+
 
 @dataclass(frozen=True)
 class UnitTask:

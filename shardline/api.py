@@ -39,11 +39,19 @@ from shardline.config import (
 from shardline.config import load_config as _load
 from shardline.engines import Engines, engine_class, frame_engine, given_engines, given_pair
 from shardline.foundation.errors import ConfigError
-from shardline.pipelines.manifest import ShardManifest
 from shardline.foundation.report import stage
+from shardline.foundation.storage import resolve
+from shardline.pipelines.manifest import ShardManifest, store_plan
+from shardline.serving.inputs import list_units
+from shardline.serving.job import ScoringJob
 from shardline.serving.score import ScoreResult
+from shardline.serving.status import output_status
 from shardline.stages import check_prepare, dataset_lease, output_lease, run_prepare, run_train
 from shardline.training.result import TrainResult
+from shardline.training.tracking import check_store
+
+# Imported inside the functions that use them: training.job (imports torch); training.source_steps (imports
+# torch); training.sweeps.run (imports torch); training.plan (imports torch).
 
 Config = str | Path | ShardlineConfig | Mapping | None
 Overrides = Iterable[str] | Mapping[str, Any]
@@ -187,8 +195,6 @@ def _ranks(cfg: ShardlineConfig) -> tuple[str, int]:
 
 def _scoring_job(cfg: ShardlineConfig, input_path: str, force: bool):
     """The serving section resolved into one job object (serving.job.ScoringJob)."""
-    from shardline.serving.job import ScoringJob  # MLflow's client: only when scoring
-
     return ScoringJob.resolve(cfg.serving, cfg.tracking.resolved_uri(), input_path, force=force)
 
 
@@ -200,9 +206,6 @@ def score(
     """Batch-score `input_path` (default pipelines.dataset_dir: its serving.split; or raw
     Parquet) with `model_uri` (default serving.model_uri) into serving.output_dir, exactly
     once per input file and model version. force: discard the output's scores first."""
-    from shardline.foundation.storage import resolve
-    from shardline.training.tracking import check_store
-
     cfg = load_config(config, overrides)
     if model_uri:
         cfg = load_config(cfg, {"serving.model_uri": model_uri})
@@ -229,10 +232,6 @@ def score_status(config: Config = None, overrides: Overrides = (), *, output_dir
     """Per model version in `output_dir`: units and rows scored, what is pending (of
     `input_path` if given), the job writing there now. Starts no engine.
     Returns serving.status.OutputStatus (dataclasses)."""
-    from shardline.foundation.storage import resolve
-    from shardline.serving.inputs import list_units
-    from shardline.serving.status import output_status
-
     cfg = load_config(config, overrides)
     out = resolve(output_dir, "--status")
     reads = [("--status", out)]
@@ -250,7 +249,6 @@ def run(config: Config = None, overrides: Overrides = (), *, spark=None, client=
     shared by the stages. The new version scores into its own version=V/ beside the
     earlier versions' scores; force: discard the output's scores first, as score's does."""
     from shardline.training.source_steps import check_steps_from_source
-    from shardline.training.tracking import check_store
 
     given = load_config(config, overrides)
     for setting in ("pipelines.engine", "training.launcher", "serving.engine"):
@@ -322,7 +320,6 @@ def plan(config: Config = None, overrides: Overrides = ()) -> PlanResult:
     choose loader workers, shards per rank and rows per row group so loading keeps ahead of
     training, and store that plan in the dataset's manifest (`prepare(by_plan=True)` lays
     shards out by it). Measured in this process."""
-    from shardline.pipelines.manifest import store_plan
     from shardline.training.job import preflight
     from shardline.training.plan import measured_loader, plan_dataset
 

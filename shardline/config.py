@@ -12,13 +12,15 @@ from typing import Any
 from pydantic import Field, ValidationError
 
 from shardline.engines import engine_class, given_engines
-from shardline.foundation.engine_config import DaskConfig, SparkConfig
-from shardline.foundation.section import Section
-from shardline.pipelines.config import PipelineConfig
 from shardline.foundation import report
+from shardline.foundation.engine_config import DaskConfig, SparkConfig
 from shardline.foundation.errors import ConfigError
-from shardline.foundation.storage import is_remote, resolve
+from shardline.foundation.section import Section
+from shardline.foundation.storage import check_access, is_remote, resolve
+from shardline.pipelines.config import PipelineConfig
 from shardline.serving.config import ServingConfig
+from shardline.training.checkpoints.fingerprint import job_dir
+from shardline.training.checkpoints.store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.strategy_settings import nest_source, override_path
 from shardline.training.sweeps.config import SweepConfig
@@ -184,7 +186,6 @@ def _checkpoint_dir(cfg: ShardlineConfig) -> str:
     t = cfg.training
     if "checkpoint_dir" in t.model_fields_set:
         return t.checkpoint_dir
-    from shardline.training.checkpoints.fingerprint import job_dir
 
     return job_dir(t, cfg.tracking.experiment, cfg.tracking.registered_model, cfg.pipelines.dataset_dir)
 
@@ -193,8 +194,6 @@ def checkpoint_store(given: ShardlineConfig, resolved: ShardlineConfig):
     """The job's training.checkpoints.store.CheckpointStore: the folder resolve_paths gave
     `resolved`, the job's own (job_dir: a new run there replaces an earlier one that differs
     only in what the folder's name leaves out) when the config as `given` leaves it unset."""
-    from shardline.training.checkpoints.store import CheckpointStore
-
     return CheckpointStore(resolved.training.checkpoint_dir, own="checkpoint_dir" not in given.training.model_fields_set)
 
 
@@ -213,8 +212,6 @@ def check_storage(
     """Every store the command reads or writes answers, with access, in seconds, before an
     engine starts (foundation.storage.check_access). A synthetic source is written, not read.
     other_reads: (what to call it, URL) of paths given on the command line."""
-    from shardline.foundation.storage import check_access
-
     if SOURCE in reads and cfg.pipelines.source.format == "synthetic":
         reads, writes = tuple(r for r in reads if r != SOURCE), (*writes, SOURCE)
     if not cfg.pipelines.source.reads_path:  # an Iceberg table or a Spark table: no path is read

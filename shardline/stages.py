@@ -5,13 +5,17 @@ from __future__ import annotations
 
 from shardline.foundation import report
 from shardline.foundation.report import stage
+from shardline.pipelines.manifest import check_dataset_dir
+from shardline.serving.ledger import check_output_dir, output_lease as lease
 
 from .config import ShardlineConfig
 from .engines import engine_class
 
+# Imported inside the functions that use them: pipelines.prepare (imports pandas); pipelines.checks (imports
+# pandas).
+
 
 def dataset_lease(cfg: ShardlineConfig):
-    from shardline.pipelines.manifest import check_dataset_dir
     from shardline.pipelines.prepare import dataset_lease as lease
 
     check_dataset_dir(cfg.pipelines.dataset_dir)  # a foreign directory: refused before we write
@@ -19,8 +23,6 @@ def dataset_lease(cfg: ShardlineConfig):
 
 
 def output_lease(output_dir: str):
-    from shardline.serving.ledger import check_output_dir, output_lease as lease
-
     check_output_dir(output_dir)
     return lease(output_dir)
 

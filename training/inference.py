@@ -33,6 +33,11 @@ from shardline.foundation.redact import redact
 from .mlflow_outage import bound_http
 from .tracking import callers_store_kept, check_reachable
 
+# Imported inside the functions that use them: MLflow (~2.5 s: only where MLflow is called);
+# training.models.registered (a cycle: it imports this module); torch (~2 s: only where a model or a rank
+# runs); training.batch (imports torch); training.loader.columns (imports torch); training.task (imports
+# torch).
+
 
 def registry_client(tracking_uri: str):
     """An MlflowClient of `tracking_uri` with short HTTP retries, its server checked first, to

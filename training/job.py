@@ -47,6 +47,8 @@ from .tracking import check_store, describe_version, log_curves, log_dataset_inp
 from .user_code import job_code_folders, refresh_driver_code
 from .worker import RankJob
 
+# Imported inside the functions that use them: MLflow (~2.5 s: only where MLflow is called).
+
 
 @dataclass
 class Resume:

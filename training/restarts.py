@@ -15,6 +15,8 @@ from .launchers import DriverGuard, TrainingFailed
 from .mlflow_outage import Outbox
 from .worker import RankJob, train_rank
 
+# Imported inside the functions that use them: MLflow (~2.5 s: only where MLflow is called).
+
 
 def launch_with_restarts(job: RankJob, store: CheckpointStore, engine, workers=None,
                          guard: DriverGuard | None = None) -> dict:

@@ -15,7 +15,9 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from shardline.foundation.errors import ConfigError
+import shardline
+from shardline.foundation.code_travel import top_names
+from shardline.foundation.errors import ConfigError, ShardlineError
 
 
 def is_import_path(name: str) -> bool:
@@ -60,7 +62,6 @@ def _own_shardline_folder(module_name: str) -> Path | None:
     parts = module_name.split(".")
     if parts[0] != "shardline" or len(parts) < 2:
         return None
-    import shardline
 
     ours = Path(shardline.__file__).resolve().parent
     for entry in dict.fromkeys([os.getcwd(), *sys.path]):
@@ -135,9 +136,6 @@ def job_code_folders(cfg) -> list[str]:
     the packages of `training.model`, `training.loss` and `training.metrics` (when they are
     the user's own) and every `training.code_paths` entry. Two of one name are refused:
     both would be imported as that name."""
-    from shardline.foundation.code_travel import top_names
-    from shardline.foundation.errors import ShardlineError
-
     folders = user_code_folders([cfg.model, cfg.loss or "", *cfg.metrics], cfg.code_paths)
     try:
         top_names(folders)

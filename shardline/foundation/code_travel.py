@@ -30,8 +30,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import shardline
+
 from .errors import ShardlineError
 from .zips import LOCK, content_zip
+
+# Imported inside the functions that use them: foundation.spark_setup (a cycle: it imports this module); Dask
+# (only with a Dask client).
 
 PREFIX = "shardline-user-"  # shardline-user-<sha>.zip
 
@@ -165,8 +170,6 @@ def shardline_files():
     """(name in the archive, file) for shardline's code that runs on executors: the
     `shardline` package with ENGINE_PACKAGES inside it, laid out as installed, whether this
     process runs from a checkout or an installed package."""
-    import shardline
-
     top = Path(shardline.__file__).resolve().parent
     yield "shardline/__init__.py", top / "__init__.py"
     for pkg in ENGINE_PACKAGES:

@@ -15,6 +15,9 @@ from ..base import Engine, Slots
 from . import score
 from .launch import check_dask_workers, launch_dask
 
+# Imported inside the functions that use them: Dask (only with a Dask client); engines.dask.prepare (a cycle:
+# it imports this module).
+
 # How long a relaunch waits for enough workers: a killed worker's nanny brings a new one up,
 # under a new address, in seconds.
 RELAUNCH_WAIT_S = 60

@@ -27,6 +27,8 @@ from ..base import Engine, Slots
 from . import score
 from .launch import check_spark_slots, launch_spark_barrier, spark_task_slots
 
+# Imported inside the functions that use them: engines.spark.prepare (a cycle: it imports this module).
+
 
 class SparkEngine(Engine):
     """A SparkSession (classic or Connect). A session started here stays the process's active

@@ -18,6 +18,9 @@ from shardline.pipelines.raw import first_line
 from shardline.pipelines.sources import write_raw_part
 from shardline.pipelines.tasks import PART_COL
 
+# Imported inside the functions that use them: pyspark (only with a Spark session: Dask and local jobs never
+# import it).
+
 _SPARK_TYPES = {
     pa.int64(): "bigint",
     pa.int32(): "int",
