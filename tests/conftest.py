@@ -201,9 +201,9 @@ def on_session_dask(dask_client) -> tuple[str, ...]:
 
 @pytest.fixture(scope="session")
 def engines(spark, dask_client):
-    from shardline.engines import DaskEngine, LocalEngine, SparkEngine
+    from shardline.engines import DaskEngine, SparkEngine
 
-    return {"spark": SparkEngine(spark), "dask": DaskEngine(dask_client), "local": LocalEngine()}
+    return {"spark": SparkEngine(spark), "dask": DaskEngine(dask_client)}
 
 
 def engine_for(request, launcher: str):
