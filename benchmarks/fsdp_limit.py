@@ -23,7 +23,14 @@ from __future__ import annotations
 import resource
 from typing import Any
 
+from shardline.engines.local.launch import launch_local
+from shardline.training.config import TrainingConfig
+from shardline.training.launchers import TrainingFailed
+
 from .strategies import MEMORY_HIDDEN, MMAP_THRESHOLD, _mlp_parameters, _status_mb, strategy_rank
+
+# Imported inside the functions that use them: training.models.builtin (imports torch); training.strategies
+# (imports torch).
 
 WORLD = 4
 BUDGET_MB = 1200
@@ -32,7 +39,6 @@ STEPS, GLOBAL_BATCH = 2, 64
 
 def limited_rank(rank: int, world_size: int, p: dict) -> dict:
     """strategy_rank under RLIMIT_AS = the address space mapped now + p["budget_mb"]."""
-    from shardline.training.config import TrainingConfig
     from shardline.training.models.builtin import TabularMLP
     from shardline.training.strategies import strategy_for
 
@@ -46,9 +52,6 @@ def limited_rank(rank: int, world_size: int, p: dict) -> dict:
 
 
 def _run_one(strategy: str, p: dict, progress) -> dict[str, Any]:
-    from shardline.training.launchers import TrainingFailed
-    from shardline.training.launchers.local import launch_local
-
     progress(f"{strategy}: {WORLD} ranks, each limited to its address space + {p['budget_mb']} MB")
     try:
         ranks = launch_local(limited_rank, {**p, "settings": {"strategy": strategy}}, world_size=WORLD,

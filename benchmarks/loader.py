@@ -24,6 +24,7 @@ files: samples yielded / seconds from opening the loader to its last batch.
 from __future__ import annotations
 
 import fcntl
+import inspect
 import itertools
 import json
 import os
@@ -39,6 +40,10 @@ import pyarrow.parquet as pq
 
 from shardline.benchmarks import prepare_with_dask, significant, synthetic_pipeline
 from shardline.foundation.errors import first_line
+from shardline.pipelines.manifest import load_manifest
+
+# Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs); pandas (~0.7
+# s: only where a DataFrame is built); training.loader.reader (imports torch).
 
 TARGET_VS_RAW = 0.95  # issue #49: back at >= 0.95 x the raw read (median of 3 runs, idle)
 TARGET_VS_PETASTORM = 3.0
@@ -207,11 +212,8 @@ def petastorm_epochs(python: Path, paths: list[str], feature: str, label: str, b
 
 def run(rows: int, workdir: str | None = None, progress=print, petastorm: bool = True) -> dict:
     """petastorm=False skips petastorm (and making its venv): the result says so."""
-    import inspect
-
     import torch
 
-    from shardline.pipelines.manifest import load_manifest
     from shardline.training.loader.reader import ShardLoader
 
     cores = len(os.sched_getaffinity(0))

@@ -36,8 +36,16 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow
 
 from shardline.benchmarks import significant
+from shardline.engines import DaskEngine
+from shardline.pipelines.config import PipelineConfig
+from shardline.pipelines.manifest import load_manifest
+
+# Imported inside the functions that use them: Pillow (only for images); torch (~2 s: only where a model or a
+# rank runs); training.loader.reader (imports torch); Dask (only with a Dask client); pipelines.prepare
+# (imports pandas).
 
 TARGET_VS_PILLOW = 0.9
 SHAPE = (3, 64, 64)  # [C, H, W]
@@ -120,8 +128,6 @@ def petastorm_status() -> dict:
     petastorm itself wrote (a Unischema, `materialize_dataset` on Spark), and no petastorm
     release imports with the pyarrow shardline needs (0.12.1 and 0.13.1 import
     `pyarrow.filesystem`, gone in pyarrow 16; dask.dataframe needs pyarrow >= 16)."""
-    import pyarrow
-
     if importlib.util.find_spec("petastorm") is None:
         why = "not installed beside shardline"
     else:
@@ -142,8 +148,6 @@ def _prepare(images_dir: Path, dataset_dir: Path, shape, progress) -> None:
     Dask cluster (threads: starting worker processes would cost more than the work)."""
     from distributed import Client, LocalCluster
 
-    from shardline.pipelines.config import PipelineConfig
-    from shardline.pipelines.engine_dask import DaskEngine
     from shardline.pipelines.prepare import prepare
 
     cfg = PipelineConfig.model_validate({
@@ -167,8 +171,6 @@ def _du(paths) -> int:
 def run(n_images: int = 512, workdir: str | None = None, progress=print, shape=SHAPE,
         batch_size: int = BATCH_SIZE, repeats: int = REPEATS) -> dict:
     import torch
-
-    from shardline.pipelines.manifest import load_manifest
 
     cores = len(os.sched_getaffinity(0))
     many = max(2, cores)

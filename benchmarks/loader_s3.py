@@ -24,13 +24,14 @@ from pathlib import Path
 from shardline.benchmarks import prepare_with_dask, synthetic_pipeline
 from shardline.benchmarks.loader import BATCH_SIZE, REPEATS, SEED, ours_batches, timed_epoch
 from shardline.benchmarks.s3_server import loopback_bucket, stop_loopback
+from shardline.foundation import storage
+from shardline.pipelines.manifest import load_manifest
+
+# Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs).
 
 
 def run(rows: int, s3_url: str | None = None, workdir: str | None = None, progress=print) -> dict:
     import torch
-
-    from shardline.foundation import storage
-    from shardline.pipelines.manifest import load_manifest
 
     root = Path(tempfile.mkdtemp(prefix="shardline-bench-s3-", dir=workdir))
     server, saved_env = None, dict(os.environ)

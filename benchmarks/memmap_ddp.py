@@ -18,14 +18,18 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
 # Run as a script, Python puts benchmarks/ first on sys.path; the repo root is wanted.
 sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from shardline.benchmarks.train_loops import RESULT_MARK, timed_steps  # noqa: E402
 
+# Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs);
+# training.models.decoder (imports torch).
+
 
 def main(p: dict) -> None:
-    import numpy as np
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F

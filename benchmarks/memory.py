@@ -22,8 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from shardline.foundation.engine_config import DaskConfig, SparkConfig
+from shardline.config import ShardlineConfig
+from shardline.engines import engine_class
+from shardline.foundation import storage
 from shardline.pipelines.config import PipelineConfig
+
+# Imported inside the functions that use them: pipelines.prepare (imports pandas).
 
 
 def main() -> None:
@@ -35,7 +39,6 @@ def main() -> None:
     ap.add_argument("--s3-url", default=None, help="data under this s3:// prefix (the AWS chain's store)")
     args = ap.parse_args()
 
-    from shardline.foundation import storage
     from shardline.pipelines.prepare import prepare
 
     root = Path(tempfile.mkdtemp(prefix="shardline-mem-", dir=args.workdir))
@@ -59,16 +62,7 @@ def main() -> None:
         }
     )
     try:
-        if args.engine == "spark":
-            from shardline.pipelines.engine_spark import SparkEngine
-            from shardline.foundation.sessions import spark_session
-
-            engine = SparkEngine(spark_session(SparkConfig()))
-        else:
-            from shardline.pipelines.engine_dask import DaskEngine
-            from shardline.foundation.sessions import dask_client
-
-            engine = DaskEngine(dask_client(DaskConfig()))
+        engine = engine_class(args.engine, "--engine").open(ShardlineConfig())
         start = time.perf_counter()
         m = prepare(engine, cfg)
         seconds = time.perf_counter() - start

@@ -20,12 +20,16 @@ import json
 import sys
 import time
 
+import numpy
+import pyarrow
+
+# Imported inside the functions that use them: petastorm (its own venv: only its benchmark); torch (~2 s: only
+# where a model or a rank runs).
+
 
 def main() -> None:
     args = json.loads(sys.stdin.read())
-    import numpy
     import petastorm
-    import pyarrow
     import torch
     from petastorm import make_batch_reader
     from petastorm.pytorch import BatchedDataLoader

@@ -17,8 +17,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from shardline.engines import DaskEngine, SparkEngine
 from shardline.foundation.engine_config import DaskConfig, SparkConfig
+from shardline.foundation.sessions import dask_client as make_dask_client, spark_session
 from shardline.pipelines.config import PipelineConfig
+from shardline.pipelines.prepare import prepare
+from shardline.pipelines.synthetic import generate
 
 from .prepare_native import native_dask, native_pyarrow, native_spark
 
@@ -43,13 +47,6 @@ def run(rows: int, rounds: int = 1, workdir: str | None = None, progress=print, 
     """Given a running Dask client (`dask_client`: the tests pass the session's), it measures
     on that instead of starting a local cluster of its own: the same figures, less set-up.
     Spark: the active session if there is one (spark_session), else a new one."""
-    from shardline.pipelines.engine_dask import DaskEngine
-    from shardline.pipelines.engine_spark import SparkEngine
-    from shardline.foundation.sessions import dask_client as make_dask_client
-    from shardline.foundation.sessions import spark_session
-    from shardline.pipelines.prepare import prepare
-    from shardline.pipelines.synthetic import generate
-
     root = Path(tempfile.mkdtemp(prefix="shardline-bench-", dir=workdir))
     own_client = None
     try:

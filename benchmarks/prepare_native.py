@@ -29,6 +29,9 @@ from shardline.pipelines.rows import categories, split_of
 from shardline.pipelines.splits import BUCKETS, split_thresholds
 from shardline.pipelines.transform import features, features_column
 
+# Imported inside the functions that use them: pyspark (only with a Spark session: Dask and local jobs never
+# import it); Dask (only with a Dask client).
+
 SPLIT_NAMES = ("train", "val", "test")
 SHARD_SEED = 1_234_567
 

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from shardline.foundation import object_stores
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -86,8 +88,6 @@ def stop_group(proc: subprocess.Popen) -> None:
 def loopback_bucket(root: Path, progress=print) -> tuple[subprocess.Popen, str]:
     """Start moto_server for this run and point this process's AWS chain at it (child
     processes started from now on inherit it); (server, bucket URL). stop_loopback undoes it."""
-    from shardline.foundation import object_stores
-
     port = free_port()
     progress(f"starting an S3 server (moto) on 127.0.0.1:{port}")
     server = start_moto(port, root / "moto.log")
@@ -102,8 +102,6 @@ def loopback_bucket(root: Path, progress=print) -> tuple[subprocess.Popen, str]:
 
 
 def stop_loopback(server: subprocess.Popen, saved_env: dict) -> None:
-    from shardline.foundation import object_stores
-
     stop_group(server)
     os.environ.clear()
     os.environ.update(saved_env)

@@ -42,8 +42,21 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shardline.benchmarks import significant, synthetic_pipeline
+from shardline.engines import DaskEngine, ENGINES, LocalEngine
+from shardline.engines.local.launch import process_context
 from shardline.foundation.engine_config import DaskConfig, SparkConfig
+from shardline.foundation.sessions import dask_client as make_dask_client, spark_session
+from shardline.pipelines.manifest import load_manifest
+from shardline.pipelines.prepare import prepare
+from shardline.serving.models import resolve_model
+from shardline.serving.score import execute, plan
+from shardline.serving.worker import output_schema
+from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.models.registered import load_torch_model
+
+# Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs); MLflow (~2.5
+# s: only where MLflow is called); pyspark (only with a Spark session: Dask and local jobs never import it);
+# training.job (imports torch).
 
 TARGET_VS_LIMIT = 0.9
 TARGET_VS_PROCESSES = 0.95  # issue 18: the engines against plain processes doing the same work
@@ -75,12 +88,12 @@ def score_measure(engine: str, handle, model_uri: str, tracking_uri: str, input_
                   **options) -> Callable[[Path], tuple[int, float]]:
     """A `measure` for `measure_rounds`: the whole batch job of `input_path` into `out`
     (serving.score's plan, then its execute, as shardline.score runs them), timed."""
-    from shardline.serving.score import execute, plan
+    on = ENGINES[engine](handle)
 
     def measure(out: Path) -> tuple[int, float]:
         start = time.perf_counter()
         p = plan(model_uri, tracking_uri, input_path, str(out), force=True, **options)
-        r = execute(p, engine, handle, batch_size=BATCH_SIZE)
+        r = execute(p, on, batch_size=BATCH_SIZE)
         return r.rows, time.perf_counter() - start
     return measure
 
@@ -100,8 +113,6 @@ def limit_loop(model, shard_paths: list[str], out: Path, width: int, model_name:
                model_version: str) -> int:
     """The single-process loop; `model` is already loaded. Returns rows scored."""
     import torch
-
-    from shardline.serving.worker import output_schema
 
     schema = output_schema(classification=True)
     out.mkdir(parents=True)
@@ -166,8 +177,6 @@ def limit_processes(cores: int, model_uri: str, tracking_uri: str, paths: list[s
 def plain_processes(target, args_per_process: list[tuple]) -> tuple[int, float]:
     """target(barrier, results, *args) in one plain process per args, all started together
     once each is ready (it waits on the barrier): (rows they put, seconds from the start)."""
-    from shardline.training.launchers.local import process_context
-
     # Forked from the launcher's fork server (torch imported there once): start-up is
     # outside the timed window anyway (the barrier), this only makes the benchmark start sooner.
     ctx = process_context()
@@ -259,13 +268,6 @@ def run(rows: int, workdir: str | None = None, progress=print, *, spark=None, da
     import mlflow
     import torch
 
-    from shardline.pipelines.engine_dask import DaskEngine
-    from shardline.foundation.sessions import dask_client as make_dask_client
-    from shardline.foundation.sessions import spark_session
-    from shardline.pipelines.manifest import load_manifest
-    from shardline.pipelines.prepare import prepare
-    from shardline.serving.models import resolve_model
-    from shardline.training.config import TrackingConfig, TrainingConfig
     from shardline.training.job import run_training
 
     root = Path(tempfile.mkdtemp(prefix="shardline-bench-score-", dir=workdir))
@@ -298,7 +300,7 @@ def run(rows: int, workdir: str | None = None, progress=print, *, spark=None, da
                 TrainingConfig(launcher="local", world_size=1, epochs=1, batch_size=1024,
                                checkpoint_dir=str(root / "ckpt")),
                 TrackingConfig(tracking_uri=tracking_uri, experiment="bench", registered_model="bench-score"),
-                dataset_dir,
+                dataset_dir, LocalEngine(),
             ).model_uri
         resolved = resolve_model(model_uri, tracking_uri)
         model_uri, model_name, model_version = resolved.pinned_uri, resolved.name, resolved.version

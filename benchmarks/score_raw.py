@@ -24,7 +24,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from shardline.benchmarks.score import measure_rounds, plain_processes, probabilities_udf, score_measure, scores_batch, udf_measure
+from shardline.pipelines.config import FeatureSpec
+from shardline.pipelines.manifest import FittedStatistics
+from shardline.pipelines.transform import features_matrix
+from shardline.serving.worker import output_schema
 from shardline.training.models.registered import load_torch_model
+
+# Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs); MLflow (~2.5
+# s: only where MLflow is called); pyspark (only with a Spark session: Dask and local jobs never import it).
 
 BATCH_SIZE = 4096  # serving.score's default, as for the prepared figures
 
@@ -42,12 +50,6 @@ def raw_loop(model, paths: list[str], out: Path, spec_json: str, stats_json: str
     """Raw files -> features (the training transform) -> probabilities -> Parquet, in this
     process; `model` is loaded. Returns rows scored."""
     import torch
-
-    from shardline.pipelines.config import FeatureSpec
-    from shardline.pipelines.manifest import FittedStatistics
-    from shardline.pipelines.transform import features_matrix
-    from shardline.benchmarks.score import scores_batch
-    from shardline.serving.worker import output_schema
 
     spec = FeatureSpec.model_validate_json(spec_json)
     stats = FittedStatistics.model_validate_json(stats_json)
@@ -84,8 +86,6 @@ def raw_processes(cores: int, model_uri: str, tracking_uri: str, paths: list[str
                   spec_json: str, stats_json: str, name: str, version: str) -> tuple[int, float]:
     """`raw_loop` in `cores` plain processes at once, the files dealt round-robin:
     (rows, seconds from the common start)."""
-    from shardline.benchmarks.score import plain_processes
-
     return plain_processes(_raw_process, [
         (model_uri, tracking_uri, paths[i::cores], out / f"p{i}", spec_json, stats_json, name, version)
         for i in range(cores)
@@ -97,8 +97,6 @@ def predict_batch_udf_raw_job(spark, model_uri: str, tracking_uri: str, spec_jso
     function; a function scoring raw files into a directory (one udf: its per-worker
     model cache survives from the warm-up to the measured run)."""
     from pyspark.sql import functions as F
-
-    from shardline.pipelines.config import FeatureSpec
 
     spec = FeatureSpec.model_validate_json(spec_json)
     columns = [*spec.numeric, *spec.categorical, *spec.vectors]
@@ -134,8 +132,6 @@ def predict_batch_udf_raw_job(spark, model_uri: str, tracking_uri: str, spec_jso
         )
         return predict
 
-    from shardline.benchmarks.score import probabilities_udf
-
     udf = probabilities_udf(make_predict_fn, [[spec.vectors[c]] if c in spec.vectors else None for c in columns])
 
     def run(paths: list[str], out: Path, model_name: str, model_version: str) -> None:
@@ -162,8 +158,6 @@ def measure(spark, client, model, tracking_uri: str, manifest, root: Path, cores
     raw.mkdir()
     for i, f in enumerate(files):
         (raw / f"part-{i:05d}.parquet").symlink_to(Path(f).resolve())
-
-    from shardline.benchmarks.score import measure_rounds, score_measure, udf_measure
 
     jobs = {f"{name}_raw": score_measure(name, handle, model.pinned_uri, tracking_uri, str(raw))
             for name, handle in (("spark", spark), ("dask", client))}

@@ -32,10 +32,17 @@ ranks the ranks share cores, so a ratio below 1 there says "oversubscribed", not
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import time
 from typing import Any
+
+from shardline.engines.local.launch import launch_local
+from shardline.training.config import TrainingConfig
+
+# Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs);
+# training.models.builtin (imports torch); training.strategies (imports torch).
 
 D_MODEL, HEADS, LAYERS = 64, 4, 4
 N_NUMERIC, CARDINALITIES, CLASSES = 16, [8, 8], 3
@@ -110,15 +117,12 @@ def reset_peak_rss() -> float:
 def return_freed_memory() -> None:
     """glibc: serve blocks of MMAP_THRESHOLD bytes and more with mmap, so that freeing one
     returns it to the system at once (peak RSS then follows live memory)."""
-    import ctypes
-
     ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
 
 
 def strategy_rank(rank: int, world_size: int, p: dict) -> dict:
     import torch
 
-    from shardline.training.config import TrainingConfig
     from shardline.training.models.builtin import FeatureTransformer, TabularMLP
     from shardline.training.strategies import strategy_for
 
@@ -179,8 +183,6 @@ def strategy_rank(rank: int, world_size: int, p: dict) -> dict:
 
 def _measure(name: str, world: int, settings: dict, p: dict, progress) -> dict:
     """One row: `world` ranks of strategy_rank."""
-    from shardline.training.launchers.local import launch_local
-
     progress(f"{name}: {world} rank(s), {p['warmup']} warm-up + {p['steps']} timed steps")
     ranks = launch_local(strategy_rank, {**p, "settings": settings}, world_size=world, timeout_s=900)
     slowest = max(r["elapsed_s"] for r in ranks)

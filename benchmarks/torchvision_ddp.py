@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 import gc
+import importlib.util
 import json
 import sys
 import time
@@ -23,6 +24,9 @@ from pathlib import Path
 sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from shardline.benchmarks.train_loops import RESULT_MARK, timed_steps  # noqa: E402
+
+# Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs); torchvision
+# (with torch); benchmarks.bench_cnn (imports torch).
 
 
 def main(p: dict) -> None:
@@ -83,9 +87,6 @@ def _torchvision_without_its_ops() -> None:
     detection ops it never defined ("operator torchvision::nms does not exist"). Defining
     their schemas first lets its Python part import; ImageFolder, PILToTensor and the
     DataLoader use no compiled torchvision op."""
-    import importlib.util
-    from pathlib import Path
-
     import torch
 
     package = Path(importlib.util.find_spec("torchvision").origin).parent

@@ -41,6 +41,7 @@ backward's compute running beside it on the same cores).
 
 from __future__ import annotations
 
+import datetime as dt
 import gc
 import json
 import os
@@ -51,6 +52,23 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from shardline.benchmarks import significant, synthetic_pipeline
+from shardline.engines import SparkEngine
+from shardline.engines.spark.launch import launch_spark_barrier
+from shardline.foundation.engine_config import SparkConfig
+from shardline.foundation.sessions import spark_session
+from shardline.pipelines.manifest import load_manifest
+from shardline.training.config import TrainingConfig
+from shardline.training.launchers import free_port
+
+# Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs);
+# training.loader.reader (imports torch); training.models.builtin (imports torch); training.strategies
+# (imports torch); pyspark (only with a Spark session: Dask and local jobs never import it); pipelines.prepare
+# (imports pandas).
 
 HIDDEN = [512, 512]  # big enough that gradients (~1 MB) are not all latency
 GLOBAL_BATCH = 512
@@ -77,8 +95,6 @@ def ddp_rank(rank: int, world_size: int, p: dict) -> dict:
 
 def env_rank(p: dict) -> dict:
     """`ddp_rank` for launchers that set MASTER_ADDR/PORT, RANK, WORLD_SIZE (torchrun, TorchDistributor)."""
-    import datetime as dt
-
     import torch.distributed as dist
 
     dist.init_process_group("gloo", timeout=dt.timedelta(seconds=p.get("timeout_s", 300)))
@@ -91,11 +107,8 @@ def env_rank(p: dict) -> dict:
 
 
 def _rank_data(p: dict, rank: int, world_size: int):
-    import numpy as np
-    import pyarrow.parquet as pq
     import torch
 
-    from shardline.pipelines.manifest import load_manifest
     from shardline.training.loader.reader import rank_shards
 
     manifest = load_manifest(p["dataset_dir"])
@@ -115,7 +128,6 @@ def _measure(rank: int, world_size: int, p: dict) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from shardline.training.config import TrainingConfig
     from shardline.training.models.builtin import build_model
     from shardline.training.strategies import strategy_for
 
@@ -229,8 +241,6 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 
 def run_torchrun(payload: dict, world_size: int = 2) -> tuple[dict, float]:
     """Plain torchrun on this machine; (rank 0's result, the caller's start wall time)."""
-    from shardline.training.launchers import free_port
-
     script = Path(__file__).with_name("torchrun_ddp.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
            "--nproc_per_node", str(world_size), "--master_addr", "127.0.0.1",
@@ -246,8 +256,6 @@ def run_torchrun(payload: dict, world_size: int = 2) -> tuple[dict, float]:
 
 
 def run_spark(spark, payload: dict, world_size: int = 2) -> tuple[dict, float]:
-    from shardline.training.launchers.spark import launch_spark_barrier
-
     started = time.time()
     results = launch_spark_barrier(spark, ddp_rank, payload, world_size, payload["timeout_s"])
     return results[0], started
@@ -269,11 +277,6 @@ def run(rows: int = 100_000, workdir: str | None = None, progress=print, *, step
         warmup: int = WARMUP, allreduce_iters: int = ALLREDUCE_ITERS,
         hidden: list[int] | None = None, rounds: int = ROUNDS, dataset_dir: str | None = None) -> dict:
     """Run every leg once per round; `dataset_dir` (prepared for 2 ranks) skips preparing `rows`."""
-    from shardline.benchmarks import significant, synthetic_pipeline
-    from shardline.foundation.engine_config import SparkConfig
-    from shardline.pipelines.engine_spark import SparkEngine
-    from shardline.foundation.sessions import spark_session
-    from shardline.pipelines.manifest import load_manifest
     from shardline.pipelines.prepare import prepare
 
     world_size = 2

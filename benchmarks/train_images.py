@@ -44,7 +44,19 @@ import time
 from pathlib import Path
 
 from shardline.benchmarks import significant
+from shardline.benchmarks.loader_images import CLASSES, make_images
 from shardline.benchmarks.train_loops import load_average, run_torchrun, shardline_rank
+from shardline.engines import SparkEngine
+from shardline.engines.local.launch import launch_local
+from shardline.engines.spark.launch import launch_spark_barrier
+from shardline.foundation.engine_config import SparkConfig
+from shardline.foundation.sessions import spark_session
+from shardline.pipelines.config import PipelineConfig
+from shardline.pipelines.manifest import load_manifest, store_plan
+from shardline.training.config import TrainingConfig
+
+# Imported inside the functions that use them: training.plan (imports torch); pipelines.prepare (imports
+# pandas).
 
 SHAPE = (3, 64, 64)
 WIDTH = 16  # the CNN's first channels
@@ -87,16 +99,7 @@ def images_needed(global_batch: int, steps: int, warmup: int) -> int:
 def run(n_images: int | None = None, workdir: str | None = None, progress=print, *, steps: int = STEPS,
         warmup: int = WARMUP, global_batch: int = GLOBAL_BATCH, num_workers=NUM_WORKERS,
         rounds: int = ROUNDS, spark=None) -> dict:
-    from shardline.benchmarks.loader_images import CLASSES, make_images
-    from shardline.pipelines.config import PipelineConfig
-    from shardline.foundation.engine_config import SparkConfig
-    from shardline.pipelines.engine_spark import SparkEngine
-    from shardline.foundation.sessions import spark_session
-    from shardline.pipelines.manifest import load_manifest, store_plan
     from shardline.pipelines.prepare import prepare
-    from shardline.training.config import TrainingConfig
-    from shardline.training.launchers.local import launch_local
-    from shardline.training.launchers.spark import launch_spark_barrier
     from shardline.training.plan import plan_dataset
 
     cores = len(os.sched_getaffinity(0))

@@ -11,6 +11,14 @@ import sys
 import time
 from pathlib import Path
 
+from shardline.pipelines.manifest import load_manifest
+from shardline.training.config import TrainingConfig
+from shardline.training.launchers import free_port
+
+# Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs); psutil
+# (optional); training.batch (imports torch); training.loader.reader (imports torch); training.models.builtin
+# (imports torch); training.strategies (imports torch); training.worker (imports torch).
+
 RESULT_MARK = "SHARDLINE_BENCH_RESULT "  # a torchrun script's result line on stdout
 
 
@@ -72,8 +80,6 @@ def cpu_seconds() -> float:
 def run_torchrun(script: Path, payload: dict, world_size: int, timeout_s: float = 900) -> tuple[dict, float]:
     """`script` under plain torchrun on this machine; (rank 0's result, wall seconds from the
     launch to the end of every process)."""
-    from shardline.training.launchers import free_port
-
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
            "--nproc_per_node", str(world_size), "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(script), json.dumps(payload)]
@@ -95,9 +101,7 @@ def shardline_rank(rank: int, world_size: int, p: dict) -> dict:
     when a Spark barrier task yields made later jobs hang)."""
     import torch
 
-    from shardline.pipelines.manifest import load_manifest
     from shardline.training.batch import split
-    from shardline.training.config import TrainingConfig
     from shardline.training.loader.reader import ShardLoader
     from shardline.training.models.builtin import build_model
     from shardline.training.strategies import strategy_for

@@ -29,9 +29,23 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from shardline.benchmarks import significant
 from shardline.benchmarks.train_images import images_needed
 from shardline.benchmarks.train_loops import load_average, run_torchrun, shardline_rank
+from shardline.engines import SparkEngine
+from shardline.engines.local.launch import launch_local
+from shardline.foundation.engine_config import SparkConfig
+from shardline.foundation.sessions import spark_session
+from shardline.pipelines.config import PipelineConfig
+from shardline.pipelines.manifest import load_manifest, store_plan
+from shardline.training.config import TrainingConfig
+
+# Imported inside the functions that use them: pipelines.prepare (imports pandas); training.plan (imports
+# torch).
 
 VOCAB = 512
 LENGTH = 128
@@ -54,10 +68,6 @@ def training_section(global_batch: int) -> dict:
 
 def write_tokens(root: Path, rows: int) -> tuple[Path, Path]:
     """The stream as Parquet rows of LENGTH ids (4 files) and as a uint16 memmap file."""
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     rng = np.random.default_rng(SEED)
     # Counting runs from random starts: a stream a small model can learn, like text, not noise.
     starts = rng.integers(0, VOCAB, rows)
@@ -75,14 +85,7 @@ def write_tokens(root: Path, rows: int) -> tuple[Path, Path]:
 
 def run(rows: int | None = None, workdir: str | None = None, progress=print, *, steps: int = STEPS,
         warmup: int = WARMUP, global_batch: int = GLOBAL_BATCH, rounds: int = ROUNDS, spark=None) -> dict:
-    from shardline.pipelines.config import PipelineConfig
-    from shardline.foundation.engine_config import SparkConfig
-    from shardline.pipelines.engine_spark import SparkEngine
-    from shardline.foundation.sessions import spark_session
-    from shardline.pipelines.manifest import load_manifest, store_plan
     from shardline.pipelines.prepare import prepare
-    from shardline.training.config import TrainingConfig
-    from shardline.training.launchers.local import launch_local
     from shardline.training.plan import plan_dataset
 
     cores = len(os.sched_getaffinity(0))

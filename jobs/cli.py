@@ -20,6 +20,8 @@ from shardline.config import (
     resolve_paths,
 )
 from shardline.foundation import report
+from shardline.foundation.storage import display
+from shardline.pipelines.manifest import manifest_url
 
 from .cli_bench import bench
 from .cli_json import json_file_option as _json_file_option
@@ -27,7 +29,7 @@ from .cli_json import json_file_path, write_json_file
 from .cli_json import json_option as _json_option
 from .cli_json import json_out as _json_out
 from .console import ConsoleReporter, console
-from .ui import ui_hint
+from .ui import serve, ui_hint
 
 _set_option = click.option(
     "--set",
@@ -269,9 +271,6 @@ def plan(config, overrides, as_json):
     Then `shardline prepare CONFIG --plan` lays the shards out by it, and training
     uses its loader workers unless training.loader_workers is set.
     """
-    from shardline.pipelines.manifest import manifest_url
-    from shardline.foundation.storage import display
-
     r = api.plan(config, list(overrides))  # measured here, in this process
     manifest, p = r.manifest, r.plan
     if json_file_path():
@@ -317,8 +316,6 @@ def plan(config, overrides, as_json):
 def ui(config, overrides, host, port):
     """The MLflow UI on the configured store (tracking.tracking_uri): an MLflow server on a
     SQLite/database store, bound to loopback; a server URL is checked and printed."""
-    from .ui import serve
-
     cfg = resolve_paths(load_config(config, list(overrides)), [])
     serve(cfg.tracking.tracking_uri, host, port, lambda line: console.print(escape(line)))
 

@@ -5,15 +5,26 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import redirect_stdout
 
 import click
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from shardline.benchmarks.fsdp_limit import run as run_bench
+from shardline.benchmarks.loader import run as run_bench
+from shardline.benchmarks.loader_images import run as run_bench
+from shardline.benchmarks.loader_s3 import run as run_bench
+from shardline.benchmarks.strategies import run as run_bench
+from shardline.benchmarks.train import run as run_bench
 from shardline.foundation.errors import ShardlineError
+from shardline.foundation.storage import check_access, resolve
 
 from .console import console
+
+# Imported inside the functions that use them: benchmarks.prepare (imports pandas); benchmarks.score (imports
+# MLflow, pandas).
 
 IMAGES_DEFAULT = 512  # `bench loader --images`: a few hundred small images
 
@@ -132,8 +143,6 @@ def bench_score(rows, rounds, as_json):
 def bench_train(rows, steps, rounds, images, tokens, as_json):
     """DDP step time, launch to first step and all-reduce bytes/s: ours vs torchrun, TorchDistributor, raw;
     --images / --tokens: training throughput vs the loops users write by hand."""
-    from contextlib import redirect_stdout
-
     if images and tokens:
         raise click.UsageError("--images and --tokens are two benchmarks: give one")
     if images or tokens:
@@ -141,7 +150,6 @@ def bench_train(rows, steps, rounds, images, tokens, as_json):
 
         bench_train_typed("images" if images else "tokens", rows, steps, rounds, as_json)
         return
-    from shardline.benchmarks.train import run as run_bench
 
     rows, steps, rounds = rows or 100_000, steps or 200, rounds or 3
     # TorchDistributor relays its tasks' output with print(): keep stdout for the result.
@@ -185,7 +193,7 @@ def bench_train(rows, steps, rounds, images, tokens, as_json):
 def bench_loader(rows, images, as_json, store, s3_url):
     """Loader samples/s: ours vs raw pyarrow (the limit), petastorm (own venv) and a naive Dataset."""
     if images:
-        if store != "local" or s3_url:
+        if store == "s3" or s3_url:
             raise click.UsageError("--images reads local shards; it does not go with --storage s3 or --s3-url")
         _bench_loader_images(rows or IMAGES_DEFAULT, as_json)
         return
@@ -195,7 +203,6 @@ def bench_loader(rows, images, as_json, store, s3_url):
         return
     if s3_url:
         raise click.UsageError("--s3-url goes with --storage s3")
-    from shardline.benchmarks.loader import run as run_bench
 
     result = _bench(run_bench, as_json, rows=rows)
     if result is None:
@@ -223,8 +230,6 @@ def bench_loader(rows, images, as_json, store, s3_url):
 
 
 def _bench_loader_images(n: int, as_json: bool) -> None:
-    from shardline.benchmarks.loader_images import run as run_bench
-
     result = _bench(run_bench, as_json, n_images=n)
     if result is None:
         return
@@ -256,9 +261,6 @@ def _bench_loader_images(n: int, as_json: bool) -> None:
 
 
 def _bench_loader_s3(rows: int, as_json: bool, s3_url: str | None) -> None:
-    from shardline.benchmarks.loader_s3 import run as run_bench
-    from shardline.foundation.storage import check_access, resolve
-
     if s3_url:
         if not resolve(s3_url, "--s3-url").startswith("s3://"):
             raise click.UsageError("--s3-url takes an s3:// URL")
@@ -274,7 +276,7 @@ def _bench_loader_s3(rows: int, as_json: bool, s3_url: str | None) -> None:
     for col in ("", "seconds", "samples/s", "× local"):
         table.add_column(col, justify="right")
     for k, text in (("local", "ShardLoader, local disk"), ("s3", f"ShardLoader, S3 ({result['s3']})")):
-        ratio = "" if k == "local" else f"{result['ratio_s3_vs_local']:.2f}"
+        ratio = f"{result['ratio_s3_vs_local']:.2f}" if k == "s3" else ""  # the S3 row, against local disk
         table.add_row(text, f"{result['seconds'][k]:.3f}", f"{result['samples_per_s'][k]:,.0f}", ratio)
     Console().print(table)
 
@@ -284,8 +286,6 @@ def _bench_loader_s3(rows: int, as_json: bool, s3_url: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
 def bench_strategies(steps, as_json):
     """Samples/s, peak memory per rank and pipeline bubble of every strategy on one transformer."""
-    from shardline.benchmarks.strategies import run as run_bench
-
     result = _bench(run_bench, as_json, steps=steps)
     if result is None:
         return
@@ -338,8 +338,6 @@ def bench_strategies(steps, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
 def bench_fsdp_limit(budget_mb, as_json):
     """A 100M-weight model that ddp cannot train within a per-rank memory limit, trained by fsdp within it."""
-    from shardline.benchmarks.fsdp_limit import run as run_bench
-
     result = _bench(run_bench, as_json, budget_mb=budget_mb)
     if result is None:
         return

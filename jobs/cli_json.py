@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import sys
+import tempfile
 from contextlib import contextmanager
 
 import click
@@ -48,8 +49,6 @@ def json_file_path() -> str | None:
 
 def write_json_file(path: str, document) -> None:
     """`document` as JSON at `path`, atomically: a temporary file beside it, then renamed."""
-    import tempfile
-
     text = json.dumps(document, indent=2, default=str) + "\n"
     fd, tmp = tempfile.mkstemp(prefix=".shardline-", suffix=".json", dir=os.path.dirname(os.path.abspath(path)))
     try:

@@ -39,7 +39,6 @@ import sys
 import threading
 import time
 import uuid
-from contextlib import ExitStack
 from functools import partial
 
 from shardline.foundation import storage
@@ -47,13 +46,19 @@ from shardline.foundation.errors import ConfigError, ShardlineError, first_line
 
 from . import faults_storage
 from shardline.config import CHECKPOINTS, DATASET, check_storage, load_config, resolve_paths
+from shardline.engines import Engines
+from shardline.pipelines.manifest import load_manifest
+from shardline.training.checkpoints.store import CheckpointStore
+
+# Imported inside the functions that use them: training.job (imports torch); torch (~2 s: only where a model
+# or a rank runs); training.loader.reader (imports torch); training.strategies (imports torch).
 
 
-def _train(cfg, ckpt: str, handles: dict, **changes):
+def _train(cfg, ckpt: str, engine, **changes):
     from shardline.training.job import run_training
 
     t = cfg.training.model_copy(update={"checkpoint_dir": ckpt, **changes})
-    return run_training(t, cfg.tracking, cfg.pipelines.dataset_dir, register=False, **handles)
+    return run_training(t, cfg.tracking, cfg.pipelines.dataset_dir, engine, register=False)
 
 
 def _equal(a: dict, b: dict) -> bool:
@@ -62,9 +67,7 @@ def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def kill_rank(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
-    from shardline.training.checkpoints.store import CheckpointStore
-
+def kill_rank(cfg, ref, root: str, engine) -> tuple[str, str]:
     ckpt = storage.join(root, "kill-rank")
     done, seen = threading.Event(), {}
 
@@ -83,7 +86,7 @@ def kill_rank(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
     watcher = threading.Thread(target=killer, daemon=True)
     watcher.start()
     try:
-        result = _train(cfg, ckpt, handles)
+        result = _train(cfg, ckpt, engine)
     finally:
         done.set()
         watcher.join()
@@ -113,28 +116,24 @@ def _copy_prefix(cfg, ref_dir: str, into: str, keep: int) -> list[str]:
     return [storage.join(into, storage.name(p)) for p in paths]
 
 
-def truncated_checkpoint(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
-    from shardline.training.checkpoints.store import CheckpointStore
-
+def truncated_checkpoint(cfg, ref, root: str, engine) -> tuple[str, str]:
     kept = CheckpointStore(ref.checkpoint_dir).paths()
     if len(kept) < 3:  # needs() said it would: the reference wrote fewer than planned
         return "FAIL", f"the reference kept {len(kept)} checkpoint(s), not the 3 planned"
     ckpt = storage.join(root, "truncated")
     copied = _copy_prefix(cfg, ref.checkpoint_dir, ckpt, keep=len(kept) // 2 + 1)
     storage.write_bytes(copied[-1], storage.read_bytes(copied[-1])[:1000])  # a write cut short
-    result = _train(cfg, ckpt, handles, resume=True)
+    result = _train(cfg, ckpt, engine, resume=True)
     if _equal(result.weights, ref.weights):
         return "PASS", f"newest of {len(copied)} checkpoints truncated; resumed from the previous one, bit-equal"
     return "FAIL", "resumed past the truncated checkpoint, but the final weights differ from the reference"
 
 
-def changed_lr(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
-    from shardline.training.checkpoints.store import CheckpointStore
-
+def changed_lr(cfg, ref, root: str, engine) -> tuple[str, str]:
     ckpt = storage.join(root, "changed-lr")
     _copy_prefix(cfg, ref.checkpoint_dir, ckpt, keep=max(1, len(CheckpointStore(ref.checkpoint_dir).paths()) // 2))
     try:
-        _train(cfg, ckpt, handles, resume=True, lr=cfg.training.lr * 10)
+        _train(cfg, ckpt, engine, resume=True, lr=cfg.training.lr * 10)
     except ShardlineError as e:
         line = first_line(e, 100_000)
         said = line[line.find("different run"):] if "different run" in line else line  # past the path
@@ -145,12 +144,10 @@ def changed_lr(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
 
 
 def _names(ckpt: str) -> set[str]:
-    from shardline.training.checkpoints.store import CheckpointStore
-
     return {storage.name(p) for p in CheckpointStore(ckpt).paths()}
 
 
-def ctrl_c(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
+def ctrl_c(cfg, ref, root: str, engine) -> tuple[str, str]:
     ckpt = storage.join(root, "ctrl-c")
     done, seen = threading.Event(), {}
 
@@ -166,7 +163,7 @@ def ctrl_c(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
     watcher = threading.Thread(target=interrupter, daemon=True)
     watcher.start()
     try:
-        _train(cfg, ckpt, handles)
+        _train(cfg, ckpt, engine)
     except KeyboardInterrupt:
         if "before" not in seen:
             raise  # the user's own Ctrl-C, not the case's
@@ -183,7 +180,7 @@ def ctrl_c(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
     time.sleep(3)  # a rank still running would write its next checkpoint within this
     if _names(ckpt) != after:
         return "FAIL", "something still writes the checkpoint folder after the interrupted job ended"
-    result = _train(cfg, ckpt, handles, resume=True)
+    result = _train(cfg, ckpt, engine, resume=True)
     if not _equal(result.weights, ref.weights):
         return "FAIL", "resumed after the interrupt, but the final weights differ from the reference"
     return "PASS", (f"interrupted after the first checkpoint; {len(committed)} committed after the signal, "
@@ -202,7 +199,6 @@ def checkpoints_planned(cfg) -> tuple[int, int, str]:
     """(written, kept, how) for the reference run, from the config and the dataset's
     manifest alone: an epoch-end checkpoint per epoch, one every checkpoint_every_steps
     optimizer steps, the newest keep_checkpoints kept; `how` says where the figures came from."""
-    from shardline.pipelines.manifest import load_manifest
     from shardline.training.loader.reader import epoch_steps, rows_per_rank
     from shardline.training.strategies import strategy_for
 
@@ -253,7 +249,6 @@ def main(argv: list[str] | None = None) -> int:
         for name, fn in CASES.items():
             print(name)
         return 0
-    from shardline.engines import engine_handle, spark_ranks
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -268,11 +263,9 @@ def main(argv: list[str] | None = None) -> int:
         if named:
             raise ConfigError(f"--case {named[0]}: {cannot[named[0]]}")
         failed = False
-        with ExitStack() as stack:
-            handles = {}
-            if cfg.training.launcher in ("spark", "dask"):
-                handle = stack.enter_context(engine_handle(cfg, cfg.training.launcher, spark_ranks(cfg)))
-                handles = {"spark": handle} if cfg.training.launcher == "spark" else {"dask_client": handle}
+        t = cfg.training
+        with Engines(cfg, ranks=(t.launcher, t.world_size)) as engines:
+            engine = engines.get(t.launcher, "training.launcher")
             try:
                 ref = None
                 for name in chosen:
@@ -281,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     if ref is None:  # trained once, for the first case that can run
                         ref_dir = storage.join(root, "reference")
-                        ref = _Reference(_train(cfg, ref_dir, handles), ref_dir)
-                    verdict, detail = CASES[name](cfg, ref, root, handles)
+                        ref = _Reference(_train(cfg, ref_dir, engine), ref_dir)
+                    verdict, detail = CASES[name](cfg, ref, root, engine)
                     failed |= verdict == "FAIL"
                     print(f"{name}: {verdict}: {detail}", flush=True)
             finally:

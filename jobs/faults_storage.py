@@ -22,6 +22,9 @@ import tempfile
 from shardline.foundation import storage
 from shardline.foundation.errors import ShardlineError
 from shardline.foundation.lease import LEASE_NAME, Holder, Lease
+from shardline.serving.status import output_status
+
+# Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs).
 
 
 def full_disk_needs(root: str) -> str | None:
@@ -71,8 +74,6 @@ def _fill(disk: str, leave: int) -> None:
 
 
 def stale_lease(cfg, ref, root: str, handles: dict, train) -> tuple[str, str]:
-    from shardline.serving.status import output_status
-
     # A scoring output whose job was killed: `score --status` must not call it live.
     scores = storage.join(root, "stale-status")
     dead = _lease_of_a_killed_job(storage.join(scores, LEASE_NAME), "shardline score")

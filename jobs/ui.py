@@ -18,6 +18,8 @@ from pathlib import Path
 
 from shardline.foundation.errors import ShardlineError, StorageError
 from shardline.foundation.redact import redact
+from shardline.training.config import TrackingConfig
+from shardline.training.tracking import check_driver, health_request
 
 SETTING = "tracking.tracking_uri"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -29,8 +31,6 @@ def is_server(uri: str) -> bool:
 
 def ui_hint(tracking_uri: str) -> str:
     """What the run summary tells a user to type (or open) to see the run."""
-    from shardline.training.config import TrackingConfig
-
     if is_server(tracking_uri):
         return redact(tracking_uri)
     if tracking_uri == _absolute(TrackingConfig().resolved_uri()):
@@ -46,8 +46,6 @@ def _absolute(uri: str) -> str:
 
 def check_server(uri: str, timeout_s: float = 10.0) -> None:
     """An MLflow server answers its /health, or one line saying it does not."""
-    from shardline.training.tracking import health_request
-
     try:
         with urllib.request.urlopen(health_request(uri), timeout=timeout_s) as r:
             if r.status == 200:
@@ -95,7 +93,6 @@ def serve(uri: str, host: str, port: int, say) -> None:
         check_server(uri)
         say(f"The MLflow server {redact(uri)} serves the UI itself: open {redact(uri)}")
         return
-    from shardline.training.tracking import check_driver
 
     check_store(uri)
     check_driver(uri)  # the server would say it in a traceback, after "ready"

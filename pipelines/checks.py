@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from .config import FeatureSpec, PipelineConfig
 from shardline.foundation.errors import ConfigError, DataError
@@ -17,9 +18,13 @@ from .manifest import BandwidthPlan, ShardManifest, has_manifest, load_manifest
 from .raw import RawFile, describe, sniff
 from .rows import numbers
 from .source_config import SPARK_FORMATS, TABLE_FORMATS
-from .sources import display, list_files
+from .sources import display, list_files, open_raw
 from shardline.foundation import storage
 from . import synthetic
+from .images import check_image, class_names, path_keys, read_images
+from .tensors import parse_tensor
+
+# Imported inside the functions that use them: pipelines.prepare (a cycle: it imports this module).
 
 
 @dataclass
@@ -36,11 +41,13 @@ class CheckedInput:
 
 
 def check_prepare(cfg: PipelineConfig, append: bool = False, refit: bool = False, by_plan: bool = False,
-                  frame: bool = False) -> CheckedInput:
+                  frame: bool = False, reads_tables: bool = False) -> CheckedInput:
     """Everything prepare can check without an engine; DataError/ConfigError on the first problem.
 
     frame: the input is a DataFrame given to prepare (or a Spark table or query, read
-    through the engine): its columns are checked once the engine has it (pipelines.frames)."""
+    through the engine): its columns are checked once the engine has it (pipelines.frames).
+    reads_tables: pipelines.engine reads Spark catalog tables and SQL (the API asks the
+    engine's class: shardline.engines.base.Engine.reads_tables)."""
     from .prepare import usable_plan
 
     root = storage.resolve(cfg.dataset_dir, "pipelines.dataset_dir")
@@ -60,9 +67,9 @@ def check_prepare(cfg: PipelineConfig, append: bool = False, refit: bool = False
     if append:
         spec = _fill(spec, previous.feature_spec)  # unset settings: the dataset's
     if frame or src.format in SPARK_FORMATS:
-        if cfg.engine != "spark" and not frame:
+        if not reads_tables and not frame:
             raise ConfigError(f"pipelines.source.format = '{src.format}' reads through a Spark session: it needs "
-                              f"pipelines.engine = 'spark' (Dask has no Spark catalog or SQL)")
+                              f"pipelines.engine = 'spark' (the {cfg.engine} engine has no Spark catalog or SQL)")
         return CheckedInput(spec, [], previous, plan)
     files: list[RawFile] = []
     sources, pinned = None, {}
@@ -108,8 +115,6 @@ def check_prepare(cfg: PipelineConfig, append: bool = False, refit: bool = False
 def _images_spec(spec: FeatureSpec, folder: RawFile, path: str) -> tuple[FeatureSpec, list[str]]:
     """The images source's columns: key, path, label (the class folder), image. Classes are
     the class folders' names, sorted, unless declared."""
-    from .images import class_names
-
     if not spec.images:
         raise ConfigError(
             "pipelines.features.images: declare the image column of the images source, "
@@ -130,7 +135,6 @@ def _check_first_image(spec: FeatureSpec, folder: RawFile) -> None:
     """The folder's first image decoded on the driver: a declared shape that is not the
     images' size, or an unreadable image, is one line before an engine starts (the tasks
     check every image; this catches the common case in seconds)."""
-    from .images import check_image, path_keys, read_images
     from .prepare import _typed_problem
 
     col = next(iter(spec.images))
@@ -148,11 +152,7 @@ def _check_first_tensors(spec: FeatureSpec, first: RawFile, rows: int = 1024) ->
     """The first file's first rows of every tensor column parsed on the driver: a shape,
     dtype or token id the declaration refuses is one line before an engine starts, worded
     as the tasks word it (they check every row; this catches the common case in seconds)."""
-    import pyarrow.parquet as pq
-
     from .prepare import _typed_problem
-    from .sources import open_raw
-    from .tensors import parse_tensor
 
     keyed = spec.key is not None and spec.key in first.schema.names
     with open_raw(first.url) as f:

@@ -9,16 +9,21 @@ A table feature a plain Parquet read of those files cannot honour is refused by 
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 from urllib.parse import unquote
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from shardline.foundation import storage
 from shardline.foundation.errors import ConfigError, DataError, first_line
+from shardline.foundation.object_stores import _custom_endpoint, s3_client
 from .source_config import SourceConfig
 from .table_files import CHANGE_TYPE
+
+# Imported inside the functions that use them: deltalake (only for a Delta table).
 
 # Reader features that change nothing for a read of the live files' Parquet (the log is
 # delta-rs's business; type widening is a cast to the table's type, done in every task).
@@ -34,7 +39,6 @@ def storage_options(url: str) -> dict[str, str] | None:
     other stores: delta-rs reads their standard environment variables itself)."""
     if storage.scheme(url) != "s3":
         return None
-    from shardline.foundation.object_stores import _custom_endpoint, s3_client
 
     client = s3_client()
     opts = {"AWS_REGION": client.meta.region_name or "us-east-1"}
@@ -108,8 +112,6 @@ def open_table(src: SourceConfig, where: str):
 
 def _commit_time(root: str, version: int):
     """When `version` was committed (its commitInfo), or None when its log file is gone."""
-    import datetime as dt
-
     url = storage.join(root if "://" in root else f"file://{root}", "_delta_log", f"{version:020d}.json")
     try:
         lines = storage.read_bytes(url).decode().splitlines()
@@ -232,8 +234,6 @@ _WORDS = {"delete": "deleted", "update_preimage": "updated", "update_postimage":
 
 
 def _change_types(url: str) -> set[str]:
-    import pyarrow.parquet as pq
-
     with storage.open_input(url) as f:
         col = pq.read_table(f, columns=[CHANGE_TYPE]).column(CHANGE_TYPE)
     return {v for v in col.to_pylist() if v is not None}

@@ -14,7 +14,11 @@ import os
 import pyarrow as pa
 
 from shardline.foundation.errors import ConfigError, DataError, first_line
+from shardline.foundation.redact import redact
 from .source_config import SourceConfig
+
+# Imported inside the functions that use them: pyiceberg (only for an Iceberg table); SQLAlchemy (only for a
+# database store).
 
 FIELD_ID = b"PARQUET:field_id"
 
@@ -182,6 +186,4 @@ def renames(file_schema: pa.Schema, ids: dict[str, int]) -> tuple[tuple[str, str
 
 def catalog_name(src: SourceConfig) -> str:
     """How the manifest names the catalog: its name, else its uri, never its credentials."""
-    from shardline.foundation.redact import redact
-
     return redact(str(src.catalog.get("name") or src.catalog.get("uri") or src.catalog.get("type", "")))

@@ -21,6 +21,8 @@ from shardline.foundation import storage
 from .config import ImageColumn
 from shardline.foundation.errors import DataError
 
+# Imported inside the functions that use them: Pillow (only for images).
+
 IMAGE_KINDS = ("bad_image", "image_size")
 FORMATS = ("PNG", "JPEG")
 SUFFIXES = (".png", ".jpg", ".jpeg")

@@ -4,7 +4,7 @@ Two passes over the raw data, each one engine job: pass 1 reads and parses every
 unit and reports counts, problems and train-split statistics (no rows move); pass
 2 reads and parses again, transforms, shuffles rows to their shard and writes the
 shards, finding repeated keys on the way (a key's rows all reach one shard). An
-engine (engine_spark, engine_dask) only runs tasks and the shuffle; parsing,
+engine (shardline.engines: Spark's, Dask's) only runs tasks and the shuffle; parsing,
 statistics, the transform and the shard files are the same code on both (raw,
 rows, tasks, transform, shards).
 """
@@ -40,7 +40,7 @@ from .manifest import (
     new_version_dir,
     sequences,
 )
-from shardline.foundation.progress import Counted, ProgressListener, listen_address
+from shardline.foundation.progress import Counted, ProgressListener
 from .raw import Unit, describe, plan_units
 from .rows import BAD_KINDS, INVALID
 from .shards import SHARD_META_SCHEMA, write_parts
@@ -64,7 +64,9 @@ from .transform import feature_width
 
 
 class PrepareEngine(Protocol):
-    name: str
+    """What prepare asks of its engine (shardline.engines.base.Engine, whose docstrings say more)."""
+
+    name: str  # the setting's value, for lines and the manifest
     version: str
 
     def run(self, fn, items: list) -> list:
@@ -73,6 +75,18 @@ class PrepareEngine(Protocol):
     def shuffle_write(self, sources: list, read, schema: pa.Schema, parts: int, write, out_schema: pa.Schema) -> list[dict]:
         """read(source) -> Arrow tables with `_part`; each part's rows meet in one
         write(table) call; the metadata rows it yields come back."""
+
+    def listen_address(self) -> str:
+        """Where its tasks reach this process's progress listener."""
+
+    def owns_frame(self, df) -> bool:
+        """`df` is a DataFrame of this engine (pipelines.frames)."""
+
+    def stage_frame(self, df, folder: str) -> int:
+        """Each partition of its DataFrame `df` written as Parquet into `folder` (pipelines.frames)."""
+
+    def table_frame(self, src):
+        """A Spark catalog table's or query's DataFrame (pipelines.frames); ConfigError without one."""
 
 
 def dataset_lease(dataset_dir: str) -> Lease:
@@ -263,8 +277,7 @@ def tensor_specs(spec: FeatureSpec) -> dict[str, TensorSpec]:
 def _listener(engine) -> ProgressListener:
     """The driver's progress listener, where the engine's tasks reach it (foundation.progress):
     the passes' counts show on this console wherever the tasks run."""
-    return ProgressListener(listen_address(engine.name, getattr(engine, "spark", None),
-                                           getattr(engine, "client", None)), drain=False)
+    return ProgressListener(engine.listen_address(), drain=False)
 
 
 def _moved(previous: ShardManifest | None, root: str) -> bool:

@@ -6,13 +6,19 @@ abfs://, hdfs://) is read the same way as a local one, on the driver and in task
 
 from __future__ import annotations
 
+import importlib
 import re
+from contextlib import ExitStack
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shardline.foundation import storage
 from .config import SourceConfig
 from shardline.foundation.errors import DataError
+
+# Imported inside the functions that use them: pandas (~0.7 s: only where a DataFrame is built).
 
 SUFFIXES = {
     "parquet": (".parquet", ".parq", ".pq"),
@@ -63,8 +69,6 @@ def open_raw(url: str):
     """A raw input file opened for reading (binary, seekable), anywhere it lives: the one
     place tasks open raw files, through `foundation.storage`. Compressed files (.gz, .bz2,
     .xz; .zst, .lz4 as a forward-only stream) are decompressed."""
-    import importlib
-
     ext = "." + url.rsplit(".", 1)[-1].lower() if "." in url.rsplit("/", 1)[-1] else ""
     if ext in _PY_CODECS:
         return importlib.import_module(_PY_CODECS[ext]).open(storage.open_input(url), "rb")
@@ -102,8 +106,6 @@ def write_raw_part(batches, raw_dir: str, index: int) -> int:
     """One partition of a DataFrame (the estimators' fit input, its Arrow batches) as
     `raw_dir/part-NNNNN.parquet`, through storage: any store; a retried task rewrites the
     same name. Rows written; an empty partition writes nothing."""
-    from contextlib import ExitStack
-
     rows, writer = 0, None
     with ExitStack() as stack:
         for batch in batches:
@@ -120,8 +122,6 @@ def write_raw_part(batches, raw_dir: str, index: int) -> int:
 def with_row_key(part, name: str, partition_info=None):
     """A pandas partition with an int64 key column `name`: unique over partitions (up to
     2**32 rows each) and stable for the DataFrame's partitioning (Dask passes partition_info)."""
-    import numpy as np
-
     number = (partition_info or {}).get("number", 0)
     return part.assign(**{name: (np.int64(number) << 32) + np.arange(len(part), dtype=np.int64)})
 
@@ -129,7 +129,6 @@ def with_row_key(part, name: str, partition_info=None):
 def write_pandas_part(part, raw_dir: str, partition_info=None):
     """write_raw_part of a pandas partition (Dask's map_partitions); its rows, as a Series."""
     import pandas as pd
-    import pyarrow as pa
 
     table = pa.Table.from_pandas(part, preserve_index=False)
     rows = write_raw_part(table.to_batches(), raw_dir, (partition_info or {}).get("number", 0))

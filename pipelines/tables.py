@@ -25,7 +25,7 @@ from . import delta_source, iceberg_source
 from shardline.foundation import storage
 from .config import FeatureSpec, SourceConfig
 from shardline.foundation.errors import ConfigError, DataError, first_line
-from .raw import RawFile
+from .raw import RawFile, describe
 from .source_config import TABLE_FORMATS
 from .sources import display, open_raw
 from .table_files import TableFile
@@ -140,8 +140,6 @@ def check_columns(spec: FeatureSpec, ti: TableInput) -> None:
 def previous_inputs(sources: list[dict], src: SourceConfig, delimiter: str) -> tuple[list[RawFile], list[dict]]:
     """The files of every source a dataset lists, to prepare again with the new one; a table
     the new source reads at a later version is left out (that version holds its rows)."""
-    from .raw import describe
-
     current = read_record(src)
     files: list[RawFile] = []
     kept: list[dict] = []

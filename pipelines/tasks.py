@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import rejects
@@ -27,7 +28,7 @@ from .config import FeatureSpec, SplitConfig
 from shardline.foundation.errors import DataError, first_line
 from .manifest import FittedStatistics
 from .raw import Unit, read_unit
-from .rows import BAD_KINDS, INVALID, Parsed, parse, shard_hash
+from .rows import BAD_KINDS, INVALID, Parsed, parse, shard_hash, split_codes
 from .splits import SPLITS
 from .sources import display
 from .tensors import binary_rows
@@ -36,8 +37,6 @@ from .transform import feature_width, features
 
 def _payload_bytes(arr: pa.Array) -> int:
     """Bytes of a binary column's values."""
-    import pyarrow.compute as pc
-
     return pc.sum(pc.binary_length(arr)).as_py() or 0
 
 POS_COL = "_pos"  # unit index << 32 | row in unit; negative for an existing dataset's rows
@@ -318,8 +317,6 @@ def existing_rows(url: str, index: int, spec: FeatureSpec, parts: Parts, split: 
     """The keys of an existing shard (an append checks new keys against them), routed like
     new rows; position negative (`index` < 0), so they come first among equal keys.
     Label and features are zero and empty, not null: every partition keeps one schema."""
-    from .rows import split_codes
-
     schema = transport_schema(spec)
     with storage.open_input(url) as f:  # a shard: Parquet read by byte ranges
         keys = pq.read_table(f, columns=[spec.key]).column(spec.key).to_numpy()

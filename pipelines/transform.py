@@ -15,6 +15,8 @@ import pyarrow as pa
 from .config import FeatureSpec
 from .manifest import FittedStatistics
 
+# Imported inside the functions that use them: pipelines.rows (imports pandas).
+
 
 def feature_width(spec: FeatureSpec) -> int:
     return len(spec.numeric) + sum(spec.vectors.values()) + len(spec.categorical)

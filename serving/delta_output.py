@@ -33,6 +33,10 @@ from shardline.foundation.errors import ConfigError, DataError, first_line
 
 from .ledger import all_scores, read_ledger
 
+from .worker import output_schema
+
+# Imported inside the functions that use them: deltalake (only for a Delta table).
+
 SCORES = "_shardline_scores"
 FORMATS = ("parquet", "delta")
 
@@ -104,8 +108,6 @@ class DeltaOutput:
         """Append every committed score file the table does not list yet: one transaction.
         Rows appended."""
         from deltalake.transaction import AddAction
-
-        from .worker import output_schema
 
         table = self._table()
         live = self._live(table)

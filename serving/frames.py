@@ -10,9 +10,14 @@ import pyarrow as pa
 
 from shardline.foundation.errors import ShardlineError
 
+from shardline.pipelines.transform import features_matrix
+from shardline.training.inference import predict
+
 from .inputs import Transform
 from .models import cached_model
-from .worker import _predict
+
+# Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs); pandas (~0.7
+# s: only where a DataFrame is built).
 
 
 def feature_columns(transform: Transform) -> list[str]:
@@ -25,9 +30,7 @@ def predict_table(
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """(predictions, class probabilities or None) for the rows of `table`: the class index
     (int64) for classification, the value (float64) for regression."""
-    import torch
-
-    from shardline.pipelines.transform import features_matrix
+    import torch  # a model runs here (an executor's task, a predict): torch is loaded with it
 
     spec = transform.spec
     classification = spec.task == "classification"
@@ -45,7 +48,7 @@ def predict_table(
     x = features_matrix(table, spec, transform.stats, impute)
     model = cached_model(model_uri, tracking_uri)
     torch.set_num_threads(threads)
-    y = _predict(model, x, classification)
+    y = predict(model, x, classification)
     if classification:
         return y.argmax(1).astype(np.int64), y.astype(np.float32)
     return y[:, 0].astype(np.float64), None

@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from shardline.foundation import storage
 from shardline.pipelines.config import FeatureSpec, SourceConfig
@@ -34,6 +35,8 @@ from shardline.pipelines.manifest import (
 from shardline.pipelines.sources import list_files
 
 from .models import ResolvedModel
+
+# Imported inside the functions that use them: MLflow (~2.5 s: only where MLflow is called).
 
 
 @dataclass(frozen=True)
@@ -173,8 +176,6 @@ def _raw_files(input_path: str) -> list[str]:
 def check_unit(unit: Unit, transform: Transform, for_model: str = "") -> int:
     """Rows of `unit`, after checking from its footer that it has the columns we need;
     every missing or mistyped column is named at once. for_model: "model M version V"."""
-    import pyarrow.parquet as pq
-
     try:
         with storage.open_input(unit.path) as f:
             meta = pq.read_metadata(f)

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import gc
+import sys
 
+from shardline.foundation.errors import ShardlineError
 from shardline.foundation.redact import redact
-from shardline.training.mlflow_quiet import no_download_bars
+from shardline.training.inference import load_model, model_info, pickled_refusal, registry_client
+
+# Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs); MLflow (~2.5
+# s: only where MLflow is called).
 
 _CACHE: dict[tuple[str, str, str], object] = {}
 
@@ -20,9 +25,7 @@ def spark_task_gpus(resources: dict | None) -> list[str]:
 def choose_scoring_device(task_gpus: list[str], device_count: int, current: int):
     """The Spark task's first GPU, else the current CUDA device (a dask-cuda worker's own
     GPU is its device 0), else the CPU."""
-    import torch
-
-    from shardline.foundation.errors import ShardlineError
+    import torch  # a scoring task's: the driver that plans never imports it
 
     if device_count == 0:
         return torch.device("cpu")
@@ -40,13 +43,11 @@ def choose_scoring_device(task_gpus: list[str], device_count: int, current: int)
 
 def scoring_device():
     """Where this task scores: see choose_scoring_device."""
-    import sys
-
-    import torch
+    import torch  # as in choose_scoring_device
 
     resources = None
     if "pyspark" in sys.modules:  # a Spark task imported it; a Dask worker need not
-        from pyspark import TaskContext
+        from pyspark import TaskContext  # (the guard above)
 
         ctx = TaskContext.get()
         resources = ctx.resources() if ctx is not None else None
@@ -63,24 +64,17 @@ def cached_model(model_uri: str, tracking_uri: str, device=None, allow_pickled: 
     Spark reuses a Python worker for tasks that may have been given different GPUs. A GPU
     becomes the calling thread's current device, so nothing of the task lands on GPU 0.
     allow_pickled: a pytorch-flavour model may be unpickled (serving.allow_pickled_models)."""
-    import torch
+    import torch  # as in choose_scoring_device
 
     device = device if device is not None else scoring_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     key = (model_uri, tracking_uri, str(device))
     if key not in _CACHE:
-        import mlflow
-
-        from shardline.training.models.registered import load_torch_model
-        from shardline.training.tracking import callers_store_kept
-
         # The torch module alone: batch scoring applies the transform itself, and a
         # prepared split needs none. (In the caller's own process too: an estimator's
         # predict of a pandas frame; its MLflow is left pointing where it was.)
-        with callers_store_kept():
-            mlflow.set_tracking_uri(tracking_uri)
-            model = load_torch_model(model_uri, allow_pickled=allow_pickled)
+        model = load_model(model_uri, tracking_uri, allow_pickled)
         _CACHE[key] = model.to(device).eval()
         # What loading brought in (torch, MLflow, the model: ~430k objects) lives as long as
         # the process: frozen out of the collector, so neither later collections nor the
@@ -95,17 +89,10 @@ def cached_model(model_uri: str, tracking_uri: str, device=None, allow_pickled: 
 
 def resolve_version(model_uri: str, tracking_uri: str) -> tuple[str, str]:
     """(registered name, version) of a models:/ URI; (uri, '') for other URIs."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
-
-    from shardline.foundation.errors import ShardlineError
-    from shardline.training.mlflow_outage import bound_http
-    from shardline.training.tracking import check_reachable
+    from mlflow.exceptions import MlflowException  # MLflow: ~2.5 s to import; the driver of a score only
 
     # A dead server: one line now, not minutes of retries and then "not found".
-    bound_http()
-    check_reachable(tracking_uri)
-    client = MlflowClient(tracking_uri)
+    client = registry_client(tracking_uri)
     if not model_uri.startswith("models:/"):
         return model_uri, ""
     ref = model_uri[len("models:/") :]
@@ -149,19 +136,13 @@ class ResolvedModel:
 
 def resolve_model(model_uri: str, tracking_uri: str, allow_pickled: bool = False) -> ResolvedModel:
     """Check the model exists (its MLmodel file only, no weights) and pin its version; a
-    pytorch-flavour model is refused unless `allow_pickled` (see check_not_pickled)."""
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    from shardline.foundation.errors import ShardlineError
-    from shardline.training.tracking import callers_store_kept
+    pytorch-flavour model is refused unless `allow_pickled` (see training.inference.pickled_refusal)."""
+    from mlflow.exceptions import MlflowException  # as in resolve_version
 
     name, version = resolve_version(model_uri, tracking_uri)
     pinned = f"models:/{name}/{version}" if model_uri.startswith("models:/") else model_uri
     try:
-        with callers_store_kept():
-            mlflow.set_tracking_uri(tracking_uri)
-            info = _model_info(pinned)
+        info = model_info(pinned, tracking_uri)
     except (MlflowException, OSError):
         raise ShardlineError(f"model {model_uri} not found in MLflow at {redact(tracking_uri)}") from None
     if not version and info.run_id:
@@ -169,23 +150,5 @@ def resolve_model(model_uri: str, tracking_uri: str, allow_pickled: bool = False
         version = f"run-{info.run_id}"
     pickled = "pytorch" in info.flavors
     if pickled and not allow_pickled:
-        from shardline.training.models.registered import pickled_refusal
-
         raise ShardlineError(pickled_refusal(model_uri))
     return ResolvedModel(model_uri, pinned, name, version, info.run_id, pickled)
-
-
-
-def _model_info(model_uri: str):
-    """mlflow.models.get_model_info, its MLmodel file read in a folder removed after: MLflow's
-    own call leaves a copy in the temp folder for every runs:/ or remote model."""
-    import posixpath
-    import tempfile
-
-    import mlflow
-    from mlflow.models import Model
-
-    no_download_bars()  # a refusal of the model is then its one line, not a bar and a line
-    with tempfile.TemporaryDirectory(prefix="shardline-model-") as tmp:
-        local = mlflow.artifacts.download_artifacts(posixpath.join(model_uri, "MLmodel"), dst_path=tmp)
-        return Model.load(local).get_model_info()

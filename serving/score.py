@@ -21,7 +21,8 @@ from typing import Literal
 from shardline.foundation import storage
 from shardline.foundation.errors import DataError, ShardlineError, StorageError
 from shardline.foundation.lease import Lease
-from shardline.foundation.progress import ProgressListener, listen_address
+from shardline.foundation.code_travel import snapshot
+from shardline.foundation.progress import ProgressListener
 
 from .delta_output import FORMATS, DeltaOutput
 from .inputs import Transform, Unit, check_unit, discover
@@ -39,7 +40,6 @@ from .ledger import (
 from .models import ResolvedModel, resolve_model
 from .worker import UnitTask
 
-ENGINES = ("spark", "dask")
 Backfill = Literal["all", "new"]
 
 
@@ -189,19 +189,17 @@ def select(p: ScorePlan) -> None:
 
 def execute(
     p: ScorePlan,
-    engine_name: str,
-    spark_or_client,
+    engine,
     *,
     batch_size: int = 4096,
     threads_per_task: int = 1,
     lease: Lease | None = None,
     user_code: Sequence[str] = (),
 ) -> ScoreResult:
-    """Run a plan. lease: the output's lease (`ledger.output_lease`), already held (the CLI
-    takes it before planning); else taken here. user_code: folders (or .py files) of the
+    """Run a plan on `engine` (shardline.engines.base.Engine: its listen_address, ship_code and
+    run_units). lease: the output's lease (`ledger.output_lease`), already held (the scoring
+    job takes it after its checks); else taken here. user_code: folders (or .py files) of the
     user's code the model needs, shipped to the engine's workers (foundation.code_travel)."""
-    if engine_name not in ENGINES:
-        raise ShardlineError(f"unknown engine '{engine_name}' (valid: {', '.join(ENGINES)})")
     model = p.model
     # One time for the whole job, so a retried or duplicated task writes the same bytes.
     scored_at = datetime.now(timezone.utc).isoformat()
@@ -218,10 +216,11 @@ def execute(
         remove_orphans(p.dir, read_ledger(p.dir))
         # Units done show on this console as they commit, wherever the tasks run.
         with (
-            ProgressListener(_listen_address(engine_name, spark_or_client), drain=False) as listener,
+            ProgressListener(engine.listen_address(), drain=False) as listener,
             listener.stage("score", len(p.todo), "units scored") as scored,
         ):
-            code = _ship_code(engine_name, spark_or_client, user_code) if p.todo else None
+            # The user's code as it is now (one snapshot for the whole job), on the engine's workers.
+            code = engine.ship_code(snapshot(user_code)) if p.todo else None
             tasks = [
                 UnitTask(
                     unit=u,
@@ -242,7 +241,7 @@ def execute(
                 )
                 for u in p.todo
             ]
-            entries = _run(engine_name, spark_or_client, tasks) if tasks else []
+            entries = engine.run_units(tasks) if tasks else []
         held.check()  # say so if another job took the output over while this one stalled
         # Every unit is committed now; a temp file left is an attempt that died mid-unit
         # (a killed worker) and was retried elsewhere. Still under the lock: no job writes.
@@ -259,7 +258,7 @@ def execute(
     return ScoreResult(
         storage.display(p.table.root if p.table is not None else p.out), storage.display(p.dir),
         sum(e["rows"] for e in entries), len(entries), len(p.skipped), len(p.left), model.uri, model.name,
-        model.version, engine_name, discarded=p.describe_discard(),
+        model.version, engine.name, discarded=p.describe_discard(),
     )
 
 
@@ -272,25 +271,3 @@ def check_owner(out: str, found: list[Scores], name: str) -> None:
             f"{other.model_version}), not of {name}; choose another output directory or "
             f"pass --force to discard them"
         )
-
-
-def _listen_address(engine_name: str, spark_or_client) -> str:
-    if engine_name == "spark":
-        return listen_address("spark", spark=spark_or_client)
-    return listen_address("dask", dask_client=spark_or_client)
-
-
-def _ship_code(engine_name: str, spark_or_client, folders: Sequence[str]):
-    """The user's code as it is now (one snapshot for the whole job), on the engine's workers."""
-    from shardline.foundation.code_travel import ship_to_dask, ship_to_spark, snapshot
-
-    ship = ship_to_spark if engine_name == "spark" else ship_to_dask
-    return ship(spark_or_client, snapshot(folders))
-
-
-def _run(engine_name: str, spark_or_client, tasks: list[UnitTask]) -> list[dict]:
-    if engine_name == "spark":
-        from .engine_spark import run_units
-    else:
-        from .engine_dask import run_units
-    return run_units(spark_or_client, tasks)

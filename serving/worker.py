@@ -15,14 +15,20 @@ from datetime import datetime, timezone
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from shardline.foundation import failures, progress, storage
 from shardline.foundation.code_travel import UserCode, use_code
 from shardline.foundation.errors import ShardlineError
+from shardline.pipelines.transform import features_matrix
+from shardline.training.inference import decode_tensors, next_token_outputs, predict
 
 from .inputs import Transform, Unit
 from .ledger import commit
 from .models import cached_model
+
+# Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs).
 
 
 @dataclass(frozen=True)
@@ -85,8 +91,7 @@ def score_unit(task: UnitTask) -> dict:
 
 
 def _score_unit(task: UnitTask) -> dict:
-    import pyarrow.parquet as pq
-    import torch
+    import torch  # the task's: its model is torch's (the driver that plans never imports it)
 
     spec = task.transform.spec
     classification = spec.task == "classification"
@@ -108,7 +113,7 @@ def _score_unit(task: UnitTask) -> dict:
                 if next_token:
                     cols += _next_token_columns(model, x, tensors, spec.label, spec.tensors[spec.label].pad_id)
                 elif classification:
-                    pred = _predict(model, x, classification, tensors)
+                    pred = predict(model, x, classification, tensors)
                     k = pred.shape[1]
                     offsets = pa.array(np.arange(0, n * k + 1, k, dtype=np.int32))
                     cols += [
@@ -116,7 +121,7 @@ def _score_unit(task: UnitTask) -> dict:
                         pa.ListArray.from_arrays(offsets, pa.array(pred.reshape(-1), pa.float32())),
                     ]
                 else:
-                    pred = _predict(model, x, classification, tensors)
+                    pred = predict(model, x, classification, tensors)
                     cols.append(pa.array(pred[:, 0].astype(np.float64)))
                 cols += [
                     pa.array([task.model_name] * n, pa.string()),
@@ -142,20 +147,8 @@ def _score_unit(task: UnitTask) -> dict:
 
 
 def _next_token_columns(model, x: dict, tensors: dict, token_column: str, pad_id: int | None) -> list[pa.Array]:
-    """prediction, loss, tokens of a language model's rows (training.task.next_token_rows):
-    its targets are the row's own tokens, pads ignored, as training counts them. Reduced on
-    the model's device: the logits [n, length, vocab] never come to the host."""
-    import torch
-
-    from shardline.training.batch import forward, from_numpy, to_device
-    from shardline.training.loader.columns import label_tokens
-    from shardline.training.task import next_token_rows
-
-    device = next(model.parameters()).device
-    inputs = to_device(from_numpy(x, {n: t.dtype for n, t in tensors.items()}), device)
-    label = torch.from_numpy(label_tokens(x[token_column], pad_id)).to(device)
-    with torch.inference_mode():
-        rows = {k: v.cpu().numpy() for k, v in next_token_rows(forward(model, inputs), label).items()}
+    """prediction, loss, tokens of a language model's rows (training.inference.next_token_outputs)."""
+    rows = next_token_outputs(model, x, tensors, token_column, pad_id)
     return [pa.array(rows["next_token"], pa.int64()), pa.array(rows["loss"], pa.float64()),
             pa.array(rows["tokens"], pa.int64())]
 
@@ -164,10 +157,6 @@ def _batches(task: UnitTask, spec):
     """(int64 keys, inputs) per batch, bounded in memory: inputs are float32 [n, width]
     features, or for a dataset with tensor or image columns {name: numpy [n, *shape]},
     each column decoded as the loader decodes it (training.loader.columns)."""
-    import pyarrow.parquet as pq
-
-    from shardline.pipelines.transform import features_matrix
-
     unit = task.unit
     tensors = task.transform.tensors if unit.kind == "shard" else None
     if tensors is not None:
@@ -183,7 +172,7 @@ def _batches(task: UnitTask, spec):
         if key.null_count:
             raise ShardlineError(f"{unit.path}: column '{spec.key}' has null keys")
         if tensors is not None:
-            x = _decoded(batch, tensors, spec, unit.path)
+            x = decode_tensors(batch, tensors, spec.images, unit.path)
         elif unit.kind == "shard":
             # On a sliced list array `.values` is the whole parent: flatten().
             flat = batch.column(1).flatten().to_numpy(zero_copy_only=False)
@@ -195,19 +184,7 @@ def _batches(task: UnitTask, spec):
         yield key.cast(pa.int64()), x
 
 
-def _decoded(batch: pa.RecordBatch, tensors: dict, spec, path: str) -> dict[str, np.ndarray]:
-    """A batch's input tensors {name: numpy [n, *shape]}, decoded as the loader decodes them
-    (images with Pillow, raw tensors viewed in their dtype, bfloat16 as its 16 bits)."""
-    from shardline.training.loader.columns import decode_column
-
-    n = batch.num_rows
-    return {name: decode_column(batch.column(t.column), t, spec.images, n, f"{path}: column '{t.column}'")
-            for name, t in tensors.items()}
-
-
 def _check_raw(table: pa.Table, spec, path: str, impute: bool) -> None:
-    import pyarrow.compute as pc
-
     for c, length in spec.vectors.items():
         lengths = pc.list_value_length(table.column(c)).to_numpy(zero_copy_only=False)
         bad = np.flatnonzero(lengths != length)
@@ -226,22 +203,3 @@ def _check_raw(table: pa.Table, spec, path: str, impute: bool) -> None:
                 f"{path}: column '{c}' is null, NaN or inf at key "
                 f"{table.column(spec.key)[int(bad[0])]} (on_invalid_features = fail)"
             )
-
-
-def _predict(model, x, classification: bool, tensors: dict | None = None) -> np.ndarray:
-    """The model's outputs (softmax for classification) on float32 features, or on named
-    numpy inputs ({name: [n, *shape]}, `tensors` their specs) given as keyword arguments."""
-    import torch
-
-    from shardline.training.batch import forward, from_numpy, to_device
-
-    device = next(model.parameters()).device
-    if isinstance(x, dict):
-        inputs = from_numpy(x, {n: t.dtype for n, t in (tensors or {}).items()})
-    else:
-        inputs = torch.from_numpy(x)
-    with torch.inference_mode():
-        y = forward(model, to_device(inputs, device))
-        if classification:
-            y = torch.softmax(y, 1)
-    return y.float().cpu().numpy()

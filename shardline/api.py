@@ -38,16 +38,23 @@ from shardline.config import (
     resolve_paths,
 )
 from shardline.config import load_config as _load
-from shardline.engines import Engines, engine_handle, spark_ranks
-from shardline.foundation import report
+from shardline.engines import Engines, engine_class, frame_engine, given_engines, given_pair
 from shardline.foundation.errors import ConfigError
 from shardline.foundation.overlap import glob_base
 from shardline.pipelines.manifest import ShardManifest
 from shardline.foundation.report import stage
-from shardline.serving.delta_output import scores_dir
+from shardline.foundation.storage import resolve
+from shardline.pipelines.manifest import store_plan
+from shardline.serving.inputs import list_units
+from shardline.serving.job import ScoringJob
 from shardline.serving.score import ScoreResult
-from shardline.stages import check_prepare, dataset_lease, output_lease, run_prepare, run_score, run_train
+from shardline.serving.status import output_status
+from shardline.stages import check_prepare, dataset_lease, output_lease, run_prepare, run_train
 from shardline.training.result import TrainResult
+from shardline.training.tracking import check_store
+
+# Imported inside the functions that use them: training.job (imports torch); training.source_steps (imports
+# torch); training.sweeps.run (imports torch); training.plan (imports torch).
 
 Config = str | Path | ShardlineConfig | Mapping | None
 Overrides = Iterable[str] | Mapping[str, Any]
@@ -147,7 +154,7 @@ def prepare(
     check_storage(cfg, reads=(SOURCE,) if source is None else (), writes=(DATASET,))
     checked = check_prepare(cfg, append=append, refit=refit, by_plan=by_plan, frame=source is not None)
     with dataset_lease(cfg) as lease, Engines(cfg, spark, client) as engines:
-        manifest = run_prepare(cfg, engines.prepare_engine(engine), append=append, refit=refit,
+        manifest = run_prepare(cfg, engines.get(engine, "pipelines.engine"), append=append, refit=refit,
                                by_plan=by_plan, lease=lease, checked=checked, frame=source)
     return PrepareResult(cfg.pipelines.dataset_dir, manifest, engine)
 
@@ -155,22 +162,14 @@ def prepare(
 def _frame_engine(cfg: ShardlineConfig, df, spark, client):
     """A DataFrame's own engine: a Spark one's session, a Dask one's client (the one given,
     else the default); pipelines.engine must be that engine's."""
-    from shardline.pipelines.frames import engine_of
-
-    kind = engine_of(df)
+    engine = frame_engine(df)
     p = cfg.pipelines
-    if "engine" in p.model_fields_set and p.engine != kind:
-        raise ConfigError(f"source: a {kind} DataFrame, but pipelines.engine = '{p.engine}'")
-    if kind == "spark":
-        spark = spark or df.sparkSession
-    elif client is None:
-        try:
-            from distributed import default_client
-
-            client = default_client()
-        except ValueError:  # no client: the config's Dask engine starts
-            pass
-    return cfg.model_copy(update={"pipelines": p.model_copy(update={"engine": kind})}), spark, client
+    if "engine" in p.model_fields_set and engine is not engine_class(p.engine, "pipelines.engine"):
+        raise ConfigError(f"source: a {engine.name} DataFrame, but pipelines.engine = '{p.engine}'")
+    given = given_engines(spark, client)
+    given[engine.name] = given[engine.name] or engine.frame_session(df)
+    cfg = cfg.model_copy(update={"pipelines": p.model_copy(update={"engine": engine.name})})
+    return cfg, *given_pair(given)
 
 
 @_keeps_callers_mlflow
@@ -186,10 +185,20 @@ def train(config: Config = None, overrides: Overrides = (), *, spark=None, clien
     job.hold()
     try:
         job.check()  # everything else, before an engine starts
-        with Engines(cfg, spark, client, spark_ranks(cfg)) as engines:
-            return run_train(job, engines)
+        with Engines(cfg, spark, client, _ranks(cfg)) as engines:
+            return run_train(job, engines.get(cfg.training.launcher, "training.launcher"))
     finally:
         job.store.release()
+
+
+def _ranks(cfg: ShardlineConfig) -> tuple[str, int]:
+    """The call's training ranks and their engine, for Engines to check as it opens it."""
+    return cfg.training.launcher, cfg.training.world_size
+
+
+def _scoring_job(cfg: ShardlineConfig, input_path: str, force: bool):
+    """The serving section resolved into one job object (serving.job.ScoringJob)."""
+    return ScoringJob.resolve(cfg.serving, cfg.tracking.resolved_uri(), input_path, force=force)
 
 
 @_keeps_callers_mlflow
@@ -200,10 +209,6 @@ def score(
     """Batch-score `input_path` (default pipelines.dataset_dir: its serving.split; or raw
     Parquet) with `model_uri` (default serving.model_uri) into serving.output_dir, exactly
     once per input file and model version. force: discard the output's scores first."""
-    from shardline.foundation.storage import resolve
-    from shardline.serving.score import plan as score_plan
-    from shardline.training.tracking import check_store
-
     cfg = load_config(config, overrides)
     if model_uri:
         cfg = load_config(cfg, {"serving.model_uri": model_uri})
@@ -219,19 +224,12 @@ def score(
     check_folders(cfg, (OUTPUT,), ((scored, glob_base(input_path)),))  # the scores never among what they score
     check_storage(cfg, writes=(OUTPUT,), other_reads=(("--input", input_path),))
     check_store(cfg.tracking.resolved_uri())
-    # The output's lease first (a second job is refused at once, exit 75), then every check
-    # and the plan, read-only; an engine starts only when there is something to score.
-    with output_lease(scores_dir(s.output_dir, s.output_format)) as lease:
-        p = score_plan(s.model_uri, cfg.tracking.resolved_uri(), input_path, s.output_dir, split=s.split,
-                       incremental=s.incremental, backfill=s.backfill, force=force, output_format=s.output_format,
-                       allow_pickled=s.allow_pickled_models)
-        for line in p.describe_discard():
-            report.warn(line)
-        if not p.todo:
-            p.publish()  # a Delta output: what an earlier run committed but did not append
-            return p.nothing_done()
-        with Engines(cfg, spark, client) as engines:
-            return run_score(cfg, engines, p, input_path, lease)
+    # Every check first, read-only: the model version, the input, the output folder. The
+    # output's lease last (serving.job): a refused job never takes over a lease another left.
+    job = _scoring_job(cfg, input_path, force).check()
+    with Engines(cfg, spark, client) as engines:
+        # An engine starts only when there is something to score.
+        return job.run(lambda: engines.get(s.engine, "serving.engine"))
 
 
 @_keeps_callers_mlflow
@@ -240,10 +238,6 @@ def score_status(config: Config = None, overrides: Overrides = (), *, output_dir
     """Per model version in `output_dir`: units and rows scored, what is pending (of
     `input_path` if given), the job writing there now. Starts no engine.
     Returns serving.status.OutputStatus (dataclasses)."""
-    from shardline.foundation.storage import resolve
-    from shardline.serving.inputs import list_units
-    from shardline.serving.status import output_status
-
     cfg = load_config(config, overrides)
     out = resolve(output_dir, "--status")
     reads = [("--status", out)]
@@ -260,11 +254,7 @@ def run(config: Config = None, overrides: Overrides = (), *, spark=None, client=
     model (serving.engine), each on the engine its setting names; one engine of a kind is
     shared by the stages. The new version scores into its own version=V/ beside the
     earlier versions' scores; force: discard the output's scores first, as score's does."""
-    from shardline.serving.ledger import all_scores
-    from shardline.serving.score import check_owner
-    from shardline.serving.score import plan as score_plan
     from shardline.training.source_steps import check_steps_from_source
-    from shardline.training.tracking import check_store
 
     given = load_config(config, overrides)
     for setting in ("pipelines.engine", "training.launcher", "serving.engine"):
@@ -272,37 +262,32 @@ def run(config: Config = None, overrides: Overrides = (), *, spark=None, client=
     uses = [given.pipelines.engine, given.training.launcher, given.serving.engine]
     cfg = resolve_paths(given, uses, (SOURCE, DATASET, CHECKPOINTS, OUTPUT), tracking=True, spark=spark, client=client)
     job = _training_job(given, cfg)
+    scoring = _scoring_job(cfg, cfg.pipelines.dataset_dir, force)  # its model: the one trained
     # What can be checked before the dataset exists, before anything is written: the
     # settings, the stores, the checkpoint folder, the MLflow store, the input.
     job.check_settings()
     check_storage(cfg, reads=(SOURCE,), writes=(DATASET, CHECKPOINTS, OUTPUT))
     job.check_folder()
     check_store(job.tracking_uri)
-    s = cfg.serving
-    if not force:  # another model's scores in the output: refused now, not after the training
-        out = scores_dir(s.output_dir, s.output_format)
-        check_owner(out, all_scores(out), cfg.tracking.registered_model or "an unregistered model")
+    # Another model's scores in the output: refused now, not after the training.
+    scoring.check_output(cfg.tracking.registered_model or "an unregistered model")
     checked = check_prepare(cfg)
     # A batch the source's rows cannot give a step: now, not after prepare (training.source_steps).
     check_steps_from_source(cfg.training, cfg.pipelines, checked.files)
     with ExitStack() as stack:
         # Every lease before an engine starts: a second run on the same folders is refused at once.
         dataset = stack.enter_context(dataset_lease(cfg))
-        output = stack.enter_context(output_lease(scores_dir(s.output_dir, s.output_format)))
+        output = stack.enter_context(output_lease(scoring.output))
         job.hold()
         stack.callback(job.store.release)
-        engines = stack.enter_context(Engines(cfg, spark, client, spark_ranks(cfg)))
-        manifest = run_prepare(cfg, engines.prepare_engine(cfg.pipelines.engine), lease=dataset, checked=checked)
+        engines = stack.enter_context(Engines(cfg, spark, client, _ranks(cfg)))
+        manifest = run_prepare(cfg, engines.get(cfg.pipelines.engine, "pipelines.engine"), lease=dataset,
+                               checked=checked)
         dataset.release()
         job.check()  # the model on the dataset just made
-        trained = run_train(job, engines)
-        s = cfg.serving
-        p = score_plan(trained.model_uri, trained.tracking_uri, cfg.pipelines.dataset_dir, s.output_dir,
-                       split=s.split, incremental=s.incremental, backfill=s.backfill, force=force,
-                       output_format=s.output_format)
-        for line in p.describe_discard():
-            report.warn(line)
-        scored = run_score(cfg, engines, p, cfg.pipelines.dataset_dir, output) if p.todo else p.nothing_done()
+        trained = run_train(job, engines.get(cfg.training.launcher, "training.launcher"))
+        scoring = scoring.for_model(trained.model_uri, trained.tracking_uri).check()
+        scored = scoring.run(lambda: engines.get(cfg.serving.engine, "serving.engine"), output)
     return RunResult(PrepareResult(cfg.pipelines.dataset_dir, manifest, cfg.pipelines.engine), trained, scored)
 
 
@@ -311,19 +296,19 @@ def sweep(config: Config = None, overrides: Overrides = ()):
     """Search hyperparameters with Optuna (sweep.*): trials are MLflow child runs of one
     parent run, run in parallel on sweep.engine; the best model is registered. A sweep
     whose name exists resumes it. Returns training.sweeps.run.SweepResult."""
-    from shardline.training.sweeps.run import check_sweep, run_sweep
+    from shardline.training.sweeps.run import check_parallel, check_sweep, run_sweep, trial_base
 
     cfg = load_config(config, overrides)
     where = cfg.sweep.engine or cfg.training.launcher
     cfg = resolve_paths(cfg, [where], (DATASET, CHECKPOINTS), tracking=True, sweep=True)
     check_storage(cfg, reads=(DATASET,), writes=(CHECKPOINTS,))
     check_sweep(cfg.sweep, cfg.training, cfg.pipelines.dataset_dir)  # before any engine starts
-    args = (cfg.sweep, cfg.training, cfg.tracking, cfg.pipelines.dataset_dir)
-    with stage(f"Sweep '{cfg.sweep.name}' on {where}"):
-        if where == "local":
-            return run_sweep(*args)
-        with engine_handle(cfg, where, spark_ranks(cfg, where, cfg.sweep.world_size)) as handle:
-            return run_sweep(*args, **{"spark" if where == "spark" else "dask_client": handle})
+    with Engines(cfg, ranks=(where, cfg.sweep.world_size)) as engines:
+        engine = engines.get(where, "sweep.engine")
+        # More trials at once than the engine runs: refused before the sweep starts.
+        check_parallel(cfg.sweep, trial_base(cfg.sweep, cfg.training), engine)
+        with stage(f"Sweep '{cfg.sweep.name}' on {where}"):
+            return run_sweep(cfg.sweep, cfg.training, cfg.tracking, cfg.pipelines.dataset_dir, engine)
 
 
 @dataclass
@@ -341,7 +326,6 @@ def plan(config: Config = None, overrides: Overrides = ()) -> PlanResult:
     choose loader workers, shards per rank and rows per row group so loading keeps ahead of
     training, and store that plan in the dataset's manifest (`prepare(by_plan=True)` lays
     shards out by it). Measured in this process."""
-    from shardline.pipelines.manifest import store_plan
     from shardline.training.job import preflight
     from shardline.training.plan import measured_loader, plan_dataset
 

@@ -11,13 +11,14 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
-from shardline.foundation.engine_config import DaskConfig, SparkConfig, on_loopback
+from shardline.foundation.engine_config import DaskConfig, SparkConfig
 from shardline.foundation.section import Section
 from shardline.pipelines.config import PipelineConfig
+from shardline.engines import engine_class, given_engines
 from shardline.foundation import report
 from shardline.foundation.errors import ConfigError
 from shardline.foundation.overlap import check_apart, glob_base
-from shardline.foundation.storage import is_remote, resolve
+from shardline.foundation.storage import is_remote, resolve, check_access
 from shardline.serving.config import ServingConfig
 from shardline.training.checkpoints.store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
@@ -125,36 +126,17 @@ def _set(data: dict, key: str, value: Any, item: str) -> None:
 
 # -- paths: resolved once, here on the driver, before anything starts ---------------------
 
-_ENGINE_OF = {"spark": "spark", "dask": "dask", "local": None}
-
-
 def cluster_of(cfg: ShardlineConfig, engines: list[str], spark=None, client=None) -> str | None:
     """The setting that sends tasks to other hosts, among the engines a command uses; None
     when every task runs on this machine (embedded Spark `local[...]`, a LocalCluster, a
     scheduler or standalone master on loopback, whose workers can only be on this machine).
     spark, client: a SparkSession or Dask client the caller gave (the API's `spark=`,
-    `client=`): where it runs, not the config, says."""
+    `client=`): where it runs, not the config, says (shardline.engines.base.Engine.cluster)."""
+    given = given_engines(spark, client)
     for engine in engines:
-        if engine == "spark" and spark is not None:
-            from shardline.foundation.spark_setup import is_connect, spark_master
-
-            if is_connect(spark):
-                return "the Spark Connect session given"
-            if not spark_master(spark).startswith("local") and not on_loopback(spark_master(spark)):
-                return f"the SparkSession given (master {spark_master(spark)!r})"
-        elif engine == "dask" and client is not None:
-            if getattr(client, "cluster", None) is None and not on_loopback(client.scheduler.address):
-                return f"the Dask client given (scheduler {client.scheduler.address})"
-        elif engine == "spark":
-            from shardline.foundation.spark_setup import remote_url
-
-            remote = remote_url(cfg.spark)  # a malformed one: a config error, said first
-            if remote:
-                return f"Spark Connect at {remote!r}"
-            if not cfg.spark.master.startswith("local") and not on_loopback(cfg.spark.master):
-                return f"spark.master = {cfg.spark.master!r}"
-        if engine == "dask" and client is None and cfg.dask.address and not on_loopback(cfg.dask.address):
-            return f"dask.address = {cfg.dask.address!r}"
+        where = engine_class(engine).cluster(cfg, given.get(engine))
+        if where:
+            return where
     return None
 
 
@@ -256,8 +238,6 @@ def check_storage(
     """Every store the command reads or writes answers, with access, in seconds, before an
     engine starts (foundation.storage.check_access). A synthetic source is written, not read.
     other_reads: (what to call it, URL) of paths given on the command line."""
-    from shardline.foundation.storage import check_access
-
     if SOURCE in reads and cfg.pipelines.source.format == "synthetic":
         reads, writes = tuple(r for r in reads if r != SOURCE), (*writes, SOURCE)
     if not cfg.pipelines.source.reads_path:  # an Iceberg table or a Spark table: no path is read

@@ -23,11 +23,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from shardline import api
+from shardline.api import load_config
 from shardline.foundation.errors import ConfigError, ShardlineError
+from shardline.foundation.report import stage
 from shardline.pipelines.sources import with_row_key, write_pandas_part
 from shardline.serving.frames import feature_columns, predict_partition
 
 from .estimators import Fitted, SklearnParams, label_name, plan_fit
+
+# Imported inside the functions that use them: pandas (~0.7 s: only where a DataFrame is built); Dask (only
+# with a Dask client); scikit-learn (optional: only when the caller uses it).
 
 _FITTED = ("fitted_", "prepared_", "trained_", "classes_", "n_features_in_", "feature_names_in_")
 
@@ -63,9 +69,6 @@ class ShardlineEstimator(SklearnParams):
         """Train on X (a Dask or pandas DataFrame). y (a Series or array; a Dask Series
         partitioned as X when X is Dask): the label, written as the label column (label_col,
         else the config's, else "label"); without y, X holds the label column."""
-        from shardline import api
-        from shardline.foundation.report import stage
-
         for name in _FITTED:  # a refit of another task must not keep the old classes_
             self.__dict__.pop(name, None)
         client = self.client or _default_client()
@@ -176,7 +179,6 @@ class ShardlineEstimator(SklearnParams):
         fitted = getattr(self, "fitted_", None)
         if fitted is not None:
             return "classification" if fitted.classification else "regression"
-        from shardline.api import load_config
 
         try:
             return load_config(self.config, self.overrides).pipelines.features.task
@@ -187,6 +189,7 @@ class ShardlineEstimator(SklearnParams):
         fitted = getattr(self, "fitted_", None)
         if fitted is None:
             raise ShardlineError("this ShardlineEstimator is not fitted yet: call fit(X) first")
+        fitted.check()  # the model version, before any worker loads it
         return fitted
 
 

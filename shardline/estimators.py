@@ -3,12 +3,20 @@ written as raw Parquet first) and the fitted model's description."""
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
+import inspect
 import uuid
 from dataclasses import dataclass
 
-from .config import ShardlineConfig, cluster_of
+from shardline.api import load_config
 from shardline.foundation.errors import ConfigError
+from shardline.foundation.storage import join, resolve
+from shardline.serving.config import ServingConfig
+from shardline.serving.inputs import Transform
+from shardline.serving.job import ScoringJob
+
+from .config import ShardlineConfig, cluster_of
 
 GENERATED_KEY = "shardline_key"
 
@@ -30,9 +38,6 @@ def plan_fit(
 
     kinds: column -> "numeric", "categorical" or None (a type shardline cannot use).
     """
-    from shardline.api import load_config
-    from shardline.foundation.storage import join, resolve
-
     cfg = load_config(config, overrides)
     f, src = cfg.pipelines.features, cfg.pipelines.source
     written = f.model_fields_set
@@ -103,17 +108,25 @@ class Fitted:
 
     @classmethod
     def of(cls, prepared, trained) -> Fitted:
-        from shardline.serving.inputs import Transform
-
         t = Transform.of(prepared.manifest)
         return cls(trained.model_uri, trained.tracking_uri, trained.run_id, (t.spec_json, t.stats_json, t.width),
                    prepared.manifest.feature_spec.task == "classification")
 
     @property
     def transform(self):
-        from shardline.serving.inputs import Transform
-
         return Transform(*self.transform_json)
+
+    def check(self) -> None:
+        """Its model checked on the driver before any task loads it (serving.job.ScoringJob.
+        check_model): a version deleted since the fit, or a store that does not answer, is one
+        line here, not a traceback from every task. Once per process and model."""
+        key = (self.model_uri, self.tracking_uri)
+        if key not in _CHECKED:
+            ScoringJob.resolve(ServingConfig(), self.tracking_uri, "", model_uri=self.model_uri).check_model()
+            _CHECKED.add(key)
+
+
+_CHECKED: set[tuple[str, str]] = set()  # Fitted.check's models, checked already in this process
 
 
 
@@ -122,7 +135,6 @@ def label_name(config, overrides, label_col: str | None) -> str:
     when written, else "label"): the name a separate `y` is given in the written DataFrame."""
     if label_col is not None:
         return label_col
-    from shardline.api import load_config
 
     f = load_config(config, overrides).pipelines.features
     return f.label if "label" in f.model_fields_set and f.label else "label"
@@ -139,8 +151,6 @@ class SklearnParams:
 
     @classmethod
     def _get_param_names(cls) -> list[str]:
-        import inspect
-
         sig = inspect.signature(cls.__init__)
         return sorted(p.name for p in sig.parameters.values()
                       if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
@@ -181,8 +191,6 @@ class SklearnParams:
         return getattr(self, "fitted_", None) is not None
 
     def __repr__(self) -> str:
-        import inspect
-
         defaults = {p.name: p.default for p in inspect.signature(type(self).__init__).parameters.values()}
         shown = [f"{k}={v!r}" for k, v in self.get_params(deep=False).items()
                  if not _same(v, defaults.get(k, inspect.Parameter.empty))]
@@ -191,8 +199,6 @@ class SklearnParams:
 
 def _clone_param(value):
     """As sklearn's clone(value, safe=False): an estimator is cloned, anything else deep-copied."""
-    import copy
-
     if hasattr(value, "__sklearn_clone__") and not isinstance(value, type):
         return value.__sklearn_clone__()
     if hasattr(value, "get_params") and not isinstance(value, type):

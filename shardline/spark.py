@@ -24,15 +24,21 @@ from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.param.shared import HasLabelCol, HasPredictionCol, HasProbabilityCol
 from pyspark.ml.util import DefaultParamsReadable, DefaultParamsWritable, DefaultParamsWriter
 
+from shardline import api
+from shardline.api import ShardlineConfig
 from shardline.foundation.errors import ShardlineError
+from shardline.foundation.redact import MASK, redact
+from shardline.foundation.report import stage
+from shardline.foundation.spark_setup import adopt_session, is_connect
 
 from .estimators import Fitted, plan_fit
+
+# Imported inside the functions that use them: pyspark (only with a Spark session: Dask and local jobs never
+# import it).
 
 
 def _config_value(value):
     """A TOML path (str or os.PathLike, kept as a str), a dict of sections or a ShardlineConfig."""
-    from shardline.api import ShardlineConfig
-
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     if isinstance(value, (str, dict, ShardlineConfig)):
@@ -66,8 +72,6 @@ class _Writer(DefaultParamsWriter):
         super().saveImpl(path)
 
     def _handleOverwrite(self, path: str) -> None:
-        from shardline.foundation.spark_setup import is_connect
-
         if is_connect(self.sparkSession):  # pyspark's own way reaches for the JVM; Connect has its helper
             from pyspark.ml.connect.readwrite import RemoteMLWriter
 
@@ -148,11 +152,6 @@ class ShardlineEstimator(Estimator, HasLabelCol, HasPredictionCol, HasProbabilit
 
     def _fit(self, dataset) -> ShardlineModel:
         from pyspark.sql import functions as F
-
-        from shardline import api
-        from shardline.foundation.report import stage
-
-        from shardline.foundation.spark_setup import adopt_session
 
         spark = dataset.sparkSession
         adopt_session(spark)  # the write below runs our code on the executors already
@@ -240,8 +239,6 @@ class ShardlineModel(Model, HasLabelCol, HasPredictionCol, HasProbabilityCol, _S
 
     def write(self):
         """As _Saved's, with the tracking URI's secrets masked in what is written."""
-        from shardline.foundation.redact import redact
-
         writer = _Writer(self)
         if self.isSet(self.trackingUri) and redact(self.getTrackingUri()) != self.getTrackingUri():
             masked = self.copy()
@@ -252,13 +249,11 @@ class ShardlineModel(Model, HasLabelCol, HasPredictionCol, HasProbabilityCol, _S
     def _transform(self, dataset):
         from pyspark.sql.types import ArrayType, DoubleType, FloatType, LongType, StructField, StructType
 
-        from shardline.foundation.redact import MASK
-        from shardline.foundation.spark_setup import adopt_session
-
         fitted = self.fitted
         if MASK in fitted.tracking_uri:
             raise ShardlineError(f"the saved tracking URI {fitted.tracking_uri} had its secret masked: set it "
                                  "with setTrackingUri before transform")
+        fitted.check()  # the model version, before any task loads it
         adopt_session(dataset.sparkSession)  # executors that need our code get it
         # Plain values only in the closure: executors have shardline's engine packages, not this module.
         uri, tracking, tjson = fitted.model_uri, fitted.tracking_uri, fitted.transform_json

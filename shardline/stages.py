@@ -5,13 +5,17 @@ from __future__ import annotations
 
 from shardline.foundation import report
 from shardline.foundation.report import stage
+from shardline.pipelines.manifest import check_dataset_dir
+from shardline.serving.ledger import check_output_dir, output_lease as lease
 
 from .config import ShardlineConfig
-from .engines import Engines
+from .engines import engine_class
+
+# Imported inside the functions that use them: pipelines.prepare (imports pandas); pipelines.checks (imports
+# pandas).
 
 
 def dataset_lease(cfg: ShardlineConfig):
-    from shardline.pipelines.manifest import check_dataset_dir
     from shardline.pipelines.prepare import dataset_lease as lease
 
     check_dataset_dir(cfg.pipelines.dataset_dir)  # a foreign directory: refused before we write
@@ -19,8 +23,6 @@ def dataset_lease(cfg: ShardlineConfig):
 
 
 def output_lease(output_dir: str):
-    from shardline.serving.ledger import check_output_dir, output_lease as lease
-
     check_output_dir(output_dir)
     return lease(output_dir)
 
@@ -29,7 +31,8 @@ def check_prepare(cfg: ShardlineConfig, **how):
     """Input, columns and feature spec, checked before an engine starts; says what it inferred."""
     from shardline.pipelines.checks import check_prepare as check
 
-    checked = check(cfg.pipelines, **how)
+    reads_tables = engine_class(cfg.pipelines.engine, "pipelines.engine").reads_tables
+    checked = check(cfg.pipelines, reads_tables=reads_tables, **how)
     for note in checked.notes:
         report.note(note)
     return checked
@@ -53,24 +56,10 @@ def run_prepare(cfg: ShardlineConfig, engine, append=False, refit=False, by_plan
     return manifest
 
 
-def run_train(job, engines: Engines):
-    """A checked training.job.TrainingJob, run on training.launcher's engine (none for `local`)."""
+def run_train(job, engine):
+    """A checked training.job.TrainingJob, run on `engine` (training.launcher's)."""
     t = job.cfg
-    handle = engines.handle(t.launcher)
-    spark = handle if t.launcher == "spark" else None
-    client = handle if t.launcher == "dask" else None
-    job.check_capacity(spark, client)
+    job.check_capacity(engine)
     report.note(f"checkpoints: {t.checkpoint_dir}")
-    with stage(f"Training {t.model} with {t.strategy} on {t.world_size} {t.launcher} ranks"):
-        return job.run(spark, client)
-
-
-def run_score(cfg: ShardlineConfig, engines: Engines, p, input_path: str, lease=None):
-    """serving.score.execute of plan `p` on serving.engine."""
-    from shardline.serving.score import execute
-
-    s = cfg.serving
-    handle = engines.handle(s.engine)
-    with stage(f"Scoring {len(p.todo)} file(s) of {input_path} with {p.describe_model()} on {s.engine}"):
-        return execute(p, s.engine, handle, batch_size=s.batch_size, threads_per_task=s.threads_per_task,
-                       lease=lease)
+    with stage(f"Training {t.model} with {t.strategy} on {t.world_size} {engine.name} ranks"):
+        return job.run(engine)

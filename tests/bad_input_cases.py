@@ -158,10 +158,51 @@ def _hold_dataset(folder: Path, dataset: str):
     return dataset_lease(dataset)
 
 
+def _store_with_model_m(folder: Path) -> None:
+    """The case's MLflow store (folder/mlflow.db, the base config's) holding registered model
+    `m` version 1, a pyfunc model (its MLmodel file alone: what scoring checks before it runs)."""
+    import logging
+
+    from mlflow.tracking import MlflowClient
+
+    from .mlflow_store import empty_store
+
+    # The template store, made once per process, is MLflow's: its INFO lines are not the case's.
+    quiet = logging.getLogger("mlflow.store.db.utils")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    try:
+        db = empty_store(folder)
+    finally:
+        quiet.setLevel(level)
+    (folder / "model").mkdir()
+    (folder / "model" / "MLmodel").write_text("flavors:\n  python_function:\n    loader_module: shardline\n")
+    client = MlflowClient(f"sqlite:///{db}")
+    client.create_registered_model("m")
+    client.create_model_version("m", str(folder / "model"))
+
+
 def _hold_output(folder: Path, _dataset: str):
+    """Another job scoring into folder/out, of a model the case's store has (a refusal of the
+    model would come first: the lease is taken last)."""
     from shardline.serving.ledger import output_lease
 
+    _store_with_model_m(folder)
     return output_lease(str(folder / "out"))
+
+
+def _expired_output_lease(folder: Path, _dataset: str) -> None:
+    """folder/out/_lease.json of a job on another host that stopped renewing it an hour ago:
+    any job may take it over, and a job refused before it scores must not."""
+    import json
+    import time
+
+    _store_with_model_m(folder)
+    (folder / "out").mkdir()
+    (folder / "out" / "_lease.json").write_text(json.dumps({
+        "job": "shardline score", "host": "elsewhere", "pid": 4242, "since": "2026-01-01T00:00:00+00:00",
+        "expires_at": time.time() - 3600, "nonce": "0123456789abcdef",
+    }))
 
 
 def _other_models_scores(folder: Path, _dataset: str) -> None:
@@ -448,5 +489,12 @@ CASES = [
     Case("score into an output another job holds",
          ["score", "{cfg}", "--model", "models:/m/1", "--output", "{dir}/out", "--engine", "dask"], 75,
          "is in use by", setup=_hold_output),
+    # -- the model refused before the output's lease is taken (#53 item 4): the lease untouched
+    Case("score a model version that does not exist, an expired lease in the output",
+         ["score", "{cfg}", "--model", "models:/m/99", "--output", "{dir}/out", "--engine", "dask"], 1,
+         "model models:/m/99: 'm' has no version 99", setup=_expired_output_lease),
+    Case("score from a SQLite MLflow store that does not exist (not created)",
+         ["score", "{cfg}", "--model", "models:/m/1", "--output", "{dir}/out", "--engine", "dask"], 1,
+         "(the file does not exist), so no model is registered there"),
 ]
 

@@ -172,7 +172,7 @@ def small_pipeline(tmp: Path, rows: int = 4000, **layout) -> PipelineConfig:
 @pytest.fixture(scope="session")
 def prepared(spark, tmp_path_factory) -> PipelineConfig:
     """A small synthetic dataset prepared once with Spark; tests must not modify it."""
-    from shardline.pipelines.engine_spark import SparkEngine
+    from shardline.engines import SparkEngine
     from shardline.pipelines.prepare import prepare
 
     cfg = small_pipeline(tmp_path_factory.mktemp("prepared"), rows=6000)
@@ -201,10 +201,18 @@ def on_session_dask(dask_client) -> tuple[str, ...]:
 
 @pytest.fixture(scope="session")
 def engines(spark, dask_client):
-    from shardline.pipelines.engine_dask import DaskEngine
-    from shardline.pipelines.engine_spark import SparkEngine
+    from shardline.engines import DaskEngine, SparkEngine
 
     return {"spark": SparkEngine(spark), "dask": DaskEngine(dask_client)}
+
+
+def engine_for(request, launcher: str):
+    """The session's engine named `launcher` (shardline.engines), starting only that one:
+    the session's SparkSession or Dask client wrapped, or local processes."""
+    from shardline.engines import ENGINES
+
+    fixture = {"spark": "spark", "dask": "dask_client"}.get(launcher)
+    return ENGINES[launcher](request.getfixturevalue(fixture)) if fixture else ENGINES[launcher]()
 
 
 def absolute_paths(root: Path) -> list[str]:

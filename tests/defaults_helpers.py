@@ -18,7 +18,7 @@ FEATURES = {"key": "key", "label": "label", "numeric": ["a", "b", "c"], "categor
 
 @pytest.fixture(scope="module")
 def small_dataset(dask_client, tmp_path_factory) -> PipelineConfig:
-    from shardline.pipelines.engine_dask import DaskEngine
+    from shardline.engines import DaskEngine
     from shardline.pipelines.prepare import prepare
 
     tmp = tmp_path_factory.mktemp("small")

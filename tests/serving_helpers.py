@@ -26,12 +26,13 @@ def trained_model(prepared) -> object:
     """A model registered as `serving-test`, trained once per session (1 rank, 1 epoch)."""
     if "result" not in _TRAINED:
         from shardline.training.config import TrackingConfig, TrainingConfig
+        from shardline.engines import LocalEngine
         from shardline.training.job import run_training
 
         _TRAINED["result"] = run_training(
             TrainingConfig(**TRAINING),
             TrackingConfig(experiment="serving-test", registered_model="serving-test"),
-            prepared.dataset_dir,
+            prepared.dataset_dir, LocalEngine(),
         )
     return _TRAINED["result"]
 
@@ -206,9 +207,10 @@ def score(engine_name, spark_or_client, model_uri, tracking_uri, input_path, out
     shardline.score does after its checks and leases), for tests that drive the engine
     layer directly. allow_pickled: serving.allow_pickled_models (the fault-injecting
     wrappers register_wrapped logs are pickled models)."""
+    from shardline.engines import ENGINES
     from shardline.serving.score import execute, plan
 
     p = plan(model_uri, tracking_uri, input_path, output_dir, split=split, incremental=incremental,
              backfill=backfill, force=force, allow_pickled=allow_pickled, output_format=output_format)
-    return execute(p, engine_name, spark_or_client, batch_size=batch_size, threads_per_task=threads_per_task,
-                   lease=lease, user_code=user_code)
+    return execute(p, ENGINES[engine_name](spark_or_client), batch_size=batch_size,
+                   threads_per_task=threads_per_task, lease=lease, user_code=user_code)

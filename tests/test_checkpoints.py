@@ -14,11 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardline.engines import LocalEngine
 from shardline.foundation import storage
 from shardline.foundation.errors import DataError
 from shardline.training.checkpoints.store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
+
+from .conftest import engine_for
 
 
 def _cfg(tmp: Path, **kw) -> TrainingConfig:
@@ -44,7 +47,7 @@ def _equal(a: dict, b: dict) -> None:
 def reference(prepared, tmp_path_factory):
     """An uninterrupted local run, and every checkpoint it wrote."""
     tmp = tmp_path_factory.mktemp("ref")
-    result = run_training(_cfg(tmp), _tracking("ref"), prepared.dataset_dir)
+    result = run_training(_cfg(tmp), _tracking("ref"), prepared.dataset_dir, LocalEngine())
     return result, CheckpointStore(tmp / "ckpt").paths()
 
 
@@ -70,7 +73,7 @@ def test_resume_from_mid_epoch_checkpoint_gives_the_same_weights(prepared, refer
     shutil.copy(mid, tmp_path / "ckpt" / Path(mid).name)  # no pointer: latest() takes the newest
     dcp = torch.load(mid, weights_only=True)["sharded"]
     shutil.copytree(Path(mid).parent / dcp, tmp_path / "ckpt" / dcp)
-    resumed = run_training(_cfg(tmp_path, resume=True), _tracking("resume"), prepared.dataset_dir)
+    resumed = run_training(_cfg(tmp_path, resume=True), _tracking("resume"), prepared.dataset_dir, LocalEngine())
     _equal(resumed.weights, result.weights)
     # The resumed job continued the checkpoint's MLflow run.
     assert resumed.run_id == result.run_id
@@ -83,7 +86,7 @@ def test_checkpoint_of_another_config_says_what_differs(prepared, reference, tmp
     dcp = torch.load(paths[-1], weights_only=True)["sharded"]
     shutil.copytree(Path(paths[-1]).parent / dcp, tmp_path / "ckpt" / dcp)
     with pytest.raises(DataError, match=r"different run: hidden='\[64, 32\]' \(config has '\[32\]'\)"):
-        run_training(_cfg(tmp_path, resume=True, hidden=[32]), _tracking("other"), prepared.dataset_dir)
+        run_training(_cfg(tmp_path, resume=True, hidden=[32]), _tracking("other"), prepared.dataset_dir, LocalEngine())
 
 
 def test_a_checkpoint_without_its_dcp_directory_falls_back_to_the_previous_one(reference, tmp_path, capsys):
@@ -132,11 +135,7 @@ def test_killed_rank_is_relaunched_and_ends_on_the_same_weights(
     relaunched, on each launcher."""
     from mlflow.tracking import MlflowClient
 
-    handles = {}
-    if launcher == "spark":
-        handles["spark"] = request.getfixturevalue("spark")
-    if launcher == "dask":
-        handles["dask_client"] = request.getfixturevalue("dask_client")
+    engine = engine_for(request, launcher)
     cfg = _cfg(tmp_path, launcher=launcher)
     done, killed = threading.Event(), []
     watcher = threading.Thread(
@@ -144,7 +143,7 @@ def test_killed_rank_is_relaunched_and_ends_on_the_same_weights(
     )
     watcher.start()
     try:
-        result = run_training(cfg, _tracking(f"kill-{launcher}"), prepared.dataset_dir, **handles)
+        result = run_training(cfg, _tracking(f"kill-{launcher}"), prepared.dataset_dir, engine)
     finally:
         done.set()
         watcher.join()

@@ -17,7 +17,7 @@ import torch
 
 from shardline.training import collectives
 from shardline.training.collectives import DeviceContractError
-from shardline.training.launchers.local import launch_local
+from shardline.engines.local.launch import launch_local
 
 TRAINING = Path(__file__).resolve().parent.parent / "training"
 

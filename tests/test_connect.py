@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardline.engines import LocalEngine
 from shardline.pipelines.manifest import load_manifest
 from shardline.training.checkpoints import sharded
 from shardline.training.checkpoints.store import CheckpointStore
@@ -166,7 +167,7 @@ def test_killed_rank_on_connect_is_relaunched_and_ends_on_the_same_weights(
     ref = run_training(
         TrainingConfig(launcher="local", checkpoint_dir=str(tmp_path / "ref"), **settings),
         TrackingConfig(experiment="connect-kill-ref", registered_model="connect-kill-ref"),
-        str(connect_dataset),
+        str(connect_dataset), LocalEngine(),
     )
     ckpt = tmp_path / "ckpt"
     done, killed = threading.Event(), []

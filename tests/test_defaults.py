@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from shardline.engines import LocalEngine
 from shardline.config import load_config, resolve_paths
 from shardline.foundation.errors import ConfigError, DataError, LeaseHeld, ShardlineError
 from shardline.training.checkpoints import fingerprint
@@ -108,10 +109,10 @@ def test_the_suggested_batch_trains_and_registers(small_dataset, tracking_uri, c
     # The default data-wait settings: a small run's start-up wait is not worth a warning.
     cfg = TrainingConfig(launcher="local", world_size=2, epochs=1)
     with pytest.raises(DataError, match=r"at most (\d+)") as e:
-        run_training(cfg, TrackingConfig(), small_dataset.dataset_dir)
+        run_training(cfg, TrackingConfig(), small_dataset.dataset_dir, LocalEngine())
     fit = int(re.search(r"at most (\d+)", str(e.value)).group(1))
     tracking = TrackingConfig(experiment="defaults", registered_model="defaults-fit")
-    result = run_training(cfg.model_copy(update={"batch_size": fit}), tracking, small_dataset.dataset_dir)
+    result = run_training(cfg.model_copy(update={"batch_size": fit}), tracking, small_dataset.dataset_dir, LocalEngine())
     assert MlflowClient(tracking_uri).get_model_version("defaults-fit", result.model_version).run_id == result.run_id
     assert result.metrics["samples_per_s"] > 0 and 0 <= result.metrics["data_wait_fraction"] <= 1
     err = capfd.readouterr().err
@@ -146,7 +147,7 @@ def test_a_job_that_took_no_step_is_never_registered(small_dataset, tracking_uri
                          data_wait_warning_min_s=0.0, data_wait_warning_min_steps=0)
     tracking = TrackingConfig(experiment="defaults", registered_model="defaults-untrained")
     with pytest.raises(ShardlineError, match=r"took 0 optimizer steps in 2 epoch\(s\).*not logged or registered"):
-        run_training(cfg, tracking, small_dataset.dataset_dir)
+        run_training(cfg, tracking, small_dataset.dataset_dir, LocalEngine())
     client = MlflowClient(tracking_uri)
     assert client.search_model_versions("name='defaults-untrained'") == []
     runs = client.search_runs([client.get_experiment_by_name("defaults").experiment_id],
@@ -182,7 +183,7 @@ def test_a_job_never_deletes_another_jobs_checkpoints(small_dataset, tmp_path):
 
     mine = theirs.model_copy(update={"hidden": [32]})
     with pytest.raises(DataError, match=r"holds another job's checkpoints \(hidden '\[16\]' \(this job: '\[32\]'\)\)"):
-        run_training(mine, TrackingConfig(), small_dataset.dataset_dir)
+        run_training(mine, TrackingConfig(), small_dataset.dataset_dir, LocalEngine())
     assert CheckpointStore(shared).latest() == saved and Path(saved).exists()  # untouched
 
     # The same job again (on another dataset version) clears its own.

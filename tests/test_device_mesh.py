@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardline.training.launchers.local import launch_local
+from shardline.engines.local.launch import launch_local
 from shardline.training.strategies.base import Mesh
 
 

@@ -6,7 +6,7 @@ its ledger entry and its task is retried; test_serving_recovery.py)."""
 
 from __future__ import annotations
 
-from shardline.serving.engine_spark import TASKS_PER_SLOT, _committed, deal
+from shardline.engines.spark.score import TASKS_PER_SLOT, _committed, deal
 from shardline.serving.inputs import Transform, Unit
 from shardline.serving.ledger import commit
 from shardline.serving.worker import UnitTask

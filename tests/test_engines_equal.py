@@ -277,7 +277,7 @@ def test_append_adds_shards_and_keeps_splits_and_statistics(engines, engine, tmp
 def test_spark_routes_each_part_to_its_own_partition(spark):
     from pyspark.sql import functions as F
 
-    from shardline.pipelines.engine_spark import spark_partition, spark_routes
+    from shardline.engines.spark.prepare import spark_partition, spark_routes
 
     for n in (1, 2, 6, 13):
         got = spark.range(0, 200).select(F.pmod(F.hash(F.col("id").cast("int")), F.lit(n)).alias("p")).collect()

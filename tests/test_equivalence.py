@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardline.training.launchers.local import launch_local
+from shardline.engines.local.launch import launch_local
 
 from .dist_helpers import relative_distance, train_steps, train_variants, unsynchronised
 

@@ -99,6 +99,16 @@ def test_dask_estimator_fits_and_predicts(dask_client, tmp_path):
     assert (probs.to_numpy().argmax(1) == got.to_numpy()).all()
     assert dask_client.status == "running"
 
+    # A version gone from the registry is one line from the driver (the scoring job's model
+    # check, serving.job.ScoringJob.check_model), before any worker tries to load it.
+    import dataclasses
+
+    from shardline.foundation.errors import ShardlineError
+
+    est.fitted_ = dataclasses.replace(est.fitted_, model_uri="models:/estimator/99")
+    with pytest.raises(ShardlineError, match=r"model models:/estimator/99: 'estimator' has no version 99"):
+        est.predict(pdf)
+
 
 CONNECT_FIT = """
 import json, sys

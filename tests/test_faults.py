@@ -23,13 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardline.engines import LocalEngine
 from shardline.foundation.errors import StorageError
 from shardline.training.checkpoints.store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 from shardline.training.launchers import TrainingFailed
 
-from .conftest import REPO, shardline_here
+from .conftest import REPO, engine_for, shardline_here
 from .faults_helpers import (
     alive, error_lines, mounted_tmpfs, rank_pids, start_driver, stop_group, train_args, wait_for,
 )
@@ -109,13 +110,13 @@ def _cfg(ckpt: Path, **kw) -> TrainingConfig:
 
 @pytest.mark.parametrize("launcher", ["local", "spark"])
 def test_a_full_disk_ends_at_once_naming_rank_host_path_and_cause(prepared, tmp_path, capfd, launcher, request):
-    handles = {"spark": request.getfixturevalue("spark")} if launcher == "spark" else {}
+    engine = engine_for(request, launcher)
     ckpt = tmp_path / "ckpt"
     # 32 KiB: the lease and the ranks' notes fit, a checkpoint (~100 KiB) does not.
     with mounted_tmpfs(ckpt, "size=32k"):
         with pytest.raises(TrainingFailed) as failed:
             run_training(_cfg(ckpt, launcher=launcher), TrackingConfig(experiment=f"full-{launcher}"),
-                         prepared.dataset_dir, **handles)
+                         prepared.dataset_dir, engine)
     message = str(failed.value)
     assert failed.value.permanent and "\n" not in message
     # Every rank writes its own part: whichever met the full disk first is named.
@@ -132,7 +133,7 @@ def test_a_read_only_checkpoint_dir_ends_at_once_in_one_line(prepared, tmp_path)
     with mounted_tmpfs(ckpt, "ro"):
         with pytest.raises(StorageError, match=rf"training.checkpoint_dir {ckpt}: cannot write there "
                                                r"\(Read-only file system\)"):
-            run_training(_cfg(ckpt), TrackingConfig(experiment="ro"), prepared.dataset_dir)
+            run_training(_cfg(ckpt), TrackingConfig(experiment="ro"), prepared.dataset_dir, LocalEngine())
         proc = shardline_here(*train_args(prepared.dataset_dir, ckpt), cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert error_lines(proc.stderr) == [

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardline.engines import LocalEngine
 from shardline.foundation.errors import ConfigError, DataError
 from shardline.training.checkpoints.store import CheckpointStore, POINTER
 from shardline.training.config import TrackingConfig, TrainingConfig
@@ -34,7 +35,7 @@ def _tracking(name: str) -> TrackingConfig:
 def reference(prepared, tmp_path_factory):
     """An uninterrupted run and its checkpoint directory (kept as written)."""
     ckpt = tmp_path_factory.mktemp("faults-ref") / "ckpt"
-    return run_training(_cfg(ckpt), _tracking("ref"), prepared.dataset_dir), ckpt
+    return run_training(_cfg(ckpt), _tracking("ref"), prepared.dataset_dir, LocalEngine()), ckpt
 
 
 def _copy_up_to(src: Path, dst: Path, keep: int) -> list[Path]:
@@ -55,7 +56,7 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(prepared, 
     copied = _copy_up_to(ref_ckpt, tmp_path / "ckpt", keep=4)
     newest = copied[-1]
     newest.write_bytes(newest.read_bytes()[:1000])  # a write cut short
-    resumed = run_training(_cfg(tmp_path / "ckpt", resume=True), _tracking("ref"), prepared.dataset_dir)
+    resumed = run_training(_cfg(tmp_path / "ckpt", resume=True), _tracking("ref"), prepared.dataset_dir, LocalEngine())
     said = [ln for ln in capfd.readouterr().err.splitlines() if "the newest readable one" in ln]
     assert said == [
         f"[shardline] {newest}: not a readable shardline checkpoint (" + said[0].split("(", 1)[1]
@@ -71,7 +72,7 @@ def test_no_readable_checkpoint_at_all_is_one_clear_error(prepared, reference, t
         p.write_bytes(b"\0" * 64)
     with pytest.raises(DataError, match=r"not a readable shardline checkpoint .*; no older checkpoint in .* "
                                         r"is readable either"):
-        run_training(_cfg(tmp_path / "ckpt", resume=True), _tracking("ref"), prepared.dataset_dir)
+        run_training(_cfg(tmp_path / "ckpt", resume=True), _tracking("ref"), prepared.dataset_dir, LocalEngine())
 
 
 def test_resume_with_another_lr_is_refused_naming_it(prepared, reference, tmp_path):
@@ -79,21 +80,21 @@ def test_resume_with_another_lr_is_refused_naming_it(prepared, reference, tmp_pa
     _copy_up_to(ref_ckpt, tmp_path / "ckpt", keep=3)
     with pytest.raises(DataError, match=r"different run: lr='0.003' \(config has '0.01'\) \(to resume with the "
                                         r"new value, allow it: --allow-changed lr\)"):
-        run_training(_cfg(tmp_path / "ckpt", resume=True, lr=0.01), _tracking("ref"), prepared.dataset_dir)
+        run_training(_cfg(tmp_path / "ckpt", resume=True, lr=0.01), _tracking("ref"), prepared.dataset_dir, LocalEngine())
     with pytest.raises(DataError, match=r"different run: lr_schedule='constant' \(config has 'cosine'\), "
                                         r"warmup_steps='0' \(config has '10'\)"):
         run_training(_cfg(tmp_path / "ckpt", resume=True, lr_schedule="cosine", warmup_steps=10),
-                     _tracking("ref"), prepared.dataset_dir)
+                     _tracking("ref"), prepared.dataset_dir, LocalEngine())
     with pytest.raises(ConfigError, match=r"training.resume_allow_changed: hidden cannot change on resume"):
         run_training(_cfg(tmp_path / "ckpt", resume=True, resume_allow_changed=["hidden"]),
-                     _tracking("ref"), prepared.dataset_dir)
+                     _tracking("ref"), prepared.dataset_dir, LocalEngine())
 
 
 def test_an_allowed_lr_change_is_the_lr_used_after_resume(prepared, reference, tmp_path):
     result, ref_ckpt = reference
     copied = _copy_up_to(ref_ckpt, tmp_path / "ckpt", keep=3)
     resumed = run_training(_cfg(tmp_path / "ckpt", resume=True, lr=0.01, resume_allow_changed=["lr"]),
-                           _tracking("ref"), prepared.dataset_dir)
+                           _tracking("ref"), prepared.dataset_dir, LocalEngine())
     later = [p for p in CheckpointStore(str(tmp_path / "ckpt")).paths() if Path(p) not in copied]
     assert later, "the resumed job wrote no checkpoint"
     state = torch.load(later[-1], weights_only=True)

@@ -104,10 +104,11 @@ def test_the_runners_plan_counts_the_checkpoints_a_run_writes(prepared, tracking
     from shardline.config import load_config
     from shardline.training.checkpoints.store import CheckpointStore
     from shardline.jobs.faults import checkpoints_planned
+    from shardline.engines import LocalEngine
     from shardline.training.job import run_training
 
     cfg = load_config(_config(tmp_path, prepared, tracking_uri, epochs="2", checkpoint_every_steps="7",
                               keep_checkpoints="100"))
     written, kept, _ = checkpoints_planned(cfg)
-    run_training(cfg.training, cfg.tracking, cfg.pipelines.dataset_dir, register=False)
+    run_training(cfg.training, cfg.tracking, cfg.pipelines.dataset_dir, LocalEngine(), register=False)
     assert len(CheckpointStore(cfg.training.checkpoint_dir).paths()) == written == kept > 2

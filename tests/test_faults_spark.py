@@ -61,7 +61,7 @@ def default_master_jobs(prepared, tracking_uri, tmp_path_factory):
                             lambda inner: DiesBetweenOutputAndLedger(inner, str(paths["died"])))
     fails = register_wrapped(prepared, tracking_uri, "faults-always-fails", AlwaysFails)
     raw = raw_table(prepared)
-    # Six units on two slots are dealt into two tasks of three (serving.engine_spark.deal):
+    # Six units on two slots are dealt into two tasks of three (shardline.engines.spark.score.deal):
     # a retried task holds units besides the one that failed or died.
     write_raw(raw, paths["in"], files=6)
     # The unit that fails every attempt: one file, so one task. Each failed attempt costs a

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from shardline.training.launchers import TrainingFailed, available_cores, local
-from shardline.training.launchers.local import launch_local
+from shardline.engines.local import launch as local
+from shardline.training.launchers import TrainingFailed, available_cores
+from shardline.engines.local.launch import launch_local
 
 
 def report(rank: int, world_size: int, payload: dict) -> dict:
@@ -168,7 +169,7 @@ def test_a_lost_spark_executor_is_named_with_its_rank_executor_host_and_pid(tmp_
     "An error occurred while calling o43.collectToPython."."""
     import json
 
-    from shardline.training.launchers.spark import _lost_task
+    from shardline.engines.spark.launch import _lost_task
 
     failed = TrainingFailed.from_ranks("Spark barrier stage", LOST_EXECUTOR, _lost_task(Exception(LOST_EXECUTOR)))
     assert str(failed) == (

@@ -5,6 +5,7 @@ the top-level ones), with nothing done at import to extend or move them."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 
@@ -64,3 +65,42 @@ def test_subpackages_are_folders_found_without_import_tricks():
     import shardline.training.job as job
 
     assert job.__file__ == str(REPO / "shardline" / "training" / "job.py")
+
+
+STAGES = ("pipelines", "training", "serving")
+
+
+def test_the_stages_do_not_import_the_engines():
+    """The engine is an object the API passes down (#54 item 1): a stage calls its methods and
+    never imports shardline.engines (dependencies point one way)."""
+    found = []
+    for pkg in STAGES:
+        for f in sorted((REPO / pkg).rglob("*.py")):
+            found += [f"{f.relative_to(REPO)}: {n}" for n in _imports(f) if n.split(".")[:2] == ["shardline", "engines"]]
+    assert not found, "\n".join(found)
+
+
+# A test of an engine's name: `== "spark"`, `!= 'dask'`, `in ("spark", "dask")`, `launcher == ...`.
+_NAME_TEST = re.compile(r"""(==|!=)\s*['"](spark|dask|local)['"]|\bin\s*[(\[{]\s*['"](spark|dask|local)['"]"""
+                        r"""|\b(launcher|engine|engine_name)\s*(==|!=)""")
+
+
+# Each of these is one engine's by name: the Spark and the Dask estimator.
+_ONE_ENGINES = ("shardline/spark.py", "shardline/dask.py")
+
+
+def test_no_branch_on_an_engines_name_outside_the_engines():
+    """Only shardline/engines/ knows which engine is which: everywhere else an engine is the
+    object the API chose by its name (the registry), asked for what a stage needs."""
+    roots = [REPO / d for d in (*STAGES, "jobs")] + [REPO / "shardline"]
+    found = []
+    for root in roots:
+        files = root.glob("*.py") if root.name == "shardline" else root.rglob("*.py")
+        for f in sorted(files):
+            if str(f.relative_to(REPO)) in _ONE_ENGINES:
+                continue
+            for i, line in enumerate(f.read_text().splitlines(), 1):
+                code = re.sub(r"\bfor\s+[\w, ]+\s+in\b", "", line.split("#", 1)[0])  # a loop over names is no test
+                if _NAME_TEST.search(code):
+                    found.append(f"{f.relative_to(REPO)}:{i}: {line.strip()}")
+    assert not found, "\n".join(found)

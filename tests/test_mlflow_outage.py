@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from shardline.foundation import report
+from shardline.engines import LocalEngine
 from shardline.training.checkpoints.store import CheckpointStore
 from shardline.training.config import TrackingConfig
 from shardline.training.job import run_training
@@ -134,7 +135,7 @@ def test_training_survives_an_mlflow_outage_and_its_metrics_arrive_after(prepare
     procs = [_start_server(root, port)]
     try:
         reference = run_training(_cfg(tmp_path / "ref", epochs=epochs), TrackingConfig(experiment="outage-ref"),
-                                 prepared.dataset_dir, register=False)
+                                 prepared.dataset_dir, LocalEngine(), register=False)
         _wait_healthy(procs[0], port)
     except BaseException:
         stop_group(procs[0])
@@ -168,7 +169,8 @@ def test_training_survives_an_mlflow_outage_and_its_metrics_arrive_after(prepare
         heard = _Heard()
         with report.using(heard):  # the driver's console: what rank 0 says must reach it (#53 item 15)
             result = run_training(cfg, TrackingConfig(tracking_uri=url, experiment="outage", registered_model="outage"),
-                                  prepared.dataset_dir, epoch_hook=functools.partial(hold_until_exists, str(killed)))
+                                  prepared.dataset_dir, LocalEngine(),
+                                  epoch_hook=functools.partial(hold_until_exists, str(killed)))
         done.set()
         watcher.join()
         assert seen.get("at_return", 0) >= seen.get("at_kill", 99) + 3, seen  # written while it was down
@@ -268,7 +270,7 @@ def test_a_server_gone_for_good_ends_in_the_jobs_one_line_after_saying_it_waits(
         with pytest.raises(ShardlineError) as gone:
             run_training(cfg, TrackingConfig(tracking_uri=f"http://127.0.0.1:{port}", experiment="gone",
                                              registered_model="gone", outage_wait_s=2),
-                         prepared.dataset_dir, epoch_hook=functools.partial(hold_until_exists, str(killed)))
+                         prepared.dataset_dir, LocalEngine(), epoch_hook=functools.partial(hold_until_exists, str(killed)))
     finally:
         done.set()
         watcher.join()

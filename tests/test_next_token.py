@@ -15,11 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shardline.engines import LocalEngine
 from shardline.pipelines.checks import check_prepare
 from shardline.pipelines.config import PipelineConfig
 from shardline.foundation.errors import ConfigError
 from shardline.pipelines.manifest import TensorSpec, load_manifest
-from shardline.training.launchers.local import launch_local
+from shardline.engines.local.launch import launch_local
 from shardline.training.loader.reader import ShardLoader
 from shardline.training.models.inputs import ModelInputs, TensorInput
 from shardline.training.models.decoder import decoder
@@ -200,7 +201,7 @@ def test_a_job_trains_the_decoder_with_fsdp_registers_and_scores_it(lm, dask_cli
     cfg = TrainingConfig(launcher="local", world_size=2, strategy="fsdp", batch_size=8, epochs=1, model="decoder",
                          hidden=[16, 16], heads=2, checkpoint_dir=str(tmp_path / "ckpt"), timeout_s=120)
     tracking = TrackingConfig(tracking_uri=tracking_uri, experiment="lm", registered_model="lm")
-    result = run_training(cfg, tracking, data)
+    result = run_training(cfg, tracking, data, LocalEngine())
     logged = MlflowClient(tracking_uri).get_run(result.run_id).data.metrics
     assert {"train_loss", "train_perplexity", "val_loss", "val_perplexity", "val_accuracy"} <= logged.keys(), logged
     assert logged["val_perplexity"] == pytest.approx(math.exp(logged["val_loss"]), rel=1e-6)

@@ -21,10 +21,10 @@ from shardline.foundation.errors import ShardlineError
 from shardline.serving.models import choose_scoring_device, scoring_device, spark_task_gpus
 from shardline.training import collectives, placement
 from shardline.training.launchers import TrainingFailed
-from shardline.training.launchers.dask import launch_dask
+from shardline.engines.dask.launch import launch_dask
 from shardline.training.launchers.guard import RankError, is_permanent
-from shardline.training.launchers.local import launch_local
-from shardline.training.launchers.spark import launch_spark_barrier, spark_slot
+from shardline.engines.local.launch import launch_local
+from shardline.engines.spark.launch import launch_spark_barrier, spark_slot
 from shardline.training.loader.reader import ShardLoader
 from shardline.training.placement import Slot, cuda_index, host_of, local_ranks, own_visible_gpus, rank_device
 
@@ -193,7 +193,7 @@ def test_the_rank_device_is_entered_in_a_thread_only_on_a_gpu():
 
 @pytest.fixture(scope="module")
 def dataset(dask_client, tmp_path_factory):
-    from shardline.pipelines.engine_dask import DaskEngine
+    from shardline.engines import DaskEngine
     from shardline.pipelines.manifest import load_manifest
     from shardline.pipelines.prepare import prepare
 

@@ -85,7 +85,7 @@ def test_training_takes_the_plans_workers_unless_set():
 @pytest.fixture(scope="module")
 def slow_loading(dask_client, tmp_path_factory):
     """A dataset with tiny row groups, prepared once; tests copy it before changing it."""
-    from shardline.pipelines.engine_dask import DaskEngine
+    from shardline.engines import DaskEngine
     from shardline.pipelines.prepare import prepare
 
     root = tmp_path_factory.mktemp("plan")
@@ -204,7 +204,7 @@ def test_cli_plan_stores_the_plan_and_prepare_lays_shards_out_by_it(slow_loading
 
 
 def test_prepare_by_a_plan_sets_train_shards_and_row_groups(slow_loading, dask_client, tmp_path):
-    from shardline.pipelines.engine_dask import DaskEngine
+    from shardline.engines import DaskEngine
     from shardline.pipelines.prepare import prepare
 
     cfg = _copy(slow_loading, tmp_path)

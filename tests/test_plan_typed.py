@@ -59,7 +59,7 @@ def test_plan_refuses_a_loader_rate_it_cannot_measure(dask_client, tmp_path):
     rate cannot be measured, exit 1, nothing stored in the manifest."""
     from shardline.benchmarks.loader_images import make_images
     from shardline.pipelines.config import PipelineConfig
-    from shardline.pipelines.engine_dask import DaskEngine
+    from shardline.engines import DaskEngine
     from shardline.pipelines.manifest import load_manifest
     from shardline.pipelines.prepare import prepare
 

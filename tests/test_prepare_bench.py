@@ -16,7 +16,7 @@ import pytest
 
 from shardline.benchmarks.prepare import JOBS, bench_config, run
 from shardline.benchmarks.prepare_native import native_dask, native_pyarrow, native_spark
-from shardline.pipelines.engine_dask import DaskEngine
+from shardline.engines import DaskEngine
 from shardline.pipelines.synthetic import generate
 
 pytestmark = pytest.mark.slow

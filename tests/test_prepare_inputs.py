@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from shardline.engines import LocalEngine
 from shardline.pipelines.config import PipelineConfig
 from shardline.foundation.errors import DataError
 from shardline.pipelines.manifest import load_manifest
@@ -223,7 +224,7 @@ def test_imputed_values_are_counted_in_the_manifest_and_the_training_run(engines
 
     result = run_training(TrainingConfig(launcher="local", world_size=1, epochs=1, batch_size=32, hidden=[8],
                                          checkpoint_dir=str(tmp_path / "ckpt")),
-                          TrackingConfig(experiment="imputed"), cfg.dataset_dir, register=False)
+                          TrackingConfig(experiment="imputed"), cfg.dataset_dir, LocalEngine(), register=False)
     assert MlflowClient(result.tracking_uri).get_run(result.run_id).data.params["imputed_values"] == "5"
 
 

@@ -313,7 +313,7 @@ def test_jpeg_images_prepare_and_decode_to_their_pixels(dask_client, tmp_path):
     the PNG exact, the gray one repeated over the 3 channels); a truncated JPEG is one line naming
     its file and key; a declared size the images do not have is refused before an engine starts."""
     from shardline.pipelines.checks import check_prepare
-    from shardline.pipelines.engine_dask import DaskEngine
+    from shardline.engines import DaskEngine
 
     dask = DaskEngine(dask_client)  # the session's; no Spark needed here
     img = tmp_path / "img"

@@ -44,9 +44,13 @@ def test_an_unreachable_driver_makes_the_rank_print_the_line_itself():
     assert proc.returncode == 0 and proc.stderr.splitlines() == ["epoch 1/1: ok", "epoch 2/2: ok"], proc.stderr
 
 
-def test_local_ranks_route_to_loopback():
-    assert progress.listen_address("local") == "127.0.0.1"
-    assert progress._route_to("localhost") == "127.0.0.1"
+def test_local_ranks_route_to_loopback(spark, dask_client):
+    from shardline.engines import DaskEngine, LocalEngine, SparkEngine
+
+    assert progress.route_to("localhost") == "127.0.0.1"
+    # The session's engines run every task here: local[2], a LocalCluster on loopback.
+    for engine in (LocalEngine(), SparkEngine(spark), DaskEngine(dask_client)):
+        assert engine.listen_address() == "127.0.0.1", engine.name
 
 
 def test_a_stage_counts_its_units_ticks_and_prints_no_tick():

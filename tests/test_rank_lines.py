@@ -14,24 +14,25 @@ from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 from shardline.training.launchers import TrainingFailed
 
+from .conftest import engine_for
+
 PACKAGE = str(Path(__file__).parent / "usermodels" / "usernets")
 RAISE_LINE = next(i for i, ln in enumerate((Path(PACKAGE) / "faults.py").read_text().splitlines(), 1)
                   if ln.strip().startswith("raise ValueError"))
 PREFIX = {"local": "local", "spark": "Spark barrier stage", "dask": "Dask"}
-HANDLES = {"spark": "spark", "dask": "dask_client"}
 
 
 @pytest.mark.parametrize("launcher", ["local", "spark", "dask"])
 def test_a_users_forward_that_raises_is_one_line_naming_its_frame_and_its_log(
     prepared, tmp_path, capfd, launcher, request
 ):
-    handles = {HANDLES[launcher]: request.getfixturevalue(HANDLES[launcher])} if launcher in HANDLES else {}
+    engine = engine_for(request, launcher)
     ckpt = tmp_path / "ckpt"
     cfg = TrainingConfig(launcher=launcher, world_size=2, epochs=1, batch_size=256, checkpoint_dir=str(ckpt),
                          model="usernets.faults:raises_in_training", code_paths=[PACKAGE], max_restarts=2,
                          timeout_s=60)
     with pytest.raises(TrainingFailed) as failed:
-        run_training(cfg, TrackingConfig(experiment=f"forward-{launcher}"), prepared.dataset_dir, **handles)
+        run_training(cfg, TrackingConfig(experiment=f"forward-{launcher}"), prepared.dataset_dir, engine)
     line = str(failed.value)
     # Both ranks fail alike: said once, "rank N the same" (#53 item 16). The local launcher
     # hears both; Dask's gather hands over the first, and the driver waits a moment for the

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from shardline.engines import LocalEngine
 from shardline.pipelines.config import PipelineConfig
 from shardline.pipelines.manifest import load_manifest
 from shardline.training.config import TrackingConfig, TrainingConfig
@@ -38,7 +39,7 @@ def _write_raw(path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def regression_dataset(dask_client, tmp_path_factory) -> PipelineConfig:
-    from shardline.pipelines.engine_dask import DaskEngine
+    from shardline.engines import DaskEngine
     from shardline.pipelines.prepare import prepare
 
     tmp = tmp_path_factory.mktemp("regression")
@@ -93,7 +94,7 @@ def test_regression_trains_with_mse_matches_least_squares_and_scores_values(
         lr_schedule="cosine", checkpoint_dir=str(tmp_path / "ckpt"),
     )
     tracking = TrackingConfig(experiment="regression", registered_model="regression-model")
-    result = run_training(cfg, tracking, dataset)
+    result = run_training(cfg, tracking, dataset, LocalEngine())
 
     m = result.metrics
     assert {"train_loss", "train_rmse", "train_mae", "train_r2", "val_loss", "val_rmse", "val_mae",
@@ -185,7 +186,7 @@ def test_regression_sweep_minimises_rmse(regression_dataset, tmp_path):
     with pytest.raises(Exception, match=r"does not produce 'val_accuracy'.*val_rmse"):
         check_sweep(sweep.model_copy(update={"objective": "val_accuracy"}), base, dataset)
     r = run_sweep(sweep, base, TrackingConfig(experiment="regression-sweep", registered_model="reg-sweep"),
-                  dataset)
+                  dataset, LocalEngine())
     values = {t.params["lr"]: t.value for t in r.trials if t.value is not None}
     assert len(values) == 2 and r.direction == "minimize"
     assert r.best.value == min(values.values()) and r.best.params["lr"] == 0.05

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardline.engines import LocalEngine
 from shardline.pipelines.manifest import load_manifest
 from shardline.training.checkpoints import sharded
 from shardline.training.checkpoints.store import CheckpointStore
@@ -43,7 +44,7 @@ COMMON = dict(launcher="local", epochs=2, batch_size=128, hidden=[64, 32], timeo
 @pytest.fixture(scope="module")
 def prepared4(spark, tmp_path_factory):
     """4 train shards: enough for 4 data-parallel ranks."""
-    from shardline.pipelines.engine_spark import SparkEngine
+    from shardline.engines import SparkEngine
     from shardline.pipelines.prepare import prepare
 
     cfg = small_pipeline(tmp_path_factory.mktemp("prepared4"), rows=6000, world_size=4)
@@ -65,7 +66,7 @@ def first_runs(prepared4, tmp_path_factory):
         if key not in done:
             cfg = TrainingConfig(**{**COMMON, **settings,
                                     "checkpoint_dir": str(tmp_path_factory.mktemp("first") / "ckpt")})
-            run_training(cfg, TrackingConfig(experiment="resume-world"), prepared4.dataset_dir, register=False,
+            run_training(cfg, TrackingConfig(experiment="resume-world"), prepared4.dataset_dir, LocalEngine(), register=False,
                          epoch_hook=stop_after_first_epoch)
             done[key] = cfg.checkpoint_dir
         return done[key]
@@ -160,7 +161,7 @@ def test_resume_at_another_world_size_matches_single_process_continuation(prepar
 
     after = TrainingConfig(**{**COMMON, **then, "resume": True, "checkpoint_dir": str(tmp_path / "b")})
     _copy_checkpoint(saved, Path(after.checkpoint_dir))
-    resumed = run_training(after, tracking, prepared4.dataset_dir, register=False)
+    resumed = run_training(after, tracking, prepared4.dataset_dir, LocalEngine(), register=False)
 
     data_world = strategy_for(after).data_world
     reference = continued_single_process(saved, after, data_world, prepared4.dataset_dir)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from shardline.engines import LocalEngine
 from shardline.foundation import storage
 from shardline.pipelines.config import PipelineConfig
 from shardline.pipelines.manifest import load_manifest, sequences
@@ -25,6 +26,7 @@ from shardline.training.config import TrackingConfig
 from shardline.training.job import run_training
 from shardline.training.models.registered import load_torch_model
 
+from .conftest import engine_for
 from .fixtures_s3 import new_bucket, s3_keys
 from .serving_helpers import score
 from .test_checkpoints import _cfg, _equal, _kill_rank_after_first_checkpoint
@@ -82,7 +84,7 @@ def reference(data, mlflow_server):
     """An uninterrupted local run, checkpoints in the bucket."""
     bucket, cfg, *_ = data
     train_cfg = _train_cfg(f"{bucket}/ckpt-ref")
-    return run_training(train_cfg, _tracking(mlflow_server, "ref"), cfg.dataset_dir), train_cfg
+    return run_training(train_cfg, _tracking(mlflow_server, "ref"), cfg.dataset_dir, LocalEngine()), train_cfg
 
 
 def _train_cfg(checkpoint_dir: str, **kw):
@@ -121,11 +123,7 @@ def test_killed_rank_resumes_from_the_bucket_and_ends_on_the_same_weights(
     from mlflow.tracking import MlflowClient
 
     bucket, cfg, *_ = data
-    handles = {}
-    if launcher == "spark":
-        handles["spark"] = request.getfixturevalue("spark")
-    if launcher == "dask":
-        handles["dask_client"] = request.getfixturevalue("dask_client")
+    engine = engine_for(request, launcher)
     train_cfg = _train_cfg(f"{bucket}/ckpt-kill-{launcher}", launcher=launcher)
     done, killed = threading.Event(), []
     watcher = threading.Thread(
@@ -133,7 +131,7 @@ def test_killed_rank_resumes_from_the_bucket_and_ends_on_the_same_weights(
     )
     watcher.start()
     try:
-        result = run_training(train_cfg, _tracking(mlflow_server, f"kill-{launcher}"), cfg.dataset_dir, **handles)
+        result = run_training(train_cfg, _tracking(mlflow_server, f"kill-{launcher}"), cfg.dataset_dir, engine)
     finally:
         done.set()
         watcher.join()
@@ -152,7 +150,7 @@ def test_fsdp_checkpoints_in_the_bucket_resume_a_killed_rank_to_the_same_weights
 
     bucket, cfg, *_ = data
     ref_cfg = _train_cfg(f"{bucket}/ckpt-fsdp-ref", strategy="fsdp", epochs=2)
-    ref = run_training(ref_cfg, _tracking(mlflow_server, "fsdp-ref"), cfg.dataset_dir, register=False)
+    ref = run_training(ref_cfg, _tracking(mlflow_server, "fsdp-ref"), cfg.dataset_dir, LocalEngine(), register=False)
     names = s3_keys(ref_cfg.checkpoint_dir)
     dcp_dirs = {n.split("/")[0] for n in names if ".dcp/" in n}
     assert dcp_dirs and all(f"{d}/.metadata" in names for d in dcp_dirs), names
@@ -167,7 +165,7 @@ def test_fsdp_checkpoints_in_the_bucket_resume_a_killed_rank_to_the_same_weights
     )
     watcher.start()
     try:
-        result = run_training(kill_cfg, _tracking(mlflow_server, "fsdp-kill"), cfg.dataset_dir, register=False)
+        result = run_training(kill_cfg, _tracking(mlflow_server, "fsdp-kill"), cfg.dataset_dir, LocalEngine(), register=False)
     finally:
         done.set()
         watcher.join()

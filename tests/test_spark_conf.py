@@ -301,7 +301,7 @@ def test_arrow_disabled_for_pandas_conversions_changes_nothing(spark, tmp_path):
 
     A session (SQL) setting: set on the session's own Spark for one prepare. That a user's
     spark-submit --conf reaches the session is test_spark_submit_conf_and_spark_defaults_conf_win_over_shardlines_defaults'."""
-    from shardline.pipelines.engine_spark import SparkEngine
+    from shardline.engines import SparkEngine
     from shardline.pipelines.prepare import prepare
 
     key = "spark.sql.execution.arrow.pyspark.enabled"

@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardline.engines import LocalEngine
 from shardline.foundation import storage
 from shardline.pipelines.config import PipelineConfig, RetentionConfig
 from shardline.pipelines.manifest import load_manifest, prune, sequences
 from shardline.pipelines.prepare import dataset_lease, prepare
-from shardline.serving.ledger import output_lease
 from shardline.training.checkpoints.store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 
-from .conftest import REPO, shardline_here
+from .conftest import shardline_here
 from .storage_helpers import hold_until_exists
 
 
@@ -67,7 +67,7 @@ def test_reprepare_while_training_leaves_the_training_unaffected(engines, tmp_pa
                checkpoint_every_steps=5, keep_checkpoints=100, timeout_s=600)
     reference = run_training(
         TrainingConfig(**cfg, checkpoint_dir=str(tmp_path / "ckpt-ref")),
-        TrackingConfig(experiment="reprepare-ref", registered_model="reprepare-ref"), first.dataset_dir,
+        TrackingConfig(experiment="reprepare-ref", registered_model="reprepare-ref"), first.dataset_dir, LocalEngine(),
     )
 
     ckpt, marker = tmp_path / "ckpt", tmp_path / "re-prepared"
@@ -91,7 +91,7 @@ def test_reprepare_while_training_leaves_the_training_unaffected(engines, tmp_pa
     try:
         result = run_training(
             TrainingConfig(**cfg, checkpoint_dir=str(ckpt)),
-            TrackingConfig(experiment="reprepare", registered_model="reprepare"), first.dataset_dir,
+            TrackingConfig(experiment="reprepare", registered_model="reprepare"), first.dataset_dir, LocalEngine(),
             epoch_hook=functools.partial(hold_until_exists, str(marker)),
         )
     finally:
@@ -118,13 +118,14 @@ def _config(tmp: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("command", ["prepare", "score"])
-def test_a_held_directory_is_refused_at_once_naming_its_holder(tmp_path, command):
-    lease = dataset_lease(str(tmp_path / "dataset")) if command == "prepare" else output_lease(str(tmp_path / "scores"))
-    extra = ["--model", "models:/m/1", "--input", str(REPO / "tests")] if command == "score" else []
+def test_a_held_directory_is_refused_at_once_naming_its_holder(tmp_path):
+    """prepare's dataset, held: refused before anything else. (A score takes its output's lease
+    last, after the model and the input are known good: tests/bad_input_cases.py's "score into an
+    output another job holds", tests/test_serving_promotion.py.)"""
+    lease = dataset_lease(str(tmp_path / "dataset"))
     with lease:
         holder = lease.holder(lease.url)
-        proc = shardline_here(command, str(_config(tmp_path)), *extra, cwd=tmp_path)
+        proc = shardline_here("prepare", str(_config(tmp_path)), cwd=tmp_path)
     assert proc.returncode == 75, proc.stderr  # EX_TEMPFAIL: try again later
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr

@@ -7,8 +7,8 @@ import torch
 
 from shardline.foundation.errors import ConfigError
 from shardline.training.config import TrainingConfig
-from shardline.training.launchers.local import launch_local
-from shardline.training.launchers.spark import launch_spark_barrier
+from shardline.engines.local.launch import launch_local
+from shardline.engines.spark.launch import launch_spark_barrier
 from shardline.training.strategies import strategy_for
 
 from .dist_helpers import train_steps
@@ -43,7 +43,7 @@ def test_ddp_on_spark_barrier_stage_matches_single_process(spark):
 
 
 def test_ddp_on_dask_workers_matches_single_process(dask_client):
-    from shardline.training.launchers.dask import launch_dask
+    from shardline.engines.dask.launch import launch_dask
 
     ranks = launch_dask(dask_client, train_steps, ARGS, world_size=2, timeout_s=120)
     _assert_close(ranks[0], _single_process())

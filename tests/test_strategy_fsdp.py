@@ -10,7 +10,7 @@ import torch
 
 from shardline.foundation.errors import ConfigError
 from shardline.training.config import TrainingConfig
-from shardline.training.launchers.local import launch_local
+from shardline.engines.local.launch import launch_local
 from shardline.training.strategies import strategy_for
 
 from .dist_helpers import MODELS, global_batches, resumed

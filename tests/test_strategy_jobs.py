@@ -11,11 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from shardline.engines import LocalEngine
 from shardline.pipelines.manifest import load_manifest
 from shardline.training.checkpoints.store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
-from shardline.training.launchers.spark import launch_spark_barrier
+from shardline.engines.spark.launch import launch_spark_barrier
 from shardline.training.models.builtin import build_model
 
 from .conftest import REPO, shardline_here
@@ -51,7 +52,7 @@ def test_strategy_job_resumes_exactly_and_its_model_scores(name, prepared, dask_
     cfg = _cfg(tmp_path / "a", name)
     tracking = TrackingConfig(experiment=f"strategy-{name}", registered_model=f"strategy-{name}")
     capfd.readouterr()  # only this job's own output below
-    result = run_training(cfg, tracking, prepared.dataset_dir)
+    result = run_training(cfg, tracking, prepared.dataset_dir, LocalEngine())
     if name == "pipeline":  # it prints its schedule before training (a job of its own did, for this only)
         err = capfd.readouterr().err
         assert "stage 0" in err and "stage 1" in err and "(p-1)/(m+p-1)" in err, err
@@ -83,7 +84,7 @@ def test_strategy_job_resumes_exactly_and_its_model_scores(name, prepared, dask_
     head = torch.load(mid, weights_only=True)
     assert "model" not in head and all(set(r) == {"scheduler", "rng", "sums"} for r in head["ranks"]), name
     shutil.copytree(mid.parent / head["sharded"], Path(resumed_cfg.checkpoint_dir) / head["sharded"])
-    resumed = run_training(resumed_cfg, tracking, prepared.dataset_dir)
+    resumed = run_training(resumed_cfg, tracking, prepared.dataset_dir, LocalEngine())
     assert resumed.weights.keys() == result.weights.keys()
     for k in result.weights:
         assert torch.equal(resumed.weights[k], result.weights[k]), k
@@ -121,7 +122,7 @@ def test_strategy_on_spark_barrier_tasks_matches_single_process(name, spark):
 
 @pytest.mark.parametrize("name", sorted(JOBS))
 def test_strategy_on_dask_workers_matches_single_process(name, dask_client):
-    from shardline.training.launchers.dask import launch_dask
+    from shardline.engines.dask.launch import launch_dask
 
     args = {"strategy": name, "steps": 4, "batch": 32, "cfg": {"ps_servers": 1} if name == "ps" else {}}
     ranks = launch_dask(dask_client, train_steps, args, world_size=2, timeout_s=120)
@@ -136,14 +137,14 @@ def test_async_ps_reaches_the_accuracy_of_synchronous_training(prepared, tmp_pat
     common = dict(launcher="local", epochs=4, batch_size=128, hidden=[64, 32], timeout_s=60)
     sync = run_training(
         TrainingConfig(**common, world_size=2, checkpoint_dir=str(tmp_path / "ddp")), tracking,
-        prepared.dataset_dir, register=False,
+        prepared.dataset_dir, LocalEngine(), register=False,
     )
     async_ = run_training(
         TrainingConfig(
             **common, world_size=3, strategy="ps", ps_mode="async", ps_staleness=1,
             checkpoint_dir=str(tmp_path / "ps"),
         ),
-        tracking, prepared.dataset_dir, register=False,
+        tracking, prepared.dataset_dir, LocalEngine(), register=False,
     )
     assert async_.metrics["val_accuracy"] >= sync.metrics["val_accuracy"] - 0.05, (async_.metrics, sync.metrics)
     # W=2 workers, ps_staleness k=1: at most (W-1)(2k+1) = 3 updates old (training/strategies/ps.py).

@@ -13,7 +13,7 @@ from torch import nn
 
 from shardline.foundation.errors import ConfigError
 from shardline.training.config import TrainingConfig
-from shardline.training.launchers.local import launch_local
+from shardline.engines.local.launch import launch_local
 from shardline.training.models.builtin import TabularMLP
 from shardline.training.strategies.base import autocast_for, train_step
 from shardline.training.strategies.pipeline import Pipeline, balanced_bounds

@@ -13,7 +13,7 @@ from torch import nn
 
 from shardline.foundation.errors import ConfigError
 from shardline.training.config import TrainingConfig
-from shardline.training.launchers.local import launch_local
+from shardline.engines.local.launch import launch_local
 from shardline.training.strategies import strategy_for
 from shardline.training.strategies.ps import shard_names
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from shardline.engines import DaskEngine, LocalEngine, SparkEngine
 from shardline.foundation.errors import ShardlineError
 from shardline.pipelines.manifest import load_manifest
 from shardline.training.config import TrackingConfig, TrainingConfig
@@ -55,7 +56,7 @@ def test_local_sweep_runs_trials_side_by_side_records_a_failure_registers_the_be
     )  # fmt: skip
     training = small_training(tmp_path, hidden=[16])
     tracking = TrackingConfig(experiment="sweep-local", registered_model="sweep-local")
-    result = run_sweep(sweep, training, tracking, prepared.dataset_dir)
+    result = run_sweep(sweep, training, tracking, prepared.dataset_dir, LocalEngine())
 
     states = {(t.params["model"], t.params["heads"]): t.state for t in result.trials}
     assert states == {
@@ -110,7 +111,7 @@ def test_pruning_stops_a_weak_trial_after_its_first_epoch(prepared, tracking_uri
     )  # fmt: skip
     training = small_training(tmp_path, epochs=3)
     tracking = TrackingConfig(experiment="sweep-prune", registered_model="sweep-prune")
-    result = run_sweep(sweep, training, tracking, prepared.dataset_dir)
+    result = run_sweep(sweep, training, tracking, prepared.dataset_dir, LocalEngine())
 
     first, second = result.trials
     assert (first.params["lr"], first.state, first.epochs) == (0.01, "complete", 3)
@@ -193,7 +194,7 @@ def test_a_trial_whose_rank_crashes_is_recorded_failed_and_the_sweep_goes_on(pre
     killer = threading.Thread(target=kill_trial_0, daemon=True)
     killer.start()
     try:
-        result = run_sweep(sweep, training, tracking, prepared.dataset_dir)
+        result = run_sweep(sweep, training, tracking, prepared.dataset_dir, LocalEngine())
     finally:
         stop.set()
         killer.join()
@@ -215,10 +216,10 @@ def test_spark_sweep_runs_each_trial_as_a_two_rank_barrier_stage(prepared, spark
     tracking = TrackingConfig(experiment="sweep-spark", registered_model="sweep-spark")
     too_many = sweep_config("spark-2x2", space, engine="spark", world_size=2, parallel=2)
     with pytest.raises(ShardlineError, match=r"sweep.parallel 2 is more than the 1 trial\(s\) of 2 rank\(s\) that the 2 task slots"):
-        run_sweep(too_many, training, tracking, prepared.dataset_dir, spark=spark)
+        run_sweep(too_many, training, tracking, prepared.dataset_dir, engine=SparkEngine(spark))
 
     sweep = sweep_config("spark-2x1", space, engine="spark", world_size=2, parallel=1, trials=2)
-    result = run_sweep(sweep, training, tracking, prepared.dataset_dir, spark=spark)
+    result = run_sweep(sweep, training, tracking, prepared.dataset_dir, engine=SparkEngine(spark))
     assert [t.state for t in result.trials] == ["complete", "complete"]
     client = MlflowClient(tracking_uri)
     for t in result.trials:
@@ -235,10 +236,10 @@ def test_dask_sweep_runs_concurrent_trials_on_different_workers(prepared, dask_c
     tracking = TrackingConfig(experiment="sweep-dask", registered_model="sweep-dask")
     too_many = sweep_config("dask-3", space, engine="dask", parallel=3)
     with pytest.raises(ShardlineError, match=r"sweep.parallel 3 is more than the 2 trial\(s\) of 1 rank\(s\) that the 2 Dask workers"):
-        run_sweep(too_many, training, tracking, prepared.dataset_dir, dask_client=dask_client)
+        run_sweep(too_many, training, tracking, prepared.dataset_dir, engine=DaskEngine(dask_client))
 
     sweep = sweep_config("dask-2", space, engine="dask", parallel=2, trials=2)
-    result = run_sweep(sweep, training, tracking, prepared.dataset_dir, dask_client=dask_client)
+    result = run_sweep(sweep, training, tracking, prepared.dataset_dir, engine=DaskEngine(dask_client))
     assert [t.state for t in result.trials] == ["complete", "complete"]
     # Each rank announces its process; two trials at once must not share a worker.
     pids = {

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from shardline.training.launchers.local import process_context
+from shardline.engines.local.launch import process_context
 
 ROUNDS = 5
 PROCESSES = 4

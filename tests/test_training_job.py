@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from shardline.engines import DaskEngine, LocalEngine, SparkEngine
 from shardline.foundation.errors import ConfigError, DataError, ShardlineError
 from shardline.pipelines.manifest import load_manifest
 from shardline.training.config import TrackingConfig, TrainingConfig
@@ -20,7 +21,7 @@ def test_local_launcher_trains_tracks_and_registers(prepared, tracking_uri, capf
     cfg = TrainingConfig(launcher="local", world_size=2, epochs=2, batch_size=128, data_wait_warning=0.0,
                          data_wait_warning_min_s=0.0, data_wait_warning_min_steps=0)
     tracking = TrackingConfig(experiment="job-test", registered_model="job-test-model")
-    result = run_training(cfg, tracking, prepared.dataset_dir)
+    result = run_training(cfg, tracking, prepared.dataset_dir, LocalEngine())
     client = MlflowClient(tracking_uri)
     run = client.get_run(result.run_id)
     assert run.info.status == "FINISHED"
@@ -63,19 +64,19 @@ def test_local_launcher_trains_tracks_and_registers(prepared, tracking_uri, capf
 def test_preflight_errors(prepared, update, error, message):
     cfg = TrainingConfig(launcher="local", **update)
     with pytest.raises(error, match=message):
-        run_training(cfg, TrackingConfig(), prepared.dataset_dir)
+        run_training(cfg, TrackingConfig(), prepared.dataset_dir, LocalEngine())
 
 
 def test_unreachable_tracking_uri_fails_before_training(prepared):
     cfg = TrainingConfig(launcher="local")
     tracking = TrackingConfig(tracking_uri="http://127.0.0.1:9")
     with pytest.raises(ShardlineError, match=r"tracking.tracking_uri: MLflow at http://127.0.0.1:9 is not reachable"):
-        run_training(cfg, tracking, prepared.dataset_dir)
+        run_training(cfg, tracking, prepared.dataset_dir, LocalEngine())
 
 
 def test_no_train_split(tmp_path):
     with pytest.raises(DataError, match="no manifest"):
-        run_training(TrainingConfig(), TrackingConfig(), str(tmp_path))
+        run_training(TrainingConfig(launcher="local"), TrackingConfig(), str(tmp_path), LocalEngine())
 
 
 def test_dask_launcher_trains_one_rank_per_worker(prepared, dask_client, tracking_uri):
@@ -83,7 +84,7 @@ def test_dask_launcher_trains_one_rank_per_worker(prepared, dask_client, trackin
 
     cfg = TrainingConfig(launcher="dask", world_size=2, epochs=1, batch_size=128)
     tracking = TrackingConfig(experiment="job-test-dask", registered_model="job-test-dask")
-    result = run_training(cfg, tracking, prepared.dataset_dir, dask_client=dask_client)
+    result = run_training(cfg, tracking, prepared.dataset_dir, engine=DaskEngine(dask_client))
     run = MlflowClient(tracking_uri).get_run(result.run_id)
     assert run.info.status == "FINISHED" and run.data.params["launcher"] == "dask"
     assert result.metrics["val_accuracy"] > 0.5
@@ -92,13 +93,13 @@ def test_dask_launcher_trains_one_rank_per_worker(prepared, dask_client, trackin
 def test_more_ranks_than_dask_workers_is_refused(prepared, dask_client):
     cfg = TrainingConfig(launcher="dask", world_size=3, batch_size=129)
     with pytest.raises(ShardlineError, match=r"world_size 3 is greater than the 2 Dask workers"):
-        run_training(cfg, TrackingConfig(), prepared.dataset_dir, dask_client=dask_client)
+        run_training(cfg, TrackingConfig(), prepared.dataset_dir, engine=DaskEngine(dask_client))
 
 
 def test_more_ranks_than_spark_slots_is_refused(prepared, spark):
     cfg = TrainingConfig(launcher="spark", world_size=3, batch_size=129)
     with pytest.raises(ShardlineError, match=r"world_size 3 is greater than the 2 task slots"):
-        run_training(cfg, TrackingConfig(), prepared.dataset_dir, spark=spark)
+        run_training(cfg, TrackingConfig(), prepared.dataset_dir, engine=SparkEngine(spark))
 
 
 def test_every_switch_together_trains_the_transformer(prepared, tracking_uri, tmp_path):
@@ -110,7 +111,7 @@ def test_every_switch_together_trains_the_transformer(prepared, tracking_uri, tm
         grad_compression="fp16", lr_schedule="cosine", warmup_steps=20, log_every_steps=5,
         checkpoint_dir=str(tmp_path / "ckpt"),
     )
-    result = run_training(cfg, TrackingConfig(experiment="switches", registered_model="switches"), prepared.dataset_dir)
+    result = run_training(cfg, TrackingConfig(experiment="switches", registered_model="switches"), prepared.dataset_dir, LocalEngine())
     lrs = [m.value for m in MlflowClient(tracking_uri).get_metric_history(result.run_id, "lr")]
     assert lrs[0] < lrs[1] < lrs[2] and lrs[-1] < max(lrs) / 2  # warmup, then cosine decay
     assert result.metrics["val_accuracy"] > 0.45
@@ -119,7 +120,7 @@ def test_every_switch_together_trains_the_transformer(prepared, tracking_uri, tm
 def test_transformer_heads_must_divide_width(prepared):
     cfg = TrainingConfig(launcher="local", model="transformer", hidden=[30], heads=4)
     with pytest.raises(ConfigError, match=r"d_model 30\) must be divisible by training.heads 4"):
-        run_training(cfg, TrackingConfig(), prepared.dataset_dir)
+        run_training(cfg, TrackingConfig(), prepared.dataset_dir, LocalEngine())
 
 
 @pytest.mark.parametrize(

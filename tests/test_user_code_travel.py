@@ -21,7 +21,7 @@ import pytest
 
 from shardline.foundation.code_travel import UserCode, code_zip, snapshot, top_names, use_code
 from shardline.foundation.engine_config import DaskConfig
-from shardline.training.launchers.local import launch_local
+from shardline.engines.local.launch import launch_local
 
 from .conftest import REPO
 from .user_code_helpers import MODULE, read_value, value_rank, write_package
@@ -126,7 +126,7 @@ def test_classic_spark_python_workers_run_each_runs_version(spark, tmp_path):
     """The session's local master: its Python workers are reused from stage to stage, as a
     notebook's are; the driver's own path is left as it was (classic Spark's addPyFile would
     put the zip on it)."""
-    from shardline.training.launchers.spark import launch_spark_barrier
+    from shardline.engines.spark.launch import launch_spark_barrier
 
     pkg = write_package(tmp_path, 1)
     path = list(sys.path)
@@ -145,7 +145,7 @@ def test_dask_workers_without_the_package_run_each_runs_version(dask_cli_cluster
     """The CLI cluster's workers have neither shardline nor the user's package; the same
     worker processes run two launches, the package changed in between."""
     from shardline.foundation.sessions import dask_client
-    from shardline.training.launchers.dask import launch_dask
+    from shardline.engines.dask.launch import launch_dask
 
     pkg = write_package(tmp_path, 1)
     client = dask_client(DaskConfig(address=dask_cli_cluster.address))  # ships shardline's own code

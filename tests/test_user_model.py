@@ -12,11 +12,12 @@ import pandas as pd
 import pytest
 import torch
 
+from shardline.engines import LocalEngine
 from shardline.foundation.errors import ConfigError
 from shardline.pipelines.manifest import load_manifest
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import preflight, run_training
-from shardline.training.launchers.local import launch_local
+from shardline.engines.local.launch import launch_local
 from shardline.training.models.check import check_callables, check_model
 from shardline.training.models.factory import build_model, create_model
 from shardline.training.models.inputs import ModelInputs, TensorInput
@@ -46,7 +47,7 @@ TYPED = "usernets.typed:build"  # forward(photo, grid, tokens): uint8, uint8, in
 def typed_dataset(dask_client, tmp_path_factory) -> str:
     """96 rows of a PNG image (3 x 8 x 6), a uint8 grid [2, 3] and int32 tokens [8], prepared
     by Dask (tests/test_prepare_tensors.py's columns); its folder."""
-    from shardline.pipelines.engine_dask import DaskEngine
+    from shardline.engines import DaskEngine
     from shardline.pipelines.prepare import prepare
 
     tmp = tmp_path_factory.mktemp("typed-model")
@@ -107,7 +108,7 @@ def test_a_job_trains_a_user_model_with_its_loss_and_logs_its_metrics(small_data
     )
     # The session's store: a store of its own would stay MLflow's global URI for later tests.
     tracking = TrackingConfig(tracking_uri=tracking_uri, experiment="user-model")
-    result = run_training(cfg, tracking, small_dataset.dataset_dir, register=False)
+    result = run_training(cfg, tracking, small_dataset.dataset_dir, LocalEngine(), register=False)
     logged = MlflowClient(tracking.tracking_uri).get_run(result.run_id).data.metrics
     assert {"val_ce", "val_top1", "val_loss", "val_accuracy"} <= logged.keys(), sorted(logged)
     # val_loss is the user's loss (cross-entropy + 1) on the same rows val_ce covers at once.
@@ -311,7 +312,7 @@ def test_a_job_trains_scores_and_predicts_a_model_of_named_inputs(typed_dataset,
         model=TYPED, code_paths=[PACKAGE], checkpoint_dir=str(tmp_path / "ckpt"), timeout_s=120,
     )
     tracking = TrackingConfig(tracking_uri=tracking_uri, experiment="typed-model")
-    result = run_training(cfg, tracking, typed_dataset, register=False)  # scored by its runs:/ URI
+    result = run_training(cfg, tracking, typed_dataset, LocalEngine(), register=False)  # scored by its runs:/ URI
     logged = MlflowClient(tracking_uri).get_run(result.run_id).data.metrics
     assert {"train_loss", "val_loss", "val_accuracy"} <= logged.keys() and logged["samples_per_s"] > 0, logged
     model = build_model(load_manifest(typed_dataset), cfg)

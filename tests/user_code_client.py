@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `tests`, when
 
 from shardline.foundation.engine_config import SparkConfig  # noqa: E402
 from shardline.foundation.sessions import spark_session  # noqa: E402
-from shardline.training.launchers.spark import launch_spark_barrier  # noqa: E402
+from shardline.engines.spark.launch import launch_spark_barrier  # noqa: E402
 from shardline.foundation.code_travel import snapshot  # noqa: E402
 from shardline.training.user_code import user_code_folders  # noqa: E402
 from tests.user_code_helpers import MODULE, value_rank, write_package  # noqa: E402

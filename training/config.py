@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -230,9 +232,6 @@ class TrackingConfig(Section):
     )
 
     def resolved_uri(self) -> str:
-        import os
-        from pathlib import Path
-
         if self.tracking_uri:
             return self.tracking_uri
         if os.environ.get("MLFLOW_TRACKING_URI"):

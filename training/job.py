@@ -29,7 +29,7 @@ from shardline.foundation import report, storage
 from shardline.foundation.code_travel import UserCode, snapshot
 from shardline.foundation.errors import ConfigError, DataError, ShardlineError
 from shardline.pipelines.manifest import ShardManifest, load_manifest, sequences
-from shardline.foundation.progress import ProgressListener, listen_address
+from shardline.foundation.progress import ProgressListener
 
 from .checkpoints import fingerprint, sharded
 from .checkpoints.store import CheckpointStore
@@ -46,6 +46,8 @@ from .strategies import strategy_for
 from .tracking import check_store, describe_version, log_curves, log_dataset_input, open_experiment, run_name
 from .user_code import check_driver_imports, job_code_folders, refresh_driver_code
 from .worker import RankJob
+
+# Imported inside the functions that use them: MLflow (~2.5 s: only where MLflow is called).
 
 
 @dataclass
@@ -174,20 +176,11 @@ class TrainingJob:
         changed = {k: (saved.get(k), fp[k]) for k in fingerprint.differences(saved, fp) if k in allowed}
         self.fingerprint, self.resume = fp, Resume(url, head, changed)
 
-    def check_capacity(self, spark=None, dask_client=None) -> None:
-        """Enough task slots or workers for every rank: the one check that needs the engine."""
-        cfg = self.cfg
-        if cfg.launcher == "spark" and spark is not None:
-            from shardline.foundation.spark_probe import check_executors
-
-            from .launchers.spark import check_spark_slots
-
-            check_spark_slots(spark, cfg.world_size)
-            check_executors(spark)  # once per session: the API has usually run it already
-        if cfg.launcher == "dask" and dask_client is not None:
-            from .launchers.dask import check_dask_workers
-
-            check_dask_workers(dask_client, cfg.world_size)
+    def check_capacity(self, engine) -> None:
+        """Enough task slots or workers for every rank: the one check that needs the engine
+        (`engine`: training.launcher's, shardline.engines.base.Engine)."""
+        check_engine(self.cfg, engine)
+        engine.check_capacity(self.cfg.world_size)
 
     def hold(self) -> None:
         """The checkpoint folder's lease (CheckpointStore.hold): a second job on it is refused
@@ -198,27 +191,30 @@ class TrainingJob:
 
     # -- effects, in order ---------------------------------------------------------------
 
-    def run(self, spark=None, dask_client=None, *, into_run: str | None = None, register: bool = True,
+    def run(self, engine, *, into_run: str | None = None, register: bool = True,
             epoch_hook: Callable[[int, dict[str, float]], bool] | None = None,
-            dask_workers: list[str] | None = None) -> TrainResult:
-        """Train, track, log and register (after `check`, and `check_capacity` on the engine
-        given). The keywords are for sweeps
+            workers: list[str] | None = None) -> TrainResult:
+        """Train, track, log and register (after `check`, and `check_capacity` on `engine`).
+        engine: training.launcher's (shardline.engines.base.Engine): the job asks it for its
+        listen_address and to launch_ranks, nothing else. The keywords are for sweeps
         (training.sweeps.run): into_run reports into an existing (child) run; register=False
         logs the model without registering it; epoch_hook: see RankJob.epoch_hook;
-        dask_workers: the workers the ranks run on. The folder's hold: the caller's if it
-        holds it already (the API takes it first), else taken here and released at the end."""
+        workers: where the ranks run (a trial's group of the engine's Slots.workers). The
+        folder's hold: the caller's if it holds it already (the API takes it first), else
+        taken here and released at the end."""
         if self.manifest is None:
             raise AssertionError("TrainingJob.run before check")
+        check_engine(self.cfg, engine)
         held_here = self.store.lease is None
         held = self.store.hold(self.cfg.lease_ttl_s)
         try:
             guard = DriverGuard.for_this_process(held.url, self.store.stop_file, held.job, held.ttl_s)
-            return self._run(spark, dask_client, guard, into_run, register, epoch_hook, dask_workers)
+            return self._run(engine, guard, into_run, register, epoch_hook, workers)
         finally:
             if held_here:
                 self.store.release()
 
-    def _run(self, spark, dask_client, guard, into_run, register, epoch_hook, dask_workers) -> TrainResult:
+    def _run(self, engine, guard, into_run, register, epoch_hook, workers) -> TrainResult:
         import mlflow
 
         cfg, tracking, manifest, uri, store, code = (self.cfg, self.tracking, self.manifest, self.tracking_uri,
@@ -270,9 +266,9 @@ class TrainingJob:
                 resume_from=self.resume.url if self.resume else None, epoch_hook=epoch_hook,
             )
             # Ranks' progress lines reach this process's reporter wherever they run (foundation.progress).
-            with ProgressListener(listen_address(cfg.launcher, spark, dask_client)) as listener:
+            with ProgressListener(engine.listen_address()) as listener:
                 job.progress_addr = listener.address
-                result = launch_with_restarts(job, store, spark, dask_client, dask_workers, guard)
+                result = launch_with_restarts(job, store, engine, workers, guard)
             # What the server was down for, sent now (waiting for it a while, else one line).
             replay(uri, result.get("mlflow_pending", []), tracking.outage_wait_s, latest())
             if result.get("steps", 1) == 0:
@@ -307,23 +303,28 @@ def run_training(
     cfg: TrainingConfig,
     tracking: TrackingConfig,
     dataset_dir: str,
-    spark=None,
-    dask_client=None,
+    engine,
     *,
     into_run: str | None = None,
     register: bool = True,
     epoch_hook: Callable[[int, dict[str, float]], bool] | None = None,
-    dask_workers: list[str] | None = None,
+    workers: list[str] | None = None,
     store: CheckpointStore | None = None,
 ) -> TrainResult:
-    """Resolve, check and run a training job (TrainingJob) in one call: what a sweep's
-    trial, the fault runner and the benchmarks use. store: the job's checkpoint store
-    (CheckpointStore.for_job), held already or not; default: made from cfg."""
+    """Resolve, check and run a training job (TrainingJob) in one call on `engine` (training.
+    launcher's, shardline.engines.base.Engine): what a sweep's trial, the fault runner and the
+    benchmarks use. store: the job's checkpoint store (CheckpointStore.for_job), held already
+    or not; default: made from cfg."""
     job = TrainingJob.resolve(cfg, tracking, dataset_dir, store=store)
-    job.check_capacity(spark, dask_client)  # the engine's slots first: the rest is moot without them
+    job.check_capacity(engine)  # the engine's slots first: the rest is moot without them
     job.check()
-    return job.run(spark, dask_client, into_run=into_run, register=register, epoch_hook=epoch_hook,
-                   dask_workers=dask_workers)
+    return job.run(engine, into_run=into_run, register=register, epoch_hook=epoch_hook, workers=workers)
+
+
+def check_engine(cfg: TrainingConfig, engine) -> None:
+    """The engine given is the one training.launcher names (the API chose it by that name)."""
+    if engine.name != cfg.launcher:
+        raise ConfigError(f"training.launcher = '{cfg.launcher}', but the engine given is {engine.name}'s")
 
 
 def preflight(cfg: TrainingConfig, dataset_dir: str) -> ShardManifest:

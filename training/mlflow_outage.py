@@ -28,6 +28,9 @@ from shardline.foundation import report
 from shardline.foundation.errors import ShardlineError, first_line
 from shardline.foundation.redact import redact
 
+# Imported inside the functions that use them: requests (only for HTTP); MLflow (~2.5 s: only where MLflow is
+# called).
+
 BOUNDED = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",

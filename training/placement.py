@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 from shardline.foundation.errors import ShardlineError
 
+# Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs).
+
 
 @dataclass(frozen=True)
 class Slot:

@@ -34,6 +34,7 @@ from .config import TrainingConfig
 from .job import preflight
 from .launchers import available_cores
 from .loader.reader import ShardLoader
+from .models.inputs import ModelInputs
 from .strategies import Strategy, strategy_for
 from .strategies.base import autocast_for, train_step
 from .task import loss_for
@@ -303,8 +304,6 @@ def _synthetic_batch(manifest: ShardManifest, rows: int, seed: int):
     """Random rows of the dataset's shape: standard-normal continuous features, valid
     category indices (0 is unknown) and labels; values never change a step's cost. A
     dataset with tensor or image columns: the named tensors' zeros (ModelInputs.sample_batch)."""
-    from .models.inputs import ModelInputs
-
     g = torch.Generator().manual_seed(seed)
     spec, stats = manifest.feature_spec, manifest.statistics
     if spec.typed:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from shardline.foundation import report, storage
-from shardline.foundation.errors import ConfigError, ShardlineError
+from shardline.foundation.errors import ShardlineError
 from shardline.foundation.redact import redact
 
 from .checkpoints import fingerprint
@@ -15,10 +15,14 @@ from .launchers import DriverGuard, TrainingFailed
 from .mlflow_outage import Outbox
 from .worker import RankJob, train_rank
 
+# Imported inside the functions that use them: MLflow (~2.5 s: only where MLflow is called).
 
-def launch_with_restarts(job: RankJob, store: CheckpointStore, spark=None, dask_client=None, dask_workers=None,
+
+def launch_with_restarts(job: RankJob, store: CheckpointStore, engine, workers=None,
                          guard: DriverGuard | None = None) -> dict:
-    """Launch; when a rank is lost, relaunch from the latest checkpoint, max_restarts times.
+    """Launch on `engine` (its launch_ranks: shardline.engines.base.Engine); when a rank is
+    lost, relaunch from the latest checkpoint, max_restarts times. workers: where to pin the
+    ranks (a sweep's trial), for engines that pin them.
 
     The launcher owns restarts: Spark does not retry a failed barrier result stage,
     and a Dask task on a killed worker is never resolved (both seen with Spark 4.3 and
@@ -32,7 +36,8 @@ def launch_with_restarts(job: RankJob, store: CheckpointStore, spark=None, dask_
     outbox = Outbox(MlflowClient(job.tracking_uri)) if job.tracking_uri and job.run_id else None
     for attempt in range(cfg.max_restarts + 1):
         try:
-            result = _launch(job, spark, dask_client, attempt > 0, dask_workers, guard)[0]
+            result = engine.launch_ranks(train_rank, job, cfg.world_size, cfg.timeout_s, guard=guard, code=job.code,
+                                         relaunch=attempt > 0, workers=workers)[0]
             if outbox is not None:
                 result["mlflow_pending"] = outbox.pending() + result.get("mlflow_pending", [])
             return result
@@ -52,24 +57,3 @@ def launch_with_restarts(job: RankJob, store: CheckpointStore, spark=None, dask_
             where = storage.name(latest) if latest else "the start"
             report.line(redact(f"[shardline] {e}; restarting from {where}"))
     raise AssertionError("unreachable")
-
-
-def _launch(job: RankJob, spark, dask_client, relaunch: bool, dask_workers=None, guard=None) -> list:
-    cfg = job.cfg
-    if cfg.launcher == "spark":
-        from .launchers.spark import launch_spark_barrier
-
-        if spark is None:
-            raise ConfigError("training.launcher = 'spark' needs a Spark session")
-        return launch_spark_barrier(spark, train_rank, job, cfg.world_size, cfg.timeout_s, guard, code=job.code)
-    if cfg.launcher == "dask":
-        from .launchers.dask import launch_dask
-
-        if dask_client is None:
-            raise ConfigError("training.launcher = 'dask' needs a Dask client")
-        wait = 60 if relaunch else 0
-        return launch_dask(dask_client, train_rank, job, cfg.world_size, cfg.timeout_s, wait, workers=dask_workers,
-                           guard=guard, code=job.code)
-    from .launchers.local import launch_local
-
-    return launch_local(train_rank, job, cfg.world_size, cfg.timeout_s, guard, code=job.code)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from shardline.foundation.redact import redact
+
 
 @dataclass
 class TrainResult:
@@ -27,7 +29,6 @@ class TrainResult:
 
     def to_dict(self) -> dict:
         # Not asdict(): it would deep-copy every weight only to leave them out.
-        from shardline.foundation.redact import redact
 
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("weights", "collective_calls")}
         # Printed (--json): a tracking URI's password masked, as in every line; the object keeps it.

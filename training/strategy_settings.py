@@ -16,6 +16,8 @@ from pydantic import BaseModel, Field
 from shardline.foundation.section import Section
 from shardline.foundation.errors import ConfigError
 
+# Imported inside the functions that use them: training.config (a cycle: it imports this module).
+
 
 class DdpSettings(Section):
     """strategy ddp: every rank holds the whole model; gradients are all-reduced.

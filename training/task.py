@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from shardline.pipelines.manifest import ShardManifest
 
+from . import collectives
 from .config import TrainingConfig
 from .loader.columns import IGNORE_INDEX  # a target position no loss counts: the loader marks pads so
 from .user_code import import_user_object
@@ -144,8 +145,6 @@ def metric_names(task: str, split: str) -> list[str]:
 
 def zero_sums(task: str) -> torch.Tensor:
     """The epoch's sums, on the rank's device: they travel in a collective (training.collectives)."""
-    from . import collectives
-
     return collectives.zeros(_SUMS[task], dtype=torch.float64)
 
 

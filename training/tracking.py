@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import warnings
 from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import quote
 
 from shardline.foundation import progress, storage
 from shardline.foundation.errors import ShardlineError, first_line
 from shardline.foundation.redact import redact
+from shardline.pipelines.tables import describe_sources
 
 from .mlflow_outage import Outbox, bound_http, unreachable
+
+# Imported inside the functions that use them: MLflow (~2.5 s: only where MLflow is called); SQLAlchemy (only
+# for a database store); matplotlib (only to draw a figure).
 
 
 class MetricsReporter:
@@ -143,8 +155,6 @@ def run_name(cfg) -> str:
 
 def dataset_digest(manifest) -> str:
     """A digest of the dataset's contents (its shards' sha256s): the same data, the same digest."""
-    import hashlib
-
     h = hashlib.sha256()
     for split in sorted(manifest.splits):
         for shard in manifest.splits[split].shards:
@@ -156,14 +166,10 @@ def log_dataset_input(manifest, dataset_dir: str) -> None:
     """The prepared dataset as the active run's input (the UI's Dataset column): named
     `<dataset dir>@<manifest number>` (the whole path or URL: the folders of different
     jobs are all called `dataset`), its source the dataset's URL, digested by content."""
-    import warnings
-
     import mlflow
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.exceptions import MlflowException
-
-    from shardline.pipelines.tables import describe_sources
 
     with warnings.catch_warnings():  # a local path matches two source kinds; either is right
         warnings.simplefilter("ignore")
@@ -242,8 +248,6 @@ def create_beside_store(tracking_uri: str, experiment: str) -> None:
     experiment that exists keeps its location."""
     if not tracking_uri.startswith("sqlite:///"):
         return
-    from pathlib import Path
-    from urllib.parse import quote
 
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
@@ -305,8 +309,6 @@ def check_reachable(tracking_uri: str, timeout_s: float = 5.0) -> None:
         return
     # MLflow's client retries a dead server with backoff for minutes; one short
     # probe tells the user at once.
-    import urllib.error
-    import urllib.request
 
     try:
         urllib.request.urlopen(health_request(tracking_uri), timeout=timeout_s).close()
@@ -323,10 +325,6 @@ def health_request(server_uri: str):
     """A GET of the server's /health. A user and password in the URL (http://u:pw@host/, as
     MLflow's own client takes them) become a Basic authorization header: urllib would read
     `u:pw@host` as the host's name and fail on resolving it."""
-    import base64
-    import urllib.parse
-    import urllib.request
-
     parts = urllib.parse.urlsplit(server_uri.rstrip("/"))
     netloc = parts.hostname or ""
     netloc = f"[{netloc}]" if ":" in netloc else netloc

@@ -16,6 +16,7 @@ import sysconfig
 from pathlib import Path
 
 from shardline.foundation.code_travel import UserCode, top_names, use_code
+import shardline
 from shardline.foundation.errors import ConfigError, ShardlineError
 
 
@@ -61,7 +62,6 @@ def _own_shardline_folder(module_name: str) -> Path | None:
     parts = module_name.split(".")
     if parts[0] != "shardline" or len(parts) < 2:
         return None
-    import shardline
 
     ours = Path(shardline.__file__).resolve().parent
     for entry in dict.fromkeys([os.getcwd(), *sys.path]):

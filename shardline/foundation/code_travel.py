@@ -30,8 +30,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import shardline
+
 from .errors import ShardlineError
 from .zips import LOCK, content_zip
+
+# Imported inside the functions that use them: foundation.spark_setup (a cycle: it imports this module); Dask
+# (only with a Dask client).
 
 PREFIX = "shardline-user-"  # shardline-user-<sha>.zip
 
@@ -149,15 +154,15 @@ def _ship_once(handle, name: str, send) -> None:
             done.add(name)
 
 
-ENGINE_PACKAGES = ("pipelines", "training", "serving")
+# What tasks and ranks import: the foundation, the stages, and the engines whose task code
+# (shardline.engines.<name>.prepare, score, launch) they unpickle.
+ENGINE_PACKAGES = ("foundation", "pipelines", "training", "serving", "engines")
 
 
 def shardline_files():
     """(name in the archive, file) for shardline's code that runs on executors: the
-    `shardline` package with pipelines, training and serving inside it, laid out as
-    installed, whether this process runs from a checkout or an installed package."""
-    import shardline
-
+    `shardline` package with ENGINE_PACKAGES inside it, laid out as installed, whether this
+    process runs from a checkout or an installed package."""
     top = Path(shardline.__file__).resolve().parent
     yield "shardline/__init__.py", top / "__init__.py"
     for pkg in ENGINE_PACKAGES:
@@ -180,7 +185,7 @@ _SHARDLINE_ZIP: str | None = None
 
 
 def ship_shardline_to_spark(spark) -> None:
-    """pipelines, training and serving for executors that do not run on this machine's
+    """shardline's ENGINE_PACKAGES for executors that do not run on this machine's
     Python path: every Connect server (its executors are the server's), classic non-local
     masters. Without them a barrier stage aborts on ModuleNotFoundError.
 

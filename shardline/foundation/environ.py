@@ -7,8 +7,11 @@ Spark and Dask workers, and the driver, outlive one job: a variable set for one 
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+
+# Imported inside the functions that use them: cloudpickle (only where a function is shipped).
 
 
 @contextmanager
@@ -57,7 +60,5 @@ class TaskPayload:
         self._blob = cloudpickle.dumps(obj)
 
     def open(self):
-        import pickle
-
         leave_removed_cwd()
         return pickle.loads(self._blob)

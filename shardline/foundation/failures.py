@@ -19,9 +19,13 @@ reaches it as one line.
 from __future__ import annotations
 
 import errno
+import os
+import sys
 import time
 from collections.abc import Callable
 from typing import TypeVar
+
+import pyarrow as pa
 
 from .errors import StorageError
 
@@ -79,8 +83,6 @@ def is_transient(e: BaseException) -> bool:
 
 def _sdk_errors() -> tuple[type, ...]:
     """botocore's errors, when it is imported (they are not OSErrors)."""
-    import sys
-
     boto = sys.modules.get("botocore.exceptions")
     return (boto.ClientError, boto.BotoCoreError) if boto else ()
 
@@ -99,8 +101,6 @@ def describe(e: BaseException) -> str:
 
 def _file_ancestor(path: str) -> str | None:
     """The nearest existing ancestor of local `path` when it is a regular file, else None."""
-    import os
-
     probe = os.path.dirname(os.path.abspath(path))
     while probe and not os.path.exists(probe):
         parent = os.path.dirname(probe)
@@ -161,8 +161,6 @@ class _FailureRows:
         self.write, self.schema, self.error_column = write, schema, error_column
 
     def __call__(self, *args, **kwargs):
-        import pyarrow as pa
-
         try:
             yield from self.write(*args, **kwargs)
         except Exception as e:

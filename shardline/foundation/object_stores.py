@@ -20,6 +20,11 @@ from typing import IO
 from urllib.parse import urlsplit
 
 from .errors import StorageError, first_line
+import pyarrow.fs as pafs
+
+from . import object_stores_other
+
+# Imported inside the functions that use them: botocore (only for S3); boto3 (only for S3).
 
 _CACHE: dict[tuple, object] = {}
 _LOCK = threading.RLock()
@@ -51,8 +56,6 @@ def split(url: str) -> tuple[str, str]:
 
 
 def filesystem(url: str):
-    import pyarrow.fs as pafs
-
     scheme = url.split("://", 1)[0].lower()
     bucket, key = split(url)
     if scheme == "s3":
@@ -85,8 +88,6 @@ def _custom_endpoint() -> str | None:
 
 
 def _s3_filesystem(bucket: str):
-    import pyarrow.fs as pafs
-
     endpoint = _custom_endpoint()
     region = s3_client().meta.region_name or "us-east-1"
     kwargs = {"connect_timeout": 10, "request_timeout": 60}
@@ -182,8 +183,6 @@ def _store(url: str) -> str:
 
 
 def _other(store: str):
-    from . import object_stores_other
-
     return {"gs": object_stores_other.Gcs, "abfs": object_stores_other.Abfs, "hdfs": object_stores_other.Hdfs}[store]
 
 
@@ -250,8 +249,6 @@ def _explain_client_error(e, bucket: str, write: bool) -> str:
 
 
 def _check_with_pyarrow(url: str, setting: str) -> None:
-    import pyarrow.fs as pafs
-
     try:
         fs, path = filesystem(url)
         fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))

@@ -14,15 +14,18 @@ conditional requests; docs/storage.md says what each step guarantees.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import uuid
 
+import pyarrow.fs as pafs
+
 from .errors import StorageError
+
+# Imported inside the functions that use them: foundation.object_stores (a cycle: it imports this module).
 
 
 def _need(module: str, package: str):
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -155,8 +158,6 @@ class Hdfs:
 
     @classmethod
     def create_only(cls, url: str, data: bytes) -> str | None:
-        import pyarrow.fs as pafs
-
         fs, path = cls._fs(url)
         tmp = f"{path.rsplit('/', 1)[0]}/.{path.rsplit('/', 1)[-1]}.{uuid.uuid4().hex[:8]}.tmp"
         with fs.open_output_stream(tmp) as f:

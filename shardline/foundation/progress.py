@@ -37,7 +37,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from urllib.parse import urlparse
 
 from . import report
 
@@ -247,25 +246,9 @@ def _send(address: str | None, line: str) -> bool:
     return False
 
 
-def listen_address(launcher: str, spark=None, dask_client=None) -> str:
-    """The address of this host that the ranks' hosts reach: loopback for local ranks
-    and local masters, else the local end of a route toward the cluster."""
-    if launcher == "dask" and dask_client is not None:
-        return _route_to(urlparse(dask_client.scheduler.address).hostname)
-    if launcher == "spark" and spark is not None:
-        from shardline.foundation.spark_setup import connect_url, is_connect, spark_master, spark_setting
-
-        if is_connect(spark):  # the ranks run on the Connect server's cluster
-            return _route_to(urlparse((connect_url(spark) or "").replace("sc://", "http://")).hostname)
-        master = spark_master(spark)
-        if master.startswith("local"):
-            return "127.0.0.1"
-        return spark_setting(spark, "spark.driver.host") or _route_to(urlparse(master.replace("spark://", "http://")).hostname)
-    return "127.0.0.1"
-
-
-def _route_to(host: str | None) -> str:
-    """This host's address on the route to `host` (no packet is sent: UDP connect)."""
+def route_to(host: str | None) -> str:
+    """This host's address on the route to `host` (no packet is sent: UDP connect): where an
+    engine's tasks on that host reach this process (shardline.engines: Engine.listen_address)."""
     if not host or host in ("localhost", "127.0.0.1", "::1"):
         return "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 
+
+from .code_travel import ship_shardline_to_dask
 from .engine_config import DaskConfig, SparkConfig
+from .environ import restored
+from .spark_setup import start_spark
+
+# Imported inside the functions that use them: Dask (only with a Dask client).
 
 
 def spark_session(cfg: SparkConfig):
@@ -13,8 +20,6 @@ def spark_session(cfg: SparkConfig):
     The user's Spark settings win over shardline's defaults (foundation.spark_setup says
     which and how); our packages are shipped to executors that need them.
     """
-    from .spark_setup import start_spark
-
     return start_spark(cfg)
 
 
@@ -22,15 +27,11 @@ def adopt_client(client) -> None:
     """A client the caller made (the Python API's `client=`): workers it reaches by address
     get our code as `dask.address` clients do; a LocalCluster's in this process run this
     machine's environment already."""
-    from .code_travel import ship_shardline_to_dask
-
     ship_shardline_to_dask(client)
 
 
 def dask_client(cfg: DaskConfig):
     """A Dask client: on the scheduler at `cfg.address`, or on an embedded LocalCluster."""
-    import logging
-
     from distributed import Client, LocalCluster
 
     # The P2P shuffle logs every shuffle's start and end as a warning.
@@ -40,8 +41,6 @@ def dask_client(cfg: DaskConfig):
         adopt_client(client)
         return client
     import dask
-
-    from .environ import restored
 
     # Each nanny hands its worker Dask's pre-spawn variables (OMP_NUM_THREADS=1, ...,
     # PYTHONHASHSEED) by setting them in *this* process's environment, and leaves them there.
@@ -79,8 +78,6 @@ _SHUTDOWN_NOISE = ("distributed.worker", "distributed.core", "distributed.comm",
 
 
 def _silence_shutdown_noise() -> None:
-    import logging
-
     for name in _SHUTDOWN_NOISE:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
@@ -95,8 +92,6 @@ def close_quietly(client, cluster) -> None:
     Their loggers go quiet (in the workers, and the nannies here) for the close only; a
     run that failed closes as before, its messages kept.
     """
-    import logging
-
     try:
         client.run(_silence_shutdown_noise)
     except Exception:  # a worker already gone: nothing of it to silence

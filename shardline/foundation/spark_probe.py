@@ -10,6 +10,7 @@ Also here: Spark's errors as one line, and a job that gives up after a timeout.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -77,8 +78,6 @@ def check_executors(spark, timeout_s: float | None = None) -> dict | None:
             "versions": versions,
         }
         yield pa.RecordBatch.from_pylist([{"report": json.dumps(report)}])
-
-    import json
 
     df = spark.range(0, 1, numPartitions=1).mapInArrow(probe, "report string")
     try:

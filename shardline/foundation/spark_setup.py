@@ -19,6 +19,7 @@ the java command line, so theirs win) are set only when shardline starts the JVM
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -33,6 +34,9 @@ from .environ import restored
 from .errors import ConfigError, ShardlineError, first_line
 from .redact import redact
 from .spark_user_conf import user_spark_conf
+
+# Imported inside the functions that use them: pyspark (only with a Spark session: Dask and local jobs never
+# import it); foundation.spark_probe (a cycle: it imports this module).
 
 # JVM-level settings: only when shardline starts the JVM, and only where the user set nothing.
 CORE_DEFAULTS = {
@@ -225,8 +229,6 @@ def _grpc_reason(e: BaseException) -> str:
 def _quiet_client_logs() -> None:
     """The Connect client logs a failed query as a JSON line before raising it; shardline
     reports errors itself, as one line."""
-    import logging
-
     from pyspark.logger import PySparkLogger
 
     for name in ("SQLQueryContextLogger", "DataFrameQueryContextLogger"):

@@ -13,6 +13,9 @@ import re
 import shlex
 from pathlib import Path
 
+# Imported inside the functions that use them: pyspark (only with a Spark session: Dask and local jobs never
+# import it).
+
 
 def user_spark_conf() -> dict[str, str]:
     """What the user gave Spark outside shardline's config, as spark-submit will read it

@@ -28,8 +28,11 @@ import uuid
 from collections.abc import Iterator
 from typing import IO
 
-from . import failures
-from .errors import ConfigError, StorageError
+import pyarrow as pa
+import pyarrow.fs
+
+from . import failures, object_stores
+from .errors import ConfigError, DataError, StorageError
 from .redact import redact
 
 REMOTE_SCHEMES = ("s3", "gs", "gcs", "abfs", "abfss", "hdfs")
@@ -122,15 +125,11 @@ def display(url: str) -> str:
 
 
 def _pafs():
-    import pyarrow.fs  # imported on first use: config composition needs only the URL helpers
-
     return pyarrow.fs
 
 
 def filesystem(url: str):
     """(pyarrow FileSystem, path inside it) for a URL or local path."""
-    from . import object_stores
-
     if not is_remote(url):
         return _pafs().LocalFileSystem(), os.path.abspath(local_path(url))
     return object_stores.filesystem(url)
@@ -151,8 +150,6 @@ def open_stream(url: str, compression: str | None = "detect"):
     Built on the random-access file: pyarrow's own input stream on S3 read a whole
     object ~60x slower here (many small requests).
     """
-    import pyarrow as pa
-
     f = open_input(url)
     codec = _CODECS.get(os.path.splitext(url)[1].lower()) if compression == "detect" else compression
     return pa.CompressedInputStream(f, codec) if codec else f
@@ -254,7 +251,6 @@ def write(url: str) -> Iterator[IO[bytes]]:
                 os.unlink(tmp)
         fsync_dir(d)
         return
-    from . import object_stores
 
     def upload() -> None:
         spool.seek(0)
@@ -276,8 +272,6 @@ def check_ours(url: str, ours, refusal: str) -> None:
     """Refuse an output `url` that is a file, or a directory holding a name `ours(name)`
     does not claim: we never write into, or later clean up, files we did not make.
     refusal: what to say, with {found} for the first foreign name. Reads only."""
-    from .errors import DataError
-
     if is_file(url):
         raise DataError(f"{display(url)}: output path exists and is not a directory")
     foreign = [n for n in list_dir(url) if not ours(n)]

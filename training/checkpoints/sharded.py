@@ -56,6 +56,9 @@ from .store import CheckpointStore
 from .fingerprint import MESH_FIELDS
 from ..config import TrainingConfig
 
+# Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs);
+# training.checkpoints.dcp_storage (imports torch).
+
 # torch.distributed.checkpoint is imported inside the functions that save or load: with
 # DTensor and sympy it is ~0.6 s, which a driver that only reads the small file never needs.
 

@@ -57,6 +57,9 @@ from .fingerprint import CheckpointUnreadable, ResumeRefused, allow_hint, differ
 from .whose import WhoseFolder
 from ..config import TrainingConfig
 
+# Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs);
+# training.collectives (imports torch).
+
 _NAME = re.compile(r"^ckpt-(\d{9})(-[0-9a-f]{6})?\.pt$")
 _SHARDED = re.compile(r"^ckpt-\d{9}-[0-9a-f]{6}\.dcp$")  # the DCP directory CheckpointStore.new_dcp_name names
 POINTER = "LATEST"

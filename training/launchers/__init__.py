@@ -7,18 +7,24 @@ initialised process group; `train_rank` (training.worker) is the one jobs use.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
+from shardline.foundation import storage
 from shardline.foundation.code_travel import UserCode, use_code
 from shardline.foundation.errors import ShardlineError
 
 from ..placement import Slot
 from .guard import DriverGuard
 from .rank_errors import RankError, is_permanent
+
+# Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs);
+# training.collectives (imports torch); training.launchers.network (a cycle: it imports this module);
+# training.launchers.rank_errors (a cycle: it imports this module).
 
 LOST_PEER_GRACE_S = 5.0
 
@@ -64,10 +70,6 @@ class TrainingFailed(ShardlineError):
 def announced(ranks_dir: str | None, rank: int) -> dict | None:
     """What rank `rank` wrote about itself when this attempt started (ranks/rank-N.json: its
     host and pid, training.worker), if it got that far: a lost rank's launcher names it so."""
-    import json
-
-    from shardline.foundation import storage
-
     if not ranks_dir:
         return None
     try:

@@ -32,7 +32,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from shardline.foundation import report
+from shardline.foundation import report, storage
+from shardline.foundation.errors import first_line
+from shardline.foundation.lease import Lease, ProcessTable, process_alive, process_start_ticks
 
 from .rank_errors import (  # noqa: F401 - their home before rank_errors; callers import them here
     RankError, describe_failures, is_permanent, rank_failures,
@@ -61,7 +63,7 @@ class DriverGuard:
 
     @classmethod
     def for_this_process(cls, lease_url: str, stop_url: str, job: str, ttl_s: float) -> DriverGuard:
-        from shardline.foundation.lease import ProcessTable, process_start_ticks
+        from shardline.foundation.lease import ProcessTable
 
         me = ProcessTable.here()
         return cls(lease_url, stop_url, job, ttl_s, me.host, me.boot_id, me.pid_ns, os.getpid(),
@@ -77,8 +79,6 @@ class DriverGuard:
     def stop(self) -> None:
         """On the driver, interrupted: tell this job's ranks to stop now (see the module's doc).
         Never raises: the Ctrl-C that called it must still end the job."""
-        from shardline.foundation import storage
-
         try:
             storage.write_bytes(self.stop_url, json.dumps({"job": self.job}).encode())
         except Exception as e:  # noqa: BLE001 - the ranks still stop when the lease is released
@@ -87,8 +87,6 @@ class DriverGuard:
 
     def interrupted(self) -> bool:
         """On a rank: did this job's driver ask its ranks to stop?"""
-        from shardline.foundation import storage
-
         try:
             return json.loads(storage.read_bytes(self.stop_url)).get("job") == self.job
         except Exception:  # none (the usual case), or unreadable: judge again on the next look
@@ -96,8 +94,6 @@ class DriverGuard:
 
     def gone(self) -> str | None:
         """Why this rank's job is over, or None while its driver holds the lease."""
-        from shardline.foundation.lease import Lease
-
         try:
             holder = Lease.holder(self.lease_url)
         except Exception:  # the store did not answer: judge again on the next look
@@ -112,8 +108,6 @@ class DriverGuard:
         return None
 
     def _driver_dead(self) -> bool:
-        from shardline.foundation.lease import ProcessTable, process_alive
-
         # A Dask worker or Spark executor on this host may sit in another pid namespace
         # (a container): there the driver's pid means nothing, and only the lease counts.
         same_table = ProcessTable(self.host, self.boot_id, self.pid_ns).is_here()

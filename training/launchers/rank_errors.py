@@ -39,6 +39,12 @@ import traceback
 
 from shardline.foundation import failures
 from shardline.foundation.errors import first_line
+import shardline
+from shardline import pipelines, training
+from shardline.foundation import storage
+from shardline.foundation.errors import ShardlineError
+
+# Imported inside the functions that use them: training.launchers (a cycle: it imports this module).
 
 _MARK = re.compile(r"<<shardline-rank (\{.*?\})>>")
 # How long the driver waits for a peer's log when a rank's bug is reported (alike_in_logs).
@@ -63,8 +69,6 @@ class RankError(Exception):
 
 def is_permanent(e: BaseException) -> bool:
     """Would a relaunch from the last checkpoint fail the same way?"""
-    from shardline.foundation.errors import ShardlineError
-
     from . import TrainingFailed
 
     if isinstance(e, RankError):
@@ -83,8 +87,6 @@ def is_permanent(e: BaseException) -> bool:
 
 def is_bug(e: BaseException) -> bool:
     """A failure the user cannot fix from its one line (not bad input or storage, not a lost peer)."""
-    from shardline.foundation.errors import ShardlineError
-
     return is_permanent(e) and not isinstance(e, OSError | ShardlineError | RankError)
 
 
@@ -98,9 +100,6 @@ def _is_dist_error(e: BaseException) -> bool:
 
 def _library_roots() -> tuple[str, ...]:
     """Folders whose code is not the user's: the standard library, installed packages, shardline's own."""
-    import shardline
-    from shardline import pipelines, training
-
     paths = sysconfig.get_paths()
     roots = {paths["stdlib"], paths["platstdlib"], paths["purelib"], paths["platlib"]}
     roots |= {os.path.dirname(m.__file__) for m in (shardline, pipelines, training)}
@@ -245,8 +244,6 @@ def exit_reason(code: int) -> str:
 def describe_failures(failures: list[dict], lost: list[str] = ()) -> str:
     """One line: a rank's own permanent error if any (the cause), then the ranks that were
     lost; the peers' lost connections only when no rank is known lost."""
-    from shardline.foundation import storage
-
     permanent = [f for f in failures if f["permanent"]]
     shown = permanent or ([] if lost else failures)
     parts, said = [], {}

@@ -24,6 +24,8 @@ from .factory import build_model
 from .inputs import ModelInputs
 from .plans import recompute_units
 
+# Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs).
+
 
 class FeatureInput(nn.Module):
     """The feature tensor (standardised numerics, then categorical indices) as numbers:

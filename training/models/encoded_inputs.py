@@ -21,7 +21,9 @@ import pandas as pd
 import pyarrow as pa
 
 from shardline.pipelines.config import FeatureSpec
+from shardline.pipelines.images import check_image, decode_images
 from shardline.pipelines.manifest import TensorSpec
+from shardline.pipelines.tensors import from_bfloat16_bits, parse_tensor, storage_dtype
 
 # parse_tensor's problem kinds, as a client reads them.
 _TENSOR_PROBLEMS = {
@@ -51,8 +53,6 @@ def _objects(value) -> bool:
 
 
 def _images(name: str, t: TensorSpec, rows: list, spec: FeatureSpec, refuse) -> np.ndarray:
-    from shardline.pipelines.images import check_image, decode_images
-
     image = spec.images[t.column]
     data = []
     for i, r in enumerate(rows):
@@ -73,8 +73,6 @@ def _images(name: str, t: TensorSpec, rows: list, spec: FeatureSpec, refuse) -> 
 
 
 def _sequences(name: str, column, rows: list, refuse) -> np.ndarray:
-    from shardline.pipelines.tensors import from_bfloat16_bits, parse_tensor, storage_dtype
-
     arrow = pa.array([np.asarray(r).tolist() for r in rows])
     data, problems = parse_tensor(arrow, column, [])
     for kind, mask in problems.items():

@@ -22,6 +22,15 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+from shardline.pipelines.manifest import ShardManifest
+
+from ..config import TrainingConfig
+from ..strategy_settings import FLAT_NAMES
+from ..user_code import job_code_folders
+
+# Imported inside the functions that use them: safetensors (with torch); torch (~2 s: only where a model or a
+# rank runs); training.models.builtin (imports torch); training.task (imports torch).
+
 FORMAT = 1
 WEIGHTS_FILE = "weights.safetensors"
 MODULE_FILE = "module.json"
@@ -51,11 +60,7 @@ def read_module(weights: str, module: str):
     import torch
     from safetensors.torch import load_model
 
-    from shardline.pipelines.manifest import ShardManifest
-
-    from ..config import TrainingConfig
     from .builtin import build_model
-    from ..strategy_settings import FLAT_NAMES
     from ..task import LabelUnits, label_scale
 
     d = json.loads(Path(module).read_text())
@@ -82,8 +87,6 @@ def read_module(weights: str, module: str):
 def code_folders(cfg) -> list[str]:
     """The user's code to store with the model: the factory's, the loss's and the metrics'
     packages (unless installed) and `training.code_paths`: the folders the job shipped."""
-    from ..user_code import job_code_folders
-
     return job_code_folders(cfg)
 
 

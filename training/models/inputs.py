@@ -28,6 +28,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from shardline.pipelines.manifest import ShardManifest
 
+# Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs); training.batch
+# (imports torch).
+
 
 class TensorInput(BaseModel):
     """One tensor of a row, as the loader yields it (the batch dimension comes first)."""

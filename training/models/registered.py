@@ -30,9 +30,11 @@ run on loading, instead of a pickled python_model).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
+import zipfile
 from pathlib import Path
 
 import mlflow
@@ -42,7 +44,18 @@ import pyarrow as pa
 
 from shardline.pipelines.config import FeatureSpec
 from shardline.foundation.errors import ShardlineError, first_line
+from shardline.foundation.code_travel import shardline_files
 from shardline.pipelines.manifest import FittedStatistics, ShardManifest, TensorSpec
+from shardline.pipelines.rows import INVALID, parse_features
+from shardline.pipelines.transform import features
+
+from ..inference import pickled_refusal
+from .encoded_inputs import decode
+from .files import code_folders, code_on_path, read_module, write_module
+
+# Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs); training.batch
+# (imports torch); training.loader.columns (imports torch); training.task (imports torch); MLflow (~2.5 s:
+# only where MLflow is called); safetensors (with torch).
 
 from ..mlflow_quiet import no_download_bars, registry_said_nothing
 
@@ -56,8 +69,6 @@ class RawRowsModel(mlflow.pyfunc.PythonModel):
     """Raw feature columns in, predictions out (see the module docstring)."""
 
     def load_context(self, context) -> None:
-        from .files import read_module
-
         t = json.loads(Path(context.artifacts[TRANSFORM]).read_text())
         self.spec = FeatureSpec.model_validate(t["spec"])
         self.stats = FittedStatistics.model_validate(t["stats"])
@@ -82,9 +93,6 @@ def class_names(spec: FeatureSpec, stats: FittedStatistics) -> list[str]:
 def predict_raw(model, spec: FeatureSpec, stats: FittedStatistics, rows: pd.DataFrame) -> pd.DataFrame:
     """Predictions for raw rows; a row the transform cannot take is refused, naming it."""
     import torch
-
-    from shardline.pipelines.rows import INVALID, parse_features
-    from shardline.pipelines.transform import features
 
     table = _table(rows, spec)
     numeric, categorical, vectors, problems = parse_features(table, spec)
@@ -118,7 +126,6 @@ def typed_inputs(tensors: dict[str, TensorSpec], rows, spec: FeatureSpec | None 
     import torch
 
     from ..batch import torch_dtype
-    from .encoded_inputs import decode
 
     out = {}
     for name, t in tensors.items():
@@ -263,8 +270,6 @@ def log_trained_model(model, manifest: ShardManifest, cfg, registered_name: str 
     """Log a job's trained model (training.job) as a RawRowsModel with the job's own code
     snapshot (`code`: the bytes its ranks ran, whatever the folders hold by now); register
     it if named. The registered version, or "" when not registered."""
-    import logging
-
     import safetensors
     import torch
 
@@ -286,10 +291,6 @@ def log_raw_model(model, manifest: ShardManifest, cfg, registered_name: str | No
     """Log `model` (built by `build_model(manifest, cfg)`) as a RawRowsModel of
     `manifest`'s transform, with the user's code (`code`, a foundation.code_travel.UserCode
     snapshot; else the folders as they are now); MLflow's ModelInfo."""
-    from shardline.foundation.code_travel import shardline_files
-
-    from .files import code_folders, write_module
-
     spec, stats = manifest.feature_spec, manifest.statistics
     no_download_bars()  # MLflow loads the model back to check its input example
     # Before anything is written: a missing code_paths entry is one line.
@@ -298,7 +299,7 @@ def log_raw_model(model, manifest: ShardManifest, cfg, registered_name: str | No
         if user_code is None:
             user_code = _unpacked(code, os.path.join(d, "usercode"))
         code_dir = os.path.join(d, "code")
-        for arcname, f in shardline_files():  # shardline/{__init__.py,pipelines,training,serving}
+        for arcname, f in shardline_files():  # shardline/__init__.py and code_travel.ENGINE_PACKAGES
             os.makedirs(os.path.dirname(os.path.join(code_dir, arcname)), exist_ok=True)
             shutil.copyfile(f, os.path.join(code_dir, arcname))
         weights, module = write_module(model, manifest, cfg, d)
@@ -324,19 +325,8 @@ def log_raw_model(model, manifest: ShardManifest, cfg, registered_name: str | No
             )
 
 
-def pickled_refusal(model_uri: str) -> str:
-    """Why a pytorch-flavour model is not loaded. MLflow's pytorch loader unpickles the model:
-    whoever could write it to the registry runs code on every scorer. shardline's own models
-    are safetensors weights and a factory's import path (log_raw_model)."""
-    return (f"model {model_uri} has MLflow's pytorch flavour (logged with mlflow.pytorch.log_model): "
-            "loading it unpickles it, which runs whatever code its writer put in it; score it only if you "
-            "trust everyone who can write to this registry, with serving.allow_pickled_models = true")
-
-
 def _unpacked(code, folder: str) -> list[str]:
     """The snapshot's packages (folders, or single .py files) unpacked into `folder`."""
-    import zipfile
-
     with zipfile.ZipFile(code.zip_path) as z:
         z.extractall(folder)
     return [p if os.path.isdir(p := os.path.join(folder, name)) else f"{p}.py" for name in code.packages]
@@ -353,7 +343,7 @@ def load_torch_model(model_uri: str, allow_pickled: bool = False):
     """
     from mlflow.models import Model
 
-    from .files import code_on_path, read_module
+    from .files import read_module
 
     no_download_bars()  # a task's log, not a terminal
     with tempfile.TemporaryDirectory(prefix="shardline-model-") as tmp:

@@ -3,6 +3,7 @@ and the parent run's summary (trials.csv, trials.md, sweep.png and counts as met
 
 from __future__ import annotations
 
+import csv
 import json
 import tempfile
 from dataclasses import dataclass
@@ -10,6 +11,9 @@ from pathlib import Path
 
 from ..mlflow_quiet import registry_said_nothing
 from .study import decode
+
+# Imported inside the functions that use them: Optuna (only in a sweep); MLflow (~2.5 s: only where MLflow is
+# called); matplotlib (only to draw a figure).
 
 
 @dataclass
@@ -72,8 +76,6 @@ def register_best(client, name: str, alias: str, run_id: str) -> str:
 
 def log_summary(client, parent: str, study, outcomes, sweep, direction, best) -> None:
     """sweep/trials.csv, sweep/trials.md and sweep/sweep.png on the parent run; counts as metrics."""
-    import csv
-
     importances = _importances(study)
     names = list(sweep.space)
     header = ["trial", "state", sweep.objective, "epochs", "seconds", *names, "run_id", "error"]

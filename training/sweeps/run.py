@@ -26,8 +26,7 @@ from shardline.foundation.errors import ConfigError, DataError, ShardlineError, 
 from shardline.foundation.redact import redact
 
 from ..config import TrackingConfig, TrainingConfig
-from ..job import preflight, run_training
-from ..launchers import available_cores
+from ..job import check_engine, preflight, run_training
 from ..strategy_settings import merge_settings
 from ..task import metric_names, task_of, user_metric_names
 from .config import SweepConfig
@@ -43,6 +42,9 @@ from .study import (
     resolve_storage,
 )
 from ..tracking import open_experiment
+
+# Imported inside the functions that use them: Optuna (only in a sweep); MLflow (~2.5 s: only where MLflow is
+# called).
 
 # The per-epoch metrics train_rank logs (training/worker.py); val_* need a val split
 # with at least one shard per rank.
@@ -106,41 +108,24 @@ def check_sweep(sweep: SweepConfig, training: TrainingConfig, dataset_dir: str) 
                 raise ConfigError(f"sweep.space.{name}: {value!r} cannot train: {e}") from None
     if sweep.sampler == "grid":
         grid(sweep.space)
-    if base.launcher == "local":  # the other engines' slots are known once they run
-        check_parallel(sweep, base, None, None)
 
 
-def check_parallel(sweep: SweepConfig, base: TrainingConfig, spark, dask_client) -> list[list[str]] | None:
-    """Refuse more parallel trials than the engine runs at once; Dask: a worker group per trial."""
+def check_parallel(sweep: SweepConfig, base: TrainingConfig, engine) -> list[list[str]] | None:
+    """Refuse more parallel trials than `engine` (sweep.engine's: shardline.engines.base.
+    Engine) runs at once; each trial's group of workers when the engine pins ranks to them."""
+    check_engine(base, engine)
     ws = base.world_size
-    if base.launcher == "spark":
-        if spark is None:
-            raise ConfigError("sweep.engine 'spark' needs a Spark session")
-        from ..launchers.spark import spark_task_slots
-
-        slots = spark_task_slots(spark)
-        if slots.count is None:  # nothing bounds the cluster: Spark's barrier check decides
-            return None
-        total, per_trial = slots.count, ws
-        where = f"{total} task slots of {slots.where}"
-    elif base.launcher == "dask":
-        if dask_client is None:
-            raise ConfigError("sweep.engine 'dask' needs a Dask client")
-        workers = sorted(dask_client.scheduler_info()["workers"])
-        total, per_trial = len(workers), ws
-        where = f"{total} Dask workers of {dask_client.scheduler.address}"
-    else:
-        total = available_cores()  # a container or taskset may give this process fewer
-        per_trial = ws * base.threads_per_rank
-        where = f"{total} cores of this machine"
-    slots = total // per_trial
-    if sweep.parallel > slots:
+    slots = engine.slots(base.threads_per_rank)
+    if slots.count is None:  # nothing bounds the cluster: the engine's own check decides
+        return None
+    trials = slots.count // (ws * slots.per_rank)
+    if sweep.parallel > trials:
         raise ConfigError(
-            f"sweep.parallel {sweep.parallel} is more than the {slots} trial(s) of "
-            f"{ws} rank(s) that the {where} can run at once"
+            f"sweep.parallel {sweep.parallel} is more than the {trials} trial(s) of "
+            f"{ws} rank(s) that the {slots.where} can run at once"
         )
-    if base.launcher == "dask":
-        return [workers[i * ws : (i + 1) * ws] for i in range(sweep.parallel)]
+    if slots.workers:
+        return [list(slots.workers[i * ws : (i + 1) * ws]) for i in range(sweep.parallel)]
     return None
 
 
@@ -152,10 +137,10 @@ def run_sweep(
     training: TrainingConfig,
     tracking: TrackingConfig,
     dataset_dir: str,
-    spark=None,
-    dask_client=None,
+    engine,
 ) -> SweepResult:
-    """Run (or resume) the sweep `sweep.name` until it holds `sweep.trials` finished trials."""
+    """Run (or resume) the sweep `sweep.name` until it holds `sweep.trials` finished trials,
+    each a training job on `engine` (sweep.engine's, else training.launcher's)."""
     import optuna
     from mlflow.tracking import MlflowClient
 
@@ -165,7 +150,7 @@ def run_sweep(
     )
     check_sweep(sweep, training, dataset_dir)
     base = trial_base(sweep, training)
-    groups = check_parallel(sweep, base, spark, dask_client)
+    groups = check_parallel(sweep, base, engine)
     uri = tracking.resolved_uri()
     experiment_id = open_experiment(uri, tracking.experiment)
     client = MlflowClient(uri)
@@ -231,7 +216,7 @@ def run_sweep(
                 threading.Thread(
                     target=_run_trial,
                     args=(results, trial.number, base, sweep.name, params, tracking, dataset_dir,
-                          spark, dask_client, run_id, hook, group),
+                          engine, run_id, hook, group),
                     name=f"trial-{trial.number}",
                     daemon=True,  # Ctrl-C ends the sweep now; the study marks the trial interrupted
                 ).start()
@@ -272,16 +257,14 @@ def run_sweep(
     )
 
 
-def _run_trial(results, number, base, name, params, tracking, dataset_dir, spark, dask_client,
-               run_id, hook, group) -> None:
+def _run_trial(results, number, base, name, params, tracking, dataset_dir, engine, run_id, hook, group) -> None:
     """A driver thread: one training job; whatever happens goes back through `results`."""
     try:
         # Its own checkpoint directory: a job deletes stale checkpoints in its own at start.
         ckpt = join_url(base.checkpoint_dir, "sweeps", name, f"trial-{number}")
         cfg = TrainingConfig.model_validate(merge_settings(base.model_dump(), {**params, "checkpoint_dir": ckpt}))
         result = run_training(
-            cfg, tracking, dataset_dir, spark, dask_client,
-            into_run=run_id, register=False, epoch_hook=hook, dask_workers=group,
+            cfg, tracking, dataset_dir, engine, into_run=run_id, register=False, epoch_hook=hook, workers=group,
         )
         results.put((number, result, None))
     except BaseException as e:  # recorded as a failed trial; the sweep goes on

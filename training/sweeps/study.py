@@ -7,12 +7,15 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import get_origin
 
 from shardline.foundation.errors import ConfigError, ShardlineError, first_line
 from shardline.foundation.redact import redact
 
 from ..strategy_settings import setting_field
 from .config import ParamSpace, SweepConfig
+
+# Imported inside the functions that use them: Optuna (only in a sweep).
 
 
 def resolve_storage(sweep: SweepConfig, tracking_uri: str) -> str:
@@ -74,8 +77,6 @@ def encode(value):
 
 
 def decode(name: str, value):
-    from typing import get_origin
-
     is_list = get_origin(setting_field(name).annotation) is list
     return json.loads(value) if is_list and isinstance(value, str) else value
 

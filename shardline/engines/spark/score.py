@@ -9,8 +9,10 @@ from shardline.foundation.environ import leave_removed_cwd
 from shardline.foundation.errors import ShardlineError
 from shardline.foundation.spark_probe import failed_task, spark_error_line
 
-from .ledger import read_entry
-from .worker import UnitTask, score_unit
+from shardline.serving.ledger import read_entry
+from shardline.serving.worker import UnitTask, score_unit
+
+from .launch import spark_task_slots
 
 # Tasks per task slot. One task per unit was 0.72-0.74 x plain processes on 14 units over
 # 2 slots, two tasks per slot 0.82-0.88, one 0.99-1.02 (8M rows, idle 2-core machine): each
@@ -73,8 +75,6 @@ def deal(tasks: list[UnitTask], slots: int | None) -> list[list[int]]:
 
 
 def _slots(spark) -> int | None:
-    from shardline.training.launchers.spark import spark_task_slots
-
     return spark_task_slots(spark).count
 
 

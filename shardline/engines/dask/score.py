@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .worker import UnitTask, score_unit
+from shardline.serving.worker import UnitTask, score_unit
 
 
 def run_units(client, tasks: list[UnitTask], retries: int = 2) -> list[dict]:

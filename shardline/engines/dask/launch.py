@@ -10,9 +10,9 @@ from typing import Any
 from shardline.foundation.code_travel import UserCode, ship_to_dask
 from shardline.foundation.errors import ShardlineError
 
-from ..placement import Slot, host_of, own_visible_gpus, slots
-from . import DriverGuard, RankFn, TrainingFailed, announced, free_port, run_in_group
-from .rank_errors import lost_rank, rank_failures
+from shardline.training.launchers import DriverGuard, RankFn, TrainingFailed, announced, free_port, run_in_group
+from shardline.training.launchers.rank_errors import lost_rank, rank_failures
+from shardline.training.placement import Slot, host_of, own_visible_gpus, slots
 
 
 def _rendezvous_address() -> str:

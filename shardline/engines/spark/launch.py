@@ -7,8 +7,11 @@ which both run (Connect has no RDD API and no sparkContext).
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
+import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -19,9 +22,12 @@ from shardline.foundation.errors import ShardlineError
 from shardline.foundation.spark_probe import failed_task, spark_error_line
 from shardline.foundation.spark_setup import is_connect, master_as_written, spark_master, spark_setting
 
-from ..placement import Slot, host_of, slots
-from . import DriverGuard, RankFn, TrainingFailed, announced, free_port, run_in_group
-from .rank_errors import RankError, lost_rank, rank_failures
+from shardline.training.launchers import DriverGuard, RankFn, TrainingFailed, announced, free_port, run_in_group
+from shardline.training.launchers.rank_errors import RankError, lost_rank, rank_failures
+from shardline.training.placement import Slot, host_of, slots
+
+# Imported inside the functions that use them: pyspark (only with a Spark session: Dask and local jobs never
+# import it).
 
 
 @dataclass(frozen=True)
@@ -178,7 +184,6 @@ def collect_interruptibly(spark, frame, group: str, on_interrupt=None) -> list:
             if on_interrupt is not None:
                 on_interrupt()
             raise
-    import threading
 
     from pyspark import InheritableThread  # the caller's local properties (a pool, a description) carry over
 
@@ -213,8 +218,6 @@ def collect_interruptibly(spark, frame, group: str, on_interrupt=None) -> list:
 
 
 def _wait_for_tasks_to_end(sc, group: str, within_s: float) -> None:
-    import time
-
     tracker = sc.statusTracker()
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
@@ -234,8 +237,6 @@ def failed_executors(spark, group: str, within_s: float = 3.0) -> dict[int, str]
     store (classic Spark; Connect has no such API: {}). Spark's error for a barrier stage
     whose Python worker died names neither; the store hears of the failed task a moment
     after the job fails, so it is asked again for up to `within_s`."""
-    import time
-
     if is_connect(spark):
         return {}
     deadline = time.monotonic() + within_s
@@ -308,8 +309,6 @@ def _use_task_gpu(ctx) -> str | None:
     already be initialised in this one. It is also exported as SHARDLINE_CUDA_DEVICE,
     for code the rank runs; NCCL ranks then never share a GPU.
     """
-    import os
-
     gpu = ctx.resources().get("gpu")
     if gpu is not None and gpu.addresses:
         os.environ["SHARDLINE_CUDA_DEVICE"] = gpu.addresses[0]

@@ -23,9 +23,17 @@ from typing import Any
 
 from shardline.foundation.code_travel import UserCode
 
-from . import LOST_PEER_GRACE_S, DriverGuard, RankFn, TrainingFailed, available_cores, free_port, run_in_group
-from .guard import die_with_parent
-from .rank_errors import exit_reason, lost_rank
+from shardline.training.launchers import (
+    LOST_PEER_GRACE_S,
+    DriverGuard,
+    RankFn,
+    TrainingFailed,
+    available_cores,
+    free_port,
+    run_in_group,
+)
+from shardline.training.launchers.guard import die_with_parent
+from shardline.training.launchers.rank_errors import exit_reason, lost_rank
 
 # Imported once by the fork server; a module that fails to import is skipped there. Three are
 # named for what they cost each rank that imports them itself (CPU-s, 2-core machine):
