@@ -19,6 +19,8 @@ in this process. The partition functions live in the engine packages (shardline.
 .serving), which workers elsewhere get with the job's code.
 """
 
+# What a user's code calls: type-checked in pyright's basic mode ([tool.pyright] in pyproject.toml).
+# pyright: basic
 from __future__ import annotations
 
 import numpy as np
@@ -141,7 +143,7 @@ class ShardlineEstimator(SklearnParams):
             y = X[label]
         pred = self.predict(X)
         if _is_dask(X):
-            from dask import compute
+            from dask.base import compute
 
             y = _dask_series(y, "y")
             w = None if sample_weight is None else _dask_series(sample_weight, "sample_weight")
@@ -162,7 +164,7 @@ class ShardlineEstimator(SklearnParams):
         the fitted model's task, else the config's pipelines.features.task."""
         from sklearn.utils import ClassifierTags, InputTags, RegressorTags, Tags, TargetTags
 
-        kind = {"classification": "classifier", "regression": "regressor"}.get(self._task())
+        kind = {"classification": "classifier", "regression": "regressor"}.get(self._task() or "")
         return Tags(
             estimator_type=kind,
             target_tags=TargetTags(required=False),  # the label may be a column of X

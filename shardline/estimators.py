@@ -1,6 +1,8 @@
 """What the Spark and Dask estimators share: the config of a fit (its DataFrame is the source,
 written as raw Parquet first) and the fitted model's description."""
 
+# What a user's code calls: type-checked in pyright's basic mode ([tool.pyright] in pyproject.toml).
+# pyright: basic
 from __future__ import annotations
 
 import datetime as dt

@@ -14,10 +14,13 @@ as JSON (pyspark 4.3 writes it with DataFrame calls only, so on Connect too). Th
 model's weights are not among them: they stay in the MLflow Model Registry (`model_uri`).
 """
 
+# What a user's code calls: type-checked in pyright's basic mode ([tool.pyright] in pyproject.toml).
+# pyright: basic
 from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 from pyspark.ml import Estimator, Model
 from pyspark.ml.param import Param, Params, TypeConverters
@@ -27,6 +30,9 @@ from pyspark.ml.util import DefaultParamsReadable, DefaultParamsWritable, Defaul
 from shardline.foundation.errors import ShardlineError
 
 from .estimators import Fitted, plan_fit
+
+if TYPE_CHECKING:
+    from shardline.api import PrepareResult, TrainResult
 
 
 def _config_value(value):
@@ -52,6 +58,7 @@ def _overrides_value(value):
 class _Saved(DefaultParamsReadable, DefaultParamsWritable):
     def write(self):
         """The Params as JSON (`save(path)` = `write().save(path)`; `write().overwrite()` too)."""
+        assert isinstance(self, Params)  # mixed into Params classes only (and so for type checkers)
         return _Writer(self)
 
 
@@ -208,7 +215,9 @@ class ShardlineModel(Model, HasLabelCol, HasPredictionCol, HasProbabilityCol, _S
             self._set(modelUri=fitted.model_uri, trackingUri=fitted.tracking_uri, runId=fitted.run_id,
                       featureSpec=spec, statistics=stats, featuresWidth=width,
                       classification=fitted.classification)
-        self.prepared = self.trained = None  # shardline.api's PrepareResult and TrainResult of the fit
+        # shardline.api's results of the fit that made this model (None after load).
+        self.prepared: PrepareResult | None = None
+        self.trained: TrainResult | None = None
 
     @property
     def fitted(self) -> Fitted:
@@ -317,7 +326,9 @@ def _write(spark, df, raw_dir: str) -> int:
 
         from shardline.pipelines.sources import write_raw_part
 
-        rows = write_raw_part(batches, raw_dir, TaskContext.get().partitionId())
+        ctx = TaskContext.get()
+        assert ctx is not None  # inside a task
+        rows = write_raw_part(batches, raw_dir, ctx.partitionId())
         yield pa.RecordBatch.from_pydict({"rows": [rows]})
 
     return sum(r["rows"] for r in df.mapInArrow(write, "rows long").collect())
