@@ -80,6 +80,11 @@ class DeltaOutput:
         return DeltaTable(native(self.root), storage_options=storage_options(self.root)) \
             if is_table(self.root) and has_commits(self.root) else None
 
+    def key_column(self) -> str | None:
+        """The table's key column (its first: serving.worker.output_schema), if it exists."""
+        table = self._table()
+        return table.schema().fields[0].name if table is not None else None
+
     def _live(self, table) -> set[str]:
         if table is None:
             return set()
@@ -124,7 +129,7 @@ class DeltaOutput:
         if not adds:
             return 0
         spec = plan.transform.spec
-        schema = output_schema(spec.task == "classification", spec.task == "next_token")
+        schema = output_schema(spec.task == "classification", spec.task == "next_token", plan.key_column)
         if table is None:
             self._create(adds, plan, schema)
         else:

@@ -159,8 +159,8 @@ def _outputs(model, inputs, spec: FeatureSpec, stats: FittedStatistics, rows) ->
             scores = next_token_rows(y, torch.from_numpy(label_tokens(tokens, spec.tensors[spec.label].pad_id)))
     y = y.float().numpy()
     out = {}
-    if spec.key in rows:  # pass the caller's key through, to join on
-        out["key"] = np.asarray(rows[spec.key])
+    if spec.key in rows:  # pass the caller's key through, under its own name, to join on
+        out[spec.key] = np.asarray(rows[spec.key])
     if spec.task == "next_token":
         out.update(prediction=scores["next_token"].numpy(), loss=scores["loss"].numpy(),
                    tokens=scores["tokens"].numpy())
@@ -297,7 +297,7 @@ def log_raw_model(model, manifest: ShardManifest, cfg, registered_name: str | No
         if user_code is None:
             user_code = _unpacked(code, os.path.join(d, "usercode"))
         code_dir = os.path.join(d, "code")
-        for arcname, f in shardline_files():  # shardline/{__init__.py,pipelines,training,serving}
+        for arcname, f in shardline_files():  # shardline/{__init__.py,foundation,pipelines,training,serving}
             os.makedirs(os.path.dirname(os.path.join(code_dir, arcname)), exist_ok=True)
             shutil.copyfile(f, os.path.join(code_dir, arcname))
         weights, module = write_module(model, manifest, cfg, d)
