@@ -156,13 +156,16 @@ def _ship_once(handle, name: str, send) -> None:
             done.add(name)
 
 
-ENGINE_PACKAGES = ("pipelines", "training", "serving")
+# foundation too: every engine package imports it. (An editable install's import hook used to
+# find it in the checkout when a zip or a model's code/ folder lacked it; a wheel's executors
+# and `mlflow models serve` do not.)
+ENGINE_PACKAGES = ("foundation", "pipelines", "training", "serving")
 
 
 def shardline_files():
     """(name in the archive, file) for shardline's code that runs on executors: the
-    `shardline` package with pipelines, training and serving inside it, laid out as
-    installed, whether this process runs from a checkout or an installed package."""
+    `shardline` package with foundation, pipelines, training and serving inside it, laid
+    out as installed, whether this process runs from a checkout or an installed package."""
     import shardline
 
     top = Path(shardline.__file__).resolve().parent
