@@ -30,6 +30,8 @@ from pyspark.ml.util import DefaultParamsReadable, DefaultParamsWritable, Defaul
 from shardline.foundation.errors import ShardlineError
 
 from .estimators import Fitted, plan_fit
+from .hyperparams import with_tuned
+from .spark_params import HasTrainingParams
 
 if TYPE_CHECKING:
     from shardline.api import PrepareResult, TrainResult
@@ -83,13 +85,16 @@ class _Writer(DefaultParamsWriter):
             super()._handleOverwrite(path)
 
 
-class ShardlineEstimator(Estimator, HasLabelCol, HasPredictionCol, HasProbabilityCol, _Saved):
+class ShardlineEstimator(Estimator, HasLabelCol, HasPredictionCol, HasProbabilityCol, HasTrainingParams, _Saved):
     """config, overrides: as shardline.api takes them. label_col, feature_cols, key_col: fill
     in pipelines.features (label, numeric/categorical by column type, key) where the config
     leaves them unset; no key column: one is generated (`shardline_key`). raw_dir: where the
     DataFrame is written (a path or URL every executor reaches). Each is a Param with a
     setter (setConfig, setOverrides, setLabelCol, setFeatureCols, setKeyCol, setRawDir,
-    setPredictionCol, setProbabilityCol); labelCol is used only when set."""
+    setPredictionCol, setProbabilityCol); labelCol is used only when set. model, model_args,
+    hidden, strategy, epochs, batch_size, lr, weight_decay, lr_schedule, warmup_steps, seed:
+    training.<name>, the Params a search tunes (model, modelArgs, ..., batchSize, lr, ...:
+    shardline.spark_params), unset unless given (the config's value holds)."""
 
     config = Param(Params._dummy(), "config", "the job's config: a TOML path or a dict of sections "
                    "(a ShardlineConfig object works, but is not saved)", typeConverter=_config_value)
@@ -104,7 +109,11 @@ class ShardlineEstimator(Estimator, HasLabelCol, HasPredictionCol, HasProbabilit
 
     def __init__(self, config=None, overrides=(), *, label_col: str | None = None,
                  feature_cols: list[str] | None = None, key_col: str | None = None, raw_dir: str | None = None,
-                 prediction_col: str = "prediction", probability_col: str = "probability"):
+                 prediction_col: str = "prediction", probability_col: str = "probability",
+                 model: str | None = None, model_args: dict | None = None, hidden: list[int] | None = None,
+                 strategy: str | None = None, epochs: int | None = None, batch_size: int | None = None,
+                 lr: float | None = None, weight_decay: float | None = None, lr_schedule: str | None = None,
+                 warmup_steps: int | None = None, seed: int | None = None):
         super().__init__()
         self._setDefault(config=None, overrides=[], featureCols=None, keyCol=None, rawDir=None,
                          predictionCol="prediction", probabilityCol="probability")
@@ -113,6 +122,9 @@ class ShardlineEstimator(Estimator, HasLabelCol, HasPredictionCol, HasProbabilit
                  "predictionCol": prediction_col if prediction_col != "prediction" else None,
                  "probabilityCol": probability_col if probability_col != "probability" else None}
         self._set(**{k: v for k, v in given.items() if v is not None})  # what is left out keeps its default
+        self._set_tuned(dict(model=model, model_args=model_args, hidden=hidden, strategy=strategy, epochs=epochs,
+                             batch_size=batch_size, lr=lr, weight_decay=weight_decay, lr_schedule=lr_schedule,
+                             warmup_steps=warmup_steps, seed=seed))
 
     def setConfig(self, value) -> ShardlineEstimator:
         return self._set(config=value)
@@ -165,7 +177,9 @@ class ShardlineEstimator(Estimator, HasLabelCol, HasPredictionCol, HasProbabilit
         adopt_session(spark)  # the write below runs our code on the executors already
         # labelCol's default ("label") gives way to the config's label: only a set one is the caller's.
         label = self.getLabelCol() if self.isSet(self.labelCol) else None
-        plan = plan_fit(self.getConfig(), self.getOverrides(), spark_kinds(dataset.schema), label_col=label,
+        cfg = with_tuned(api.load_config(self.getConfig(), self.getOverrides()), self.tuned_values(),
+                         self.getOverrides(), spark=True)
+        plan = plan_fit(cfg, (), spark_kinds(dataset.schema), label_col=label,
                         feature_cols=self.getFeatureCols(), key_col=self.getKeyCol(), raw_dir=self.getRawDir(),
                         engine="spark", spark=spark)
         df = dataset
