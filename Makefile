@@ -6,13 +6,14 @@
 #   PYTEST_ARGS go to pytest in both, e.g. make test PYTEST_ARGS=-x
 # `make docs` / `make docs-serve`: build (strict) / serve the documentation site (mkdocs.yml).
 # `make docs-ref`: regenerate docs/reference/ from the code (config models, CLI, bad-input catalog).
+# `make typecheck`: pyright on the package ([tool.pyright] in pyproject.toml), as CI runs it.
 PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
 # mkdocs-material prints a banner about its successor on every build; not ours to act on.
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: run test test-all venv docs docs-serve docs-ref clean
+.PHONY: run test test-all venv docs docs-serve docs-ref typecheck clean
 
 venv: $(STAMP)
 
@@ -40,6 +41,9 @@ docs-serve: $(STAMP)
 
 docs-ref: $(STAMP)
 	$(VENV)/bin/python docs/gen_ref.py
+
+typecheck: $(STAMP)
+	$(VENV)/bin/pyright
 
 clean:
 	rm -rf shardline-data mlruns mlflow.db .pytest_cache site

@@ -132,7 +132,8 @@ def petastorm_status() -> dict:
         why = "not installed beside shardline"
     else:
         try:
-            import petastorm  # noqa: F401
+            # pyright, run in shardline's venv, finds no petastorm there (its own venv has it).
+            import petastorm  # noqa: F401  # pyright: ignore[reportMissingImports]
             why = None
         except Exception as e:  # its import fails on newer pyarrow/numpy
             why = f"import fails: {type(e).__name__}: {e}".splitlines()[0]

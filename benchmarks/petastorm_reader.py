@@ -29,10 +29,12 @@ import pyarrow
 
 def main() -> None:
     args = json.loads(sys.stdin.read())
-    import petastorm
+    # petastorm lives in its own venv (it needs an older pyarrow): pyright, run in
+    # shardline's, cannot resolve it.
+    import petastorm  # pyright: ignore[reportMissingImports]
     import torch
-    from petastorm import make_batch_reader
-    from petastorm.pytorch import BatchedDataLoader
+    from petastorm import make_batch_reader  # pyright: ignore[reportMissingImports]
+    from petastorm.pytorch import BatchedDataLoader  # pyright: ignore[reportMissingImports]
 
     torch.set_num_threads(1)  # the same single process as the other methods
     urls = ["file://" + p for p in args["files"]]

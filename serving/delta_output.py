@@ -7,7 +7,9 @@ unit's commit), the output's lease. Then the driver appends the run's committed 
 the table in ONE Delta transaction (add actions naming the files where they are: no row
 is copied), carrying Delta's idempotent-write transaction id: the application id
 `shardline-score <model> <version>` and a version one above the table's last for it.
-A commit retried after an unclear failure is a no-op once the table holds that id.
+A commit retried after an unclear failure is a no-op once the table holds that id. The
+table's first commit (version 0) is written by shardline and published in one step
+(serving.delta_create): a run stopped before it leaves no `_delta_log/` behind.
 
 The ledger says what is scored, the table says what is published: a file the ledger
 holds and the table does not list (a job killed between the two commits) is appended by
@@ -36,6 +38,7 @@ from .ledger import all_scores, read_ledger
 from .worker import output_schema
 
 # Imported inside the functions that use them: deltalake (only for a Delta table).
+from .delta_create import LOG, first_commit, has_commits, is_staging, publish_first
 
 SCORES = "_shardline_scores"
 FORMATS = ("parquet", "delta")
@@ -65,7 +68,7 @@ class DeltaOutput:
 
     def check(self) -> None:
         """The root is absent, empty, or a Delta table: refused in one line otherwise."""
-        found = [n for n in storage.list_dir(self.root) if n not in (SCORES,)]
+        found = [n for n in storage.list_dir(self.root) if n != SCORES and not is_staging(n)]
         if found and not is_table(self.root):
             raise ConfigError(f"serving.output_dir = {storage.display(self.root)}: holds files ({found[0]}, ...) "
                               "and is not a Delta table; choose an empty folder or a Delta table for output_format "
@@ -76,8 +79,15 @@ class DeltaOutput:
     def _table(self):
         from deltalake import DeltaTable
 
-        return DeltaTable(native(self.root), storage_options=storage_options(self.root)) if is_table(self.root) \
-            else None
+        # A _delta_log/ with no commit in it (a create stopped midway, before shardline wrote
+        # version 0 itself) is no table yet: the first commit clears it (serving.delta_create).
+        return DeltaTable(native(self.root), storage_options=storage_options(self.root)) \
+            if is_table(self.root) and has_commits(self.root) else None
+
+    def key_column(self) -> str | None:
+        """The table's key column (its first: serving.worker.output_schema), if it exists."""
+        table = self._table()
+        return table.schema().fields[0].name if table is not None else None
 
     def _live(self, table) -> set[str]:
         if table is None:
@@ -111,41 +121,55 @@ class DeltaOutput:
 
         table = self._table()
         live = self._live(table)
-        adds, rows = [], 0
+        adds = []
         for s in all_scores(self.scores):
             for e in sorted(s.entries.values(), key=lambda e: e["output"]):
                 rel = self._rel(s.dir, e["output"])
-                if rel in live:
-                    continue
-                url = storage.join(s.dir, e["output"])
-                adds.append(AddAction(rel, storage.size(url), {}, int(time.time() * 1000), True,
-                                      json.dumps({"numRecords": e["rows"]})))
-                rows += e["rows"]
+                if rel not in live:
+                    adds.append({"path": rel, "size": storage.size(storage.join(s.dir, e["output"])),
+                                 "rows": e["rows"]})
         if not adds:
             return 0
         spec = plan.transform.spec
-        schema = output_schema(spec.task == "classification", spec.task == "next_token")
-        self._commit(table, adds, plan, "append", schema)
-        return rows
+        schema = output_schema(spec.task == "classification", spec.task == "next_token", plan.key_column)
+        if table is None:
+            self._create(adds, plan, schema)
+        else:
+            now = int(time.time() * 1000)
+            self._commit(table, [AddAction(a["path"], a["size"], {}, now, True, json.dumps({"numRecords": a["rows"]}))
+                                 for a in adds], plan, "append", schema)
+        return sum(a["rows"] for a in adds)
+
+    def _create(self, adds: list[dict], plan, schema: pa.Schema) -> None:
+        """Version 0, holding this run's appends: published whole (serving.delta_create)."""
+        app = app_id(plan.model.name, plan.model.version)
+        data = first_commit(schema, adds, app, 1, "append")
+        try:
+            if publish_first(self.root, data):
+                return
+        except Exception as e:
+            raise DataError(f"serving.output_dir = {storage.display(self.root)}: the Delta table could not be "
+                            f"created ({first_line(e, 200)}); nothing of it was written, the scores are committed in "
+                            f"{SCORES}/ and the next run appends them") from None
+        table = self._table()  # someone created it first
+        if table is None:
+            raise DataError(f"serving.output_dir = {storage.display(self.root)}: its {LOG}/ changed while the "
+                            "table was created; run again")
+        if (table.transaction_version(app) or 0) < 1:  # not ours: append to it as to any table
+            self.publish(plan)
 
     def _commit(self, table, actions: list, plan, what: str, schema: pa.Schema | None = None) -> None:
-        """One Delta transaction with the run's transaction id; retried, it lands once."""
+        """One Delta transaction on an existing table with the run's transaction id; retried,
+        it lands once."""
         from deltalake import CommitProperties, Transaction
 
         app = app_id(plan.model.name, plan.model.version)
-        version = ((table.transaction_version(app) if table is not None else None) or 0) + 1
+        version = (table.transaction_version(app) or 0) + 1
         props = CommitProperties(app_transactions=[Transaction(app, version)],
                                  custom_metadata={"shardline": f"score {what}"})
         for attempt in range(3):
             try:
-                if table is None:
-                    from deltalake import Schema
-                    from deltalake.transaction import create_table_with_add_actions
-
-                    create_table_with_add_actions(native(self.root), Schema.from_arrow(schema), actions, mode="error",
-                                                  storage_options=storage_options(self.root), commit_properties=props)
-                else:
-                    table.create_write_transaction(actions, "append", schema or table.schema(), commit_properties=props)
+                table.create_write_transaction(actions, "append", schema or table.schema(), commit_properties=props)
                 return
             except Exception as e:
                 table = self._table()

@@ -26,6 +26,7 @@ from shardline.foundation.progress import ProgressListener
 
 from .delta_output import FORMATS, DeltaOutput
 from .inputs import Transform, Unit, check_unit, discover
+from .key_column import key_column
 from .ledger import (
     Scores,
     all_scores,
@@ -83,6 +84,7 @@ class ScorePlan:
     discard: list[Scores] = field(default_factory=list)  # what --force removes
     rows: dict[str, int] = field(default_factory=dict)  # unit id -> rows, of checked units
     table: DeltaOutput | None = None  # output_format = "delta": the table the run appends to
+    key_column: str = "key"  # the scores' name for the rows' key (serving.key_column), set by select
 
     def publish(self) -> int:
         """Delta output: append what the ledgers hold and the table lacks (a run with nothing
@@ -163,6 +165,7 @@ def select(p: ScorePlan) -> None:
         p.discard, found, mine = found, [], []
     else:
         check_owner(p.out, found, p.model.name)
+    p.key_column = key_column(p.transform.spec.key, found, p.table.key_column() if p.table is not None else None)
     ledger = {uid: e for s in mine for uid, e in s.entries.items()}
     wanted = {u.unit_id for u in p.units}
     others = [e for uid, e in ledger.items() if uid not in wanted]
@@ -238,6 +241,7 @@ def execute(
                     progress_addr=listener.address,
                     progress_key=scored.key,
                     code=code,
+                    key_column=p.key_column,
                 )
                 for u in p.todo
             ]

@@ -48,13 +48,15 @@ class UnitTask:
     progress_key: str | None = None
     code: UserCode | None = None  # the user's code the model needs (foundation.code_travel), shipped by the driver
     allow_pickled: bool = False  # a pytorch-flavour model, allowed by serving.allow_pickled_models
+    key_column: str = "key"  # the output's name for the rows' key (serving.key_column)
 
 
-def output_schema(classification: bool, next_token: bool = False) -> pa.Schema:
-    """key, the prediction (class and probabilities, or the value), the model and the time.
+def output_schema(classification: bool, next_token: bool = False, key: str = "key") -> pa.Schema:
+    """The row's key (column `key`: the input's key column's own name: serving.key_column),
+    the prediction (class and probabilities, or the value), the model and the time.
     next_token: `prediction` is the token id predicted after the row's last non-pad
     position, `loss` the row's mean next-token loss over its `tokens` counted targets."""
-    fields = [pa.field("key", pa.int64())]
+    fields = [pa.field(key, pa.int64())]
     if next_token:
         fields += [
             pa.field("prediction", pa.int64()),
@@ -96,7 +98,7 @@ def _score_unit(task: UnitTask) -> dict:
     spec = task.transform.spec
     classification = spec.task == "classification"
     next_token = spec.task == "next_token"
-    schema = output_schema(classification, next_token)
+    schema = output_schema(classification, next_token, task.key_column)
     use_code(task.code)  # before the model is built: this job's version of the user's code
     model = cached_model(task.model_uri, task.tracking_uri, allow_pickled=task.allow_pickled)
     # torch defaults to one thread per core in every worker process: with one task
@@ -135,6 +137,7 @@ def _score_unit(task: UnitTask) -> dict:
         "unit_id": task.unit.unit_id,
         "fingerprint": task.unit.fingerprint,
         "output": task.output_name,
+        "key_column": task.key_column,  # entries without it are older: their files name it "key"
         "rows": rows,
         "model_name": task.model_name,
         "model_version": task.model_version,

@@ -9,9 +9,13 @@ data flow reads left to right there), and this folder holds a symbolic link to e
 `shardline/training/job.py` for Python, an installer and static tools alike.
 
 The Python API is imported lazily, so that `import shardline` on an executor (which
-only needs the engine packages) pulls in neither Spark nor MLflow.
+only needs the engine packages) pulls in neither Spark nor MLflow. Type checkers and IDEs
+read the same names from the `if TYPE_CHECKING:` imports below, so `shardline.train` has
+its real signature for them (the package ships `py.typed`).
 """
 
+# What a user's code calls: type-checked in pyright's basic mode ([tool.pyright] in pyproject.toml).
+# pyright: basic
 from __future__ import annotations
 
 # The errors a caller catches (`except shardline.ShardlineError`), loaded at once: their
@@ -19,6 +23,27 @@ from __future__ import annotations
 from .foundation.errors import ConfigError, DataError, LeaseHeld, ShardlineError, StorageError
 
 __version__ = "0.1.0"
+
+# Not `from typing import TYPE_CHECKING`: importing typing costs `import shardline` a few
+# milliseconds; pyright and mypy treat any name TYPE_CHECKING as true, Python sees False.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    # `name as name`: a re-export, as PEP 484 asks of a typed package's __init__.
+    from .api import (
+        PlanResult as PlanResult,
+        PrepareResult as PrepareResult,
+        RunResult as RunResult,
+        ScoreResult as ScoreResult,
+        TrainResult as TrainResult,
+        load_config as load_config,
+        plan as plan,
+        prepare as prepare,
+        run as run,
+        score as score,
+        score_status as score_status,
+        sweep as sweep,
+        train as train,
+    )
 
 _API = {
     name: "api" for name in (

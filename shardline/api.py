@@ -16,14 +16,16 @@ serving.engine) when the config writes it; else the kind of engine given (only a
 client: dask; only a SparkSession: spark); else the setting's default.
 """
 
+# What a user's code calls: type-checked in pyright's basic mode ([tool.pyright] in pyproject.toml).
+# pyright: basic
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from shardline.config import (
     CHECKPOINTS,
@@ -89,12 +91,16 @@ class RunResult:
         return {"prepare": self.prepare.to_dict(), "train": self.train.to_dict(), "score": self.score.to_dict()}
 
 
-def _keeps_callers_mlflow(fn):
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _keeps_callers_mlflow(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """The call leaves the caller's MLflow tracking URI as it was (training.tracking.
     callers_store_kept): a config naming its own store does not repoint the caller's."""
 
     @functools.wraps(fn)
-    def call(*args, **kwargs):
+    def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         from shardline.training.tracking import callers_store_kept
 
         with callers_store_kept():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -146,7 +146,7 @@ SOURCE, DATASET, CHECKPOINTS, OUTPUT = (
 
 
 def resolve_paths(
-    cfg: ShardlineConfig, engines: list[str | None], uses: tuple[str, ...] = (), *,
+    cfg: ShardlineConfig, engines: Sequence[str | None], uses: tuple[str, ...] = (), *,
     tracking: bool = False, sweep: bool = False, spark=None, client=None, apart: tuple[str, ...] | None = None,
 ) -> ShardlineConfig:
     """Every path setting as every host will open it (foundation.storage.resolve): local

@@ -6,9 +6,12 @@
     est.score(ddf)           # accuracy (classification) or R² (regression), a float
 
 scikit-learn is not needed to use it, but its tools take it: `get_params`/`set_params`
-(the parameters are `__init__`'s arguments), `sklearn.base.clone`, `fit(X, y=None)`,
-`classes_`, `n_features_in_`, `feature_names_in_`. A pandas DataFrame gives numpy results
-(as scikit-learn's own estimators do), a Dask DataFrame gives Dask collections.
+(the parameters are `__init__`'s arguments, the training settings a search tunes among
+them: `GridSearchCV(est, {"lr": [1e-3, 3e-3]})`), `sklearn.base.clone`, `fit(X, y=None)`,
+`classes_` (the labels as given), `n_features_in_`, `feature_names_in_`, a Pipeline after
+a scaler. X is a pandas or Dask DataFrame, or a 2-D array (its columns are x0, x1, ...);
+pandas or array input gives numpy results (as scikit-learn's own estimators do), a Dask
+DataFrame gives Dask collections.
 
 `fit` writes the DataFrame's columns as raw Parquet (`raw_dir`, default a new folder under
 pipelines.source.path), then prepares, trains and registers through shardline.api on the
@@ -19,23 +22,45 @@ in this process. The partition functions live in the engine packages (shardline.
 .serving), which workers elsewhere get with the job's code.
 """
 
+# What a user's code calls: type-checked in pyright's basic mode ([tool.pyright] in pyproject.toml).
+# pyright: basic
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import numpy as np
 
 from shardline import api
 from shardline.api import load_config
-from shardline.foundation.errors import ConfigError, ShardlineError
+from shardline.foundation.errors import ShardlineError
 from shardline.foundation.report import stage
 from shardline.pipelines.sources import with_row_key, write_pandas_part
 from shardline.serving.frames import feature_columns, predict_partition
 
+from .dask_frames import (
+    InputError,
+    as_frame,
+    check_discrete,
+    check_finite,
+    dask_frame,
+    dask_kinds,
+    dask_series,
+    encoded,
+    is_dask,
+    label_classes,
+    needs_encoding,
+    with_label,
+)
 from .estimators import Fitted, SklearnParams, label_name, plan_fit
+from .hyperparams import TUNED, with_tuned
 
 # Imported inside the functions that use them: pandas (~0.7 s: only where a DataFrame is built); Dask (only
 # with a Dask client); scikit-learn (optional: only when the caller uses it).
 
 _FITTED = ("fitted_", "prepared_", "trained_", "classes_", "n_features_in_", "feature_names_in_")
+
+__all__ = ["ShardlineEstimator", "dask_kinds"]
 
 
 class ShardlineEstimator(SklearnParams):
@@ -43,15 +68,20 @@ class ShardlineEstimator(SklearnParams):
     in pipelines.features where the config leaves them unset; no key column: one is
     generated. raw_dir: where the DataFrame is written (a path or URL every worker reaches).
     client: the Dask client to run on (a clone shares it).
+    model, model_args, hidden, strategy, epochs, batch_size, lr, weight_decay, lr_schedule,
+    warmup_steps, seed: training.<name> (shardline.hyperparams); None keeps the config's.
     After fit: `fitted_` (model URI, tracking URI, run id), `prepared_` and `trained_`
-    (shardline.api's results), `classes_` (classification), `n_features_in_` and
-    `feature_names_in_` (the columns the model reads)."""
+    (shardline.api's results), `classes_` (classification: the labels as given, sorted),
+    `n_features_in_`, and `feature_names_in_` (the columns the model reads, when X had names)."""
 
     _shared_params = ("client",)
 
     def __init__(self, config=None, overrides=(), *, label_col: str | None = None,
                  feature_cols: list[str] | None = None, key_col: str | None = None, raw_dir: str | None = None,
-                 client=None):
+                 client=None, model: str | None = None, model_args: dict[str, Any] | None = None,
+                 hidden: list[int] | None = None, strategy: str | None = None, epochs: int | None = None,
+                 batch_size: int | None = None, lr: float | None = None, weight_decay: float | None = None,
+                 lr_schedule: str | None = None, warmup_steps: int | None = None, seed: int | None = None):
         # Stored as given, nothing derived: scikit-learn's clone and set_params rely on it.
         self.config = config
         self.overrides = overrides
@@ -60,26 +90,45 @@ class ShardlineEstimator(SklearnParams):
         self.key_col = key_col
         self.raw_dir = raw_dir
         self.client = client
+        self.model = model
+        self.model_args = model_args
+        self.hidden = hidden
+        self.strategy = strategy
+        self.epochs = epochs
+        self.batch_size = batch_size
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.lr_schedule = lr_schedule
+        self.warmup_steps = warmup_steps
+        self.seed = seed
 
     @property
     def model_uri(self) -> str:
         return self._fitted().model_uri
 
     def fit(self, X, y=None) -> ShardlineEstimator:
-        """Train on X (a Dask or pandas DataFrame). y (a Series or array; a Dask Series
-        partitioned as X when X is Dask): the label, written as the label column (label_col,
-        else the config's, else "label"); without y, X holds the label column."""
+        """Train on X (a Dask or pandas DataFrame, or a 2-D array). y (a Series or array; a
+        Dask Series partitioned as X when X is Dask): the label, written as the label column
+        (label_col, else the config's, else "label"); without y, X holds the label column."""
+
         for name in _FITTED:  # a refit of another task must not keep the old classes_
             self.__dict__.pop(name, None)
         client = self.client or _default_client()
+        named = _has_names(X)
+        X = as_frame(X, "fit")
         label_col = self.label_col
         if y is not None:
             label_col = label_name(self.config, self.overrides, self.label_col)
-            X = _with_label(X, y, label_col)
-        df = _dask_frame(X, client)
-        plan = plan_fit(self.config, self.overrides, dask_kinds(df.dtypes), label_col=label_col,
-                        feature_cols=self.feature_cols, key_col=self.key_col, raw_dir=self.raw_dir,
-                        engine="dask", client=client)
+            X = with_label(X, y, label_col)
+        df = dask_frame(X, client)
+        cfg = with_tuned(api.load_config(self.config, self.overrides),
+                         {t.name: getattr(self, t.name) for t in TUNED}, self.overrides)
+        plan = plan_fit(cfg, (), dask_kinds(df.dtypes), label_col=label_col, feature_cols=self.feature_cols,
+                        key_col=self.key_col, raw_dir=self.raw_dir, engine="dask", client=client)
+        features = plan.cfg.pipelines.features
+        if not is_dask(X) and features.on_invalid_features == "fail":  # in memory: refused before any write
+            check_finite(X, features.numeric or [], "fit")
+        classes, plan, df = _classes_of(plan, df)
         if plan.generated_key:
             df = df.map_partitions(with_row_key, plan.generated_key, meta=with_row_key(df._meta, plan.generated_key))
         raw = plan.raw_dir
@@ -90,47 +139,49 @@ class ShardlineEstimator(SklearnParams):
         fitted = Fitted.of(prepared, trained)
         self.prepared_, self.trained_, self.fitted_ = prepared, trained, fitted
         features = feature_columns(fitted.transform)
-        self.feature_names_in_ = np.asarray(features, dtype=object)
+        if named:  # as scikit-learn's: only when X had column names of its own
+            self.feature_names_in_ = np.asarray(features, dtype=object)
         self.n_features_in_ = len(features)
         if fitted.classification:
-            self.classes_ = _classes(fitted)
+            self.classes_ = classes if classes is not None else _declared_classes(fitted)
         return self
 
     def predict(self, X):
         """The class (one of classes_) or the value (float64) per row: a dask Series
-        `prediction` partitioned as X, or for a pandas X a numpy array."""
+        `prediction` partitioned as X, or for a pandas X or an array a numpy array."""
         import pandas as pd
 
         f = self._fitted()
-        names = f.transform.spec.class_names if f.classification else None
-        if _is_dask(X):
+        X = self._frame(X, "predict")
+        if is_dask(X):
             meta = pd.Series([], dtype="int64" if f.classification else "float64", name="prediction")
             pred = X.map_partitions(predict_partition, f.model_uri, f.tracking_uri, f.transform_json, False,
                                     meta=meta)
-            # Named classes: the index the model predicts, mapped to its name (pandas' own map).
-            return pred.map(dict(enumerate(names)), meta=("prediction", "object")) if names else pred
-        pred = predict_partition(_pandas_frame(X, "predict"), f.model_uri, f.tracking_uri, f.transform_json,
-                                 False).to_numpy()
-        return self.classes_[pred] if names else pred
+            if f.classification and needs_encoding(self.classes_):
+                # The index the model predicts, mapped to its label (pandas' own map, on the workers).
+                return pred.map(dict(enumerate(self.classes_.tolist())), meta=("prediction", self.classes_.dtype))
+            return pred
+        pred = predict_partition(X, f.model_uri, f.tracking_uri, f.transform_json, False).to_numpy()
+        return self.classes_[pred] if f.classification and needs_encoding(self.classes_) else pred
 
     def predict_proba(self, X):
         """Classification: the class probabilities, one column per class in classes_ order: a
-        dask DataFrame (columns: the classes) partitioned as X, or for a pandas X a numpy
-        array [rows, classes]."""
+        dask DataFrame (columns: the classes) partitioned as X, or for a pandas X or an array
+        a numpy array [rows, classes]."""
         import pandas as pd
 
         f = self._fitted()
         if not f.classification:
             raise ShardlineError("predict_proba: the model is a regression (no class probabilities)")
-        classes = f.transform.stats.num_classes
-        if _is_dask(X):
+        X = self._frame(X, "predict_proba")
+        if is_dask(X):
+            classes = f.transform.stats.num_classes
             meta = pd.DataFrame({k: pd.Series([], dtype="float32") for k in range(classes)})
             probs = X.map_partitions(predict_partition, f.model_uri, f.tracking_uri, f.transform_json, True,
                                      meta=meta)
-            names = f.transform.spec.class_names
-            return probs.rename(columns=dict(enumerate(names))) if names else probs
-        return predict_partition(_pandas_frame(X, "predict_proba"), f.model_uri, f.tracking_uri,
-                                 f.transform_json, True).to_numpy()
+            names = self.classes_.tolist()
+            return probs.rename(columns=dict(enumerate(names))) if needs_encoding(self.classes_) else probs
+        return predict_partition(X, f.model_uri, f.tracking_uri, f.transform_json, True).to_numpy()
 
     def score(self, X, y=None, sample_weight=None) -> float:
         """Accuracy (classification) or R² (regression) of predict(X) against y, as
@@ -139,15 +190,15 @@ class ShardlineEstimator(SklearnParams):
         f = self._fitted()
         if y is None:
             label = f.transform.spec.label
-            if label not in X.columns:
-                raise ShardlineError(f"score: no y given and X has no label column '{label}'")
+            if label not in getattr(X, "columns", ()):
+                raise InputError(f"score: no y given and X has no label column '{label}'")
             y = X[label]
         pred = self.predict(X)
-        if _is_dask(X):
-            from dask import compute
+        if is_dask(X):
+            from dask.base import compute
 
-            y = _dask_series(y, "y")
-            w = None if sample_weight is None else _dask_series(sample_weight, "sample_weight")
+            y = dask_series(y, "y")
+            w = None if sample_weight is None else dask_series(sample_weight, "sample_weight")
         else:
             compute = _as_computed
             y = np.asarray(y)
@@ -165,7 +216,7 @@ class ShardlineEstimator(SklearnParams):
         the fitted model's task, else the config's pipelines.features.task."""
         from sklearn.utils import ClassifierTags, InputTags, RegressorTags, Tags, TargetTags
 
-        kind = {"classification": "classifier", "regression": "regressor"}.get(self._task())
+        kind = {"classification": "classifier", "regression": "regressor"}.get(self._task() or "")
         return Tags(
             estimator_type=kind,
             target_tags=TargetTags(required=False),  # the label may be a column of X
@@ -188,13 +239,67 @@ class ShardlineEstimator(SklearnParams):
     def _fitted(self) -> Fitted:
         fitted = getattr(self, "fitted_", None)
         if fitted is None:
-            raise ShardlineError("this ShardlineEstimator is not fitted yet: call fit(X) first")
+            raise _not_fitted_error()("this ShardlineEstimator is not fitted yet: call fit(X) first")
         fitted.check()  # the model version, before any worker loads it
         return fitted
 
+    def _frame(self, X, call: str):
+        """X to predict on as a DataFrame: an array's columns are the fitted model's features,
+        by position (as it was fitted on an array, or as a Pipeline's scaler hands them on)."""
+        transform = self._fitted().transform
+        X = as_frame(X, call, columns=feature_columns(transform))
+        if not is_dask(X) and transform.spec.on_invalid_features == "fail":
+            check_finite(X, transform.spec.numeric or [], call)
+        return X
 
-def _classes(fitted: Fitted) -> np.ndarray:
-    """The labels predict returns: the names in pipelines.features.classes, else 0..K-1."""
+
+_NOT_FITTED: list[type] = []
+
+
+def _not_fitted_error() -> type:
+    """The error of predict before fit: a ShardlineError that is scikit-learn's
+    NotFittedError where scikit-learn is installed (what its tools catch), else what that
+    is, a ValueError and an AttributeError. Made at the first use: importing scikit-learn
+    costs `import shardline.dask` a second."""
+    if not _NOT_FITTED:
+        try:
+            from sklearn.exceptions import NotFittedError as base
+        except ImportError:
+            bases: tuple[type, ...] = (ShardlineError, ValueError, AttributeError)
+        else:
+            bases = (ShardlineError, base)
+        _NOT_FITTED.append(type("NotFittedError", bases, {"__module__": __name__}))
+    return _NOT_FITTED[0]
+
+
+def _has_names(X) -> bool:
+    """Whether X names its columns (a DataFrame with string column names), as scikit-learn
+    decides to set feature_names_in_."""
+    columns = getattr(X, "columns", None)
+    return columns is not None and all(isinstance(c, str) for c in columns)
+
+
+def _classes_of(plan, df):
+    """(classes_, plan, df) of a fit: a classification whose config declares no classes gets
+    its labels' distinct values as classes_ (as given: integers stay integers, names stay
+    names), and labels that are not already 0..K-1 are mapped to their positions for
+    training, with pipelines.features.classes = K; else (None, plan, df) unchanged."""
+    from shardline.api import load_config
+
+    spec = plan.cfg.pipelines.features
+    if spec.task != "classification" or spec.classes is not None:
+        return None, plan, df
+    classes = label_classes(df[spec.label])
+    check_discrete(classes, spec.label)
+    if len(classes) < 2:
+        raise InputError(f"fit: the label column '{spec.label}' holds one class ({classes.tolist()}): a "
+                         "classifier needs at least 2 classes")
+    plan = dataclasses.replace(plan, cfg=load_config(plan.cfg, {"pipelines.features.classes": len(classes)}))
+    return classes, plan, encoded(df, spec.label, classes) if needs_encoding(classes) else df
+
+
+def _declared_classes(fitted: Fitted) -> np.ndarray:
+    """The config's classes: the names in pipelines.features.classes, else 0..K-1."""
     t = fitted.transform
     names = t.spec.class_names
     return np.asarray(names, dtype=object) if names else np.arange(t.stats.num_classes, dtype=np.int64)
@@ -210,70 +315,6 @@ def _sum(x, w):
 
 def _as_computed(*values):
     return values
-
-
-def _is_dask(obj) -> bool:
-    return type(obj).__module__.split(".")[0] in ("dask", "dask_expr")
-
-
-def _pandas_frame(X, call: str):
-    import pandas as pd
-
-    if not isinstance(X, pd.DataFrame):
-        raise ShardlineError(f"{call}: X is a {type(X).__name__}; give a pandas or Dask DataFrame "
-                             "(shardline reads its columns by name)")
-    return X
-
-
-def _dask_frame(X, client):
-    """X as a Dask DataFrame: a pandas one is split in as many partitions as the client has
-    workers, each written by one of them."""
-    if _is_dask(X):
-        return X
-    import dask.dataframe as dd
-
-    X = _pandas_frame(X, "fit")
-    workers = len(client.scheduler_info().get("workers", {})) if client is not None else 1
-    return dd.from_pandas(X, npartitions=max(1, min(workers, len(X))))
-
-
-def _dask_series(y, what: str):
-    if not _is_dask(y):
-        raise ShardlineError(f"score: X is a Dask DataFrame, so {what} must be a Dask Series partitioned as X")
-    return y
-
-
-def _with_label(X, y, name: str):
-    """X with y as its column `name`: by position for a pandas X, by index for a Dask one."""
-    if name in X.columns:
-        raise ConfigError(f"fit: y is given and X has a column '{name}' too: leave y out (label_col names "
-                          "X's label column) or drop the column from X")
-    if _is_dask(X):
-        import dask.dataframe as dd
-
-        if not isinstance(y, dd.Series):
-            raise ConfigError("fit: X is a Dask DataFrame, so y must be a Dask Series partitioned as X "
-                              "(or leave y out and name X's label column with label_col)")
-        try:
-            return X.assign(**{name: y})
-        except ValueError as e:
-            raise ConfigError(f"fit: y does not line up with X's partitions: {e}") from None
-    values = np.asarray(y.compute() if _is_dask(y) else y)
-    if values.ndim != 1 or len(values) != len(_pandas_frame(X, "fit")):
-        raise ConfigError(f"fit: y has shape {values.shape}, X has {len(X)} rows: give one label per row")
-    return X.assign(**{name: values})
-
-
-def dask_kinds(dtypes) -> dict[str, str | None]:
-    """column -> numeric / categorical / None, from a (dask) DataFrame's dtypes."""
-    from pandas.api.types import is_bool_dtype, is_numeric_dtype, is_object_dtype, is_string_dtype
-
-    def kind(t):
-        if is_numeric_dtype(t) and not is_bool_dtype(t):
-            return "numeric"
-        return "categorical" if is_string_dtype(t) or is_object_dtype(t) or str(t) == "category" else None
-
-    return {str(c): kind(t) for c, t in dtypes.items()}
 
 
 def _default_client():

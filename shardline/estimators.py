@@ -1,6 +1,8 @@
 """What the Spark and Dask estimators share: the config of a fit (its DataFrame is the source,
 written as raw Parquet first) and the fitted model's description."""
 
+# What a user's code calls: type-checked in pyright's basic mode ([tool.pyright] in pyproject.toml).
+# pyright: basic
 from __future__ import annotations
 
 import copy
@@ -35,6 +37,8 @@ def plan_fit(
 ) -> FitPlan:
     """The fit's config: the estimator's arguments fill in what the config leaves unset; a
     column named both ways, differently, is refused (a written setting is never ignored).
+    The DataFrame is written to raw_dir (default: a new folder under pipelines.source.path),
+    and a written training.checkpoint_dir holds this fit's checkpoints in a new folder.
 
     kinds: column -> "numeric", "categorical" or None (a type shardline cannot use).
     """
@@ -72,12 +76,18 @@ def plan_fit(
         update["pipelines.features.categorical"] = [c for c in cols if kinds[c] == "categorical"]
     features = [*(update.get("pipelines.features.numeric") or f.numeric or []),
                 *(update.get("pipelines.features.categorical") or f.categorical or []), *f.vectors]
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    fit = f"fit-{stamp}-{uuid.uuid4().hex[:8]}"  # this fit's folders' name
     if raw_dir is None:
-        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
-        raw_dir = join(src.path, f"fit-{stamp}-{uuid.uuid4().hex[:8]}")
+        raw_dir = join(src.path, fit)
     raw = resolve(raw_dir, "pipelines.source.path", cluster_of(cfg, [engine], spark, client))
     update |= {"pipelines.source.format": "parquet", "pipelines.source.path": raw,
                "pipelines.features.label": label}
+    if "checkpoint_dir" in cfg.training.model_fields_set:
+        # Every fit is a new training job: a search's fits (or a refit) each get a folder of
+        # their own under the one written, where the next would otherwise meet (and refuse)
+        # the last one's checkpoints. Unset, each job has its own folder already.
+        update["training.checkpoint_dir"] = join(cfg.training.checkpoint_dir, fit)
     if key is not None:
         update["pipelines.features.key"] = key
     cfg = load_config(cfg, update)

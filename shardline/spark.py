@@ -14,10 +14,13 @@ as JSON (pyspark 4.3 writes it with DataFrame calls only, so on Connect too). Th
 model's weights are not among them: they stay in the MLflow Model Registry (`model_uri`).
 """
 
+# What a user's code calls: type-checked in pyright's basic mode ([tool.pyright] in pyproject.toml).
+# pyright: basic
 from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 from pyspark.ml import Estimator, Model
 from pyspark.ml.param import Param, Params, TypeConverters
@@ -32,6 +35,11 @@ from shardline.foundation.report import stage
 from shardline.foundation.spark_setup import adopt_session, is_connect
 
 from .estimators import Fitted, plan_fit
+from .hyperparams import with_tuned
+from .spark_params import HasTrainingParams
+
+if TYPE_CHECKING:
+    from shardline.api import PrepareResult, TrainResult
 
 # Imported inside the functions that use them: pyspark (only with a Spark session: Dask and local jobs never
 # import it).
@@ -58,6 +66,7 @@ def _overrides_value(value):
 class _Saved(DefaultParamsReadable, DefaultParamsWritable):
     def write(self):
         """The Params as JSON (`save(path)` = `write().save(path)`; `write().overwrite()` too)."""
+        assert isinstance(self, Params)  # mixed into Params classes only (and so for type checkers)
         return _Writer(self)
 
 
@@ -80,13 +89,16 @@ class _Writer(DefaultParamsWriter):
             super()._handleOverwrite(path)
 
 
-class ShardlineEstimator(Estimator, HasLabelCol, HasPredictionCol, HasProbabilityCol, _Saved):
+class ShardlineEstimator(Estimator, HasLabelCol, HasPredictionCol, HasProbabilityCol, HasTrainingParams, _Saved):
     """config, overrides: as shardline.api takes them. label_col, feature_cols, key_col: fill
     in pipelines.features (label, numeric/categorical by column type, key) where the config
     leaves them unset; no key column: one is generated (`shardline_key`). raw_dir: where the
     DataFrame is written (a path or URL every executor reaches). Each is a Param with a
     setter (setConfig, setOverrides, setLabelCol, setFeatureCols, setKeyCol, setRawDir,
-    setPredictionCol, setProbabilityCol); labelCol is used only when set."""
+    setPredictionCol, setProbabilityCol); labelCol is used only when set. model, model_args,
+    hidden, strategy, epochs, batch_size, lr, weight_decay, lr_schedule, warmup_steps, seed:
+    training.<name>, the Params a search tunes (model, modelArgs, ..., batchSize, lr, ...:
+    shardline.spark_params), unset unless given (the config's value holds)."""
 
     config = Param(Params._dummy(), "config", "the job's config: a TOML path or a dict of sections "
                    "(a ShardlineConfig object works, but is not saved)", typeConverter=_config_value)
@@ -101,7 +113,11 @@ class ShardlineEstimator(Estimator, HasLabelCol, HasPredictionCol, HasProbabilit
 
     def __init__(self, config=None, overrides=(), *, label_col: str | None = None,
                  feature_cols: list[str] | None = None, key_col: str | None = None, raw_dir: str | None = None,
-                 prediction_col: str = "prediction", probability_col: str = "probability"):
+                 prediction_col: str = "prediction", probability_col: str = "probability",
+                 model: str | None = None, model_args: dict | None = None, hidden: list[int] | None = None,
+                 strategy: str | None = None, epochs: int | None = None, batch_size: int | None = None,
+                 lr: float | None = None, weight_decay: float | None = None, lr_schedule: str | None = None,
+                 warmup_steps: int | None = None, seed: int | None = None):
         super().__init__()
         self._setDefault(config=None, overrides=[], featureCols=None, keyCol=None, rawDir=None,
                          predictionCol="prediction", probabilityCol="probability")
@@ -110,6 +126,9 @@ class ShardlineEstimator(Estimator, HasLabelCol, HasPredictionCol, HasProbabilit
                  "predictionCol": prediction_col if prediction_col != "prediction" else None,
                  "probabilityCol": probability_col if probability_col != "probability" else None}
         self._set(**{k: v for k, v in given.items() if v is not None})  # what is left out keeps its default
+        self._set_tuned(dict(model=model, model_args=model_args, hidden=hidden, strategy=strategy, epochs=epochs,
+                             batch_size=batch_size, lr=lr, weight_decay=weight_decay, lr_schedule=lr_schedule,
+                             warmup_steps=warmup_steps, seed=seed))
 
     def setConfig(self, value) -> ShardlineEstimator:
         return self._set(config=value)
@@ -157,7 +176,9 @@ class ShardlineEstimator(Estimator, HasLabelCol, HasPredictionCol, HasProbabilit
         adopt_session(spark)  # the write below runs our code on the executors already
         # labelCol's default ("label") gives way to the config's label: only a set one is the caller's.
         label = self.getLabelCol() if self.isSet(self.labelCol) else None
-        plan = plan_fit(self.getConfig(), self.getOverrides(), spark_kinds(dataset.schema), label_col=label,
+        cfg = with_tuned(api.load_config(self.getConfig(), self.getOverrides()), self.tuned_values(),
+                         self.getOverrides(), spark=True)
+        plan = plan_fit(cfg, (), spark_kinds(dataset.schema), label_col=label,
                         feature_cols=self.getFeatureCols(), key_col=self.getKeyCol(), raw_dir=self.getRawDir(),
                         engine="spark", spark=spark)
         df = dataset
@@ -207,7 +228,9 @@ class ShardlineModel(Model, HasLabelCol, HasPredictionCol, HasProbabilityCol, _S
             self._set(modelUri=fitted.model_uri, trackingUri=fitted.tracking_uri, runId=fitted.run_id,
                       featureSpec=spec, statistics=stats, featuresWidth=width,
                       classification=fitted.classification)
-        self.prepared = self.trained = None  # shardline.api's PrepareResult and TrainResult of the fit
+        # shardline.api's results of the fit that made this model (None after load).
+        self.prepared: PrepareResult | None = None
+        self.trained: TrainResult | None = None
 
     @property
     def fitted(self) -> Fitted:
@@ -312,7 +335,9 @@ def _write(spark, df, raw_dir: str) -> int:
 
         from shardline.pipelines.sources import write_raw_part
 
-        rows = write_raw_part(batches, raw_dir, TaskContext.get().partitionId())
+        ctx = TaskContext.get()
+        assert ctx is not None  # inside a task
+        rows = write_raw_part(batches, raw_dir, ctx.partitionId())
         yield pa.RecordBatch.from_pydict({"rows": [rows]})
 
     return sum(r["rows"] for r in df.mapInArrow(write, "rows long").collect())

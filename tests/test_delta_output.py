@@ -103,6 +103,49 @@ def test_units_committed_but_not_appended_are_appended_by_the_next_run(dask_clie
     _assert_once(out, raw.column("key").to_pylist())
 
 
+@pytest.mark.slow
+def test_a_table_whose_first_commit_failed_has_no_log_and_the_next_run_creates_it(dask_client, prepared, raw,
+                                                                                     tracking_uri, tmp_path):
+    """#53.18: the first commit stopped midway (a full disk, for real: a tmpfs) leaves no
+    `_delta_log/`, so Delta readers say "not a table" instead of failing on an empty log;
+    what writers killed mid-create leave (delta-rs's log folder without a commit, shardline's
+    staging folder) is cleared by the next run, which creates the table with each row once.
+    Full tier (marker `slow`): mounts a tmpfs, which needs root."""
+    from deltalake.exceptions import TableNotFoundError
+
+    from shardline.foundation.errors import DataError
+    from shardline.pipelines.delta_source import is_table
+
+    from .small_disk import fill, small_disk
+
+    model = trained_model(prepared)
+    write_raw(raw, tmp_path / "in", files=2)
+    with small_disk(tmp_path / "disk", "16m") as disk:
+        out = disk / "table"
+        # The units committed, the table's commit to come (as in the test above).
+        score("dask", dask_client, model.model_uri, tracking_uri, str(tmp_path / "in"), f"{out}/{SCORES}",
+              batch_size=256)
+        p = plan(model.model_uri, tracking_uri, str(tmp_path / "in"), str(out), output_format="delta")
+        filler = fill(disk)
+        with pytest.raises(DataError, match="the Delta table could not be created .*nothing of it was written"):
+            p.publish()
+        # Not a table, by every reader's test: no _delta_log/ at all (delta-rs itself cannot tell
+        # an empty log from none: it raises "No files in log segment" for both).
+        assert sorted(os.listdir(out)) == [SCORES]
+        assert not DeltaTable.is_deltatable(str(out)) and not is_table(str(out))
+        with pytest.raises(TableNotFoundError):
+            DeltaTable(str(out))
+        filler.unlink()
+        (out / "_delta_log").mkdir()  # delta-rs killed between its mkdir and its commit file
+        (out / "._delta_log.0123abcd.tmp").mkdir()  # shardline killed before its rename
+        p = plan(model.model_uri, tracking_uri, str(tmp_path / "in"), str(out), output_format="delta")
+        assert p.publish() == raw.num_rows
+        assert sorted(os.listdir(out)) == ["_delta_log", SCORES]
+        _assert_once(str(out), raw.column("key").to_pylist())
+        name, version = model.model_uri.split("/")[1:]
+        assert DeltaTable(str(out)).version() == 0 and DeltaTable(str(out)).transaction_version(app_id(name, version)) == 1
+
+
 def test_a_worker_killed_mid_unit_leaves_each_row_once(dask_client, prepared, raw, tracking_uri, tmp_path):
     marker = tmp_path / "stalled"
     uri = register_wrapped(prepared, tracking_uri, "stalls-delta", lambda inner: StallsOnce(inner, str(marker)))

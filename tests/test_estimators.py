@@ -188,13 +188,25 @@ def test_dask_estimator_params_follow_sklearn(dask_client, tmp_path):
     est = ShardlineEstimator(config, ["training.epochs=1"], label_col="label", feature_cols=["x0", "x1"],
                              client=dask_client)
     params = est.get_params()
+    tuned = ("model", "model_args", "hidden", "strategy", "epochs", "batch_size", "lr", "weight_decay",
+             "lr_schedule", "warmup_steps", "seed")  # training settings a search tunes (#53.23): None, the config's
     assert params == {"config": config, "overrides": ["training.epochs=1"], "label_col": "label",
-                      "feature_cols": ["x0", "x1"], "key_col": None, "raw_dir": None, "client": dask_client}
+                      "feature_cols": ["x0", "x1"], "key_col": None, "raw_dir": None, "client": dask_client,
+                      **dict.fromkeys(tuned)}
     assert all(params[k] is getattr(est, k) for k in params)  # stored as given, under its own name
-    assert est.set_params(key_col="id", raw_dir=str(tmp_path / "raw")) is est
-    assert (est.key_col, est.get_params()["raw_dir"]) == ("id", str(tmp_path / "raw"))
-    with pytest.raises(ValueError, match="Invalid parameter 'epochs' for estimator ShardlineEstimator"):
-        est.set_params(epochs=3)
+    assert est.set_params(key_col="id", raw_dir=str(tmp_path / "raw"), lr=1e-3, model_args={"w": 2}) is est
+    assert (est.key_col, est.get_params()["raw_dir"], est.lr, est.model_args) == ("id", str(tmp_path / "raw"),
+                                                                                 1e-3, {"w": 2})
+    with pytest.raises(ValueError, match="Invalid parameter 'epochz' for estimator ShardlineEstimator"):
+        est.set_params(epochz=3)
+    # A setting given twice, or a bad value, is refused at fit before anything is written.
+    X, y = _frame().head(20).drop(columns="label"), _frame().head(20)["label"]
+    with pytest.raises(ShardlineError, match="epochs = 2 and overrides set training.epochs too: give it once"):
+        clone(est).set_params(epochs=2).fit(X, y)
+    with pytest.raises(ShardlineError, match="lr = 0: Input should be greater than 0"):
+        clone(est).set_params(lr=0).fit(X, y)
+    assert not (tmp_path / "raw").exists()
+    est.set_params(lr=None, model_args=None)
 
     twin = clone(est)
     assert type(twin) is ShardlineEstimator and twin is not est
@@ -223,8 +235,11 @@ def test_spark_params_setters_defaults_and_save(spark, tmp_path):
 
     est = ShardlineEstimator()
     defaults = {p.name: est.getOrDefault(p) for p in est.params}
+    tuned = {"model", "modelArgs", "hidden", "strategy", "epochs", "batchSize", "lr", "weightDecay", "lrSchedule",
+             "warmupSteps", "seed"}  # the training settings a search tunes (#53.23): None, the config's
     assert defaults == {"config": None, "overrides": [], "labelCol": "label", "featureCols": None, "keyCol": None,
-                        "rawDir": None, "predictionCol": "prediction", "probabilityCol": "probability"}
+                        "rawDir": None, "predictionCol": "prediction", "probabilityCol": "probability",
+                        **dict.fromkeys(tuned)}
     assert not any(est.isSet(p) for p in est.params)  # the config's label wins over labelCol's default
     config = _config(tmp_path)
     for setter, value in [("setConfig", config), ("setOverrides", ["training.epochs=1"]), ("setLabelCol", "y"),
@@ -238,6 +253,21 @@ def test_spark_params_setters_defaults_and_save(spark, tmp_path):
     kw = ShardlineEstimator(config, ["training.epochs=1"], label_col="y", feature_cols=["x0", "x1"], key_col="id",
                             raw_dir=str(tmp_path), prediction_col="pred", probability_col="prob")
     assert {p.name: kw.getOrDefault(p) for p in kw.params} == {p.name: est.getOrDefault(p) for p in est.params}
+    # The training settings: keywords, Params pyspark.ml's tuning takes, saved with the rest.
+    est = ShardlineEstimator(config, lr=1e-3, model_args={"width": 4}, hidden=[8], batch_size=32)
+    assert (est.getOrDefault(est.lr), est.getOrDefault(est.modelArgs), est.getOrDefault(est.batchSize)) == (
+        1e-3, {"width": 4}, 32)
+    from pyspark.ml.tuning import ParamGridBuilder
+
+    grid = ParamGridBuilder().addGrid(est.lr, [1e-3, 3e-3]).addGrid(est.epochs, [1, 2]).build()
+    assert [est.copy(m).getOrDefault(est.lr) for m in grid] == [1e-3, 1e-3, 3e-3, 3e-3]
+    # A setting given twice, or a bad value, is refused at fit before anything runs.
+    df = spark.createDataFrame(_frame().head(20))
+    with pytest.raises(ShardlineError, match=r"lr = 0.001 and overrides set training.lr too: give it once"):
+        est.copy({est.overrides: ["training.lr=0.01"]}).fit(df)
+    with pytest.raises(ShardlineError, match=r"batchSize = 0: Input should be greater than or equal to 1"):
+        est.copy({est.batchSize: 0}).fit(df)
+    assert not (tmp_path / "raw").exists()
 
     est.save(str(tmp_path / "est"))
     back = ShardlineEstimator.load(str(tmp_path / "est"))
@@ -375,3 +405,38 @@ def test_dask_estimator_regression_on_dask_with_y(dask_client, tmp_path):
     assert est.score(pdf.drop(columns="label"), target) == pytest.approx(r2_score(target, got), abs=1e-6)
     with pytest.raises(ShardlineError, match="predict_proba: the model is a regression"):
         est.predict_proba(X)
+
+
+@pytest.mark.slow
+def test_dask_estimator_grid_searches_lr_in_a_pipeline_on_arrays(dask_client, tmp_path):
+    """#53.7 and #53.23: the estimator after a StandardScaler in a Pipeline (the scaler hands
+    on numpy arrays), searched over its own `lr` by GridSearchCV, X and y arrays with the
+    integer labels 3 and 7: classes_ keeps them (int64), predictions are them, and the
+    refit's MLflow run trained with the best lr. Full tier (marker `slow`): five fits (two
+    folds of two candidates, then the refit), on one rank on the session's Dask workers."""
+    from mlflow import MlflowClient
+    from sklearn.model_selection import GridSearchCV
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    from shardline.dask import ShardlineEstimator
+
+    rng = np.random.default_rng(5)
+    X = rng.normal(size=(500, 3)) * [10.0, 5.0, 1.0] + 100.0  # scaled by the Pipeline's first step
+    y = np.where((X[:, 0] - 100.0) / 10 + (X[:, 1] - 100.0) / 5 > 0, 7, 3)
+    config = _config(tmp_path)
+    config["pipelines"]["layout"]["world_size"] = 1
+    config["training"] |= {"launcher": "dask", "world_size": 1, "epochs": 3, "batch_size": 32}
+    pipe = make_pipeline(StandardScaler(), ShardlineEstimator(config, client=dask_client))
+    search = GridSearchCV(pipe, {"shardlineestimator__lr": [1e-3, 3e-2]}, cv=2, error_score="raise").fit(X, y)
+
+    best = search.best_estimator_[-1]
+    assert best.classes_.dtype == np.int64 and best.classes_.tolist() == [3, 7]
+    assert best.n_features_in_ == 3 and not hasattr(best, "feature_names_in_")  # arrays have no names
+    pred = search.predict(X)
+    assert pred.dtype == np.int64 and set(pred.tolist()) <= {3, 7}
+    assert (pred == y).mean() > 0.9, (pred == y).mean()  # a linear boundary; chance is about 0.5
+    assert search.predict_proba(X).shape == (len(X), 2)
+    lr = search.best_params_["shardlineestimator__lr"]
+    run = MlflowClient(config["tracking"]["tracking_uri"]).get_run(best.trained_.run_id)
+    assert float(run.data.params["lr"]) == lr

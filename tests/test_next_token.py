@@ -212,10 +212,10 @@ def test_a_job_trains_the_decoder_with_fsdp_registers_and_scores_it(lm, dask_cli
     out = tmp_path / "scores"
     scored = score("dask", dask_client, result.model_uri, tracking_uri, data, str(out))
     assert scored.rows == load_manifest(data).splits["test"].rows > 0
-    table = read_scores(out).sort_by("key")
-    assert table.column_names == ["key", "prediction", "loss", "tokens", "model_name", "model_version", "scored_at"]
+    table = read_scores(out).sort_by("id")  # the input's key column, by its own name (#53.19)
+    assert table.column_names == ["id", "prediction", "loss", "tokens", "model_name", "model_version", "scored_at"]
     # What the model gives on the rows' own sequences, rebuilt from the raw generator by key.
-    keys = table.column("key").to_pylist()
+    keys = table.column("id").to_pylist()
     x = torch.tensor([(sequences()[k] + [PAD] * LENGTH)[:LENGTH] for k in keys], dtype=torch.int32)
     want = next_token_rows(model(tokens=x), torch.where(x == PAD, -100, x.long()))
     assert table.column("tokens").to_pylist() == want["tokens"].tolist()

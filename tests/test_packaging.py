@@ -203,3 +203,59 @@ def test_the_code_zip_is_removed_when_its_process_ends():
     assert proc.returncode == 0, proc.stderr
     path = proc.stdout.strip()
     assert path.endswith(".zip") and not os.path.exists(path)
+
+
+def _copy_of_the_repo(dest: Path) -> Path:
+    """The checkout as it is (uncommitted changes too), links kept, without venv, git and
+    outputs: pip builds in the source folder, which must not be this checkout."""
+    skip = shutil.ignore_patterns(".venv", ".git", "site", "build", "dist", "*.egg-info", "__pycache__",
+                                  ".pytest_cache", "mlruns", "mlflow.db", "shardline-data")
+    return Path(shutil.copytree(REPO, dest, symlinks=True, ignore=skip))
+
+
+def _pip(*args: str, cwd: Path) -> str:
+    """This venv's pip (a recent one, as `make venv` installs) on another interpreter
+    (`--python`), with build isolation: setuptools from the index, as a user's install gets it."""
+    proc = subprocess.run([sys.executable, "-m", "pip", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_install_and_wheel_print_no_setuptools_warnings_and_claim_only_shardline(tmp_path):
+    """#53.9 and #53.24: `pip install -e .` and a wheel build print none of setuptools'
+    "Package would be ignored" warnings (nor any other); the wheel holds the data files;
+    the editable install is a plain path (static tools follow it) under which only
+    `shardline` is importable. Full tier (marker `slow`): two builds in fresh isolated
+    environments, 20-60 s."""
+    src = _copy_of_the_repo(tmp_path / "src")
+    subprocess.run([str(PLAIN), "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True, timeout=300)
+    python = tmp_path / "venv" / "bin" / "python"
+    out = _pip("--python", str(python), "install", "--no-deps", "-e", ".", cwd=src)
+    assert "would be ignored" not in out and "Warning" not in out, out[-3000:]
+    # The .pth is one folder that holds the link to shardline/ and nothing else (but the
+    # build's metadata, shardline.egg-info, which is no module).
+    (pth,) = (tmp_path / "venv").glob("lib/python*/site-packages/__editable__.shardline-*.pth")
+    folder = Path(pth.read_text().strip())
+    assert [p.name for p in folder.iterdir() if not p.name.endswith(".egg-info")] == ["shardline"] and (folder / "shardline").resolve() == src / "shardline"
+    probe = ("import importlib.util as u, shardline, shardline.jobs, os\n"
+             "print(shardline.__file__, [n for n in ('training', 'jobs', 'pipelines') if u.find_spec(n)])")
+    # -I: neither PYTHONPATH (the suite's, this checkout) nor the working folder on the path.
+    proc = subprocess.run([str(python), "-I", "-c", probe], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == [str(folder / "shardline" / "__init__.py"), "[]"], proc.stdout
+
+    out = _pip("wheel", "--no-deps", "-w", str(tmp_path / "wheels"), ".", cwd=src)
+    assert "would be ignored" not in out and "Warning" not in out, out[-3000:]
+    import zipfile
+
+    (wheel,) = (tmp_path / "wheels").glob("shardline-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    data = {"shardline/py.typed", "shardline/foundation/log4j2.properties",
+            "shardline/jobs/configs/quickstart.toml", "shardline/jobs/scripts/dask-cluster.sh",
+            "shardline/jobs/schedules/shardline-score.timer", "shardline/training/job.py"}
+    assert data <= names, sorted(data - names)
+    assert {n.split("/")[0] for n in names} == {"shardline", wheel.name.split("-py3")[0] + ".dist-info"}

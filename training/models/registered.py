@@ -168,8 +168,8 @@ def _outputs(model, inputs, spec: FeatureSpec, stats: FittedStatistics, rows) ->
             scores = next_token_rows(y, torch.from_numpy(label_tokens(tokens, spec.tensors[spec.label].pad_id)))
     y = y.float().numpy()
     out = {}
-    if spec.key in rows:  # pass the caller's key through, to join on
-        out["key"] = np.asarray(rows[spec.key])
+    if spec.key in rows:  # pass the caller's key through, under its own name, to join on
+        out[spec.key] = np.asarray(rows[spec.key])
     if spec.task == "next_token":
         out.update(prediction=scores["next_token"].numpy(), loss=scores["loss"].numpy(),
                    tokens=scores["tokens"].numpy())
