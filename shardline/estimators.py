@@ -132,7 +132,7 @@ class Fitted:
         line here, not a traceback from every task. Once per process and model."""
         key = (self.model_uri, self.tracking_uri)
         if key not in _CHECKED:
-            ScoringJob.resolve(ServingConfig(), self.tracking_uri, "", model_uri=self.model_uri).check_model()
+            ScoringJob.resolve(ServingConfig.model_validate({}), self.tracking_uri, "", model_uri=self.model_uri).check_model()
             _CHECKED.add(key)
 
 
