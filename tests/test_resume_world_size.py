@@ -31,7 +31,7 @@ from shardline.training.job import run_training
 from shardline.training.loader.reader import ShardLoader
 from shardline.training.models.builtin import build_model
 from shardline.training.strategies.base import autocast_for, train_step
-from shardline.training.worker import lr_factor, make_optimizer
+from shardline.training.loop.recipe import lr_factor, make_optimizer
 
 from .conftest import shardline_here, small_pipeline
 from .dist_helpers import relative_distance

@@ -13,7 +13,7 @@ from .checkpoints import fingerprint
 from .checkpoints.store import CheckpointStore
 from .launchers import DriverGuard, TrainingFailed
 from .mlflow_outage import Outbox
-from .worker import RankJob, train_rank
+from .loop.runner import RankJob, run_rank
 
 
 def launch_with_restarts(job: RankJob, store: CheckpointStore, spark=None, dask_client=None, dask_workers=None,
@@ -32,9 +32,10 @@ def launch_with_restarts(job: RankJob, store: CheckpointStore, spark=None, dask_
     outbox = Outbox(MlflowClient(job.tracking_uri)) if job.tracking_uri and job.run_id else None
     for attempt in range(cfg.max_restarts + 1):
         try:
-            result = _launch(job, spark, dask_client, attempt > 0, dask_workers, guard)[0]
-            if outbox is not None:
-                result["mlflow_pending"] = outbox.pending() + result.get("mlflow_pending", [])
+            results = _launch(job, spark, dask_client, attempt > 0, dask_workers, guard)
+            # Every rank's MLflow calls kept during an outage (a loop may log on any rank).
+            kept = [entry for r in results for entry in (r or {}).get("mlflow_pending", [])]
+            result = {**results[0], "mlflow_pending": (outbox.pending() if outbox is not None else []) + kept}
             return result
         except TrainingFailed as e:
             if e.permanent or attempt == cfg.max_restarts:
@@ -49,7 +50,8 @@ def launch_with_restarts(job: RankJob, store: CheckpointStore, spark=None, dask_
             job.resume_from = latest
             if outbox is not None:
                 outbox.send(("batch", job.run_id, [("restarts", float(attempt + 1), int(time.time() * 1000), 0)]))
-            where = storage.name(latest) if latest else "the start"
+            where = (storage.name(latest) if latest
+                     else "the start (the loop has committed no checkpoint: ctx.save)" if job.loop else "the start")
             report.line(redact(f"[shardline] {e}; restarting from {where}"))
     raise AssertionError("unreachable")
 
@@ -61,15 +63,15 @@ def _launch(job: RankJob, spark, dask_client, relaunch: bool, dask_workers=None,
 
         if spark is None:
             raise ConfigError("training.launcher = 'spark' needs a Spark session")
-        return launch_spark_barrier(spark, train_rank, job, cfg.world_size, cfg.timeout_s, guard, code=job.code)
+        return launch_spark_barrier(spark, run_rank, job, cfg.world_size, cfg.timeout_s, guard, code=job.code)
     if cfg.launcher == "dask":
         from .launchers.dask import launch_dask
 
         if dask_client is None:
             raise ConfigError("training.launcher = 'dask' needs a Dask client")
         wait = 60 if relaunch else 0
-        return launch_dask(dask_client, train_rank, job, cfg.world_size, cfg.timeout_s, wait, workers=dask_workers,
+        return launch_dask(dask_client, run_rank, job, cfg.world_size, cfg.timeout_s, wait, workers=dask_workers,
                            guard=guard, code=job.code)
     from .launchers.local import launch_local
 
-    return launch_local(train_rank, job, cfg.world_size, cfg.timeout_s, guard, code=job.code)
+    return launch_local(run_rank, job, cfg.world_size, cfg.timeout_s, guard, code=job.code)

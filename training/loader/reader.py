@@ -285,6 +285,16 @@ class ShardLoader:
             yield from self._from_producer(epoch, start)
         self._position = (epoch + 1, 0)
 
+    def count_epoch(self, epoch: int) -> Iterator[None]:
+        """`epoch`'s steps without reading a row, for a rank that reads no data but steps as
+        often as the others (a parameter server): None per batch, the position kept as
+        `epoch` keeps it (after load_state_dict at that epoch: the steps left)."""
+        start = self._position[1] if self._position[0] == epoch else 0
+        for batch in range(start, self._steps):
+            self._position = (epoch, batch + 1)
+            yield None
+        self._position = (epoch + 1, 0)
+
     def _timed(self, groups: Iterator[list]) -> Iterator[list]:
         """`groups` (lists of whole batches), counting the samples and the seconds spent
         producing them (not the time the caller holds them): what epoch_stats reports."""

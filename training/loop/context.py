@@ -69,6 +69,8 @@ class LoopContext:
     - `local_rank`: this rank's index among the ranks on its host (its GPU's, on a GPU host).
     - `device`: where this rank computes (`cuda:<n>` on a GPU host, else `cpu`); the
       process group's collectives take tensors there.
+    - `step`: the last step given to `ctx.save` (or restored by `ctx.restore`): the default
+      step of `save` and `log`.
     - `args`: `training.loop_args`, the loop's own settings (a dict; `[training.loop_args]`
       in the TOML, `--set training.loop_args.lr=0.01`).
     - `config`: the job's `TrainingConfig` (batch_size, epochs, strategy, seed, ...).
@@ -91,7 +93,11 @@ class LoopContext:
         self.metrics: dict[str, float] = {}  # rank 0: the latest value of each name logged
         self.registered: dict | None = None  # rank 0: what ctx.register gave the driver
         self.stopped_early = False
-        self.saved = 0  # checkpoints this attempt committed (a restart line says when none were)
+        self.optimizer_steps: int | None = None  # the built-in loop's count (a user's loop: unknown)
+        self._registering = False  # ctx.register was called (once a job)
+        # ids of the job's models (ctx.build_model, and Parallels of them): register's default factory
+        self._job_models: set[int] = set()
+        self._plain: dict[int, nn.Module] = {}  # ctx.prepare's result -> the plain module it wraps
 
     # -- data ---------------------------------------------------------------------------
 
@@ -214,11 +220,11 @@ class LoopContext:
     def log(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Log figures to the job's one MLflow run (not collective: call it on any rank).
         Rank 0's go in under their names, another rank's as `rank<r>_<name>`. `step`: default
-        the last step given to `save` or `log`. Never waits on MLflow: while its server is
+        the last step given to `save`. Never waits on MLflow: while its server is
         unreachable the figures are kept, and sent by the driver when training ends."""
         from .tracking import log_metrics
 
-        log_metrics(self, metrics, self._step(step))
+        log_metrics(self, metrics, self.step if step is None else int(step))
 
     def say(self, text: str) -> None:
         """One line on the driver's console (wherever this rank runs); another rank's
@@ -227,8 +233,9 @@ class LoopContext:
 
     def should_stop(self, epoch: int | None = None, metrics: dict[str, float] | None = None) -> bool:
         """True on every rank when the job asks the loop to stop early (collective): a sweep's
-        pruner judging rank 0's `metrics` after `epoch` (call it once per epoch), or the
-        job's driver having been interrupted. A loop that stops returns as usual."""
+        pruner, judging rank 0's `metrics` after `epoch` (call it once per epoch). A loop that
+        stops returns as usual. (A job whose driver was interrupted needs no asking: its ranks
+        end at once, and commit no further checkpoint.)"""
         from .tracking import stop_requested
 
         return stop_requested(self, epoch, metrics)
@@ -262,6 +269,13 @@ class LoopContext:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.precision == "bf16")
 
     # -- internals --------------------------------------------------------------------------
+
+    def finish(self) -> list[tuple]:
+        """After the loop returned: the MLflow calls this rank's client could not send yet
+        (the driver sends them), the last try made first."""
+        from .tracking import pending
+
+        return pending(self)
 
     def _step(self, step: int | None) -> int:
         if step is not None:

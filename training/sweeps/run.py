@@ -44,7 +44,7 @@ from .study import (
 )
 from ..tracking import open_experiment
 
-# The per-epoch metrics train_rank logs (training/worker.py); val_* need a val split
+# The per-epoch metrics shardline's own loop logs (training/loop/builtin.py); val_* need a val split
 # with at least one shard per rank.
 # Classification's; regression logs train_/val_ loss, rmse, mae and r2 instead (training.task).
 EPOCH_METRICS = ("train_loss", "train_accuracy", "samples_per_s", "data_wait_fraction")
