@@ -22,6 +22,7 @@ from shardline.foundation.errors import ShardlineError
 
 from .inputs import Transform, Unit
 from .ledger import commit
+from .model_io import input_columns, output_fields, read_inputs, tensor_output
 from .models import cached_model
 
 
@@ -44,12 +45,15 @@ class UnitTask:
     allow_pickled: bool = False  # a pytorch-flavour model, allowed by serving.allow_pickled_models
 
 
-def output_schema(classification: bool, next_token: bool = False) -> pa.Schema:
+def output_schema(classification: bool, next_token: bool = False, tensor: bool = False) -> pa.Schema:
     """key, the prediction (class and probabilities, or the value), the model and the time.
     next_token: `prediction` is the token id predicted after the row's last non-pad
-    position, `loss` the row's mean next-token loss over its `tokens` counted targets."""
+    position, `loss` the row's mean next-token loss over its `tokens` counted targets.
+    tensor: a loop's model whose output is not the task's: one list column (serving.model_io)."""
     fields = [pa.field("key", pa.int64())]
-    if next_token:
+    if tensor:
+        fields += output_fields()
+    elif next_token:
         fields += [
             pa.field("prediction", pa.int64()),
             pa.field("loss", pa.float64()),
@@ -91,7 +95,9 @@ def _score_unit(task: UnitTask) -> dict:
     spec = task.transform.spec
     classification = spec.task == "classification"
     next_token = spec.task == "next_token"
-    schema = output_schema(classification, next_token)
+    io = task.transform.io  # a loop's model: its own inputs and output (serving.model_io)
+    tensor_out = io.get("output") == "tensor"
+    schema = output_schema(classification, next_token, tensor_out)
     use_code(task.code)  # before the model is built: this job's version of the user's code
     model = cached_model(task.model_uri, task.tracking_uri, allow_pickled=task.allow_pickled)
     # torch defaults to one thread per core in every worker process: with one task
@@ -105,10 +111,12 @@ def _score_unit(task: UnitTask) -> dict:
             for keys, x in _batches(task, spec):
                 n = len(keys)
                 cols = [keys]
-                if next_token:
+                if tensor_out:
+                    cols.append(tensor_output(_predict(model, x, False, tensors, io)))
+                elif next_token:
                     cols += _next_token_columns(model, x, tensors, spec.label, spec.tensors[spec.label].pad_id)
                 elif classification:
-                    pred = _predict(model, x, classification, tensors)
+                    pred = _predict(model, x, classification, tensors, io)
                     k = pred.shape[1]
                     offsets = pa.array(np.arange(0, n * k + 1, k, dtype=np.int32))
                     cols += [
@@ -116,7 +124,7 @@ def _score_unit(task: UnitTask) -> dict:
                         pa.ListArray.from_arrays(offsets, pa.array(pred.reshape(-1), pa.float32())),
                     ]
                 else:
-                    pred = _predict(model, x, classification, tensors)
+                    pred = _predict(model, x, classification, tensors, io)
                     cols.append(pa.array(pred[:, 0].astype(np.float64)))
                 cols += [
                     pa.array([task.model_name] * n, pa.string()),
@@ -170,7 +178,10 @@ def _batches(task: UnitTask, spec):
 
     unit = task.unit
     tensors = task.transform.tensors if unit.kind == "shard" else None
-    if tensors is not None:
+    io = task.transform.io
+    if io.get("inputs") is not None:  # a loop's model of its own inputs (serving.model_io)
+        columns = [spec.key, *input_columns(io, tensors, unit.kind)]
+    elif tensors is not None:
         columns = [spec.key, *(t.column for t in tensors.values())]
     elif unit.kind == "shard":
         columns = [spec.key, "features"]
@@ -182,7 +193,9 @@ def _batches(task: UnitTask, spec):
         key = batch.column(0)
         if key.null_count:
             raise ShardlineError(f"{unit.path}: column '{spec.key}' has null keys")
-        if tensors is not None:
+        if io.get("inputs") is not None:
+            x = read_inputs(batch, io, tensors, spec, unit.kind, task.transform.width, unit.path)
+        elif tensors is not None:
             x = _decoded(batch, tensors, spec, unit.path)
         elif unit.kind == "shard":
             # On a sliced list array `.values` is the whole parent: flatten().
@@ -228,16 +241,21 @@ def _check_raw(table: pa.Table, spec, path: str, impute: bool) -> None:
             )
 
 
-def _predict(model, x, classification: bool, tensors: dict | None = None) -> np.ndarray:
+def _predict(model, x, classification: bool, tensors: dict | None = None, io: dict | None = None) -> np.ndarray:
     """The model's outputs (softmax for classification) on float32 features, or on named
-    numpy inputs ({name: [n, *shape]}, `tensors` their specs) given as keyword arguments."""
+    numpy inputs ({name: [n, *shape]}, `tensors` their specs, or a loop model's own: `io`)
+    given as keyword arguments."""
     import torch
 
     from shardline.training.batch import forward, from_numpy, to_device
 
     device = next(model.parameters()).device
+    own = (io or {}).get("inputs")
     if isinstance(x, dict):
-        inputs = from_numpy(x, {n: t.dtype for n, t in (tensors or {}).items()})
+        dtypes = {n: t["dtype"] for n, t in own.items()} if own else {n: t.dtype for n, t in (tensors or {}).items()}
+        inputs = from_numpy(x, dtypes)
+    elif own:
+        inputs = from_numpy({"x": x}, {"x": next(iter(own.values()))["dtype"]})["x"]
     else:
         inputs = torch.from_numpy(x)
     with torch.inference_mode():

@@ -22,6 +22,8 @@ _API = {
         "PrepareResult", "TrainResult", "ScoreResult", "RunResult", "PlanResult",
     )
 }
+# What a training loop function gets (`def loop(ctx: shardline.LoopContext)`): imports torch.
+_API["LoopContext"] = "training.loop.context"
 
 
 def __getattr__(name: str):

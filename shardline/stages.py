@@ -61,7 +61,8 @@ def run_train(job, engines: Engines):
     client = handle if t.launcher == "dask" else None
     job.check_capacity(spark, client)
     report.note(f"checkpoints: {t.checkpoint_dir}")
-    with stage(f"Training {t.model} with {t.strategy} on {t.world_size} {t.launcher} ranks"):
+    what = f"with the loop {t.loop}" if t.loop else t.model
+    with stage(f"Training {what} with {t.strategy} on {t.world_size} {t.launcher} ranks"):
         return job.run(spark, client)
 
 

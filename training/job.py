@@ -177,7 +177,7 @@ class TrainingJob:
         head = store.read(url, fingerprint.comparable(fp), allowed)
         # Another mesh than the one that wrote it: refused here unless it reshards.
         sharded.check_resume(head, cfg, self.strategy.data_world, storage.display(url))
-        if head.get("epoch", 0) >= cfg.epochs:
+        if (head.get("epoch") or 0) >= cfg.epochs:  # None: a loop that counts no epochs
             store.check_unfinished(cfg.epochs, allowed)
         saved = head.get("fingerprint", {})
         changed = {k: (saved.get(k), fp[k]) for k in fingerprint.differences(saved, fp) if k in allowed}

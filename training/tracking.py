@@ -358,7 +358,8 @@ def log_curves(run_id: str, keys: list[str]) -> None:
             if hist:
                 ax.plot([m.step + 1 for m in hist], [m.value for m in hist], marker="o", label=key)
         ax.set_xlabel("epoch")
-        ax.legend()
+        if ax.lines:  # a loop of its own may log no figure of a group
+            ax.legend()
         ax.grid(alpha=0.3)
     fig.tight_layout()
     client.log_figure(run_id, fig, "curves.png")

@@ -290,10 +290,14 @@ class LoopContext:
         """(data-parallel rank, degree) this rank reads: the last Parallel's, else the mesh's."""
         if self._data is not None:
             return self._data
+        world = self._strategy.data_world
+        if world == self.world_size:  # every rank reads its own part (ddp, fsdp)
+            return self.rank, world
         mesh = self._strategy.mesh
-        if mesh is not None and mesh.inner > 1:
-            return mesh.dp_index(self.rank), mesh.dp
-        return self.rank, self.world_size
+        if mesh is not None and mesh.dp == world:  # the ranks that split one model read the same part
+            return mesh.dp_index(self.rank), world
+        # A parameter server's workers read (ranks 0..workers-1); its servers read nothing.
+        return (self.rank if self.rank < world else None), world
 
 
 def _make_loader(ctx: LoopContext, split: str, batch_size: int | None) -> ShardLoader:

@@ -24,6 +24,8 @@ from ..batch import forward
 from ..models.inputs import ModelInputs
 
 TASK, TENSOR = "task", "tensor"
+# What a scorer decodes an input to (the manifest's tensor dtypes).
+DTYPES = ("uint8", "int32", "int64", "float16", "bfloat16", "float32")
 
 
 def describe_io(inputs: ModelInputs, module: nn.Module, example) -> dict:
@@ -32,9 +34,16 @@ def describe_io(inputs: ModelInputs, module: nn.Module, example) -> dict:
     if example is None:
         return {"inputs": None, "positional": not inputs.named, "output": TASK}
     named = _named(example)
+    rows = next(iter(named.values())).pop("rows")
+    for spec in named.values():
+        spec.pop("rows", None)
     positional = not isinstance(example, dict)
     dataset = {n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in inputs.inputs.items()}
     own = None if named == dataset and positional == (not inputs.named) else named
+    for name, spec in (own or {}).items():
+        if spec["dtype"] == "bfloat16" and name not in dataset:
+            raise ConfigError(f"ctx.register: example input '{name}' is bfloat16, which a scorer's request cannot "
+                              "carry: give the example in float32 (cast it inside the model)")
     with torch.no_grad():
         try:
             out = forward(module, {k: v.cpu() for k, v in example.items()} if isinstance(example, dict)
@@ -45,9 +54,6 @@ def describe_io(inputs: ModelInputs, module: nn.Module, example) -> dict:
     if not isinstance(out, torch.Tensor):
         raise ConfigError(f"ctx.register: the model's output on the example is a {type(out).__name__}: a "
                           "registered model returns one tensor")
-    rows = next(iter(named.values()))["rows"] if named else 0
-    for spec in named.values():
-        spec.pop("rows")
     return {"inputs": own, "positional": positional, "output": TASK if is_task_output(inputs, out, rows) else TENSOR}
 
 
@@ -59,7 +65,11 @@ def _named(example) -> dict[str, dict]:
         if not isinstance(t, torch.Tensor) or t.dim() < 1:
             raise ConfigError(f"ctx.register: example input '{name}' must be a tensor with a batch dimension "
                               f"(got {type(t).__name__})")
-        out[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape[1:]), "rows": len(t)}
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in DTYPES:
+            raise ConfigError(f"ctx.register: example input '{name}' is {dtype}: a registered model's inputs are "
+                              f"{', '.join(DTYPES)}")
+        out[name] = {"dtype": dtype, "shape": list(t.shape[1:]), "rows": len(t)}
     if len({s["rows"] for s in out.values()}) > 1:
         raise ConfigError("ctx.register: the example's inputs have different numbers of rows")
     return out

@@ -86,7 +86,7 @@ def factory_of(ctx: LoopContext, plain: nn.Module | None, factory, args: dict | 
     if factory is None:
         if plain is None:
             raise ConfigError("ctx.register: a Parallel of a model of your own needs factory= (what rebuilds it)")
-        factory = type(plain)
+        factory = own_class(plain)
     path = factory if isinstance(factory, str) else f"{getattr(factory, '__module__', '')}:" \
                                                      f"{getattr(factory, '__qualname__', '')}"
     module = path.partition(":")[0]
@@ -103,6 +103,12 @@ def factory_of(ctx: LoopContext, plain: nn.Module | None, factory, args: dict | 
             "the job: add its folder to training.code_paths"
         )
     return path, dict(args or {})
+
+
+def own_class(module: nn.Module) -> type:
+    """The module's own class: FSDP2 makes a sharded module an instance of a class of its
+    own (FSDP<Name>, in torch.distributed) derived from it."""
+    return next(c for c in type(module).__mro__ if not c.__module__.startswith("torch.distributed"))
 
 
 def rebuild(ctx: LoopContext, path: str | None, args: dict, weights: dict[str, torch.Tensor]) -> nn.Module:

@@ -1,0 +1,181 @@
+"""A user's own training loop (#52): a function of one context, run on every rank of the
+local launcher with shardline's shards, checkpoints, MLflow run and registry.
+
+The loops are a user's package outside shardline (tests/usermodels/userloops, shipped
+through training.code_paths): two models with two optimizers stepped in turn, prepared
+by the job's strategy (ddp, fsdp), checkpointed with ctx.save, resumed with ctx.restore,
+logged on every rank, registered and scored. Costs (idle 2-core machine): the ddp job,
+its resume and its scoring ~15 s; the fsdp job ~8 s; the refusals ~1 s; the failing ranks ~8 s.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import shardline
+from shardline.foundation.errors import ConfigError
+from shardline.pipelines.manifest import load_manifest
+from shardline.training.checkpoints.store import CheckpointStore
+from shardline.training.launchers import TrainingFailed
+from shardline.training.loader.reader import ShardLoader
+from shardline.training.models.inputs import ModelInputs
+
+from .serving_helpers import score
+
+PACKAGE = Path(__file__).parent / "usermodels" / "userloops"
+ARGS = {"width": 16, "lr": 0.01, "epochs": 2, "save_every": 7}
+
+
+def overrides(prepared, tmp_path: Path, name: str, **kw) -> dict:
+    return {
+        "pipelines.dataset_dir": prepared.dataset_dir,
+        "training.launcher": "local", "training.world_size": 2, "training.batch_size": 256,
+        "training.loop": "userloops.loops:two_models", "training.loop_args": ARGS,
+        "training.code_paths": [str(PACKAGE)], "training.checkpoint_dir": str(tmp_path / name),
+        "training.keep_checkpoints": 100, "training.timeout_s": 60,
+        "tracking.experiment": "own-loop", "tracking.registered_model": f"own-loop-{name}",
+        **kw,
+    }
+
+
+def single_process(prepared, epochs: int, width: int, lr: float, batch: int = 256, world: int = 2) -> dict:
+    """The same loop in one process on the global batches: the ranks' local batches joined."""
+    import sys
+
+    sys.path.insert(0, str(PACKAGE.parent))
+    try:
+        from userloops.loops import alternating_step
+        from userloops.nets import Classifier
+    finally:
+        sys.path.remove(str(PACKAGE.parent))
+    manifest = load_manifest(prepared.dataset_dir)
+    loaders = [ShardLoader(manifest, prepared.dataset_dir, "train", r, world, batch // world, 0) for r in range(world)]
+    inputs = ModelInputs.from_manifest(manifest)
+    torch.manual_seed(0)
+    model = Classifier(inputs.feature_width, width, inputs.output_width)
+    opt_e = torch.optim.Adam(model.encoder.parameters(), lr=lr)
+    opt_h = torch.optim.SGD(model.head.parameters(), lr=lr, momentum=0.9)
+    step = 0
+    for epoch in range(epochs):
+        for parts in zip(*(loader.epoch(epoch) for loader in loaders)):
+            x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            alternating_step(model.encoder, model.head, opt_e, opt_h, x, y, step)
+            step += 1
+    return model.state_dict()
+
+
+def close(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for k in got:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.fixture(scope="module")
+def ddp_job(prepared, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("own-loop")
+    return tmp, shardline.train(None, overrides(prepared, tmp, "ddp"))
+
+
+def test_two_models_resume_exactly_log_on_every_rank_and_score(prepared, ddp_job, spark, tracking_uri):
+    from mlflow.tracking import MlflowClient
+
+    tmp, result = ddp_job
+    # ctx.prepare under ddp is single-process training of the same loop on the global batches.
+    close(result.weights, single_process(prepared, **{k: ARGS[k] for k in ("epochs", "width", "lr")}))
+    # ctx.log from every rank into the job's one run: rank 1's figures prefixed.
+    run = MlflowClient(tracking_uri).get_run(result.run_id)
+    assert {"loss", "rank1_loss", "epoch_steps"} <= run.data.metrics.keys(), sorted(run.data.metrics)
+    assert run.data.params["loop"] == "userloops.loops:two_models"
+
+    # ctx.save wrote the nested state: tensors in DCP, each rank's plain values and RNG beside.
+    paths = CheckpointStore(str(tmp / "ddp")).paths()
+    mid = Path(next(p for p in paths if torch.load(p, weights_only=True)["step_in_epoch"] not in (0,)))
+    head = torch.load(mid, weights_only=True)
+    assert head["epoch"] is None and head["loader"]["epoch"] == 0 and len(head["rng"]) == 2
+    assert set(head["ranks"][1]) == {"models", "optimizers", "loader", "progress"}
+    assert len(head["ranks"][0]["progress"]["losses"]) == 3
+    # ctx.restore of it in a resumed job: the same final weights, bit for bit (the models,
+    # both optimizers, the loader's position and each rank's RNG all came back).
+    (tmp / "resumed").mkdir()
+    shutil.copy(mid, tmp / "resumed" / mid.name)
+    shutil.copytree(mid.parent / head["sharded"], tmp / "resumed" / head["sharded"])
+    resumed = shardline.train(None, overrides(prepared, tmp, "resumed", **{"training.resume": True}))
+    assert resumed.weights.keys() == result.weights.keys()
+    for k in result.weights:
+        assert torch.equal(resumed.weights[k], result.weights[k]), k
+
+    # ctx.register: the user's class rebuilt from its import path and args, scored as any model.
+    scored = score("spark", spark, result.model_uri, tracking_uri, prepared.dataset_dir, str(tmp / "scores"))
+    manifest = load_manifest(prepared.dataset_dir)
+    assert scored.rows == manifest.splits["test"].rows
+    from shardline.training.models.registered import load_torch_model
+
+    model = load_torch_model(result.model_uri)
+    assert type(model).__name__ == "Classifier"
+    test = pq.read_table([Path(prepared.dataset_dir) / s.path for s in manifest.splits["test"].shards]).sort_by("key")
+    x = torch.from_numpy(
+        test.column("features").combine_chunks().flatten().to_numpy().astype(np.float32).reshape(test.num_rows, -1))
+    with torch.no_grad():
+        expected = model(x).argmax(1).numpy()
+    assert (pq.read_table(tmp / "scores").sort_by("key").column("prediction").to_numpy() == expected).all()
+
+
+def test_prepare_under_fsdp_matches_single_process_and_an_embedding_is_scored_as_a_list(
+        prepared, tmp_path, spark, tracking_uri):
+    args = {**ARGS, "epochs": 1, "register": "encoder"}
+    result = shardline.train(None, overrides(prepared, tmp_path, "fsdp", **{
+        "training.strategy": "fsdp", "training.loop_args": args}))
+    reference = single_process(prepared, epochs=1, width=ARGS["width"], lr=ARGS["lr"])
+    close(result.weights, {k.removeprefix("encoder."): v for k, v in reference.items() if k.startswith("encoder.")})
+    scored = score("spark", spark, result.model_uri, tracking_uri, prepared.dataset_dir, str(tmp_path / "scores"))
+    table = pq.read_table(tmp_path / "scores")
+    assert scored.rows == table.num_rows and "output" in table.column_names and "prediction" not in table.column_names
+    assert {len(v) for v in table.column("output").to_pylist()} == {ARGS["width"]}
+
+
+@pytest.mark.parametrize("loop, message", [
+    ("userloops.loops:takes_two", r"training.loop: userloops.loops:takes_two\(ctx, extra\) must take exactly one "
+                                  r"positional argument, the loop context"),
+    ("userloops.nope:loop", r"training.loop: cannot import module 'userloops.nope'"),
+    ("userloops.loops:missing", r"training.loop: module 'userloops.loops' has no attribute 'missing'"),
+])
+def test_a_loop_that_cannot_run_is_refused_before_anything_starts(prepared, tmp_path, loop, message):
+    with pytest.raises(ConfigError, match=message):
+        shardline.train(None, overrides(prepared, tmp_path, "refused", **{"training.loop": loop}))
+    assert not (tmp_path / "refused").exists()
+
+
+def test_a_loop_given_as_a_function_that_registers_nothing_finishes_cleanly(prepared, tmp_path, capfd):
+    def count_batches(ctx):  # defined here: it travels by value (cloudpickle)
+        ctx.log({"batches": float(sum(1 for _ in ctx.loader("val", batch_size=512)))})
+
+    result = shardline.train(None, overrides(prepared, tmp_path, "nothing", **{
+        "training.world_size": 1, "training.loop": None}), loop=count_batches)
+    assert result.model_uri is None and result.model_version == "" and result.weights == {}
+    assert result.metrics["batches"] > 0
+    assert "no model was registered: the loop called no ctx.register" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("loop, strategy, said", [
+    ("raises", "ddp", r"rank 0 on \S+: ValueError: boom: this loop fails \(at userloops/loops\.py, line {line}, "
+                      r"in raises; rank 1 the same; traceback in .*/ranks/rank-0\.log\)"),
+    ("reads_a_missing_split", "ddp", r"rank 0 on \S+: DataError: ctx.loader: the dataset \S+ has no split "
+                                     r"'holdout' \(its splits: train, val, test\)"),
+    ("prepares_a_planless_model", "tensor", r"rank 0 on \S+: ConfigError: training.strategy tensor: ctx.prepare: "
+                                            r"Planless declares no tensor-parallel plan"),
+])
+def test_a_loop_that_fails_on_its_ranks_is_one_line(prepared, tmp_path, loop, strategy, said):
+    line = next(i for i, ln in enumerate((PACKAGE / "loops.py").read_text().splitlines(), 1)
+                if "boom: this loop fails" in ln)
+    with pytest.raises(TrainingFailed) as failed:
+        shardline.train(None, overrides(prepared, tmp_path, loop, **{
+            "training.loop": f"userloops.loops:{loop}", "training.strategy": strategy, "training.max_restarts": 1}))
+    assert re.search(said.format(line=line), str(failed.value)), str(failed.value)
+    assert failed.value.permanent  # never relaunched
