@@ -19,7 +19,6 @@ registered.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,14 +35,15 @@ from .checkpoints.store import CheckpointStore
 from .config import TrackingConfig, TrainingConfig
 from .launchers import DriverGuard
 from .loader.reader import check_world_size, epoch_steps, rows_per_rank
-from .mlflow_outage import replay, tracked_run, when_reachable
+from .mlflow_outage import replay, tracked_run
 from .models.check import check_callables, check_model
 from .models.inputs import ModelInputs
 from .models.builtin import build_model
 from .restarts import launch_with_restarts
 from .result import TrainResult
+from .trained import log_trained
 from .strategies import strategy_for
-from .tracking import check_store, describe_version, log_curves, log_dataset_input, open_experiment, run_name
+from .tracking import check_store, log_dataset_input, open_experiment, run_name
 from .loop.function import LoopFunction, resolve as resolve_loop
 from .loop.runner import RankJob
 from .user_code import job_code_folders, refresh_driver_code
@@ -290,7 +290,7 @@ class TrainingJob:
                     f"the job took 0 optimizer steps in {cfg.epochs} epoch(s): the model did not train "
                     "and is not logged or registered"
                 )
-            model, version = self._log_model(result, run_id, register)
+            model, version = log_trained(self, result, run_id, register)
         if model is None:  # a user's loop that called no ctx.register
             model_uri = None
             report.line("[shardline] no model was registered: the loop called no ctx.register")
@@ -301,42 +301,6 @@ class TrainingJob:
             cfg.launcher, result.get("stopped_early", False), model.state_dict() if model is not None else {},
             result.get("collective_calls", {}),
         )
-
-    def _log_model(self, result: dict, run_id: str, register: bool) -> tuple[torch.nn.Module | None, str]:
-        """The curves, and the model the loop registered (shardline's own loop: training.model)
-        logged in the run and registered (register False: logged only); (the model, its version)."""
-        from .models.registered import log_trained_model
-
-        cfg, tracking, manifest, uri, latest = self.cfg, self.tracking, self.manifest, self.tracking_uri, self.store.latest
-
-        # The driver's own calls: a server down as training ends is waited for like one down during it.
-        def reachable(call):
-            return when_reachable(call, uri, tracking.outage_wait_s, latest())
-
-        reachable(lambda: log_curves(run_id, [k for k in result["metrics"] if not k.startswith("rank")]))
-        registered = result.get("registered")
-        if registered is None:
-            return None, ""
-        model = self._registered_module(registered)
-        name = tracking.registered_model if register else None
-        version = reachable(lambda: log_trained_model(model, manifest, cfg, name, self.code, loop_model=registered))
-        if version:
-            reachable(lambda: describe_version(tracking.registered_model, version, cfg, manifest,
-                                               self.dataset_dir, result["metrics"]))
-        return model, version
-
-    def _registered_module(self, registered: dict) -> torch.nn.Module:
-        """The module the ranks registered, with its trained weights: the model the checks built
-        (from this job's code), or the loop's factory's (training.loop.register)."""
-        weights = torch.load(io.BytesIO(registered["state_dict"]), weights_only=True)
-        if registered["factory"] is None:
-            model = self.model if self.model is not None else build_model(self.manifest, self.cfg)
-        else:
-            from .loop.register import call_factory
-
-            model = call_factory(registered["factory"], registered["args"], self.cfg.code_paths)
-        model.load_state_dict(weights)
-        return model
 
 
 def run_training(
