@@ -13,6 +13,7 @@ user's own modules is imported on the rank (those folders go in `training.code_p
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 import sys
 from collections.abc import Callable
@@ -35,15 +36,13 @@ class LoopFunction:
 
     @classmethod
     def of(cls, fn: Callable) -> LoopFunction:
-        """A callable given to `shardline.train(loop=fn)`: by reference when its module's
-        attribute of that name is this very function (a rank can import it), else by value."""
+        """A callable given to `shardline.train(loop=fn)`: by reference when a rank can import
+        it by its module and name (the module's file as it is then, edited since or not: the
+        job ships the code as it is), else by value."""
         check_signature(fn, getattr(fn, "__qualname__", repr(fn)))
         module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
         path = f"{module}:{name}"
-        found = sys.modules.get(module) if module else None
-        for part in name.split(".") if found is not None and "<" not in name else ():
-            found = getattr(found, part, None)
-        if module not in (None, "__main__", "__mp_main__") and found is fn:
+        if module not in (None, "__main__", "__mp_main__") and "<" not in name and _has(module, name):
             return cls(path)
         import cloudpickle
 
@@ -68,6 +67,17 @@ class LoopFunction:
 
             return cloudpickle.loads(self.pickled)
         return import_user_object(self.path, SETTING, list(code_paths))
+
+
+def _has(module: str, name: str) -> bool:
+    """`module` imports (already imported, or now) and has an attribute at `name`."""
+    try:
+        found = sys.modules.get(module) or importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - not importable here: it travels by value
+        return False
+    for part in name.split("."):
+        found = getattr(found, part, None)
+    return callable(found)
 
 
 def resolve(cfg, fn: Callable | None = None) -> LoopFunction | None:
