@@ -179,3 +179,72 @@ def test_a_loop_that_fails_on_its_ranks_is_one_line(prepared, tmp_path, loop, st
             "training.loop": f"userloops.loops:{loop}", "training.strategy": strategy, "training.max_restarts": 1}))
     assert re.search(said.format(line=line), str(failed.value)), str(failed.value)
     assert failed.value.permanent  # never relaunched
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["local", "spark", "dask"])
+def test_a_rank_killed_mid_epoch_in_a_users_loop_ends_on_the_same_weights(
+        prepared, ddp_job, tmp_path, launcher, request, capfd):
+    """Full tier only (`make test-all`, marker `slow`): a kill test, on each launcher. The
+    loop's ranks are relaunched, ctx.restore brings back the last checkpoint (models,
+    optimizers, the loader's position, each rank's RNG): the weights of the uninterrupted run."""
+    import threading
+
+    from .test_checkpoints import LOST, _kill_rank_after_first_checkpoint
+
+    handles = {"spark": request.getfixturevalue("spark")} if launcher == "spark" else \
+        {"client": request.getfixturevalue("dask_client")} if launcher == "dask" else {}
+    done, killed = threading.Event(), []
+    watcher = threading.Thread(target=_kill_rank_after_first_checkpoint,
+                               args=(tmp_path / launcher, 1, done, killed))
+    watcher.start()
+    try:
+        result = shardline.train(None, overrides(prepared, tmp_path, launcher, **{
+            "training.launcher": launcher, "training.max_restarts": 2}), **handles)
+    finally:
+        done.set()
+        watcher.join()
+    assert killed, "the rank was never killed"
+    restarts = [ln for ln in capfd.readouterr().err.splitlines() if "restarting from" in ln]
+    assert len(restarts) == 1 and re.match(
+        r"\[shardline\] " + LOST[launcher].format(pid=killed[0]) + r"; restarting from ckpt-\d{9}-[0-9a-f]{6}\.pt$",
+        restarts[0]), restarts
+    for k, v in ddp_job[1].weights.items():
+        assert torch.equal(result.weights[k], v), k
+
+
+@pytest.mark.slow
+def test_a_loop_that_never_saves_restarts_from_the_start_and_says_so(prepared, ddp_job, tmp_path, capfd):
+    """Full tier only (marker `slow`): a kill test. Killed before it committed any checkpoint,
+    the loop runs again from its beginning: the same weights, and the restart line says why."""
+    import json
+    import os
+    import signal
+    import threading
+    import time
+
+    info = tmp_path / "nosave" / "ranks" / "rank-1.json"
+    killed = []
+
+    def kill_once_announced():
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not killed:
+            if info.exists():
+                pid = json.loads(info.read_text())["pid"]
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=kill_once_announced)
+    watcher.start()
+    try:
+        result = shardline.train(None, overrides(prepared, tmp_path, "nosave", **{
+            "training.loop_args": {**ARGS, "save_every": 10**6}, "training.max_restarts": 2}))
+    finally:
+        killed.append(None)
+        watcher.join()
+    restarts = [ln for ln in capfd.readouterr().err.splitlines() if "restarting from" in ln]
+    assert len(restarts) == 1 and restarts[0].endswith(
+        "; restarting from the start (the loop has committed no checkpoint: ctx.save)"), restarts
+    for k, v in ddp_job[1].weights.items():
+        assert torch.equal(result.weights[k], v), k
