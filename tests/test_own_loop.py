@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -127,17 +128,48 @@ def test_two_models_resume_exactly_log_on_every_rank_and_score(prepared, ddp_job
     assert (pq.read_table(tmp / "scores").sort_by("key").column("prediction").to_numpy() == expected).all()
 
 
-def test_prepare_under_fsdp_matches_single_process_and_an_embedding_is_scored_as_a_list(
-        prepared, tmp_path, spark, tracking_uri):
+def test_prepare_under_fsdp_matches_single_process_and_an_embedding_is_scored_by_its_own_input(
+        prepared, tmp_path, spark, tracking_uri, capfd):
+    import mlflow
+    import pyarrow as pa
+
+    from shardline.training.models.registered import load_torch_model
+
     args = {**ARGS, "epochs": 1, "register": "encoder"}
     result = shardline.train(None, overrides(prepared, tmp_path, "fsdp", **{
         "training.strategy": "fsdp", "training.loop_args": args}))
+    assert "epoch 1 done: loss " in capfd.readouterr().err  # ctx.say, on the driver's console
     reference = single_process(prepared, epochs=1, width=ARGS["width"], lr=ARGS["lr"])
     close(result.weights, {k.removeprefix("encoder."): v for k, v in reference.items() if k.startswith("encoder.")})
-    scored = score("spark", spark, result.model_uri, tracking_uri, prepared.dataset_dir, str(tmp_path / "scores"))
-    table = pq.read_table(tmp_path / "scores")
-    assert scored.rows == table.num_rows and "output" in table.column_names and "prediction" not in table.column_names
-    assert {len(v) for v in table.column("output").to_pylist()} == {ARGS["width"]}
+    # Registered with an input of its own (`x`) and an output that is not the task's: raw
+    # Parquet of that column is scored into a list column `output`, and so is a request.
+    x = np.random.default_rng(0).normal(size=(10, len(reference["encoder.net.0.weight"][0]))).astype(np.float32)
+    raw = tmp_path / "raw.parquet"
+    pq.write_table(pa.table({"key": np.arange(10), "x": list(x)}), raw)
+    scored = score("spark", spark, result.model_uri, tracking_uri, str(raw), str(tmp_path / "scores"))
+    table = pq.read_table(tmp_path / "scores").sort_by("key")
+    assert scored.rows == 10 and "prediction" not in table.column_names
+    with torch.no_grad():
+        expected = load_torch_model(result.model_uri)(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(np.stack(table.column("output").to_pylist()), expected, rtol=1e-5)
+    served = mlflow.pyfunc.load_model(result.model_uri).predict(pd.DataFrame({"x": list(x[:3])}))
+    np.testing.assert_allclose(np.stack(served["output"]), expected[:3], rtol=1e-5)
+
+
+def test_a_loop_jobs_fingerprint_names_the_loop_and_its_args():
+    from shardline.training.checkpoints import fingerprint
+    from shardline.training.config import TrainingConfig
+
+    builtin = fingerprint.fingerprint(TrainingConfig(), "v")
+    assert "loop" not in builtin  # shardline's own loop: the fingerprint (and folder) as before
+    mine = TrainingConfig(loop="userloops.loops:two_models", loop_args=ARGS)
+    fp = fingerprint.fingerprint(mine, "v")
+    assert fp["loop"] == "userloops.loops:two_models" and fp["loop_args"] == str(ARGS)
+    other = fingerprint.fingerprint(mine.model_copy(update={"loop_args": {**ARGS, "lr": 0.1}}), "v")
+    assert fingerprint.differences(fp, other) == ["loop_args"]
+    folders = {fingerprint.job_dir(c, "e", "m", "/d") for c in (TrainingConfig(), mine,
+                                                                 mine.model_copy(update={"loop_args": {}}))}
+    assert len(folders) == 3  # each its own checkpoint folder
 
 
 @pytest.mark.parametrize("loop, message", [

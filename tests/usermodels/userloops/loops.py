@@ -27,7 +27,8 @@ def build(ctx) -> Classifier:
 def two_models(ctx):
     """The encoder and the head prepared each with its own optimizer, alternating steps,
     checkpoints every `save_every` steps, figures logged on every rank; the classifier (or
-    with `register = "encoder"`, the encoder alone: its output is an embedding) registered."""
+    with `register = "encoder"`, the encoder alone: its output is an embedding) registered,
+    and a line on the driver's console."""
     a = ctx.args
     model = build(ctx)
     encoder, opt_e = ctx.prepare(model.encoder, lambda p: torch.optim.Adam(p, lr=a["lr"]))
@@ -44,8 +45,11 @@ def two_models(ctx):
             if step % a["save_every"] == 0:
                 ctx.save(state, step=step)
         ctx.log({"loss": loss, "epoch_steps": len(loader)}, step=step)
-    if a.get("register") == "encoder":
-        ctx.register(model.encoder, example=x[:4], args={"features": ctx.inputs.feature_width, "width": a["width"]})
+        if ctx.rank == 0:
+            ctx.say(f"epoch {loader.current_epoch} done: loss {loss:.3f}")
+    if a.get("register") == "encoder":  # its input by a name of its own, `x`; its output an embedding
+        ctx.register(model.encoder, example={"x": x[:4]},
+                     args={"features": ctx.inputs.feature_width, "width": a["width"]})
     elif a.get("register", "classifier") == "classifier":
         ctx.register(model, example=x[:4], args={"features": ctx.inputs.feature_width, "width": a["width"],
                                                  "classes": ctx.inputs.output_width})
