@@ -7,7 +7,8 @@ strategy's rank), tensors and plain values. `split` turns it into
 - `tensors`: {dotted path: tensor}, written by torch.distributed.checkpoint (DCP), each rank
   its part (a DTensor's shards; a tensor every rank holds, once) and read back resharded;
 - `tree`: the same nesting with only the plain values (a tensor's place marked), which the
-  checkpoint's small file keeps per rank and `torch.load(weights_only=True)` reads back.
+  checkpoint's small file keeps per rank (`pruned`: a subtree of tensors only is one mark)
+  and `torch.load(weights_only=True)` reads back.
 
 Nothing that is not a tensor goes through DCP: DCP unpickles non-tensor values when it
 loads them, and loading a checkpoint never unpickles arbitrary objects (the design's rule);
@@ -37,6 +38,9 @@ from shardline.foundation.errors import DataError
 
 PLAIN = (bool, int, float, str, type(None))
 TENSOR = {"<dcp tensor>": 1}  # a tensor's place in a tree: its value is in the DCP directory
+# A subtree of tensors only (a module's weights, an optimizer's state): the small file keeps
+# this mark alone, and a restore takes the subtree's shape from the state it fills.
+TENSORS = {"<dcp tensors>": 1}
 
 
 class StateError(DataError):
@@ -140,7 +144,7 @@ def _leaves(value, path: str, out: Split):
         return TENSOR
     if isinstance(value, dict):
         return {str(k): _leaves(v, _join(path, str(k)), out) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple)) and not is_plain(value):  # a plain tuple stays one (Adam's betas)
         return [_leaves(v, _join(path, str(i)), out) for i, v in enumerate(value)]
     if not is_plain(value):
         raise StateError(f"state[{path!r}] holds a {type(value).__name__}, which a checkpoint cannot keep")
@@ -191,6 +195,30 @@ def paired_module(opt: torch.optim.Optimizer, modules: dict[str, nn.Module], whe
     return nn.ModuleDict({p.replace(".", "/"): m for p, m in holders.items()})
 
 
+def pruned(tree):
+    """`tree` with each subtree of tensors only replaced by the TENSORS mark (the small file's copy)."""
+    if tree == TENSOR:
+        return tree
+    if isinstance(tree, (dict, list)) and tree:
+        values = list(tree.values()) if isinstance(tree, dict) else tree
+        kept = [pruned(v) for v in values]
+        if all(v in (TENSOR, TENSORS) for v in kept):
+            return TENSORS
+        return dict(zip(tree, kept)) if isinstance(tree, dict) else kept
+    return tree
+
+
+def merged(template, saved):
+    """The saved tree with each TENSORS mark expanded from the state's own tree (`template`)."""
+    if saved == TENSORS:
+        return template
+    if isinstance(saved, dict) and isinstance(template, dict):
+        return {k: merged(template.get(k), v) for k, v in saved.items()}
+    if isinstance(saved, list) and isinstance(template, list):
+        return [merged(template[i] if i < len(template) else None, v) for i, v in enumerate(saved)]
+    return saved
+
+
 def rebuild(tree, tensors: dict[str, torch.Tensor], path: str = ""):
     """The state dict a tree and its loaded tensors make: each TENSOR mark replaced by its tensor."""
     if tree == TENSOR:
@@ -235,9 +263,14 @@ def read_tensors(state: dict, directory: str, saved_tree: dict | None = None) ->
     check_tensors(parts.tensors, saved)
     with rank_failure(directory, "read"):
         dcp.load(parts.tensors, storage_reader=dcp_storage.reader(directory))
-    tree = parts.tree if saved_tree is None else saved_tree
+    tree = parts.tree if saved_tree is None else merged(parts.tree, saved_tree)
     for entry in parts.entries:
-        entry.load(rebuild(_at(tree, entry.path), parts.tensors, entry.path))
+        try:
+            saved_entry = _at(tree, entry.path)
+        except (KeyError, IndexError, TypeError):
+            raise StateError(f"the checkpoint has no entry '{entry.path}': the state given differs from the one saved") \
+                from None
+        entry.load(rebuild(saved_entry, parts.tensors, entry.path))
     return parts
 
 

@@ -12,10 +12,9 @@ through the context:
     def train(ctx):
         model, opt = ctx.prepare(Net(ctx.inputs), lambda p: torch.optim.AdamW(p, lr=ctx.args["lr"]))
         loader = ctx.loader("train")
-        state = {"model": model, "opt": opt, "loader": loader, "epoch": 0}
+        state = {"model": model, "opt": opt, "loader": loader}
         step = ctx.restore(state) or 0          # a restart continues from the last ctx.save
-        for epoch in range(state["epoch"], ctx.args["epochs"]):
-            state["epoch"] = epoch
+        while loader.current_epoch < ctx.args["epochs"]:  # the loader's position counts the epochs
             for x, y in loader:                 # this epoch's batches (the rest, after a restore)
                 loss = F.cross_entropy(model(ctx.to_device(x)), ctx.to_device(y))
                 opt.zero_grad(); loss.backward(); opt.step(); step += 1

@@ -45,11 +45,9 @@ def register_model(ctx: LoopContext, model, example: Inputs | None, factory, arg
     if ctx.rank != 0:
         return
     path, args = factory_of(ctx, plain, factory, args, job_model)
-    rebuilt = rebuild(ctx, path, args, weights)
-    ctx.registered = {
-        "weights": weights, "factory": path, "args": args,
-        **describe_io(ctx.inputs, rebuilt, example),
-    }
+    # The job's model needs no check (training.model builds it) unless an example is to run on it.
+    rebuilt = rebuild(ctx, path, args, weights) if path is not None or example is not None else None
+    ctx.registered = {"weights": weights, "factory": path, "args": args, **describe_io(ctx.inputs, rebuilt, example)}
 
 
 def gathered_weights(ctx: LoopContext, model) -> tuple[dict[str, torch.Tensor], nn.Module | None, bool]:

@@ -30,7 +30,7 @@ from shardline.foundation import storage
 from .. import collectives
 from ..checkpoints import fingerprint
 from ..checkpoints.sharded import LAYOUT
-from ..checkpoints.state import StateError, is_plain, read_tensors, write_tensors
+from ..checkpoints.state import TENSORS, StateError, is_plain, pruned, read_tensors, write_tensors
 from ..launchers.guard import stop_if_job_over
 from ..loader.reader import ShardLoader
 from .tracking import reporter
@@ -48,7 +48,9 @@ def save_state(ctx: LoopContext, state: dict, step: int, *, epoch: int | None, a
         parts = write_tensors(state, directory)
     except StateError as e:
         raise StateError(f"ctx.save: {e}") from None
-    gathered = collectives.gather_object({"tree": parts.tree, "rng": rng_state(ctx.device)}, dst=0)
+    # Pruned below the top: the top-level entries stay named (a restore checks them).
+    tree = {k: pruned(v) for k, v in parts.tree.items()}
+    gathered = collectives.gather_object({"tree": tree, "rng": rng_state(ctx.device)}, dst=0)
     if ctx.rank != 0:
         return None
     loader = first_loader(state)
@@ -118,11 +120,14 @@ def put_plain(container, tree, path: str) -> None:
     from ..checkpoints.state import is_stateful
     from ..strategies.base import Parallel
 
+    if tree == TENSORS:  # nothing but tensors under here: DCP loaded them
+        return
     keys = container.keys() if isinstance(container, dict) else range(len(container))
     for key in keys:
-        value, saved = container[key], tree[key]
+        value = container[key]
         if isinstance(value, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer, Parallel)) or is_stateful(value):
             continue  # loaded by DCP or by its own load_state_dict
+        saved = tree[key]
         if isinstance(value, dict) or (isinstance(value, (list, tuple)) and not is_plain(value)):
             put_plain(value, saved, f"{path}.{key}" if path else str(key))
         elif isinstance(container, tuple):

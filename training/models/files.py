@@ -46,13 +46,16 @@ def write_module(model, manifest, cfg, directory: str, loop_model: dict | None =
         "manifest": manifest.model_dump(mode="json"),
         # A loop's model of its own class: `path`(**args) rebuilds it (no inputs given).
         **({"factory": {"path": own["factory"], "args": own["args"]}} if own.get("factory") else {}),
-        **({"io": io_of(own)} if own else {}),
+        **({"io": io_of(own)} if io_of(own) else {}),
     }))
     return weights, module
 
 
-def io_of(loop_model: dict) -> dict:
-    """A loop model's inputs and output (training.loop.io), as module.json and the MLmodel keep them."""
+def io_of(loop_model: dict | None) -> dict:
+    """A loop model's own inputs or output (training.loop.io), as module.json and the MLmodel
+    keep them; {} for a model of the dataset's inputs and the task's output (as every factory model)."""
+    if not loop_model or (loop_model.get("inputs") is None and loop_model.get("output", "task") == "task"):
+        return {}
     return {k: loop_model[k] for k in ("inputs", "positional", "output")}
 
 

@@ -339,8 +339,8 @@ def log_raw_model(model, manifest: ShardManifest, cfg, registered_name: str | No
             "spec": spec.model_dump(mode="json"), "stats": stats.model_dump(mode="json"),
             **({"tensors": tensors} if spec.typed else {}),
         }))
-        io = io_of(loop_model) if loop_model else {}
-        own = io.get("inputs") is not None or io.get("output") == "tensor"
+        io = io_of(loop_model)
+        own = bool(io)
         return mlflow.pyfunc.log_model(
             name="model",
             python_model=str(ENTRY),
