@@ -210,7 +210,6 @@ def _config(tmp: Path, dataset_dir: str, checkpoint_dir: str | Path, training: s
          ["training.strategy=fsdp", "training.world_size=4"],
          "written by an earlier shardline (the weights in the checkpoint file itself, not in a .dcp "
          "directory beside it), which this version does not resume: train from the start"),
-    ],
         # A DCP checkpoint of an earlier layout (the optimizers' hyperparameters pickled in DCP).
         ({"strategy": "fsdp", "world_size": 4, "checkpoint_every_steps": 5},
          ["training.strategy=fsdp", "training.world_size=4"],
