@@ -38,6 +38,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from shardline.benchmarks import prepare_with_dask, significant, synthetic_pipeline
+from shardline.foundation.errors import first_line
 
 TARGET_VS_RAW = 0.95  # issue #49: back at >= 0.95 x the raw read (median of 3 runs, idle)
 TARGET_VS_PETASTORM = 3.0
@@ -222,7 +223,7 @@ def run(rows: int, workdir: str | None = None, progress=print, petastorm: bool =
         try:
             python = petastorm_venv(progress)
         except (RuntimeError, OSError) as e:
-            info = {"status": "unavailable", "reason": f"{e}".splitlines()[0]}
+            info = {"status": "unavailable", "reason": first_line(e, 100_000)}
 
     root = Path(tempfile.mkdtemp(prefix="shardline-bench-loader-", dir=workdir))
     threads = torch.get_num_threads()

@@ -258,7 +258,7 @@ def cli_page() -> str:
 
 
 def errors_page() -> str:
-    from tests.bad_input_cases import CASES, EXIT_CODES
+    from tests.bad_input_cases import CASES, EXIT_CODES, EXIT_RULE
 
     out = [
         HEADER,
@@ -269,7 +269,7 @@ def errors_page() -> str:
     for code, (meaning, raised) in EXIT_CODES.items():
         out.append(f"| `{code}` | {cell(meaning)} | {cell(raised)} |\n")
     out.append(
-        "\nEach non-zero code comes with one line on stderr naming the file, column or setting at "
+        f"\n{EXIT_RULE}\n\nEach non-zero code comes with one line on stderr naming the file, column or setting at "
         "fault. Anything else, a Python traceback, is a bug in shardline.\n\n"
         "## Bad-input catalog\n\n"
         "Each row is a case the test suite runs through the CLI against a small prepared "

@@ -11,13 +11,16 @@ from contextlib import contextmanager
 
 import click
 
+from shardline.foundation.errors import ConfigError
+
 
 def _check_json_file(ctx, _param, path):
-    """--json-file's folder must exist: refused before any work, not after it."""
+    """--json-file's folder must exist: refused before any work, not after it, in one line
+    (a ConfigError, exit 2: not click's usage block around it)."""
     if path is not None:
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
-            raise click.BadParameter(f"{path}: no folder {folder} to write it in", ctx, _param)
+            raise ConfigError(f"--json-file {path}: no folder {folder} to write it in")
         ctx.meta["shardline.json_file"] = path
     return path
 

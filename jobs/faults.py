@@ -43,7 +43,7 @@ from contextlib import ExitStack
 from functools import partial
 
 from shardline.foundation import storage
-from shardline.foundation.errors import ConfigError, ShardlineError
+from shardline.foundation.errors import ConfigError, ShardlineError, first_line
 
 from . import faults_storage
 from shardline.config import CHECKPOINTS, DATASET, check_storage, load_config, resolve_paths
@@ -69,7 +69,7 @@ def kill_rank(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
     done, seen = threading.Event(), {}
 
     def killer() -> None:
-        info = storage.join(ckpt, "ranks", "rank-1.json")
+        info = CheckpointStore(ckpt).rank_file(1)
         while not done.is_set():
             if CheckpointStore(ckpt).paths() and storage.exists(info):
                 rank = json.loads(storage.read_bytes(info))
@@ -99,7 +99,7 @@ def kill_rank(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
 
 def _copy_prefix(cfg, ref_dir: str, into: str, keep: int) -> list[str]:
     """The reference's first `keep` checkpoints (and their DCP shards) into `into`."""
-    from shardline.training.checkpoints.store import CheckpointStore, POINTER
+    from shardline.training.checkpoints.store import CheckpointStore
 
     paths = CheckpointStore(ref_dir).paths()[:keep]
     for p in paths:
@@ -109,9 +109,7 @@ def _copy_prefix(cfg, ref_dir: str, into: str, keep: int) -> list[str]:
             for f in storage.find_files(storage.join(ref_dir, sharded)):
                 rel = f[len(ref_dir) + 1:]
                 storage.write_bytes(storage.join(into, rel), storage.read_bytes(f))
-    step = CheckpointStore.holding(paths[-1]).read(paths[-1])["global_step"]
-    pointer = {"name": storage.name(paths[-1]), "step": step}
-    storage.write_bytes(storage.join(into, POINTER), json.dumps(pointer).encode())
+    CheckpointStore(into).point_at(storage.join(into, storage.name(paths[-1])))
     return [storage.join(into, storage.name(p)) for p in paths]
 
 
@@ -138,7 +136,7 @@ def changed_lr(cfg, ref, root: str, handles: dict) -> tuple[str, str]:
     try:
         _train(cfg, ckpt, handles, resume=True, lr=cfg.training.lr * 10)
     except ShardlineError as e:
-        line = str(e).splitlines()[0]
+        line = first_line(e, 100_000)
         said = line[line.find("different run"):] if "different run" in line else line  # past the path
         if "lr=" in line and "--allow-changed lr" in line:
             return "PASS", f"refused: {said[:200]}"

@@ -16,8 +16,7 @@ from urllib.parse import unquote
 import pyarrow as pa
 
 from shardline.foundation import storage
-from shardline.foundation.errors import ConfigError, DataError
-from .raw import first_line
+from shardline.foundation.errors import ConfigError, DataError, first_line
 from .source_config import SourceConfig
 from .table_files import CHANGE_TYPE
 

@@ -14,10 +14,9 @@ from __future__ import annotations
 import re
 import uuid
 
-from shardline.foundation import storage
+from shardline.foundation import report, storage
 from .config import PipelineConfig, SourceConfig
-from shardline.foundation.errors import ConfigError
-from .raw import first_line
+from shardline.foundation.errors import ConfigError, first_line
 
 STAGING = "_staging"
 
@@ -137,7 +136,7 @@ def prepare_frame(engine, cfg: PipelineConfig, frame, append: bool, refit: bool,
             format="parquet", path=folder, on_bad_rows=src.on_bad_rows)})
         checked = check_prepare(staged, append, refit, by_plan)
         for note in checked.notes:
-            print("  " + re.sub(r"\(inferred from [^)]*\)", f"(inferred from {where})", note), flush=True)
+            report.note(re.sub(r"\(inferred from [^)]*\)", f"(inferred from {where})", note))
         checked.sources = [record]
         return prepare(engine, staged, append, refit, by_plan, checked=checked, lease=lease)
     finally:

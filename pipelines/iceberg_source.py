@@ -13,8 +13,7 @@ import os
 
 import pyarrow as pa
 
-from shardline.foundation.errors import ConfigError, DataError
-from .raw import first_line
+from shardline.foundation.errors import ConfigError, DataError, first_line
 from .source_config import SourceConfig
 
 FIELD_ID = b"PARQUET:field_id"

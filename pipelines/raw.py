@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
-from shardline.foundation.errors import DataError
+from shardline.foundation.errors import DataError, first_line
 from .sources import display, open_raw
 from .table_files import TableFile
 
@@ -243,8 +243,3 @@ def _json_text(v) -> str | None:
 
 def _parquet(fmt: str) -> bool:
     return fmt in ("parquet", "synthetic")
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:200]

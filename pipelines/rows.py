@@ -321,13 +321,3 @@ def split_of(keys: np.ndarray, split: SplitConfig) -> np.ndarray:
 def shard_hash(keys: np.ndarray) -> np.ndarray:
     """A non-negative int64 per key, independent of the split hash: shard = it mod count."""
     return (hash64(keys, SHARD_SALT) >> np.uint64(1)).astype(np.int64)
-
-
-def shard_of(hashes: np.ndarray, splits: np.ndarray, shards: dict[str, int]) -> np.ndarray:
-    """Shard per row within its split, from its shard_hash and split name."""
-    out = np.zeros(len(hashes), np.int32)
-    for s, n in shards.items():
-        mask = splits == s
-        if mask.any():
-            out[mask] = hashes[mask] % n
-    return out

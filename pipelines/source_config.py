@@ -7,7 +7,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from shardline.foundation.section import Section
 
@@ -67,7 +67,7 @@ class SourceConfig(Section):
     timestamp: str | None = Field(
         None,
         description="format = 'delta': read the version that was current at this time (ISO 8601, "
-        "e.g. '2026-11-27T10:00:00Z'; without a zone: UTC).",
+        "e.g. '2026-11-27T10:00:00Z', quoted or as a TOML datetime; without a zone: UTC).",
     )
     table: str | None = Field(
         None,
@@ -87,6 +87,15 @@ class SourceConfig(Section):
     query: str | None = Field(
         None, description="format = 'table': a Spark SQL query whose result is the input (instead of `table`).",
     )
+
+    @field_validator("timestamp", mode="before")
+    @classmethod
+    def _time_as_text(cls, value):
+        """A TOML datetime or date (`timestamp = 2026-11-28T23:42:48Z`, unquoted, in the file
+        or a --set) and a Python one (the API) are times too: kept as their ISO 8601 text."""
+        if isinstance(value, (dt.datetime, dt.date)):
+            return value.isoformat()
+        return value
 
     @model_validator(mode="after")
     def _table_settings(self) -> SourceConfig:

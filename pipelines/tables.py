@@ -24,8 +24,8 @@ import pyarrow.parquet as pq
 from . import delta_source, iceberg_source
 from shardline.foundation import storage
 from .config import FeatureSpec, SourceConfig
-from shardline.foundation.errors import ConfigError, DataError
-from .raw import RawFile, first_line
+from shardline.foundation.errors import ConfigError, DataError, first_line
+from .raw import RawFile
 from .source_config import TABLE_FORMATS
 from .sources import display, open_raw
 from .table_files import TableFile

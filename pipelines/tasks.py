@@ -24,9 +24,9 @@ import pyarrow.parquet as pq
 from . import rejects
 from shardline.foundation import storage
 from .config import FeatureSpec, SplitConfig
-from shardline.foundation.errors import DataError
+from shardline.foundation.errors import DataError, first_line
 from .manifest import FittedStatistics
-from .raw import Unit, first_line, read_unit
+from .raw import Unit, read_unit
 from .rows import BAD_KINDS, INVALID, Parsed, parse, shard_hash
 from .splits import SPLITS
 from .sources import display

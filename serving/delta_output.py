@@ -29,9 +29,9 @@ import pyarrow as pa
 
 from shardline.foundation import storage
 from shardline.pipelines.delta_source import is_table, native, storage_options
-from shardline.foundation.errors import ConfigError, DataError
+from shardline.foundation.errors import ConfigError, DataError, first_line
 
-from .ledger import all_scores, read_ledger, version_dir
+from .ledger import all_scores, read_ledger
 
 SCORES = "_shardline_scores"
 FORMATS = ("parquet", "delta")
@@ -151,7 +151,7 @@ class DeltaOutput:
                     return  # the commit landed before its answer was lost: nothing more to do
                 if attempt == 2 or _permanent(e):
                     raise DataError(f"serving.output_dir = {storage.display(self.root)}: the Delta commit failed "
-                                    f"({_first_line(e)}); the scores are committed in {SCORES}/ and the next run "
+                                    f"({first_line(e, 200)}); the scores are committed in {SCORES}/ and the next run "
                                     "appends them") from None
                 time.sleep(0.5 * (attempt + 1))
 
@@ -159,13 +159,3 @@ class DeltaOutput:
 def _permanent(e: Exception) -> bool:
     text = str(e).lower()
     return "schema" in text or "permission" in text
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:200]
-
-
-def version_scores(root: str, model_name: str, model_version: str) -> str:
-    """A model version's scores folder inside a Delta output (for its ledger)."""
-    return version_dir(storage.join(root, SCORES), model_name, model_version)

@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from shardline.foundation import storage
 from shardline.pipelines.config import FeatureSpec, SourceConfig
-from shardline.foundation.errors import DataError, ShardlineError
+from shardline.foundation.errors import DataError, ShardlineError, first_line
 from shardline.pipelines.manifest import (
     FittedStatistics,
     ShardManifest,
@@ -186,7 +186,7 @@ def check_unit(unit: Unit, transform: Transform, for_model: str = "") -> int:
             meta = pq.read_metadata(f)
         schema = meta.schema.to_arrow_schema()
     except (OSError, pa.ArrowException) as e:
-        raise DataError(f"{unit.path}: unreadable Parquet file ({str(e).splitlines()[0]})") from None
+        raise DataError(f"{unit.path}: unreadable Parquet file ({first_line(e)})") from None
     spec = transform.spec
     tensors = transform.tensors
     if transform.io.get("inputs") is not None:  # a loop's model of its own inputs

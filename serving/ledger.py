@@ -17,7 +17,7 @@ unit, the model and the job's `scored_at` (fixed on the driver): a retried or
 duplicated task rewrites the same bytes under the same names. An output file no
 ledger entry names is an interrupted unit; the next job removes it or rewrites it
 under the same name. Readers that must not see such a file read through
-`committed_files` (plain Parquet readers skip `_` and `.` names, so they see only
+the ledger (plain Parquet readers skip `_` and `.` names, so they see only
 scores-*.parquet files).
 
 Outputs of shardline before per-version directories hold one version's scores at the
@@ -155,11 +155,6 @@ def all_scores(out) -> list[Scores]:
 
 def _version_order(v: str) -> tuple:
     return (0, int(v), "") if v.isdigit() else (1, 0, v)
-
-
-def committed_files(out) -> list[str]:
-    """The committed score files of every version in the output."""
-    return sorted(storage.join(s.dir, e["output"]) for s in all_scores(out) for e in s.entries.values())
 
 
 def entry_bytes(entry: dict) -> bytes:

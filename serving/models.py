@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 
 from shardline.foundation.redact import redact
+from shardline.training.mlflow_quiet import no_download_bars
 
 _CACHE: dict[tuple[str, str, str], object] = {}
 
@@ -187,6 +188,7 @@ def _model_info(model_uri: str):
     import mlflow
     from mlflow.models import Model
 
+    no_download_bars()  # a refusal of the model is then its one line, not a bar and a line
     with tempfile.TemporaryDirectory(prefix="shardline-model-") as tmp:
         local = mlflow.artifacts.download_artifacts(posixpath.join(model_uri, "MLmodel"), dst_path=tmp)
         return Model.load(local).get_model_info()

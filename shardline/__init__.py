@@ -14,6 +14,10 @@ only needs the engine packages) pulls in neither Spark nor MLflow.
 
 from __future__ import annotations
 
+# The errors a caller catches (`except shardline.ShardlineError`), loaded at once: their
+# module imports nothing heavy. `.exit_code` is what the CLI exits with.
+from .foundation.errors import ConfigError, DataError, LeaseHeld, ShardlineError, StorageError
+
 __version__ = "0.1.0"
 
 _API = {
@@ -22,8 +26,12 @@ _API = {
         "PrepareResult", "TrainResult", "ScoreResult", "RunResult", "PlanResult",
     )
 }
+# Raised by a call that ran and failed: a lost lease (a stalled job's folder taken over),
+# a rank's failure after its relaunches.
+_API |= {"LeaseLost": "foundation.lease", "TrainingFailed": "training.launchers"}
 # What a training loop function gets (`def loop(ctx: shardline.LoopContext)`): imports torch.
 _API["LoopContext"] = "training.loop.context"
+__all__ = ["ShardlineError", "ConfigError", "DataError", "StorageError", "LeaseHeld", *_API, "__version__"]
 
 
 def __getattr__(name: str):

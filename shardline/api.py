@@ -31,6 +31,7 @@ from shardline.config import (
     OUTPUT,
     SOURCE,
     ShardlineConfig,
+    check_folders,
     check_storage,
     checkpoint_store,
     cluster_of,
@@ -40,6 +41,7 @@ from shardline.config import load_config as _load
 from shardline.engines import Engines, engine_handle, spark_ranks
 from shardline.foundation import report
 from shardline.foundation.errors import ConfigError
+from shardline.foundation.overlap import glob_base
 from shardline.pipelines.manifest import ShardManifest
 from shardline.foundation.report import stage
 from shardline.serving.delta_output import scores_dir
@@ -233,12 +235,15 @@ def score(
     if model_uri:
         cfg = load_config(cfg, {"serving.model_uri": model_uri})
     cfg = _choose(cfg, "serving.engine", spark, client)
-    cfg = resolve_paths(cfg, [cfg.serving.engine], (DATASET, OUTPUT), tracking=True, spark=spark, client=client)
+    cfg = resolve_paths(cfg, [cfg.serving.engine], (DATASET, OUTPUT), tracking=True, spark=spark, client=client,
+                        apart=())
     s = cfg.serving
     if not s.model_uri:
         raise ConfigError("no model: pass model_uri or set serving.model_uri")
     cluster = cluster_of(cfg, [s.engine], spark, client)
+    scored = "--input" if input_path else DATASET
     input_path = resolve(input_path, "--input", cluster) if input_path else cfg.pipelines.dataset_dir
+    check_folders(cfg, (OUTPUT,), ((scored, glob_base(input_path)),))  # the scores never among what they score
     check_storage(cfg, writes=(OUTPUT,), other_reads=(("--input", input_path),))
     check_store(cfg.tracking.resolved_uri())
     # The output's lease first (a second job is refused at once, exit 75), then every check

@@ -11,13 +11,15 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
-from shardline.foundation.engine_config import DaskConfig, SparkConfig
+from shardline.foundation.engine_config import DaskConfig, SparkConfig, on_loopback
 from shardline.foundation.section import Section
 from shardline.pipelines.config import PipelineConfig
 from shardline.foundation import report
 from shardline.foundation.errors import ConfigError
+from shardline.foundation.overlap import check_apart, glob_base
 from shardline.foundation.storage import is_remote, resolve
 from shardline.serving.config import ServingConfig
+from shardline.training.checkpoints.store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.strategy_settings import nest_source, override_path
 from shardline.training.sweeps.config import SweepConfig
@@ -64,26 +66,40 @@ def load_config(
     # A strategy setting by either name (training.micro_batches, training.pipeline.micro_batches):
     # one path in the data, so an override replaces the source's whichever name each used.
     data, seen = nest_source(data, where), {}
+    given: dict[str, str] = {}  # path -> the override that set it, which a mistake there is blamed on
     if isinstance(overrides, Mapping):
         for key, value in overrides.items():
-            _set(data, override_path(str(key).strip(), value, seen), value, f"{key}={value!r}")
+            path = override_path(str(key).strip(), value, seen)
+            _set(data, path, value, f"{key}={value!r}")
+            given[path] = f"overrides[{str(key).strip()!r}]"
     else:
         for item in overrides:
-            _apply_override(data, item, seen)
+            given[_apply_override(data, item, seen)] = f"--set {item.strip()}"
     try:
         return ShardlineConfig.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(x) for x in err["loc"])
+        blamed = _blamed(field, given, where)
         if err["type"] == "extra_forbidden":
-            raise ConfigError(f"{where}: unknown setting '{field}'") from None
+            raise ConfigError(f"{blamed}: unknown setting '{field}'") from None
         scalar = isinstance(err.get("input"), (str, int, float, bool))
         got = f" (got {err['input']!r})" if scalar else ""
         msg = err["msg"].removeprefix("Value error, ")
-        raise ConfigError(f"{where}: {field}: {msg}{got}") from None
+        raise ConfigError(f"{blamed}: {field}: {msg}{got}") from None
 
 
-def _apply_override(data: dict, item: str, seen: dict) -> None:
+def _blamed(field: str, given: dict[str, str], where: str) -> str:
+    """Who wrote the setting at fault: the override that set it or a section around it
+    (`--set 'training={epochz=3}'`), else the file (or "config", "defaults")."""
+    for path, override in reversed(given.items()):  # the last override of a setting wins
+        if field == path or field.startswith(path + "."):
+            return override
+    return where
+
+
+def _apply_override(data: dict, item: str, seen: dict) -> str:
+    """Apply one `--set section.field=value`; returns the path it set."""
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {item!r}: expected section.field=value")
@@ -91,7 +107,9 @@ def _apply_override(data: dict, item: str, seen: dict) -> None:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw  # a bare word is a string: --set training.model=mlp
-    _set(data, override_path(key.strip(), value, seen), value, item)
+    path = override_path(key.strip(), value, seen)
+    _set(data, path, value, item)
+    return path
 
 
 def _set(data: dict, key: str, value: Any, item: str) -> None:
@@ -112,7 +130,8 @@ _ENGINE_OF = {"spark": "spark", "dask": "dask", "local": None}
 
 def cluster_of(cfg: ShardlineConfig, engines: list[str], spark=None, client=None) -> str | None:
     """The setting that sends tasks to other hosts, among the engines a command uses; None
-    when every task runs on this machine (embedded Spark `local[...]`, a LocalCluster).
+    when every task runs on this machine (embedded Spark `local[...]`, a LocalCluster, a
+    scheduler or standalone master on loopback, whose workers can only be on this machine).
     spark, client: a SparkSession or Dask client the caller gave (the API's `spark=`,
     `client=`): where it runs, not the config, says."""
     for engine in engines:
@@ -121,10 +140,10 @@ def cluster_of(cfg: ShardlineConfig, engines: list[str], spark=None, client=None
 
             if is_connect(spark):
                 return "the Spark Connect session given"
-            if not spark_master(spark).startswith("local"):
+            if not spark_master(spark).startswith("local") and not on_loopback(spark_master(spark)):
                 return f"the SparkSession given (master {spark_master(spark)!r})"
         elif engine == "dask" and client is not None:
-            if getattr(client, "cluster", None) is None:  # a scheduler reached by its address
+            if getattr(client, "cluster", None) is None and not on_loopback(client.scheduler.address):
                 return f"the Dask client given (scheduler {client.scheduler.address})"
         elif engine == "spark":
             from shardline.foundation.spark_setup import remote_url
@@ -132,9 +151,9 @@ def cluster_of(cfg: ShardlineConfig, engines: list[str], spark=None, client=None
             remote = remote_url(cfg.spark)  # a malformed one: a config error, said first
             if remote:
                 return f"Spark Connect at {remote!r}"
-            if not cfg.spark.master.startswith("local"):
+            if not cfg.spark.master.startswith("local") and not on_loopback(cfg.spark.master):
                 return f"spark.master = {cfg.spark.master!r}"
-        if engine == "dask" and client is None and cfg.dask.address:
+        if engine == "dask" and client is None and cfg.dask.address and not on_loopback(cfg.dask.address):
             return f"dask.address = {cfg.dask.address!r}"
     return None
 
@@ -146,14 +165,15 @@ SOURCE, DATASET, CHECKPOINTS, OUTPUT = (
 
 def resolve_paths(
     cfg: ShardlineConfig, engines: list[str | None], uses: tuple[str, ...] = (), *,
-    tracking: bool = False, sweep: bool = False, spark=None, client=None,
+    tracking: bool = False, sweep: bool = False, spark=None, client=None, apart: tuple[str, ...] | None = None,
 ) -> ShardlineConfig:
     """Every path setting as every host will open it (foundation.storage.resolve): local
     paths absolute, URLs as they are. When `engines` run tasks on other hosts, a relative
     path among the settings the command `uses` is refused, and so is a relative SQLite
     file as the MLflow store (`tracking`) or the Optuna storage (`sweep`) its tasks open;
     absolute local ones get a note (every host must see them: a shared filesystem).
-    spark, client: the caller's own engines (see cluster_of).
+    spark, client: the caller's own engines (see cluster_of). apart: the folders that must
+    not hold one another (foundation.overlap; default: those the command `uses`).
     """
     cluster = cluster_of(cfg, [e for e in engines if e], spark, client)
     local: list[str] = []
@@ -169,7 +189,7 @@ def resolve_paths(
     p, t, s = cfg.pipelines, cfg.training, cfg.serving
     source = p.source.model_copy(update={"path": path(p.source.path, SOURCE)})
     dataset_dir = path(p.dataset_dir, DATASET)
-    checkpoint_dir = path(_checkpoint_dir(cfg), CHECKPOINTS)
+    checkpoint_dir = path(_job_folder(cfg)[0], CHECKPOINTS)
     output_dir = path(s.output_dir, OUTPUT)
     tracking_uri = _sqlite(cfg.tracking.resolved_uri(), "tracking.tracking_uri", cluster if tracking else None,
                            "an MLflow tracking server (tracking.tracking_uri = 'http://host:5000')", local)
@@ -179,13 +199,7 @@ def resolve_paths(
 
         sweep_storage = _sqlite(resolve_storage(cfg.sweep, tracking_uri), "sweep.storage", cluster,
                                 "a database server every host reaches (sweep.storage = 'postgresql://...')", local)
-    if local:
-        names = " and ".join([", ".join(local[:-1]), local[-1]] if len(local) > 1 else local)
-        report.line(f"[shardline] note: {cluster} runs tasks on other hosts, and {names} "
-                    f"{'is a path' if len(local) == 1 else 'are paths'} on this machine: every host must see "
-                    f"{'it' if len(local) == 1 else 'them'} at the same path (a shared filesystem); else use "
-                    f"URLs (s3://bucket/prefix) and an MLflow server")
-    return cfg.model_copy(
+    resolved = cfg.model_copy(
         update={
             "pipelines": p.model_copy(update={"source": source, "dataset_dir": dataset_dir}),
             "training": t.model_copy(update={"checkpoint_dir": checkpoint_dir}),
@@ -194,26 +208,37 @@ def resolve_paths(
             "sweep": cfg.sweep.model_copy(update={"storage": sweep_storage}),
         }
     )
+    check_folders(resolved, uses if apart is None else apart)  # refused before the note: one line
+    if local:
+        names = " and ".join([", ".join(local[:-1]), local[-1]] if len(local) > 1 else local)
+        report.line(f"[shardline] note: {cluster} runs tasks on other hosts, and {names} "
+                    f"{'is a path' if len(local) == 1 else 'are paths'} on this machine: every host must see "
+                    f"{'it' if len(local) == 1 else 'them'} at the same path (a shared filesystem); else use "
+                    f"URLs (s3://bucket/prefix) and an MLflow server")
+    return resolved
 
 
-def _checkpoint_dir(cfg: ShardlineConfig) -> str:
-    """training.checkpoint_dir as set, else this job's own folder (training.checkpoints.fingerprint.job_dir):
-    two configs never share, or clear, each other's checkpoints. The training stage prints it."""
-    t = cfg.training
-    if "checkpoint_dir" in t.model_fields_set:
-        return t.checkpoint_dir
-    from shardline.training.checkpoints.fingerprint import job_dir
-
-    return job_dir(t, cfg.tracking.experiment, cfg.tracking.registered_model, cfg.pipelines.dataset_dir)
+def check_folders(cfg: ShardlineConfig, settings: tuple[str, ...], others: tuple[tuple[str, str], ...] = ()) -> None:
+    """The folders of `settings` (resolved) and `others` ((name, URL): a path given on the
+    command line) apart from one another (foundation.overlap). A source that is no folder
+    (an Iceberg or Spark table) has none."""
+    named = [(s, glob_base(path_of(cfg, s)) if s == SOURCE else path_of(cfg, s))
+             for s in settings if s != SOURCE or cfg.pipelines.source.reads_path]
+    check_apart(named + list(others))
 
 
-def checkpoint_store(given: ShardlineConfig, resolved: ShardlineConfig):
-    """The job's training.checkpoints.store.CheckpointStore: the folder resolve_paths gave
-    `resolved`, the job's own (job_dir: a new run there replaces an earlier one that differs
-    only in what the folder's name leaves out) when the config as `given` leaves it unset."""
-    from shardline.training.checkpoints.store import CheckpointStore
+def _job_folder(cfg: ShardlineConfig) -> tuple[str, bool]:
+    """The job's checkpoint folder as its store decides it (CheckpointStore.job_folder), and
+    whether it is the job's own. The training stage prints it."""
+    return CheckpointStore.job_folder(cfg.training, cfg.tracking.experiment, cfg.tracking.registered_model,
+                                      cfg.pipelines.dataset_dir)
 
-    return CheckpointStore(resolved.training.checkpoint_dir, own="checkpoint_dir" not in given.training.model_fields_set)
+
+def checkpoint_store(given: ShardlineConfig, resolved: ShardlineConfig) -> CheckpointStore:
+    """The job's CheckpointStore: the folder resolve_paths gave `resolved`; the job's own (a
+    new run there replaces an earlier one that differs only in what the folder's name leaves
+    out) when the config as `given` leaves it unset."""
+    return CheckpointStore(resolved.training.checkpoint_dir, own=_job_folder(given)[1])
 
 
 def path_of(cfg: ShardlineConfig, setting: str) -> str:

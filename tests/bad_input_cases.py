@@ -18,16 +18,27 @@ from shardline.training.checkpoints import fingerprint
 from shardline.training.checkpoints.store import CheckpointStore
 from shardline.training.config import TrainingConfig
 
+# The rule the codes follow (#53 item 12), said on the reference page above the table.
+EXIT_RULE = (
+    "One rule: **2** when what you typed is wrong, on its face or against the checkpoint it "
+    "resumes: change the command or the config (a setting, a flag, a `--resume` refused, whatever "
+    "it found); **1** when what the run found or met is: the data, the storage, MLflow, another "
+    "job's checkpoints, or a failure while running; **75** when another job holds the folder "
+    "(try later); **130** when interrupted."
+)
+
 # code -> (meaning, the exception classes or click errors that raise it). tests/test_defaults.py
 # checks each class's exit_code against this table.
 EXIT_CODES: dict[int, tuple[str, str]] = {
     0: ("done", ""),
     1: ("bad data or a refused run: a missing or unreadable input, a dataset that cannot train as "
         "configured (world size over shards, a global batch that gives a rank 0 steps an epoch), a "
-        "checkpoint of another job, unreachable storage or MLflow",
-        "`ShardlineError`, `DataError`, `StorageError` (`shardline/foundation/errors.py`)"),
-    2: ("a config or usage error: a missing or invalid config file, an unknown setting, a wrong type or "
-        "value, a bad flag", "`ConfigError`, click's usage errors"),
+        "checkpoint of another job, unreachable storage or MLflow; a rank's failure",
+        "`ShardlineError`, `DataError`, `StorageError` (`shardline/foundation/errors.py`), `TrainingFailed`"),
+    2: ("a config or usage error: a missing or invalid config file, an unknown setting (in the file or "
+        "an override), a wrong type or value, a bad flag; a refused `--resume` (a setting or the code "
+        "changed since the checkpoint, no checkpoint, the job already finished, a mesh it cannot reshard to)",
+        "`ConfigError`, `ResumeRefused`, click's usage errors"),
     75: ("another job holds the lease of the dataset, checkpoint or output directory: try again later "
          "(EX_TEMPFAIL)", "`LeaseHeld`"),
     130: ("interrupted (Ctrl-C)", ""),
@@ -37,11 +48,13 @@ EXIT_CODES: dict[int, tuple[str, str]] = {
 @dataclass
 class Case:
     what: str  # the mistake, as the reference page says it
-    args: list[str]  # after `shardline`; {cfg} is the case's config file, {dir} its folder
+    args: list[str]  # after `shardline`; {cfg} is the case's config file, {dir} its folder, {dataset} the dataset's
     code: int
     message: str  # a fragment of the one line on stderr
     toml: str = ""  # appended to the base config (a section header, then its settings)
     setup: Callable[[Path, str], object] | None = None  # (case dir, dataset dir) -> context or None
+    usage: bool = False  # click's own usage error: its "Usage:" and "Try" lines come around the one line
+    env: dict[str, str] | None = None  # environment variables the case sets (the S3 clients are made anew)
 
 
 def _others_checkpoints(folder: Path, _dataset: str) -> None:
@@ -64,6 +77,16 @@ def _own_checkpoints(folder: Path, _dataset: str) -> None:
     cfg = TrainingConfig(launcher="spark", world_size=2, batch_size=64, epochs=1)
     fp = fingerprint.fingerprint(cfg, "v", snapshot([]))
     CheckpointStore(str(folder / "ckpt")).save(5, {"fingerprint": fp, "epoch": 1}, keep=3)
+
+
+def _checkpoint_of_another_lr(folder: Path, dataset: str) -> None:
+    """This job's checkpoint (the base config's training settings, on the dataset as it is),
+    written with another learning rate, its job not finished."""
+    from shardline.pipelines.manifest import load_manifest
+
+    cfg = TrainingConfig(launcher="spark", world_size=2, batch_size=64, epochs=1, lr=0.5)
+    fp = fingerprint.fingerprint(cfg, load_manifest(dataset).version_id, snapshot([]))
+    CheckpointStore(str(folder / "ckpt")).save(5, {"fingerprint": fp, "epoch": 0, "global_step": 5}, keep=3)
 
 
 def _file_as_checkpoint_dir(folder: Path, _dataset: str) -> None:
@@ -216,6 +239,8 @@ CASES = [
     Case("config file missing", ["train", "{dir}/nope.toml"], 2, "nope.toml: config file not found"),
     Case("config is not TOML", T, 2, "invalid TOML", toml="[training\n"),
     Case("unknown setting", T, 2, "unknown setting 'training.epochz'", toml="epochz = 3\n"),
+    Case("unknown setting given with --set (blamed on the --set, not the file)", [*T, "--set", "training.epochz=3"], 2,
+         "error: --set training.epochz=3: unknown setting 'training.epochz'"),
     Case("wrong type", T, 2, "training.seed: Input should be a valid integer", toml="seed = 'zero'\n"),
     Case("--set without =", [*T, "--set", "training.epochs"], 2, "expected section.field=value"),
     Case("--set into a value", [*T, "--set", "training.epochs.x=1"], 2, "'epochs' is a value, not a section"),
@@ -231,6 +256,34 @@ CASES = [
     Case("an empty label name", [*T, "--set", "pipelines.features.label=''"], 2,
          "pipelines.features.label: a column name cannot be empty (got '')"),
     Case("split fractions off", [*T, "--set", "pipelines.split.val=0.5"], 2, "split fractions must sum to 1"),
+    # -- folders inside one another (#53 item 2): refused before anything starts (exit 2)
+    Case("a score output inside the dataset",
+         ["score", "{cfg}", "--model", "models:/m/1", "--engine", "dask", "--output", "{dataset}/out"], 2,
+         "serving.output_dir is inside pipelines.dataset_dir"),
+    Case("a checkpoint folder inside the dataset", [*T, "--set", "training.checkpoint_dir='{dataset}/ckpt'"], 2,
+         "training.checkpoint_dir is inside pipelines.dataset_dir"),
+    Case("a dataset inside the raw source", [*P, "--set", "pipelines.dataset_dir='{dir}/raw/ds'",
+                                             "--set", "pipelines.source.path='{dir}/raw'"], 2,
+         "pipelines.dataset_dir is inside pipelines.source.path"),
+    Case("a raw source (a glob) inside the dataset", [*P, "--set", "pipelines.source.path='{dataset}/train/*.parquet'"], 2,
+         "pipelines.source.path is inside pipelines.dataset_dir"),
+    Case("a score input holding the output", ["score", "{cfg}", "--model", "models:/m/1", "--engine", "dask",
+                                              "--input", "{dir}/raw", "--output", "{dir}/raw/scores"], 2,
+         "serving.output_dir is inside --input"),
+    Case("checkpoints and scores in one folder (run)", ["run", "{cfg}", "--set", "serving.output_dir='{dir}/ckpt'"], 2,
+         "training.checkpoint_dir and serving.output_dir are the same folder"),
+    Case("a checkpoint folder inside the dataset, on S3", [*T, "--set", "pipelines.dataset_dir='s3://bucket/ds'",
+                                                          "--set", "training.checkpoint_dir='s3://bucket/ds/ckpt'"], 2,
+         "training.checkpoint_dir is inside pipelines.dataset_dir ('s3://bucket/ds/ckpt' in 's3://bucket/ds')"),
+    # -- accepted, then refused further on: the setting reached the check that needs it
+    Case("a Delta timestamp as a TOML datetime (unquoted), before the table's first version",
+         [*DELTA, "--set", "pipelines.source.timestamp=2020-01-01T00:00:00Z"], 2,
+         "pipelines.source.timestamp = '2020-01-01T00:00:00+00:00': no version of the table was current then",
+         setup=_delta_table),
+    Case("a Dask scheduler on loopback: no note that other hosts must see the paths, nor a relative "
+         "path refused (its workers share this machine's); a missing source is the one line",
+         [*P, "--set", "dask.address='tcp://127.0.0.1:9'", "--set", "pipelines.source.path='none'"], 1,
+         "case/none: input not found"),
     Case("tensor shape with a zero dimension", P, 2, "shape [0]: every dimension must be >= 1",
          toml="[pipelines.features.tensors.tokens]\ndtype = 'int32'\nshape = [0]\n"),
     Case("unknown tensor dtype", P, 2, "pipelines.features.tensors.tokens.dtype: Input should be 'uint8'",
@@ -262,14 +315,16 @@ CASES = [
     Case("a Spark table source on Dask", [*P, "--set", "pipelines.source.format='table'", "--set",
          "pipelines.source.table='events'"], 2, "needs pipelines.engine = 'spark'"),
     # -- flags (exit 2)
-    Case("unknown launcher flag", [*T, "--launcher", "yarn"], 2, "Invalid value for '--launcher'"),
-    Case("world size not a number", [*T, "--world-size", "two"], 2, "Invalid value for '--world-size'"),
-    Case("--refit without --append", ["prepare", "{cfg}", "--refit"], 2, "--refit goes with --append"),
-    Case("score without a model", ["score", "{cfg}"], 2, "no model: pass --model or set serving.model_uri"),
-    Case("unknown command", ["trian", "{cfg}"], 2, "No such command 'trian'"),
+    Case("unknown launcher flag", [*T, "--launcher", "yarn"], 2, "Invalid value for '--launcher'", usage=True),
+    Case("world size not a number", [*T, "--world-size", "two"], 2, "Invalid value for '--world-size'", usage=True),
+    Case("--refit without --append", ["prepare", "{cfg}", "--refit"], 2, "--refit goes with --append", usage=True),
+    Case("score without a model", ["score", "{cfg}"], 2, "no model: pass --model or set serving.model_uri",
+         usage=True),
+    Case("unknown command", ["trian", "{cfg}"], 2, "No such command 'trian'", usage=True),
     Case("--json-file in a folder that does not exist", [*T, "--json-file", "{dir}/none/result.json"], 2,
          "none/result.json: no folder"),
-    Case("benchmark rounds below 1", ["bench", "score", "--rounds", "0"], 2, "Invalid value for '--rounds'"),
+    Case("benchmark rounds below 1", ["bench", "score", "--rounds", "0"], 2, "Invalid value for '--rounds'",
+         usage=True),
     # -- training settings against the dataset (exit 2: a setting at fault)
     Case("unknown model", [*T, "--set", "training.model=resnet"], 2, "unknown model 'resnet'"),
     Case("unknown strategy", [*T, "--set", "training.strategy=zero"], 2, "unknown strategy 'zero'"),
@@ -308,9 +363,13 @@ CASES = [
           "is no nn.Sequential and declares no pipeline_layers()"),
     _user("model output width does not match the classes", ["training.model='usernets.nets:wrong_width'"],
           "the output must be [batch, 3]"),
+    # -- a refused --resume (exit 2, #53 item 12: whatever the checkpoint refuses it for)
     Case("resume over changed code", [*T, "--resume", "--set", "training.model='usernets.nets:build'"], 2,
          "the code changed since the checkpoint: usernets/nets.py changed; to resume with it: --allow-changed code",
          toml=USER, setup=_checkpoint_of_other_code),
+    Case("resume with a changed setting", [*T, "--resume"], 2,
+         "checkpoint is from a different run: lr='0.5' (config has '0.003')", setup=_checkpoint_of_another_lr),
+    Case("resume with no checkpoint", [*T, "--resume"], 2, "no checkpoint to resume from"),
     Case("sweep with nothing to search", ["sweep", "{cfg}"], 2, "sweep.space is empty"),
     Case("sweep objective not logged", ["sweep", "{cfg}", "--set", "sweep.objective='val_f1'"], 2,
          "training does not produce 'val_f1'",
@@ -353,7 +412,6 @@ CASES = [
     Case("an image of another size when no resize is configured", DECLARED, 1,
          "image is not 8x8 (height x width) and pipelines.features.images.image.resize is off",
          toml=IMAGE_8, setup=_one_image(_jpeg(8, 9))),
-    Case("resume with no checkpoint", [*T, "--resume"], 1, "no checkpoint to resume from"),
     Case("another job's checkpoints in checkpoint_dir", T, 1,
          "holds another job's checkpoints", setup=_others_checkpoints),
     Case("checkpoint_dir is a file", T, 1, "exists and is not a directory", setup=_file_as_checkpoint_dir),
@@ -382,6 +440,16 @@ CASES = [
     Case("the UI on an MLflow database store whose driver is not installed (before its server)",
          ["ui", "{cfg}", "--set", "tracking.tracking_uri='postgresql://u:secret@127.0.0.1:1/mlflow'"], 1,
          "MLflow's postgresql store needs a database driver that is not installed"),
+    # -- the S3 endpoint with a user part (#53 item 5): one line, the token masked (the test
+    # checks that "secret" is in no line), before any read: nothing listens on port 9
+    Case("prepare with AWS_ENDPOINT_URL=http://TOKEN@host:port",
+         [*P, "--set", "pipelines.dataset_dir='s3://bucket/ds'"], 1,
+         "the S3 endpoint http://***@127.0.0.1:9 (AWS_ENDPOINT_URL) has a user part (user@host)",
+         env={"AWS_ENDPOINT_URL": "http://secret-token@127.0.0.1:9"}),
+    Case("score with AWS_ENDPOINT_URL=http://TOKEN@host:port",
+         ["score", "{cfg}", "--model", "models:/m/1", "--engine", "dask", "--output", "s3://bucket/scores"], 1,
+         "serving.output_dir: s3://bucket/scores: the S3 endpoint http://***@127.0.0.1:9 (AWS_ENDPOINT_URL) has a "
+         "user part", env={"AWS_ENDPOINT_URL": "http://secret-token@127.0.0.1:9"}),
     # -- an output of another model (exit 1; score refuses it the same way)
     Case("run into an output holding another model's scores (before it prepares)",
          ["run", "{cfg}", "--set", "serving.output_dir='{dir}/out'", "--set", "pipelines.engine='dask'"], 1,

@@ -59,9 +59,15 @@ def version_dir(output_dir) -> Path:
     return dirs[0]
 
 
-def read_scores(output_dir) -> pa.Table:
-    from shardline.serving.ledger import committed_files
+def committed_files(out) -> list[str]:
+    """The committed score files of every version in the output (the ledgers name them)."""
+    from shardline.foundation import storage
+    from shardline.serving.ledger import all_scores
 
+    return sorted(storage.join(s.dir, e["output"]) for s in all_scores(out) for e in s.entries.values())
+
+
+def read_scores(output_dir) -> pa.Table:
     return pa.concat_tables(pq.read_table(f) for f in committed_files(output_dir))
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from shardline.foundation.object_stores import forget_clients
 from shardline.jobs.cli import main
 
 from .bad_input_cases import CASES, Case
@@ -43,20 +44,25 @@ def test_bad_input(case: Case, small_dataset, tmp_path, monkeypatch, capsys):  #
     folder.mkdir()
     (folder / "job.toml").write_text(_base(dataset, folder) + case.toml)
     data_before = tree(Path(dataset))
+    for k, v in (case.env or {}).items():
+        monkeypatch.setenv(k, v)
     with ExitStack() as stack:
+        if case.env:  # clients made from the case's environment, dropped after it
+            forget_clients()
+            stack.callback(forget_clients)
         held = case.setup(folder, dataset) if case.setup else None
         if held is not None:
             stack.enter_context(held)
         before = tree(folder)
         monkeypatch.chdir(folder)
-        args = [a.format(cfg=folder / "job.toml", dir=folder) for a in case.args]
+        args = [a.format(cfg=folder / "job.toml", dir=folder, dataset=dataset) for a in case.args]
         with pytest.raises(SystemExit) as exit_:
             main(args)
         err = capsys.readouterr().err
         assert exit_.value.code == case.code, err
         lines = [ln for ln in err.strip().splitlines() if ln.strip()]
-        # One line (click's usage errors add a "Usage:" and a "Try" line around theirs).
-        errors = [ln for ln in lines if not ln.startswith(("Usage:", "Try "))]
+        # One line (click's usage errors add a "Usage:" and a "Try" line around theirs; no other).
+        errors = [ln for ln in lines if not (case.usage and ln.startswith(("Usage:", "Try ")))]
         assert len(errors) == 1 and case.message in errors[0], err
         assert "secret" not in err  # a password in a store's URL is never printed
         # Nothing written, nothing lost: the checkpoints, the output and the MLflow store

@@ -165,6 +165,38 @@ def test_own_folder_replaces_an_earlier_run_and_effects_do_what_they_say(folder,
     assert not storage.exists(storage.join(folder, "_lease.json"))
 
 
+def test_the_store_owns_its_pointer_and_its_ranks_files(folder):
+    """#54 item 7: a copied folder's LATEST is written by the store (point_at), with the five
+    fields save() writes, not two; the ranks' files are named by the store alone."""
+    store = CheckpointStore(folder)
+    fp = fingerprint.fingerprint(CFG, "v1", snapshot([]))
+    first = _write(store, 10, 0, fp, {"mynets/nets.py": "cd" * 32})
+    saved = json.loads(storage.read_bytes(storage.join(folder, POINTER)))
+    _write(store, 20, 1, fp)
+    store.point_at(first)  # back to the first, as the fault runner does after copying a prefix
+    assert store.latest() == first
+    assert json.loads(storage.read_bytes(storage.join(folder, POINTER))) == saved
+    assert store.rank_file(3) == storage.join(folder, "ranks", "rank-3.json")
+    assert store.stop_file == storage.join(folder, "ranks", "stop.json")
+    assert store.ranks_dir == storage.join(folder, "ranks")
+
+
+def test_the_folder_is_decided_once_by_the_store(tmp_path, monkeypatch):
+    """shardline/config.py asks CheckpointStore.job_folder, as TrainingJob does (for_job)."""
+    from shardline.config import checkpoint_store, load_config, resolve_paths
+
+    monkeypatch.chdir(tmp_path)
+    given = load_config(None, {"training.hidden": [16]})
+    resolved = resolve_paths(given, [])
+    store = checkpoint_store(given, resolved)
+    t, k = given.training, given.tracking
+    assert store == CheckpointStore.for_job(t, k.experiment, k.registered_model, given.pipelines.dataset_dir)
+    assert store.own and CheckpointStore.job_folder(t, k.experiment, k.registered_model, "x")[1]
+    named = load_config(given, {"training.checkpoint_dir": "mine"})
+    assert CheckpointStore.job_folder(named.training, "e", "m", "d") == ("mine", False)
+    assert not checkpoint_store(named, resolve_paths(named, [])).own
+
+
 def test_for_job_names_the_own_folder_without_the_code(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     unset = CheckpointStore.for_job(CFG, "exp", "model", "data")

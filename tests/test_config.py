@@ -51,6 +51,46 @@ def test_bad_values_name_the_field(overrides, message):
         load_config(QUICKSTART, overrides)
 
 
+def test_a_mistake_in_an_override_is_blamed_on_the_override_not_the_file(tmp_path):
+    """#53 item 11: `--set training.epochz=3` said "job.toml: unknown setting"."""
+    cases = [
+        (["training.epochz=3"], "--set training.epochz=3: unknown setting 'training.epochz'"),
+        (["training={epochz=3}"], "--set training={epochz=3}: unknown setting 'training.epochz'"),
+        ({"training.epochz": 3}, "overrides['training.epochz']: unknown setting 'training.epochz'"),
+        (["training.seed='zero'"], "--set training.seed='zero': training.seed: Input should be a valid integer"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError) as e:
+            load_config(QUICKSTART, overrides)
+        assert str(e.value).startswith(message), (overrides, str(e.value))
+    # A mistake in the file is still the file's, whatever else is overridden.
+    (tmp_path / "bad.toml").write_text("[training]\nepochz = 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path / "bad.toml", ["training.epochs=2"])
+    assert str(e.value) == f"{tmp_path / 'bad.toml'}: unknown setting 'training.epochz'"
+
+
+def test_a_delta_timestamp_may_be_a_toml_datetime(tmp_path):
+    """#53 item 13: `--set pipelines.source.timestamp=2026-11-28T23:42:48Z` was refused with
+    "Input should be a valid string"; a TOML datetime (or date), unquoted, is a time too."""
+    import datetime as dt
+
+    base = ["pipelines.source.format='delta'", "pipelines.source.path='t'"]
+    for given, text in [("2026-11-28T23:42:48Z", "2026-11-28T23:42:48+00:00"),
+                        ("2026-11-28T23:42:48", "2026-11-28T23:42:48"), ("2026-11-28", "2026-11-28"),
+                        ("'2026-11-28T23:42:48Z'", "2026-11-28T23:42:48Z")]:
+        src = load_config(None, [*base, f"pipelines.source.timestamp={given}"]).pipelines.source
+        assert src.timestamp == text
+        assert src.pinned_time() == dt.datetime(2026, 11, 28, *((23, 42, 48) if "T" in given else ()),
+                                                tzinfo=dt.timezone.utc)
+    path = tmp_path / "job.toml"
+    path.write_text("[pipelines.source]\nformat = 'delta'\npath = 't'\ntimestamp = 2026-11-28T23:42:48Z\n")
+    assert load_config(path).pipelines.source.timestamp == "2026-11-28T23:42:48+00:00"
+    api = {"pipelines.source.timestamp": dt.datetime(2026, 11, 28, tzinfo=dt.timezone.utc)}  # a Python caller's
+    given = load_config({"pipelines": {"source": {"format": "delta", "path": "t"}}}, api)
+    assert given.pipelines.source.timestamp == "2026-11-28T00:00:00+00:00"
+
+
 @pytest.mark.parametrize(
     "content, message",
     [

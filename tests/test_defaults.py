@@ -213,6 +213,8 @@ def test_exit_code_table_matches_the_errors():
     assert ConfigError.exit_code == 2 and "ConfigError" in rows[2]
     assert ShardlineError.exit_code == DataError.exit_code == 1 and "DataError" in rows[1]
     assert LeaseHeld.exit_code == 75 and "LeaseHeld" in rows[75]
+    # A refused --resume is 2 whatever the checkpoint refuses it for (#53 item 12).
+    assert fingerprint.ResumeRefused.exit_code == 2 and "ResumeRefused" in rows[2]
 
 
 @pytest.mark.slow  # the CLI in a subprocess

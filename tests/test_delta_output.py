@@ -20,8 +20,9 @@ import pytest
 from deltalake import DeltaTable
 
 from shardline.foundation.errors import ConfigError
-from shardline.serving.delta_output import SCORES, app_id, version_scores
-from shardline.serving.ledger import read_ledger
+from shardline.foundation import storage
+from shardline.serving.delta_output import SCORES, app_id
+from shardline.serving.ledger import read_ledger, version_dir
 from shardline.serving.score import plan
 
 from .scoring_faults import StallsOnce
@@ -78,7 +79,7 @@ def test_two_runs_append_each_row_once(dask_client, prepared, raw, tracking_uri,
     _assert_once(out, raw.column("key").to_pylist() + more.column("key").to_pylist())
     # The scores sit in the table's hidden folder, beside their ledger; Delta lists only them.
     files = {f.rsplit("/", 1)[-1] for f in DeltaTable(out).file_uris()}
-    assert files == {e["output"] for e in read_ledger(version_scores(out, name, version)).values()}
+    assert files == {e["output"] for e in read_ledger(version_dir(storage.join(out, SCORES), name, version)).values()}
     assert all(f"/{SCORES}/" in f for f in DeltaTable(out).file_uris())
 
 
@@ -109,7 +110,7 @@ def test_a_worker_killed_mid_unit_leaves_each_row_once(dask_client, prepared, ra
     write_raw(raw, tmp_path / "in", files=units)
     out = str(tmp_path / "table")
     name, version = uri.split("/")[1:]
-    ledger_dir = version_scores(out, name, version)
+    ledger_dir = version_dir(storage.join(out, SCORES), name, version)
     workers = dask_client.run(os.getpid)
     seen: dict = {}
     stop = threading.Event()

@@ -115,6 +115,6 @@ def test_cli_allow_changed_is_checked_before_anything_starts(prepared, reference
         "can: lr, weight_decay, lr_schedule, warmup_steps, epochs, dataset_version, code"
     ], proc.stderr[-2000:]
     proc = shardline_here(*args, "--resume", cwd=tmp_path)
-    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.returncode == 2, proc.stderr[-2000:]  # a refused --resume, as for changed code (#53 item 12)
     (line,) = error_lines(proc.stderr)
     assert "lr='0.003' (config has '0.01')" in line and "--allow-changed lr" in line, line

@@ -196,3 +196,30 @@ org.apache.spark.SparkException: Python worker exited unexpectedly (crashed). Co
 configuration to 'true' for the better Python traceback.
 \tat org.apache.spark.api.python.BasePythonRunner$ReaderIterator$$anonfun$1.applyOrElse(PythonRunner.scala:1136)
 """
+
+
+def test_a_peer_that_failed_alike_is_read_from_its_log_of_this_attempt_only(tmp_path, monkeypatch):
+    """#53 item 16: Spark and Dask report one failed rank; the others' logs say whether they
+    failed the same way. A log older than its rank's start (rank-N.json) is an earlier attempt's."""
+    from shardline.training.launchers import rank_errors
+    from shardline.training.launchers.rank_errors import RankError
+
+    monkeypatch.setattr(rank_errors, "ALIKE_WAIT_S", 0.3)  # how long it waits for a log is not what this shows
+    ranks = tmp_path / "ranks"
+    try:
+        Boom()(1)
+    except ValueError as e:
+        marker, reported = str(RankError.of(1, e, str(ranks))), e
+    (ranks / "rank-1.json").write_text("{}")
+    (ranks / "rank-0.log").write_text("rank 0 on h, pid 1, then\nTraceback ...\nValueError: an older bug\n")
+    time.sleep(0.05)
+    (ranks / "rank-0.json").write_text("{}")  # rank 0 started again after it wrote that log
+    failed = TrainingFailed.from_ranks("Spark barrier stage", marker, "", ranks_dir=str(ranks))
+    assert "the same" not in str(failed), str(failed)
+    RankError.of(0, reported, str(ranks))  # now rank 0 fails alike, in this attempt
+    failed = TrainingFailed.from_ranks("Spark barrier stage", marker, "", ranks_dir=str(ranks))
+    assert str(failed) == (
+        f"Spark barrier stage training failed: rank 1 on {socket.gethostname()}: ValueError: boom: the user's "
+        f"forward fails (at tests/test_launchers.py, line {BOOM_LINE}, in forward; rank 0 the same; "
+        f"traceback in {ranks}/rank-1.log)"), str(failed)
+    assert failed.permanent

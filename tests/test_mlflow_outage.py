@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from shardline.foundation import report
 from shardline.training.checkpoints.store import CheckpointStore
 from shardline.training.config import TrackingConfig
 from shardline.training.job import run_training
@@ -34,6 +35,16 @@ pytestmark = pytest.mark.slow  # two server starts and two trainings
 # rank 0 and the driver waiting, proving nothing. These are user settings that bound_http()
 # leaves alone; the number of attempts and the timeout stay shardline's own.
 NO_BACKOFF = {"MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"}
+
+
+class _Heard(report.Reporter):
+    """The driver's reporter in a test: the lines it was handed, as a user's console gets them."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def line(self, text: str) -> None:
+        self.lines.append(text)
 
 
 def _start_server(root: Path, port: int) -> subprocess.Popen:
@@ -154,8 +165,10 @@ def test_training_survives_an_mlflow_outage_and_its_metrics_arrive_after(prepare
         # Rank 0 waits after its first epoch until the server is down: the outage falls inside
         # training however slow the watcher is (a run beside CPU hogs once saw the server
         # killed only as the job ended).
-        result = run_training(cfg, TrackingConfig(tracking_uri=url, experiment="outage", registered_model="outage"),
-                              prepared.dataset_dir, epoch_hook=functools.partial(hold_until_exists, str(killed)))
+        heard = _Heard()
+        with report.using(heard):  # the driver's console: what rank 0 says must reach it (#53 item 15)
+            result = run_training(cfg, TrackingConfig(tracking_uri=url, experiment="outage", registered_model="outage"),
+                                  prepared.dataset_dir, epoch_hook=functools.partial(hold_until_exists, str(killed)))
         done.set()
         watcher.join()
         assert seen.get("at_return", 0) >= seen.get("at_kill", 99) + 3, seen  # written while it was down
@@ -171,6 +184,14 @@ def test_training_survives_an_mlflow_outage_and_its_metrics_arrive_after(prepare
         steps = [m.step for m in ref_client.get_metric_history(reference.run_id, "train_loss_step")]
         assert sorted(m.step for m in client.get_metric_history(result.run_id, "train_loss_step")) == sorted(steps)
         assert client.get_model_version("outage", result.model_version).run_id == result.run_id
+        # docs/guide/faults.md's lines, on the driver's console: the first checkpoint the outage
+        # kept out of the artifacts, once; the count at the end when more than one was.
+        said = [ln for ln in heard.lines if "not logged" in ln]
+        assert said and said[0].startswith("[shardline] MLflow unreachable: checkpoint ckpt-"), heard.lines
+        assert said[0].endswith("not logged as an artifact, nor those after it while MLflow is down "
+                                "(counted at the end)"), said
+        assert all(" checkpoints in all not logged as artifacts (each is in training.checkpoint_dir)" in ln
+                   for ln in said[1:]) and len(said) <= 2, said
         servers.leave(procs.pop(), port)  # the server brought back, healthy: the next test's
     finally:
         done.set()

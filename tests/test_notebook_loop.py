@@ -60,14 +60,24 @@ def first_weight(result) -> tuple[int, ...]:
     return tuple(result.weights["0.weight"].shape)
 
 
-def train_edit_train(tmp_path, prepared, tracking_uri, launcher, **engines):
+def train_edit_train(tmp_path, prepared, tracking_uri, launcher, load_between: bool = False, **engines):
+    """load_between: the first model is loaded with mlflow.pyfunc.load_model before the edit
+    (to look at it), which puts that model's code folder, with its copy of nbnets, first on
+    sys.path; the package is then found only on sys.path (no training.code_paths), as a
+    user's project is."""
     from shardline.training.models.registered import load_torch_model
 
     write_nets(tmp_path / "code", 16)
     sys.path.insert(0, str(tmp_path / "code"))
+    path_before = list(sys.path)
     try:
         cfg = overrides(tmp_path, prepared, tracking_uri, launcher, f"notebook-{launcher}")
+        if load_between:
+            cfg.pop("training.code_paths")
         first = shardline.train(None, cfg, **engines)
+        if load_between:
+            _pyfunc_load(first.model_uri, tracking_uri)
+            assert (Path(sys.path[0]) / "nbnets" / "nets.py").is_file(), sys.path[0]  # the model's copy, first
         write_nets(tmp_path / "code", 32)  # the user edits the model in their editor
         second = shardline.train(None, {**cfg, "training.checkpoint_dir": str(tmp_path / f"ckpt2-{launcher}")},
                                  **engines)
@@ -76,14 +86,26 @@ def train_edit_train(tmp_path, prepared, tracking_uri, launcher, **engines):
         # The registered model is the new code's: its module rebuilds with width 32.
         assert load_torch_model(second.model_uri)[0].weight.shape[0] == 32
     finally:
-        sys.path.remove(str(tmp_path / "code"))
+        sys.path[:] = [p for p in path_before if p != str(tmp_path / "code")]
         for m in [m for m in sys.modules if m.split(".")[0] == "nbnets"]:
             del sys.modules[m]
     return first, second
 
 
+def _pyfunc_load(model_uri: str, tracking_uri: str):
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri)
+    try:
+        return mlflow.pyfunc.load_model(model_uri)
+    finally:
+        mlflow.set_tracking_uri(None)
+
+
 def test_edit_and_train_again_on_the_local_launcher(tmp_path, prepared, tracking_uri):
-    train_edit_train(tmp_path, prepared, tracking_uri, "local")
+    """With the first model loaded through MLflow in between (#53 item 1): before, the second
+    job found nbnets in that model's code folder, shipped it and registered width 16 again."""
+    train_edit_train(tmp_path, prepared, tracking_uri, "local", load_between=True)
 
 
 LOOP = '''VERSION = {version}

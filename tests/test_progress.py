@@ -196,3 +196,39 @@ def test_the_library_reports_through_the_reporter_its_caller_chose(caplog):
     got = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
     assert ("shardline", logging.INFO, "  to the logger") in got and ("shardline", logging.WARNING, "careful") in got
     assert isinstance(report.current(), report.PlainReporter)  # `using` put the default back
+
+
+def test_the_drivers_own_status_lines_go_to_the_reporter(tmp_path, capsys):
+    """#53 item 21: lines the library printed past the reporter (a notebook's LoggingReporter
+    never saw them): the checkpoint store's, the MLflow wait's, the rank guard's."""
+    from shardline.foundation import report
+    from shardline.training.checkpoints import fingerprint
+    from shardline.training.checkpoints.store import CheckpointStore
+    from shardline.training.config import TrainingConfig
+    from shardline.training.launchers.guard import DriverGuard
+    from shardline.training.mlflow_outage import when_reachable
+
+    cfg = TrainingConfig(hidden=[8])
+    fp = fingerprint.fingerprint(cfg, "v")
+    store = CheckpointStore(str(tmp_path / "ckpt"), own=True)
+    for step in (1, 2):
+        store.save(step, {"fingerprint": fp, "epoch": 0, "global_step": step}, keep=3)
+    (tmp_path / "ckpt" / CheckpointStore(store.url).latest().rsplit("/", 1)[1]).write_bytes(b"cut short")
+    (tmp_path / "file").write_text("not a folder")
+    guard = DriverGuard("unused", str(tmp_path / "file" / "ranks" / "stop.json"), "job", ttl_s=30)
+
+    def down():
+        raise ConnectionError("Connection refused")
+
+    out = io.StringIO()
+    with report.using(report.PlainReporter(out)):
+        assert store.readable()[0].endswith(".pt")  # the cut one is passed over, said once
+        guard.stop()  # its stop file cannot be written
+        with pytest.raises(Exception, match="has been unreachable"):
+            when_reachable(down, "http://127.0.0.1:9", wait_s=0.3, checkpoint="ck", retry_s=0.1)
+        store.start_over(fingerprint.fingerprint(cfg.model_copy(update={"epochs": 9}), "v"))
+    said = out.getvalue()
+    assert "the newest readable one" in said and "could not tell the ranks to stop" in said, said
+    assert "training is done; MLflow at http://127.0.0.1:9 is unreachable" in said, said
+    assert "starting over in this job's own checkpoint folder" in said, said
+    assert capsys.readouterr().err == ""  # nothing past the reporter

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from shardline.serving.ledger import LEDGER, committed_files, read_ledger
+from shardline.serving.ledger import LEDGER, read_ledger
 
 from .conftest import REPO
 from .scoring_faults import DiesBetweenOutputAndLedger, StallsOnce
-from .serving_helpers import raw_table, read_scores, register_flaky, register_wrapped, version_dir, write_raw
+from .serving_helpers import committed_files, raw_table, read_scores, register_flaky, register_wrapped, version_dir, write_raw
 from .serving_helpers import score as score_job
 
 # Every model here is a fault-injecting wrapper logged with mlflow.pytorch (register_wrapped):

@@ -12,6 +12,8 @@ from shardline.foundation.errors import DataError
 from shardline.serving import ledger
 from shardline.training.checkpoints.store import CheckpointStore, POINTER
 
+from .serving_helpers import committed_files
+
 UID = "0123456789abcdef"
 
 
@@ -37,7 +39,7 @@ def test_tampered_ledger_output_is_refused_and_nothing_is_deleted(tmp_path, outp
     entry_file.write_text(json.dumps(_entry(output)))
 
     for read in (lambda: ledger.all_scores(str(out)), lambda: ledger.read_entry(d, UID),
-                 lambda: ledger.committed_files(str(out))):
+                 lambda: committed_files(str(out))):
         with pytest.raises(DataError) as e:
             read()
         assert "corrupt scoring ledger entry" in str(e.value) and str(entry_file) in str(e.value)

@@ -15,7 +15,9 @@ import pytest
 from shardline.foundation.errors import ShardlineError
 from shardline.pipelines.manifest import load_manifest
 from shardline.training.config import TrackingConfig, TrainingConfig
-from shardline.training.sweeps.run import EPOCH_METRICS, VAL_METRICS, run_sweep
+from shardline.training.sweeps.run import EPOCH_METRICS, run_sweep
+
+VAL_METRICS = ("val_loss", "val_accuracy")  # what a classification run with a val split logs
 from shardline.training.sweeps.config import SweepConfig
 
 from .conftest import shardline_here

@@ -38,7 +38,7 @@ def test_retrain_with_other_epochs_and_resume_rules(prepared, tracking_uri, tmp_
     # Its last epoch is done: a resume would train 0 steps and register the same weights again.
     before = _versions(tracking_uri)
     r = _train(tmp_path, prepared, tracking_uri, "--set", "training.epochs=1", "--resume")
-    assert r.returncode == 1, r.stderr
+    assert r.returncode == 2, r.stderr  # a refused --resume (#53 item 12)
     err = r.stderr.strip()
     assert "\n" not in err and err.startswith("error: ") and "Traceback" not in err, err
     assert "the newest checkpoint ends the job (epoch 1 of training.epochs = 1 done)" in err, err

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.foundation.code_travel import code_zip, local_code, snapshot, use_code
+from shardline.foundation.code_travel import UserCode, code_zip, snapshot, top_names, use_code
 from shardline.foundation.engine_config import DaskConfig
 from shardline.training.launchers.local import launch_local
 
@@ -85,7 +85,6 @@ def test_a_worker_that_imported_an_older_zip_imports_the_new_one(tmp_path, clean
 
 
 def test_a_zip_that_never_arrived_is_one_line():
-    from shardline.foundation.code_travel import UserCode
     from shardline.foundation.errors import ShardlineError
 
     with pytest.raises(ShardlineError, match=r"the user's code \(shardline-user-0\.zip\) did not reach this worker"):
@@ -107,7 +106,8 @@ def test_local_ranks_import_the_users_folder_from_anywhere(tmp_path, clean_impor
     stale = write_package(tmp_path / "old", 1)
     sys.path.insert(0, str(stale.parent))
     assert importlib.import_module(MODULE).value() == 1
-    use_code(local_code([str(pkg)]))  # the folder in place: as it is now
+    # The folders used in place, no zip and no files (as ranks on the driver's host could).
+    use_code(UserCode(tuple(n for n, _ in top_names([str(pkg)])), None, (str(pkg),)))
     assert importlib.import_module(MODULE).value() == 4
 
 

@@ -29,6 +29,8 @@ from .test_prepare_tensors import TOKENS, grid, pixels, png, tokens, typed_confi
 USERMODELS = Path(__file__).parent / "usermodels"
 PACKAGE = str(USERMODELS / "usernets")
 MODEL, LOSS = "usernets.nets:build", "usernets.losses:smoothed_ce"
+ALWAYS_LINE = next(i for i, ln in enumerate((Path(PACKAGE) / "faults.py").read_text().splitlines(), 1)
+                   if "this model always fails" in ln)
 # Every strategy on 2 ranks (ps: a server and a worker), one after the other in one group.
 STRATEGIES = {
     "ddp": {}, "fsdp": {}, "tensor": {}, "pipeline": {"micro_batches": 4}, "ps": {"ps_servers": 1},
@@ -168,6 +170,11 @@ def test_model_inputs_describe_the_manifest_and_round_trip_through_json(small_da
          "training.metrics[1]: usernets.nets:build fails on the model's output"),
         ({"metrics": ["usernets.losses:top1", "usernets.losses:top1"]},
          "training.metrics[1]: usernets.losses:top1 would be logged as val_top1, which another metric is"),
+        # #53 item 16: the driver's check names the user's file and line, as a rank's line does.
+        ({"model": "usernets.faults:raises_always"},
+         "training.model usernets.faults:raises_always: its forward fails on a batch of the dataset's shape "
+         f"(features [2, 3] float32) with ValueError: boom: this model always fails (at usernets/faults.py, "
+         f"line {ALWAYS_LINE}, in forward)"),
         ({"model": "usernets.nets:NOT_CALLABLE"}, "training.model: usernets.nets:NOT_CALLABLE is not callable (it is a int)"),
         ({"model": "usernets.nowhere:build"},
          "training.model: cannot import module 'usernets.nowhere' (ModuleNotFoundError: No module named "

@@ -46,7 +46,7 @@ from .strategies import strategy_for
 from .tracking import check_store, log_dataset_input, open_experiment, run_name
 from .loop.function import LoopFunction, resolve as resolve_loop
 from .loop.runner import RankJob
-from .user_code import job_code_folders, refresh_driver_code
+from .user_code import check_driver_imports, job_code_folders, refresh_driver_code
 
 
 @dataclass
@@ -121,8 +121,9 @@ class TrainingJob:
         """The checks that need no dataset (`shardline run` makes the dataset first). The mesh
         (its degrees multiply to world_size; PS leaves workers) was checked as the strategy
         was resolved."""
-        # The model, loop, loss and metrics import and take their arguments.
+        # The model, loop, loss and metrics import and take their arguments, from the job's code.
         check_callables(self.cfg, loop_resolved=True)
+        check_driver_imports(self.code)
 
     def check_model_and_data(self) -> ShardManifest:
         """The dataset, and the model built once for it: one forward pass, the strategy's
@@ -169,7 +170,7 @@ class TrainingJob:
         store.check_resume(fingerprint.fingerprint(cfg, self.manifest.version_id, code), code, cfg.epochs, allowed)
         found = store.readable()  # the newest readable one
         if found is None:
-            raise DataError(f"{store.where}: no checkpoint to resume from")
+            raise fingerprint.ResumeRefused(f"{store.where}: no checkpoint to resume from")
         url = found[0]
         if "dataset_version" not in allowed:
             self.manifest = _version_of(store, url, self.dataset_dir, self.manifest)
@@ -221,7 +222,7 @@ class TrainingJob:
         held_here = self.store.lease is None
         held = self.store.hold(self.cfg.lease_ttl_s)
         try:
-            guard = DriverGuard.for_this_process(held.url, held.job, held.ttl_s)
+            guard = DriverGuard.for_this_process(held.url, self.store.stop_file, held.job, held.ttl_s)
             return self._run(spark, dask_client, guard, into_run, register, epoch_hook, dask_workers)
         finally:
             if held_here:

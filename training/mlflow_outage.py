@@ -22,8 +22,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import time
+
+from shardline.foundation import report
+from shardline.foundation.errors import ShardlineError, first_line
+from shardline.foundation.redact import redact
 
 BOUNDED = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
@@ -57,10 +60,6 @@ def unreachable(e: BaseException) -> bool:
         return True
     text = str(e)
     return any(marker in text for marker in _UNREACHABLE)
-
-
-def first_line(e: BaseException) -> str:
-    return ((str(e).strip().splitlines() or [type(e).__name__])[0])[:200]
 
 
 class Outbox:
@@ -170,12 +169,11 @@ class _Waiting:
         left = max(0.0, self.wait_s - (now - self.start))
         first = self.said is None
         self.said = now
-        from shardline.foundation.redact import redact
 
-        print(redact(f"[shardline] training is done; MLflow at {self.uri} is unreachable ({detail}): "
-              f"{'waiting' if first else 'still waiting'} up to {left:.0f} s more for it "
-              f"(tracking.outage_wait_s); the trained weights are in checkpoint "
-              f"{self.checkpoint or 'training.checkpoint_dir'}"), file=sys.stderr, flush=True)
+        report.line(redact(f"[shardline] training is done; MLflow at {self.uri} is unreachable ({detail}): "
+                           f"{'waiting' if first else 'still waiting'} up to {left:.0f} s more for it "
+                           f"(tracking.outage_wait_s); the trained weights are in checkpoint "
+                           f"{self.checkpoint or 'training.checkpoint_dir'}"))
 
 
 @contextlib.contextmanager
@@ -205,9 +203,6 @@ def tracked_run(run_id: str | None, run_name: str | None, tracking_uri: str, wai
 
 
 def _gone(tracking_uri: str, wait_s: float, checkpoint: str | None, detail: str):
-    from shardline.foundation.errors import ShardlineError
-    from shardline.foundation.redact import redact
-
     return ShardlineError(redact(
         f"tracking.tracking_uri: MLflow at {tracking_uri} has been unreachable since training "
         f"was running ({detail}, waited {wait_s:.0f} s at the end); the trained weights are in "

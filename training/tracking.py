@@ -8,8 +8,8 @@ import tempfile
 import time
 from contextlib import contextmanager
 
-from shardline.foundation import storage
-from shardline.foundation.errors import ShardlineError
+from shardline.foundation import progress, storage
+from shardline.foundation.errors import ShardlineError, first_line
 from shardline.foundation.redact import redact
 
 from .mlflow_outage import Outbox, bound_http, unreachable
@@ -23,8 +23,11 @@ class MetricsReporter:
     to the driver (`pending`).
     """
 
-    def __init__(self, tracking_uri: str | None, run_id: str | None):
+    def __init__(self, tracking_uri: str | None, run_id: str | None, progress_addr: str | None = None):
         self.run_id = run_id
+        # Its lines go to the driver's console (foundation.progress): a rank's own stderr is
+        # an executor's or a Dask worker's log, where nobody reads them during an outage.
+        self.progress_addr = progress_addr
         self.client = None
         self.outbox = None
         self.unlogged = 0  # checkpoints not logged as artifacts while the server was down
@@ -47,8 +50,8 @@ class MetricsReporter:
         if self.outbox is None:
             return []
         if self.unlogged > 1:
-            print(f"[shardline] MLflow was unreachable: {self.unlogged} checkpoints in all not logged as "
-                  "artifacts (each is in training.checkpoint_dir)", file=sys.stderr, flush=True)
+            progress.say(self.progress_addr, f"[shardline] MLflow was unreachable: {self.unlogged} checkpoints "
+                         "in all not logged as artifacts (each is in training.checkpoint_dir)")
         self.outbox.flush(force=True)
         return self.outbox.pending()
 
@@ -77,9 +80,8 @@ class MetricsReporter:
             # outage, not for every checkpoint (30 lines in one run), and counted at the end.
             self.unlogged += 1
             if not self._said:
-                print(f"[shardline] MLflow unreachable: checkpoint {storage.name(url)} not logged as an "
-                      "artifact, nor those after it while MLflow is down (counted at the end)",
-                      file=sys.stderr, flush=True)
+                progress.say(self.progress_addr, f"[shardline] MLflow unreachable: checkpoint {storage.name(url)} "
+                             "not logged as an artifact, nor those after it while MLflow is down (counted at the end)")
                 self._said = True
 
     def _artifacts(self, url: str, sharded: str | None) -> None:
@@ -260,8 +262,7 @@ def create_beside_store(tracking_uri: str, experiment: str) -> None:
 
 def not_usable(tracking_uri: str, e: BaseException) -> ShardlineError:
     """The one line for a store MLflow cannot use: the first line of its error."""
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return ShardlineError(f"tracking.tracking_uri: MLflow at {tracking_uri} is not usable ({first[:200]})")
+    return ShardlineError(f"tracking.tracking_uri: MLflow at {tracking_uri} is not usable ({first_line(e, 200)})")
 
 
 # MLflow's database stores (SQLAlchemy URLs) other than SQLite, whose driver is a separate package.
@@ -358,7 +359,7 @@ def log_curves(run_id: str, keys: list[str]) -> None:
             if hist:
                 ax.plot([m.step + 1 for m in hist], [m.value for m in hist], marker="o", label=key)
         ax.set_xlabel("epoch")
-        if ax.lines:  # a loop of its own may log no figure of a group
+        if ax.get_legend_handles_labels()[0]:  # an empty panel (a regression run's accuracy, a loop's): no legend
             ax.legend()
         ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -15,7 +15,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from shardline.foundation.errors import ConfigError
+from shardline.foundation.code_travel import UserCode, top_names, use_code
+from shardline.foundation.errors import ConfigError, ShardlineError
 
 
 def is_import_path(name: str) -> bool:
@@ -70,6 +71,12 @@ def _own_shardline_folder(module_name: str) -> Path | None:
     return None
 
 
+def _model_code_folder(entry: str) -> bool:
+    """An MLflow model's `code` folder (beside its MLmodel file) on sys.path."""
+    folder = Path(entry or os.getcwd())
+    return folder.name == "code" and (folder.parent / "MLmodel").is_file()
+
+
 def _installed_roots() -> set[Path]:
     paths = sysconfig.get_paths()
     return {Path(paths[k]).resolve() for k in ("purelib", "platlib", "stdlib", "platstdlib") if k in paths}
@@ -84,7 +91,11 @@ def package_location(path: str) -> Path | None:
     cwd_on_path()
     # Searched on sys.path, not taken from sys.modules: a package imported earlier in this
     # process may come from somewhere else (a registered model's code folder, since removed).
-    spec = importlib.machinery.PathFinder.find_spec(top, sys.path)
+    # Nor from a loaded model's code folder, which mlflow.pyfunc.load_model puts first on
+    # sys.path: that is the code as it was logged, not the user's project as it is now
+    # (unless the package is nowhere else).
+    own = [e for e in sys.path if not _model_code_folder(e)]
+    spec = importlib.machinery.PathFinder.find_spec(top, own) or importlib.machinery.PathFinder.find_spec(top, sys.path)
     if spec is None or spec.origin in (None, "built-in", "frozen"):
         return None
     origin = Path(spec.origin).resolve()
@@ -135,9 +146,6 @@ def job_code_folders(cfg) -> list[str]:
     the packages of `training.model`, `training.loop`, `training.loss` and `training.metrics`
     (when they are the user's own) and every `training.code_paths` entry. Two of one name are
     refused: both would be imported as that name."""
-    from shardline.foundation.code_travel import top_names
-    from shardline.foundation.errors import ShardlineError
-
     folders = user_code_folders([cfg.model, cfg.loop or "", cfg.loss or "", *cfg.metrics], cfg.code_paths)
     try:
         top_names(folders)
@@ -162,9 +170,15 @@ def refresh_driver_code(code) -> None:
     next import reads the files again. The same digest keeps what is loaded (a sweep's
     trials, a job's restarts). A package imported before any job (a notebook's own import)
     is dropped once too: which version it is cannot be told.
+
+    And whatever sys.path holds, the job's folders come first and a module of theirs loaded
+    from anywhere else is dropped (foundation.code_travel.use_code): after
+    `mlflow.pyfunc.load_model` the model's own copy of the package (its code folder, which
+    MLflow puts first on sys.path) would otherwise be what the driver imports and checks.
     """
-    if code is None:
+    if code is None or not code.packages:
         return
+    use_code(UserCode(code.packages, None, code.folders))
     stale = [p for p in code.packages if _IMPORTED_FOR.get(p) != code.digest]
     if not stale:
         return
@@ -174,3 +188,23 @@ def refresh_driver_code(code) -> None:
     importlib.invalidate_caches()
     for p in stale:
         _IMPORTED_FOR[p] = code.digest
+
+
+def check_driver_imports(code) -> None:
+    """The user's packages this process imported for the job are the job's code (`code`,
+    its snapshot's folders): refused in one line if one came from elsewhere (a finder of
+    its own ahead of sys.path, a module put in sys.modules by hand), which the ranks,
+    importing the snapshot, would not run."""
+    if code is None or not code.packages:
+        return
+    roots = tuple(os.path.join(str(Path(f).parent), "") for f in code.folders)
+    for name in code.packages:
+        module = sys.modules.get(name)
+        where = getattr(module, "__file__", None) or next(iter(getattr(module, "__path__", None) or []), None)
+        if module is not None and where and not os.path.realpath(where).startswith(
+                tuple(os.path.realpath(r) + os.sep for r in roots)):
+            raise ConfigError(
+                f"training.model: the package {name!r} was imported from {where}, not from the job's code "
+                f"({', '.join(code.folders)}), which every rank runs; take it off the import path or "
+                "restart Python"
+            )

@@ -49,7 +49,7 @@ class UserCode:
     zip_name: the shipped zip (`shardline-user-<hash>.zip`), found on the worker's path or
     in its files folder; zip_path: where it is on the driver's host (the local launcher's
     ranks import it from there). No user code (a built-in model): no packages, no files,
-    an empty digest. `local_code`: folders used in place, no zip and no files.
+    an empty digest.
     """
 
     packages: tuple[str, ...]  # the top-level import names it provides
@@ -90,13 +90,6 @@ def top_names(folders: Sequence[str]) -> list[tuple[str, Path]]:
             raise ShardlineError(f"{out[name]} and {p}: both would be imported as {name!r}")
         out[name] = p
     return list(out.items())
-
-
-def local_code(folders: Sequence[str]) -> UserCode | None:
-    """For processes on the driver's host (the local launcher's ranks): no zip, the folders."""
-    if not folders:
-        return None
-    return UserCode(tuple(n for n, _ in top_names(folders)), None, tuple(str(f) for f in folders))
 
 
 def _files(folders: Sequence[str]) -> list[tuple[str, Path]]:

@@ -5,6 +5,9 @@ Every field has a default that works on the embedded local engines.
 
 from __future__ import annotations
 
+import ipaddress
+from urllib.parse import urlsplit
+
 from pydantic import Field
 
 from .section import Section
@@ -50,3 +53,16 @@ class DaskConfig(Section):
     n_workers: int = Field(2, ge=1, description="Workers of the embedded LocalCluster.")
     threads_per_worker: int = Field(1, ge=1, description="Threads per embedded worker.")
     memory_limit: str = Field("4GiB", description="Memory limit per embedded worker.")
+
+
+def on_loopback(address: str) -> bool:
+    """Whether a scheduler or master address (tcp://127.0.0.1:8786, spark://localhost:7077)
+    is this machine's loopback: its workers, which must reach it there, run on this machine
+    too, so paths on this machine are theirs as well. Read from the text, no DNS lookup."""
+    host = urlsplit(address if "://" in address else f"tcp://{address}").hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: maybe another machine
+        return False

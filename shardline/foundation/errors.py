@@ -34,3 +34,19 @@ class LeaseHeld(ShardlineError):
     """Another job holds the lease (the lock) of a directory (exit code 75, EX_TEMPFAIL: try later)."""
 
     exit_code = 75
+
+
+def first_line(e: BaseException, limit: int = 300, *, with_type: bool = False) -> str:
+    """An exception as one short line for a message: its text's first non-empty line, cut at
+    `limit` characters; its type's name when it has no text (`raise ValueError()`, `KeyError`
+    of nothing): this never raises, whatever `e` holds. with_type: "TypeName: text" (for a
+    cause whose text alone does not say what failed)."""
+    try:
+        whole = str(e)
+    except Exception:  # an exception class whose __str__ fails: its name still says something
+        whole = ""
+    text = next((ln.strip() for ln in whole.splitlines() if ln.strip()), "")
+    kind = type(e).__name__
+    if not text:
+        return kind
+    return f"{kind}: {text[:limit]}" if with_type else text[:limit]

@@ -18,13 +18,12 @@ import datetime as dt
 import json
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
 
-from . import storage
+from . import report, storage
 from .errors import LeaseHeld, ShardlineError
 
 LEASE_NAME = "_lease.json"
@@ -172,8 +171,7 @@ class Lease:
         if self.took_over is not None:
             previous, why = self.took_over
             who = previous.describe() if previous else "an unreadable lease"
-            print(f"[shardline] took over the lease of {storage.display(self.url)} from {who}: {why}",
-                  file=sys.stderr, flush=True)
+            report.line(f"[shardline] took over the lease of {storage.display(self.url)} from {who}: {why}")
         self._stop.clear()
         self._thread = threading.Thread(target=self._heartbeat, name="shardline-lease", daemon=True)
         self._thread.start()
@@ -182,8 +180,7 @@ class Lease:
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             if not self.renew():
-                print(f"[shardline] lost the lease of {storage.display(self.url)}: {self._lost}",
-                      file=sys.stderr, flush=True)
+                report.line(f"[shardline] lost the lease of {storage.display(self.url)}: {self._lost}")
                 return
 
     def _body(self, expires_at: float) -> bytes:

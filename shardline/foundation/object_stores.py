@@ -17,8 +17,9 @@ from __future__ import annotations
 import os
 import threading
 from typing import IO
+from urllib.parse import urlsplit
 
-from .errors import StorageError
+from .errors import StorageError, first_line
 
 _CACHE: dict[tuple, object] = {}
 _LOCK = threading.RLock()
@@ -198,6 +199,7 @@ def check_access(url: str, setting: str, write: bool) -> None:
     client = s3_client(check=True)
     bucket, key = split(url)
     where = f"{setting}: {url}"
+    _check_endpoint(where, client.meta.endpoint_url)
     try:
         client.list_objects_v2(Bucket=bucket, Prefix=key, MaxKeys=1)
         if write:
@@ -217,9 +219,21 @@ def check_access(url: str, setting: str, write: bool) -> None:
     except BotoCoreError as e:  # connection refused, DNS, timeouts
         endpoint = client.meta.endpoint_url
         raise StorageError(
-            f"{where}: cannot reach the S3 endpoint {endpoint} ({_first_line(e)}); "
+            f"{where}: cannot reach the S3 endpoint {endpoint} ({first_line(e)}); "
             f"check AWS_ENDPOINT_URL and the network"
         ) from None
+
+
+def _check_endpoint(where: str, endpoint: str) -> None:
+    """An endpoint with a user part (`http://TOKEN@host:port`): boto3 sends requests past it,
+    but pyarrow's S3 client refuses it on the first read ("Invalid DNS Label found in URI
+    host", a 50-line traceback from inside a stage). Said here, once, masked."""
+    if urlsplit(endpoint).username is not None:
+        raise StorageError(
+            f"{where}: the S3 endpoint {endpoint} (AWS_ENDPOINT_URL) has a user part (user@host), which "
+            f"S3 clients cannot use; give the endpoint as http(s)://host:port and the credentials in "
+            f"AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+        )
 
 
 def _explain_client_error(e, bucket: str, write: bool) -> str:
@@ -232,7 +246,7 @@ def _explain_client_error(e, bucket: str, write: bool) -> str:
     if code in ("AccessDenied", "403", "AllAccessDisabled"):
         what = "write" if write and op == "PutObject" else "list"
         return f"access denied: these credentials may not {what} here"
-    return f"{code or 'error'}: {_first_line(e)}"
+    return f"{code or 'error'}: {first_line(e)}"
 
 
 def _check_with_pyarrow(url: str, setting: str) -> None:
@@ -242,9 +256,4 @@ def _check_with_pyarrow(url: str, setting: str) -> None:
         fs, path = filesystem(url)
         fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
     except Exception as e:  # SDK-specific errors: name the first line
-        raise StorageError(f"{setting}: {url}: not reachable ({_first_line(e)})") from None
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return (lines[0] if lines else type(e).__name__)[:300]
+        raise StorageError(f"{setting}: {url}: not reachable ({first_line(e)})") from None

@@ -30,7 +30,7 @@ from importlib import resources
 from .code_travel import ship_shardline_to_spark
 from .engine_config import SparkConfig
 from .environ import restored
-from .errors import ConfigError, ShardlineError
+from .errors import ConfigError, ShardlineError, first_line
 from .redact import redact
 from .spark_user_conf import user_spark_conf
 
@@ -76,7 +76,7 @@ def remote_url(cfg: SparkConfig) -> str | None:
     try:
         DefaultChannelBuilder(url)
     except Exception as e:  # PySparkValueError with the reason
-        raise ConfigError(redact(f"{where} {url!r}: {_first_line(e)}")) from None
+        raise ConfigError(redact(f"{where} {url!r}: {first_line(e)}")) from None
     return url
 
 
@@ -199,7 +199,7 @@ def _connect(url: str, cfg: SparkConfig):
             spark.conf.set(key, value)
         except Exception as e:
             raise ConfigError(
-                f"spark.conf.{key}: cannot be set from a Spark Connect client ({_first_line(e)}); "
+                f"spark.conf.{key}: cannot be set from a Spark Connect client ({first_line(e)}); "
                 f"set it where the Connect server is started (--conf on start-connect-server.sh)"
             ) from None
     _fill_in(spark, session_defaults(cfg), explicit=_explicit_session(cfg))
@@ -219,7 +219,7 @@ def _unreachable(host: str, port: int, timeout_s: float) -> str | None:
 
 def _grpc_reason(e: BaseException) -> str:
     details = re.search(r'details = "([^"]*)"', str(e))
-    return details[1][:300] if details else _first_line(e)
+    return details[1][:300] if details else first_line(e)
 
 
 def _quiet_client_logs() -> None:
@@ -370,8 +370,3 @@ def _launch_env(local: bool):
         if "log4j2.configurationFile" not in opts:
             os.environ["SPARK_SUBMIT_OPTS"] = f"{opts} -Dlog4j2.configurationFile=file:{log4j}".strip()
         yield
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return (text.splitlines() or [type(e).__name__])[0][:300]

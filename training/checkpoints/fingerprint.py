@@ -65,6 +65,15 @@ class CheckpointUnreadable(DataError):
     """A checkpoint object that cannot be read back (missing, truncated, corrupted)."""
 
 
+class ResumeRefused(DataError):
+    """A resume the checkpoint folder refuses: nothing to resume, a checkpoint of another run
+    (a setting changed), a job already finished. Exit code 2, as a changed code's refusal
+    (a ConfigError) and a mesh that cannot reshard: the command as given is what to change
+    (--allow-changed, training.epochs, or no --resume)."""
+
+    exit_code = 2
+
+
 def check_allowed(allowed: list[str] | tuple[str, ...], setting: str = "training.resume_allow_changed") -> None:
     unknown = [a for a in allowed if a not in CHANGEABLE_FIELDS]
     if unknown:

@@ -51,9 +51,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from shardline.foundation import failures, storage
-from shardline.foundation.errors import ConfigError, StorageError
+from shardline.foundation.errors import ConfigError, StorageError, first_line
 
-from .store import CheckpointStore, error_cause
+from .store import CheckpointStore
 from .fingerprint import MESH_FIELDS
 from ..config import TrainingConfig
 
@@ -94,7 +94,7 @@ def rank_failure(directory: str, doing: str, writer=None) -> Iterator[None]:
             raise
         if failures.is_permanent(cause):
             raise StorageError(
-                f"training.checkpoint_dir: cannot {doing} {storage.display(directory)} ({error_cause(cause)})"
+                f"training.checkpoint_dir: cannot {doing} {storage.display(directory)} ({first_line(cause, 160, with_type=True)})"
             ) from None
         raise cause from None
 

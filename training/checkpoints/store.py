@@ -32,8 +32,8 @@ names another job's (other fingerprint settings) is refused, never emptied. `own
 folder is the job's own, training.checkpoints.fingerprint.job_dir, checkpoint_dir unset) lets a new
 run replace an earlier one that differs only in what the folder's name leaves out.
 
-Checks and effects are separate methods: every read and every `check_*` only reads the
-folder, so a driver can run all its checks before it writes, deletes, holds or launches
+Checks and effects are separate methods: every read and every `check_*` (whose folder it
+is and whether a resume may continue it: training.checkpoints.whose) only reads the folder, so a driver can run all its checks before it writes, deletes, holds or launches
 anything; each effect (`hold`/`release`, `start_over`, `clear`, `save`, `prune`,
 `announce`) does what it says.
 """
@@ -45,43 +45,30 @@ import json
 import os
 import re
 import socket
-import sys
 import uuid
 from dataclasses import dataclass, field
 
 # No `import torch` here (save and read import it): the driver's checks read JSON.
-from shardline.foundation import storage
-from shardline.foundation.code_travel import UserCode
-from shardline.foundation.errors import DataError, StorageError
+from shardline.foundation import report, storage
+from shardline.foundation.errors import DataError, StorageError, first_line
 from shardline.foundation.lease import LEASE_NAME, Lease
 
-from .fingerprint import (
-    SAME_JOB_FIELDS,
-    CheckpointUnreadable,
-    NOT_IN_FOLDER_NAME,
-    allow_hint,
-    code_refusal,
-    differences,
-    job_dir,
-)
+from .fingerprint import CheckpointUnreadable, ResumeRefused, allow_hint, differences, job_dir
+from .whose import WhoseFolder
 from ..config import TrainingConfig
 
 _NAME = re.compile(r"^ckpt-(\d{9})(-[0-9a-f]{6})?\.pt$")
 _SHARDED = re.compile(r"^ckpt-\d{9}-[0-9a-f]{6}\.dcp$")  # the DCP directory CheckpointStore.new_dcp_name names
 POINTER = "LATEST"
 DCP_SUFFIX = ".dcp"
+RANKS = "ranks"  # the ranks' own files: who they are, a bug's traceback, the stop request
+STOP_NAME = "stop.json"
 
 _FALLBACKS_SAID: set[tuple[str, str]] = set()
 
 
-def error_cause(e: BaseException) -> str:
-    """An error's type and first line, for the one line that says a store failed."""
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:160]}" if text else type(e).__name__
-
-
 @dataclass
-class CheckpointStore:
+class CheckpointStore(WhoseFolder):
     """One checkpoint folder (`url`, resolved) and whether it is the job's own (`own`).
 
     Picklable until held: ranks make their own from the folder's URL."""
@@ -93,13 +80,20 @@ class CheckpointStore:
     def __post_init__(self) -> None:
         self.url = str(self.url)  # a pathlib.Path is welcome too
 
+    @staticmethod
+    def job_folder(cfg: TrainingConfig, experiment: str, registered_model: str, dataset_dir: str) -> tuple[str, bool]:
+        """The one place a job's folder is decided: `training.checkpoint_dir` as the config
+        writes it, else the job's own (job_dir: two configs never share, or clear, each
+        other's checkpoints); as written, not resolved, and whether it is the job's own."""
+        if "checkpoint_dir" in cfg.model_fields_set:
+            return cfg.checkpoint_dir, False
+        return job_dir(cfg, experiment, registered_model, dataset_dir), True
+
     @classmethod
     def for_job(cls, cfg: TrainingConfig, experiment: str, registered_model: str, dataset_dir: str) -> CheckpointStore:
-        """`training.checkpoint_dir` as set, else the job's own folder (job_dir), resolved."""
-        if "checkpoint_dir" in cfg.model_fields_set:
-            return cls(storage.resolve(cfg.checkpoint_dir, "training.checkpoint_dir"))
-        own = job_dir(cfg, experiment, registered_model, dataset_dir)
-        return cls(storage.resolve(own, "training.checkpoint_dir"), own=True)
+        """The store of the job's folder (job_folder), resolved."""
+        folder, own = cls.job_folder(cfg, experiment, registered_model, dataset_dir)
+        return cls(storage.resolve(folder, "training.checkpoint_dir"), own=own)
 
     @classmethod
     def holding(cls, checkpoint_url: str) -> CheckpointStore:
@@ -109,6 +103,21 @@ class CheckpointStore:
     @property
     def where(self) -> str:
         return storage.display(self.url)
+
+    @property
+    def ranks_dir(self) -> str:
+        """Where each rank says who it is (rank-N.json) and, failing with a bug, writes its
+        traceback (rank-N.log: launchers.rank_errors); every host can write there."""
+        return storage.join(self.url, RANKS)
+
+    def rank_file(self, rank: int) -> str:
+        """ranks/rank-N.json: which host and process is rank N (announce)."""
+        return storage.join(self.ranks_dir, f"rank-{rank}.json")
+
+    @property
+    def stop_file(self) -> str:
+        """ranks/stop.json: the job whose driver was interrupted; its ranks stop (launchers.guard)."""
+        return storage.join(self.ranks_dir, STOP_NAME)
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -160,12 +169,12 @@ class CheckpointStore:
         except FileNotFoundError:
             raise CheckpointUnreadable(f"{where}: checkpoint not found") from None
         except Exception as e:
-            raise CheckpointUnreadable(f"{where}: not a readable shardline checkpoint ({error_cause(e)})") from None
+            raise CheckpointUnreadable(f"{where}: not a readable shardline checkpoint ({first_line(e, 160, with_type=True)})") from None
         got = state.get("fingerprint", {})
         differ = differences(got, expected or {})
         refused = [k for k in differ if k not in allow_changed]
-        if refused:
-            raise DataError(
+        if refused:  # only a resume passes `expected`
+            raise ResumeRefused(
                 f"{where}: checkpoint is from a different run: "
                 + ", ".join(f"{k}={got.get(k)!r} (config has {(expected or {})[k]!r})" for k in refused)
                 + allow_hint(differ)
@@ -199,8 +208,7 @@ class CheckpointStore:
             # both look for the checkpoint to resume from.
             if (first, url) not in _FALLBACKS_SAID:
                 _FALLBACKS_SAID.add((first, url))
-                print(f"[shardline] {bad}; resuming from {storage.name(url)}, the newest readable one",
-                      file=sys.stderr, flush=True)
+                report.line(f"[shardline] {bad}; resuming from {storage.name(url)}, the newest readable one")
             return url, state
         raise CheckpointUnreadable(f"{bad}; no older checkpoint in {self.where} is readable either")
 
@@ -212,76 +220,6 @@ class CheckpointStore:
             raise CheckpointUnreadable(f"{storage.display(head_url)}: corrupt checkpoint (DCP directory {name!r} "
                                        "is not a ckpt-<step>-<id>.dcp in its folder); not followed")
         return storage.join(storage.parent(head_url), name)
-
-    def code_changes(self, code: UserCode) -> list[str] | None:
-        """How `code` differs from the newest checkpoint's, a phrase a file
-        (UserCode.changes; [] when the same); None when that checkpoint was written
-        before the code was fingerprinted, so it cannot be compared."""
-        newest = self._newest()
-        theirs = newest.get("fingerprint") or {}
-        if "code" not in theirs:
-            return None
-        if theirs["code"] == code.digest:
-            return []
-        files = newest.get("code_files")
-        if not isinstance(files, dict) or not code.changes(files):  # only the digest kept
-            return [f"code digest {str(theirs['code'])[:12] or '(none)'} -> {code.digest[:12] or '(none)'}"]
-        return code.changes(files)
-
-    # -- checks: read only ----------------------------------------------------------------
-
-    def check_new(self, fp: dict[str, str]) -> list[str]:
-        """Refuse the folder to a new job when it holds another job's checkpoints (which
-        starting over would delete). Returns what an earlier run of this job differed in,
-        when the folder is the job's own (`own`) and those are all left out of its name:
-        that run is this job's, which a new run replaces."""
-        theirs = self.owner()
-        if not theirs:  # {}: written without a fingerprint, which no job can resume
-            return []
-        diff = differences(theirs, fp, ignore=SAME_JOB_FIELDS)
-        if self.own and all(k in NOT_IN_FOLDER_NAME for k in diff):
-            return [f"{k} {theirs.get(k)}" for k in diff]
-        if diff:
-            said = [f"{k} {theirs.get(k)!r} (this job: {fp[k]!r})" for k in diff]
-            raise DataError(
-                f"training.checkpoint_dir {self.where} holds another job's checkpoints "
-                f"({', '.join(said[:3])}{', ...' if len(said) > 3 else ''}); a new job would delete them: "
-                "give this job a checkpoint_dir of its own (unset, each job gets one under "
-                "shardline-data/checkpoints/<experiment>/), resume that job with --resume, or delete them yourself"
-            )
-        return []
-
-    def check_resume(self, fp: dict[str, str], code: UserCode, epochs: int, allow_changed=()) -> None:
-        """A resume has a checkpoint to continue, over the same code (unless `code` is
-        allowed to change), and something left to train. The other settings are compared
-        with the checkpoint it resumes from (`read`)."""
-        if self.latest() is None:
-            raise DataError(f"{self.where}: no checkpoint to resume from")
-        self.check_code(code, allow_changed)
-        self.check_unfinished(epochs, allow_changed, fp)
-
-    def check_code(self, code: UserCode, allow_changed=()) -> None:
-        """Refuse a resume whose code changed since the newest checkpoint, naming the files."""
-        changes = self.code_changes(code)
-        if changes and "code" not in allow_changed:
-            raise code_refusal(self.where, changes)
-
-    def check_unfinished(self, epochs: int, allow_changed=(), fp: dict[str, str] | None = None) -> None:
-        """Refuse a resume whose newest checkpoint already ends the job (its last epoch done):
-        it would take 0 steps and register the same weights as a new version. fp: this job's
-        fingerprint; a checkpoint of another run is left to `read`'s refusal, which names it."""
-        newest = self._newest()
-        epoch, theirs = newest.get("epoch"), newest.get("fingerprint")
-        if fp and isinstance(theirs, dict) and differences(theirs, fp, ignore=(*allow_changed, "dataset_version")):
-            return
-        if epoch is None or epoch < epochs:
-            return
-        more = ("raise training.epochs (e.g. --set training.epochs={n} --allow-changed epochs)"
-                if "epochs" not in allow_changed else "raise training.epochs").format(n=epoch + 1)
-        raise DataError(
-            f"{self.where}: the newest checkpoint ends the job (epoch {epoch} of training.epochs = {epochs} "
-            f"done): a resume would train 0 steps; to train further, {more}; to start over, train without --resume"
-        )
 
     # -- effects ----------------------------------------------------------------------------
 
@@ -312,9 +250,9 @@ class CheckpointStore:
         holding another job's, which clearing would lose."""
         replaced = self.check_new(fp)
         if replaced:
-            print(f"[shardline] starting over in this job's own checkpoint folder {self.where}: the checkpoints "
-                  f"of its earlier run ({', '.join(replaced)}) are replaced (--resume --allow-changed would have "
-                  "continued them)", file=sys.stderr, flush=True)
+            report.line(f"[shardline] starting over in this job's own checkpoint folder {self.where}: the "
+                        f"checkpoints of its earlier run ({', '.join(replaced)}) are replaced (--resume "
+                        "--allow-changed would have continued them)")
         self.clear()
 
     def clear(self) -> None:
@@ -335,19 +273,28 @@ class CheckpointStore:
         url = storage.join(self.url, name)
         try:
             storage.write_bytes(url, buf.getbuffer())
-            # The pointer is the commit: one whole-object write (a rename locally) after the
-            # object. What it carries besides says whose folder this is, how far its job got
-            # and what code wrote it, without reading a checkpoint.
-            pointer = {"name": name, "step": global_step, "epoch": state.get("epoch"),
-                       "fingerprint": state.get("fingerprint", {}), "code_files": state.get("code_files", {})}
-            storage.write_bytes(storage.join(self.url, POINTER), json.dumps(pointer).encode())
+            self._point(name, global_step, state)
         except OSError as e:  # a full disk, a read-only mount, no permission: no restart fixes it
-            raise StorageError(f"training.checkpoint_dir: cannot write {storage.display(url)} ({error_cause(e)})") from None
+            raise StorageError(f"training.checkpoint_dir: cannot write {storage.display(url)} ({first_line(e, 160, with_type=True)})") from None
         for old in self.paths()[:-keep]:
             if old != url:
                 storage.delete(old)
         self.prune()
         return url
+
+    def point_at(self, url: str) -> None:
+        """Make the checkpoint at `url` (one of this folder's) the newest: LATEST names it,
+        with what save() would have written (a copied folder, a test's or the fault runner's)."""
+        state = self.read(url)
+        self._point(storage.name(url), int(state["global_step"]), state)
+
+    def _point(self, name: str, global_step: int, state: dict) -> None:
+        # The pointer is the commit: one whole-object write (a rename locally) after the
+        # object. What it carries besides says whose folder this is, how far its job got
+        # and what code wrote it, without reading a checkpoint.
+        pointer = {"name": name, "step": global_step, "epoch": state.get("epoch"),
+                   "fingerprint": state.get("fingerprint", {}), "code_files": state.get("code_files", {})}
+        storage.write_bytes(storage.join(self.url, POINTER), json.dumps(pointer).encode())
 
     def prune(self) -> None:
         """Remove the DCP directories no kept checkpoint can name: those older than the
@@ -370,7 +317,7 @@ class CheckpointStore:
     def announce(self, rank: int) -> None:
         """ranks/rank-N.json: which host and process is rank N (to watch or signal it)."""
         info = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid()}
-        storage.write_bytes(storage.join(self.url, "ranks", f"rank-{rank}.json"), json.dumps(info).encode())
+        storage.write_bytes(self.rank_file(rank), json.dumps(info).encode())
 
     # -- internals --------------------------------------------------------------------------
 

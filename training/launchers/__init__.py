@@ -46,13 +46,16 @@ class TrainingFailed(ShardlineError):
 
     @classmethod
     def from_ranks(cls, launcher: str, text: str, fallback: str, lost: list[str] = (),
-                   after: list[str] = ()) -> TrainingFailed:
+                   after: list[str] = (), ranks_dir: str | None = None) -> TrainingFailed:
         """From the rank markers found in an error's text (rank_errors.RankError) and the
         ranks the launcher saw lost (rank_errors.lost_rank: they lead, unless a rank's own
-        permanent error is the cause), else `fallback`; `after`: notes said last."""
-        from .rank_errors import describe_failures, rank_failures
+        permanent error is the cause), else `fallback`; `after`: notes said last.
+        ranks_dir: where the ranks' logs are, for the peers that failed alike but were not
+        heard (rank_errors.alike_in_logs)."""
+        from .rank_errors import alike_in_logs, describe_failures, rank_failures
 
         failures = rank_failures(text)
+        failures += alike_in_logs(ranks_dir, failures)
         said = describe_failures(failures, list(lost)) if failures or lost else fallback
         return cls(f"{launcher} training failed: {'; '.join([said, *after])}",
                    any(f["permanent"] for f in failures))

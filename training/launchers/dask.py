@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -104,16 +105,36 @@ def launch_dask(
             f.cancel()
         raise
     except Exception as e:
-        # The first failed rank's error (a survivor's "connection closed", when a peer's
-        # worker died): the rank whose worker left the cluster leads the line.
-        lost = [] if any(f["permanent"] for f in rank_failures(str(e))) else \
-            _lost_ranks(client, futures, chosen, getattr(payload, "ranks_dir", None))
-        for f in futures:
-            f.cancel()
-        raise TrainingFailed.from_ranks("Dask", str(e), f"{type(e).__name__}: {e}", lost) from e
+        raise _failed(client, futures, chosen, getattr(payload, "ranks_dir", None), e) from e
+
+
+def _failed(client, futures, chosen: list[str], ranks_dir: str | None, e: Exception) -> TrainingFailed:
+    """The job's one line from the first failed rank's error `e` (a survivor's "connection
+    closed", when a peer's worker died: the rank whose worker left the cluster leads the
+    line; a rank's own bug: its peers' errors beside it)."""
+    bug = any(f["permanent"] for f in rank_failures(str(e)))
+    lost = [] if bug else _lost_ranks(client, futures, chosen, ranks_dir)
+    text = "; ".join([str(e), *_peers_errors(futures)]) if bug else str(e)
+    for f in futures:
+        f.cancel()
+    return TrainingFailed.from_ranks("Dask", text, f"{type(e).__name__}: {e}", lost, ranks_dir=ranks_dir)
 
 
 _KEY = "shardline-rank-"
+PEERS_WAIT_S = 30.0
+
+
+def _peers_errors(futures) -> list[str]:
+    """The other ranks' errors, when one rank's own error ended the job: gather hands over
+    the first, and a running Dask task is not stopped, so its peers, running the same code
+    on the same kind of batch, end in a moment too, failing alike or losing it (a lost
+    peer's rank waits LOST_PEER_GRACE_S first): PEERS_WAIT_S at most. Their markers let the
+    line say "rank 0 the same"."""
+    from distributed import wait
+
+    with contextlib.suppress(Exception):  # the line is said without them
+        wait(futures, timeout=PEERS_WAIT_S)
+    return [str(f.exception()) for f in futures if f.status == "error"]
 
 
 def _rank(*args, **kwargs):

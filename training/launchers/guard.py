@@ -10,8 +10,8 @@ On the driver's own host the guard also watches the driver's process (once a
 second), and the local launcher's ranks ask the kernel to kill them with their
 parent (PR_SET_PDEATHSIG; the fork server they come from exits with the driver).
 
-**Ctrl-C stops the ranks at once.** A driver interrupted writes `ranks/stop.json`
-(its job's name) beside the lease before it cancels its launch (`DriverGuard.stop`). Each
+**Ctrl-C stops the ranks at once.** A driver interrupted writes the checkpoint store's
+stop file (`ranks/stop.json`, `CheckpointStore.stop_file`: its job's name) before it cancels its launch (`DriverGuard.stop`). Each
 rank's guard looks for it every second, and rank 0 looks again just before it commits a
 checkpoint (`stop_if_job_over`, before `LATEST` moves): a rank of an interrupted job ends
 without committing another checkpoint; at most one whose commit had begun completes. The
@@ -32,11 +32,12 @@ import threading
 import time
 from dataclasses import dataclass
 
+from shardline.foundation import report
+
 from .rank_errors import (  # noqa: F401 - their home before rank_errors; callers import them here
-    RankError, describe_failures, error_line, is_permanent, rank_failures,
+    RankError, describe_failures, is_permanent, rank_failures,
 )
 
-STOP_NAME = "stop.json"  # in the checkpoint folder's ranks/, beside each rank's rank-N.json
 # The guard of the rank running in this thread (run_in_group's, which calls the rank function
 # in its own thread): a Dask worker's threads may run ranks of different jobs.
 _running = threading.local()
@@ -49,6 +50,7 @@ class DriverGuard:
     """Who the driver is and where its lease lives; pickled into every rank."""
 
     lease_url: str
+    stop_url: str  # the checkpoint store's stop file (CheckpointStore.stop_file)
     job: str  # the lease's holder name, unique to this job
     ttl_s: float
     host: str = ""
@@ -58,11 +60,11 @@ class DriverGuard:
     pid_start: str = ""
 
     @classmethod
-    def for_this_process(cls, lease_url: str, job: str, ttl_s: float) -> DriverGuard:
+    def for_this_process(cls, lease_url: str, stop_url: str, job: str, ttl_s: float) -> DriverGuard:
         from shardline.foundation.lease import ProcessTable, process_start_ticks
 
         me = ProcessTable.here()
-        return cls(lease_url, job, ttl_s, me.host, me.boot_id, me.pid_ns, os.getpid(),
+        return cls(lease_url, stop_url, job, ttl_s, me.host, me.boot_id, me.pid_ns, os.getpid(),
                    process_start_ticks(os.getpid()) or "")
 
     def start(self) -> threading.Event:
@@ -72,12 +74,6 @@ class DriverGuard:
         threading.Thread(target=self._watch, args=(stop,), name="shardline-driver-guard", daemon=True).start()
         return stop
 
-    @property
-    def stop_url(self) -> str:
-        from shardline.foundation import storage
-
-        return storage.join(storage.parent(self.lease_url), "ranks", STOP_NAME)
-
     def stop(self) -> None:
         """On the driver, interrupted: tell this job's ranks to stop now (see the module's doc).
         Never raises: the Ctrl-C that called it must still end the job."""
@@ -86,8 +82,8 @@ class DriverGuard:
         try:
             storage.write_bytes(self.stop_url, json.dumps({"job": self.job}).encode())
         except Exception as e:  # noqa: BLE001 - the ranks still stop when the lease is released
-            print(f"[shardline] could not tell the ranks to stop ({error_line(e)}): they stop when the "
-                  "lease is released", file=sys.stderr, flush=True)
+            report.line(f"[shardline] could not tell the ranks to stop ({first_line(e, with_type=True)}): they stop when the "
+                        "lease is released")
 
     def interrupted(self) -> bool:
         """On a rank: did this job's driver ask its ranks to stop?"""

@@ -38,8 +38,11 @@ import time
 import traceback
 
 from shardline.foundation import failures
+from shardline.foundation.errors import first_line
 
 _MARK = re.compile(r"<<shardline-rank (\{.*?\})>>")
+# How long the driver waits for a peer's log when a rank's bug is reported (alike_in_logs).
+ALIKE_WAIT_S = 3.0
 _LOST_PEER_TEXT = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out",
                    "timed out", "Connection refused", "Socket Timeout")
 
@@ -51,16 +54,11 @@ class RankError(Exception):
     def of(cls, rank: int, e: BaseException, ranks_dir: str | None = None) -> RankError:
         """The marker of `e` on this rank; a bug's traceback is written under `ranks_dir`."""
         info = {"rank": rank, "host": socket.gethostname(), "permanent": is_permanent(e),
-                "error": error_line(e)}
+                "error": first_line(e, with_type=True)}
         if is_bug(e):
             info["where"] = user_frame(e)
             info["log"] = write_rank_log(ranks_dir, rank, e)
         return cls(f"<<shardline-rank {json.dumps(info)}>>")
-
-
-def error_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
 
 def is_permanent(e: BaseException) -> bool:
@@ -109,14 +107,17 @@ def _library_roots() -> tuple[str, ...]:
     return tuple(os.path.realpath(r) + os.sep for r in roots)
 
 
-def user_frame(e: BaseException) -> str | None:
+def user_frame(e: BaseException, users_only: bool = False) -> str | None:
     """Where `e` was raised in the user's code: "mynets/nets.py, line 12, in forward" (the
     innermost frame outside the standard library, installed packages and shardline), else
-    the innermost frame outside the standard library; None for an exception with no frames."""
+    (unless `users_only`) the innermost frame outside the standard library; None for an
+    exception with no frames."""
     frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith("<")]
     roots = _library_roots()
     stdlib = tuple(os.path.realpath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib"))
     mine = [f for f in frames if not os.path.realpath(f.filename).startswith(roots)]
+    if users_only:
+        frames = mine
     chosen = (mine or [f for f in frames if not os.path.realpath(f.filename).startswith(stdlib)] or frames)
     if not chosen:
         return None
@@ -151,7 +152,7 @@ def write_rank_log(ranks_dir: str | None, rank: int, e: BaseException) -> str | 
             storage.write_bytes(url, (head + text).encode())
             return url
         except Exception as write_error:  # noqa: BLE001 - the traceback must still go somewhere
-            text += f"\n(not written to {storage.display(url)}: {error_line(write_error)})\n"
+            text += f"\n(not written to {storage.display(url)}: {first_line(write_error, with_type=True)})\n"
     print(text, file=sys.stderr, flush=True)
     return None
 
@@ -169,6 +170,61 @@ def rank_failures(text: str) -> list[dict]:
             continue
         found.setdefault(info["rank"], info)
     return [found[r] for r in sorted(found)]
+
+
+def alike_in_logs(ranks_dir: str | None, failures: list[dict]) -> list[dict]:
+    """The other ranks that failed as a reported bug did, from their own logs: a Spark stage
+    reports its first failed task, a Dask gather its first failed rank, so "rank 0 the same"
+    is read where each rank wrote it (its `rank-N.log`, ending in the same error and holding
+    the same frame). A log counts when it was written in this attempt: not before that
+    rank's `rank-N.json` (written when it started, training.checkpoints.store.announce).
+    A peer may still be writing as the first failure arrives: up to ALIKE_WAIT_S for it."""
+    bugs = [f for f in failures if f.get("log") and f["permanent"]]
+    if not ranks_dir or not bugs:
+        return []
+    known = {f["rank"] for f in failures}
+    deadline = time.monotonic() + ALIKE_WAIT_S
+    while True:
+        alike, waiting = _alike_now(ranks_dir, bugs, known)
+        if not waiting or time.monotonic() >= deadline:
+            return alike
+        time.sleep(0.2)
+
+
+def _alike_now(ranks_dir: str, bugs: list[dict], known: set[int]) -> tuple[list[dict], bool]:
+    """(ranks alike so far, whether a started rank has written no log of this attempt yet)."""
+    from shardline.foundation import storage
+
+    try:
+        files = {i.base_name: i.mtime_ns or 0 for i in storage.list_dir_info(ranks_dir)}
+    except Exception:  # noqa: BLE001 - the line is said without them
+        return [], False
+    alike, waiting = [], False
+    for name, started in files.items():
+        m = re.fullmatch(r"rank-(\d+)\.json", name)
+        if not m or int(m[1]) in known:
+            continue
+        log = f"rank-{m[1]}.log"
+        if files.get(log, -1) < started:  # none yet, or an earlier attempt's
+            waiting = True
+            continue
+        try:
+            text = storage.read_bytes(storage.join(ranks_dir, log)).decode(errors="replace")
+        except Exception:  # noqa: BLE001
+            continue
+        last = " ".join(next((ln for ln in reversed(text.splitlines()) if ln.strip()), "").split())
+        same = next((f for f in bugs if last == f["error"] and _holds_frame(text, f.get("where"))), None)
+        if same is not None:
+            alike.append({**same, "rank": int(m[1]), "log": None})
+    return alike, waiting
+
+
+def _holds_frame(log: str, where: str | None) -> bool:
+    """Whether a traceback holds the frame `where` names ("pkg/nets.py, line 12, in forward")."""
+    if not where:
+        return True
+    path, _, rest = where.partition(", line ")
+    return f'{path}", line {rest}' in log
 
 
 def lost_rank(rank: int, host: str, why: str, pid: int | None = None, where: str = "") -> str:

@@ -152,7 +152,8 @@ def launch_spark_barrier(
         # it names the rank, its host and its error; a killed rank's task has none.
         lost = "" if rank_failures(str(e)) else \
             _lost_task(e, getattr(payload, "ranks_dir", None), failed_executors(spark, group))
-        raise TrainingFailed.from_ranks("Spark barrier stage", str(e), lost) from e
+        raise TrainingFailed.from_ranks("Spark barrier stage", str(e), lost,
+                                        ranks_dir=getattr(payload, "ranks_dir", None)) from e
     results = {r["rank"]: pickle.loads(r["result"]) for r in rows}
     return [results[r] for r in range(world_size)]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardline.foundation.errors import ConfigError
+from shardline.foundation.errors import ConfigError, first_line
 
 from ..batch import forward
 from ..models.inputs import ModelInputs
@@ -50,7 +50,7 @@ def describe_io(inputs: ModelInputs, module: nn.Module, example) -> dict:
                           else example.cpu())
         except Exception as e:  # noqa: BLE001 - the user's forward: its message is theirs to see
             raise ConfigError(f"ctx.register: the rebuilt model fails on the example with "
-                              f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+                              f"{first_line(e, with_type=True)}") from None
     if not isinstance(out, torch.Tensor):
         raise ConfigError(f"ctx.register: the model's output on the example is a {type(out).__name__}: a "
                           "registered model returns one tensor")

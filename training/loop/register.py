@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from shardline.foundation.errors import ConfigError
+from shardline.foundation.errors import ConfigError, first_line
 
 from ..batch import Inputs
-from ..models.factory import build_model, one_line
+from ..models.factory import build_model
 from ..strategies.base import Parallel
 from ..user_code import import_user_object, package_location
 from .io import describe_io
@@ -145,7 +145,7 @@ def call_factory(path: str, args: dict, code_paths: list[str] = ()) -> nn.Module
         try:
             module = factory(**args)
         except Exception as e:  # noqa: BLE001 - the user's factory: its message is theirs to see
-            raise ConfigError(f"ctx.register: {path}(**{args}) raised {type(e).__name__}: {one_line(e)}") from None
+            raise ConfigError(f"ctx.register: {path}(**{args}) raised {first_line(e, with_type=True)}") from None
     if not isinstance(module, nn.Module):
         raise ConfigError(f"ctx.register: {path}(**{args}) returned a {type(module).__name__}, not an nn.Module")
     return module

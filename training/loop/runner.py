@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import torch
 
-from shardline.foundation import storage
 from shardline.foundation.code_travel import UserCode
 from shardline.pipelines.manifest import load_manifest
 
@@ -60,7 +59,7 @@ class RankJob:
     def ranks_dir(self) -> str:
         """Where each rank says who it is (rank-N.json) and, failing with a bug, writes its
         traceback (rank-N.log: launchers.rank_errors); every host can write there."""
-        return storage.join(self.cfg.checkpoint_dir, "ranks")
+        return CheckpointStore(self.cfg.checkpoint_dir).ranks_dir
 
 
 def run_rank(rank: int, world_size: int, job: RankJob) -> dict:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 def reporter(ctx: LoopContext) -> MetricsReporter:
     """This rank's handle on the job's run, made at its first use (no run: one that logs nothing)."""
     if ctx._reporter is None:
-        ctx._reporter = MetricsReporter(ctx._job.tracking_uri, ctx._job.run_id)
+        ctx._reporter = MetricsReporter(ctx._job.tracking_uri, ctx._job.run_id, ctx._job.progress_addr)
     return ctx._reporter
 
 

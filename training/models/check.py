@@ -16,12 +16,13 @@ import inspect
 import torch
 from torch import nn
 
-from shardline.foundation.errors import ConfigError
+from shardline.foundation.errors import ConfigError, first_line
 
 from ..batch import describe, forward
 from ..config import TrainingConfig
+from ..launchers.rank_errors import user_frame
 from ..loop.function import resolve as resolve_loop
-from .factory import factory_path, load_factory, one_line
+from .factory import factory_path, load_factory
 from .inputs import ModelInputs
 from .plans import recompute_units
 from ..user_code import import_user_object
@@ -70,7 +71,7 @@ def check_model(cfg: TrainingConfig, inputs: ModelInputs, model: nn.Module) -> N
         how = " as keyword arguments" if inputs.named else ""
         raise ConfigError(
             f"{what}: its forward fails on a batch of the dataset's shape ({describe(x)}{how}) "
-            f"with {type(e).__name__}: {one_line(e)}"
+            f"with {first_line(e, with_type=True)}{_at(e)}"
         ) from None
     _check_output(what, inputs, out)
     if cfg.loss is not None:
@@ -120,8 +121,15 @@ def _call(fn, setting: str, path: str, out, y):
     except Exception as e:  # noqa: BLE001 - the user's function: its message is theirs to see
         raise ConfigError(
             f"{setting}: {path} fails on the model's output for a batch of the dataset's shape "
-            f"with {type(e).__name__}: {one_line(e)}"
+            f"with {first_line(e, with_type=True)}{_at(e)}"
         ) from None
+
+
+def _at(e: BaseException) -> str:
+    """Where the user's code raised `e`, as a rank's failure line says it: " (at
+    mynets/nets.py, line 12, in forward)" (launchers.rank_errors.user_frame)."""
+    where = user_frame(e, users_only=True)  # a TypeError of the call itself is torch's frame: said without
+    return f" (at {where})" if where else ""
 
 
 def _check_loss(cfg: TrainingConfig, out: torch.Tensor, y: torch.Tensor) -> None:

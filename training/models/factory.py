@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from shardline.foundation.errors import ConfigError
+from shardline.foundation.errors import ConfigError, first_line
 from shardline.pipelines.manifest import ShardManifest
 
 from ..config import TrainingConfig
@@ -87,7 +87,7 @@ def _call(factory, path: str, inputs: ModelInputs, args: dict, shown_args: dict,
         raise  # a built-in's own check names its setting
     except Exception as e:  # noqa: BLE001 - the user's factory: its message is theirs to see
         shown = f" with training.model_args {shown_args}" if shown_args else ""
-        raise ConfigError(f"training.model: {path}{shown} raised {type(e).__name__}: {one_line(e)}") from None
+        raise ConfigError(f"training.model: {path}{shown} raised {first_line(e, with_type=True)}") from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"training.model: {path} returned a {type(model).__name__}, not a torch.nn.Module")
     return model
@@ -96,9 +96,3 @@ def _call(factory, path: str, inputs: ModelInputs, args: dict, shown_args: dict,
 def build_model(manifest: ShardManifest, cfg: TrainingConfig) -> nn.Module:
     """Build `cfg.model` for the dataset's shape, seeded so every rank starts equal."""
     return create_model(ModelInputs.from_manifest(manifest), cfg)
-
-
-def one_line(e: BaseException) -> str:
-    """An exception's message on one line (the CLI prints one)."""
-    text = " ".join(str(e).split())
-    return text if len(text) <= 300 else text[:297] + "..."

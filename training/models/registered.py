@@ -41,8 +41,10 @@ import pandas as pd
 import pyarrow as pa
 
 from shardline.pipelines.config import FeatureSpec
-from shardline.foundation.errors import ShardlineError
+from shardline.foundation.errors import ShardlineError, first_line
 from shardline.pipelines.manifest import FittedStatistics, ShardManifest, TensorSpec
+
+from ..mlflow_quiet import no_download_bars, registry_said_nothing
 
 WEIGHTS = "weights"  # artifact names inside the logged model
 MODULE = "module"
@@ -131,7 +133,7 @@ def typed_inputs(tensors: dict[str, TensorSpec], rows, spec: FeatureSpec | None 
         try:
             a = np.asarray(value)
         except ValueError as e:  # ragged rows
-            _refuse(f"input '{name}': {str(e).splitlines()[0]}")
+            _refuse(f"input '{name}': {first_line(e)}")
         if a.ndim < 1 or list(a.shape[1:]) != list(t.shape):
             _refuse(f"input '{name}' has shape {list(a.shape[1:])} per row; the model takes {t.shape}")
         dtype = torch_dtype(t.dtype)
@@ -196,7 +198,7 @@ def _table(rows: pd.DataFrame, spec: FeatureSpec) -> pa.Table:
             else:
                 data[c] = pa.array(rows[c], from_pandas=True)
         except (pa.ArrowException, TypeError, ValueError) as e:
-            _refuse(f"column '{c}': {str(e).splitlines()[0]}")
+            _refuse(f"column '{c}': {first_line(e)}")
     return pa.table(data)
 
 
@@ -321,8 +323,7 @@ def log_raw_model(model, manifest: ShardManifest, cfg, registered_name: str | No
     from .files import code_folders, io_of, write_module
 
     spec, stats = manifest.feature_spec, manifest.statistics
-    # MLflow loads the model back to check its input example: no download bars on the console.
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    no_download_bars()  # MLflow loads the model back to check its input example
     # Before anything is written: a missing code_paths entry is one line.
     user_code = None if code is not None and code.zip_path else code_folders(cfg)
     with tempfile.TemporaryDirectory() as d:
@@ -341,22 +342,23 @@ def log_raw_model(model, manifest: ShardManifest, cfg, registered_name: str | No
         }))
         io = io_of(loop_model)
         own = bool(io)
-        return mlflow.pyfunc.log_model(
-            name="model",
-            python_model=str(ENTRY),
-            artifacts={WEIGHTS: weights, MODULE: module, TRANSFORM: transform},
-            # Named tensors: by name, any type (no MLflow type says "uint8 [3, 8, 8]": module docstring).
-            signature=(loop_signature(spec, stats, io, tensors) if own
-                       else typed_signature(spec, stats, tensors) if spec.typed else signature(spec, stats)),
-            input_example=None if spec.typed or own else example_rows(spec, stats),
-            # What batch scoring needs to know before it loads the model (serving.models.ResolvedModel).
-            metadata={"shardline_io": io} if io else None,
-            # Each folder lands in the model's code/ by its own name: code/shardline, and the
-            # user's packages beside it, importable as they were in training.
-            code_paths=[os.path.join(code_dir, "shardline"), *user_code],
-            registered_model_name=registered_name,
-            **kwargs,
-        )
+        with registry_said_nothing():  # "Successfully registered model 'm'." and its like
+            return mlflow.pyfunc.log_model(
+                name="model",
+                python_model=str(ENTRY),
+                artifacts={WEIGHTS: weights, MODULE: module, TRANSFORM: transform},
+                # Named tensors: by name, any type (no MLflow type says "uint8 [3, 8, 8]": module docstring).
+                signature=(loop_signature(spec, stats, io, tensors) if own
+                           else typed_signature(spec, stats, tensors) if spec.typed else signature(spec, stats)),
+                input_example=None if spec.typed or own else example_rows(spec, stats),
+                # What batch scoring needs to know before it loads the model (serving.models.ResolvedModel).
+                metadata={"shardline_io": io} if io else None,
+                # Each folder lands in the model's code/ by its own name: code/shardline, and the
+                # user's packages beside it, importable as they were in training.
+                code_paths=[os.path.join(code_dir, "shardline"), *user_code],
+                registered_model_name=registered_name,
+                **kwargs,
+            )
 
 
 def pickled_refusal(model_uri: str) -> str:
@@ -390,7 +392,7 @@ def load_torch_model(model_uri: str, allow_pickled: bool = False):
 
     from .files import code_on_path, read_module
 
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a task's log, not a terminal
+    no_download_bars()  # a task's log, not a terminal
     with tempfile.TemporaryDirectory(prefix="shardline-model-") as tmp:
         local = mlflow.artifacts.download_artifacts(model_uri, dst_path=tmp)
         flavors = Model.load(local).flavors

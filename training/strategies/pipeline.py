@@ -27,13 +27,13 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from shardline.foundation.errors import ConfigError
+from shardline.foundation.errors import ConfigError, first_line
 
 from .. import collectives
 from ..checkpoints.named import NamedOptimizer, NamedTensors, optimizer_names
 from ..batch import as_args, as_kwargs, forward, names
 from ..config import TrainingConfig
-from ..models.factory import factory_path, one_line
+from ..models.factory import factory_path
 from ..models.inputs import ModelInputs
 from ..models.plans import pipeline_layers
 from ..task import loss_for
@@ -226,7 +226,7 @@ def _check_layers_compose(cfg: TrainingConfig, model: nn.Module, layers: list[tu
                 h = layer(h)
         same = isinstance(h, torch.Tensor) and h.shape == out.shape and torch.allclose(h, out, atol=1e-5)
     except Exception as e:  # noqa: BLE001 - layers that do not chain: the same mistake
-        same, why = False, f" ({type(e).__name__}: {one_line(e)})"
+        same, why = False, f" ({first_line(e, with_type=True)})"
     if not same:
         raise ConfigError(
             f"{what}: its pipeline_layers() run one after the other do not give its forward's output "

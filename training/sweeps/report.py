@@ -8,6 +8,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..mlflow_quiet import registry_said_nothing
 from .study import decode
 
 
@@ -63,7 +64,8 @@ def register_best(client, name: str, alias: str, run_id: str) -> str:
         [run.info.experiment_id], filter_string=f"source_run_id = '{run_id}'"
     )
     source = logged[0].model_uri if logged else f"runs:/{run_id}/model"
-    version = mlflow.register_model(source, name).version
+    with registry_said_nothing():
+        version = mlflow.register_model(source, name).version
     client.set_registered_model_alias(name, alias, version)
     return str(version)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from shardline.foundation import report
 from shardline.foundation.storage import join as join_url, resolve as resolve_path
-from shardline.foundation.errors import ConfigError, DataError, ShardlineError
+from shardline.foundation.errors import ConfigError, DataError, ShardlineError, first_line
 from shardline.foundation.redact import redact
 
 from ..config import TrackingConfig, TrainingConfig
@@ -48,7 +48,6 @@ from ..tracking import open_experiment
 # with at least one shard per rank.
 # Classification's; regression logs train_/val_ loss, rmse, mae and r2 instead (training.task).
 EPOCH_METRICS = ("train_loss", "train_accuracy", "samples_per_s", "data_wait_fraction")
-VAL_METRICS = ("val_loss", "val_accuracy")
 
 
 @dataclass
@@ -316,8 +315,7 @@ def _tell(study, trial, run_id, result, error, objective, client) -> None:
 
 
 def _reason(e: BaseException) -> str:
-    text = str(e) if isinstance(e, ShardlineError) else f"{type(e).__name__}: {e}"
-    return (text.strip().splitlines() or [type(e).__name__])[0][:500]
+    return first_line(e, 500, with_type=not isinstance(e, ShardlineError))
 
 
 def _counts(t) -> bool:

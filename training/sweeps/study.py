@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardline.foundation.errors import ConfigError, ShardlineError
+from shardline.foundation.errors import ConfigError, ShardlineError, first_line
 from shardline.foundation.redact import redact
 
 from ..strategy_settings import setting_field
@@ -33,8 +33,7 @@ def open_storage(url: str):
     try:
         return RDBStorage(url, engine_kwargs=kwargs)
     except Exception as e:  # a bad URL, a missing driver, an unreachable server
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ShardlineError(redact(f"sweep.storage: {url} is not usable ({first[:200]})")) from None
+        raise ShardlineError(redact(f"sweep.storage: {url} is not usable ({first_line(e, 200)})")) from None
 
 
 def make_pruner(sweep: SweepConfig, max_epochs: int):

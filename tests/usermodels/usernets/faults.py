@@ -17,3 +17,18 @@ class RaisesInTraining(nn.Module):
 
 def raises_in_training(inputs) -> RaisesInTraining:
     return RaisesInTraining(inputs)
+
+
+class RaisesAlways(nn.Module):
+    """A bug the driver's one-batch check meets first (its forward raises in eval mode too)."""
+
+    def __init__(self, inputs):
+        super().__init__()
+        self.linear = nn.Linear(inputs.feature_width, inputs.output_width)
+
+    def forward(self, x):
+        raise ValueError("boom: this model always fails")
+
+
+def raises_always(inputs) -> RaisesAlways:
+    return RaisesAlways(inputs)
