@@ -30,7 +30,7 @@ def timed_steps(batches, step, warmup: int, steps: int, rank: int) -> dict:
     elapsed: wall seconds of the timed steps on this rank; data_wait: the share of all the
     steps' seconds, warm-up included, spent waiting for batches: an epoch's start (the first
     row groups decoded before the first batch) is where a bad layout waits, and
-    training.worker's data_wait_fraction counts it too; cpu_s: CPU
+    training.loop.builtin's data_wait_fraction counts it too; cpu_s: CPU
     seconds of the rank's process, its threads and its child processes (a DataLoader's
     workers) over those steps, summed over the ranks: the work, whatever else the machine
     runs (on a shared machine wall seconds also count the others' load)."""
@@ -105,7 +105,7 @@ def shardline_rank(rank: int, world_size: int, p: dict) -> dict:
     from shardline.training.loader.reader import ShardLoader
     from shardline.training.models.builtin import build_model
     from shardline.training.strategies import strategy_for
-    from shardline.training.worker import make_optimizer
+    from shardline.training.loop.recipe import make_optimizer
 
     if p.get("own_session"):
         # Each rank its own session, as torchrun starts its workers (start_new_session): with

@@ -71,7 +71,7 @@ def run(config, overrides, force, as_json):
             table.add_row(k.replace("_", " "), f"{result.metrics[k]:.4f}")
     table.add_row("MLflow run", result.run_id)
     table.add_row("MLflow store", redact(result.tracking_uri))
-    table.add_row("model", f"{result.model_uri}")
+    table.add_row("model", f"{result.model_uri or 'none registered (the loop called no ctx.register)'}")
     table.add_row("dataset", r.prepare.dataset_dir)
     table.add_row("scores", f"{score.version_dir} ({score.rows:,} rows)" if score.engine else score.note)
     table.add_row("open the UI", ui_hint(result.tracking_uri))
@@ -141,7 +141,7 @@ def train(config, overrides, launcher, world_size, resume, allow_changed, as_jso
     with _json_out(as_json) as emit:
         result = api.train(cfg)
         emit(result)
-    console.print(f"  run {result.run_id}; model {result.model_uri}")
+    console.print(f"  run {result.run_id}; model {result.model_uri or 'none registered (the loop called no ctx.register)'}")
     for k in ("val_loss", "val_accuracy", "val_rmse", "val_mae", "val_r2"):
         if k in result.metrics:
             console.print(f"  {k} {result.metrics[k]:.4f}")

@@ -131,7 +131,8 @@ class DeltaOutput:
         if not adds:
             return 0
         spec = plan.transform.spec
-        schema = output_schema(spec.task == "classification", spec.task == "next_token", plan.key_column)
+        schema = output_schema(spec.task == "classification", spec.task == "next_token", plan.key_column,
+                               plan.transform.io.get("output") == "tensor")
         if table is None:
             self._create(adds, plan, schema)
         else:

@@ -49,6 +49,12 @@ class Transform:
     # The model's input tensors, {name: TensorSpec} as JSON, for a dataset with typed
     # columns; "" for a tabular one (its input is the features tensor alone).
     tensors_json: str = ""
+    # A loop's model (serving.model_io): its own inputs and output, as JSON; "": the dataset's.
+    io_json: str = ""
+
+    @property
+    def io(self) -> dict:
+        return json.loads(self.io_json) if self.io_json else {}
 
     @classmethod
     def of(cls, manifest: ShardManifest) -> Transform:
@@ -152,7 +158,7 @@ def discover(
             f"model {model.uri}: the dataset it was trained on (run param dataset_dir) is not "
             f"readable, so raw input cannot be transformed; score a prepared dataset instead"
         )
-    if trained_on.feature_spec.typed:
+    if trained_on.feature_spec.typed and model.io.get("inputs") is None:
         typed = [*trained_on.feature_spec.tensors, *trained_on.feature_spec.images]
         raise DataError(
             f"{input_path}: model {model.uri} takes tensor or image columns "
@@ -184,7 +190,9 @@ def check_unit(unit: Unit, transform: Transform, for_model: str = "") -> int:
         raise DataError(f"{unit.path}: unreadable Parquet file ({first_line(e)})") from None
     spec = transform.spec
     tensors = transform.tensors
-    if unit.kind == "shard" and tensors is not None:
+    if transform.io.get("inputs") is not None:  # a loop's model of its own inputs
+        need = {spec.key: pa.types.is_integer, **own_input_columns(unit.kind, transform.io["inputs"], tensors)}
+    elif unit.kind == "shard" and tensors is not None:
         need = {spec.key: pa.types.is_integer}
         need.update({t.column: _stored_as(t) for t in tensors.values()})
     elif unit.kind == "shard":
@@ -207,6 +215,19 @@ def check_unit(unit: Unit, transform: Transform, for_model: str = "") -> int:
     if problems:
         raise DataError(f"{unit.path}: {'; '.join(problems)}")
     return meta.num_rows
+
+
+def own_input_columns(kind: str, inputs: dict, tensors: dict[str, TensorSpec] | None) -> dict:
+    """A loop model's own inputs (training.loop.io) as the columns a unit must have: a typed
+    shard's tensor column as prepare stored it, the shards' `features`, else each input a
+    list of numbers per row (a scalar input: a number)."""
+    need = {}
+    for name, t in inputs.items():
+        if kind == "shard" and tensors and name in tensors:
+            need[tensors[name].column] = _stored_as(tensors[name])
+        else:
+            need[name] = _is_numeric_list if t["shape"] else _is_number
+    return need
 
 
 def spec_difference(a: FeatureSpec, b: FeatureSpec) -> list[str]:

@@ -127,11 +127,13 @@ class ResolvedModel:
     """A model URI pinned to one version, so workers cannot load another (an alias may move)."""
 
     def __init__(self, uri: str, pinned_uri: str, name: str, version: str, run_id: str | None,
-                 pickled: bool = False):
+                 pickled: bool = False, io: dict | None = None):
         self.uri, self.pinned_uri, self.name, self.version, self.run_id = (
             uri, pinned_uri, name, version, run_id
         )
         self.pickled = pickled  # a pytorch-flavour model, allowed by serving.allow_pickled_models
+        # A loop's model (training.loop.io): its own inputs and whether its output is the task's.
+        self.io = io or {}
 
 
 def resolve_model(model_uri: str, tracking_uri: str, allow_pickled: bool = False) -> ResolvedModel:
@@ -151,4 +153,5 @@ def resolve_model(model_uri: str, tracking_uri: str, allow_pickled: bool = False
     pickled = "pytorch" in info.flavors
     if pickled and not allow_pickled:
         raise ShardlineError(pickled_refusal(model_uri))
-    return ResolvedModel(model_uri, pinned, name, version, info.run_id, pickled)
+    io = (getattr(info, "metadata", None) or {}).get("shardline_io")
+    return ResolvedModel(model_uri, pinned, name, version, info.run_id, pickled, io)

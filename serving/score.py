@@ -12,9 +12,10 @@ writing anything: a run with nothing to score ends there (the CLI exits 0 at onc
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Literal
 
@@ -145,6 +146,8 @@ def plan(
         table.check()
     model = resolve_model(model_uri, tracking_uri, allow_pickled)
     units, transform = discover(input_path, split, model, tracking_uri)
+    if model.io:  # a loop's model: what it takes and gives travels with the transform to the tasks
+        transform = replace(transform, io_json=json.dumps(model.io))
     out = table.scores if table is not None else storage.resolve(output_dir, "serving.output_dir")
     check_output_dir(out)
     p = ScorePlan(model, tracking_uri, units, transform, out, version_dir(out, model.name, model.version),

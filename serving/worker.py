@@ -26,6 +26,7 @@ from shardline.training.inference import decode_tensors, next_token_outputs, pre
 
 from .inputs import Transform, Unit
 from .ledger import commit
+from .model_io import input_columns, output_fields, read_inputs, tensor_output
 from .models import cached_model
 
 # Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs).
@@ -51,13 +52,17 @@ class UnitTask:
     key_column: str = "key"  # the output's name for the rows' key (serving.key_column)
 
 
-def output_schema(classification: bool, next_token: bool = False, key: str = "key") -> pa.Schema:
+def output_schema(classification: bool, next_token: bool = False, key: str = "key",
+                  tensor: bool = False) -> pa.Schema:
     """The row's key (column `key`: the input's key column's own name: serving.key_column),
     the prediction (class and probabilities, or the value), the model and the time.
     next_token: `prediction` is the token id predicted after the row's last non-pad
-    position, `loss` the row's mean next-token loss over its `tokens` counted targets."""
+    position, `loss` the row's mean next-token loss over its `tokens` counted targets.
+    tensor: a loop's model whose output is not the task's: one list column (serving.model_io)."""
     fields = [pa.field(key, pa.int64())]
-    if next_token:
+    if tensor:
+        fields += output_fields()
+    elif next_token:
         fields += [
             pa.field("prediction", pa.int64()),
             pa.field("loss", pa.float64()),
@@ -98,7 +103,9 @@ def _score_unit(task: UnitTask) -> dict:
     spec = task.transform.spec
     classification = spec.task == "classification"
     next_token = spec.task == "next_token"
-    schema = output_schema(classification, next_token, task.key_column)
+    io = task.transform.io  # a loop's model: its own inputs and output (serving.model_io)
+    tensor_out = io.get("output") == "tensor"
+    schema = output_schema(classification, next_token, task.key_column, tensor_out)
     use_code(task.code)  # before the model is built: this job's version of the user's code
     model = cached_model(task.model_uri, task.tracking_uri, allow_pickled=task.allow_pickled)
     # torch defaults to one thread per core in every worker process: with one task
@@ -112,10 +119,12 @@ def _score_unit(task: UnitTask) -> dict:
             for keys, x in _batches(task, spec):
                 n = len(keys)
                 cols = [keys]
-                if next_token:
+                if tensor_out:
+                    cols.append(tensor_output(predict(model, x, False, tensors, io)))
+                elif next_token:
                     cols += _next_token_columns(model, x, tensors, spec.label, spec.tensors[spec.label].pad_id)
                 elif classification:
-                    pred = predict(model, x, classification, tensors)
+                    pred = predict(model, x, classification, tensors, io)
                     k = pred.shape[1]
                     offsets = pa.array(np.arange(0, n * k + 1, k, dtype=np.int32))
                     cols += [
@@ -123,7 +132,7 @@ def _score_unit(task: UnitTask) -> dict:
                         pa.ListArray.from_arrays(offsets, pa.array(pred.reshape(-1), pa.float32())),
                     ]
                 else:
-                    pred = predict(model, x, classification, tensors)
+                    pred = predict(model, x, classification, tensors, io)
                     cols.append(pa.array(pred[:, 0].astype(np.float64)))
                 cols += [
                     pa.array([task.model_name] * n, pa.string()),
@@ -162,7 +171,10 @@ def _batches(task: UnitTask, spec):
     each column decoded as the loader decodes it (training.loader.columns)."""
     unit = task.unit
     tensors = task.transform.tensors if unit.kind == "shard" else None
-    if tensors is not None:
+    io = task.transform.io
+    if io.get("inputs") is not None:  # a loop's model of its own inputs (serving.model_io)
+        columns = [spec.key, *input_columns(io, tensors, unit.kind)]
+    elif tensors is not None:
         columns = [spec.key, *(t.column for t in tensors.values())]
     elif unit.kind == "shard":
         columns = [spec.key, "features"]
@@ -174,7 +186,9 @@ def _batches(task: UnitTask, spec):
         key = batch.column(0)
         if key.null_count:
             raise ShardlineError(f"{unit.path}: column '{spec.key}' has null keys")
-        if tensors is not None:
+        if io.get("inputs") is not None:
+            x = read_inputs(batch, io, tensors, spec, unit.kind, task.transform.width, unit.path)
+        elif tensors is not None:
             x = decode_tensors(batch, tensors, spec.images, unit.path)
         elif unit.kind == "shard":
             # On a sliced list array `.values` is the whole parent: flatten().

@@ -54,6 +54,8 @@ _API = {
 # Raised by a call that ran and failed: a lost lease (a stalled job's folder taken over),
 # a rank's failure after its relaunches.
 _API |= {"LeaseLost": "foundation.lease", "TrainingFailed": "training.launchers"}
+# What a training loop function gets (`def loop(ctx: shardline.LoopContext)`): imports torch.
+_API["LoopContext"] = "training.loop.context"
 __all__ = ["ShardlineError", "ConfigError", "DataError", "StorageError", "LeaseHeld", *_API, "__version__"]
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from shardline.config import (
     CHECKPOINTS,
@@ -58,11 +58,22 @@ from shardline.training.tracking import check_store
 # Imported inside the functions that use them: training.job (imports torch); training.source_steps (imports
 # torch); training.sweeps.run (imports torch); training.plan (imports torch).
 
+if TYPE_CHECKING:  # for a type checker; at run time __getattr__ below imports it when asked
+    from shardline.training.loop.context import LoopContext
+
+
+def __getattr__(name: str):
+    if name == "LoopContext":  # for typing a loop: torch only when asked for
+        from shardline.training.loop.context import LoopContext
+
+        return LoopContext
+    raise AttributeError(f"module 'shardline.api' has no attribute {name!r}")
+
 Config = str | Path | ShardlineConfig | Mapping | None
 Overrides = Iterable[str] | Mapping[str, Any]
 
 __all__ = ["prepare", "train", "score", "run", "sweep", "plan", "score_status", "load_config",
-           "PrepareResult", "TrainResult", "ScoreResult", "RunResult", "PlanResult"]
+           "PrepareResult", "TrainResult", "ScoreResult", "RunResult", "PlanResult", "LoopContext"]
 
 
 @dataclass
@@ -125,13 +136,25 @@ def _choose(cfg: ShardlineConfig, setting: str, spark, client) -> ShardlineConfi
     return cfg.model_copy(update={section_name: section.model_copy(update={name: value})})
 
 
-def _training_job(given: ShardlineConfig, cfg: ShardlineConfig):
+def _training_job(given: ShardlineConfig, cfg: ShardlineConfig, loop=None):
     """The training section resolved into one job object (training.job.TrainingJob); `given`
-    is the config as written (an unset checkpoint_dir makes the folder the job's own)."""
+    is the config as written (an unset checkpoint_dir makes the folder the job's own);
+    `loop`: the function given to train(loop=...), as its LoopFunction."""
     from shardline.training.job import TrainingJob  # torch and MLflow: only when training
 
     return TrainingJob.resolve(cfg.training, cfg.tracking, cfg.pipelines.dataset_dir,
-                               store=checkpoint_store(given, cfg))
+                               store=checkpoint_store(given, cfg), loop=loop)
+
+
+def _with_loop(cfg: ShardlineConfig, loop):
+    """A loop function given to the API: (the config naming it as training.loop, its
+    LoopFunction: by import path, or by value when no rank could import it)."""
+    if loop is None:
+        return cfg, None
+    from shardline.training.loop.function import LoopFunction  # torch: only when training
+
+    fn = LoopFunction.of(loop)
+    return cfg.model_copy(update={"training": cfg.training.model_copy(update={"loop": fn.path})}), fn
 
 
 @_keeps_callers_mlflow
@@ -179,12 +202,19 @@ def _frame_engine(cfg: ShardlineConfig, df, spark, client):
 
 
 @_keeps_callers_mlflow
-def train(config: Config = None, overrides: Overrides = (), *, spark=None, client=None) -> TrainResult:
-    """Train on the prepared dataset on `training.launcher`'s engine; track in MLflow; register."""
-    given = _choose(load_config(config, overrides), "training.launcher", spark, client)
+def train(config: Config = None, overrides: Overrides = (), *, spark=None, client=None, loop=None) -> TrainResult:
+    """Train on the prepared dataset on `training.launcher`'s engine; track in MLflow; register.
+
+    loop: your own training loop, a function of one argument (the loop context,
+    `shardline.LoopContext`) run on every rank, in place of `training.loop`: one defined in
+    an importable module travels by its import path (its package with the job's code), one
+    defined in a notebook or a script's `__main__` by value (cloudpickle). Unset, and
+    training.loop unset: shardline's own loop trains training.model."""
+    given, fn = _with_loop(load_config(config, overrides), loop)
+    given = _choose(given, "training.launcher", spark, client)
     cfg = resolve_paths(given, [given.training.launcher], (DATASET, CHECKPOINTS), tracking=True, spark=spark,
                         client=client)
-    job = _training_job(given, cfg)
+    job = _training_job(given, cfg, fn)
     check_storage(cfg, reads=(DATASET,), writes=(CHECKPOINTS,))
     # One job per checkpoint folder, refused first: "in use by" says more than what the
     # holder's checkpoints differ in. Folders made only for the lease go with it.
@@ -292,6 +322,11 @@ def run(config: Config = None, overrides: Overrides = (), *, spark=None, client=
         dataset.release()
         job.check()  # the model on the dataset just made
         trained = run_train(job, engines.get(cfg.training.launcher, "training.launcher"))
+        if trained.model_uri is None:  # a user's loop that registered no model: nothing to score
+            s = cfg.serving
+            return RunResult(PrepareResult(cfg.pipelines.dataset_dir, manifest, cfg.pipelines.engine), trained,
+                             ScoreResult(s.output_dir, "", 0, 0, 0, 0, "", "", "", None,
+                                         "nothing scored: the loop registered no model (ctx.register)"))
         scoring = scoring.for_model(trained.model_uri, trained.tracking_uri).check()
         scored = scoring.run(lambda: engines.get(cfg.serving.engine, "serving.engine"), output)
     return RunResult(PrepareResult(cfg.pipelines.dataset_dir, manifest, cfg.pipelines.engine), trained, scored)

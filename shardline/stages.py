@@ -61,5 +61,6 @@ def run_train(job, engine):
     t = job.cfg
     job.check_capacity(engine)
     report.note(f"checkpoints: {t.checkpoint_dir}")
-    with stage(f"Training {t.model} with {t.strategy} on {t.world_size} {engine.name} ranks"):
+    what = f"with the loop {t.loop}" if t.loop else t.model
+    with stage(f"Training {what} with {t.strategy} on {t.world_size} {engine.name} ranks"):
         return job.run(engine)

@@ -267,6 +267,14 @@ def _user(what: str, settings: list[str], message: str) -> Case:
     return Case(what, [*T, *(a for s in settings for a in ("--set", s))], 2, message, toml=USER)
 
 
+# The user's own training loops (tests/usermodels/userloops).
+USERLOOPS = Path(__file__).parent / "usermodels" / "userloops"
+
+
+def _loop(what: str, loop: str, message: str) -> Case:
+    return Case(what, [*T, "--set", f"training.loop='{loop}'"], 2, message, toml=f"code_paths = ['{USERLOOPS}']\n")
+
+
 CASES = [
     # -- the config file and --set (exit 2)
     Case("config file missing", ["train", "{dir}/nope.toml"], 2, "nope.toml: config file not found"),
@@ -383,6 +391,11 @@ CASES = [
           "returned a dict, not a torch.nn.Module"),
     _user("model_args the factory rejects", ["training.model='usernets.nets:build'", "training.model_args={{depth=0}}"],
           "raised ValueError: depth must be at least 1, got 0"),
+    _loop("loop import path does not import", "userloops.nope:loop",
+          "training.loop: cannot import module 'userloops.nope' (ModuleNotFoundError"),
+    _loop("loop that does not take one argument", "userloops.loops:takes_two",
+          "training.loop: userloops.loops:takes_two(ctx, extra) must take exactly one positional argument, "
+          "the loop context"),
     _user("loss with the wrong signature", ["training.model='usernets.nets:build'",
                                             "training.loss='usernets.losses:one_argument'"],
           "training.loss: usernets.losses:one_argument must take (output, target)"),

@@ -58,8 +58,10 @@ def test_checkpoints_are_plain_tensors_and_numbers(reference):
     assert {"sharded", "ranks", "global_step", "epoch", "step_in_epoch", "loader"} <= state.keys()
     # No weights in it: they and the optimizer state are in the DCP directory it names.
     assert "model" not in state and (Path(paths[0]).parent / state["sharded"] / ".metadata").exists()
-    # Each rank's own resume state besides: its schedule, RNG and running sums of the epoch's figures.
-    assert [set(r) for r in state["ranks"]] == [{"scheduler", "rng", "sums"}] * 2
+    # Each rank's own resume state besides: its schedule, loader position and running sums of
+    # the epoch's figures (its plain values), and its RNG states.
+    assert [set(r) for r in state["ranks"]] == [{"model", "optimizer", "scheduler", "loader", "sums"}] * 2
+    assert len(state["rng"]) == 2 and all(set(r) == {"cpu"} for r in state["rng"])
     # The loader's position is the checkpoint's: epoch and batches delivered in it.
     for p in paths:
         s = torch.load(p, weights_only=True)

@@ -120,7 +120,7 @@ def test_the_suggested_batch_trains_and_registers(small_dataset, tracking_uri, c
 
 
 def test_the_data_wait_warning_needs_a_long_wait_over_many_steps():
-    from shardline.training.worker import data_wait_worth_warning
+    from shardline.training.loop.recipe import data_wait_worth_warning
 
     cfg = TrainingConfig()  # 5%, 5 s, 20 steps
     assert data_wait_worth_warning(cfg, 0.5, 6.0, 20)

@@ -108,6 +108,46 @@ def test_edit_and_train_again_on_the_local_launcher(tmp_path, prepared, tracking
     train_edit_train(tmp_path, prepared, tracking_uri, "local", load_between=True)
 
 
+LOOP = '''VERSION = {version}
+
+
+def train(ctx):
+    """Which version of this file ran, on every rank: the loop's own code travels with the job."""
+    ctx.log({{"version": float(VERSION)}})
+'''
+
+
+def write_loop(folder: Path, version: int) -> None:
+    pkg = folder / "nbloops"
+    pkg.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "loop.py").write_text(LOOP.format(version=version))
+    stamp = time.time() + 10 * version  # as write_nets: a later save than any cached .pyc
+    os.utime(pkg / "loop.py", (stamp, stamp))
+
+
+def test_edit_a_loop_and_train_again_on_the_local_launcher(tmp_path, prepared, tracking_uri):
+    """The loop given as the function a notebook imported: it travels by its import path, so
+    the second job runs the edited file, though the notebook passes the function it imported
+    before the edit."""
+    write_loop(tmp_path / "code", 1)
+    sys.path.insert(0, str(tmp_path / "code"))
+    try:
+        from nbloops.loop import train as loop
+
+        cfg = {**overrides(tmp_path, prepared, tracking_uri, "local", "notebook-loop"),
+               "training.model": "mlp", "training.code_paths": [str(tmp_path / "code" / "nbloops")]}
+        first = shardline.train(None, cfg, loop=loop)
+        write_loop(tmp_path / "code", 2)  # the user edits the loop in their editor
+        second = shardline.train(None, {**cfg, "training.checkpoint_dir": str(tmp_path / "ckpt-loop2")}, loop=loop)
+    finally:
+        sys.path.remove(str(tmp_path / "code"))
+        for m in [m for m in sys.modules if m.split(".")[0] == "nbloops"]:
+            del sys.modules[m]
+    assert first.metrics["version"] == 1.0 and second.metrics["version"] == 2.0
+    assert first.model_uri is None and second.model_uri is None  # the loop registers no model
+
+
 @pytest.mark.slow
 def test_edit_and_train_again_on_a_spark_session_given(tmp_path, prepared, tracking_uri, spark):
     train_edit_train(tmp_path, prepared, tracking_uri, "spark", spark=spark)

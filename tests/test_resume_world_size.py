@@ -25,14 +25,17 @@ import torch
 
 from shardline.engines import LocalEngine
 from shardline.pipelines.manifest import load_manifest
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
 from shardline.training.checkpoints import sharded
+from shardline.training.checkpoints.state import TENSORS, read_tensors
 from shardline.training.checkpoints.store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 from shardline.training.loader.reader import ShardLoader
 from shardline.training.models.builtin import build_model
 from shardline.training.strategies.base import autocast_for, train_step
-from shardline.training.worker import lr_factor, make_optimizer
+from shardline.training.loop.recipe import lr_factor, make_optimizer
 
 from .conftest import shardline_here, small_pipeline
 from .dist_helpers import relative_distance
@@ -105,10 +108,15 @@ def continued_single_process(head_path: Path, cfg: TrainingConfig, data_world: i
     model = build_model(manifest, cfg)
     optimizer = make_optimizer(model.parameters(), cfg)
     # No process group here: DCP reads every piece itself, whichever strategy and ranks
-    # wrote them. keep_optimizer False: the state goes to a throwaway optimizer.
+    # wrote them. keep_optimizer False: the state goes to a throwaway optimizer. The
+    # hyperparameters (the schedule's lr) are a rank's plain values, in the small file.
     into = optimizer if keep_optimizer else make_optimizer(model.parameters(), cfg)
-    names = sharded.optimizer_names(model.named_parameters(), into)
-    sharded.load_plain(model.state_dict(), into, names, str(head_path.parent / head["sharded"]))
+    state = {"model": model, "optimizer": into}
+    groups = next(r["optimizer"]["param_groups"] for r in head["ranks"] if "optimizer" in r)
+    mine = get_optimizer_state_dict(model, into)["param_groups"]
+    saved = {"model": TENSORS, "optimizer": {"state": TENSORS, "param_groups": [
+        {**g, **{k: v for k, v in theirs.items() if k != "params"}} for g, theirs in zip(mine, groups, strict=True)]}}
+    read_tensors(state, str(head_path.parent / head["sharded"]), saved_tree=saved)
     loaders = [
         ShardLoader(manifest, dataset_dir, "train", r, data_world, cfg.batch_size // data_world, cfg.seed,
                     remainder=cfg.remainder, shuffle_buffer_rows=cfg.shuffle_buffer_rows)
@@ -116,7 +124,7 @@ def continued_single_process(head_path: Path, cfg: TrainingConfig, data_world: i
     ]
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, cfg.epochs * loaders[0].steps_per_epoch()))
     # Every rank runs the same schedule; a ps worker (rank 0) has none.
-    scheduler.load_state_dict(next(r["scheduler"] for r in head["ranks"] if r["scheduler"]))
+    scheduler.load_state_dict(next(r["scheduler"] for r in head["ranks"] if r.get("scheduler")))
     autocast = autocast_for(torch.device("cpu"), cfg)
     for epoch in range(head["epoch"], cfg.epochs):
         for parts in zip(*(loader.epoch(epoch) for loader in loaders)):
@@ -203,18 +211,26 @@ def _config(tmp: Path, dataset_dir: str, checkpoint_dir: str | Path, training: s
          ["training.strategy=fsdp", "training.world_size=4"],
          "written by an earlier shardline (the weights in the checkpoint file itself, not in a .dcp "
          "directory beside it), which this version does not resume: train from the start"),
+        # A DCP checkpoint of an earlier layout (the optimizers' hyperparameters pickled in DCP).
+        ({"strategy": "fsdp", "world_size": 4, "checkpoint_every_steps": 5},
+         ["training.strategy=fsdp", "training.world_size=4"],
+         "written by an earlier shardline (checkpoint layout 1; this one reads 2): train from the start"),
     ],
-    ids=["mid-epoch-other-data-world", "earlier-format"],
+    ids=["mid-epoch-other-data-world", "earlier-format", "earlier-layout"],
 )
 def test_cli_refuses_a_resume_that_cannot_reshard(prepared4, first_runs, tmp_path, first, resumed_with, message):
     # The mid-epoch checkpoint at step 5 alone in a directory: the latest, as a resume takes it.
     mid = next(Path(p) for p in CheckpointStore(first_runs(first)).paths()
                if torch.load(p, weights_only=True)["global_step"] == 5)
     _copy_checkpoint(mid, tmp_path / "mid")
-    if "earlier shardline" in message:  # as ddp, pipeline and ps wrote them before DCP
+    if "in the checkpoint file itself" in message:  # as ddp, pipeline and ps wrote them before DCP
         head = torch.load(mid, weights_only=True)
         head["model"] = sharded.read_weights(str(tmp_path / "mid" / mid.name))
         shutil.rmtree(tmp_path / "mid" / head.pop("sharded"))
+        torch.save(head, tmp_path / "mid" / mid.name)
+    if "checkpoint layout 1" in message:
+        head = torch.load(mid, weights_only=True)
+        del head["layout"]
         torch.save(head, tmp_path / "mid" / mid.name)
     work = tmp_path / "work"
     work.mkdir()

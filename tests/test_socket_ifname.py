@@ -19,7 +19,7 @@ def _seen(rank, world_size, payload):
 
 
 def test_the_setting_is_exported_while_the_group_lives_and_put_back_after(monkeypatch):
-    from shardline.training.worker import RankJob
+    from shardline.training.loop.runner import RankJob
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "before")
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)

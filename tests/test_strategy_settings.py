@@ -20,7 +20,7 @@ from shardline.training.config import TrainingConfig
 from shardline.training.strategies import strategy_for
 from shardline.training.strategy_settings import FLAT_NAMES, TABLES, merge_settings
 from shardline.training.sweeps.config import SweepConfig, tunable
-from shardline.training.worker import RankJob
+from shardline.training.loop.runner import RankJob
 
 from .conftest import REPO
 

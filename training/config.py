@@ -52,6 +52,17 @@ class TrainingConfig(Section):
         "factory(inputs, **model_args) (inputs: training.models.inputs.ModelInputs). A built-in takes "
         "training.hidden, heads and embedding_dim as its defaults, which these override.",
     )
+    loop: str | None = Field(
+        None, description="Your own training loop, 'package.module:function': a function of one "
+        "argument, the loop context (training.loop.context.LoopContext), run on every rank inside "
+        "the process group; it builds its models, reads ctx.loader(split), checkpoints with "
+        "ctx.save / ctx.restore, logs with ctx.log and registers with ctx.register. Unset: "
+        "shardline's own loop trains training.model.",
+    )
+    loop_args: dict[str, Any] = Field(
+        default_factory=dict, description="The loop's own settings, given to it as ctx.args "
+        "([training.loop_args] in the TOML).",
+    )
     loss: str | None = Field(
         None, description="Your own loss, 'package.module:callable' taking (output, target) and "
         "returning a scalar tensor, or a built-in by name: next_token (logits [B, L, V] against "

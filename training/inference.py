@@ -90,16 +90,21 @@ def load_model(model_uri: str, tracking_uri: str, allow_pickled: bool = False):
         return load_torch_model(model_uri, allow_pickled=allow_pickled)
 
 
-def predict(model, x, classification: bool, tensors: dict | None = None) -> np.ndarray:
+def predict(model, x, classification: bool, tensors: dict | None = None, io: dict | None = None) -> np.ndarray:
     """The model's outputs (softmax for classification) on float32 features [n, width], or on
-    named numpy inputs ({name: [n, *shape]}, `tensors` their specs) given as keywords."""
+    named numpy inputs ({name: [n, *shape]}, `tensors` their specs, or a loop model's own:
+    `io`, serving.model_io) given as keywords."""
     import torch  # a model runs here: torch is loaded with it
 
     from .batch import forward, from_numpy, to_device  # torch's
 
     device = next(model.parameters()).device
+    own = (io or {}).get("inputs")
     if isinstance(x, dict):
-        inputs = from_numpy(x, {n: t.dtype for n, t in (tensors or {}).items()})
+        dtypes = {n: t["dtype"] for n, t in own.items()} if own else {n: t.dtype for n, t in (tensors or {}).items()}
+        inputs = from_numpy(x, dtypes)
+    elif own:  # a loop's model of one input: the features matrix in its own dtype
+        inputs = from_numpy({"x": x}, {"x": next(iter(own.values()))["dtype"]})["x"]
     else:
         inputs = torch.from_numpy(x)
     with torch.inference_mode():

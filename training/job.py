@@ -19,7 +19,6 @@ registered.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,16 +35,18 @@ from .checkpoints.store import CheckpointStore
 from .config import TrackingConfig, TrainingConfig
 from .launchers import DriverGuard
 from .loader.reader import check_world_size, epoch_steps, rows_per_rank
-from .mlflow_outage import replay, tracked_run, when_reachable
+from .mlflow_outage import replay, tracked_run
 from .models.check import check_callables, check_model
 from .models.inputs import ModelInputs
 from .models.builtin import build_model
 from .restarts import launch_with_restarts
 from .result import TrainResult
+from .trained import log_trained
 from .strategies import strategy_for
-from .tracking import check_store, describe_version, log_curves, log_dataset_input, open_experiment, run_name
+from .tracking import check_store, log_dataset_input, open_experiment, run_name
+from .loop.function import LoopFunction, resolve as resolve_loop
+from .loop.runner import RankJob
 from .user_code import check_driver_imports, job_code_folders, refresh_driver_code
-from .worker import RankJob
 
 # Imported inside the functions that use them: MLflow (~2.5 s: only where MLflow is called).
 
@@ -63,10 +64,13 @@ class TrainingJob:
     """One training job on the driver (see the module docstring)."""
 
     def __init__(self, cfg: TrainingConfig, tracking: TrackingConfig, dataset_dir: str, *,
-                 store: CheckpointStore, code: UserCode):
+                 store: CheckpointStore, code: UserCode, loop: LoopFunction | None = None):
         self.cfg, self.tracking, self.dataset_dir = cfg, tracking, dataset_dir
         self.store = store  # the checkpoint folder's owner (training.checkpoints.store)
         self.code = code
+        # The user's loop (training.loop or the API's loop=), resolved and checked once;
+        # None: shardline's own loop trains training.model.
+        self.loop = loop
         # The job's strategy, looked up once: its settings and mesh (a mesh that cannot be laid
         # out is refused here); the checks use it and it travels to every rank in the RankJob.
         self.strategy = strategy_for(cfg)
@@ -79,11 +83,15 @@ class TrainingJob:
 
     @classmethod
     def resolve(cls, cfg: TrainingConfig, tracking: TrackingConfig, dataset_dir: str, *,
-                store: CheckpointStore | None = None) -> TrainingJob:
+                store: CheckpointStore | None = None, loop: LoopFunction | Callable | None = None) -> TrainingJob:
         """Paths as every host opens them, the checkpoint folder's store, the strategy, and
         the user's code, once. store: the caller's (shardline.config.checkpoint_store, which
         knows whether the config left checkpoint_dir unset); else made here
-        (CheckpointStore.for_job: an unset checkpoint_dir is this job's own folder)."""
+        (CheckpointStore.for_job: an unset checkpoint_dir is this job's own folder).
+        loop: the API's `loop=` (a function, or its LoopFunction), else training.loop's."""
+        if loop is not None:
+            loop = loop if isinstance(loop, LoopFunction) else LoopFunction.of(loop)
+            cfg = cfg.model_copy(update={"loop": loop.path})  # named in the fingerprint and the run's params
         dataset_dir = storage.resolve(dataset_dir, "pipelines.dataset_dir")
         if store is None:
             store = CheckpointStore.for_job(cfg, tracking.experiment, tracking.registered_model, dataset_dir)
@@ -94,7 +102,8 @@ class TrainingJob:
         # use these bytes.
         code = snapshot(job_code_folders(cfg))
         refresh_driver_code(code)
-        return cls(cfg, tracking, dataset_dir, store=store, code=code)
+        # After the refresh: a loop edited since the last job is checked as it is now.
+        return cls(cfg, tracking, dataset_dir, store=store, code=code, loop=loop or resolve_loop(cfg))
 
     @property
     def tracking_uri(self) -> str:
@@ -114,8 +123,8 @@ class TrainingJob:
         """The checks that need no dataset (`shardline run` makes the dataset first). The mesh
         (its degrees multiply to world_size; PS leaves workers) was checked as the strategy
         was resolved."""
-        # The model, loss and metrics import and take their arguments, from the job's code.
-        check_callables(self.cfg)
+        # The model, loop, loss and metrics import and take their arguments, from the job's code.
+        check_callables(self.cfg, loop_resolved=True)
         check_driver_imports(self.code)
 
     def check_model_and_data(self) -> ShardManifest:
@@ -127,14 +136,15 @@ class TrainingJob:
         # prepare commits meanwhile: retention keeps it (pipelines.retention).
         manifest = load_manifest(self.dataset_dir)
         manifest.split("train")
-        self.model = build_model(manifest, cfg)
-        inputs = ModelInputs.from_manifest(manifest)
-        check_model(cfg, inputs, self.model)
-        self.strategy.check(cfg, self.model, inputs)  # the plans the strategy needs, declared by the model
+        if self.loop is None:  # a user's loop builds its own models (ctx.prepare checks them on the ranks)
+            self.model = build_model(manifest, cfg)
+            inputs = ModelInputs.from_manifest(manifest)
+            check_model(cfg, inputs, self.model)
+            self.strategy.check(cfg, self.model, inputs)  # the plans the strategy needs, declared by the model
+            self.outline = self.strategy.describe(cfg, self.model)
         data_world = self.strategy.data_world
         check_world_size(manifest, "train", data_world)
         check_steps(cfg, manifest, data_world)
-        self.outline = self.strategy.describe(cfg, self.model)
         self.manifest = manifest
         return manifest
 
@@ -170,7 +180,7 @@ class TrainingJob:
         head = store.read(url, fingerprint.comparable(fp), allowed)
         # Another mesh than the one that wrote it: refused here unless it reshards.
         sharded.check_resume(head, cfg, self.strategy.data_world, storage.display(url))
-        if head.get("epoch", 0) >= cfg.epochs:
+        if (head.get("epoch") or 0) >= cfg.epochs:  # None: a loop that counts no epochs
             store.check_unfinished(cfg.epochs, allowed)
         saved = head.get("fingerprint", {})
         changed = {k: (saved.get(k), fp[k]) for k in fingerprint.differences(saved, fp) if k in allowed}
@@ -263,7 +273,7 @@ class TrainingJob:
             job = RankJob(
                 cfg=cfg, dataset_dir=self.dataset_dir, dataset_sequence=manifest.sequence, tracking_uri=uri,
                 strategy=self.strategy, run_id=run_id, fingerprint=self.fingerprint, code=self.code,
-                resume_from=self.resume.url if self.resume else None, epoch_hook=epoch_hook,
+                resume_from=self.resume.url if self.resume else None, epoch_hook=epoch_hook, loop=self.loop,
             )
             # Ranks' progress lines reach this process's reporter wherever they run (foundation.progress).
             with ProgressListener(engine.listen_address()) as listener:
@@ -271,33 +281,24 @@ class TrainingJob:
                 result = launch_with_restarts(job, store, engine, workers, guard)
             # What the server was down for, sent now (waiting for it a while, else one line).
             replay(uri, result.get("mlflow_pending", []), tracking.outage_wait_s, latest())
-            if result.get("steps", 1) == 0:
+            if result.get("steps") == 0:
                 # check_steps refuses this; a model that never took a step must not be registered.
                 raise ShardlineError(
                     f"the job took 0 optimizer steps in {cfg.epochs} epoch(s): the model did not train "
                     "and is not logged or registered"
                 )
-            # The model the checks built (from this job's code), now with the trained weights.
-            model = self.model
-            model.load_state_dict(torch.load(io.BytesIO(result["state_dict"]), weights_only=True))
-
-            # The driver's own calls: a server down as training ends is waited for like one down during it.
-            def reachable(call):
-                return when_reachable(call, uri, tracking.outage_wait_s, latest())
-
-            from .models.registered import log_trained_model
-
-            reachable(lambda: log_curves(run_id, [k for k in result["metrics"] if not k.startswith("rank")]))
-            name = tracking.registered_model if register else None
-            version = reachable(lambda: log_trained_model(model, manifest, cfg, name, self.code))
-            if version:
-                reachable(lambda: describe_version(tracking.registered_model, version, cfg, manifest,
-                                                   self.dataset_dir, result["metrics"]))
-        model_uri = f"models:/{tracking.registered_model}/{version}" if version else f"runs:/{run_id}/model"
+            model, version = log_trained(self, result, run_id, register)
+        if model is None:  # a user's loop that called no ctx.register
+            model_uri = None
+            report.line("[shardline] no model was registered: the loop called no ctx.register")
+        else:
+            model_uri = f"models:/{tracking.registered_model}/{version}" if version else f"runs:/{run_id}/model"
         return TrainResult(
-            run_id, model_uri, tracking.registered_model, version, uri, result["metrics"], cfg.checkpoint_dir,
-            cfg.launcher, result.get("stopped_early", False), model.state_dict(), result.get("collective_calls", {}),
+            run_id, model_uri, tracking.registered_model, version or "", uri, result["metrics"], cfg.checkpoint_dir,
+            cfg.launcher, result.get("stopped_early", False), model.state_dict() if model is not None else {},
+            result.get("collective_calls", {}),
         )
+
 
 def run_training(
     cfg: TrainingConfig,

@@ -38,7 +38,7 @@ from .models.inputs import ModelInputs
 from .strategies import Strategy, strategy_for
 from .strategies.base import autocast_for, train_step
 from .task import loss_for
-from .worker import make_optimizer, trainable_model
+from .loop.recipe import make_optimizer, trainable_model
 
 HEADROOM = 1.2  # loading >= 1.2 x training: measurement noise and imperfect worker scaling
 # Hash assignment keeps a split's shards within 5% of each other's rows from about
@@ -296,7 +296,7 @@ def measure_loader(
 
 
 def training_device() -> torch.device:
-    """The device a rank trains on (training.worker): a GPU when there is one."""
+    """The device a rank trains on (training.loop.runner): a GPU when there is one."""
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 

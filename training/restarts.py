@@ -13,7 +13,7 @@ from .checkpoints import fingerprint
 from .checkpoints.store import CheckpointStore
 from .launchers import DriverGuard, TrainingFailed
 from .mlflow_outage import Outbox
-from .worker import RankJob, train_rank
+from .loop.runner import RankJob, run_rank
 
 # Imported inside the functions that use them: MLflow (~2.5 s: only where MLflow is called).
 
@@ -36,10 +36,11 @@ def launch_with_restarts(job: RankJob, store: CheckpointStore, engine, workers=N
     outbox = Outbox(MlflowClient(job.tracking_uri)) if job.tracking_uri and job.run_id else None
     for attempt in range(cfg.max_restarts + 1):
         try:
-            result = engine.launch_ranks(train_rank, job, cfg.world_size, cfg.timeout_s, guard=guard, code=job.code,
-                                         relaunch=attempt > 0, workers=workers)[0]
-            if outbox is not None:
-                result["mlflow_pending"] = outbox.pending() + result.get("mlflow_pending", [])
+            results = engine.launch_ranks(run_rank, job, cfg.world_size, cfg.timeout_s, guard=guard, code=job.code,
+                                          relaunch=attempt > 0, workers=workers)
+            # Every rank's MLflow calls kept during an outage (a loop may log on any rank).
+            kept = [entry for r in results for entry in (r or {}).get("mlflow_pending", [])]
+            result = {**results[0], "mlflow_pending": (outbox.pending() if outbox is not None else []) + kept}
             return result
         except TrainingFailed as e:
             if e.permanent or attempt == cfg.max_restarts:
@@ -54,6 +55,7 @@ def launch_with_restarts(job: RankJob, store: CheckpointStore, engine, workers=N
             job.resume_from = latest
             if outbox is not None:
                 outbox.send(("batch", job.run_id, [("restarts", float(attempt + 1), int(time.time() * 1000), 0)]))
-            where = storage.name(latest) if latest else "the start"
+            where = (storage.name(latest) if latest
+                     else "the start (the loop has committed no checkpoint: ctx.save)" if job.loop else "the start")
             report.line(redact(f"[shardline] {e}; restarting from {where}"))
     raise AssertionError("unreachable")

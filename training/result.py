@@ -13,7 +13,7 @@ class TrainResult:
     """What a training job gives back (`shardline.train` returns it; `to_dict` is the CLI's --json)."""
 
     run_id: str
-    model_uri: str  # models:/NAME/VERSION, or runs:/ID/model when not registered
+    model_uri: str | None  # models:/NAME/VERSION, runs:/ID/model when only logged; None: a loop registered none
     model_name: str
     model_version: str  # "" when not registered
     tracking_uri: str

@@ -357,7 +357,7 @@ def log_curves(run_id: str, keys: list[str]) -> None:
             if hist:
                 ax.plot([m.step + 1 for m in hist], [m.value for m in hist], marker="o", label=key)
         ax.set_xlabel("epoch")
-        if ax.get_legend_handles_labels()[0]:  # a regression run has no accuracy: an empty panel, no legend
+        if ax.get_legend_handles_labels()[0]:  # an empty panel (a regression run's accuracy, a loop's): no legend
             ax.legend()
         ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -1,6 +1,6 @@
 """The user's own code: objects named by import path, and the folders that hold them.
 
-`training.model`, `training.loss` and `training.metrics` may name the user's callables as
+`training.model`, `training.loop`, `training.loss` and `training.metrics` may name the user's callables as
 'package.module:callable'. They are imported on the driver first (a bad path is one line
 before any engine starts), and the folders holding them travel with the job: to local
 ranks, Spark executors, Dask workers, and into the registered model.
@@ -143,10 +143,10 @@ def import_user_object(path: str, setting: str, code_paths: list[str]):
 
 def job_code_folders(cfg) -> list[str]:
     """The folders (and .py files) of the user's code a training job ships to its ranks:
-    the packages of `training.model`, `training.loss` and `training.metrics` (when they are
-    the user's own) and every `training.code_paths` entry. Two of one name are refused:
-    both would be imported as that name."""
-    folders = user_code_folders([cfg.model, cfg.loss or "", *cfg.metrics], cfg.code_paths)
+    the packages of `training.model`, `training.loop`, `training.loss` and `training.metrics`
+    (when they are the user's own) and every `training.code_paths` entry. Two of one name are
+    refused: both would be imported as that name."""
+    folders = user_code_folders([cfg.model, cfg.loop or "", cfg.loss or "", *cfg.metrics], cfg.code_paths)
     try:
         top_names(folders)
     except ShardlineError as e:

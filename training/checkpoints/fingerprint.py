@@ -5,7 +5,7 @@ by `training.checkpoints.store.CheckpointStore`; this module says what a checkpo
 agree with to be resumed, and names a job's own folder.
 
 The fingerprint is every setting that shapes the weights, the optimizer state or the
-order of batches, the dataset version, and the digest of the user's code (`code`: the
+order of batches (a user's loop: its import path and `training.loop_args` too), the dataset version, and the digest of the user's code (`code`: the
 files that ship to the ranks, `foundation.code_travel.snapshot`; "" for a built-in model).
 A resume whose config or code differs is refused naming the fields (for the code: the
 files), unless the user names them as allowed to change (`training.resume_allow_changed`,
@@ -87,10 +87,17 @@ def fingerprint(cfg: TrainingConfig, dataset_version: str, code: UserCode | None
     """The job's fingerprint; `code`: the user's code as it ships (None leaves `code` out:
     only for reading, a job's own fingerprint always has it)."""
     fp = {f: str(getattr(cfg, f)) for f in FINGERPRINT_FIELDS}
+    fp.update(loop_fields(cfg))
     fp["dataset_version"] = dataset_version
     if code is not None:
         fp["code"] = code.digest
     return fp
+
+
+def loop_fields(cfg: TrainingConfig) -> dict[str, str]:
+    """A user's loop's import path and settings: they shape everything it trains. Only for a
+    job with one: shardline's own loop leaves the fingerprint (and its folder) as they were."""
+    return {"loop": str(cfg.loop), "loop_args": str(cfg.loop_args)} if cfg.loop else {}
 
 
 def differences(theirs: dict, ours: dict[str, str], ignore=()) -> list[str]:
@@ -115,6 +122,7 @@ def job_dir(cfg: TrainingConfig, experiment: str, registered_model: str, dataset
     # resumed job must find the folder its first run wrote.
     kept = [f for f in FINGERPRINT_FIELDS if f not in CHANGEABLE_FIELDS and f not in MESH_FIELDS]
     ident = {f: str(getattr(cfg, f)) for f in kept}
+    ident.update(loop_fields(cfg))
     ident.update(dataset_dir=str(dataset_dir), registered_model=registered_model)
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:10]
     return storage.join(root, _safe(experiment), f"{_safe(registered_model)}-{digest}")

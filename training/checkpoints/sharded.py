@@ -1,36 +1,37 @@
 """Checkpoints with torch.distributed.checkpoint (DCP), for every strategy, and resuming at another mesh.
 
-Every rank writes what it holds of the model and the optimizer state, in parallel,
-into one directory per checkpoint beside the checkpoint's small file
-(`training.checkpoints.fingerprint`); nothing is gathered to one rank. The state is keyed by the
-plain model's parameter names, the same for every strategy:
+Every rank writes what it holds of its state's tensors, in parallel, into one directory
+per checkpoint beside the checkpoint's small file; nothing is gathered to one rank
+(training.checkpoints.state splits a loop's nested state into DCP's tensors and the small
+file's plain values). shardline's own loop keys its state by the plain model's parameter
+names, the same for every strategy (Parallel.checkpoint_parts):
 
     model.<name>                         a weight (or buffer) of the plain model
     optimizer.state.<name>.<key>         its optimizer state (AdamW: exp_avg, exp_avg_sq, step)
-    optimizer.param_groups               hyperparameters (lr, betas, ...)
 
-- fsdp, tensor: DTensor shards, through torch's state-dict API (`save`, `load`).
+- fsdp, tensor: DTensor shards, through torch's state-dict API.
 - ddp: every rank holds every tensor; DCP writes each once, spread over the ranks.
 - pipeline: a rank holds its stages' weights and their optimizer state.
 - ps: a server holds its shard and its optimizer; workers write nothing (their
   replicas are the servers' values).
-(`save_plain`, `load_plain`.) DCP's load plans the reads for the ranks that load, so
-a checkpoint written by 4 ranks loads on 2 and the reverse, whatever the strategy:
-each rank reads the names it holds now. With no process group at all it reads
+(training.checkpoints.named for the last two.) The optimizers' hyperparameters are plain
+values: each rank's are in the small file. DCP's load plans the reads for the ranks that
+load, so a checkpoint written by 4 ranks loads on 2 and the reverse, whatever the
+strategy: each rank reads the names it holds now. With no process group at all it reads
 everything (`read_weights`: a checkpoint's plain weights, in one process).
 
     checkpoint_dir/
-      ckpt-000000120-9c0e2b.pt       small: step, epoch, loader position, each rank's
-                                     schedule and RNG, fingerprint; "sharded" names the
-                                     directory below. No weights.
+      ckpt-000000120-9c0e2b.pt       small: step, epoch, loader position, each rank's plain
+                                     values (schedule, loader, ...) and RNG, fingerprint;
+                                     "sharded" names the directory below. No weights.
       ckpt-000000120-3f9a1c.dcp/     DCP: .metadata (rank 0, last) and __<rank>_0.distcp
 
 The directory is complete before the small file that names it is written (dcp.save
 returns on every rank after rank 0 wrote .metadata), and the small file is the commit.
 
 The directory's name (`CheckpointStore.new_dcp_name`) and its pruning with the rotation are
-the checkpoint folder's owner's (`training.checkpoints.store`); this module writes and reads
-what is in it.
+the checkpoint folder's owner's (`training.checkpoints.store`); this module reads what is in
+it and judges a resume at another mesh.
 
 Resuming at another mesh (`checkpoints.MESH_FIELDS`: world_size, dp, tp, pp, dp_shard,
 ps_servers, the plans): the weights and optimizer state reshard; the loader's order
@@ -59,105 +60,16 @@ from ..config import TrainingConfig
 # Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs);
 # training.checkpoints.dcp_storage (imports torch).
 
+# The small file's layout (its "layout"): 2 since a loop's nested state is checkpointed
+# (training.checkpoints.state: tensors in DCP, plain values per rank in the small file).
+LAYOUT = 2
+
 # torch.distributed.checkpoint is imported inside the functions that save or load: with
 # DTensor and sympy it is ~0.6 s, which a driver that only reads the small file never needs.
 
 
-def save(model, optimizer, directory: str) -> None:
-    """A rank of DTensor shards (fsdp, tensor) writes its shards of the model and the
-    optimizer state. Collective."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    from . import dcp_storage
-
-    model_state, optim_state = get_state_dict(model, optimizer)
-    w = dcp_storage.writer(directory)
-    with _rank_failure(directory, "write", w):
-        dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=w)
-
-
-def load(model, optimizer, directory: str) -> None:
-    """Every rank reads the pieces of its own shards, whatever mesh wrote them. Collective.
-    In a process with no process group it loads an ordinary model and optimizer (DCP then
-    reads every piece itself): that is how a sharded checkpoint becomes a plain one."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    from . import dcp_storage
-
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state}
-    with _rank_failure(directory, "read"):
-        dcp.load(state, storage_reader=dcp_storage.reader(directory))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-
-
-def optimizer_names(named_parameters, optimizer) -> list[str]:
-    """The plain model's name of each of `optimizer`'s parameters, in its state dict's order
-    (param_groups flattened), from (name, parameter) pairs of what the rank holds."""
-    names = {id(p): n for n, p in named_parameters}
-    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-
-
-def save_plain(weights: dict, optimizer, names: list[str], directory: str) -> None:
-    """A rank of plain tensors (ddp, pipeline, ps) writes the weights it holds, keyed by the
-    plain model's names, and its optimizer's state (`names`: optimizer_names). A tensor held
-    by several ranks (ddp's replicas) is written once. Collective."""
-    import torch.distributed.checkpoint as dcp
-
-    from . import dcp_storage
-
-    state: dict = {"model": dict(weights)}
-    if optimizer is not None:
-        own = optimizer.state_dict()
-        # param_groups without "params" (indices, which differ between ranks): the same on
-        # every rank holding an optimizer, since every rank runs the same schedule.
-        state["optimizer"] = {
-            "state": {names[i]: s for i, s in own["state"].items()},
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in own["param_groups"]],
-        }
-    w = dcp_storage.writer(directory)
-    with _rank_failure(directory, "write", w):
-        dcp.save(state, storage_writer=w)
-
-
-def load_plain(weights: dict, optimizer, names: list[str], directory: str) -> None:
-    """Read into `weights` (this rank's tensors, filled in place) and `optimizer` what the
-    checkpoint holds under their names, whichever ranks wrote them. Collective."""
-    import torch.distributed.checkpoint as dcp
-
-    from . import dcp_storage
-
-    state: dict = {"model": dict(weights)}
-    if optimizer is not None:
-        saved = dcp_storage.reader(directory).read_metadata().state_dict_metadata
-        # A fresh optimizer has no state yet: its tensors are allocated as the checkpoint
-        # describes them, then handed to optimizer.load_state_dict (which puts them on the
-        # parameters' devices as the optimizer expects).
-        per_name: dict[str, dict] = {}
-        for key, meta in saved.items():
-            if key.startswith("optimizer.state."):
-                name, _, field = key[len("optimizer.state."):].rpartition(".")
-                per_name.setdefault(name, {})[field] = _empty(meta)
-        own = optimizer.state_dict()
-        # DCP keeps each hyperparameter under its own key (param_groups.0.lr, ...): this
-        # optimizer's groups name them, and the loaded values replace theirs.
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in own["param_groups"]]
-        state["optimizer"] = {"state": {n: per_name[n] for n in names if n in per_name}, "param_groups": groups}
-    with _rank_failure(directory, "read"):
-        dcp.load(state, storage_reader=dcp_storage.reader(directory))
-    if optimizer is not None:
-        loaded = state["optimizer"]
-        optimizer.load_state_dict({
-            "state": {i: loaded["state"][n] for i, n in enumerate(names) if n in loaded["state"]},
-            "param_groups": [{**saved_group, "params": g["params"]}
-                             for saved_group, g in zip(loaded["param_groups"], own["param_groups"], strict=True)],
-        })
-
-
 @contextmanager
-def _rank_failure(directory: str, doing: str, writer=None) -> Iterator[None]:
+def rank_failure(directory: str, doing: str, writer=None) -> Iterator[None]:
     """DCP's failures as the rest of shardline's: DCP raises a CheckpointException (a
     BaseException) that wraps each rank's error. This rank's OSError (which the local
     writer keeps: dcp_storage.NotingFileSystem), else the first rank's error, is raised
@@ -211,7 +123,7 @@ def read_weights(head_url: str) -> dict:
     saved = dcp_storage.reader(directory).read_metadata().state_dict_metadata
     weights = {k[len("model."):]: _empty(m) for k, m in saved.items() if k.startswith("model.")}
     state = {"model": weights}
-    with _rank_failure(directory, "read"):
+    with rank_failure(directory, "read"):
         dcp.load(state, storage_reader=dcp_storage.reader(directory))
     return state["model"]
 
@@ -220,6 +132,13 @@ def check_resume(head: dict, cfg: TrainingConfig, data_world: int, where: str) -
     """Refuse, before anything starts, a resume the checkpoint cannot be resharded to
     (ConfigError naming the setting and why). True when the mesh differs from the one
     that wrote it (the ranks then reshard), False when it is the same."""
+    if "sharded" in head and head.get("layout") != LAYOUT:
+        # Until loops wrote any nested state, the optimizers' hyperparameters were pickled
+        # into the DCP directory and each rank's schedule was a fixed entry of the small file.
+        raise ConfigError(
+            f"{where}: written by an earlier shardline (checkpoint layout {head.get('layout', 1)}; this one "
+            f"reads {LAYOUT}): train from the start (without --resume), or resume it with the shardline that wrote it"
+        )
     if "sharded" not in head:
         # Until every strategy wrote DCP, ddp, pipeline and ps checkpoints held the weights
         # in the small file, laid out for the ranks that wrote them.
@@ -237,9 +156,14 @@ def check_resume(head: dict, cfg: TrainingConfig, data_world: int, where: str) -
     saved_world = head.get("loader", {}).get("world_size")
     if head.get("step_in_epoch", 0) != 0 and saved_world != data_world:
         raise ConfigError(
-            f"{where}: written mid-epoch (epoch {head['epoch'] + 1}, step {head['step_in_epoch']}) "
+            f"{where}: written mid-epoch ({_epoch_of(head)}step {head['step_in_epoch']}) "
             f"by {saved_world} data-parallel ranks, resumed with {data_world} ({was} -> {now}): the "
             f"loader's order within an epoch depends on how many ranks read data, so resume it with "
             f"the same data-parallel degree, or from a checkpoint taken at an epoch end"
         )
     return True
+
+
+def _epoch_of(head: dict) -> str:
+    """"epoch 3, " of a checkpoint that counts epochs (a user's loop may not)."""
+    return f"epoch {head['epoch'] + 1}, " if isinstance(head.get("epoch"), int) else ""

@@ -1,7 +1,7 @@
 """Launchers: agree on rank, world size and a rendezvous address, then call one rank function.
 
 A rank function is `fn(rank, world_size, payload) -> result`, called inside an
-initialised process group; `train_rank` (training.worker) is the one jobs use.
+initialised process group; `run_rank` (training.loop.runner) is the one jobs use.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class TrainingFailed(ShardlineError):
 
 def announced(ranks_dir: str | None, rank: int) -> dict | None:
     """What rank `rank` wrote about itself when this attempt started (ranks/rank-N.json: its
-    host and pid, training.worker), if it got that far: a lost rank's launcher names it so."""
+    host and pid, training.loop.runner), if it got that far: a lost rank's launcher names it so."""
     if not ranks_dir:
         return None
     try:

@@ -233,21 +233,39 @@ class ShardLoader:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from `state` (a `state_dict()`): mid-epoch, only with the same order (the
+        same seed, data-parallel ranks, batch and buffer); at an epoch's end also at another
+        data-parallel degree, whose next epoch's order is its own."""
         if state.get("version") != _STATE_VERSION:
             raise DataError(
                 f"loader state of version {state.get('version')!r}; this loader reads {_STATE_VERSION}"
             )
         mine = self.state_dict()
+        mesh_keys = ("world_size", "local_batch", "steps") if state.get("batches") == 0 else ()
         diff = [
             f"{k}={state.get(k)!r} (this loader has {mine[k]!r})"
             for k in _ORDER_KEYS
-            if state.get(k) != mine[k]
+            if state.get(k) != mine[k] and k not in mesh_keys
         ]
         if diff:
             raise DataError("loader state is from a different sample order: " + ", ".join(diff))
         if not 0 <= state["batches"] <= self._steps:
             raise DataError(f"loader state is at batch {state['batches']} of an epoch of {self._steps}")
         self._position = (int(state["epoch"]), int(state["batches"]))
+
+    def __len__(self) -> int:
+        return self._steps
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The current epoch's batches (after load_state_dict: those not yet delivered);
+        once they are all delivered the position is the next epoch's start, so the next
+        `for batch in loader` runs the next epoch."""
+        return self.epoch(self._position[0])
+
+    @property
+    def current_epoch(self) -> int:
+        """The epoch the loader is in (or starts next, at an epoch's end)."""
+        return self._position[0]
 
     def epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The batches of `epoch`; after load_state_dict at that epoch, only those not yet delivered."""
@@ -265,6 +283,16 @@ class ShardLoader:
                 groups.close()
         else:
             yield from self._from_producer(epoch, start)
+        self._position = (epoch + 1, 0)
+
+    def count_epoch(self, epoch: int) -> Iterator[None]:
+        """`epoch`'s steps without reading a row, for a rank that reads no data but steps as
+        often as the others (a parameter server): None per batch, the position kept as
+        `epoch` keeps it (after load_state_dict at that epoch: the steps left)."""
+        start = self._position[1] if self._position[0] == epoch else 0
+        for batch in range(start, self._steps):
+            self._position = (epoch, batch + 1)
+            yield None
         self._position = (epoch + 1, 0)
 
     def _timed(self, groups: Iterator[list]) -> Iterator[list]:

@@ -21,6 +21,7 @@ from shardline.foundation.errors import ConfigError, first_line
 from ..batch import describe, forward
 from ..config import TrainingConfig
 from ..launchers.rank_errors import user_frame
+from ..loop.function import resolve as resolve_loop
 from .factory import factory_path, load_factory
 from .inputs import ModelInputs
 from .plans import recompute_units
@@ -39,9 +40,13 @@ def _takes_output_and_target(fn, setting: str, path: str) -> None:
         raise ConfigError(f"{setting}: {path} must take (output, target) ({e})") from None
 
 
-def check_callables(cfg: TrainingConfig) -> None:
-    """training.model, loss and metrics import and take their arguments (no dataset needed)."""
+def check_callables(cfg: TrainingConfig, loop_resolved: bool = False) -> None:
+    """training.model, loop, loss and metrics import and take their arguments (no dataset
+    needed). loop_resolved: the job's loop was resolved and checked already (a function
+    given to the API, which may be importable by no path)."""
     load_factory(cfg)
+    if cfg.loop is not None and not loop_resolved:
+        resolve_loop(cfg)  # imports, and takes one argument: the loop context
     if cfg.loss is not None:
         _takes_output_and_target(loss_for(cfg), "training.loss", cfg.loss)
     names = user_metric_names(cfg)

@@ -36,8 +36,10 @@ WEIGHTS_FILE = "weights.safetensors"
 MODULE_FILE = "module.json"
 
 
-def write_module(model, manifest, cfg, directory: str) -> tuple[str, str]:
-    """Write `model`'s weights and its rebuild description into `directory`; their paths."""
+def write_module(model, manifest, cfg, directory: str, loop_model: dict | None = None) -> tuple[str, str]:
+    """Write `model`'s weights and its rebuild description into `directory`; their paths.
+    loop_model: what a loop's ctx.register said (training.loop.register): the factory that
+    rebuilds the module when it is not training.model's, and the model's inputs and output."""
     from safetensors.torch import save_model
 
     weights, module = os.path.join(directory, WEIGHTS_FILE), os.path.join(directory, MODULE_FILE)
@@ -46,12 +48,24 @@ def write_module(model, manifest, cfg, directory: str) -> tuple[str, str]:
     save_model(model, weights)
     # The whole training section: build_model gets the config it got in training (the
     # factory's name and arguments, the built-ins' shape settings, the seed).
+    own = loop_model or {}
     Path(module).write_text(json.dumps({
         "format": FORMAT,
         "training": cfg.model_dump(mode="json"),
         "manifest": manifest.model_dump(mode="json"),
+        # A loop's model of its own class: `path`(**args) rebuilds it (no inputs given).
+        **({"factory": {"path": own["factory"], "args": own["args"]}} if own.get("factory") else {}),
+        **({"io": io_of(own)} if io_of(own) else {}),
     }))
     return weights, module
+
+
+def io_of(loop_model: dict | None) -> dict:
+    """A loop model's own inputs or output (training.loop.io), as module.json and the MLmodel
+    keep them; {} for a model of the dataset's inputs and the task's output (as every factory model)."""
+    if not loop_model or (loop_model.get("inputs") is None and loop_model.get("output", "task") == "task"):
+        return {}
+    return {k: loop_model[k] for k in ("inputs", "positional", "output")}
 
 
 def read_module(weights: str, module: str):
@@ -62,6 +76,7 @@ def read_module(weights: str, module: str):
 
     from .builtin import build_model
     from ..task import LabelUnits, label_scale
+    from ..user_code import import_object
 
     d = json.loads(Path(module).read_text())
     if d.get("format") != FORMAT:
@@ -74,12 +89,17 @@ def read_module(weights: str, module: str):
     cfg = TrainingConfig(**{**known, "code_paths": []})
     # build_model seeds torch's generator; a scorer's own random state is none of its business.
     with torch.random.fork_rng(devices=[]):
-        model = build_model(manifest, cfg)
+        if "factory" in d:  # a loop's model of its own class (training.loop.register)
+            model = import_object(d["factory"]["path"], "the registered model's factory")(**d["factory"]["args"])
+        else:
+            model = build_model(manifest, cfg)
     load_model(model, weights, strict=True, device="cpu")
+    io = d.get("io") or {}
     # A regression model that learnt the standardised label answers in the label's units.
     scale = label_scale(manifest, cfg.loss)
-    if scale is not None:
+    if scale is not None and io.get("output", "task") == "task":
         model = LabelUnits(model, *scale)
+    model.shardline_io = io  # what a loop's model takes and gives (serving reads it); {}: the dataset's
     return model.eval()
 
 

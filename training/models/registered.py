@@ -51,7 +51,7 @@ from shardline.pipelines.transform import features
 
 from ..inference import pickled_refusal
 from .encoded_inputs import decode
-from .files import code_folders, code_on_path, read_module, write_module
+from .files import code_folders, code_on_path, io_of, read_module, write_module
 
 # Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs); training.batch
 # (imports torch); training.loader.columns (imports torch); training.task (imports torch); MLflow (~2.5 s:
@@ -78,6 +78,9 @@ class RawRowsModel(mlflow.pyfunc.PythonModel):
         self.model = read_module(context.artifacts[WEIGHTS], context.artifacts[MODULE])
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
+        io = getattr(self.model, "shardline_io", None) or {}
+        if io.get("inputs") is not None:  # a loop's model of inputs of its own (training.loop.io)
+            return _outputs(self.model, own_inputs(io, model_input, self.spec), self.spec, self.stats, model_input)
         if self.spec.typed:
             return predict_typed(self.model, self.spec, self.stats, self.tensors, model_input)
         return predict_raw(self.model, self.spec, self.stats, model_input)
@@ -161,6 +164,10 @@ def _outputs(model, inputs, spec: FeatureSpec, stats: FittedStatistics, rows) ->
 
     with torch.inference_mode():
         y = forward(model, inputs)
+        if (getattr(model, "shardline_io", None) or {}).get("output") == "tensor":
+            # Not the task's output (an embedding, a generated image): one list of values a row.
+            out = {"key": np.asarray(rows[spec.key])} if spec.key in rows else {}
+            return pd.DataFrame({**out, "output": list(y.float().reshape(len(y), -1).numpy())})
         if spec.task == "classification":
             y = torch.softmax(y, 1)
         if spec.task == "next_token":  # batch scoring's columns (serving.worker): reduced here
@@ -266,7 +273,31 @@ def typed_signature(spec: FeatureSpec, stats: FittedStatistics, names):
     return ModelSignature(Schema(inputs), Schema(outputs))
 
 
-def log_trained_model(model, manifest: ShardManifest, cfg, registered_name: str | None, code=None) -> str:
+def own_inputs(io: dict, rows, spec: FeatureSpec) -> dict | object:
+    """A loop model's own inputs from the request: each an array of its dtype and shape per
+    row (typed_inputs' checks); a single positional one is given as a tensor."""
+    tensors = {n: TensorSpec(column=n, dtype=t["dtype"], shape=t["shape"], encoding="raw")
+               for n, t in io["inputs"].items()}
+    inputs = typed_inputs(tensors, rows)
+    return next(iter(inputs.values())) if io.get("positional") else inputs
+
+
+def loop_signature(spec: FeatureSpec, stats: FittedStatistics, io: dict, tensors: dict):
+    """A loop model's signature: its own inputs (else the dataset's) by name, any type, the
+    key optional; its output the task's columns, or one list column `output`."""
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import Array, ColSpec, DataType, Schema
+
+    names = list(io["inputs"]) if io.get("inputs") is not None else list(tensors) if spec.typed else None
+    base = typed_signature(spec, stats, names) if names is not None else signature(spec, stats)
+    if io.get("output") != "tensor":
+        return base
+    key = [ColSpec(DataType.long, "key", required=False)] if not spec.generate_key else []
+    return ModelSignature(base.inputs, Schema([*key, ColSpec(Array(DataType.double), "output")]))
+
+
+def log_trained_model(model, manifest: ShardManifest, cfg, registered_name: str | None, code=None,
+                      loop_model: dict | None = None) -> str:
     """Log a job's trained model (training.job) as a RawRowsModel with the job's own code
     snapshot (`code`: the bytes its ranks ran, whatever the folders hold by now); register
     it if named. The registered version, or "" when not registered."""
@@ -279,7 +310,7 @@ def log_trained_model(model, manifest: ShardManifest, cfg, registered_name: str 
     logging.getLogger("mlflow.pyfunc").setLevel(logging.ERROR)
     logging.getLogger("mlflow.models.model").setLevel(logging.ERROR)
     info = log_raw_model(
-        model, manifest, cfg, registered_name, code=code,
+        model, manifest, cfg, registered_name, code=code, loop_model=loop_model,
         # Without an explicit list MLflow spends ~10 s inferring one.
         pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"safetensors=={safetensors.__version__}",
                           "pydantic", "pyarrow", "pandas"],
@@ -287,7 +318,8 @@ def log_trained_model(model, manifest: ShardManifest, cfg, registered_name: str 
     return str(info.registered_model_version) if registered_name else ""
 
 
-def log_raw_model(model, manifest: ShardManifest, cfg, registered_name: str | None, code=None, **kwargs):
+def log_raw_model(model, manifest: ShardManifest, cfg, registered_name: str | None, code=None,
+                  loop_model: dict | None = None, **kwargs):
     """Log `model` (built by `build_model(manifest, cfg)`) as a RawRowsModel of
     `manifest`'s transform, with the user's code (`code`, a foundation.code_travel.UserCode
     snapshot; else the folders as they are now); MLflow's ModelInfo."""
@@ -302,21 +334,26 @@ def log_raw_model(model, manifest: ShardManifest, cfg, registered_name: str | No
         for arcname, f in shardline_files():  # shardline/__init__.py and code_travel.ENGINE_PACKAGES
             os.makedirs(os.path.dirname(os.path.join(code_dir, arcname)), exist_ok=True)
             shutil.copyfile(f, os.path.join(code_dir, arcname))
-        weights, module = write_module(model, manifest, cfg, d)
+        weights, module = write_module(model, manifest, cfg, d, loop_model)
         transform = os.path.join(d, "transform.json")
         tensors = {n: t.model_dump(mode="json") for n, t in manifest.tensors.items() if n != "label"}
         Path(transform).write_text(json.dumps({
             "spec": spec.model_dump(mode="json"), "stats": stats.model_dump(mode="json"),
             **({"tensors": tensors} if spec.typed else {}),
         }))
+        io = io_of(loop_model)
+        own = bool(io)
         with registry_said_nothing():  # "Successfully registered model 'm'." and its like
             return mlflow.pyfunc.log_model(
                 name="model",
                 python_model=str(ENTRY),
                 artifacts={WEIGHTS: weights, MODULE: module, TRANSFORM: transform},
                 # Named tensors: by name, any type (no MLflow type says "uint8 [3, 8, 8]": module docstring).
-                signature=typed_signature(spec, stats, tensors) if spec.typed else signature(spec, stats),
-                input_example=None if spec.typed else example_rows(spec, stats),
+                signature=(loop_signature(spec, stats, io, tensors) if own
+                           else typed_signature(spec, stats, tensors) if spec.typed else signature(spec, stats)),
+                input_example=None if spec.typed or own else example_rows(spec, stats),
+                # What batch scoring needs to know before it loads the model (serving.models.ResolvedModel).
+                metadata={"shardline_io": io} if io else None,
                 # Each folder lands in the model's code/ by its own name: code/shardline, and the
                 # user's packages beside it, importable as they were in training.
                 code_paths=[os.path.join(code_dir, "shardline"), *user_code],

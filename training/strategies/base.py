@@ -4,7 +4,7 @@ A `Strategy` is resolved once per job from the config (strategies.strategy_for),
 its own settings sub-table and its mesh. It checks the config against a model before any
 process starts, and on each rank (inside an initialised process group) turns the plain model into a
 `Parallel`: the rank's share of the model, its optimizer and its step. The
-worker (training.worker) only ever talks to a `Parallel`, so it runs every
+loop (training.loop.builtin) only ever talks to a `Parallel`, so it runs every
 strategy the same way on every launcher, and the model never knows how it is
 parallelised.
 """
@@ -25,6 +25,7 @@ from shardline.foundation.errors import ConfigError
 
 from .. import collectives
 from ..batch import Inputs, forward
+from ..checkpoints.state import read_tensors, write_tensors
 from ..config import TrainingConfig
 from ..models.inputs import ModelInputs
 from ..task import LossFn, task_loss
@@ -158,15 +159,28 @@ class Parallel:
 
     # Checkpoints: every rank writes what it holds with torch.distributed.checkpoint,
     # keyed by the plain model's names, and reads what it holds now, so every strategy's
-    # checkpoints reshard (training.checkpoints.sharded).
+    # checkpoints reshard (training.checkpoints.sharded). A loop's ctx.save takes these
+    # parts (training.loop.state): the one checkpoint path.
+
+    def checkpoint_parts(self, restoring: bool = False) -> dict[str, object]:
+        """What this rank holds, as checkpoint state: {"model": ..., "optimizer": ...}, each
+        a module or optimizer torch's state-dict API names by the plain model's names, or a
+        Stateful that names them itself (training.checkpoints.named). `restoring`: the parts
+        to read into, where they differ from those written (a ps worker writes nothing and
+        reads its whole replica). Default: the rank's `model` and `optimizer`."""
+        parts: dict[str, object] = {"model": self.model}
+        if self.optimizer is not None:
+            parts["optimizer"] = self.optimizer
+        return parts
 
     def save_checkpoint(self, directory: str) -> None:
-        """Write this rank's weights and optimizer state into the DCP directory. Collective."""
-        raise NotImplementedError
+        """Write this rank's weights and optimizer state (tensors: the hyperparameters are
+        a checkpoint's small file's) into the DCP directory. Collective."""
+        write_tensors(self.checkpoint_parts(), directory)
 
     def load_checkpoint(self, directory: str) -> None:
         """Read this rank's weights and optimizer state, whichever ranks wrote them. Collective."""
-        raise NotImplementedError
+        read_tensors(self.checkpoint_parts(restoring=True), directory)
 
     def epoch_metrics(self) -> dict[str, float]:
         """The strategy's own figures since the last call (push/pull time, bubble ...),
@@ -206,6 +220,17 @@ class Strategy:
         """What `setup` takes: `build` itself where the strategy builds the model (sharded,
         never whole on every rank), else the plain model on `device`."""
         return build if self.builds_model else build().to(device)
+
+    def prepare_module(self, model: nn.Module, cfg: TrainingConfig, world_size: int,
+                       device: torch.device) -> nn.Module:
+        """The strategy applied to a module of a user's own loop (LoopContext.prepare), which
+        then runs its own forward, backward and optimizer step: the module on `device`,
+        wrapped or sharded in place. Collective. Strategies whose step is their own (they
+        split the step itself: pipeline, ps) refuse it, in one line."""
+        raise ConfigError(
+            f"ctx.prepare: strategy '{self.name}' runs its own step (it splits the step itself, not "
+            "just the module): use ctx.parallel(model, optimizer_factory) and its .step(x, y)"
+        )
 
     def setup(
         self,

@@ -13,7 +13,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardline.foundation.errors import ConfigError
 
-from ..checkpoints import sharded
 from ..config import TrainingConfig
 from ..models.inputs import ModelInputs
 from ..strategy_settings import DdpSettings
@@ -35,6 +34,10 @@ class DataParallel(Strategy):
                 f"training.world_size {cfg.world_size}"
             )
 
+    def prepare_module(self, model: nn.Module, cfg: TrainingConfig, world_size: int,
+                       device: torch.device) -> nn.Module:
+        return wrap(model.to(device), world_size, self.settings.grad_compression)
+
     def setup(
         self, model: nn.Module, cfg: TrainingConfig, rank: int, world_size: int,
         device: torch.device, make_optimizer: OptimizerFactory,
@@ -43,16 +46,23 @@ class DataParallel(Strategy):
                                 self.settings.grad_compression)
 
 
+def wrap(model: nn.Module, world_size: int, grad_compression: str = "none") -> nn.Module:
+    """`model` in DistributedDataParallel with the job's gradient hooks; itself alone on one rank."""
+    if world_size == 1:
+        return model
+    ddp = DistributedDataParallel(model)
+    if grad_compression == "fp16":
+        # Gradients travel as fp16 and are cast back: half the all-reduce bytes.
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    return ddp
+
+
 class DataParallelRank(Parallel):
     def __init__(self, model, cfg, rank, world_size, device, make_optimizer, grad_compression="none"):
         self.model = model
-        self.ddp = DistributedDataParallel(model) if world_size > 1 else model
-        if world_size > 1 and grad_compression == "fp16":
-            # Gradients travel as fp16 and are cast back: half the all-reduce bytes.
-            self.ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        self.ddp = wrap(model, world_size, grad_compression)
         self.optimizer = make_optimizer(self.ddp.parameters())
         self.rank = rank
-        self.names = sharded.optimizer_names(model.named_parameters(), self.optimizer)
         self.autocast = autocast_for(device, cfg)
         self.loss = loss_for(cfg)
         self.data_rank, self.data_world, self.reports = rank, world_size, True
@@ -68,11 +78,5 @@ class DataParallelRank(Parallel):
         # Every replica holds the weights: rank 0 copies its own, nothing travels.
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items()} if self.rank == 0 else {}
 
-    # Every rank holds every tensor; DCP writes each once, spread over the ranks, and a
-    # resume at any world size reads them all on every rank.
-
-    def save_checkpoint(self, directory: str) -> None:
-        sharded.save_plain(self.model.state_dict(), self.optimizer, self.names, directory)
-
-    def load_checkpoint(self, directory: str) -> None:
-        sharded.load_plain(self.model.state_dict(), self.optimizer, self.names, directory)
+    # Checkpoints (Parallel.checkpoint_parts): every rank holds every tensor; DCP writes each
+    # once, spread over the ranks, and a resume at any world size reads them all on every rank.

@@ -33,7 +33,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from shardline.foundation.errors import ConfigError
 
 from .. import collectives
-from ..checkpoints import sharded
 from ..batch import forward
 from ..config import TrainingConfig
 from ..models.inputs import ModelInputs
@@ -144,13 +143,21 @@ class FullyShardedDataParallel(Strategy):
                 f"training.world_size {cfg.world_size} (fsdp: every rank reads its part)"
             )
 
+    def shard_mesh(self, device: torch.device) -> DeviceMesh:
+        """dp 1: plain FSDP over the shard dimension; dp > 1: HSDP (replicate x shard). Collective."""
+        dm = self.mesh.device_mesh(device)
+        return dm if self.mesh.dp > 1 else dm["dp_shard"]
+
+    def prepare_module(self, model: nn.Module, cfg: TrainingConfig, world_size: int,
+                       device: torch.device) -> nn.Module:
+        shard_layers(model.to(device), self.shard_mesh(device), mixed_precision(cfg))
+        return model
+
     def setup(
         self, model: nn.Module | ModelBuilder, cfg: TrainingConfig, rank: int, world_size: int,
         device: torch.device, make_optimizer: OptimizerFactory,
     ) -> ShardedRank:
-        dm = self.mesh.device_mesh(device)
-        # dp 1: plain FSDP over the shard dimension; dp > 1: HSDP (replicate x shard).
-        shard_mesh = dm if self.mesh.dp > 1 else dm["dp_shard"]
+        shard_mesh = self.shard_mesh(device)
         policy = mixed_precision(cfg)
         if isinstance(model, nn.Module):  # built already (every rank holds it): sharded in place
             shard_layers(model, shard_mesh, policy)
@@ -197,14 +204,8 @@ class ShardedRank(Parallel):
         """The plain model's weights on rank 0, in host memory; {} on the other ranks. Collective."""
         return get_model_state_dict(self.model, options=_EXPORT)
 
-    # Checkpoints: each rank writes and reads its own shards through torch's state-dict API
-    # (training.checkpoints.sharded).
-
-    def save_checkpoint(self, directory: str) -> None:
-        sharded.save(self.model, self.optimizer, directory)
-
-    def load_checkpoint(self, directory: str) -> None:
-        sharded.load(self.model, self.optimizer, directory)
+    # Checkpoints (Parallel.checkpoint_parts): each rank writes and reads its own shards
+    # through torch's state-dict API.
 
     def epoch_metrics(self) -> dict[str, float]:
         # The collectives run inside torch (FSDP2, DTensor): no figures of our own.

@@ -30,7 +30,7 @@ from torch.distributed.pipelining import PipelineStage
 from shardline.foundation.errors import ConfigError, first_line
 
 from .. import collectives
-from ..checkpoints import sharded
+from ..checkpoints.named import NamedOptimizer, NamedTensors, optimizer_names
 from ..batch import as_args, as_kwargs, forward, names
 from ..config import TrainingConfig
 from ..models.factory import factory_path
@@ -289,7 +289,7 @@ class PipelineRank(Parallel):
         self.schedule = SCHEDULES[lay.name].torch_class(
             self.stages[0] if single else self.stages, lay.micro_batches, loss_fn=self._loss
         )
-        self.names = (sharded.optimizer_names(self._named_parameters(), self.optimizer)
+        self.names = (optimizer_names(self._named_parameters(), self.optimizer)
                       if self.optimizer else [])
         # Export: every weight's name, shape and dtype, in the plain model's order, and the
         # rank of the first pipeline replica holding it (rank 0 receives them one by one).
@@ -378,11 +378,12 @@ class PipelineRank(Parallel):
     # names, and reads those of the stages it holds now: another pp or other stage bounds
     # read other names, so a pipeline checkpoint reshards like any other.
 
-    def save_checkpoint(self, directory: str) -> None:
-        sharded.save_plain(self._weights(), self.optimizer, self.names, directory)
-
-    def load_checkpoint(self, directory: str) -> None:
-        sharded.load_plain(self._weights(), self.optimizer, self.names, directory)
+    def checkpoint_parts(self, restoring: bool = False) -> dict[str, object]:
+        """This rank's stages' weights and optimizer state, by the plain model's names."""
+        parts: dict[str, object] = {"model": NamedTensors(self._weights())}
+        if self.optimizer is not None:
+            parts["optimizer"] = NamedOptimizer(self.optimizer, self.names)
+        return parts
 
     def gathered_steps(self) -> list[list[StepLog]]:
         """Every rank of this pipeline's step logs since the last call, logs[rank][step].

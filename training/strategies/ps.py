@@ -25,7 +25,7 @@ from torch import nn
 from shardline.foundation.errors import ConfigError
 
 from .. import collectives
-from ..checkpoints import sharded
+from ..checkpoints.named import NamedOptimizer, NamedTensors
 from ..batch import forward
 from ..config import TrainingConfig
 from ..models.inputs import ModelInputs
@@ -250,11 +250,10 @@ class WorkerRank(Parallel):
     # A worker writes nothing: its replica is the servers' values, which they write. It
     # reads every weight back (the servers' values, whichever servers wrote them).
 
-    def save_checkpoint(self, directory: str) -> None:
-        sharded.save_plain({}, None, [], directory)
-
-    def load_checkpoint(self, directory: str) -> None:
-        sharded.load_plain(self.model.state_dict(), None, [], directory)
+    def checkpoint_parts(self, restoring: bool = False) -> dict[str, object]:
+        """A worker writes nothing (its replica is the servers' values, maybe a few versions
+        behind them) and reads its whole replica from what the servers wrote."""
+        return {"model": NamedTensors(self.model.state_dict())} if restoring else {}
 
     def epoch_metrics(self) -> dict[str, float]:
         steps = max(self.steps, 1)
@@ -373,14 +372,11 @@ class ServerRank(Parallel):
     # resumed, every replica starts from these values, so counting both again from 0 is
     # the same state.
 
-    def save_checkpoint(self, directory: str) -> None:
-        self._settle()
-        weights = {n: p.detach() for n, p in self.shard.items()}
-        sharded.save_plain(weights, self.optimizer, list(self.shard), directory)
-
-    def load_checkpoint(self, directory: str) -> None:
-        weights = {n: p.detach() for n, p in self.shard.items()}
-        sharded.load_plain(weights, self.optimizer, list(self.shard), directory)
+    def checkpoint_parts(self, restoring: bool = False) -> dict[str, object]:
+        """This server's shard of the weights and its optimizer's state, by the plain model's names."""
+        self._settle()  # every reply sent: the shard is the one the workers were told
+        return {"model": NamedTensors({n: p.detach() for n, p in self.shard.items()}),
+                "optimizer": NamedOptimizer(self.optimizer, list(self.shard))}
 
     def epoch_metrics(self) -> dict[str, float]:
         out = {

@@ -36,16 +36,18 @@ from .fsdp import ShardedRank, shard_layers
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
-def checked_plan(cfg: TrainingConfig, settings: TensorSettings, model: nn.Module, tp: int) -> dict[str, str]:
+def checked_plan(cfg: TrainingConfig, settings: TensorSettings, model: nn.Module, tp: int,
+                 what: str | None = None) -> dict[str, str]:
     """The plan the settings ask for, refused (one line naming the setting) unless it splits
-    this model correctly over `tp` ranks."""
+    this model correctly over `tp` ranks. `what` names the model (default: training.model's)."""
+    what = what or f"training.model {cfg.model}"
     if settings.plan is not None:
         plan, setting = dict(settings.plan), "training.tp_plan"
-    elif (own := tp_plan(model, f"training.model {cfg.model}")) is not None:
-        plan, setting = own, f"training.model {cfg.model}'s plan"
+    elif (own := tp_plan(model, what)) is not None:
+        plan, setting = own, f"{what}'s plan"
     else:
         raise ConfigError(
-            f"training.strategy tensor: training.model {cfg.model} declares no tensor-parallel plan "
+            f"training.strategy tensor: {what} declares no tensor-parallel plan "
             "(a tp_plan() method: module path -> colwise/rowwise; built-in: mlp, transformer); "
             "or set training.tp_plan"
         )
@@ -138,19 +140,29 @@ class TensorParallel(Strategy):
                 f"training.batch_size {cfg.batch_size} must be a multiple of training.dp {self.mesh.dp}"
             )
 
-    def setup(
-        self, model: nn.Module, cfg: TrainingConfig, rank: int, world_size: int,
-        device: torch.device, make_optimizer: OptimizerFactory,
-    ) -> ShardedRank:
+    def prepare_module(self, model: nn.Module, cfg: TrainingConfig, world_size: int,
+                       device: torch.device) -> nn.Module:
+        return self._split(model.to(device), cfg, device, f"ctx.prepare: {type(model).__name__}")
+
+    def _split(self, model: nn.Module, cfg: TrainingConfig, device: torch.device, what: str | None = None):
+        """The plan applied over the tp dimension, then FSDP2 over dp (dp > 1). Collective."""
         mesh = self.mesh
         dm = mesh.device_mesh(device)
-        plan = checked_plan(cfg, self.settings, model, mesh.inner)
+        plan = checked_plan(cfg, self.settings, model, mesh.inner, what)
         parallelize_module(model, dm["tp"], {path: STYLES[style]() for path, style in plan.items()})
         if mesh.dp > 1:
             shard_layers(model, dm["dp"])
             # A weight sharded over both mesh dimensions takes two all-gathers to make whole
             # (evaluation, checkpoints), which torch logs as a warning at every gather.
             logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        return model
+
+    def setup(
+        self, model: nn.Module, cfg: TrainingConfig, rank: int, world_size: int,
+        device: torch.device, make_optimizer: OptimizerFactory,
+    ) -> ShardedRank:
+        mesh = self.mesh
+        self._split(model, cfg, device)
         # The tp ranks of a replica compute the same logits and loss: the first reports them.
         return ShardedRank(model, cfg, device, make_optimizer, data_rank=mesh.dp_index(rank),
                            data_world=mesh.dp, reports=mesh.inner_index(rank) == 0)

@@ -46,7 +46,7 @@ from ..tracking import open_experiment
 # Imported inside the functions that use them: Optuna (only in a sweep); MLflow (~2.5 s: only where MLflow is
 # called).
 
-# The per-epoch metrics train_rank logs (training/worker.py); val_* need a val split
+# The per-epoch metrics shardline's own loop logs (training/loop/builtin.py); val_* need a val split
 # with at least one shard per rank.
 # Classification's; regression logs train_/val_ loss, rmse, mae and r2 instead (training.task).
 EPOCH_METRICS = ("train_loss", "train_accuracy", "samples_per_s", "data_wait_fraction")

@@ -42,7 +42,7 @@ from shardline.training.launchers.rank_errors import exit_reason, lost_rank
 # checkpoint (every strategy writes DCP); MLflow's SQL store, ~0.85 s, which rank 0 imports to
 # report to the default (SQLite) tracking store (opening the store after that: ~0.06 s).
 PRELOAD = [
-    "torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint", "shardline.training.worker",
+    "torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint", "shardline.training.loop.runner",
     "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store",
 ]  # fmt: skip
 
@@ -104,7 +104,7 @@ def _rank_main(fn, rank, world_size, init_method, payload, timeout_s, results, e
     # DTensor dp x tp training took 19.4 s with torch's default and 4.4 s with this, 2 ranks
     # of tensor parallel 6.2 s and 1.8 s. torchrun sets OMP_NUM_THREADS=1 for the same
     # reason; Spark's Python workers get OMP_NUM_THREADS = spark.task.cpus (seen: 1) and
-    # Dask's nannies 1. A rank function may set its own (train_rank: training.threads_per_rank).
+    # Dask's nannies 1. A rank function may set its own (run_rank: training.threads_per_rank).
     _torch_threads(world_size)
     try:
         result = run_in_group(fn, rank, world_size, init_method, payload, timeout_s, guard,

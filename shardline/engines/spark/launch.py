@@ -270,7 +270,7 @@ def _lost_task(e: BaseException, ranks_dir: str | None = None, executors: dict[i
     (its task index in the barrier stage is its rank; the executor, and its host when Spark
     says it), from the status store's record of its task (`executors`: the executor a
     crashed Python worker ran in) and from what the rank announced when it started
-    (ranks/rank-N.json: its host and pid, training.worker)."""
+    (ranks/rank-N.json: its host and pid, training.loop.runner)."""
     task = failed_task(e)
     if not task:
         return spark_error_line(e)
