@@ -63,8 +63,8 @@ def with_tuned(cfg, values: Mapping[str, Any], overrides: Iterable[str] | Mappin
         return cfg
     try:
         return load_config(cfg, settings)
-    except ConfigError as e:  # "config: training.lr: Input should be greater than 0 (got -1)"
-        setting, _, why = str(e).removeprefix("config: ").partition(": ")
+    except ConfigError as e:  # "overrides['training.lr']: training.lr: Input should be greater than 0 (got -1)"
+        setting, _, why = str(e).partition(": ")[2].partition(": ")  # after who set it: the setting, why
         if setting not in param:
             raise
         raise ConfigError(f"{param[setting]} = {settings[setting]!r}: {why}") from None

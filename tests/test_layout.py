@@ -85,8 +85,9 @@ _NAME_TEST = re.compile(r"""(==|!=)\s*['"](spark|dask|local)['"]|\bin\s*[(\[{]\s
                         r"""|\b(launcher|engine|engine_name)\s*(==|!=)""")
 
 
-# Each of these is one engine's by name: the Spark and the Dask estimator.
-_ONE_ENGINES = ("shardline/spark.py", "shardline/dask.py")
+# Each of these is one engine's by name: the Spark and the Dask estimator, and the Dask
+# estimator's frames (which tell a Dask collection by its module's name).
+_ONE_ENGINES = ("shardline/spark.py", "shardline/dask.py", "shardline/dask_frames.py")
 
 
 def test_no_branch_on_an_engines_name_outside_the_engines():
