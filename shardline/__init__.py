@@ -24,6 +24,9 @@ _API = {
 }
 # What a training loop function gets (`def loop(ctx: shardline.LoopContext)`): imports torch.
 _API["LoopContext"] = "training.loop.context"
+# A function written for torchrun / TorchDistributor, run unchanged; and its rank's context.
+_API["distribute"] = "distributor"
+_API["context"] = "training.loop.current"
 
 
 def __getattr__(name: str):

@@ -66,6 +66,19 @@ def run_train(job, engines: Engines):
         return job.run(spark, client)
 
 
+def run_distributed(job, engines: Engines):
+    """A checked training.distributed.DistributedJob, on its launcher's engine (none for `local`)."""
+    from shardline.training.job import check_capacity
+
+    t = job.cfg
+    handle = engines.handle(t.launcher)
+    spark = handle if t.launcher == "spark" else None
+    client = handle if t.launcher == "dask" else None
+    check_capacity(t, spark, client)
+    with stage(f"Running {job.call.fn.path} on {t.world_size} {t.launcher} ranks"):
+        return job.run(spark, client)
+
+
 def run_score(cfg: ShardlineConfig, engines: Engines, p, input_path: str, lease=None):
     """serving.score.execute of plan `p` on serving.engine."""
     from shardline.serving.score import execute

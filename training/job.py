@@ -185,18 +185,7 @@ class TrainingJob:
 
     def check_capacity(self, spark=None, dask_client=None) -> None:
         """Enough task slots or workers for every rank: the one check that needs the engine."""
-        cfg = self.cfg
-        if cfg.launcher == "spark" and spark is not None:
-            from shardline.foundation.spark_probe import check_executors
-
-            from .launchers.spark import check_spark_slots
-
-            check_spark_slots(spark, cfg.world_size)
-            check_executors(spark)  # once per session: the API has usually run it already
-        if cfg.launcher == "dask" and dask_client is not None:
-            from .launchers.dask import check_dask_workers
-
-            check_dask_workers(dask_client, cfg.world_size)
+        check_capacity(self.cfg, spark, dask_client)
 
     def hold(self) -> None:
         """The checkpoint folder's lease (CheckpointStore.hold): a second job on it is refused
@@ -324,6 +313,21 @@ def run_training(
     job.check()
     return job.run(spark, dask_client, into_run=into_run, register=register, epoch_hook=epoch_hook,
                    dask_workers=dask_workers)
+
+
+def check_capacity(cfg: TrainingConfig, spark=None, dask_client=None) -> None:
+    """Enough task slots or workers for `cfg.world_size` ranks on `cfg.launcher`'s engine (given)."""
+    if cfg.launcher == "spark" and spark is not None:
+        from shardline.foundation.spark_probe import check_executors
+
+        from .launchers.spark import check_spark_slots
+
+        check_spark_slots(spark, cfg.world_size)
+        check_executors(spark)  # once per session: the API has usually run it already
+    if cfg.launcher == "dask" and dask_client is not None:
+        from .launchers.dask import check_dask_workers
+
+        check_dask_workers(dask_client, cfg.world_size)
 
 
 def preflight(cfg: TrainingConfig, dataset_dir: str) -> ShardManifest:
