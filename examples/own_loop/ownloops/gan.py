@@ -55,6 +55,7 @@ def train_gan(ctx):
     loader = ctx.loader("train")  # this rank's shards: {"image": uint8 [b, 1, 16, 16], "label": int64 [b]}
     state = {"generator": gen, "discriminator": disc, "opt_g": opt_g, "opt_d": opt_d, "loader": loader}
     step = ctx.restore(state) or 0  # after a lost rank: the last checkpoint, mid-epoch included
+    losses = {}  # the last step's: a restore at an epoch's end leaves that epoch no batch to take
     while loader.current_epoch < a["epochs"]:
         for batch in loader:
             real = ctx.to_device(batch["image"]).float() / 127.5 - 1
@@ -74,10 +75,13 @@ def train_gan(ctx):
             opt_g.zero_grad()
             loss_g.backward()
             opt_g.step()
+            losses = {"loss_d": loss_d.item(), "loss_g": loss_g.item()}
             step += 1
             if step % a["save_every"] == 0:
                 ctx.save(state, step=step)
-        ctx.log({"loss_d": loss_d.item(), "loss_g": loss_g.item()}, step=step)
-    # The generator alone, rebuilt as Generator(latent, width): its inputs are its own, `z` and `digit`.
-    ctx.register(generator, example={"z": z[:4].cpu(), "digit": digit[:4].cpu()},
-                 args={"latent": a["latent"], "width": a["width"]})
+        if losses:
+            ctx.log(losses, step=step)
+    # The generator alone, rebuilt as Generator(latent, width): its inputs are its own, a noise
+    # vector `z` and a `digit` (an example batch of them gives their dtypes and shapes).
+    example = {"z": torch.zeros(4, a["latent"]), "digit": torch.arange(4)}
+    ctx.register(generator, example=example, args={"latent": a["latent"], "width": a["width"]})

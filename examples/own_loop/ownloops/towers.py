@@ -44,6 +44,7 @@ def train_towers(ctx):
     loader = ctx.loader("train")  # batches of (features, category)
     state = {"users": users, "items": items, "opt": opt, "loader": loader}
     step = ctx.restore(state) or 0
+    loss = None  # the last step's: a restore at an epoch's end leaves that epoch no batch to take
     while loader.current_epoch < a["epochs"]:
         for features, _ in loader:
             x = ctx.to_device(features)
@@ -55,8 +56,10 @@ def train_towers(ctx):
             step += 1
             if step % a["save_every"] == 0:
                 ctx.save(state, step=step)
-        ctx.log({"loss": loss.item()}, step=step)
+        if loss is not None:
+            ctx.log({"loss": loss.item()}, step=step)
     # The item tower, rebuilt as Tower(columns, width, dim): it takes the dataset's rows, so
     # `shardline score` writes each key's item embedding (a list column `output`).
-    ctx.register(items_plain, example=features[:4],
+    example = torch.zeros(4, ctx.inputs.feature_width)  # a batch of the dataset's features: its rows in
+    ctx.register(items_plain, example=example,
                  args={"columns": side["item_"], "width": a["width"], "dim": a["dim"]})
