@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from shardline.config import ShardlineConfig, cluster_of
-from shardline.engines import Engines
+from shardline.engines import ENGINES, Engines
 from shardline.foundation.errors import ConfigError
 from shardline.stages import run_distributed
 
@@ -66,4 +66,8 @@ def _launcher(launcher: str | None, spark, client) -> str:
     if given and launcher is not None and launcher not in given:
         raise ConfigError(f"shardline.distribute: launcher={launcher!r} with a {given.pop()} engine given: "
                           "give the engine of that launcher, or leave launcher unset")
+    if launcher is not None and launcher not in ENGINES:  # before cluster_of asks the engine by this name
+        *first, last = map(repr, ENGINES)
+        raise ConfigError(f"shardline.distribute: launcher: Input should be {', '.join(first)} or {last} "
+                          f"(got {launcher!r})")
     return next(iter(given)) if given else launcher or "local"
