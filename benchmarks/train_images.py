@@ -155,8 +155,8 @@ def run(n_images: int | None = None, workdir: str | None = None, progress=print,
                 "timeout_s": 600}, WORLD_SIZE)
             return {**out, "wall_s": seconds}
 
-        # The local ranks in sessions of their own, as torchrun's (train_loops.shardline_rank).
-        local = lambda p: launch_local(shardline_rank, {**p, "own_session": True}, WORLD_SIZE)[0]  # noqa: E731
+        # The local ranks in sessions of their own, as torchrun's (shardline.engines.local.launch).
+        local = lambda p: launch_local(shardline_rank, p, WORLD_SIZE)[0]  # noqa: E731
         on_spark = lambda p: launch_spark_barrier(spark, shardline_rank, p, WORLD_SIZE)[0]  # noqa: E731
         runs: dict[str, list[dict]] = {"shardline_local": [], "shardline_spark": [], "shardline_bad_layout": []}
         tv: dict[int, list[dict]] = {w: [] for w in num_workers}

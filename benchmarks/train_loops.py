@@ -107,12 +107,7 @@ def shardline_rank(rank: int, world_size: int, p: dict) -> dict:
     from shardline.training.strategies import strategy_for
     from shardline.training.loop.recipe import make_optimizer
 
-    if p.get("own_session"):
-        # Each rank its own session, as torchrun starts its workers (start_new_session): with
-        # Linux's autogroup scheduling a session shares the CPU as one, so on a busy machine
-        # two ranks in the launcher's session got a third to a half of the CPU torchrun's got
-        # for the same work (tokens per CPU-second within 7 %). Idle, it changes nothing.
-        os.setsid()
+    # Each rank in its own session, as torchrun's: the local launcher does it (shardline.engines.local.launch).
     torch.set_num_threads(p["threads"])
     cfg = TrainingConfig.model_validate(p["training"])
     manifest = load_manifest(p["dataset_dir"])

@@ -126,8 +126,8 @@ def run(rows: int | None = None, workdir: str | None = None, progress=print, *, 
                       "layers": LAYERS, "heads": HEADS, "lr": LR, "weight_decay": t_cfg.weight_decay,
                       "seed": SEED, "global_batch": global_batch, "threads": threads, "steps": steps,
                       "warmup": warmup, "timeout_s": 600}
-        # The local ranks in sessions of their own, as torchrun's (train_loops.shardline_rank).
-        legs_now = [("shardline", lambda: launch_local(shardline_rank, {**payload, "own_session": True},
+        # The local ranks in sessions of their own, as torchrun's (shardline.engines.local.launch).
+        legs_now = [("shardline", lambda: launch_local(shardline_rank, payload,
                                                        WORLD_SIZE)[0]),
                     ("memmap", lambda: run_torchrun(Path(__file__).with_name("memmap_ddp.py"), mm_payload,
                                                     WORLD_SIZE)[0])]

@@ -131,7 +131,8 @@ def bench_score(rows, rounds, as_json):
               help="Synthetic rows (the train split is read) [default: 100,000]; with --images, images "
               "to generate, with --tokens, sequences [default: one epoch of the steps].")
 @click.option("--steps", type=click.IntRange(min=1), default=None,
-              help="DDP steps per step-time run [default: 200, 20 warm-up]; --images 48, --tokens 30 timed.")
+              help="DDP steps per step-time run [default: 200, 20 warm-up]; --images 48, --tokens 30, "
+              "--loop 150 timed.")
 @click.option("--rounds", type=click.IntRange(min=1), default=None,
               help="Step-time runs per launcher, the fastest counts [default: 3; --images 2, --tokens 3].")
 @click.option("--images", "images", is_flag=True,
@@ -139,12 +140,20 @@ def bench_score(rows, rounds, as_json):
               "torchvision ImageFolder + DataLoader workers + DDP under torchrun.")
 @click.option("--tokens", "tokens", is_flag=True,
               help="The built-in decoder on token sequences: shardline vs a nanoGPT-style uint16 memmap loop.")
+@click.option("--loop", "loop", is_flag=True,
+              help="One hand-written DDP loop under torchrun (its shards read into memory) and as a shardline "
+              "loop (shardline.train(loop=...), ctx.loader): steps/s and data wait of both.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
-def bench_train(rows, steps, rounds, images, tokens, as_json):
+def bench_train(rows, steps, rounds, images, tokens, loop, as_json):
     """DDP step time, launch to first step and all-reduce bytes/s: ours vs torchrun, TorchDistributor, raw;
     --images / --tokens: training throughput vs the loops users write by hand."""
-    if images and tokens:
-        raise click.UsageError("--images and --tokens are two benchmarks: give one")
+    if images + tokens + loop > 1:
+        raise click.UsageError("--images, --tokens and --loop are three benchmarks: give one")
+    if loop:
+        from .cli_bench_train import bench_train_loop
+
+        bench_train_loop(rows, steps, rounds, as_json)
+        return
     if images or tokens:
         from .cli_bench_train import bench_train_typed
 

@@ -1,5 +1,5 @@
-"""`shardline bench train --images` and `--tokens`: training throughput against the loops users
-write by hand (the numbers come from benchmarks/train_images.py and train_tokens.py)."""
+"""`shardline bench train --images`, `--tokens` and `--loop`: training throughput against the loops
+users write by hand (the numbers come from benchmarks/train_images.py, train_tokens.py and train_loop.py)."""
 
 from __future__ import annotations
 
@@ -80,3 +80,31 @@ def _tokens(r: dict) -> None:
     met, t = r["met"], r["targets"]
     console.print(f"  ratio.vs_memmap {_verdict(r['ratio']['vs_memmap'], t['vs_memmap'], met['vs_memmap'])}; "
                   f"data wait {_verdict(r['data_wait']['shardline'], t['data_wait'], met['data_wait'], False)}")
+
+
+def bench_train_loop(rows: int | None, steps: int | None, rounds: int | None, as_json: bool) -> None:
+    from shardline.benchmarks.train_loop import ROUNDS, STEPS, WARMUP, run
+
+    steps = steps or STEPS
+    with redirect_stdout(sys.stderr):  # torchrun's children and the ranks may print: stdout is the result's
+        result = run(rows, progress=lambda msg: console.print(f"[dim]… {msg}[/]"), steps=steps,
+                     warmup=min(WARMUP, max(1, steps // 2)), rounds=rounds or ROUNDS)
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    r = result
+    table = Table(title=f"train --loop: a hand-written DDP loop, MLP {r['feature_width']}-"
+                        f"{'-'.join(map(str, r['hidden']))}, {r['world_size']} ranks × {r['threads_per_rank']} "
+                        f"thread(s), global batch {r['global_batch']}, {r['steps']} steps")
+    for col in ("", "steps/s", "steps per CPU-s", "data wait"):
+        table.add_column(col, justify="right")
+    for side, text in (("shardline", "shardline loop (local launcher, ctx.loader)"),
+                       ("torchrun", "torchrun (its shards read into memory first)")):
+        table.add_row(text, f"{r['steps_per_s'][side]:,.1f}", f"{r['steps_per_cpu_s'][side]:,.1f}",
+                      f"{r['data_wait'][side]:.1%}")
+    Console().print(table)
+    ratio, met, target = r["ratio"], r["met"], r["target"]
+    console.print(f"  ratio.vs_torchrun {_verdict(ratio['vs_torchrun'], target['vs_torchrun'], met['vs_torchrun'])}; "
+                  f"per CPU-second {ratio['per_cpu_vs_torchrun']:.3g}")
+    console.print(f"  load average (1 min) at start and end: {', '.join(map(str, r['load_average']))} "
+                  f"on {r['cores']} cores: ratios are within one run, absolute rates follow the load")

@@ -56,6 +56,9 @@ _API = {
 _API |= {"LeaseLost": "foundation.lease", "TrainingFailed": "training.launchers"}
 # What a training loop function gets (`def loop(ctx: shardline.LoopContext)`): imports torch.
 _API["LoopContext"] = "training.loop.context"
+# A function written for torchrun / TorchDistributor, run unchanged; and its rank's context.
+_API["distribute"] = "distributor"
+_API["context"] = "training.loop.current"
 __all__ = ["ShardlineError", "ConfigError", "DataError", "StorageError", "LeaseHeld", *_API, "__version__"]
 
 

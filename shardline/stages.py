@@ -64,3 +64,11 @@ def run_train(job, engine):
     what = f"with the loop {t.loop}" if t.loop else t.model
     with stage(f"Training {what} with {t.strategy} on {t.world_size} {engine.name} ranks"):
         return job.run(engine)
+
+
+def run_distributed(job, engine):
+    """A checked training.distributed.DistributedJob, on `engine` (its launcher's)."""
+    t = job.cfg
+    job.check_capacity(engine)
+    with stage(f"Running {job.call.fn.path} on {t.world_size} {engine.name} ranks"):
+        return job.run(engine)

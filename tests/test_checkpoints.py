@@ -171,3 +171,15 @@ def _by_epoch(run_id: str, metric: str) -> list[float]:
 
     last = {m.step: m.value for m in sorted(MlflowClient().get_metric_history(run_id, metric), key=lambda m: m.timestamp)}
     return [last[k] for k in sorted(last)]
+
+
+def test_one_optimizer_over_state_entries_named_like_module_dict_methods_is_paired():
+    """A state's entries may be named anything (`items`, `keys`, `train`): one optimizer over
+    several of its modules is paired with a ModuleDict of them, whose children's names must
+    not be ModuleDict's own attributes."""
+    from shardline.training.checkpoints.state import paired_module
+
+    modules = {"items": torch.nn.Linear(2, 2), "keys": torch.nn.Linear(2, 1)}
+    opt = torch.optim.SGD([*modules["items"].parameters(), *modules["keys"].parameters()], lr=0.1)
+    paired = paired_module(opt, modules, "ctx.save")
+    assert isinstance(paired, torch.nn.ModuleDict) and list(paired.values()) == list(modules.values())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import sys
 from contextlib import contextmanager
@@ -154,3 +155,67 @@ def test_typed_examples_prepare_on_both_engines_train_register_and_score(
     test_rows = out["prepared"]["dask"].manifest.splits["test"].rows
     assert scored.engine == scorer and scored.rows == test_rows > 0 and scored.model_version == "1"
     assert not (folder / "example-out").exists()  # everything went under the work folder given
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", ["gan", "towers"])
+def test_own_loop_examples_killed_and_resumed_on_every_launcher_then_scored(
+    example, spark, dask_client, tracking_uri, tmp_path, monkeypatch, capfd
+):
+    """examples/own_loop (#52 item 7), from a copy of its folder as a user's checkout: the
+    GAN (two models, two optimizers, alternating steps) or the two towers (two forward passes,
+    an in-batch loss) prepared on Spark, trained once whole on the local launcher, then on the
+    local launcher, the session's Spark and its Dask with rank 1 SIGKILLed after the first
+    checkpoint: each relaunched run ends on the whole run's weights (torch.equal), its
+    restart counted in its one MLflow run. The registered generator is scored with
+    `shardline score` on a table of latent vectors, the item tower on the test split
+    (an embedding per key). Full tier (~40 s each, idle): four small trainings and a score."""
+    import threading
+
+    import numpy as np
+    import pyarrow.parquet as pq
+    import torch
+    from mlflow.tracking import MlflowClient
+
+    from .test_checkpoints import LOST, _kill_rank_after_first_checkpoint
+
+    with _checkout("own_loop", tmp_path / "own_loop", "ownloops") as folder:
+        monkeypatch.chdir(folder)  # `ownloops` is found from the folder the job runs in
+        nb = _notebook(folder, "own_loop")
+        work, name = tmp_path / "work", f"own-loop-{example}"
+        prepared = nb.prepare(example, work, spark=spark, small=True, tracking_uri=tracking_uri)
+        whole = nb.train(example, work, small=True, tracking_uri=tracking_uri, name=name)
+        for launcher, handles in (("local", {}), ("spark", {"spark": spark}), ("dask", {"client": dask_client})):
+            ckpt = work / f"killed-{launcher}"
+            done, killed = threading.Event(), []
+            watcher = threading.Thread(target=_kill_rank_after_first_checkpoint, args=(ckpt, 1, done, killed))
+            capfd.readouterr()
+            watcher.start()
+            try:
+                got = nb.train(example, work, small=True, tracking_uri=tracking_uri, name=name, sets={
+                    "training.checkpoint_dir": str(ckpt), "training.max_restarts": 1}, **handles)
+            finally:
+                done.set()
+                watcher.join()
+            assert killed and got.launcher == launcher, (launcher, killed)
+            restarts = [ln for ln in capfd.readouterr().err.splitlines() if "restarting from" in ln]
+            assert len(restarts) == 1 and re.search(LOST[launcher].format(pid=killed[0]), restarts[0]), restarts
+            assert got.weights.keys() == whole.weights.keys()
+            for k, v in whole.weights.items():
+                assert torch.equal(got.weights[k], v), (launcher, k)
+            assert MlflowClient(tracking_uri).get_run(got.run_id).data.metrics["restarts"] == 1.0
+
+        out = work / "scored"
+        args = ["--model", whole.model_uri, "--output", str(out), "--set", f"tracking.tracking_uri={tracking_uri}",
+                "--set", f"pipelines.dataset_dir={prepared.dataset_dir}"]
+        if example == "gan":  # the generator's own inputs: noise and a digit per key
+            args += ["--input", str(nb._make_data().write_latents(work / "latents.parquet", rows=12))]
+        proc = shardline_here("score", f"{example}.toml", *args, "--json", cwd=folder)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = pq.read_table(out).sort_by("key")
+    values = np.stack(table.column("output").to_pylist())
+    if example == "gan":  # a [1, 16, 16] image a row, in the generator's tanh range
+        assert table.num_rows == 12 and values.shape == (12, 256) and np.abs(values).max() <= 1.0
+    else:  # a unit-length item embedding per key of the test split
+        assert table.num_rows == prepared.manifest.splits["test"].rows > 0 and values.shape[1] == 16
+        np.testing.assert_allclose(np.linalg.norm(values, axis=1), 1.0, rtol=1e-5)

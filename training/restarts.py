@@ -18,7 +18,7 @@ from .loop.runner import RankJob, run_rank
 # Imported inside the functions that use them: MLflow (~2.5 s: only where MLflow is called).
 
 
-def launch_with_restarts(job: RankJob, store: CheckpointStore, engine, workers=None,
+def launch_with_restarts(job: RankJob, store: CheckpointStore | None, engine, workers=None,
                          guard: DriverGuard | None = None) -> dict:
     """Launch on `engine` (its launch_ranks: shardline.engines.base.Engine); when a rank is
     lost, relaunch from the latest checkpoint, max_restarts times. workers: where to pin the
@@ -28,6 +28,7 @@ def launch_with_restarts(job: RankJob, store: CheckpointStore, engine, workers=N
     and a Dask task on a killed worker is never resolved (both seen with Spark 4.3 and
     Dask 2026.8). A permanent failure (launchers.guard: permissions, a full disk, bad
     data) is never retried. Every attempt's ranks import the same code: the job's snapshot.
+    store None: a distributed function with no checkpoint folder, relaunched from its start.
     """
     from mlflow.tracking import MlflowClient
 
@@ -50,12 +51,21 @@ def launch_with_restarts(job: RankJob, store: CheckpointStore, engine, workers=N
             # The newest checkpoint a rank can read (a truncated newest one is skipped, said once).
             # Comparable: a job resumed at another mesh restarts from the checkpoint it resumed
             # from (written at the old mesh) until it has written one of its own.
-            found = store.readable(fingerprint.comparable(job.fingerprint), cfg.resume_allow_changed)
+            found = store.readable(fingerprint.comparable(job.fingerprint), cfg.resume_allow_changed) \
+                if store is not None else None
             latest = found[0] if found else None
             job.resume_from = latest
             if outbox is not None:
                 outbox.send(("batch", job.run_id, [("restarts", float(attempt + 1), int(time.time() * 1000), 0)]))
-            where = (storage.name(latest) if latest
-                     else "the start (the loop has committed no checkpoint: ctx.save)" if job.loop else "the start")
+            where = storage.name(latest) if latest else _from_the_start(job, store)
             report.line(redact(f"[shardline] {e}; restarting from {where}"))
     raise AssertionError("unreachable")
+
+
+def _from_the_start(job: RankJob, store: CheckpointStore | None) -> str:
+    """Where a relaunch begins when there is no checkpoint, and why, for the restart line."""
+    if job.call is not None:
+        return ("the start (the function has committed no checkpoint: shardline.context().save)" if store
+                else "the start (shardline.distribute was given no checkpoint_dir)")
+    return "the start (the loop has committed no checkpoint: ctx.save)" if job.loop else "the start"
+

@@ -192,7 +192,15 @@ def paired_module(opt: torch.optim.Optimizer, modules: dict[str, nn.Module], whe
             f"{where}: the optimizer holds parameters of no module in the state: put the module(s) it "
             "optimises in the state too (ctx.save pairs an optimizer with its modules by their parameters)"
         )
-    return nn.ModuleDict({p.replace(".", "/"): m for p, m in holders.items()})
+    return nn.ModuleDict({_child_name(p): m for p, m in holders.items()})
+
+
+def _child_name(path: str) -> str:
+    """A state path as a ModuleDict key: no dots, and never one of ModuleDict's own attributes
+    (a state entry named "items", "keys" or "train" would be refused as a child's name):
+    those get a leading "/", which no other path has."""
+    name = path.replace(".", "/")
+    return f"/{name}" if hasattr(nn.ModuleDict, name) else name
 
 
 def pruned(tree):

@@ -111,6 +111,9 @@ def run_in_group(
     job's driver goes away; a failure is raised as a `RankError` the driver can read.
     `code`: the user's code the launcher shipped (foundation.code_travel), made current in
     this process before `fn` runs, so `fn` imports this job's version of it.
+    A payload with `group_from_env` true (a RankJob of `shardline.distribute`) joins no group:
+    its function, written for torchrun, finds the rendezvous in the environment
+    (launchers.torchrun_env) and joins it itself.
     A payload with a `ranks_dir` (a RankJob's) is where a bug's full traceback is written
     (`ranks/rank-N.log`), for the driver's one line to name (launchers.rank_errors).
     """
@@ -126,6 +129,8 @@ def run_in_group(
         placement.enter(slot)
         use_code(code)
         with socket_interface(getattr(payload, "socket_ifname", None)):
+            if getattr(payload, "group_from_env", False):
+                return _joining_itself(fn, rank, world_size, init_method, payload, slot)
             dist.init_process_group(
                 collectives.backend(),
                 init_method=init_method,
@@ -151,3 +156,18 @@ def run_in_group(
     finally:
         if stop_guard is not None:
             stop_guard.set()
+
+
+def _joining_itself(fn: RankFn, rank: int, world_size: int, init_method: str, payload: Any, slot: Slot) -> Any:
+    """`fn` with torchrun's variables exported and no group joined for it. Still in the group
+    at its end, every rank meets there before it closes, as run_in_group's ranks do."""
+    import torch.distributed as dist
+
+    from .. import collectives
+    from .torchrun_env import torchrun_environment
+
+    with torchrun_environment(init_method, rank, world_size, slot):
+        result = fn(rank, world_size, payload)
+        if dist.is_initialized():
+            collectives.barrier()
+        return result

@@ -29,6 +29,12 @@ built-in one does the same way.
 
 Collective calls (every rank must make them, in the same order): `prepare`, `parallel`,
 `save`, `restore`, `register`, `should_stop`. The others are each rank's own.
+
+`shardline.context()` returns the rank's context from anywhere in its code
+(training.loop.current). A function written for torchrun, run by `shardline.distribute`,
+reaches its context that way: there it has no dataset, MLflow run or registry (`loader`,
+`build_model`, `log` and `register` refuse in one line), and checkpoints when
+`distribute` was given a `checkpoint_dir`.
 """
 
 from __future__ import annotations
@@ -77,12 +83,14 @@ class LoopContext:
       tensors' dtypes and shapes): what a model factory would be given.
     """
 
-    def __init__(self, rank: int, world_size: int, job: RankJob, manifest: ShardManifest,
-                 store: CheckpointStore, device: torch.device, local_rank: int = 0):
+    def __init__(self, rank: int, world_size: int, job: RankJob, manifest: ShardManifest | None,
+                 store: CheckpointStore | None, device: torch.device, local_rank: int = 0):
         self.rank, self.world_size, self.local_rank, self.device = rank, world_size, local_rank, device
         self.config: TrainingConfig = job.cfg
         self.args: dict[str, Any] = dict(job.cfg.loop_args)
-        self.inputs = ModelInputs.from_manifest(manifest)
+        # None under shardline.distribute, which reads no dataset (and keeps checkpoints only
+        # when given a folder: store None).
+        self.inputs = ModelInputs.from_manifest(manifest) if manifest is not None else None
         self._job, self._manifest, self._store = job, manifest, store
         self._strategy = job.strategy
         # The data-parallel part this rank reads: the last Parallel's (ctx.parallel), else the strategy's mesh.
@@ -119,6 +127,7 @@ class LoopContext:
         The data-parallel ranks are the strategy's (the mesh's data dimension; after
         `ctx.parallel`, its Parallel's): the ranks that split one model read the same batches.
         """
+        self._needs("a dataset", "ctx.loader")
         return _make_loader(self, split, batch_size)
 
     def to_device(self, batch: Inputs) -> Inputs:
@@ -133,6 +142,7 @@ class LoopContext:
         `ctx.register` of it (prepared or not) registers it under that factory."""
         from .register import build_job_model
 
+        self._needs("a dataset", "ctx.build_model")
         return build_job_model(self)
 
     def prepare(self, model: nn.Module, optimizer_factory: OptimizerFactory | None = None):
@@ -197,6 +207,9 @@ class LoopContext:
         """
         from .state import save_state
 
+        if self._store is None:
+            raise ConfigError("ctx.save: shardline.distribute was given no checkpoint_dir: give it one "
+                              "(distribute(fn, ..., checkpoint_dir=URL)) for ctx.save and ctx.restore")
         return save_state(self, state, self._step(step), epoch=epoch, artifact=artifact)
 
     def restore(self, state: dict) -> int | None:
@@ -223,6 +236,7 @@ class LoopContext:
         unreachable the figures are kept, and sent by the driver when training ends."""
         from .tracking import log_metrics
 
+        self._needs("an MLflow run", "ctx.log")
         log_metrics(self, metrics, self.step if step is None else int(step))
 
     def say(self, text: str) -> None:
@@ -260,6 +274,7 @@ class LoopContext:
         """
         from .register import register_model
 
+        self._needs("a registered model", "ctx.register")
         register_model(self, model, example, factory, args)
 
     def autocast(self):
@@ -275,6 +290,15 @@ class LoopContext:
         from .tracking import pending
 
         return pending(self)
+
+    def _needs(self, what: str, call: str) -> None:
+        """One line for a call a `shardline.distribute` function cannot make: it has no dataset,
+        MLflow run or registered model (a loop run by `shardline.train(config, loop=fn)` has)."""
+        if self._job.call is not None:
+            raise ConfigError(
+                f"{call}: a function run by shardline.distribute has no {what}; train it as a loop "
+                "(shardline.train(config, loop=fn), fn(ctx)) for the dataset's shards, one MLflow run and the registry"
+            )
 
     def _step(self, step: int | None) -> int:
         if step is not None:

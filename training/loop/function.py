@@ -40,6 +40,12 @@ class LoopFunction:
         it by its module and name (the module's file as it is then, edited since or not: the
         job ships the code as it is), else by value."""
         check_signature(fn, getattr(fn, "__qualname__", repr(fn)))
+        return cls.travelling(fn)
+
+    @classmethod
+    def travelling(cls, fn: Callable) -> LoopFunction:
+        """Any function as it travels to the ranks (by reference or by value, as `of` says),
+        whatever it takes: `shardline.distribute`'s, called with its own arguments."""
         module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
         path = f"{module}:{name}"
         if module not in (None, "__main__", "__mp_main__") and "<" not in name and _has(module, name):

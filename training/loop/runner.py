@@ -16,7 +16,9 @@ from .. import collectives, placement
 from ..checkpoints.store import CheckpointStore
 from ..config import TrainingConfig
 from ..strategies import Strategy, strategy_for
+from .call import FunctionCall, run_call
 from .context import LoopContext
+from .current import entered
 from .function import LoopFunction
 
 
@@ -45,6 +47,9 @@ class RankJob:
     code: UserCode | None = None
     # The user's loop (training.loop, or shardline.train(loop=fn)); None: the built-in loop.
     loop: LoopFunction | None = None
+    # A function written for torchrun and its arguments (shardline.distribute): run instead
+    # of a loop, with no dataset, joining the process group itself.
+    call: FunctionCall | None = None
 
     def __post_init__(self) -> None:
         if self.strategy is None:
@@ -56,16 +61,27 @@ class RankJob:
         return self.cfg.socket_ifname
 
     @property
-    def ranks_dir(self) -> str:
+    def ranks_dir(self) -> str | None:
         """Where each rank says who it is (rank-N.json) and, failing with a bug, writes its
-        traceback (rank-N.log: launchers.rank_errors); every host can write there."""
+        traceback (rank-N.log: launchers.rank_errors); every host can write there. None: a
+        distributed function given no checkpoint folder (the ranks write nothing)."""
+        if self.call is not None and not self.call.checkpoints:
+            return None
         return CheckpointStore(self.cfg.checkpoint_dir).ranks_dir
+
+    @property
+    def group_from_env(self) -> bool:
+        """The rank function joins the process group itself (launchers.run_in_group)."""
+        return self.call is not None
 
 
 def run_rank(rank: int, world_size: int, job: RankJob) -> dict:
     """The rank function of a training job (see training.launchers): the loop's result on
     rank 0 (metrics, what it registered, MLflow calls kept during an outage, ...); on the
-    other ranks only what they must hand the driver (their kept MLflow calls)."""
+    other ranks only what they must hand the driver (their kept MLflow calls). A
+    distributed function's job: its value (training.loop.call)."""
+    if job.call is not None:
+        return run_call(rank, world_size, job)
     cfg = job.cfg
     torch.set_num_threads(cfg.threads_per_rank)
     device = collectives.device()  # chosen by run_in_group before the group (training.placement)
@@ -80,7 +96,8 @@ def run_rank(rank: int, world_size: int, job: RankJob) -> dict:
         loop = train
     else:
         loop = job.loop.load(cfg.code_paths)
-    loop(ctx)
+    with entered(ctx):  # shardline.context(), for the code the loop calls
+        loop(ctx)
     pending = ctx.finish()
     if rank != 0:
         return {"mlflow_pending": pending}

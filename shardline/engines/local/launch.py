@@ -89,6 +89,13 @@ def _rank_main(fn, rank, world_size, init_method, payload, timeout_s, results, e
     # A rank dies with its parent (the fork server, which exits with the launcher), and
     # its guard ends it when the launcher's process or its lease is gone.
     die_with_parent()
+    # Each rank its own session, as torchrun starts its workers (start_new_session): under
+    # Linux's autogroup scheduling a session shares the CPU as one, so on a busy machine the
+    # ranks in the launcher's session got a fraction of what torchrun's got for the same work
+    # (`bench train --loop`, load 30-54 on 2 cores: 0.24 of torchrun's steps/s, 0.83 per
+    # CPU-second). Idle, it changes nothing. A Ctrl-C reaches the launcher alone, which ends
+    # the ranks (launch_local); they die with it anyway (die_with_parent).
+    os.setsid()
     # The server kept the environment and folder of its own start; a rank gets the
     # launcher's of now, as a spawned process would (e.g. GLOO_SOCKET_IFNAME). Its
     # stdout and stderr were re-attached when `stdio` was unpickled.
