@@ -67,7 +67,9 @@ def _launch(job: RankJob, spark, dask_client, relaunch: bool, dask_workers=None,
 
         if dask_client is None:
             raise ConfigError("training.launcher = 'dask' needs a Dask client")
-        wait = 60 if relaunch else 0
+        # A relaunch waits for a lost worker's nanny to start a new one (minutes on a loaded
+        # host), as long as it would wait for a stalled peer, then fails in one line.
+        wait = cfg.timeout_s if relaunch else 0
         return launch_dask(dask_client, train_rank, job, cfg.world_size, cfg.timeout_s, wait, workers=dask_workers,
                            guard=guard, code=job.code)
     from .launchers.local import launch_local

@@ -20,6 +20,7 @@ of theirs is unpickled before `use_code` has run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib
 import os
@@ -156,12 +157,12 @@ def _ship_once(handle, name: str, send) -> None:
             done.add(name)
 
 
-ENGINE_PACKAGES = ("pipelines", "training", "serving")
+ENGINE_PACKAGES = ("foundation", "pipelines", "training", "serving")
 
 
 def shardline_files():
     """(name in the archive, file) for shardline's code that runs on executors: the
-    `shardline` package with pipelines, training and serving inside it, laid out as
+    `shardline` package with foundation, pipelines, training and serving inside it, laid out as
     installed, whether this process runs from a checkout or an installed package."""
     import shardline
 
@@ -276,6 +277,15 @@ def use_code(code: UserCode | None) -> None:
             if name.split(".", 1)[0] in code.packages and not _loaded_from(sys.modules.get(name), mine):
                 sys.modules.pop(name, None)
         importlib.invalidate_caches()
+
+
+def locate(code: UserCode | None) -> UserCode | None:
+    """`code` with its `zip_path` where the zip is on this host, found by this process (a Dask
+    worker knows its files folder): for a process it starts that is no worker itself (a
+    rank's, training.launchers.dask). Refused as `use_code` would refuse it."""
+    if code is None or not code.zip_name or (code.zip_path and os.path.isfile(code.zip_path)):
+        return code
+    return dataclasses.replace(code, zip_path=_find_zip(code.zip_name))
 
 
 def _loaded_from(module, prefixes: tuple[str, ...]) -> bool:
