@@ -49,7 +49,16 @@ def _rank_pid(ckpt, rank: int) -> int | None:
         return None
 
 
-def _kill_twice(ckpt, done: threading.Event, killed: list) -> None:
+def _worker_of(client, pid: int) -> int:
+    """The Dask worker process that runs process `pid` (itself, or its ancestor)."""
+    workers = set(client.run(os.getpid).values())
+    while pid not in workers:
+        pid = parent_pid(pid)
+        assert pid > 1, f"no Dask worker of {workers} runs the rank"
+    return pid
+
+
+def _kill_twice(client, ckpt, done: threading.Event, killed: list) -> None:
     """Once a checkpoint exists, SIGKILL rank 1's process; once its relaunch has written a
     checkpoint of its own, SIGKILL the Dask worker that runs rank 1 (its rank with it)."""
     store = CheckpointStore(str(ckpt))
@@ -63,7 +72,7 @@ def _kill_twice(ckpt, done: threading.Event, killed: list) -> None:
     while not done.is_set():
         pid, seen = _rank_pid(ckpt, 1), killed[0][2]
         if pid and pid != killed[0][1] and len(store.paths()) > seen:
-            worker = parent_pid(parent_pid(pid))  # rank -> its worker's rank server -> the worker
+            worker = _worker_of(client, pid)
             os.kill(worker, signal.SIGKILL)
             killed.append(("worker", pid, worker))
             return
@@ -76,7 +85,7 @@ def test_a_killed_rank_and_worker_under_load_resume_and_the_next_job_runs(prepar
     done, killed = threading.Event(), []
     try:
         with cpu_hogs(2):
-            killer = threading.Thread(target=_kill_twice, args=(tmp_path / "ckpt", done, killed), daemon=True)
+            killer = threading.Thread(target=_kill_twice, args=(client, tmp_path / "ckpt", done, killed), daemon=True)
             killer.start()
             try:
                 resumed = run_training(_cfg(tmp_path / "ckpt"), TrackingConfig(experiment="dask-load-kill"),
@@ -89,9 +98,14 @@ def test_a_killed_rank_and_worker_under_load_resume_and_the_next_job_runs(prepar
             client.wait_for_workers(2, timeout=300)
             again = run_training(_cfg(tmp_path / "ckpt-again"), TrackingConfig(experiment="dask-load-again"),
                                  prepared.dataset_dir, dask_client=client)
+
+        # No rank ran in a worker's process (none keeps a process group, a store or their
+        # threads): each announced a process of its own.
+        workers = set(client.run(os.getpid).values())
     finally:
         client.close()
     assert [k[0] for k in killed] == ["rank", "worker"], killed
+    assert {_rank_pid(tmp_path / "ckpt-again", r) for r in (0, 1)}.isdisjoint(workers), workers
     restarts = [ln for ln in err.splitlines() if "restarting from" in ln]
     # Each restart line leads with the rank that was lost, as its worker saw it.
     assert len(restarts) == 2, err[-3000:]

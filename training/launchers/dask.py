@@ -107,6 +107,12 @@ def launch_dask(
     raise _failure(client, futures, chosen, launch, getattr(payload, "ranks_dir", None))
 
 
+def workers_missing(have: int, need: int, waited_s: float) -> TrainingFailed:
+    """A relaunch whose lost worker did not come back: the job ends (permanent)."""
+    return TrainingFailed(f"Dask training failed: {have} of the {need} Dask workers it needs are up after "
+                          f"waiting {waited_s:.0f} s for a lost one to come back", permanent=True)
+
+
 def _any_gone(client, chosen: list[str]) -> bool:
     try:
         return not set(chosen) <= set(client.scheduler_info()["workers"])
@@ -118,12 +124,8 @@ def _choose(client, world_size: int, wait_s: float, workers: list[str] | None) -
     if wait_s:
         try:
             client.wait_for_workers(world_size, timeout=wait_s)
-        except Exception:  # still too few after wait_s
-            have = len(client.scheduler_info()["workers"])
-            raise TrainingFailed(
-                f"Dask training failed: {have} of the {world_size} Dask workers it needs are up after "
-                f"waiting {wait_s:.0f} s for a lost one to come back"
-            ) from None
+        except Exception:  # still too few after wait_s: the cluster lost capacity, trying again waits as long
+            raise workers_missing(len(client.scheduler_info()["workers"]), world_size, wait_s) from None
     live = check_dask_workers(client, world_size)
     chosen = [w for w in workers or [] if w in live][:world_size]
     if len(chosen) < world_size:
