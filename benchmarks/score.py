@@ -43,7 +43,6 @@ import pyarrow.parquet as pq
 
 from shardline.benchmarks import significant, synthetic_pipeline
 from shardline.engines import DaskEngine, ENGINES, LocalEngine
-from shardline.engines.local.launch import process_context
 from shardline.foundation.engine_config import DaskConfig, SparkConfig
 from shardline.foundation.sessions import dask_client as make_dask_client, spark_session
 from shardline.pipelines.manifest import load_manifest
@@ -177,9 +176,13 @@ def limit_processes(cores: int, model_uri: str, tracking_uri: str, paths: list[s
 def plain_processes(target, args_per_process: list[tuple]) -> tuple[int, float]:
     """target(barrier, results, *args) in one plain process per args, all started together
     once each is ready (it waits on the barrier): (rows they put, seconds from the start)."""
-    # Forked from the launcher's fork server (torch imported there once): start-up is
-    # outside the timed window anyway (the barrier), this only makes the benchmark start sooner.
-    ctx = process_context()
+    import multiprocessing as mp
+
+    # Forked from a fork server that imported torch once: start-up is outside the timed
+    # window anyway (the barrier), this only makes the benchmark start sooner. (The
+    # benchmark's own entry point has a main guard: multiprocessing imports it in each child.)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "shardline.training.models.registered"])
     barrier, results = ctx.Barrier(len(args_per_process) + 1), ctx.Queue()
     procs = [ctx.Process(target=target, args=(barrier, results, *args)) for args in args_per_process]
     for p in procs:

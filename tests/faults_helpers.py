@@ -102,3 +102,24 @@ def mounted_tmpfs(path: Path, options: str):
             time.sleep(0.5)
         else:
             subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+@contextlib.contextmanager
+def cpu_hogs(n: int = 2):
+    """`n` busy loops beside the test (`python -c "while True: pass"`): a machine loaded as
+    users' are, where starts and imports take many times their idle time. Killed by pid
+    after, also on failure."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait(timeout=30)
+
+
+def parent_pid(pid: int) -> int:
+    """The parent of process `pid` (Linux /proc)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])

@@ -11,8 +11,8 @@ each run one Spark worker and one Dask worker. Then, with every path on s3://:
    host B (a Spark executor's Python worker) is SIGKILLed; the job must relaunch and
    resume from the bucket.
 2. `shardline train` the same config uninterrupted, checkpoints elsewhere in the bucket.
-3. (--dask) `shardline train --launcher dask`: the Dask worker on host B is SIGKILLed
-   after the first checkpoint.
+3. (--dask) `shardline train --launcher dask`: the rank on host B (a process its Dask
+   worker forked) is SIGKILLed after the first checkpoint.
 The final checkpoints of 1 and 3 must hold exactly the weights of 2. Every namespace and
 process is removed at the end, also on failure or Ctrl-C; exit 0 only when all held.
 

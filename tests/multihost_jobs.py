@@ -37,11 +37,11 @@ def run_jobs(bed) -> None:
           f"resumed from the bucket and ended on the weights of the uninterrupted run "
           f"({killed['seconds']:.0f} s, reference {reference['seconds']:.0f} s)", flush=True)
     if bed.args.dask:
-        dask = _job(bed, "train", "ckpt-dask", kill="Dask worker",
+        dask = _job(bed, "train", "ckpt-dask", kill="Dask rank",
                     more=["--launcher", "dask", "--set", f"dask.address='{bed.dask_address}'"])
         _check_restarted(dask, bed)
         _check_same_weights(bed, "ckpt-dask", "ckpt-reference")
-        print(f"[bed] dask: the worker on host B killed mid-training (after {dask['kill_step']}); resumed from the "
+        print(f"[bed] dask: a rank on host B killed mid-training (after {dask['kill_step']}); resumed from the "
               f"bucket, same weights ({dask['seconds']:.0f} s)", flush=True)
 
 
@@ -107,7 +107,8 @@ def _job(bed, command: str, ckpt: str, kill: str | None = None, more: list[str] 
 
 def _kill_rank_on_b(bed, ckpt_dir: str, done: threading.Event, outcome: dict) -> None:
     """When a checkpoint is in the bucket, SIGKILL the rank whose process is on host B (its
-    /proc/<pid>/ns/net is B's namespace): the Spark Python worker or Dask worker running it."""
+    /proc/<pid>/ns/net is B's namespace): the Spark Python worker running it, or the process its
+    Dask worker forked for it."""
     from shardline.foundation import storage
     from shardline.training.checkpoints.store import CheckpointStore
 

@@ -12,6 +12,7 @@ import json
 from typing import NamedTuple
 
 from shardline.training.launchers import TrainingFailed
+from shardline.engines.dask.launch import workers_missing
 from shardline.training.launchers.guard import stop_line
 from shardline.training.launchers.rank_errors import exit_reason, lost_rank
 
@@ -40,10 +41,17 @@ def _lines() -> list[Line]:
         Line("a local rank killed (a signal, the OOM killer)", "relaunched from the latest checkpoint",
              "[shardline] " + str(TrainingFailed.from_ranks(
                  "local", survivor, "no result", [lost_rank(1, "host-a", exit_reason(-9), 4242)])) + RESTART),
-        Line("a Dask rank's worker gone (killed, its host lost)", "relaunched once the nanny brought a worker back",
+        Line("a Dask rank's process killed (its worker stays up)", "relaunched at once on the same workers",
+             "[shardline] " + str(TrainingFailed.from_ranks(
+                 "Dask", survivor, "", [lost_rank(1, "host-b", exit_reason(-9), 4242,
+                                                  "worker tcp://10.0.0.2:37929")])) + RESTART),
+        Line("a Dask rank's worker gone (killed, its host lost)", "relaunched once the nanny brought a worker back "
+             "and its rank server is ready (each waited for up to `training.timeout_s`)",
              "[shardline] " + str(TrainingFailed.from_ranks(
                  "Dask", survivor, "", [lost_rank(1, "host-b", "its Dask worker left the cluster", 4242,
                                                   "worker tcp://10.0.0.2:37929")])) + RESTART),
+        Line("a lost Dask worker not back (the relaunch waited `training.timeout_s`)", "not relaunched again: exit 1",
+             "error: " + str(workers_missing(1, 2, 300))),
         Line("a Spark rank's Python worker or executor gone", "relaunched; no Java stack trace on the console",
              "[shardline] " + str(TrainingFailed.from_ranks(
                  "Spark barrier stage", "", lost_rank(1, "host-b", "Python worker exited unexpectedly (crashed)", 4242,

@@ -119,10 +119,12 @@ def _kill_rank_after_first_checkpoint(ckpt_dir, rank: int, done: threading.Event
 
 
 # How each launcher names the rank it lost, first in the restart line (#46): the signal
-# that ended it (local), its Dask worker gone, its Spark executor (the session is local[2,1]).
+# that ended it (local; Dask, with its worker, which stays up: the rank is a process of its
+# own), its Spark executor (the session is local[2,1]).
 LOST = {
     "local": r"local training failed: rank 1 on \S+, pid {pid} was lost: killed by SIGKILL \(exit code -9\)",
-    "dask": r"Dask training failed: rank 1 on \S+ \(worker tcp://\S+\), pid {pid} was lost: its Dask worker left the cluster",
+    "dask": r"Dask training failed: rank 1 on \S+ \(worker tcp://\S+\), pid {pid} was lost: killed by SIGKILL "
+            r"\(exit code -9\)",
     "spark": r"Spark barrier stage training failed: rank 1 on \S+ \(executor driver\), pid {pid} was lost: "
              r"Python worker exited unexpectedly \(crashed\)",
 }

@@ -52,4 +52,4 @@ def test_quickstart_across_two_hosts_resumes_from_the_bucket_after_a_host_loses_
     assert proc.returncode == 0, out[-6000:]
     assert "[bed] working folders are private to each host" in out
     assert "[bed] spark: a rank on host B killed mid-training" in out
-    assert "[bed] dask: the worker on host B killed" in out
+    assert "[bed] dask: a rank on host B killed" in out

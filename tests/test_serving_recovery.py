@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -143,9 +144,10 @@ def test_spark_worker_dying_between_output_and_ledger_rerun_rewrites_that_unit(
 
 
 @pytest.mark.slow
-def test_dask_worker_killed_mid_scoring_ends_once(dask_client, prepared, raw, tracking_uri, tmp_path):
+def test_dask_worker_killed_mid_scoring_ends_once(dask_client, prepared, raw, tracking_uri, tmp_path, capfd):
     """Full tier only (`make test-all`, marker `slow`): a kill test: a Dask worker SIGKILLed
-    mid-scoring (the session's cluster restarts it)."""
+    mid-scoring (the session's cluster restarts it). The console says what was lost with it
+    and scored again (#53 item 17: Dask redid the unit silently)."""
     marker = tmp_path / "stalled"
     uri = register_wrapped(prepared, tracking_uri, "stalls-dask",
                            lambda inner: StallsOnce(inner, str(marker)))
@@ -183,6 +185,11 @@ def test_dask_worker_killed_mid_scoring_ends_once(dask_client, prepared, raw, tr
     assert 0 < seen["committed"] < units and seen["temp_files"], seen
     assert (r.rows, r.files_scored) == (raw.num_rows, units)
     _assert_exactly_once(out, raw.num_rows, units)
+    said = [ln for ln in capfd.readouterr().err.splitlines() if "left the cluster while scoring" in ln]
+    assert len(said) == 1 and re.fullmatch(
+        rf"\[shardline\] score: Dask worker {re.escape(seen['worker'])} left the cluster while scoring 1 unit\(s\) "
+        rf"\({re.escape(str(tmp_path / 'in'))}/\S+\.parquet\); scored again on another worker, its partial output "
+        r"discarded", said[0]), said
 
 
 def _worker_pids(client) -> dict[str, int]:

@@ -163,8 +163,10 @@ def test_dask_workers_without_the_package_run_each_runs_version(dask_cli_cluster
         client.close()
     assert [r["value"] for r in first] == [1, 1]
     assert [r["value"] for r in second] == [2, 2], second
-    # The same worker processes, which had version 1 in sys.modules: the case that goes stale.
-    assert [r["pid"] for r in first] == [r["pid"] for r in second]
+    # Both launches' ranks forked by the same long-lived processes (each worker's rank server,
+    # shardline.engines.dask.launch), which outlive a job as the workers do: the case that goes stale.
+    assert [r["ppid"] for r in first] == [r["ppid"] for r in second]
+    assert {r["pid"] for r in first}.isdisjoint(r["pid"] for r in second)
     for r in first + second:  # from the shipped zip, never the driver's folder
         assert "/shardline-user-" in r["file"] and not r["file"].startswith(str(tmp_path)), r
         assert os.path.dirname(r["consts"]) == os.path.dirname(r["file"]), r

@@ -41,6 +41,7 @@ def value_rank():
 
         mod = importlib.import_module(module)
         consts = importlib.import_module(module.rsplit(".", 1)[0] + ".consts")
-        return {"value": mod.value(), "file": mod.__file__, "consts": consts.__file__, "pid": os.getpid()}
+        return {"value": mod.value(), "file": mod.__file__, "consts": consts.__file__, "pid": os.getpid(),
+                "ppid": os.getppid()}
 
     return rank_fn

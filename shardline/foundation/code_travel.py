@@ -20,6 +20,7 @@ of theirs is unpickled before `use_code` has run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib
 import os
@@ -274,6 +275,15 @@ def use_code(code: UserCode | None) -> None:
             if name.split(".", 1)[0] in code.packages and not _loaded_from(sys.modules.get(name), mine):
                 sys.modules.pop(name, None)
         importlib.invalidate_caches()
+
+
+def locate(code: UserCode | None) -> UserCode | None:
+    """`code` with its `zip_path` where the zip is on this host, found by this process (a Dask
+    worker knows its files folder): for a process it starts that is no worker itself (a
+    rank's, shardline.engines.dask.launch). Refused as `use_code` would refuse it."""
+    if code is None or not code.zip_name or (code.zip_path and os.path.isfile(code.zip_path)):
+        return code
+    return dataclasses.replace(code, zip_path=_find_zip(code.zip_name))
 
 
 def _loaded_from(module, prefixes: tuple[str, ...]) -> bool:

@@ -28,6 +28,7 @@ import warnings
 from contextlib import contextmanager
 from importlib import resources
 
+from . import report
 from .code_travel import ship_shardline_to_spark
 from .engine_config import SparkConfig
 from .environ import restored
@@ -257,6 +258,7 @@ def _classic(cfg: SparkConfig):
             spark = builder.getOrCreate()
         _fill_in(spark, session_defaults(cfg))
         late = _fill_in(spark, cfg.conf)
+        _ctrl_c_to_this_process(spark)
         if late:
             raise ConfigError(
                 f"spark.conf.{late[0]}: a JVM setting cannot be set once spark-submit has "
@@ -282,6 +284,22 @@ def _classic(cfg: SparkConfig):
         _WRITTEN[id(spark)] = written
     _fill_in(spark, session_defaults(cfg), explicit={**_explicit_session(cfg), **cfg.conf})
     return spark
+
+
+def _ctrl_c_to_this_process(spark) -> None:
+    """Under spark-submit the JVM is this process's parent, and a terminal's Ctrl-C (SIGINT to
+    the foreground group) reached it too: it stopped Spark and exited while this process was
+    still cancelling the job, and this process's output, which spark-submit's JVM carries,
+    went with it: exit 130 without the command's "aborted" line (#53). pyspark starts a JVM of
+    its own ignoring SIGINT (java_gateway's preexec_fn), so that Python alone answers Ctrl-C:
+    the same is asked here of the JVM spark-submit started. The command then cancels its job,
+    says "aborted" and exits 130, and spark-submit exits with that code (its PythonRunner
+    exits with the Python driver's)."""
+    jvm = spark.sparkContext._jvm
+    try:
+        jvm.sun.misc.Signal.handle(jvm.sun.misc.Signal("INT"), jvm.sun.misc.SignalHandler.SIG_IGN)
+    except Exception as e:  # noqa: BLE001 - a JVM without sun.misc.Signal: Spark's own handling stays
+        report.warn(f"spark-submit: Ctrl-C stops Spark's JVM before this command can ({first_line(e)})")
 
 
 @contextmanager

@@ -19,10 +19,6 @@ from .launch import check_dask_workers, launch_dask
 # Imported inside the functions that use them: Dask (only with a Dask client); engines.dask.prepare (a cycle:
 # it imports this module).
 
-# How long a relaunch waits for enough workers: a killed worker's nanny brings a new one up,
-# under a new address, in seconds.
-RELAUNCH_WAIT_S = 60
-
 
 class DaskEngine(Engine):
     """A Dask client: on the scheduler at `dask.address`, on an embedded LocalCluster (closed
@@ -120,5 +116,7 @@ class DaskEngine(Engine):
 
     def launch_ranks(self, fn, payload, world_size: int, timeout_s: float, *, guard=None, code=None,
                      relaunch: bool = False, workers=None) -> list:
-        return launch_dask(self.client, fn, payload, world_size, timeout_s, RELAUNCH_WAIT_S if relaunch else 0,
+        # A relaunch waits for a lost worker's nanny to start a new one (minutes on a loaded
+        # host), as long as it would wait for a stalled peer, then fails in one line.
+        return launch_dask(self.client, fn, payload, world_size, timeout_s, timeout_s if relaunch else 0,
                            workers=list(workers) if workers else None, guard=guard, code=code)
