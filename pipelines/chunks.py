@@ -21,6 +21,7 @@ from .raw import Unit, first_line, read_unit
 from .sources import display
 
 CHUNK_ROWS = 1 << 16
+CHUNK_BYTES = 16 << 20  # ...or this many raw bytes: wide rows join fewer at a time
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def read_chunks(units: tuple[Unit, ...] | list[Unit], columns: list[str], delimi
     """The units' rows in unit and row order, as (table, Where) chunks; an unreadable unit
     as Unreadable in its place (the units before it are yielded first)."""
     pending: list[tuple[pa.Table, Unit]] = []
-    held = 0
+    held = held_bytes = 0
 
     def flush():
         nonlocal pending, held
@@ -69,10 +70,10 @@ def read_chunks(units: tuple[Unit, ...] | list[Unit], columns: list[str], delimi
             starts = tuple(int(s) for s in np.cumsum([0] + [t.num_rows for t, _ in pending[:-1]]))
             table = pending[0][0] if len(pending) == 1 else pa.concat_tables([t for t, _ in pending])
             yield table, Where(tuple(u for _, u in pending), starts, (0,) * len(pending))
-        pending, held = [], 0
+        pending, held, held_bytes = [], 0, 0
 
     for unit in units:
-        if unit.rows >= chunk_rows or unit.files:  # big (or images): streamed as it always was
+        if unit.rows >= chunk_rows or unit.bytes >= CHUNK_BYTES or unit.files:  # big (or images): streamed
             yield from flush()
             offset = 0
             try:
@@ -89,10 +90,12 @@ def read_chunks(units: tuple[Unit, ...] | list[Unit], columns: list[str], delimi
             yield Unreadable(unit, unreadable(unit, e))
             continue
         table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
-        if pending and (held + table.num_rows > chunk_rows or not table.schema.equals(pending[0][0].schema)):
+        full = held + table.num_rows > chunk_rows or held_bytes + unit.bytes > CHUNK_BYTES
+        if pending and (full or not table.schema.equals(pending[0][0].schema)):
             yield from flush()
         pending.append((table, unit))
         held += table.num_rows
+        held_bytes += unit.bytes
     yield from flush()
 
 

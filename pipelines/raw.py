@@ -31,6 +31,9 @@ from .table_files import TableFile
 # A unit is read, parsed and reported as one task; ~1M rows keep a task's memory
 # near 100-200 MB and give a big Parquet file several tasks.
 UNIT_ROWS = 1 << 20
+# ...and at most this many bytes of Parquet values (uncompressed): 1M rows of a
+# 2,048-float vector would be 8 GB, parsed to float64 twice that.
+UNIT_BYTES = 128 << 20
 # CSV and JSON files are read in blocks of this many bytes (one Arrow batch each).
 TEXT_BLOCK_BYTES = 64 << 20
 # Rows the driver reads to infer which CSV/JSON columns are numeric.
@@ -53,6 +56,7 @@ class RawFile:
     files: tuple[str, ...] = ()  # the images source: its image files (url is its folder)
     table: TableFile | None = None  # a Delta or Iceberg data file: its columns as the table's
     size: int = 0  # bytes (CSV and JSON: what a unit's rows are estimated from)
+    row_bytes: int = 0  # Parquet: uncompressed bytes of a row (its footer's sizes)
 
 
 @dataclass(frozen=True)
@@ -68,8 +72,11 @@ class Unit:
     files: tuple[str, ...] = ()  # the images source: this unit's image files
     table: TableFile | None = None  # a table's data file (pipelines.table_files)
     # Rows: counted for Parquet (its footer), guessed from the bytes for CSV and JSON (0:
-    # unknown); what pipelines.unit_groups deals units into tasks by.
+    # unknown); bytes: the file's for CSV and JSON, uncompressed values for Parquet. What
+    # pipelines.unit_groups deals units into tasks by and pipelines.chunks joins them by.
     rows: int = 0
+    bytes: int = 0
+    batch_rows: int = UNIT_ROWS  # Parquet: rows per batch read (at most UNIT_BYTES of them)
 
 
 # A CSV or JSON row is rarely shorter than this: rows guessed from bytes err high, so a
@@ -115,7 +122,9 @@ def _describe_one(url: str, fmt: str, delimiter: str, schemas: dict[str, pa.Sche
         with open_raw(url) as f:
             meta = pq.read_metadata(f)
         rgs = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
-        return RawFile(url, fmt, _shared(meta.schema.to_arrow_schema(), schemas), rgs)
+        values = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+        return RawFile(url, fmt, _shared(meta.schema.to_arrow_schema(), schemas), rgs,
+                       row_bytes=-(-values // max(1, sum(rgs))))
     size = storage.size(url)
     if fmt == "csv":
         # The header is all a CSV file's columns are (every value is text); the driver
@@ -157,18 +166,26 @@ def plan_units(described: list[RawFile]) -> list[Unit]:
                 units.append(Unit(len(units), f.url, fmt, first_row=i, files=f.files[i : i + UNIT_FILES]))
             continue
         if not _parquet(fmt):
-            units.append(Unit(len(units), f.url, fmt, rows=f.size // TEXT_ROW_BYTES))
+            units.append(Unit(len(units), f.url, fmt, rows=f.size // TEXT_ROW_BYTES, bytes=f.size))
             continue
-        # Runs of whole row groups of about UNIT_ROWS rows; a file with none is one empty unit.
+        # Runs of whole row groups of about UNIT_ROWS rows (fewer, wide ones: UNIT_BYTES); a
+        # file with none is one empty unit.
+        most = max(1, min(UNIT_ROWS, UNIT_BYTES // max(1, f.row_bytes)))
         runs: list[list[int]] = [[]]
+        held = 0
         for i, n in enumerate(f.row_groups):
-            if runs[-1] and sum(f.row_groups[j] for j in runs[-1]) + n > UNIT_ROWS:
+            if runs[-1] and held + n > most:
                 runs.append([])
+                held = 0
             runs[-1].append(i)
+            held += n
+        first_row = 0
         for run in runs:
             first = run[0] if run else 0
-            units.append(Unit(len(units), f.url, fmt, first, len(run), sum(f.row_groups[:first]), table=f.table,
-                              rows=sum(f.row_groups[j] for j in run)))
+            rows = sum(f.row_groups[j] for j in run)
+            units.append(Unit(len(units), f.url, fmt, first, len(run), first_row, table=f.table, rows=rows,
+                              bytes=rows * f.row_bytes, batch_rows=most))
+            first_row += rows
     return units
 
 
@@ -194,7 +211,8 @@ def read_unit(unit: Unit, columns: list[str], delimiter: str) -> Iterator[pa.Tab
             if not groups:
                 yield conform(pf.schema_arrow.empty_table().select(present))
                 return
-            for batch in pf.iter_batches(batch_size=UNIT_ROWS, row_groups=groups, columns=present, use_threads=False):
+            for batch in pf.iter_batches(batch_size=unit.batch_rows, row_groups=groups, columns=present,
+                                         use_threads=False):
                 yield conform(pa.Table.from_batches([batch]))
     elif unit.fmt == "csv":
         with _lines(unit.url) as f:

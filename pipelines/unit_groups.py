@@ -21,8 +21,10 @@ from shardline.foundation.progress import tick
 from .raw import Unit
 
 # Rows a task reads before it is worth its fixed cost many times over: ~0.3-1 s of
-# parsing on one core, against ~10-20 ms per Spark or Dask task on this machine.
+# parsing on one core, against ~10-20 ms per Spark or Dask task on this machine; or
+# bytes (wide rows), whichever comes first.
 GROUP_ROWS = 1 << 18
+GROUP_BYTES = 32 << 20
 # Units in a group whose rows are unknown (0) or tiny still end a group here: a task's
 # result and its list of units stay small.
 GROUP_UNITS = 4096
@@ -36,18 +38,21 @@ class UnitGroup:
 
 
 def group_units(units: list[Unit], rows: int = GROUP_ROWS, most: int = GROUP_UNITS) -> list[UnitGroup]:
-    """`units` cut into consecutive groups of about `rows` rows (a unit of that many or
-    more alone), at most `most` units each. Pure: the same units, the same groups."""
+    """`units` cut into consecutive groups of about `rows` rows or GROUP_BYTES bytes (a unit
+    of that many or more alone), at most `most` units each. Pure: the same units, the same
+    groups."""
     groups: list[UnitGroup] = []
     current: list[Unit] = []
-    held = 0
+    held = held_bytes = 0
     for u in units:
+        full = held + u.rows > rows or held_bytes + u.bytes > GROUP_BYTES or len(current) >= most
         # An images unit is already a task's worth of decoding (pipelines.images.UNIT_FILES).
-        if current and (held + u.rows > rows or len(current) >= most or u.files or current[-1].files):
+        if current and (full or u.files or current[-1].files):
             groups.append(UnitGroup(tuple(current)))
-            current, held = [], 0
+            current, held, held_bytes = [], 0, 0
         current.append(u)
         held += u.rows
+        held_bytes += u.bytes
     if current:
         groups.append(UnitGroup(tuple(current)))
     return groups
