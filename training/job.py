@@ -43,7 +43,7 @@ from .models.builtin import build_model
 from .restarts import launch_with_restarts
 from .result import TrainResult
 from .strategies import strategy_for
-from .tracking import check_store, describe_version, log_curves, log_dataset_input, open_experiment, run_name
+from .tracking import check_store, describe_version, log_curves, log_dataset_input, log_forecast, open_experiment, run_name
 from .user_code import job_code_folders, refresh_driver_code
 from .worker import RankJob
 
@@ -261,6 +261,7 @@ class TrainingJob:
                     **({"code_digest": code.digest} if code.files else {}),
                 })
                 log_dataset_input(manifest, self.dataset_dir)
+                log_forecast(self.dataset_dir)  # `shardline plan --hosts`'s, when it made one
             elif self.resume.changed:
                 _log_changed(self.resume.changed, self.resume.head.get("global_step", 0), code_changes)
             job = RankJob(

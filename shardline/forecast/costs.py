@@ -1,0 +1,48 @@
+"""What the sample cannot measure: each engine's own costs around the work, and the
+memory a process holds before any row. Calibrated on the development machine (2 cores,
+pyspark 4.3.0 local[N], Dask LocalCluster of N single-thread workers) by
+`shardline bench scale`, which prints every figure beside the forecast's; on another
+cluster the bench is how to check them (docs/guide/capacity.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineCosts:
+    task_s: float  # one task's fixed cost: scheduling, a worker's round trip, its result
+    job_s: float  # one engine job's fixed cost (a stage starting and ending)
+    # The engine's shuffle per row as a multiple of the sample's Arrow IPC round trip of the
+    # same rows (sample_engine): serialising into the engine, spilling, fetching.
+    shuffle_x: float
+    # The share of each core the data phases get: the engine's own processes (a JVM, a
+    # scheduler, nannies) and the driver take the rest.
+    efficiency: float
+    rank_start_s: float  # ranks launched: processes, torch imported, the group formed, first batch
+    score_start_s: float  # a scoring job's fixed cost: the model loaded in each worker, the ledger
+
+
+ENGINES = {
+    "spark": EngineCosts(task_s=0.02, job_s=1.0, shuffle_x=4.0, efficiency=0.85, rank_start_s=6.0,
+                         score_start_s=4.0),
+    "dask": EngineCosts(task_s=0.01, job_s=0.5, shuffle_x=3.0, efficiency=0.9, rank_start_s=6.0,
+                        score_start_s=3.0),
+}
+
+# Memory a process holds before it reads a row (MB): Python with pyarrow and pandas (a
+# Spark Python worker, a Dask worker), and with torch too (a rank, a scoring task).
+WORKER_BASE_MB = 180.0
+TORCH_BASE_MB = 380.0
+# The driver's memory per input file (its RawFile, Unit and manifest entry) and per shard:
+# 100,000 CSV files added 54 MB (pipelines.raw.describe, measured 2026-11-29).
+DRIVER_MB_PER_FILE = 0.00055
+DRIVER_MB_PER_SHARD = 0.002
+# gloo's all-reduce: ~0.8 GB/s between processes of one host (0.74-1.05 measured here); between
+# hosts a 10 Gb/s network is assumed.
+LOOPBACK_BYTES_PER_S = 0.8e9
+NETWORK_BYTES_PER_S = 1.25e9
+# DDP's buffers per weight: the weights, their gradients, DDP's gradient buckets and AdamW's
+# two moments, 4 bytes each.
+TRAIN_BYTES_PER_WEIGHT = 5 * 4
