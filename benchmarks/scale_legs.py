@@ -1,0 +1,112 @@
+"""One leg of `shardline bench scale`: one engine on N cores, one raw dataset: prepare, the
+ddp steps, scoring the test split, each stage sampled (benchmarks.proc_tree) and timed,
+through shardline's API on the leg's own engine (started once, reused by every stage)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from .proc_tree import TreeSampler
+from .scale_data import folder_bytes
+
+FEATURES = {"key": "key", "label": "label", "numeric": [f"x{i}" for i in range(8)], "categorical": ["color"]}
+HIDDEN = [128, 64]  # the quickstart's model
+GLOBAL_BATCH = 512
+WARMUP = 20
+
+
+def leg_config(raw: Path, work: Path, engine: str, cores: int, tracking_uri: str, name: str) -> dict:
+    """The leg's config: the quickstart's features and model, `cores` of everything."""
+    return {
+        "spark": {"master": f"local[{cores}]", "shuffle_partitions": max(2, cores)},
+        "dask": {"n_workers": cores, "threads_per_worker": 1},
+        "pipelines": {"engine": engine, "dataset_dir": str(work / "dataset"), "features": FEATURES,
+                      "source": {"format": "csv", "path": str(raw)}, "layout": {"world_size": cores}},
+        "training": {"launcher": engine, "world_size": cores, "strategy": "ddp", "model": "mlp", "hidden": HIDDEN,
+                     "batch_size": GLOBAL_BATCH, "threads_per_rank": 1, "checkpoint_dir": str(work / "checkpoints")},
+        "tracking": {"tracking_uri": tracking_uri, "experiment": "shardline-bench-scale", "registered_model": name},
+        "serving": {"engine": engine, "split": "test", "output_dir": str(work / "scores")},
+    }
+
+
+def open_engine(engine: str, cores: int):
+    """The leg's engine: a SparkSession on local[cores] (the process's session stopped
+    first: one SparkContext at a time), or a Dask LocalCluster of `cores` workers."""
+    from shardline.foundation.engine_config import DaskConfig, SparkConfig
+    from shardline.foundation.sessions import dask_client, spark_session
+
+    if engine == "spark":
+        from pyspark.sql import SparkSession
+
+        active = SparkSession.getActiveSession()
+        if active is not None:
+            active.stop()
+        return spark_session(SparkConfig(master=f"local[{cores}]"))
+    return dask_client(DaskConfig(n_workers=cores, threads_per_worker=1))
+
+
+def close_engine(engine: str, handle) -> None:
+    if engine == "spark":
+        handle.stop()
+        return
+    cluster = handle.cluster
+    handle.close()
+    cluster.close()
+
+
+def _stage(fn, spawned_as: str) -> tuple[object, dict]:
+    sampler = TreeSampler(spawned_as=spawned_as).start()
+    start = time.perf_counter()
+    try:
+        out = fn()
+    finally:
+        figures = sampler.stop()
+    figures["seconds"] = time.perf_counter() - start
+    return out, figures
+
+
+def run_leg(raw: Path, work: Path, engine: str, cores: int, handle, tracking_uri: str, steps: int,
+            loader_workers: int, progress=print) -> dict:
+    """prepare, `steps` ddp steps and scoring, on `handle` (the engine open_engine gave)."""
+    from shardline import api
+    from shardline.training.launchers.dask import launch_dask
+    from shardline.training.launchers.spark import launch_spark_barrier
+
+    from .scale_train import register, scale_rank
+
+    name = f"bench-scale-{engine}-{cores}"
+    cfg = leg_config(raw, work, engine, cores, tracking_uri, name)
+    given = {"spark": handle} if engine == "spark" else {"client": handle}
+    worker = "dask_worker" if engine == "dask" else "rank"
+    stages: dict[str, dict] = {}
+
+    progress(f"{engine} on {cores} core(s): prepare {raw.name}")
+    prepared, stages["prepare"] = _stage(lambda: api.prepare(cfg, **given), worker)
+    m = prepared.manifest
+    stages["prepare"].update(rows=sum(s.rows for s in m.splits.values()), output_bytes=folder_bytes(work / "dataset"),
+                             shards={s: len(i.shards) for s, i in m.splits.items()})
+
+    progress(f"{engine} on {cores} core(s): {steps:,} ddp steps on {cores} rank(s)")
+    payload = {"dataset_dir": prepared.dataset_dir, "training": cfg["training"], "threads": 1,
+               "workers": loader_workers, "warmup": min(WARMUP, steps // 2), "steps": steps}
+    launch = launch_spark_barrier if engine == "spark" else launch_dask
+    results, stages["train"] = _stage(lambda: launch(handle, scale_rank, payload, cores), worker)
+    timed = results[0]
+    stages["train"].update(
+        steps=steps, timed_steps=timed["steps"], step_s=timed["elapsed_s"] / timed["steps"],
+        data_wait=timed["data_wait"], data_wait_by_rank=timed["data_wait_by_rank"],
+        samples=steps * GLOBAL_BATCH, epoch_steps=m.split("train").rows // GLOBAL_BATCH,
+    )
+    model_uri = register(timed, prepared.dataset_dir, cfg["training"], tracking_uri, name)
+
+    progress(f"{engine} on {cores} core(s): score the test split ({m.split('test').rows:,} rows)")
+    scored, stages["score"] = _stage(lambda: api.score(cfg, model_uri=model_uri, **given), worker)
+    stages["score"].update(rows=scored.rows, output_bytes=folder_bytes(work / "scores"))
+    for s in stages.values():
+        n = s.get("rows") or s.get("samples") or 0
+        s["rows_per_s"] = n / s["seconds"] if s["seconds"] else 0.0
+    shutil.rmtree(work, ignore_errors=True)  # the raw data stays; a leg's outputs are big
+    return {"engine": engine, "cores": cores, "raw": str(raw), "stages": stages,
+            "splits": {s: i.rows for s, i in m.splits.items()}}
