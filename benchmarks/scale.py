@@ -6,7 +6,7 @@ Dask 2 workers): prepare, `steps` ddp steps on 2 ranks over the whole dataset, s
 test split; each stage's wall time, rows/s, peak RSS of the driver and of every executor,
 worker and rank process, and disk bytes written (benchmarks.proc_tree). Growth ratios N
 over N/GROWTH say what grows with rows. The forecast (`shardline plan --hosts 1 --cores C`,
-shardline.forecast, measured on a sample of the same raw data) is checked against each
+shardline.forecasting, measured on a sample of the same raw data) is checked against each
 leg: at 2 cores on both sizes, and at 1 core (local[1], 1 Dask worker, 1 rank) on N/GROWTH.
 
 Targets (reported, never asserted by tests): prepare + steps + scoring at N under
@@ -40,7 +40,7 @@ STAGES = ("prepare", "train", "score")
 def run(rows: int = DEFAULT_ROWS, data_dir: str = "shardline-data/bench-scale", steps: int = 2000,
         engines: tuple[str, ...] = ("spark", "dask"), one_core: bool = True, sample_rows: int | None = None,
         progress=print) -> dict:
-    from shardline import forecast as fc
+    from shardline import forecasting as fc
     from shardline.config import load_config
 
     data = Path(data_dir).resolve()

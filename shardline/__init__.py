@@ -18,8 +18,8 @@ __version__ = "0.1.0"
 
 _API = {
     name: "api" for name in (
-        "prepare", "train", "score", "run", "sweep", "plan", "score_status", "load_config",
-        "PrepareResult", "TrainResult", "ScoreResult", "RunResult", "PlanResult",
+        "prepare", "train", "score", "run", "sweep", "plan", "forecast", "score_status", "load_config",
+        "PrepareResult", "TrainResult", "ScoreResult", "RunResult", "PlanResult", "ForecastResult",
     )
 }
 

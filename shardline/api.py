@@ -352,12 +352,12 @@ def plan(config: Config = None, overrides: Overrides = ()) -> PlanResult:
 
 @dataclass
 class ForecastResult:
-    forecast: Any  # shardline.forecast.Forecast
-    measured: Any  # shardline.forecast.Measured: what it was made from
+    forecast: Any  # shardline.forecasting.Forecast
+    measured: Any  # shardline.forecasting.Measured: what it was made from
     stored: str | None  # the dataset folder's forecast file, logged by the next training run
 
     def to_dict(self) -> dict:
-        from shardline.forecast import to_json
+        from shardline.forecasting import to_json
 
         return {**to_json(self.forecast, self.measured), "stored": self.stored}
 
@@ -368,7 +368,7 @@ def forecast(config: Config = None, overrides: Overrides = (), *, hosts: int, co
     pipelines.engine: per-core rates measured in this process on the first `sample_rows`
     rows of pipelines.source (seconds), the layout chosen, wall time and memory of each
     stage. Stored beside the dataset for the next training run's MLflow run. Starts no engine."""
-    from shardline import forecast as fc
+    from shardline import forecasting as fc
 
     if min(hosts, cores) < 1 or gpus < 0:
         raise ConfigError(f"--hosts and --cores are at least 1 and --gpus at least 0 (got {hosts}, {cores}, {gpus})")
