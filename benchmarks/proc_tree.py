@@ -1,4 +1,4 @@
-"""Peak RSS and disk bytes written of this process and every process under it, sampled from
+"""Peak RSS, CPU seconds and disk bytes written of this process and every process under it, sampled from
 /proc while a stage runs: the driver, Spark's JVM and its Python workers, Dask's workers,
 the ranks. A process is named by its role (its command line); a role's figure lists each
 process's own peak, so a rank that grows shows as that rank.
@@ -50,6 +50,8 @@ class TreeSampler:
         self._roles: dict[int, str] = {}
         self._io_first: dict[int, int] = {}
         self._io_last: dict[int, int] = {}
+        self._cpu_first: dict[int, float] = {}
+        self._cpu_last: dict[int, float] = {}
         self._total_peak = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -82,6 +84,7 @@ class TreeSampler:
             try:
                 rss = p.memory_info().rss / 1e6
                 written = p.io_counters().write_bytes
+                cpu = sum(p.cpu_times()[:2])  # user + system, of its own threads
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
             if p.pid not in self._roles:
@@ -89,19 +92,28 @@ class TreeSampler:
                 self._roles[p.pid] = self.spawned_as if r == "spawned" else r
                 # A process alive at the start counts from there; a newer one from zero.
                 self._io_first[p.pid] = written if first else 0
+                self._cpu_first[p.pid] = cpu if first else 0.0
             self._peak[p.pid] = max(self._peak.get(p.pid, 0.0), rss)
             self._io_last[p.pid] = written
+            self._cpu_last[p.pid] = cpu
             total += rss
         self._total_peak = max(self._total_peak, total)
 
     def figures(self) -> dict:
         """peak_rss_mb: {role: [each process's peak, largest first]}; tree_peak_rss_mb: the
-        largest sum seen at once; disk_written_bytes: bytes the tree caused to be written."""
+        largest sum seen at once; disk_written_bytes: bytes the tree caused to be written;
+        cpu_s: CPU seconds of the tree (by role in cpu_s_by_role): on a busy machine the work
+        done, which wall time is not."""
         by_role: dict[str, list[float]] = {}
+        cpu_by_role: dict[str, float] = {}
         for pid, mb in self._peak.items():
             by_role.setdefault(self._roles[pid], []).append(round(mb, 1))
+            used = max(0.0, self._cpu_last[pid] - self._cpu_first[pid])
+            cpu_by_role[self._roles[pid]] = cpu_by_role.get(self._roles[pid], 0.0) + used
         return {
             "peak_rss_mb": {k: sorted(v, reverse=True) for k, v in sorted(by_role.items())},
             "tree_peak_rss_mb": round(self._total_peak, 1),
             "disk_written_bytes": sum(max(0, self._io_last[p] - self._io_first[p]) for p in self._io_last),
+            "cpu_s": round(sum(cpu_by_role.values()), 3),
+            "cpu_s_by_role": {k: round(v, 3) for k, v in sorted(cpu_by_role.items())},
         }

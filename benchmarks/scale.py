@@ -86,7 +86,17 @@ def check_forecast(f, leg: dict) -> dict:
     ran = {k: leg["stages"][k]["seconds"] for k in STAGES}
     forecast["total"], ran["total"] = sum(forecast.values()), sum(ran.values())
     ratio = {k: ran[k] / forecast[k] for k in forecast}
+    phases = leg["stages"]["prepare"].get("phases", {})
+    parts = f.prepare.parts
+    by_phase = {"pass1": parts.get("pass1", 0.0), "pass2_shuffle_write": parts.get("pass2", 0.0) + parts.get("write", 0.0)}
+    cpu = {"prepare": f.prepare.cpu_s, "train": f.train_steps.cpu_s, "score": f.score.cpu_s}
     return {"seconds": {k: significant(v) for k, v in forecast.items()},
+            # CPU seconds: the work, which a busy machine does not stretch (the tree's, beside).
+            "cpu_s": {k: significant(v) for k, v in cpu.items()},
+            "ratio_cpu_run_vs_forecast": {k: significant(leg["stages"][k]["cpu_s"] / v) if v else None
+                                          for k, v in cpu.items()},
+            "prepare_phases": {k: {"run": significant(phases[k]), "forecast": significant(v)}
+                               for k, v in by_phase.items() if k in phases},
             "ratio_run_vs_forecast": {k: significant(v) for k, v in ratio.items()},
             "within": {k: abs(v - 1) <= FORECAST_TOLERANCE for k, v in ratio.items()},
             "epoch_s": significant(f.epoch.seconds), "worker_mb": significant(f.prepare.worker_mb),

@@ -56,6 +56,52 @@ def close_engine(engine: str, handle) -> None:
     cluster.close()
 
 
+class TimedEngine:
+    """The leg's prepare engine (shardline.engines), its two jobs timed: pass 1 (`run`) and
+    pass 2 with the shuffle and the shard writes (`shuffle_write`)."""
+
+    def __init__(self, engine: str, handle):
+        from shardline.config import load_config
+        from shardline.engines import Engines
+
+        given = {"spark": handle} if engine == "spark" else {"client": handle}
+        self._engine = Engines(load_config({}), **given).prepare_engine(engine)
+        self.seconds = {"pass1": 0.0, "pass2_shuffle_write": 0.0}
+
+    def __getattr__(self, name):  # name, version, spark, client: the engine's
+        return getattr(self._engine, name)
+
+    def run(self, fn, items):
+        start = time.perf_counter()
+        try:
+            return self._engine.run(fn, items)
+        finally:
+            self.seconds["pass1"] += time.perf_counter() - start
+
+    def shuffle_write(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self._engine.shuffle_write(*args, **kwargs)
+        finally:
+            self.seconds["pass2_shuffle_write"] += time.perf_counter() - start
+
+
+def prepare_timed(cfg_dict: dict, engine: str, handle, timed: TimedEngine):
+    """What shardline.api.prepare does (paths resolved, every check, the lease), on `timed`;
+    the manifest. The driver's checks are timed too."""
+    from shardline.config import DATASET, SOURCE, check_storage, load_config, resolve_paths
+    from shardline.stages import check_prepare, dataset_lease, run_prepare
+
+    given = {"spark": handle} if engine == "spark" else {"client": handle}
+    start = time.perf_counter()
+    cfg = resolve_paths(load_config(cfg_dict), [engine], (SOURCE, DATASET), **given)
+    check_storage(cfg, reads=(SOURCE,), writes=(DATASET,))
+    checked = check_prepare(cfg)
+    timed.seconds["driver_checks"] = time.perf_counter() - start
+    with dataset_lease(cfg) as lease:
+        return run_prepare(cfg, timed, lease=lease, checked=checked)
+
+
 def _stage(fn, spawned_as: str) -> tuple[object, dict]:
     sampler = TreeSampler(spawned_as=spawned_as).start()
     start = time.perf_counter()
@@ -83,23 +129,24 @@ def run_leg(raw: Path, work: Path, engine: str, cores: int, handle, tracking_uri
     stages: dict[str, dict] = {}
 
     progress(f"{engine} on {cores} core(s): prepare {raw.name}")
-    prepared, stages["prepare"] = _stage(lambda: api.prepare(cfg, **given), worker)
-    m = prepared.manifest
+    timed = TimedEngine(engine, handle)
+    m, stages["prepare"] = _stage(lambda: prepare_timed(cfg, engine, handle, timed), worker)
     stages["prepare"].update(rows=sum(s.rows for s in m.splits.values()), output_bytes=folder_bytes(work / "dataset"),
-                             shards={s: len(i.shards) for s, i in m.splits.items()})
+                             shards={s: len(i.shards) for s, i in m.splits.items()}, phases=timed.seconds)
+    dataset_dir = str((work / "dataset").resolve())
 
     progress(f"{engine} on {cores} core(s): {steps:,} ddp steps on {cores} rank(s)")
-    payload = {"dataset_dir": prepared.dataset_dir, "training": cfg["training"], "threads": 1,
+    payload = {"dataset_dir": dataset_dir, "training": cfg["training"], "threads": 1,
                "workers": loader_workers, "warmup": min(WARMUP, steps // 2), "steps": steps}
     launch = launch_spark_barrier if engine == "spark" else launch_dask
     results, stages["train"] = _stage(lambda: launch(handle, scale_rank, payload, cores), worker)
-    timed = results[0]
+    ranked = results[0]
     stages["train"].update(
-        steps=steps, timed_steps=timed["steps"], step_s=timed["elapsed_s"] / timed["steps"],
-        data_wait=timed["data_wait"], data_wait_by_rank=timed["data_wait_by_rank"],
+        steps=steps, timed_steps=ranked["steps"], step_s=ranked["elapsed_s"] / ranked["steps"],
+        data_wait=ranked["data_wait"], data_wait_by_rank=ranked["data_wait_by_rank"],
         samples=steps * GLOBAL_BATCH, epoch_steps=m.split("train").rows // GLOBAL_BATCH,
     )
-    model_uri = register(timed, prepared.dataset_dir, cfg["training"], tracking_uri, name)
+    model_uri = register(ranked, dataset_dir, cfg["training"], tracking_uri, name)
 
     progress(f"{engine} on {cores} core(s): score the test split ({m.split('test').rows:,} rows)")
     scored, stages["score"] = _stage(lambda: api.score(cfg, model_uri=model_uri, **given), worker)

@@ -16,7 +16,7 @@ from shardline.benchmarks.scale_data import MARKER
 
 
 def _stage(seconds: float, rows: int, driver: float, ranks: list[float]) -> dict:
-    return {"seconds": seconds, "rows": rows, "rows_per_s": rows / seconds, "disk_written_bytes": 0,
+    return {"seconds": seconds, "rows": rows, "rows_per_s": rows / seconds, "disk_written_bytes": 0, "cpu_s": seconds,
             "peak_rss_mb": {"driver": [driver], "dask_worker": ranks}, "tree_peak_rss_mb": driver + sum(ranks)}
 
 
@@ -30,7 +30,8 @@ class _Forecast:
     """The three stage figures check_forecast reads from a shardline.forecasting.Forecast."""
 
     def __init__(self, seconds: float):
-        stage = type("Stage", (), {"seconds": seconds, "worker_mb": 300.0, "driver_mb": 150.0})
+        stage = type("Stage", (), {"seconds": seconds, "worker_mb": 300.0, "driver_mb": 150.0, "parts": {},
+                                   "cpu_s": 2 * seconds})
         self.prepare = self.train_steps = self.score = self.epoch = stage
 
 

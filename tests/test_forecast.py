@@ -32,13 +32,14 @@ def measured(rows: int = 10_000_000, files: int = 10, tasks: int = 40, **model) 
 def test_prepare_grows_with_rows_and_shrinks_with_cores():
     one, ten = (forecast(measured(rows=n, tasks=400), CFG, Cluster(hosts=1, cores=2), "spark") for n in (10**7, 10**8))
     for phase in ("pass1", "pass2"):
-        fixed = 400 / 2 * costs.ENGINES["spark"].task_s  # waves of tasks: the same at both sizes
+        # A job's start and waves of tasks: the same at both sizes.
+        fixed = costs.ENGINES["spark"].job_s + 400 / 2 * costs.ENGINES["spark"].task_s
         assert ten.prepare.parts[phase] - fixed == pytest.approx(10 * (one.prepare.parts[phase] - fixed))
     four = forecast(measured(rows=10**7, tasks=400), CFG, Cluster(hosts=2, cores=2), "spark")
-    fixed = 400 / 2 * costs.ENGINES["spark"].task_s
-    assert four.prepare.parts["pass1"] - fixed / 2 == pytest.approx((one.prepare.parts["pass1"] - fixed) / 2)
+    job, waves = costs.ENGINES["spark"].job_s, 400 / 2 * costs.ENGINES["spark"].task_s
+    assert four.prepare.parts["pass1"] - job - waves / 2 == pytest.approx((one.prepare.parts["pass1"] - job - waves) / 2)
     # The driver's listing and describing are its own: cores do not share them.
-    assert four.prepare.parts["driver"] == one.prepare.parts["driver"] == pytest.approx(2.0 + 2 * costs.ENGINES["spark"].job_s)
+    assert four.prepare.parts["driver"] == one.prepare.parts["driver"] == pytest.approx(2.0)
 
 
 def test_fewer_tasks_than_cores_use_only_as_many_cores():

@@ -31,6 +31,7 @@ class Cluster(BaseModel):
 class Stage(BaseModel):
     seconds: float
     parts: dict[str, float]  # where the seconds go
+    cpu_s: float  # CPU seconds of the work on every core (what a busy machine does not stretch)
     driver_mb: float
     worker_mb: float  # per executor core / Dask worker / rank
 
@@ -115,17 +116,18 @@ def _prepare(m: Measured, c: costs.EngineCosts, cl: Cluster, rows: int, shards: 
     r = m.prepare.s_per_row
     tasks = max(1, m.input.tasks)
     par = min(cl.slots, tasks) * c.efficiency
-    parts = {
-        "driver": m.input.list_s + m.input.describe_s + 2 * c.job_s,
-        "pass1": rows * r["pass1"] / par + _waves(tasks, cl.slots) * c.task_s,
-        "pass2": rows * (r["pass2"] + c.shuffle_x * r["shuffle"]) / par + _waves(tasks, cl.slots) * c.task_s,
+    parts = {  # each pass is one engine job
+        "driver": m.input.list_s + m.input.describe_s,
+        "pass1": c.job_s + rows * r["pass1"] / par + _waves(tasks, cl.slots) * c.task_s,
+        "pass2": c.job_s + rows * (r["pass2"] + c.shuffle_x * r["shuffle"]) / par + _waves(tasks, cl.slots) * c.task_s,
         "write": rows * r["write"] / (min(cl.slots, max(1, shards)) * c.efficiency) + _waves(shards, cl.slots) * c.task_s,
     }
+    cpu = rows * (r["pass1"] + r["pass2"] + c.shuffle_x * r["shuffle"] + r["write"]) / c.efficiency
     mb = m.prepare.mb_per_row
     in_flight = min(max(1, m.input.largest_unit_rows), 1 << 20)  # a pass-1 batch: at most UNIT_ROWS
     worker = costs.WORKER_BASE_MB + max(mb["pass1"] * in_flight, mb["write"] * shard_rows)
     driver = m.prepare.driver_mb + costs.DRIVER_MB_PER_FILE * m.input.files + costs.DRIVER_MB_PER_SHARD * shards
-    return Stage(seconds=sum(parts.values()), parts=parts, driver_mb=driver, worker_mb=worker)
+    return Stage(seconds=sum(parts.values()), parts=parts, cpu_s=cpu, driver_mb=driver, worker_mb=worker)
 
 
 def _ranks(t, cl: Cluster) -> tuple[int, int]:
@@ -166,8 +168,9 @@ def _train(m: Measured, c: costs.EngineCosts, t, cl: Cluster, ranks: int, splits
     rank_mb = (costs.TORCH_BASE_MB + m.model.parameters * costs.TRAIN_BYTES_PER_WEIGHT / 1e6
                + m.model.row_bytes * (t.shuffle_buffer_rows * 2
                                       + plan.loader_workers_per_rank * t.prefetch_depth * plan.rows_per_row_group) / 1e6)
+    cpu = steps * ranks * (parts["compute"] * t.threads_per_rank + parts["loader_cpu"])
     stage = Stage(seconds=seconds, parts={"start": c.rank_start_s, "steps": steps * step, **{
-        f"{k}_per_step": v for k, v in parts.items()}}, driver_mb=m.prepare.driver_mb, worker_mb=rank_mb)
+        f"{k}_per_step": v for k, v in parts.items()}}, cpu_s=cpu, driver_mb=m.prepare.driver_mb, worker_mb=rank_mb)
     return stage, plan, step
 
 
@@ -178,7 +181,10 @@ def _epoch(m: Measured, c: costs.EngineCosts, t, ranks: int, splits: dict[str, i
     steps = splits["train"] // ranks // max(1, t.batch_size // ranks)
     parts = {"start": c.rank_start_s, "steps": steps * step_s,
              "evaluate": splits["val"] / (ranks * m.model.forward_samples_per_s)}
-    return Stage(seconds=sum(parts.values()), parts=parts, driver_mb=m.prepare.driver_mb, worker_mb=rank_mb)
+    cpu = splits["train"] * (t.threads_per_rank / m.model.train_samples_per_s + 1 / m.model.loader_samples_per_s) \
+        + splits["val"] / m.model.forward_samples_per_s
+    return Stage(seconds=sum(parts.values()), parts=parts, cpu_s=cpu, driver_mb=m.prepare.driver_mb,
+                 worker_mb=rank_mb)
 
 
 def _score(m: Measured, c: costs.EngineCosts, cl: Cluster, rows: int, shards: int) -> Stage:
@@ -187,8 +193,10 @@ def _score(m: Measured, c: costs.EngineCosts, cl: Cluster, rows: int, shards: in
         "start": c.score_start_s,
         "score": rows / (min(cl.slots, tasks) * c.efficiency * m.model.score_rows_per_s) + _waves(tasks, cl.slots) * c.task_s,
     }
-    worker = costs.TORCH_BASE_MB + m.model.parameters * 4 / 1e6 + 4096 * (m.model.row_bytes + m.model.score_bytes_per_row) * 4 / 1e6
-    return Stage(seconds=sum(parts.values()), parts=parts, driver_mb=m.prepare.driver_mb, worker_mb=worker)
+    worker = costs.TORCH_BASE_MB + m.model.parameters * 4 / 1e6 \
+        + 4096 * (m.model.row_bytes + m.model.score_bytes_per_row) * 4 / 1e6
+    cpu = rows / (c.efficiency * m.model.score_rows_per_s)
+    return Stage(seconds=sum(parts.values()), parts=parts, cpu_s=cpu, driver_mb=m.prepare.driver_mb, worker_mb=worker)
 
 
 def _settings(engine: str, cl: Cluster, prep: Stage, score: Stage, train: Stage) -> dict[str, str]:

@@ -1,6 +1,9 @@
 """prepare's engine run in this process on one thread, each phase timed: the forecast's
 per-core prepare rates are those of prepare's own code (pipelines.prepare), on the sample.
 
+Phases are timed in CPU seconds of this process (time.process_time, every thread): the
+work, which a busy machine stretches in wall time but not in CPU time.
+
 An engine's shuffle is the one thing no engine-neutral code does: here the rows of pass 2
 are written as one Arrow IPC stream and read back grouped by part, the least any shuffle
 does with them (Spark and Dask move Arrow batches, then spill and fetch). The forecast
@@ -50,19 +53,19 @@ class SampleEngine:
         self.rows_in_flight = dict.fromkeys(PHASES, 0)
 
     def run(self, fn, items: list) -> list:
-        start, base = time.perf_counter(), reset_peak()
+        start, base = time.process_time(), reset_peak()
         out = [json.loads(json.dumps(fn(item))) for item in items]  # results travel as JSON, as on Spark
         self._done("pass1", start, base, len(items))
         return out
 
     def shuffle_write(self, sources: list, read, schema: pa.Schema, parts: int, write, out_schema: pa.Schema) -> list[dict]:
-        start, base = time.perf_counter(), reset_peak()
+        start, base = time.process_time(), reset_peak()
         tables = [t for s in sources for t in read(s)]
         # Every row is held here (a task streams them to the shuffle): memory per row held.
         self.rows_in_flight["pass2"] = self.rows_in_flight["shuffle"] = sum(t.num_rows for t in tables)
         self._done("pass2", start, base, len(sources))
 
-        start, base = time.perf_counter(), reset_peak()
+        start, base = time.process_time(), reset_peak()
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, schema) as w:
             for t in tables:
@@ -74,7 +77,7 @@ class SampleEngine:
         rows = rows.take(pc.sort_indices(rows, [(PART_COL, "ascending")]))
         self._done("shuffle", start, base, 1)
 
-        start, base = time.perf_counter(), reset_peak()
+        start, base = time.process_time(), reset_peak()
         out = []
         part_of = rows.column(PART_COL).to_numpy()
         for p in range(parts):
@@ -87,6 +90,6 @@ class SampleEngine:
         return out
 
     def _done(self, phase: str, start: float, base_mb: float, tasks: int) -> None:
-        self.seconds[phase] += time.perf_counter() - start
+        self.seconds[phase] += time.process_time() - start
         self.tasks[phase] += tasks
         self.peak_mb[phase] = max(self.peak_mb[phase], rss_mb("VmHWM") - base_mb)
