@@ -45,6 +45,7 @@ def run(rows: int = DEFAULT_ROWS, data_dir: str = "shardline-data/bench-scale", 
 
     data = Path(data_dir).resolve()
     small = max(rows // GROWTH, WARM_ROWS)
+    check_disk(data, rows)
     raw = {n: quickstart_csv(data, n, progress) for n in sorted({small, rows})}
     warm = quickstart_csv(data, WARM_ROWS, progress)
     work = data / "work"
@@ -77,6 +78,28 @@ def run(rows: int = DEFAULT_ROWS, data_dir: str = "shardline-data/bench-scale", 
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return summarize(rows, small, steps, raw, measured, legs)
+
+
+# Disk a row takes at the peak of a leg: its raw CSV (~83 bytes, kept), its shards and the
+# shuffle's spill (~60 bytes each, while the leg runs; scores are a tenth of the rows).
+RAW_BYTES_PER_ROW, LEG_BYTES_PER_ROW = 83, 130
+
+
+def check_disk(data: Path, rows: int) -> None:
+    """Refuse, in one line and before generating anything, a run the disk cannot hold."""
+    from shardline.foundation.errors import DataError
+    from .scale_data import MARKER
+
+    kept = (data / f"raw-{rows}" / MARKER).exists()
+    need = (0 if kept else RAW_BYTES_PER_ROW * rows) + LEG_BYTES_PER_ROW * rows
+    where = data
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if need > free:
+        raise DataError(f"{data}: bench scale at {rows:,} rows needs about {need / 1e9:.0f} GB of disk "
+                        f"({'the raw data is kept; ' if kept else ''}raw CSV, shards, the shuffle's spill), "
+                        f"{free / 1e9:.0f} GB free")
 
 
 def check_forecast(f, leg: dict) -> dict:

@@ -31,13 +31,17 @@ def measured(rows: int = 10_000_000, files: int = 10, tasks: int = 40, **model) 
 
 def test_prepare_grows_with_rows_and_shrinks_with_cores():
     one, ten = (forecast(measured(rows=n, tasks=400), CFG, Cluster(hosts=1, cores=2), "spark") for n in (10**7, 10**8))
-    for phase in ("pass1", "pass2"):
-        # A job's start and waves of tasks: the same at both sizes.
-        fixed = costs.ENGINES["spark"].job_s + 400 / 2 * costs.ENGINES["spark"].task_s
+    c = costs.ENGINES["spark"]
+    for phase, job in (("pass1", c.job_s), ("pass2", c.shuffle_job_s)):
+        fixed = job + 400 / 2 * c.task_s  # a job's start and waves of tasks: the same at both sizes
         assert ten.prepare.parts[phase] - fixed == pytest.approx(10 * (one.prepare.parts[phase] - fixed))
     four = forecast(measured(rows=10**7, tasks=400), CFG, Cluster(hosts=2, cores=2), "spark")
-    job, waves = costs.ENGINES["spark"].job_s, 400 / 2 * costs.ENGINES["spark"].task_s
+    job, waves = c.job_s, 400 / 2 * c.task_s
     assert four.prepare.parts["pass1"] - job - waves / 2 == pytest.approx((one.prepare.parts["pass1"] - job - waves) / 2)
+    # Tasks run in waves of the cores: 3 equal tasks on 2 cores take two tasks' time.
+    three = forecast(measured(rows=3 * 10**6, tasks=3), CFG, Cluster(hosts=1, cores=2), "spark")
+    per_task = 10**6 * 2e-6 / c.efficiency + c.task_s
+    assert three.prepare.parts["pass1"] == pytest.approx(c.job_s + 2 * per_task)
     # The driver's listing and describing are its own: cores do not share them.
     assert four.prepare.parts["driver"] == one.prepare.parts["driver"] == pytest.approx(2.0)
 
@@ -66,11 +70,12 @@ def test_a_step_is_compute_loader_cpu_and_the_all_reduce():
     assert one.train_steps.parts["steps"] == pytest.approx(100 * (0.01 + 0.001))
     two = forecast(m, CFG, Cluster(hosts=1, cores=2), "spark", steps=100)
     assert two.layout.ranks == 2 and two.layout.local_batch == 256
-    allreduce = 2 * (2 - 1) / 2 * 10**6 * 4 / costs.LOOPBACK_BYTES_PER_S
-    assert two.train_steps.parts["steps"] == pytest.approx(100 * (0.011 + allreduce))
+    # Two ranks: DDP's own CPU on the step, and the gradients' all-reduce (bytes and latency).
+    allreduce = 2 * (2 - 1) / 2 * 10**6 * 4 / costs.LOOPBACK_BYTES_PER_S + costs.ALLREDUCE_LATENCY_S
+    assert two.train_steps.parts["steps"] == pytest.approx(100 * (0.01 * costs.DDP_STEP_X + 0.001 + allreduce))
     across = forecast(m, CFG, Cluster(hosts=2, cores=1), "spark", steps=100)
     assert across.train_steps.parts["allreduce_per_step"] == pytest.approx(
-        10**6 * 4 / costs.NETWORK_BYTES_PER_S)
+        10**6 * 4 / costs.NETWORK_BYTES_PER_S + costs.ALLREDUCE_LATENCY_S)
 
 
 def test_an_epoch_is_every_train_row_once_then_evaluation():

@@ -114,13 +114,18 @@ def _waves(tasks: int, slots: int) -> int:
 
 def _prepare(m: Measured, c: costs.EngineCosts, cl: Cluster, rows: int, shards: int, shard_rows: int) -> Stage:
     r = m.prepare.s_per_row
-    tasks = max(1, m.input.tasks)
-    par = min(cl.slots, tasks) * c.efficiency
+    tasks, shards = max(1, m.input.tasks), max(1, shards)
+
+    def phase(seconds_per_row: float, n: int) -> float:
+        """n equal tasks in waves of the slots, each its rows at the engine's efficiency, each
+        with its fixed cost: 3 tasks on 2 cores take two tasks' time, not one and a half."""
+        return _waves(n, cl.slots) * (rows / n * seconds_per_row / c.efficiency + c.task_s)
+
     parts = {  # each pass is one engine job
         "driver": m.input.list_s + m.input.describe_s,
-        "pass1": c.job_s + rows * r["pass1"] / par + _waves(tasks, cl.slots) * c.task_s,
-        "pass2": c.job_s + rows * (r["pass2"] + c.shuffle_x * r["shuffle"]) / par + _waves(tasks, cl.slots) * c.task_s,
-        "write": rows * r["write"] / (min(cl.slots, max(1, shards)) * c.efficiency) + _waves(shards, cl.slots) * c.task_s,
+        "pass1": c.job_s + phase(r["pass1"], tasks),
+        "pass2": c.shuffle_job_s + phase(r["pass2"] + c.shuffle_x * r["shuffle"], tasks),
+        "write": phase(r["write"], shards),
     }
     cpu = rows * (r["pass1"] + r["pass2"] + c.shuffle_x * r["shuffle"] + r["write"]) / c.efficiency
     mb = m.prepare.mb_per_row
@@ -141,7 +146,7 @@ def _step_s(m: Measured, t, cl: Cluster, ranks: int, workers: int) -> tuple[floa
     """One step's seconds: a local batch's compute, or the CPU it shares with its loader
     when the rank's cores are fewer than its threads, plus the gradients' all-reduce."""
     b = t.batch_size // ranks
-    compute = b / m.model.train_samples_per_s
+    compute = b / m.model.train_samples_per_s * (costs.DDP_STEP_X if ranks > 1 else 1.0)
     load = b / m.model.loader_samples_per_s
     cores = cl.slots / ranks
     # The loader's workers overlap the step; on a CPU they share the rank's cores with it.
@@ -149,7 +154,7 @@ def _step_s(m: Measured, t, cl: Cluster, ranks: int, workers: int) -> tuple[floa
     if not cl.gpus:
         shared = max(shared, (compute * t.threads_per_rank + load) / cores)
     bw = costs.LOOPBACK_BYTES_PER_S if cl.hosts == 1 else costs.NETWORK_BYTES_PER_S
-    allreduce = 2 * (ranks - 1) / ranks * m.model.parameters * 4 / bw
+    allreduce = (2 * (ranks - 1) / ranks * m.model.parameters * 4 / bw + costs.ALLREDUCE_LATENCY_S) if ranks > 1 else 0.0
     return max(compute, shared) + allreduce, {"compute": compute, "loader_cpu": load, "allreduce": allreduce}
 
 
