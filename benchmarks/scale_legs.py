@@ -144,6 +144,8 @@ def run_leg(raw: Path, work: Path, engine: str, cores: int, handle, tracking_uri
     stages["train"].update(
         steps=steps, timed_steps=ranked["steps"], step_s=ranked["elapsed_s"] / ranked["steps"],
         data_wait=ranked["data_wait"], data_wait_by_rank=ranked["data_wait_by_rank"],
+        rank_start_mb=ranked["rank_start_mb"], rank_peak_mb=ranked["rank_peak_mb"],
+        rank_added_mb=[b - a for a, b in zip(ranked["rank_start_mb"], ranked["rank_peak_mb"])],
         samples=steps * GLOBAL_BATCH, epoch_steps=m.split("train").rows // GLOBAL_BATCH,
     )
     model_uri = register(ranked, dataset_dir, cfg["training"], tracking_uri, name)

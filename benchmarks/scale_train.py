@@ -30,6 +30,11 @@ def scale_rank(rank: int, world_size: int, p: dict) -> dict:
 
     from .train_loops import timed_steps
 
+    from shardline.forecasting.sample_engine import reset_peak, rss_mb
+
+    # The rank's own memory: its process's high-water mark from here (a Dask worker or a Spark
+    # Python worker may hold what earlier tasks left; that is its start, not the rank's growth).
+    start_mb = reset_peak()
     torch.set_num_threads(p["threads"])
     cfg = TrainingConfig.model_validate(p["training"])
     manifest = load_manifest(p["dataset_dir"])
@@ -47,6 +52,10 @@ def scale_rank(rank: int, world_size: int, p: dict) -> dict:
             epoch += 1
 
     out = timed_steps(batches(), parallel.step, p["warmup"], p["steps"] - p["warmup"], rank)
+    mine = {"start_mb": start_mb, "peak_mb": rss_mb("VmHWM")}
+    every: list = [None] * world_size
+    torch.distributed.all_gather_object(every, mine)
+    out["rank_start_mb"], out["rank_peak_mb"] = [r["start_mb"] for r in every], [r["peak_mb"] for r in every]
     full = parallel.export_state_dict()  # every rank takes part; rank 0 gets the weights
     if rank == 0:
         buf = io.BytesIO()

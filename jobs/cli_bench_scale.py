@@ -30,7 +30,7 @@ def print_scale(result: dict) -> None:
             table.add_row(
                 leg["engine"], str(leg["cores"]), f"{leg['rows']:,}", k, f"{s['seconds']:.1f}",
                 f"{s['rows_per_s']:,.0f}", f"{max(peaks.get('driver', [0])):.0f}",
-                f"{max(peaks.get('spark_jvm', [0])):.0f}" if "spark_jvm" in peaks else "",
+                f"{max(peaks.get('spark_jvm', [0])):.0f}" if leg["engine"] == "spark" else "",
                 ", ".join(f"{x:.0f}" for x in peaks.get(role, [])[:4]), _gb(s["disk_written_bytes"]),
                 f"{leg['forecast']['seconds'][k]:.1f}", f"{leg['forecast']['ratio_run_vs_forecast'][k]:.2f}",
             )
@@ -38,12 +38,12 @@ def print_scale(result: dict) -> None:
     for leg in result["legs"]:
         t = leg["stages"]["train"]
         console.print(f"  {leg['engine']} {leg['cores']} core(s) {leg['rows']:,} rows: step {t['step_s'] * 1e3:.1f} ms, "
-                      f"data-wait {t['data_wait']:.1%}, an epoch ({t['epoch_steps']:,} steps) forecast "
-                      f"{leg['forecast']['epoch_s']:.0f} s")
+                      f"data-wait {t['data_wait']:.1%}, ranks added {', '.join(f'{x:.0f}' for x in t['rank_added_mb'])} "
+                      f"MB, an epoch ({t['epoch_steps']:,} steps) forecast {leg['forecast']['epoch_s']:.0f} s")
     for engine, g in result["growth"].items():
         console.print(f"  {engine} growth ×{result['rows'] // max(1, result['small_rows'])} rows: " + ", ".join(
             f"{k} {g[k]['seconds']:.1f}× time" for k in ("prepare", "train", "score"))
-            + f"; driver peak RSS {g['driver_peak_rss']:.2f}×, rank peak RSS {g['rank_peak_rss']:.2f}×")
+            + f"; driver peak RSS {g['driver_peak_rss']:.2f}×, a rank's own memory {g['rank_added_rss']:.2f}×")
     for engine, checks in result["met"].items():
         console.print(f"  {engine}: " + ", ".join(f"{k} {'met' if ok else 'NOT met'}" for k, ok in checks.items()))
     for line in result["missed"]:

@@ -22,7 +22,8 @@ def _stage(seconds: float, rows: int, driver: float, ranks: list[float]) -> dict
 
 def _leg(rows: int, seconds: float, driver: float, rank: float, wait: float = 0.01, cores: int = 2) -> dict:
     stages = {k: _stage(seconds, rows, driver, [rank, rank - 10]) for k in scale.STAGES}
-    stages["train"].update(data_wait=wait, data_wait_by_rank=[wait, wait / 2], step_s=0.01, epoch_steps=9)
+    stages["train"].update(data_wait=wait, data_wait_by_rank=[wait, wait / 2], step_s=0.01, epoch_steps=9,
+                           rank_added_mb=[rank - 400, rank - 410])
     return {"engine": "dask", "cores": cores, "rows": rows, "stages": stages, "splits": {}}
 
 
@@ -45,7 +46,7 @@ def test_the_summary_is_its_figures_arithmetic():
     r = scale.summarize(100_000, 1000, 4, {}, {}, [small, big])
     g = r["growth"]["dask"]
     assert g["prepare"]["seconds"] == pytest.approx(70.0) and g["prepare"]["rows_per_s"] == pytest.approx(100 / 70, rel=1e-3)
-    assert g["driver_peak_rss"] == pytest.approx(1.15) and g["rank_peak_rss"] == pytest.approx(1.04)
+    assert g["driver_peak_rss"] == pytest.approx(1.15) and g["rank_added_rss"] == pytest.approx(120 / 100)
     met = r["met"]["dask"]
     assert met == {"under_30_min": False, "data_wait": False, "driver_growth": True, "rank_growth": True,
                    "forecast": False}  # 3 x 700 s > 1800 s; 8% > 5%
