@@ -25,7 +25,8 @@ from pathlib import Path
 
 from . import significant
 from .scale_data import folder_bytes, quickstart_csv
-from .scale_legs import close_engine, leg_config, open_engine, run_leg
+from .bench_engines import ENGINES
+from .scale_legs import leg_config, run_leg
 
 DEFAULT_ROWS = 300_000_000
 GROWTH = 100
@@ -61,7 +62,7 @@ def run(rows: int = DEFAULT_ROWS, data_dir: str = "shardline-data/bench-scale", 
     try:
         for engine in engines:
             for cores in ((1, 2) if one_core else (2,)):
-                handle = open_engine(engine, cores)
+                handle = ENGINES[engine].open(cores)
                 try:
                     progress(f"{engine} on {cores} core(s): warming up on {WARM_ROWS:,} rows (not reported)")
                     run_leg(warm, work / "warm", engine, cores, handle, tracking, 4, 1, lambda _: None)
@@ -74,7 +75,7 @@ def run(rows: int = DEFAULT_ROWS, data_dir: str = "shardline-data/bench-scale", 
                         leg["forecast"] = check_forecast(f, leg)
                         legs.append(leg)
                 finally:
-                    close_engine(engine, handle)
+                    ENGINES[engine].close(handle)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return summarize(rows, small, steps, raw, measured, legs)
@@ -129,10 +130,6 @@ def check_forecast(f, leg: dict) -> dict:
 def peak(stage: dict, role: str) -> float:
     """The largest peak RSS of any process of `role` in a stage (0: none ran)."""
     return max(stage["peak_rss_mb"].get(role, [0.0]))
-
-
-def rank_role(engine: str) -> str:
-    return "spark_python" if engine == "spark" else "dask_worker"
 
 
 def growth(small: dict, big: dict) -> dict:

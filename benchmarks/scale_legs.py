@@ -8,6 +8,7 @@ import shutil
 import time
 from pathlib import Path
 
+from .bench_engines import ENGINES
 from .proc_tree import TreeSampler
 from .scale_data import folder_bytes
 
@@ -31,31 +32,6 @@ def leg_config(raw: Path, work: Path, engine: str, cores: int, tracking_uri: str
     }
 
 
-def open_engine(engine: str, cores: int):
-    """The leg's engine: a SparkSession on local[cores] (the process's session stopped
-    first: one SparkContext at a time), or a Dask LocalCluster of `cores` workers."""
-    from shardline.foundation.engine_config import DaskConfig, SparkConfig
-    from shardline.foundation.sessions import dask_client, spark_session
-
-    if engine == "spark":
-        from pyspark.sql import SparkSession
-
-        active = SparkSession.getActiveSession()
-        if active is not None:
-            active.stop()
-        return spark_session(SparkConfig(master=f"local[{cores}]"))
-    return dask_client(DaskConfig(n_workers=cores, threads_per_worker=1))
-
-
-def close_engine(engine: str, handle) -> None:
-    if engine == "spark":
-        handle.stop()
-        return
-    cluster = handle.cluster
-    handle.close()
-    cluster.close()
-
-
 class TimedEngine:
     """The leg's prepare engine (shardline.engines), its two jobs timed: pass 1 (`run`) and
     pass 2 with the shuffle and the shard writes (`shuffle_write`)."""
@@ -64,8 +40,7 @@ class TimedEngine:
         from shardline.config import load_config
         from shardline.engines import Engines
 
-        given = {"spark": handle} if engine == "spark" else {"client": handle}
-        self._engine = Engines(load_config({}), **given).prepare_engine(engine)
+        self._engine = Engines(load_config({}), **ENGINES[engine].given(handle)).prepare_engine(engine)
         self.seconds = {"pass1": 0.0, "pass2_shuffle_write": 0.0}
 
     def __getattr__(self, name):  # name, version, spark, client: the engine's
@@ -92,9 +67,8 @@ def prepare_timed(cfg_dict: dict, engine: str, handle, timed: TimedEngine):
     from shardline.config import DATASET, SOURCE, check_storage, load_config, resolve_paths
     from shardline.stages import check_prepare, dataset_lease, run_prepare
 
-    given = {"spark": handle} if engine == "spark" else {"client": handle}
     start = time.perf_counter()
-    cfg = resolve_paths(load_config(cfg_dict), [engine], (SOURCE, DATASET), **given)
+    cfg = resolve_paths(load_config(cfg_dict), [engine], (SOURCE, DATASET), **ENGINES[engine].given(handle))
     check_storage(cfg, reads=(SOURCE,), writes=(DATASET,))
     checked = check_prepare(cfg)
     timed.seconds["driver_checks"] = time.perf_counter() - start
@@ -117,15 +91,13 @@ def run_leg(raw: Path, work: Path, engine: str, cores: int, handle, tracking_uri
             loader_workers: int, progress=print) -> dict:
     """prepare, `steps` ddp steps and scoring, on `handle` (the engine open_engine gave)."""
     from shardline import api
-    from shardline.training.launchers.dask import launch_dask
-    from shardline.training.launchers.spark import launch_spark_barrier
 
     from .scale_train import register, scale_rank
 
     name = f"bench-scale-{engine}-{cores}"
     cfg = leg_config(raw, work, engine, cores, tracking_uri, name)
-    given = {"spark": handle} if engine == "spark" else {"client": handle}
-    worker = "dask_worker" if engine == "dask" else "rank"
+    side = ENGINES[engine]
+    given, worker = side.given(handle), side.spawned_as
     stages: dict[str, dict] = {}
 
     progress(f"{engine} on {cores} core(s): prepare {raw.name}")
@@ -138,8 +110,7 @@ def run_leg(raw: Path, work: Path, engine: str, cores: int, handle, tracking_uri
     progress(f"{engine} on {cores} core(s): {steps:,} ddp steps on {cores} rank(s)")
     payload = {"dataset_dir": dataset_dir, "training": cfg["training"], "threads": 1,
                "workers": loader_workers, "warmup": min(WARMUP, steps // 2), "steps": steps}
-    launch = launch_spark_barrier if engine == "spark" else launch_dask
-    results, stages["train"] = _stage(lambda: launch(handle, scale_rank, payload, cores), worker)
+    results, stages["train"] = _stage(lambda: side.launch(handle, scale_rank, payload, cores), worker)
     ranked = results[0]
     stages["train"].update(
         steps=steps, timed_steps=ranked["steps"], step_s=ranked["elapsed_s"] / ranked["steps"],

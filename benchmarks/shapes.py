@@ -23,7 +23,8 @@ from pathlib import Path
 from . import significant
 from .proc_tree import TreeSampler
 from .scale_data import folder_bytes
-from .scale_legs import FEATURES, close_engine, open_engine
+from .bench_engines import ENGINES
+from .scale_legs import FEATURES
 from .shapes_data import DOMINANT, needed_bytes, skewed, small_files, few_files, vectors
 
 FEW_FILES = 100
@@ -37,14 +38,14 @@ def run(files: int = 100_000, rows_per_file: int = 1_000, skew_rows: int = 10_00
     data = Path(data_dir).resolve()
     work = data / "work-shapes"
     shutil.rmtree(work, ignore_errors=True)
-    handles = {e: open_engine(e, 2) for e in engines}
+    handles = {e: ENGINES[e].open(2) for e in engines}
     try:
         out = {"files": _files(data, work, handles, files, rows_per_file, progress),
                "skew": _skew(data, work, handles, skew_rows, progress),
                "vectors": _vectors(data, work, handles, vector_rows, width, progress)}
     finally:
         for e, h in handles.items():
-            close_engine(e, h)
+            ENGINES[e].close(h)
         shutil.rmtree(work, ignore_errors=True)
     return {"benchmark": "shapes", **out}
 
@@ -59,7 +60,7 @@ def _prepare(raw: Path, out: Path, engine: str, handle, features: dict, fmt: str
     sampler = TreeSampler(spawned_as="dask_worker").start()
     start = time.perf_counter()
     try:
-        r = api.prepare(cfg, **({"spark": handle} if engine == "spark" else {"client": handle}))
+        r = api.prepare(cfg, **ENGINES[engine].given(handle))
     finally:
         figures = sampler.stop()
     seconds = time.perf_counter() - start

@@ -7,6 +7,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from shardline.benchmarks.bench_engines import ENGINES
+
 from .console import console
 
 DATA_DIR = "shardline-data/bench-scale"
@@ -23,14 +25,15 @@ def print_scale(result: dict) -> None:
                 "disk written", "forecast s", "run/forecast"):
         table.add_column(col, justify="right")
     for leg in result["legs"]:
-        role = "spark_python" if leg["engine"] == "spark" else "dask_worker"
+        role = ENGINES[leg["engine"]].rank_role
         for k in ("prepare", "train", "score"):
             s = leg["stages"][k]
             peaks = s["peak_rss_mb"]
             table.add_row(
                 leg["engine"], str(leg["cores"]), f"{leg['rows']:,}", k, f"{s['seconds']:.1f}",
                 f"{s['rows_per_s']:,.0f}", f"{max(peaks.get('driver', [0])):.0f}",
-                f"{max(peaks.get('spark_jvm', [0])):.0f}" if leg["engine"] == "spark" else "",
+                f"{max(peaks['spark_jvm']):.0f}" if "spark_jvm" in leg["stages"][k].get("cpu_s_by_role", {})
+                and leg["stages"][k]["cpu_s_by_role"]["spark_jvm"] > 0.1 else "",
                 ", ".join(f"{x:.0f}" for x in peaks.get(role, [])[:4]), _gb(s["disk_written_bytes"]),
                 f"{leg['forecast']['seconds'][k]:.1f}", f"{leg['forecast']['ratio_run_vs_forecast'][k]:.2f}",
             )

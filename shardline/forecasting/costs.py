@@ -7,6 +7,7 @@ cluster the bench is how to check them (docs/guide/capacity.md).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -55,3 +56,14 @@ ALLREDUCE_LATENCY_S = 2e-4
 # DDP's buffers per weight: the weights, their gradients, DDP's gradient buckets and AdamW's
 # two moments, 4 bytes each.
 TRAIN_BYTES_PER_WEIGHT = 5 * 4
+
+
+# What the forecast tells the user to set, per engine: (hosts, cores a host, MB a core) ->
+# settings, memory rounded up to 256 MB.
+SETTINGS = {
+    "spark": lambda hosts, cores, mb: {
+        "spark.executor.instances": str(hosts), "spark.executor.cores": str(cores),
+        "spark.executor.memory": f"{256 * math.ceil(mb * cores / 256)}m", "spark.task.cpus": "1"},
+    "dask": lambda hosts, cores, mb: {
+        "dask workers": f"{hosts * cores} (one thread each)", "dask memory_limit": f"{256 * math.ceil(mb / 256)}m"},
+}

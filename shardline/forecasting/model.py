@@ -206,13 +206,6 @@ def _score(m: Measured, c: costs.EngineCosts, cl: Cluster, rows: int, shards: in
 
 def _settings(engine: str, cl: Cluster, prep: Stage, score: Stage, train: Stage) -> dict[str, str]:
     """Memory to give each engine process: the largest forecast for one core's work, x1.5
-    headroom, rounded up to 256 MB."""
+    headroom, rounded up to 256 MB; in the engine's own settings (costs.SETTINGS)."""
     per_core = max(prep.worker_mb, score.worker_mb, train.worker_mb) * 1.5
-
-    def mb(x: float) -> str:
-        return f"{256 * math.ceil(x / 256)}m"
-
-    if engine == "spark":
-        return {"spark.executor.instances": str(cl.hosts), "spark.executor.cores": str(cl.cores),
-                "spark.executor.memory": mb(per_core * cl.cores), "spark.task.cpus": "1"}
-    return {"dask workers": f"{cl.slots} (one thread each)", "dask memory_limit": mb(per_core)}
+    return costs.SETTINGS[engine](cl.hosts, cl.cores, per_core)
