@@ -24,6 +24,7 @@ from shardline.foundation.storage import display
 from shardline.pipelines.manifest import manifest_url
 
 from .cli_bench import bench
+from .cli_forecast import print_forecast
 from .cli_json import json_file_option as _json_file_option
 from .cli_json import json_file_path, write_json_file
 from .cli_json import json_option as _json_option
@@ -260,17 +261,40 @@ def sweep(config, overrides, trials, parallel, engine, name):
 
 
 @cli.command()
-@click.argument("config", type=click.Path(dir_okay=False))
+@click.argument("config", type=click.Path(dir_okay=False), required=False)
 @_set_option
+@click.option("--hosts", type=click.IntRange(min=1), help="Forecast for this many hosts (with --cores).")
+@click.option("--cores", type=click.IntRange(min=1), help="Cores per host of the forecast.")
+@click.option("--gpus", type=click.IntRange(min=0), default=0, show_default=True, help="GPUs per host of the forecast.")
+@click.option("--sample-rows", type=click.IntRange(min=1000), default=None,
+              help="With --hosts: rows of the source measured on [default: 300,000].")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object, nothing else.")
 @_json_file_option
-def plan(config, overrides, as_json):
+def plan(config, overrides, hosts, cores, gpus, sample_rows, as_json):
     """Measure training and loader samples/s; choose loader workers, shards and row groups
     so loading >= 1.2 x training; store the plan in the dataset's manifest.
 
     Then `shardline prepare CONFIG --plan` lays the shards out by it, and training
     uses its loader workers unless training.loader_workers is set.
+
+    With --hosts H --cores C: the run's cost before it starts. Per-core rates measured on
+    a sample of the source (seconds), then the wall time, driver memory and per-worker
+    memory of prepare, an epoch and scoring on H x C, and the layout it would pick; stored
+    beside the dataset and logged to MLflow by the next training run.
     """
+    if hosts or cores:
+        if not (hosts and cores):
+            raise click.UsageError("--hosts and --cores go together")
+        r = api.forecast(config, list(overrides), hosts=hosts, cores=cores, gpus=gpus, sample_rows=sample_rows)
+        if json_file_path():
+            write_json_file(json_file_path(), r.to_dict())
+        if as_json:
+            click.echo(json.dumps(r.to_dict()))
+        else:
+            print_forecast(r)
+        return
+    if config is None:
+        raise click.UsageError("Missing argument 'CONFIG' (or give --hosts and --cores for a forecast)")
     r = api.plan(config, list(overrides))  # measured here, in this process
     manifest, p = r.manifest, r.plan
     if json_file_path():

@@ -21,6 +21,7 @@ from shardline.benchmarks.train import run as run_bench
 from shardline.foundation.errors import ShardlineError
 from shardline.foundation.storage import check_access, resolve
 
+from .cli_bench_scale import scale_options
 from .console import console
 
 # Imported inside the functions that use them: benchmarks.prepare (imports pandas); benchmarks.score (imports
@@ -361,3 +362,44 @@ def bench_fsdp_limit(budget_mb, as_json):
         else:
             console.print(f"  {name}: did not train: {escape(r['error'])}")
     console.print(f"  ddp fails and fsdp trains under the same limit: {result['ddp_fails_fsdp_trains']}")
+
+
+@bench.command("scale")
+@scale_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
+def bench_scale(rows, data_dir, steps, engines, one_core, as_json):
+    """A large dataset on Spark and Dask: prepare, ddp steps, scoring; wall, rows/s, peak RSS of every
+    process, disk written; growth over 1/100 of the rows; the forecast checked at 1 and 2 cores."""
+    from shardline.benchmarks.scale import run as run_bench
+
+    from .cli_bench_scale import print_scale
+
+    result = _bench(run_bench, as_json, rows=rows, data_dir=data_dir, steps=steps,
+                    engines=tuple(engines) or ("spark", "dask"), one_core=one_core)
+    if result is not None:
+        print_scale(result)
+
+
+@bench.command("shapes")
+@click.option("--files", type=click.IntRange(min=2), default=100_000, show_default=True,
+              help="Small CSV files (against the same rows in 100 files).")
+@click.option("--rows-per-file", type=click.IntRange(min=1), default=1_000, show_default=True)
+@click.option("--skew-rows", type=click.IntRange(min=1000), default=10_000_000, show_default=True,
+              help="Rows of the skewed input (one user in half the rows, one color in 90%).")
+@click.option("--vector-rows", type=click.IntRange(min=1000), default=10_000_000, show_default=True,
+              help="Rows of one wide vector column (skipped, said so, when the disk cannot hold them).")
+@click.option("--width", type=click.IntRange(min=1), default=2048, show_default=True, help="Floats of the vector.")
+@click.option("--data-dir", default="shardline-data/bench-scale", show_default=True,
+              help="Where the raw data is generated once and kept for reruns.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
+def bench_shapes(files, rows_per_file, skew_rows, vector_rows, width, data_dir, as_json):
+    """Many small files, a skewed key and a dominant category, wide rows: each prepared on Spark
+    and Dask (the same shards); listing time, driver memory, shard balance, a bad file refused."""
+    from shardline.benchmarks.shapes import run as run_bench
+
+    from .cli_bench_scale import print_shapes
+
+    result = _bench(run_bench, as_json, files=files, rows_per_file=rows_per_file, skew_rows=skew_rows,
+                    vector_rows=vector_rows, width=width, data_dir=data_dir)
+    if result is not None:
+        print_shapes(result)

@@ -253,8 +253,13 @@ def _check_columns(spec: FeatureSpec, files: list[RawFile], names: list[str], fm
     required = [spec.label, *spec.numeric, *spec.categorical, *spec.vectors, *spec.tensors, *spec.images]
     if not spec.generate_key:
         required.insert(0, spec.key)
+    checked: set[int] = set()
     for f in files or [None]:
+        if f is not None and id(f.schema) in checked:  # files of one schema share it (raw.describe)
+            continue
         have = list(f.schema.names) if f is not None else names
+        if f is not None:
+            checked.add(id(f.schema))
         for col in required:
             if col not in have:
                 where = display(f.url) if f is not None else "the synthetic source"

@@ -34,6 +34,9 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"  # the single manifest of datasets written before _manifests/
 MANIFESTS = "_manifests"
 VERSION_PREFIX = "v-"
+# `shardline plan --hosts` writes its forecast here; the next training run logs it to MLflow
+# (training.tracking.log_forecast) beside what the run measured.
+FORECAST_NAME = "_forecast.json"
 _NUMBERED = re.compile(r"^manifest-(\d{9})\.json$")
 
 
@@ -386,7 +389,7 @@ def remove_unreferenced(dataset_dir: str) -> None:
 
 def _ours(n: str) -> bool:
     return (
-        n in (MANIFEST_NAME, MANIFESTS, LEASE_NAME, "_staging")  # _staging: pipelines.frames
+        n in (MANIFEST_NAME, MANIFESTS, LEASE_NAME, FORECAST_NAME, "_staging")  # _staging: pipelines.frames
         or n.startswith(VERSION_PREFIX)
         or (n.startswith(".") and n.endswith(".tmp"))
     )

@@ -47,6 +47,7 @@ from .shards import SHARD_META_SCHEMA, write_parts
 from .source_config import SPARK_FORMATS
 from .sources import display, list_files
 from .tables import previous_inputs
+from .unit_groups import CountedUnits, group_rows, group_units, report_group
 from .splits import SPLITS
 from .tasks import (
     Parts,
@@ -55,8 +56,6 @@ from .tasks import (
     first_problem,
     imputed_values,
     merge_reports,
-    report_unit,
-    shuffle_rows,
     transport_schema,
 )
 from .tensors import row_bytes as tensor_bytes
@@ -152,8 +151,10 @@ def prepare(
         delimiter=src.csv_delimiter,
         rejects_per_unit=rejects.per_unit(len(units)),
     )
+    groups = group_units(units)  # a task per group: 100,000 small files are not 100,000 tasks
     with _listener(engine) as progress, progress.stage("prepare pass 1", len(units), "units read") as read:
-        report = merge_reports(engine.run(Counted(partial(report_unit, task=task), progress.address, read.key), units))
+        report = merge_reports(engine.run(
+            CountedUnits(partial(report_group, task=task, cap=rejects.CAP), progress.address, read.key), groups))
     _check(report, cfg, spec, task.num_classes, frozen)
 
     stats = previous.statistics if frozen else _fit(report, spec)
@@ -173,15 +174,16 @@ def prepare(
 
     version_id, version_dir = new_version_dir(root)
     try:
-        inputs = units + [(i - len(existing), url) for i, url in enumerate(existing)]
+        inputs = groups + [(i - len(existing), url) for i, url in enumerate(existing)]
         with (
             _listener(engine) as progress,
-            progress.stage("prepare pass 2", len(inputs), "units read and routed") as routed,
+            progress.stage("prepare pass 2", len(units) + len(existing), "units read and routed") as routed,
             progress.stage("prepare write", parts.total, "shards written") as shards_out,
         ):
             metas = engine.shuffle_write(
                 sources=inputs,
-                read=Counted(partial(_rows, task=task, stats=stats, parts=parts), progress.address, routed.key),
+                read=CountedUnits(partial(group_rows, task=task, stats=stats, parts=parts, existing=partial(
+                    _existing_rows, task=task, parts=parts)), progress.address, routed.key),
                 schema=transport_schema(spec),
                 parts=parts.total,
                 # A permanent failure (a full disk) comes back as a row: no engine retries it.
@@ -286,10 +288,8 @@ def _moved(previous: ShardManifest | None, root: str) -> bool:
     return (newest[-1] if newest else None) != (previous.sequence if previous else None)
 
 
-def _rows(source, task: PrepareTask, stats: FittedStatistics, parts: Parts):
-    """Pass 2's rows of one source: a raw unit, or (negative index, url) of an existing shard."""
-    if isinstance(source, Unit):
-        return shuffle_rows(source, task, stats, parts)
+def _existing_rows(source: tuple[int, str], task: PrepareTask, parts: Parts):
+    """Pass 2's rows of an existing shard, (negative index, url): its keys, on an append."""
     index, url = source
     return existing_rows(url, index, task.spec, parts, task.split)
 

@@ -16,12 +16,14 @@ import csv
 import io
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
+from shardline.foundation import storage
 from shardline.foundation.errors import DataError, first_line
 from .sources import display, open_raw
 from .table_files import TableFile
@@ -29,10 +31,20 @@ from .table_files import TableFile
 # A unit is read, parsed and reported as one task; ~1M rows keep a task's memory
 # near 100-200 MB and give a big Parquet file several tasks.
 UNIT_ROWS = 1 << 20
+# ...and at most this many bytes of Parquet values (uncompressed): 1M rows of a
+# 2,048-float vector would be 8 GB, parsed to float64 twice that.
+UNIT_BYTES = 128 << 20
 # CSV and JSON files are read in blocks of this many bytes (one Arrow batch each).
 TEXT_BLOCK_BYTES = 64 << 20
 # Rows the driver reads to infer which CSV/JSON columns are numeric.
 SNIFF_ROWS = 1000
+# Files the driver describes at once: a footer or a header is a round trip (a request on
+# an object store), so threads overlap them; 100,000 small CSV files took 82 s one by one
+# here, most of it waiting.
+DESCRIBE_THREADS = 16
+DESCRIBE_CHUNK = 256
+# Bytes read to find a CSV file's header line.
+HEADER_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -43,6 +55,8 @@ class RawFile:
     row_groups: tuple[int, ...] = ()  # rows per row group (Parquet only)
     files: tuple[str, ...] = ()  # the images source: its image files (url is its folder)
     table: TableFile | None = None  # a Delta or Iceberg data file: its columns as the table's
+    size: int = 0  # bytes (CSV and JSON: what a unit's rows are estimated from)
+    row_bytes: int = 0  # Parquet: uncompressed bytes of a row (its footer's sizes)
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,17 @@ class Unit:
     first_row: int = 0  # of the file: error messages name rows in the file
     files: tuple[str, ...] = ()  # the images source: this unit's image files
     table: TableFile | None = None  # a table's data file (pipelines.table_files)
+    # Rows: counted for Parquet (its footer), guessed from the bytes for CSV and JSON (0:
+    # unknown); bytes: the file's for CSV and JSON, uncompressed values for Parquet. What
+    # pipelines.unit_groups deals units into tasks by and pipelines.chunks joins them by.
+    rows: int = 0
+    bytes: int = 0
+    batch_rows: int = UNIT_ROWS  # Parquet: rows per batch read (at most UNIT_BYTES of them)
+
+
+# A CSV or JSON row is rarely shorter than this: rows guessed from bytes err high, so a
+# task of guessed rows holds at most what a task of counted rows would.
+TEXT_ROW_BYTES = 64
 
 
 def describe(files: list[str], fmt: str, delimiter: str) -> list[RawFile]:
@@ -72,23 +97,61 @@ def describe(files: list[str], fmt: str, delimiter: str) -> list[RawFile]:
             files = class_files(files[0], display(files[0]))
         root = files[0].rsplit("/", 2)[0]  # files are <root>/<class>/<name>
         return [RawFile(root, fmt, IMAGE_SCHEMA, files=tuple(files))]
-    out = []
-    for url in files:
+    schemas: dict[str, pa.Schema] = {}  # one object per distinct schema, not one per file
+
+    def one(url: str) -> RawFile | Exception:
         try:
-            out.append(_describe_one(url, fmt, delimiter))
+            return _describe_one(url, fmt, delimiter, schemas)
         except Exception as e:  # the reader's own error, whatever the library
+            return e
+
+    # Slices, not a future per file: 100,000 futures (a lock and a condition each) left
+    # ~150 MB of freed but fragmented memory on the driver.
+    chunks = [files[i : i + DESCRIBE_CHUNK] for i in range(0, len(files), DESCRIBE_CHUNK)]
+    with ThreadPoolExecutor(min(DESCRIBE_THREADS, max(1, len(chunks)))) as pool:
+        out = [f for chunk in pool.map(lambda c: [one(u) for u in c], chunks) for f in chunk]
+    for url, f in zip(files, out):  # the first unreadable file in file order
+        if isinstance(f, Exception):
             what = "not a readable Parquet file" if _parquet(fmt) else f"not readable {fmt}"
-            raise DataError(f"{display(url)}: {what} ({first_line(e)})") from None
+            raise DataError(f"{display(url)}: {what} ({first_line(f)})") from None
     return out
 
 
-def _describe_one(url: str, fmt: str, delimiter: str) -> RawFile:
+def _describe_one(url: str, fmt: str, delimiter: str, schemas: dict[str, pa.Schema]) -> RawFile:
     if _parquet(fmt):
         with open_raw(url) as f:
             meta = pq.read_metadata(f)
         rgs = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
-        return RawFile(url, fmt, meta.schema.to_arrow_schema(), rgs)
-    return RawFile(url, fmt, sniff(url, fmt, delimiter).schema)
+        values = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+        return RawFile(url, fmt, _shared(meta.schema.to_arrow_schema(), schemas), rgs,
+                       row_bytes=-(-values // max(1, sum(rgs))))
+    size = storage.size(url)
+    if fmt == "csv":
+        # The header is all a CSV file's columns are (every value is text); the driver
+        # parses rows of the first file only (checks._kinds).
+        schema = pa.schema([(n, pa.string()) for n in csv_header(url, delimiter)])
+    else:
+        schema = sniff(url, fmt, delimiter).schema
+    return RawFile(url, fmt, _shared(schema, schemas), size=size)
+
+
+def _shared(schema: pa.Schema, schemas: dict[str, pa.Schema]) -> pa.Schema:
+    """The schema object describing files of this schema (dict.setdefault is atomic
+    under the GIL: threads may race to add the same schema, one object wins)."""
+    return schemas.setdefault(schema.to_string(show_schema_metadata=False), schema)
+
+
+def csv_header(url: str, delimiter: str) -> list[str]:
+    """A CSV file's column names: its first line, read with no more than HEADER_BYTES."""
+    with open_raw(url) as f:
+        head = b""
+        while b"\n" not in head and len(head) < HEADER_BYTES:
+            chunk = f.read(HEADER_BYTES - len(head))
+            if not chunk:
+                break
+            head += chunk
+    line = head.split(b"\n", 1)[0].decode("utf-8-sig").rstrip("\r")
+    return next(csv.reader([line], delimiter=delimiter), [])
 
 
 def plan_units(described: list[RawFile]) -> list[Unit]:
@@ -103,17 +166,26 @@ def plan_units(described: list[RawFile]) -> list[Unit]:
                 units.append(Unit(len(units), f.url, fmt, first_row=i, files=f.files[i : i + UNIT_FILES]))
             continue
         if not _parquet(fmt):
-            units.append(Unit(len(units), f.url, fmt))
+            units.append(Unit(len(units), f.url, fmt, rows=f.size // TEXT_ROW_BYTES, bytes=f.size))
             continue
-        # Runs of whole row groups of about UNIT_ROWS rows; a file with none is one empty unit.
+        # Runs of whole row groups of about UNIT_ROWS rows (fewer, wide ones: UNIT_BYTES); a
+        # file with none is one empty unit.
+        most = max(1, min(UNIT_ROWS, UNIT_BYTES // max(1, f.row_bytes)))
         runs: list[list[int]] = [[]]
+        held = 0
         for i, n in enumerate(f.row_groups):
-            if runs[-1] and sum(f.row_groups[j] for j in runs[-1]) + n > UNIT_ROWS:
+            if runs[-1] and held + n > most:
                 runs.append([])
+                held = 0
             runs[-1].append(i)
+            held += n
+        first_row = 0
         for run in runs:
             first = run[0] if run else 0
-            units.append(Unit(len(units), f.url, fmt, first, len(run), sum(f.row_groups[:first]), table=f.table))
+            rows = sum(f.row_groups[j] for j in run)
+            units.append(Unit(len(units), f.url, fmt, first, len(run), first_row, table=f.table, rows=rows,
+                              bytes=rows * f.row_bytes, batch_rows=most))
+            first_row += rows
     return units
 
 
@@ -139,7 +211,8 @@ def read_unit(unit: Unit, columns: list[str], delimiter: str) -> Iterator[pa.Tab
             if not groups:
                 yield conform(pf.schema_arrow.empty_table().select(present))
                 return
-            for batch in pf.iter_batches(batch_size=UNIT_ROWS, row_groups=groups, columns=present, use_threads=False):
+            for batch in pf.iter_batches(batch_size=unit.batch_rows, row_groups=groups, columns=present,
+                                         use_threads=False):
                 yield conform(pa.Table.from_batches([batch]))
     elif unit.fmt == "csv":
         with _lines(unit.url) as f:

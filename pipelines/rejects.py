@@ -54,7 +54,7 @@ def per_unit(units: int) -> int:
     return max(MIN_PER_UNIT, CAP // max(1, units))
 
 
-def unit_rejects(p, raw: pa.Table, unit, offset: int, bad: np.ndarray, key_column: str, room: int,
+def unit_rejects(p, raw: pa.Table, where, bad: np.ndarray, key_column: str, room: int,
                  generate_key: bool, plain) -> list[list]:
     """The first `room` rows of `bad` in one parsed batch: [unit, row in unit, key, reason,
     column, file, row of file, value] each (JSON-able; pass 1's report carries them).
@@ -69,7 +69,7 @@ def unit_rejects(p, raw: pa.Table, unit, offset: int, bad: np.ndarray, key_colum
         key_ok = generate_key or not any(m[i] for k, c, m in kinds if c == key_column and k in ("bad", "null_key"))
         key = int(p.key[i]) if key_ok else raw.column(key_column)[i].as_py()
         value = raw.column(col)[i].as_py() if col in raw.column_names else None
-        in_unit = offset + int(i)
+        unit, in_unit = where.locate(int(i))  # pipelines.chunks.Where: the unit of this row
         file, row = (unit.files[in_unit], None) if unit.files else (unit.url, unit.first_row + in_unit)
         out.append([unit.index, in_unit, None if key is None else str(key), _REASONS.get(kind, kind), col,
                     file, row, _text(value, plain)])

@@ -25,9 +25,10 @@ import pyarrow.parquet as pq
 from . import rejects
 from shardline.foundation import storage
 from .config import FeatureSpec, SplitConfig
-from shardline.foundation.errors import DataError, first_line
+from shardline.foundation.errors import DataError
 from .manifest import FittedStatistics
-from .raw import Unit, read_unit
+from .chunks import Unreadable, Where, read_chunks, unreadable
+from .raw import Unit
 from .rows import BAD_KINDS, INVALID, Parsed, parse, shard_hash, split_codes
 from .splits import SPLITS
 from .sources import display
@@ -94,19 +95,47 @@ class Parts:
 
 def report_unit(unit: Unit, task: PrepareTask) -> dict:
     """Counts, first problems and train statistics of one unit (JSON-able)."""
+    return report_units([unit], task)
+
+
+def report_units(units: list[Unit] | tuple[Unit, ...], task: PrepareTask) -> dict:
+    """report_unit of consecutive units, merged in unit order; small units are parsed
+    together (pipelines.chunks), with the same figures and first problems."""
     rep = _empty_report()
-    offset = 0
-    try:
-        for table in read_unit(unit, task.columns, task.delimiter):
-            p = task.parse(table, unit)
-            _merge(rep, _report_batch(p, table, unit, offset, task, task.rejects_per_unit - len(rep["rejects"])))
-            offset += p.n
-    except Exception as e:  # the file's fault (unreadable, malformed), reported in order
-        rep["error"] = f"{display(unit.url)}: not readable {unit.fmt} ({first_line(e)})"
+    seen: set[int] = set()  # units met so far: each brings rejects_per_unit to the room for rejects
+    for chunk in read_chunks(units, task.columns, task.delimiter):
+        if isinstance(chunk, Unreadable):  # the file's fault (unreadable, malformed), reported in order
+            rep.setdefault("error", chunk.error)
+            continue
+        for parsed in _parsed(*chunk, task):
+            if isinstance(parsed, Unreadable):
+                rep.setdefault("error", parsed.error)
+                continue
+            p, table, where = parsed
+            seen.update(u.index for u in where.units)
+            room = task.rejects_per_unit * len(seen) - len(rep["rejects"])
+            _merge(rep, _report_batch(p, table, where, task, room))
     return rep
 
 
-def _report_batch(p: Parsed, raw: pa.Table, unit: Unit, offset: int, task: PrepareTask, room: int = 0) -> dict:
+def _parsed(table: pa.Table, where: Where, task: PrepareTask):
+    """(parsed, table, where) of a chunk; when parsing it fails (a value of a type the row
+    code cannot take), each of its units alone, the failing one as Unreadable."""
+    try:
+        p = task.parse(table, where.single)
+    except Exception as e:
+        if where.single is not None:
+            yield Unreadable(where.single, unreadable(where.single, e))
+            return
+    else:
+        yield p, table, where
+        return
+    ends = (*where.starts[1:], table.num_rows)
+    for unit, start, end, offset in zip(where.units, where.starts, ends, where.offsets):
+        yield from _parsed(table.slice(start, end - start), Where((unit,), (0,), (offset,)), task)
+
+
+def _report_batch(p: Parsed, raw: pa.Table, where: Where, task: PrepareTask, room: int = 0) -> dict:
     spec = task.spec
     bad = p.mask(BAD_KINDS)
     keep = ~bad if task.drop_bad else np.ones(p.n, bool)
@@ -114,7 +143,7 @@ def _report_batch(p: Parsed, raw: pa.Table, unit: Unit, offset: int, task: Prepa
     rep["rows"] = [int(((p.split == i) & keep).sum()) for i in range(3)]
     rep["dropped"] = int(bad.sum()) if task.drop_bad else 0
     if task.drop_bad:
-        rep["rejects"] = rejects.unit_rejects(p, raw, unit, offset, bad, spec.key, room, spec.generate_key, _plain)
+        rep["rejects"] = rejects.unit_rejects(p, raw, where, bad, spec.key, room, spec.generate_key, _plain)
     # Rows the settings make fatal, each once however many columns or kinds it fails:
     # the count the first problem's one line gives (a per-column count undercounts).
     fatal = (np.zeros(p.n, bool) if task.drop_bad else bad.copy())
@@ -127,6 +156,7 @@ def _report_batch(p: Parsed, raw: pa.Table, unit: Unit, offset: int, task: Prepa
         if not mask.any():
             continue
         i = int(np.argmax(mask))
+        unit, in_unit = where.locate(i)
         # The key as parsed when it parses (JSON and CSV keys are text), else as written.
         key_ok = spec.generate_key or not any(
             p.problems.get((k, spec.key), np.zeros(p.n, bool))[i] for k in ("bad", "null_key")
@@ -135,9 +165,9 @@ def _report_batch(p: Parsed, raw: pa.Table, unit: Unit, offset: int, task: Prepa
         value = raw.column(col)[i].as_py()
         rep["problems"].setdefault(kind, {})[col] = {
             "count": int(mask.sum()),
-            "at": [unit.index, offset + i],
+            "at": [unit.index, in_unit],
             # The images source: the image file itself, not its folder.
-            "file": unit.files[offset + i] if unit.files else unit.url,
+            "file": unit.files[in_unit] if unit.files else unit.url,
             "key": _plain(key),
             "value": f"<{len(value)} bytes>" if isinstance(value, bytes) else _plain(value),
         }
@@ -283,16 +313,24 @@ def label_fields(spec: FeatureSpec) -> list[tuple[str, pa.DataType]]:
 
 def shuffle_rows(unit: Unit, task: PrepareTask, stats: FittedStatistics, parts: Parts) -> Iterator[pa.Table]:
     """The unit's usable rows, transformed, with their part and position."""
+    return shuffle_units([unit], task, stats, parts)
+
+
+def shuffle_units(units: list[Unit] | tuple[Unit, ...], task: PrepareTask, stats: FittedStatistics,
+                  parts: Parts) -> Iterator[pa.Table]:
+    """shuffle_rows of consecutive units, in unit order; small units parsed together."""
     spec = task.spec
     schema = transport_schema(spec)
     width = feature_width(spec) * 4
     impute = spec.on_invalid_features == "impute"
-    offset = 0
-    for table in read_unit(unit, task.columns, task.delimiter):
-        p = task.parse(table, unit)
+    for chunk in read_chunks(units, task.columns, task.delimiter):
+        if isinstance(chunk, Unreadable):  # pass 1 read it: the file changed since
+            raise DataError(f"{display(chunk.unit.url)}: changed since it was checked ({chunk.error})")
+        table, where = chunk
+        p = task.parse(table, where.single)
         keep = ~p.mask(BAD_KINDS)
         if not task.drop_bad and not keep.all():
-            raise DataError(f"{display(unit.url)}: changed since it was checked")
+            raise DataError(f"{display(where.locate(int(np.argmin(keep)))[0].url)}: changed since it was checked")
         feats = features(p.numeric, p.categorical, p.vectors, p.n, spec, stats, impute)[keep]
         rows = np.flatnonzero(keep)
         m = len(rows)
@@ -305,12 +343,11 @@ def shuffle_rows(unit: Unit, task: PrepareTask, stats: FittedStatistics, parts: 
                 pa.Array.from_buffers(pa.binary(), m, [None, offsets.buffers()[1], pa.py_buffer(feats)]),
                 *(binary_rows(p.tensors[c][keep]) for c in spec.tensors),
                 *(p.images[c].filter(pa.array(keep)) for c in spec.images),
-                pa.array((np.int64(unit.index) << 32) | (rows + offset)),
+                pa.array(where.positions(rows)),
                 pa.array(parts.of(p.split[keep], shard_hash(p.key[keep]))),
             ],
             schema=schema,
         )
-        offset += p.n
 
 
 def existing_rows(url: str, index: int, spec: FeatureSpec, parts: Parts, split: SplitConfig) -> Iterator[pa.Table]:

@@ -47,8 +47,8 @@ if TYPE_CHECKING:
 
 _API = {
     name: "api" for name in (
-        "prepare", "train", "score", "run", "sweep", "plan", "score_status", "load_config",
-        "PrepareResult", "TrainResult", "ScoreResult", "RunResult", "PlanResult",
+        "prepare", "train", "score", "run", "sweep", "plan", "forecast", "score_status", "load_config",
+        "PrepareResult", "TrainResult", "ScoreResult", "RunResult", "PlanResult", "ForecastResult",
     )
 }
 # Raised by a call that ran and failed: a lost lease (a stalled job's folder taken over),

@@ -72,8 +72,8 @@ def __getattr__(name: str):
 Config = str | Path | ShardlineConfig | Mapping | None
 Overrides = Iterable[str] | Mapping[str, Any]
 
-__all__ = ["prepare", "train", "score", "run", "sweep", "plan", "score_status", "load_config",
-           "PrepareResult", "TrainResult", "ScoreResult", "RunResult", "PlanResult", "LoopContext"]
+__all__ = ["prepare", "train", "score", "run", "sweep", "plan", "forecast", "score_status", "load_config",
+           "PrepareResult", "TrainResult", "ScoreResult", "RunResult", "PlanResult", "ForecastResult", "LoopContext"]
 
 
 @dataclass
@@ -378,3 +378,36 @@ def plan(config: Config = None, overrides: Overrides = ()) -> PlanResult:
     with stage(f"Measuring {t.model} {t.hidden} and the loader on {where}"):
         measured, p = plan_dataset(t, where, manifest=checked)
     return PlanResult(where, store_plan(where, measured.version_id, p), p)
+
+
+@dataclass
+class ForecastResult:
+    forecast: Any  # shardline.forecasting.Forecast
+    measured: Any  # shardline.forecasting.Measured: what it was made from
+    stored: str | None  # the dataset folder's forecast file, logged by the next training run
+
+    def to_dict(self) -> dict:
+        from shardline.forecasting import to_json
+
+        return {**to_json(self.forecast, self.measured), "stored": self.stored}
+
+
+def forecast(config: Config = None, overrides: Overrides = (), *, hosts: int, cores: int, gpus: int = 0,
+             sample_rows: int | None = None) -> ForecastResult:
+    """Forecast prepare, an epoch and scoring on `hosts` x `cores` (x `gpus`) for
+    pipelines.engine: per-core rates measured in this process on the first `sample_rows`
+    rows of pipelines.source (seconds), the layout chosen, wall time and memory of each
+    stage. Stored beside the dataset for the next training run's MLflow run. Starts no engine."""
+    from shardline import forecasting as fc
+
+    if min(hosts, cores) < 1 or gpus < 0:
+        raise ConfigError(f"--hosts and --cores are at least 1 and --gpus at least 0 (got {hosts}, {cores}, {gpus})")
+    cfg = resolve_paths(load_config(config, overrides), [], (SOURCE, DATASET))
+    p = cfg.pipelines
+    if p.source.format != "synthetic":
+        check_storage(cfg, reads=(SOURCE,))
+    cluster = fc.Cluster(hosts=hosts, cores=cores, gpus=gpus)
+    with stage(f"Forecast for {hosts} host(s) x {cores} core(s){f' x {gpus} GPU(s)' if gpus else ''} on {p.engine}"):
+        measured = fc.measure(cfg, sample_rows or fc.SAMPLE_ROWS)
+    f = fc.forecast(measured, cfg, cluster, p.engine)
+    return ForecastResult(f, measured, fc.store(f, measured, p.dataset_dir))

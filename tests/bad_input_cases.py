@@ -152,6 +152,16 @@ def _small_csv(folder: Path, _dataset: str) -> None:
     (folder / "raw442" / "part-0.csv").write_text("key,a,b,c,label\n" + rows)
 
 
+def _many_csv_one_without_a_column(folder: Path, _dataset: str) -> None:
+    """500 small CSV files of the catalog's columns; the middle one lacks column c (the
+    shape of 100,000 small files, at a count a test can write)."""
+    (folder / "many").mkdir()
+    for i in range(500):
+        cols = "key,a,b,label" if i == 250 else "key,a,b,c,label"
+        row = f"{i},0.5,1.5,{i % 3}" if i == 250 else f"{i},0.5,1.5,2.5,{i % 3}"
+        (folder / "many" / f"part-{i:05d}.csv").write_text(f"{cols}\n{row}\n")
+
+
 def _hold_dataset(folder: Path, dataset: str):
     from shardline.pipelines.prepare import dataset_lease
 
@@ -432,10 +442,16 @@ CASES = [
          "no manifest; run `shardline prepare` first"),
     Case("manifest is not JSON", [*T, "--set", "pipelines.dataset_dir='{dir}/ds'"], 1, "not valid JSON",
          setup=_bad_manifest),
+    Case("a forecast for hosts without cores", ["plan", "{cfg}", "--hosts", "2"], 2,
+         "--hosts and --cores go together"),
     Case("plan without a dataset", ["plan", "{cfg}", "--set", "pipelines.dataset_dir='{dir}/none'"], 1,
          "no manifest"),
     Case("plan on a dataset too small to time the loader (3 batches an epoch)", ["plan", "{cfg}"], 1,
          "the loader's rate cannot be measured: rank 0 of 2 reads"),
+    Case("one file among many without a named column",
+         [*P, "--set", "pipelines.source.format='csv'", "--set", "pipelines.source.path='{dir}/many'",
+          "--set", "pipelines.dataset_dir='{dir}/ds-many'"], 1,
+         "many/part-00250.csv: column 'c' not found (have: key, a, b, label)", setup=_many_csv_one_without_a_column),
     Case("a tensor column that is missing", P, 1, "column 'tokens' not found",
          toml="[pipelines.features.tensors.tokens]\ndtype = 'int32'\nshape = [8]\n"),
     Case("a tensor of another shape than declared", TENSORS, 1,

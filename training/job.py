@@ -43,7 +43,7 @@ from .restarts import launch_with_restarts
 from .result import TrainResult
 from .trained import log_trained
 from .strategies import strategy_for
-from .tracking import check_store, log_dataset_input, open_experiment, run_name
+from .tracking import check_store, log_dataset_input, log_forecast, open_experiment, run_name
 from .loop.function import LoopFunction, resolve as resolve_loop
 from .loop.runner import RankJob
 from .user_code import check_driver_imports, job_code_folders, refresh_driver_code
@@ -268,6 +268,7 @@ class TrainingJob:
                     **({"code_digest": code.digest} if code.files else {}),
                 })
                 log_dataset_input(manifest, self.dataset_dir)
+                log_forecast(self.dataset_dir)  # `shardline plan --hosts`'s, when it made one
             elif self.resume.changed:
                 _log_changed(self.resume.changed, self.resume.head.get("global_step", 0), code_changes)
             job = RankJob(

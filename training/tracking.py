@@ -188,6 +188,29 @@ def log_dataset_input(manifest, dataset_dir: str) -> None:
         _log_input(mlflow, dataset, context, MlflowException)
 
 
+def log_forecast(dataset_dir: str) -> None:
+    """The dataset's forecast (`shardline plan --hosts`, pipelines.manifest.FORECAST_NAME), if
+    it has one, into the active run: forecast.json, and its seconds as forecast_* params, to
+    read beside the run's own figures."""
+    import json
+
+    import mlflow
+
+    from shardline.pipelines.manifest import FORECAST_NAME
+
+    url = storage.join(dataset_dir, FORECAST_NAME)
+    if not storage.is_file(url):
+        return
+    forecast = json.loads(storage.read_bytes(url))
+    mlflow.log_dict(forecast, "forecast.json")
+    cluster = forecast.get("cluster", {})
+    mlflow.log_params({
+        "forecast_cluster": f"{cluster.get('hosts')} x {cluster.get('cores')} cores"
+                            + (f" x {cluster['gpus']} GPUs" if cluster.get("gpus") else ""),
+        **{f"forecast_{k}_s": round(forecast[k]["seconds"], 1) for k in ("prepare", "epoch", "score") if k in forecast},
+    })
+
+
 def _log_input(mlflow, dataset, context: str, error) -> None:
     # A sweep's concurrent trials log the same dataset at once, and the store inserts it
     # after looking for it: the loser of that race fails on the table's unique key (seen on
