@@ -443,7 +443,7 @@ CASES = [
     Case("manifest is not JSON", [*T, "--set", "pipelines.dataset_dir='{dir}/ds'"], 1, "not valid JSON",
          setup=_bad_manifest),
     Case("a forecast for hosts without cores", ["plan", "{cfg}", "--hosts", "2"], 2,
-         "--hosts and --cores go together"),
+         "--hosts and --cores go together", usage=True),
     Case("plan without a dataset", ["plan", "{cfg}", "--set", "pipelines.dataset_dir='{dir}/none'"], 1,
          "no manifest"),
     Case("plan on a dataset too small to time the loader (3 batches an epoch)", ["plan", "{cfg}"], 1,
