@@ -11,6 +11,8 @@ the group itself. `shardline.context()` gives it the rank's context, made at tha
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,11 +47,40 @@ def run_call(rank: int, world_size: int, job: RankJob) -> dict:
         CheckpointStore(job.cfg.checkpoint_dir).announce(rank)  # which host and pid: a lost rank's line names it
     fn = call.fn.load(job.cfg.code_paths)
     args, kwargs = cloudpickle.loads(call.arguments)
-    with entered(lambda: _context(rank, world_size, job)):
+    with entered(lambda: _context(rank, world_size, job)), _groups_outlive_the_call():
         value = fn(*args, **kwargs)
         ctx = made()
         pending = ctx.finish() if ctx is not None else []
     return {"value": cloudpickle.dumps(value) if rank == 0 else None, "mlflow_pending": pending}
+
+
+@contextmanager
+def _groups_outlive_the_call() -> Iterator[None]:
+    """Every process group the function destroys is kept alive until it has returned.
+
+    A torchrun script commonly ends `dist.destroy_process_group(); return value` with its
+    DDP model still a local: the model is freed as the function returns, and its Reducer
+    holds the last reference to the gloo group, whose destructor then joins gloo's worker
+    threads with the GIL held, while a worker finishing its last allreduce waits for the
+    GIL (seen here: a rank hung for good at the end of a TorchDistributor function;
+    pytorch/pytorch#56297). Kept here, the group is released after the call through its own
+    Python binding, which lets go of the GIL first."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    kept: list = []
+    original = distributed_c10d.destroy_process_group
+
+    def destroy_process_group(group=None):
+        kept.append(group if group is not None else distributed_c10d.GroupMember.WORLD)
+        return original(group)
+
+    dist.destroy_process_group = distributed_c10d.destroy_process_group = destroy_process_group
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = distributed_c10d.destroy_process_group = original
+        kept.clear()
 
 
 def _context(rank: int, world_size: int, job: RankJob) -> LoopContext:
