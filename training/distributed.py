@@ -98,7 +98,8 @@ class DistributedJob:
         store, cfg = self.store, self.cfg
         held = store.hold(cfg.lease_ttl_s) if store is not None else None
         try:
-            guard = DriverGuard.for_this_process(held.url, held.job, held.ttl_s) if held is not None else None
+            guard = (DriverGuard.for_this_process(held.url, store.stop_file, held.job, held.ttl_s)
+                     if held is not None and store is not None else None)
             if store is not None and self.resume_from is None:
                 store.start_over(self.fingerprint)  # a new call: this function's earlier checkpoints go
             job = RankJob(cfg=cfg, dataset_dir="", fingerprint=self.fingerprint, code=self.code,
