@@ -7,9 +7,9 @@ collision happen in most tries of this test before the fix."""
 
 from __future__ import annotations
 
+import multiprocessing
 from types import SimpleNamespace
 
-from shardline.engines.local.launch import process_context
 
 ROUNDS = 5
 PROCESSES = 4
@@ -47,9 +47,10 @@ def test_runs_logging_the_same_dataset_at_once_all_keep_it(tmp_path):
     # Created once, before the race on datasets. Through a client: this process's global
     # tracking URI belongs to the session's store, which later tests read.
     MlflowClient(uri).create_experiment("concurrent-inputs")
-    # The local launcher's processes: forked from its fork server, which imported MLflow's SQL
-    # store once (four spawned interpreters each imported it again, ~2 CPU-s apiece).
-    ctx = process_context()
+    # Processes forked from a fork server that imported MLflow's SQL store once (four spawned
+    # interpreters each imported it again, ~2 CPU-s apiece).
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store"])
     barrier, results = ctx.Barrier(PROCESSES), ctx.Queue()
     procs = [ctx.Process(target=_log_rounds, args=(uri, dataset_dir, barrier, results)) for _ in range(PROCESSES)]
     for p in procs:
