@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from shardline.foundation import storage
+
 from .raw import Unit, first_line, read_unit
 from .sources import display
 
@@ -47,6 +49,12 @@ class Where:
     @property
     def single(self) -> Unit | None:
         return self.units[0] if len(self.units) == 1 else None
+
+    @property
+    def base(self) -> Unit | None:
+        """A unit of the chunk's one folder (read_chunks never mixes folders): what relative
+        image paths in its rows are relative to."""
+        return self.units[0] if self.units else None
 
 
 @dataclass(frozen=True)
@@ -91,7 +99,9 @@ def read_chunks(units: tuple[Unit, ...] | list[Unit], columns: list[str], delimi
             continue
         table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
         full = held + table.num_rows > chunk_rows or held_bytes + unit.bytes > CHUNK_BYTES
-        if pending and (full or not table.schema.equals(pending[0][0].schema)):
+        # One folder a chunk: a relative image path in a row is its file's folder's (Where.base).
+        elsewhere = bool(pending) and storage.parent(unit.url) != storage.parent(pending[0][1].url)
+        if pending and (full or elsewhere or not table.schema.equals(pending[0][0].schema)):
             yield from flush()
         pending.append((table, unit))
         held += table.num_rows

@@ -122,7 +122,7 @@ def _parsed(table: pa.Table, where: Where, task: PrepareTask):
     """(parsed, table, where) of a chunk; when parsing it fails (a value of a type the row
     code cannot take), each of its units alone, the failing one as Unreadable."""
     try:
-        p = task.parse(table, where.single)
+        p = task.parse(table, where.base)
     except Exception as e:
         if where.single is not None:
             yield Unreadable(where.single, unreadable(where.single, e))
@@ -327,7 +327,7 @@ def shuffle_units(units: list[Unit] | tuple[Unit, ...], task: PrepareTask, stats
         if isinstance(chunk, Unreadable):  # pass 1 read it: the file changed since
             raise DataError(f"{display(chunk.unit.url)}: changed since it was checked ({chunk.error})")
         table, where = chunk
-        p = task.parse(table, where.single)
+        p = task.parse(table, where.base)
         keep = ~p.mask(BAD_KINDS)
         if not task.drop_bad and not keep.all():
             raise DataError(f"{display(where.locate(int(np.argmin(keep)))[0].url)}: changed since it was checked")
