@@ -86,5 +86,5 @@ def test_bench_train_tokens_tiny(spark, tmp_path):
 
 def test_bench_train_takes_one_of_images_and_tokens(tmp_path):
     proc = shardline_here("bench", "train", "--images", "--tokens", cwd=tmp_path)
-    assert proc.returncode == 2 and "--images and --tokens are two benchmarks: give one" in proc.stderr
+    assert proc.returncode == 2 and "--images, --tokens and --loop are three benchmarks: give one" in proc.stderr
     assert list(tmp_path.iterdir()) == []

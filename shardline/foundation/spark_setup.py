@@ -295,7 +295,7 @@ def _ctrl_c_to_this_process(spark) -> None:
     the same is asked here of the JVM spark-submit started. The command then cancels its job,
     says "aborted" and exits 130, and spark-submit exits with that code (its PythonRunner
     exits with the Python driver's)."""
-    jvm = spark.sparkContext._jvm
+    jvm = spark.sparkContext._jvm  # classic only: called under spark-submit, whose JVM this is
     try:
         jvm.sun.misc.Signal.handle(jvm.sun.misc.Signal("INT"), jvm.sun.misc.SignalHandler.SIG_IGN)
     except Exception as e:  # noqa: BLE001 - a JVM without sun.misc.Signal: Spark's own handling stays
