@@ -12,12 +12,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from shardline.benchmarks.fsdp_limit import run as run_bench
-from shardline.benchmarks.loader import run as run_bench
-from shardline.benchmarks.loader_images import run as run_bench
-from shardline.benchmarks.loader_s3 import run as run_bench
-from shardline.benchmarks.strategies import run as run_bench
-from shardline.benchmarks.train import run as run_bench
+from shardline.benchmarks.fsdp_limit import run as run_fsdp_limit
+from shardline.benchmarks.loader import run as run_loader
+from shardline.benchmarks.loader_images import run as run_loader_images
+from shardline.benchmarks.loader_s3 import run as run_loader_s3
+from shardline.benchmarks.strategies import run as run_strategies
+from shardline.benchmarks.train import run as run_train
 from shardline.foundation.errors import ShardlineError
 from shardline.foundation.storage import check_access, resolve
 
@@ -164,7 +164,7 @@ def bench_train(rows, steps, rounds, images, tokens, loop, as_json):
     rows, steps, rounds = rows or 100_000, steps or 200, rounds or 3
     # TorchDistributor relays its tasks' output with print(): keep stdout for the result.
     with redirect_stdout(sys.stderr):
-        result = run_bench(rows, progress=lambda msg: console.print(f"[dim]… {msg}[/]"),
+        result = run_train(rows, progress=lambda msg: console.print(f"[dim]… {msg}[/]"),
                            steps=steps, warmup=min(20, steps // 2), rounds=rounds)
     if as_json:  # outside the redirect: the object goes to stdout
         click.echo(json.dumps(result))
@@ -214,7 +214,7 @@ def bench_loader(rows, images, as_json, store, s3_url):
     if s3_url:
         raise click.UsageError("--s3-url goes with --storage s3")
 
-    result = _bench(run_bench, as_json, rows=rows)
+    result = _bench(run_loader, as_json, rows=rows)
     if result is None:
         return
     table = Table(title=f"loader, {result['train_rows']:,} train rows × {result['feature_width']} "
@@ -240,7 +240,7 @@ def bench_loader(rows, images, as_json, store, s3_url):
 
 
 def _bench_loader_images(n: int, as_json: bool) -> None:
-    result = _bench(run_bench, as_json, n_images=n)
+    result = _bench(run_loader_images, as_json, n_images=n)
     if result is None:
         return
     c, h, w = result["image_shape"]
@@ -276,7 +276,7 @@ def _bench_loader_s3(rows: int, as_json: bool, s3_url: str | None) -> None:
             raise click.UsageError("--s3-url takes an s3:// URL")
         check_access(s3_url, "--s3-url", write=True)
     try:
-        result = _bench(run_bench, as_json, rows=rows, s3_url=s3_url)
+        result = _bench(run_loader_s3, as_json, rows=rows, s3_url=s3_url)
     except RuntimeError as e:  # no moto_server to start
         raise ShardlineError(f"bench loader --storage s3: {e}") from None
     if result is None:
@@ -296,7 +296,7 @@ def _bench_loader_s3(rows: int, as_json: bool, s3_url: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
 def bench_strategies(steps, as_json):
     """Samples/s, peak memory per rank and pipeline bubble of every strategy on one transformer."""
-    result = _bench(run_bench, as_json, steps=steps)
+    result = _bench(run_strategies, as_json, steps=steps)
     if result is None:
         return
     m = result["model"]
@@ -348,7 +348,7 @@ def bench_strategies(steps, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
 def bench_fsdp_limit(budget_mb, as_json):
     """A 100M-weight model that ddp cannot train within a per-rank memory limit, trained by fsdp within it."""
-    result = _bench(run_bench, as_json, budget_mb=budget_mb)
+    result = _bench(run_fsdp_limit, as_json, budget_mb=budget_mb)
     if result is None:
         return
     m = result["model"]
