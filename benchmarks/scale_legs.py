@@ -41,7 +41,7 @@ class TimedEngine:
         from shardline.config import load_config
         from shardline.engines import Engines
 
-        self._engine = Engines(load_config({}), **ENGINES[engine].given(handle)).prepare_engine(engine)
+        self._engine = Engines(load_config({}), **ENGINES[engine].given(handle)).get(engine, "pipelines.engine")
         self.seconds = {"pass1": 0.0, "pass2_shuffle_write": 0.0}
 
     def __getattr__(self, name):  # name, version, spark, client: the engine's

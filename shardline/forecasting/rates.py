@@ -148,7 +148,8 @@ def _score_rate(model, manifest, dataset_dir: str, batch: int) -> tuple[float, f
     has none): serving.worker's reading and decoding, the model, its output columns."""
     from shardline.foundation import storage
     from shardline.serving.inputs import Transform, Unit
-    from shardline.serving.worker import UnitTask, _batches, _predict, output_schema
+    from shardline.serving.worker import UnitTask, _batches, output_schema
+    from shardline.training.inference import predict
 
     split = manifest.splits.get("test")
     shards = (split.shards if split and split.shards else manifest.split("train").shards)
@@ -166,7 +167,7 @@ def _score_rate(model, manifest, dataset_dir: str, batch: int) -> tuple[float, f
             path = os.path.join(out, f"{i}.parquet")
             with pq.ParquetWriter(path, schema) as w:
                 for keys, x in _batches(task, spec):
-                    pred = _predict(model, x, classification, transform.tensors)
+                    pred = predict(model, x, classification, transform.tensors)
                     w.write_batch(_output(keys, pred, schema, classification))
                     rows += len(keys)
             written += os.path.getsize(path)

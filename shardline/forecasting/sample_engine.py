@@ -52,6 +52,9 @@ class SampleEngine:
         self.peak_mb = dict.fromkeys(PHASES, 0.0)
         self.rows_in_flight = dict.fromkeys(PHASES, 0)
 
+    def listen_address(self) -> str:
+        return "127.0.0.1"  # the tasks run in this process (prepare's progress listener)
+
     def run(self, fn, items: list) -> list:
         start, base = time.process_time(), reset_peak()
         out = [json.loads(json.dumps(fn(item))) for item in items]  # results travel as JSON, as on Spark
