@@ -126,7 +126,7 @@ def restore(ctx: LoopContext, run: Run) -> tuple[int, torch.Tensor | None]:
     fingerprint.apply_changed(run.parallel.optimizer, run.scheduler, ctx.config, ctx.config.resume_allow_changed)
     position = run.train.state_dict()
     mid_epoch = position["batches"] > 0 and state["sums"]
-    return position["epoch"], torch.tensor(state["sums"]) if mid_epoch else None
+    return position["epoch"], torch.tensor(state["sums"], dtype=torch.float64) if mid_epoch else None
 
 
 def train_epoch(ctx: LoopContext, run: Run, epoch: int) -> None:
