@@ -25,6 +25,7 @@ import time
 import pytest
 import torch
 
+from shardline.engines import DaskEngine
 from shardline.foundation.engine_config import DaskConfig
 from shardline.foundation.sessions import dask_client
 from shardline.training.checkpoints.store import CheckpointStore
@@ -89,7 +90,7 @@ def test_a_killed_rank_and_worker_under_load_resume_and_the_next_job_runs(prepar
             killer.start()
             try:
                 resumed = run_training(_cfg(tmp_path / "ckpt"), TrackingConfig(experiment="dask-load-kill"),
-                                       prepared.dataset_dir, dask_client=client)
+                                       prepared.dataset_dir, DaskEngine(client))
             finally:
                 done.set()
                 killer.join()
@@ -97,7 +98,7 @@ def test_a_killed_rank_and_worker_under_load_resume_and_the_next_job_runs(prepar
             # The same cluster, as the kills left it, runs the next job: the uninterrupted reference.
             client.wait_for_workers(2, timeout=300)
             again = run_training(_cfg(tmp_path / "ckpt-again"), TrackingConfig(experiment="dask-load-again"),
-                                 prepared.dataset_dir, dask_client=client)
+                                 prepared.dataset_dir, DaskEngine(client))
 
         # No rank ran in a worker's process (none keeps a process group, a store or their
         # threads): each announced a process of its own.
