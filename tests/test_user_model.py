@@ -31,7 +31,7 @@ PACKAGE = str(USERMODELS / "usernets")
 MODEL, LOSS = "usernets.nets:build", "usernets.losses:smoothed_ce"
 # Every strategy on 2 ranks (ps: a server and a worker), one after the other in one group.
 STRATEGIES = {
-    "ddp": {}, "fsdp": {}, "tensor": {}, "pipeline": {"micro_batches": 4}, "ps": {"ps_servers": 1},
+    "ddp": {}, "fsdp": {}, "tensor": {}, "pipeline": {"micro_batches": 4}, "ps": {"servers": 1},
 }
 TOLERANCE = 1e-6  # SGD in fp32, as tests/test_equivalence.py
 # SGD in bf16 autocast on the named-input model: measured 9.4e-6 (pipeline, torch 2.13 CPU);
@@ -98,7 +98,7 @@ def test_a_job_trains_a_user_model_with_its_loss_and_logs_its_metrics(small_data
 
     # The package found through training.code_paths (the job's folder is not its parent).
     cfg = TrainingConfig(
-        launcher="local", world_size=2, strategy="pipeline", micro_batches=2, batch_size=32, epochs=2,
+        launcher="local", world_size=2, strategy="pipeline", pipeline={"micro_batches": 2}, batch_size=32, epochs=2,
         model=MODEL, model_args={"width": 8, "depth": 2}, loss="usernets.losses:shifted_ce",
         metrics=["usernets.losses:ce", "usernets.losses:top1"], code_paths=[PACKAGE],
         checkpoint_dir=str(tmp_path / "ckpt"), timeout_s=120,
@@ -300,7 +300,7 @@ def test_a_job_trains_scores_and_predicts_a_model_of_named_inputs(typed_dataset,
     from .serving_helpers import read_scores
 
     cfg = TrainingConfig(
-        launcher="local", world_size=2, strategy="pipeline", micro_batches=2, batch_size=16, epochs=1,
+        launcher="local", world_size=2, strategy="pipeline", pipeline={"micro_batches": 2}, batch_size=16, epochs=1,
         model=TYPED, code_paths=[PACKAGE], checkpoint_dir=str(tmp_path / "ckpt"), timeout_s=120,
     )
     tracking = TrackingConfig(tracking_uri=tracking_uri, experiment="typed-model")

@@ -34,9 +34,10 @@ from shardline.foundation.progress import ProgressListener, listen_address
 from .checkpoints import fingerprint, sharded
 from .checkpoints.store import CheckpointStore
 from .config import TrackingConfig, TrainingConfig
-from .launchers import DriverGuard
+from .launchers import DriverGuard, announced_hosts
 from .loader.reader import check_world_size, epoch_steps, rows_per_rank
 from .mlflow_outage import replay, tracked_run, when_reachable
+from .rank_grid import MESH_GRID, rank_grid
 from .models.check import check_callables, check_model
 from .models.inputs import ModelInputs
 from .models.builtin import build_model
@@ -246,6 +247,9 @@ class TrainingJob:
             run_id = run.info.run_id
             if self.outline:
                 mlflow.log_text(self.outline, f"strategy-{cfg.strategy}.txt")
+            # The ranks on the mesh (training.plan.rank_grid), hosts as known before launch;
+            # logged again with the hosts the ranks reported once they ran.
+            mlflow.log_text(rank_grid(cfg, manifest, model=self.model), MESH_GRID)
             if self.resume is None:
                 # A new job starts over (stale checkpoints would be resumed by its restarts),
                 # never over another job's checkpoints (check() refused those).
@@ -287,6 +291,10 @@ class TrainingJob:
             # The driver's own calls: a server down as training ends is waited for like one down during it.
             def reachable(call):
                 return when_reachable(call, uri, tracking.outage_wait_s, latest())
+
+            hosts = announced_hosts(job.ranks_dir, cfg.world_size)
+            if hosts:  # the grid again, with the hosts the ranks ran on
+                reachable(lambda: mlflow.log_text(rank_grid(cfg, manifest, hosts, self.model), MESH_GRID))
 
             from .models.registered import log_trained_model
 

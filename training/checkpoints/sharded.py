@@ -1,23 +1,23 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP), for every strategy, and resuming at another mesh.
+"""Checkpoints with torch.distributed.checkpoint (DCP): one path for every mesh and for ps,
+and resuming at another mesh.
 
-Every rank writes what it holds of the model and the optimizer state, in parallel,
-into one directory per checkpoint beside the checkpoint's small file
-(`training.checkpoints.fingerprint`); nothing is gathered to one rank. The state is keyed by the
-plain model's parameter names, the same for every strategy:
+Every rank writes what it holds of the model and the optimizer state, in parallel, into
+one directory per checkpoint beside the checkpoint's small file
+(`training.checkpoints.fingerprint`); nothing is gathered to one rank. A rank's state is
+its Parallel's `state_dict()` (`state_of`), keyed by the plain model's names, the same for
+every layout:
 
     model.<name>                         a weight (or buffer) of the plain model
     optimizer.state.<name>.<key>         its optimizer state (AdamW: exp_avg, exp_avg_sq, step)
     optimizer.param_groups               hyperparameters (lr, betas, ...)
 
-- fsdp, tensor: DTensor shards, through torch's state-dict API (`save`, `load`).
-- ddp: every rank holds every tensor; DCP writes each once, spread over the ranks.
-- pipeline: a rank holds its stages' weights and their optimizer state.
-- ps: a server holds its shard and its optimizer; workers write nothing (their
-  replicas are the servers' values).
-(`save_plain`, `load_plain`.) DCP's load plans the reads for the ranks that load, so
-a checkpoint written by 4 ranks loads on 2 and the reverse, whatever the strategy:
-each rank reads the names it holds now. With no process group at all it reads
-everything (`read_weights`: a checkpoint's plain weights, in one process).
+A tensor is whatever the rank holds: a DTensor where the mesh shards or splits it (FSDP2,
+tensor parallel, both), a plain tensor where it does not (ddp's replicas: DCP writes each
+once, spread over the ranks; a pipeline rank's stages; a parameter server's shard). DCP's
+load plans the reads for the ranks that load, so a checkpoint written by one mesh loads on
+any other ({dp_shard 2, tp 2} on {dp_shard 4}, on {tp 2}, on {pp 2, tp 2}; 4 ranks on 2):
+each rank reads the pieces of what it holds now. With no process group at all it reads
+everything (`read_weights`, `load_into`: a checkpoint in one process).
 
     checkpoint_dir/
       ckpt-000000120-9c0e2b.pt       small: step, epoch, loader position, each rank's
@@ -32,11 +32,11 @@ The directory's name (`CheckpointStore.new_dcp_name`) and its pruning with the r
 the checkpoint folder's owner's (`training.checkpoints.store`); this module writes and reads
 what is in it.
 
-Resuming at another mesh (`checkpoints.MESH_FIELDS`: world_size, dp, tp, pp, dp_shard,
-ps_servers, the plans): the weights and optimizer state reshard; the loader's order
-within an epoch depends on how many ranks read data, so a checkpoint taken mid-epoch
-resumes only with the same number of them; at an epoch end any number does (the next
-epoch's order is the new world's). `check_resume` says so before anything starts.
+Resuming at another mesh (`fingerprint.MESH_FIELDS`: world_size, the mesh's degrees,
+ps.servers, the plans): the weights and optimizer state reshard; the loader's order within
+an epoch depends on how many ranks read data, so a checkpoint taken mid-epoch resumes only
+with the same number of them; at an epoch end any number does (the next epoch's order is the
+new world's). `check_resume` says so before anything starts.
 
 Storage: the small file goes through `foundation.storage` like every checkpoint (the
 LATEST pointer names it: the commit). The DCP directory goes through it too
@@ -53,104 +53,128 @@ from shardline.foundation import failures, storage
 from shardline.foundation.errors import ConfigError, StorageError
 
 from .store import CheckpointStore, error_cause
-from .fingerprint import MESH_FIELDS
+from .fingerprint import MESH_FIELDS, settings, upgraded
 from ..config import TrainingConfig
 
 # torch.distributed.checkpoint is imported inside the functions that save or load: with
 # DTensor and sympy it is ~0.6 s, which a driver that only reads the small file never needs.
 
 
-def save(model, optimizer, directory: str) -> None:
-    """A rank of DTensor shards (fsdp, tensor) writes its shards of the model and the
-    optimizer state. Collective."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    from . import dcp_storage
-
-    model_state, optim_state = get_state_dict(model, optimizer)
-    w = dcp_storage.writer(directory)
-    with _rank_failure(directory, "write", w):
-        dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=w)
-
-
-def load(model, optimizer, directory: str) -> None:
-    """Every rank reads the pieces of its own shards, whatever mesh wrote them. Collective.
-    In a process with no process group it loads an ordinary model and optimizer (DCP then
-    reads every piece itself): that is how a sharded checkpoint becomes a plain one."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    from . import dcp_storage
-
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state}
-    with _rank_failure(directory, "read"):
-        dcp.load(state, storage_reader=dcp_storage.reader(directory))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-
-
-def optimizer_names(named_parameters, optimizer) -> list[str]:
-    """The plain model's name of each of `optimizer`'s parameters, in its state dict's order
-    (param_groups flattened), from (name, parameter) pairs of what the rank holds."""
-    names = {id(p): n for n, p in named_parameters}
-    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-
-
-def save_plain(weights: dict, optimizer, names: list[str], directory: str) -> None:
-    """A rank of plain tensors (ddp, pipeline, ps) writes the weights it holds, keyed by the
-    plain model's names, and its optimizer's state (`names`: optimizer_names). A tensor held
-    by several ranks (ddp's replicas) is written once. Collective."""
-    import torch.distributed.checkpoint as dcp
-
-    from . import dcp_storage
-
+def state_of(weights: dict, named_parameters, optimizer) -> dict:
+    """A rank's checkpoint state (the module's docstring): `weights` by the plain model's
+    names (the tensors themselves, not copies: DCP loads into them in place), the optimizer's
+    state keyed by its parameters' names (`named_parameters`: (name, parameter) of what the
+    rank holds). An optimizer that never stepped gets its state first (`materialise`): a
+    load needs the tensors to read into."""
     state: dict = {"model": dict(weights)}
-    if optimizer is not None:
-        own = optimizer.state_dict()
-        # param_groups without "params" (indices, which differ between ranks): the same on
-        # every rank holding an optimizer, since every rank runs the same schedule.
-        state["optimizer"] = {
-            "state": {names[i]: s for i, s in own["state"].items()},
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in own["param_groups"]],
-        }
+    if optimizer is None:
+        return state
+    if not optimizer.state:
+        materialise(optimizer)
+    names = {id(p): n for n, p in named_parameters}
+    state["optimizer"] = {
+        # The optimizer's own per-parameter dicts: DCP sets their non-tensor values in place too.
+        "state": {names[id(p)]: s for p, s in optimizer.state.items()},
+        # Without "params" (indices, which differ between ranks): the same on every rank
+        # holding an optimizer, since every rank runs the same schedule.
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+    }
+    return state
+
+
+def load_state(weights: dict, named_parameters, optimizer, state: dict) -> None:
+    """Put `state` (state_of's layout, read by DCP) into the rank's weights and optimizer.
+    What DCP read in place (into the very tensors state_of gave) is left as it is."""
+    import torch
+
+    with torch.no_grad():
+        for name, target in weights.items():
+            got = state.get("model", {}).get(name)
+            if got is not None and not _same(got, target):
+                target.copy_(got)
+    if optimizer is None or "optimizer" not in state:
+        return
+    names = {id(p): n for n, p in named_parameters}
+    saved = state["optimizer"]
+    for p, own in optimizer.state.items():
+        for key, value in saved["state"].get(names[id(p)], {}).items():
+            if isinstance(value, torch.Tensor) and isinstance(own.get(key), torch.Tensor):
+                if not _same(value, own[key]):
+                    own[key].copy_(value)
+            else:
+                own[key] = value
+    for group, hyper in zip(optimizer.param_groups, saved["param_groups"], strict=True):
+        group.update({k: v for k, v in hyper.items() if k != "params"})
+
+
+def _same(a, b) -> bool:
+    local = (lambda t: t.to_local() if hasattr(t, "to_local") else t)
+    return local(a).data_ptr() == local(b).data_ptr()
+
+
+def materialise(optimizer) -> None:
+    """Give an optimizer that never stepped its per-parameter state, equal to a fresh one's:
+    one step with zero gradients at learning rate 0 (as torch's get_state_dict does), its
+    `step` counters then put back to 0. For torch's optimizers that is exactly the state the
+    first real step would start from (Adam's moments 0, SGD's momentum buffer 0), so the
+    same state saved before any step resumes like a fresh start. Gradients and learning
+    rates are put back as they were."""
+    import torch
+
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if not params:
+        return
+    grads = [p.grad for p in params]
+    rates = [g["lr"] for g in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, rates):
+        g["lr"] = lr
+    for p, grad in zip(params, grads):
+        p.grad = grad
+    for s in optimizer.state.values():
+        if "step" in s:
+            s["step"] = torch.zeros_like(s["step"]) if isinstance(s["step"], torch.Tensor) else 0
+
+
+def save(state: dict, directory: str) -> None:
+    """Write a rank's state (state_of) into the DCP directory. Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    from . import dcp_storage
+
     w = dcp_storage.writer(directory)
     with _rank_failure(directory, "write", w):
         dcp.save(state, storage_writer=w)
 
 
-def load_plain(weights: dict, optimizer, names: list[str], directory: str) -> None:
-    """Read into `weights` (this rank's tensors, filled in place) and `optimizer` what the
-    checkpoint holds under their names, whichever ranks wrote them. Collective."""
+def load(state: dict, directory: str) -> None:
+    """Read into `state` (state_of's tensors, in place) what the checkpoint holds under
+    their names, whichever ranks and mesh wrote them. Optimizer state the checkpoint does
+    not hold (a parameter that had no gradient when it was written) is left out of the read.
+    Collective; with no process group, one process reads every piece itself."""
     import torch.distributed.checkpoint as dcp
 
     from . import dcp_storage
 
-    state: dict = {"model": dict(weights)}
-    if optimizer is not None:
-        saved = dcp_storage.reader(directory).read_metadata().state_dict_metadata
-        # A fresh optimizer has no state yet: its tensors are allocated as the checkpoint
-        # describes them, then handed to optimizer.load_state_dict (which puts them on the
-        # parameters' devices as the optimizer expects).
-        per_name: dict[str, dict] = {}
-        for key, meta in saved.items():
-            if key.startswith("optimizer.state."):
-                name, _, field = key[len("optimizer.state."):].rpartition(".")
-                per_name.setdefault(name, {})[field] = _empty(meta)
-        own = optimizer.state_dict()
-        # DCP keeps each hyperparameter under its own key (param_groups.0.lr, ...): this
-        # optimizer's groups name them, and the loaded values replace theirs.
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in own["param_groups"]]
-        state["optimizer"] = {"state": {n: per_name[n] for n in names if n in per_name}, "param_groups": groups}
+    saved = dcp_storage.reader(directory).read_metadata().state_dict_metadata
+    optim = state.get("optimizer", {}).get("state", {})
+    for name, own in optim.items():
+        # A copy (the optimizer's own dict keeps its entries): load_state carries its values over.
+        optim[name] = {k: v for k, v in own.items() if f"optimizer.state.{name}.{k}" in saved}
     with _rank_failure(directory, "read"):
         dcp.load(state, storage_reader=dcp_storage.reader(directory))
-    if optimizer is not None:
-        loaded = state["optimizer"]
-        optimizer.load_state_dict({
-            "state": {i: loaded["state"][n] for i, n in enumerate(names) if n in loaded["state"]},
-            "param_groups": [{**saved_group, "params": g["params"]}
-                             for saved_group, g in zip(loaded["param_groups"], own["param_groups"], strict=True)],
-        })
+
+
+def load_into(model, optimizer, directory: str) -> None:
+    """A plain model (and optimizer) in one process, read from a checkpoint of any mesh."""
+    weights, named = model.state_dict(), list(model.named_parameters())
+    state = state_of(weights, named, optimizer)
+    load(state, directory)
+    load_state(weights, named, optimizer, state)
 
 
 @contextmanager
@@ -225,17 +249,17 @@ def check_resume(head: dict, cfg: TrainingConfig, data_world: int, where: str) -
             f"not in a .dcp directory beside it), which this version does not resume: train from the "
             f"start (without --resume), or resume it with the shardline that wrote it"
         )
-    saved = head.get("fingerprint", {})
-    changed = [f for f in MESH_FIELDS if f in saved and saved[f] != str(getattr(cfg, f))]
+    saved = upgraded(head.get("fingerprint", {}))
+    ours = settings(cfg, MESH_FIELDS)
+    changed = [f for f in MESH_FIELDS if f in saved and saved[f] != ours[f]]
     if not changed:
         return False
-    was = ", ".join(f"training.{f} {saved[f]}" for f in changed)
-    now = ", ".join(f"{getattr(cfg, f)}" for f in changed)
+    moved = ", ".join(f"training.{f} {saved[f]} -> {ours[f]}" for f in changed)
     saved_world = head.get("loader", {}).get("world_size")
     if head.get("step_in_epoch", 0) != 0 and saved_world != data_world:
         raise ConfigError(
             f"{where}: written mid-epoch (epoch {head['epoch'] + 1}, step {head['step_in_epoch']}) "
-            f"by {saved_world} data-parallel ranks, resumed with {data_world} ({was} -> {now}): the "
+            f"by {saved_world} data-parallel ranks, resumed with {data_world} ({moved}): the "
             f"loader's order within an epoch depends on how many ranks read data, so resume it with "
             f"the same data-parallel degree, or from a checkpoint taken at an epoch end"
         )

@@ -62,6 +62,7 @@ from .fingerprint import (
     allow_hint,
     code_refusal,
     differences,
+    upgraded,
     job_dir,
 )
 from ..config import TrainingConfig
@@ -161,7 +162,7 @@ class CheckpointStore:
             raise CheckpointUnreadable(f"{where}: checkpoint not found") from None
         except Exception as e:
             raise CheckpointUnreadable(f"{where}: not a readable shardline checkpoint ({error_cause(e)})") from None
-        got = state.get("fingerprint", {})
+        got = upgraded(state.get("fingerprint", {}))
         differ = differences(got, expected or {})
         refused = [k for k in differ if k not in allow_changed]
         if refused:
@@ -238,6 +239,7 @@ class CheckpointStore:
         theirs = self.owner()
         if not theirs:  # {}: written without a fingerprint, which no job can resume
             return []
+        theirs = upgraded(theirs)
         diff = differences(theirs, fp, ignore=SAME_JOB_FIELDS)
         if self.own and all(k in NOT_IN_FOLDER_NAME for k in diff):
             return [f"{k} {theirs.get(k)}" for k in diff]

@@ -58,6 +58,23 @@ class TrainingFailed(ShardlineError):
                    any(f["permanent"] for f in failures))
 
 
+# Launchers that place every rank on the driver's own host: their ranks' hosts are known
+# before launch (the mesh grid of `shardline plan`); the others place ranks at launch (a Spark
+# barrier stage's tasks, the Dask workers a job is given), where the ranks report them.
+ON_THIS_HOST = frozenset({"local"})
+
+
+def hosts_before_launch(launcher: str, world_size: int) -> list[str] | None:
+    """Each rank's host where the launcher decides it now; None where it decides at launch."""
+    return [socket.gethostname()] * world_size if launcher in ON_THIS_HOST else None
+
+
+def announced_hosts(ranks_dir: str, world_size: int) -> list[str] | None:
+    """Each rank's host as it reported it this run (`announced`); None if any did not."""
+    infos = [announced(ranks_dir, r) for r in range(world_size)]
+    return None if any(i is None for i in infos) else [str(i.get("host")) for i in infos]
+
+
 def announced(ranks_dir: str | None, rank: int) -> dict | None:
     """What rank `rank` wrote about itself when this attempt started (ranks/rank-N.json: its
     host and pid, training.worker), if it got that far: a lost rank's launcher names it so."""

@@ -55,7 +55,7 @@ def read_module(weights: str, module: str):
 
     from ..config import TrainingConfig
     from .builtin import build_model
-    from ..strategy_settings import FLAT_NAMES
+    from ..strategy_settings import renamed
     from ..task import LabelUnits, label_scale
 
     d = json.loads(Path(module).read_text())
@@ -64,8 +64,10 @@ def read_module(weights: str, module: str):
     manifest = ShardManifest.model_validate(d["manifest"])
     # Settings a later shardline no longer has are left out (they cannot shape the module it
     # builds); code_paths were the training machine's folders, whose code is in the model now.
-    # Models written before the strategy sub-tables hold their settings under the flat names.
-    known = {k: v for k, v in d["training"].items() if k in TrainingConfig.model_fields or k in FLAT_NAMES}
+    # Models written before the mesh and the strategy sub-tables hold their settings under
+    # earlier names: read under today's (no line: nobody typed them).
+    stored, _ = renamed(d["training"])
+    known = {k: v for k, v in stored.items() if k in TrainingConfig.model_fields}
     cfg = TrainingConfig(**{**known, "code_paths": []})
     # build_model seeds torch's generator; a scorer's own random state is none of its business.
     with torch.random.fork_rng(devices=[]):

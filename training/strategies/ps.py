@@ -25,13 +25,16 @@ from torch import nn
 from shardline.foundation.errors import ConfigError
 
 from .. import collectives
-from ..checkpoints import sharded
 from ..batch import forward
 from ..config import TrainingConfig
+from ..mesh_shape import mesh_of
 from ..models.inputs import ModelInputs
 from ..task import loss_for
 from ..strategy_settings import PsSettings
-from .base import OptimizerFactory, Parallel, Strategy, autocast_for
+from .base import OptimizerFactory, Parallel, Strategy
+from .grid import RankPlace
+from .parallelize import apply_recompute, recompute_paths
+from .precision import Precision
 
 
 class ParameterServer(Strategy):
@@ -39,10 +42,11 @@ class ParameterServer(Strategy):
     settings: PsSettings
 
     def __init__(self, cfg: TrainingConfig):
+        mesh_of(cfg)  # refuses a mesh dimension above 1: servers own whole parameters
         workers = cfg.world_size - cfg.ps.servers
         if workers < 1:
             raise ConfigError(
-                f"training.ps_servers {cfg.ps.servers} leaves no worker rank "
+                f"training.ps.servers {cfg.ps.servers} leaves no worker rank "
                 f"(training.world_size {cfg.world_size})"
             )
         # No device mesh: the workers read the data, the servers hold the parameters.
@@ -50,26 +54,16 @@ class ParameterServer(Strategy):
 
     def check(self, cfg: TrainingConfig, model: nn.Module, inputs: ModelInputs | None = None) -> None:
         workers, servers = self.data_world, self.settings.servers
-        for setting in ("tp", "pp"):
-            if getattr(cfg, setting) not in (None, 1):
-                raise ConfigError(
-                    f"training.{setting} = {getattr(cfg, setting)}: strategy 'ps' splits the "
-                    f"parameters over servers, not by {setting}"
-                )
-        if cfg.dp not in (None, workers):
-            raise ConfigError(
-                f"training.dp {cfg.dp} must equal the ps workers: training.world_size "
-                f"{cfg.world_size} - training.ps_servers {servers} = {workers}"
-            )
         if cfg.batch_size % workers:
             raise ConfigError(
                 f"training.batch_size {cfg.batch_size} must be a multiple of the {workers} ps "
-                f"workers (training.world_size - training.ps_servers)"
+                f"workers (training.world_size - training.ps.servers)"
             )
+        recompute_paths(cfg.activation_checkpointing, model, f"training.model {cfg.model}")
         n_params = len(list(model.parameters()))
         if servers > n_params:
             raise ConfigError(
-                f"training.ps_servers {servers} exceeds the model's {n_params} parameter "
+                f"training.ps.servers {servers} exceeds the model's {n_params} parameter "
                 f"tensors (a server owns whole parameters)"
             )
         if any(True for _ in model.buffers()):
@@ -79,12 +73,25 @@ class ParameterServer(Strategy):
                 f"which parameter servers do not hold"
             )
 
+    def title(self, cfg: TrainingConfig) -> str:
+        return (f"ps: {self.data_world} worker(s), {self.settings.servers} server(s) ({self.settings.mode}); "
+                f"each batch read in {self.data_world} part(s)")
+
+    def place(self, cfg: TrainingConfig, model: nn.Module, rank: int) -> RankPlace:
+        if rank < self.data_world:
+            return RankPlace({"worker": rank, "server": "-"}, "all layers (a replica)", "whole", rank)
+        names = shard_names(model, self.settings.servers)[rank - self.data_world]
+        size = sum(p.numel() for n, p in model.named_parameters() if n in names)
+        return RankPlace({"worker": "-", "server": rank - self.data_world}, "none",
+                         f"{len(names)} parameter tensor(s), {size:,} values", None)
+
     def setup(
         self, model: nn.Module, cfg: TrainingConfig, rank: int, world_size: int,
         device: torch.device, make_optimizer: OptimizerFactory,
     ) -> WorkerRank | ServerRank:
         layout = Layout(model, self.settings, world_size)
         model.to(device)
+        apply_recompute(model, recompute_paths(cfg.activation_checkpointing, model, f"training.model {cfg.model}"))
         if rank < layout.workers:
             return WorkerRank(model, cfg, rank, layout, device)
         return ServerRank(model, cfg, rank, layout, device, make_optimizer)
@@ -166,7 +173,7 @@ class WorkerRank(Parallel):
 
     def __init__(self, model, cfg, rank, layout: Layout, device):
         self.model, self.layout, self.device = model, layout, device
-        self.autocast = autocast_for(device, cfg)
+        self.autocast = Precision.of(cfg).autocast(device)
         self.loss = loss_for(cfg)
         params = dict(model.named_parameters())
         self.shards = [[params[n] for n in names] for names in layout.shards]
@@ -247,14 +254,16 @@ class WorkerRank(Parallel):
                 out[name] = t.cpu()
         return {name: out[name] for name in self.layout.names}
 
-    # A worker writes nothing: its replica is the servers' values, which they write. It
-    # reads every weight back (the servers' values, whichever servers wrote them).
+    # A worker writes nothing: its replica is the servers' values, which they write. After
+    # a load it takes them from the servers (collective: every rank loads together).
 
-    def save_checkpoint(self, directory: str) -> None:
-        sharded.save_plain({}, None, [], directory)
+    def holdings(self) -> tuple[dict[str, torch.Tensor], list[tuple[str, nn.Parameter]]]:
+        return {}, []
 
-    def load_checkpoint(self, directory: str) -> None:
-        sharded.load_plain(self.model.state_dict(), None, [], directory)
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            for name, value in _gather_full(self.layout, self.device, None).items():
+                self.model.get_parameter(name).copy_(value)
 
     def epoch_metrics(self) -> dict[str, float]:
         steps = max(self.steps, 1)
@@ -373,14 +382,14 @@ class ServerRank(Parallel):
     # resumed, every replica starts from these values, so counting both again from 0 is
     # the same state.
 
-    def save_checkpoint(self, directory: str) -> None:
+    def holdings(self) -> tuple[dict[str, torch.Tensor], list[tuple[str, nn.Parameter]]]:
         self._settle()
-        weights = {n: p.detach() for n, p in self.shard.items()}
-        sharded.save_plain(weights, self.optimizer, list(self.shard), directory)
+        return {n: p.detach() for n, p in self.shard.items()}, list(self.shard.items())
 
-    def load_checkpoint(self, directory: str) -> None:
-        weights = {n: p.detach() for n, p in self.shard.items()}
-        sharded.load_plain(weights, self.optimizer, list(self.shard), directory)
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        # The workers take this server's values (WorkerRank.load_state_dict's gather).
+        _gather_full(self.layout, self.device, self.server, self.shard.values())
 
     def epoch_metrics(self) -> dict[str, float]:
         out = {

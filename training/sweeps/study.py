@@ -11,7 +11,7 @@ from pathlib import Path
 from shardline.foundation.errors import ConfigError, ShardlineError
 from shardline.foundation.redact import redact
 
-from ..strategy_settings import setting_field
+from ..config import setting_field
 from .config import ParamSpace, SweepConfig
 
 
