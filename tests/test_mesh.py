@@ -45,12 +45,50 @@ def _check_matches(common: dict, variants: list[dict], ranks: list[list[dict]]) 
     assert relative_distance(unsynchronised(common, 2), reference) > 3 * TOLERANCE
 
 
+def own_loop(rank: int, world_size: int, args: dict) -> dict:
+    """What a user's own loop does with `ctx.prepare` (MeshStrategy.prepare_module: apply_mesh):
+    its own seeded model made a dp_shard 2 x tp 2 one, its own forward, loss and SGD step on
+    the rank's part of each batch; the plain weights after (torch's state-dict API)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from shardline.training.batch import forward, take
+    from shardline.training.task import next_token_loss
+
+    from .dist_helpers import batches_of
+
+    cfg = training_config(world_size=world_size, batch_size=args["batch"], model="decoder", **args["cfg"])
+    strategy = strategy_for(cfg)
+    torch.manual_seed(0)
+    model = strategy.prepare_module(MODELS["decoder"](), cfg, world_size, torch.device("cpu"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    part, parts = strategy.mesh.data_rank(rank), strategy.mesh.data_world
+    local = args["batch"] // parts
+    for x, y in batches_of(args):
+        rows = slice(part * local, (part + 1) * local)
+        loss = next_token_loss(forward(model, take(x, rows)), y[rows])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def meshes_and_own_loop(rank: int, world_size: int, args: dict) -> list[dict]:
+    return [*train_variants(rank, world_size, args), own_loop(rank, world_size, {**args, **args["variants"][0]})]
+
+
 def test_meshes_at_4_ranks_match_single_process_on_the_decoder():
-    """One launch of 4 ranks, the three meshes one after the other in its process group."""
-    common = {"strategy": "ddp", "steps": 4, "batch": 16, "model": "decoder"}
+    """One launch of 4 ranks, the three meshes one after the other in its process group, then a
+    user's own loop on the first of them (ctx.prepare's function)."""
+    common = {"strategy": "ddp", "steps": 3, "batch": 16, "model": "decoder"}
     variants = [{"cfg": settings} for settings in MESHES_AT_4.values()]
-    ranks = launch_local(train_variants, {**common, "variants": variants}, world_size=4, timeout_s=300)
-    _check_matches(common, variants, ranks)
+    ranks = launch_local(meshes_and_own_loop, {**common, "variants": variants}, world_size=4, timeout_s=300)
+    _check_matches(common, [*variants, {"cfg": "own loop"}], ranks)
+
+
+def test_a_pipeline_mesh_is_no_module_for_an_own_loop():
+    cfg = training_config(world_size=4, model="decoder", mesh={"pp": 2, "tp": 2})
+    with pytest.raises(ConfigError, match=r"training.mesh.pp 2: a pipeline runs its stages by its schedule"):
+        strategy_for(cfg).prepare_module(MODELS["decoder"](), cfg, 4, torch.device("cpu"))
 
 
 @pytest.mark.slow

@@ -52,12 +52,14 @@ CHANGEABLE_FIELDS = ("lr", "weight_decay", "lr_schedule", "warmup_steps", "epoch
 
 # The settings that shape only the mesh (how many ranks, and how the model is laid out on
 # them): a resume may change them, since every checkpoint reshards (training.checkpoints.sharded).
+LAYOUT_FIELDS = ("world_size", "mesh.dp_replicate", "mesh.dp_shard", "mesh.tp", "mesh.pp", "ps.servers", "tensor.plan",
+                 "pipeline.boundaries", "pipeline.stages_per_rank")
 # The strategy too: its name is a shorthand for a mesh (ps's servers hold plain names as well).
-MESH_FIELDS = ("strategy", "world_size", "mesh.dp_replicate", "mesh.dp_shard", "mesh.tp", "mesh.pp", "ps.servers", "tensor.plan",
-               "pipeline.boundaries", "pipeline.stages_per_rank")
+# It stays in the folder's name (below), as before the mesh.
+MESH_FIELDS = ("strategy", *LAYOUT_FIELDS)
 
 # What a job's own folder (job_dir) leaves out of its name: runs that differ only here share it.
-NOT_IN_FOLDER_NAME = (*CHANGEABLE_FIELDS, *(f for f in MESH_FIELDS if f != "strategy"))
+NOT_IN_FOLDER_NAME = (*CHANGEABLE_FIELDS, *LAYOUT_FIELDS)
 
 # Fields that never make a checkpoint "another job's": the same job on re-prepared data or
 # on edited code (a new run there starts over; a resume compares them itself).

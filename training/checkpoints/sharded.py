@@ -60,18 +60,19 @@ from ..config import TrainingConfig
 # DTensor and sympy it is ~0.6 s, which a driver that only reads the small file never needs.
 
 
-def state_of(weights: dict, named_parameters, optimizer) -> dict:
-    """A rank's checkpoint state (the module's docstring): `weights` by the plain model's
-    names (the tensors themselves, not copies: DCP loads into them in place), the optimizer's
-    state keyed by its parameters' names (`named_parameters`: (name, parameter) of what the
-    rank holds). An optimizer that never stepped gets its state first (`materialise`): a
-    load needs the tensors to read into."""
-    state: dict = {"model": dict(weights)}
+def state_of(parts: dict) -> dict:
+    """A rank's checkpoint state (the module's docstring) from its parts
+    (Parallel.checkpoint_parts: a plain-named module and its optimizer): the tensors
+    themselves, not copies (DCP loads into them in place); the optimizer's state keyed by its
+    parameters' names in the module. An optimizer that never stepped gets its state first
+    (`materialise`): a load needs the tensors to read into."""
+    module, optimizer = parts.get("model"), parts.get("optimizer")
+    state: dict = {"model": module.state_dict() if module is not None else {}}
     if optimizer is None:
         return state
     if not optimizer.state:
         materialise(optimizer)
-    names = {id(p): n for n, p in named_parameters}
+    names = {id(p): n for n, p in module.named_parameters()}
     state["optimizer"] = {
         # The optimizer's own per-parameter dicts: DCP sets their non-tensor values in place too.
         "state": {names[id(p)]: s for p, s in optimizer.state.items()},
@@ -82,19 +83,21 @@ def state_of(weights: dict, named_parameters, optimizer) -> dict:
     return state
 
 
-def load_state(weights: dict, named_parameters, optimizer, state: dict) -> None:
-    """Put `state` (state_of's layout, read by DCP) into the rank's weights and optimizer.
+def load_state(parts: dict, state: dict) -> None:
+    """Put `state` (state_of's layout, read by DCP) into the parts' module and optimizer.
     What DCP read in place (into the very tensors state_of gave) is left as it is."""
     import torch
 
-    with torch.no_grad():
-        for name, target in weights.items():
-            got = state.get("model", {}).get(name)
-            if got is not None and not _same(got, target):
-                target.copy_(got)
+    module, optimizer = parts.get("model"), parts.get("optimizer")
+    if module is not None:
+        with torch.no_grad():
+            for name, target in module.state_dict().items():
+                got = state.get("model", {}).get(name)
+                if got is not None and not _same(got, target):
+                    target.copy_(got)
     if optimizer is None or "optimizer" not in state:
         return
-    names = {id(p): n for n, p in named_parameters}
+    names = {id(p): n for n, p in module.named_parameters()}
     saved = state["optimizer"]
     for p, own in optimizer.state.items():
         for key, value in saved["state"].get(names[id(p)], {}).items():
@@ -105,6 +108,24 @@ def load_state(weights: dict, named_parameters, optimizer, state: dict) -> None:
                 own[key] = value
     for group, hyper in zip(optimizer.param_groups, saved["param_groups"], strict=True):
         group.update({k: v for k, v in hyper.items() if k != "params"})
+
+
+def module_of(params: dict):
+    """A module whose parameters are `params`, each under its dotted name (submodules made
+    along the way): a rank holding parameters of no module of its own (a parameter server's
+    shard) gets one whose state-dict names are the plain model's."""
+    from torch import nn
+
+    root = nn.Module()
+    for name, p in params.items():
+        *path, leaf = name.split(".")
+        node = root
+        for part in path:
+            if not hasattr(node, part):
+                node.add_module(part, nn.Module())
+            node = getattr(node, part)
+        node.register_parameter(leaf, p)
+    return root
 
 
 def _same(a, b) -> bool:
@@ -171,10 +192,10 @@ def load(state: dict, directory: str) -> None:
 
 def load_into(model, optimizer, directory: str) -> None:
     """A plain model (and optimizer) in one process, read from a checkpoint of any mesh."""
-    weights, named = model.state_dict(), list(model.named_parameters())
-    state = state_of(weights, named, optimizer)
+    parts = {"model": model, **({"optimizer": optimizer} if optimizer is not None else {})}
+    state = state_of(parts)
     load(state, directory)
-    load_state(weights, named, optimizer, state)
+    load_state(parts, state)
 
 
 @contextmanager

@@ -7,10 +7,10 @@ starts, and on each rank (inside an initialised process group) turns the plain m
 (training.worker) only ever talks to a `Parallel`, so it runs every strategy the same way
 on every launcher, and the model never knows how it is parallelised.
 
-A `Parallel`'s state (`state_dict`, `load_state_dict`: what the rank holds of the model's
-weights and of the optimizer state, under the plain model's names) is the one checkpoint
-path of every mesh and of ps (training.checkpoints.sharded): DCP takes a Parallel as a
-`Stateful`, and `save_checkpoint`/`load_checkpoint` are that path with a directory.
+A `Parallel`'s checkpoint parts (`checkpoint_parts`: the module and optimizer of what the
+rank holds, under the plain model's names) are the one checkpoint path of every mesh and of
+ps (training.checkpoints.sharded): `save_checkpoint`/`load_checkpoint` write and read them
+with a directory, and a loop's checkpoint takes them as its state.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from typing import Any, ClassVar
 import torch
 from pydantic import BaseModel
 from torch import nn
+
+from shardline.foundation.errors import ConfigError
 
 from ..batch import Inputs, forward
 from ..checkpoints import sharded
@@ -78,33 +80,27 @@ class Parallel:
     # torch.distributed.checkpoint, keyed by the plain model's names, and reads what it holds
     # now, so every layout's checkpoints reshard to every other (training.checkpoints.sharded).
 
-    def holdings(self) -> tuple[dict[str, torch.Tensor], list[tuple[str, nn.Parameter]]]:
-        """What this rank holds of the model: its weights and buffers by the plain model's
-        names (DTensors where sharded or split), and its optimizer's parameters by name."""
-        raise NotImplementedError
-
-    def state_dict(self) -> dict[str, Any]:
-        """{"model": {name: tensor}, "optimizer": {"state": {name: {...}}, "param_groups": [...]}}
-        of what this rank holds (`holdings`), the tensors themselves (DCP writes them, and
-        loads into them in place). A DCP `Stateful`."""
-        weights, named = self.holdings()
-        return sharded.state_of(weights, named, self.optimizer)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take `state` (this rank's `state_dict` layout, its values read by DCP) into the
-        model and the optimizer."""
-        weights, named = self.holdings()
-        sharded.load_state(weights, named, self.optimizer, state)
+    def checkpoint_parts(self, restoring: bool = False) -> dict[str, Any]:
+        """What this rank holds, as checkpoint state: {"model": a module whose state-dict names
+        are the plain model's (its tensors DTensors where sharded or split), "optimizer": the
+        optimizer over its parameters} (no optimizer: no "optimizer"). `restoring`: the parts
+        to read into, where they differ from those written (a ps worker writes nothing and
+        reads its whole replica). Default: the rank's `model` and `optimizer`."""
+        parts: dict[str, Any] = {"model": self.model}
+        if self.optimizer is not None:
+            parts["optimizer"] = self.optimizer
+        return parts
 
     def save_checkpoint(self, directory: str) -> None:
         """Write this rank's part into the DCP directory. Collective."""
-        sharded.save(self.state_dict(), directory)
+        sharded.save(sharded.state_of(self.checkpoint_parts()), directory)
 
     def load_checkpoint(self, directory: str) -> None:
         """Read this rank's part, whichever mesh and ranks wrote it. Collective."""
-        state = self.state_dict()
+        parts = self.checkpoint_parts(restoring=True)
+        state = sharded.state_of(parts)
         sharded.load(state, directory)
-        self.load_state_dict(state)
+        sharded.load_state(parts, state)
 
     def epoch_metrics(self) -> dict[str, float]:
         """The strategy's own figures since the last call (push/pull time, bubble ...),
@@ -157,6 +153,16 @@ class Strategy:
         """What `setup` takes: `build` itself where the strategy builds the model (sharded,
         never whole on every rank), else the plain model on `device`."""
         return build if self.builds_model else build().to(device)
+
+    def prepare_module(self, model: nn.Module, cfg: TrainingConfig, world_size: int,
+                       device: torch.device) -> nn.Module:
+        """The strategy applied to a module of a user's own loop, which then runs its own
+        forward, backward and optimizer step: the module on `device`, wrapped or sharded in
+        place. Collective. A strategy whose step is its own (ps) refuses it, in one line."""
+        raise ConfigError(
+            f"ctx.prepare: strategy '{self.name}' runs its own step (it splits the step itself, not "
+            "just the module): use ctx.parallel(model, optimizer_factory) and its .step(x, y)"
+        )
 
     def setup(
         self,

@@ -30,7 +30,7 @@ from ..models.inputs import ModelInputs
 from ..models.plans import fsdp_units
 from ..task import loss_for
 from .base import ModelBuilder, OptimizerFactory, Parallel, Strategy, train_step
-from .parallelize import Plans, apply_recompute, device_mesh, materialise, parallelize, recompute_paths
+from .parallelize import Plans, apply_mesh, pipeline_is_no_module, apply_recompute, device_mesh, materialise, parallelize, recompute_paths
 from .pipeline import PipelineRank
 from .grid import RankPlace
 from .pipeline_stages import check_pipeline, check_stage_plan, describe_pipeline, model_layers, stage_layers_of
@@ -164,15 +164,20 @@ class MeshStrategy(Strategy):
             materialise(model, model, build, rank, device)
         return ModelRank(model, runner, cfg, shape, rank, device, make_optimizer)
 
-    def prepare_module(self, model: nn.Module, cfg: TrainingConfig, device: torch.device) -> nn.Module:
-        """A user's own model (every rank's, the same values, on `device`) with this mesh
-        applied: parallelize.apply_mesh with the job's mesh, plans and precision (what a
-        loop's `ctx.prepare` runs). Collective."""
-        from .parallelize import apply_mesh
-
-        if cfg.world_size == 1:
+    def prepare_module(self, model: nn.Module, cfg: TrainingConfig, world_size: int,
+                       device: torch.device) -> nn.Module:
+        """A user's own model (every rank's, the same values) with this mesh applied, on
+        `device`: parallelize.apply_mesh with the job's mesh, the model's plans (checked) and
+        the job's precision; what a loop's `ctx.prepare` runs. A mesh with pipeline stages is
+        refused in one line (its step is the schedule's: ctx.parallel). Collective."""
+        if self.mesh.pp > 1:
+            raise ConfigError(pipeline_is_no_module(self.mesh.pp))
+        model = model.to(device)
+        plans = self.plans(cfg, model)
+        if world_size == 1:
+            apply_recompute(model, plans.recompute)
             return model
-        return apply_mesh(model, device_mesh(self.mesh, device), self.plans(cfg, model), Precision.of(cfg))
+        return apply_mesh(model, device_mesh(self.mesh, device), plans, Precision.of(cfg))
 
 
 def check_tp_hosts(shape: MeshShape, device: torch.device) -> None:
@@ -234,6 +239,3 @@ class ModelRank(Parallel):
         if self.distributed:
             return get_model_state_dict(self.model, options=_EXPORT)
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items()} if self.rank == 0 else {}
-
-    def holdings(self) -> tuple[dict[str, torch.Tensor], list[tuple[str, nn.Parameter]]]:
-        return self.model.state_dict(), list(self.model.named_parameters())

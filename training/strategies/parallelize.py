@@ -115,11 +115,13 @@ def apply_mesh(model: nn.Module, mesh: DeviceMesh, plans: Plans, precision: Prec
     forward on (a DDP wrapper, or `model` itself changed in place). A mesh with pipeline
     stages is not one module per rank: its step is the schedule's (pipeline.py)."""
     if mesh["pp"].size() > 1:
-        raise ConfigError(
-            f"training.mesh.pp {mesh['pp'].size()}: a pipeline runs its stages by its schedule, not as one "
-            "module: train it through the strategy's Parallel (its step)"
-        )
+        raise ConfigError(pipeline_is_no_module(mesh["pp"].size()))
     return parallelize(model, mesh, plans, precision)
+
+
+def pipeline_is_no_module(pp: int) -> str:
+    return (f"training.mesh.pp {pp}: a pipeline runs its stages by its schedule, not as one module: use "
+            "ctx.parallel(model, optimizer_factory) and its .step(x, y)")
 
 
 def parallelize(part: nn.Module, mesh: DeviceMesh, plans: Plans, precision: Precision) -> nn.Module:

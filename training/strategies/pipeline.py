@@ -188,8 +188,9 @@ class PipelineRank(Parallel):
             return logits.detach(), torch.stack(losses).detach().mean()
         return None
 
-    def holdings(self) -> tuple[dict[str, torch.Tensor], list[tuple[str, nn.Parameter]]]:
-        return self.held_module.state_dict(), list(self.held_module.named_parameters())
+    def checkpoint_parts(self, restoring: bool = False) -> dict:
+        """This rank's stages' layers, under the plain model's names, and their optimizer."""
+        return {"model": self.held_module, **({"optimizer": self.optimizer} if self.optimizer else {})}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's weights on every rank: each stage's gathered over its own

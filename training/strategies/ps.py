@@ -26,6 +26,7 @@ from shardline.foundation.errors import ConfigError
 
 from .. import collectives
 from ..batch import forward
+from ..checkpoints import sharded
 from ..config import TrainingConfig
 from ..mesh_shape import mesh_of
 from ..models.inputs import ModelInputs
@@ -254,16 +255,10 @@ class WorkerRank(Parallel):
                 out[name] = t.cpu()
         return {name: out[name] for name in self.layout.names}
 
-    # A worker writes nothing: its replica is the servers' values, which they write. After
-    # a load it takes them from the servers (collective: every rank loads together).
-
-    def holdings(self) -> tuple[dict[str, torch.Tensor], list[tuple[str, nn.Parameter]]]:
-        return {}, []
-
-    def load_state_dict(self, state: dict) -> None:
-        with torch.no_grad():
-            for name, value in _gather_full(self.layout, self.device, None).items():
-                self.model.get_parameter(name).copy_(value)
+    def checkpoint_parts(self, restoring: bool = False) -> dict:
+        """A worker writes nothing (its replica is the servers' values, maybe a few versions
+        behind them) and reads its whole replica from what the servers wrote."""
+        return {"model": self.model} if restoring else {}
 
     def epoch_metrics(self) -> dict[str, float]:
         steps = max(self.steps, 1)
@@ -281,6 +276,7 @@ class ServerRank(Parallel):
         params = dict(model.named_parameters())
         self.server = rank - layout.workers
         self.shard = {n: params[n] for n in layout.shards[self.server]}
+        self.shard_module = sharded.module_of(self.shard)  # its state-dict names are the plain model's
         self.size = layout.size(self.server)
         self.optimizer = make_optimizer(list(self.shard.values()))
         self.data_rank, self.data_world, self.reports = None, layout.workers, False
@@ -382,14 +378,11 @@ class ServerRank(Parallel):
     # resumed, every replica starts from these values, so counting both again from 0 is
     # the same state.
 
-    def holdings(self) -> tuple[dict[str, torch.Tensor], list[tuple[str, nn.Parameter]]]:
-        self._settle()
-        return {n: p.detach() for n, p in self.shard.items()}, list(self.shard.items())
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        # The workers take this server's values (WorkerRank.load_state_dict's gather).
-        _gather_full(self.layout, self.device, self.server, self.shard.values())
+    def checkpoint_parts(self, restoring: bool = False) -> dict:
+        """This server's shard of the weights (a module of them under the plain model's
+        names) and its optimizer."""
+        self._settle()  # every reply sent: the shard is the one the workers were told
+        return {"model": self.shard_module, "optimizer": self.optimizer}
 
     def epoch_metrics(self) -> dict[str, float]:
         out = {
