@@ -18,6 +18,7 @@ from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 from shardline.training.launchers.spark import launch_spark_barrier
 from shardline.training.models.builtin import build_model
+from shardline.training.strategies import strategy_for
 
 from .conftest import REPO, shardline_here
 from .dist_helpers import train_steps
@@ -67,6 +68,9 @@ def test_strategy_job_resumes_exactly_and_its_model_scores(name, prepared, dask_
     grid = Path(MlflowClient(tracking_uri).download_artifacts(result.run_id, "mesh.txt", str(tmp_path))).read_text()
     rows = grid.splitlines()[2:]
     assert len(rows) == cfg.world_size and all(socket.gethostname() in row for row in rows), grid
+    # MLflow's params name the settings as the config does, the mesh as resolved.
+    shape = strategy_for(cfg).mesh
+    assert shape is None or all(run.data.params[f"mesh.{d}"] == str(getattr(shape, d)) for d in ("tp", "pp", "dp_shard"))
     # Every tensor the job handed to training.collectives passed its device check (here the
     # CPU: a wrong device raises): the worker's metrics and evaluation, and the strategy's own.
     calls = result.collective_calls

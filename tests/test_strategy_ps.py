@@ -90,7 +90,9 @@ def shares_and_resume(rank: int, world_size: int, args: dict) -> dict:
         "optimizer": [
             tuple(p.shape) for g in first.optimizer.param_groups for p in g["params"]
         ] if first.optimizer is not None else None,
-        "holds_a_model": any(isinstance(v, nn.Module) for v in vars(first).values()),
+        # A module holding parameters beyond the rank's shard: the whole model (a worker's replica).
+        "holds_a_model": any(isinstance(v, nn.Module) and {n for n, _ in v.named_parameters()} - set(shard or {})
+                             for v in vars(first).values()),
         "straight": straight_weights, "resumed": _cloned(resumed.full_state_dict()),
     }
 

@@ -143,10 +143,10 @@ def test_model_inputs_describe_the_manifest_and_round_trip_through_json(small_da
     "settings, message",
     [
         ({"model": "usernets.nets:plain", "strategy": "pipeline", "world_size": 2},
-         "training.strategy pipeline: training.model usernets.nets:plain is no nn.Sequential and declares no "
+         "training.mesh.pp (a pipeline): training.model usernets.nets:plain is no nn.Sequential and declares no "
          "pipeline_layers()"),
         ({"model": "usernets.nets:plain", "strategy": "tensor", "world_size": 2},
-         "training.strategy tensor: training.model usernets.nets:plain declares no tensor-parallel plan"),
+         "training.mesh.tp 2: training.model usernets.nets:plain declares no tensor-parallel plan"),
         ({"model": "usernets.nets:plain", "activation_checkpointing": True},
          "training.activation_checkpointing: training.model usernets.nets:plain declares no recompute_units()"),
         ({"model": "usernets.nets:wrong_width"},

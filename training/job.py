@@ -254,7 +254,9 @@ class TrainingJob:
                 # A new job starts over (stale checkpoints would be resumed by its restarts),
                 # never over another job's checkpoints (check() refused those).
                 store.start_over(self.fingerprint)
-                mlflow.log_params(_flat(cfg.model_dump()))
+                # The mesh as resolved (mesh.tp 2 however it was asked for), under the settings' names.
+                mesh = self.strategy.mesh.as_settings() if self.strategy.mesh else {}
+                mlflow.log_params({**_flat(cfg.model_dump()), **{f"mesh.{k}": v for k, v in mesh.items()}})
                 mlflow.log_params({
                     "dataset_dir": self.dataset_dir, "dataset_version": manifest.version_id,
                     "dataset_sequence": manifest.sequence,
