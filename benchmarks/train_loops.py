@@ -17,7 +17,7 @@ from shardline.training.launchers import free_port
 
 # Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs); psutil
 # (optional); training.batch (imports torch); training.loader.reader (imports torch); training.models.builtin
-# (imports torch); training.strategies (imports torch); training.worker (imports torch).
+# (imports torch); training.strategies (imports torch); training.loop.recipe (imports torch).
 
 RESULT_MARK = "SHARDLINE_BENCH_RESULT "  # a torchrun script's result line on stdout
 
