@@ -323,9 +323,10 @@ def test_a_job_trains_scores_and_predicts_a_model_of_named_inputs(typed_dataset,
     scored = score("dask", dask_client, result.model_uri, tracking_uri, typed_dataset, str(out))
     test_rows = load_manifest(typed_dataset).splits["test"].rows
     assert scored.rows == test_rows > 0
-    table = read_scores(out).sort_by("key")
-    assert table.column_names == ["key", "prediction", "probabilities", "model_name", "model_version", "scored_at"]
-    keys = table.column("key").to_pylist()
+    # The scores name the key as the input does (features.key "id", #53 item 19).
+    table = read_scores(out).sort_by("id")
+    assert table.column_names == ["id", "prediction", "probabilities", "model_name", "model_version", "scored_at"]
+    keys = table.column("id").to_pylist()
     rows = _typed_rows(keys)
     with torch.no_grad():
         want = torch.softmax(model(**{n: torch.from_numpy(a) for n, a in rows.items()}), 1).numpy()
@@ -333,8 +334,8 @@ def test_a_job_trains_scores_and_predicts_a_model_of_named_inputs(typed_dataset,
     np.testing.assert_allclose(got, want, atol=1e-5)
     assert table.column("prediction").to_pylist() == want.argmax(1).tolist()
     score("spark", spark, result.model_uri, tracking_uri, typed_dataset, str(tmp_path / "spark"))
-    on_spark = read_scores(tmp_path / "spark").sort_by("key")
-    for column in ("key", "prediction", "probabilities"):
+    on_spark = read_scores(tmp_path / "spark").sort_by("id")
+    for column in ("id", "prediction", "probabilities"):
         assert on_spark.column(column).to_pylist() == table.column(column).to_pylist(), column
 
     # The registered model predicts from decoded arrays (a dict, or a DataFrame of one array per row).
