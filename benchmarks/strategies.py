@@ -52,18 +52,18 @@ GLOBAL_BATCH = 256
 CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
     "single": (1, {"strategy": "ddp"}),
     "ddp": (2, {"strategy": "ddp"}),
-    "ps-sync": (3, {"strategy": "ps", "ps_servers": 1}),
-    "ps-async": (3, {"strategy": "ps", "ps_servers": 1, "ps_mode": "async", "ps_staleness": 2}),
-    "pipeline-gpipe": (2, {"strategy": "pipeline", "pipeline_schedule": "gpipe", "micro_batches": 4}),
-    "pipeline-1f1b": (2, {"strategy": "pipeline", "pipeline_schedule": "1f1b", "micro_batches": 4}),
-    "pipeline-interleaved": (2, {"strategy": "pipeline", "pipeline_schedule": "interleaved-1f1b",
-                                 "micro_batches": 4}),
-    "pipeline-zbv": (2, {"strategy": "pipeline", "pipeline_schedule": "zbv", "micro_batches": 4}),
+    "ps-sync": (3, {"strategy": "ps", "ps": {"servers": 1}}),
+    "ps-async": (3, {"strategy": "ps", "ps": {"servers": 1, "mode": "async", "staleness": 2}}),
+    "pipeline-gpipe": (2, {"strategy": "pipeline", "pipeline": {"schedule": "gpipe", "micro_batches": 4}}),
+    "pipeline-1f1b": (2, {"strategy": "pipeline", "pipeline": {"schedule": "1f1b", "micro_batches": 4}}),
+    "pipeline-interleaved": (2, {"strategy": "pipeline", "pipeline": {"schedule": "interleaved-1f1b",
+                                                                      "micro_batches": 4}}),
+    "pipeline-zbv": (2, {"strategy": "pipeline", "pipeline": {"schedule": "zbv", "micro_batches": 4}}),
     "tensor": (2, {"strategy": "tensor"}),
-    "dp2xtp2": (4, {"strategy": "tensor", "dp": 2, "tp": 2}),
+    "dp2xtp2": (4, {"strategy": "tensor", "mesh": {"dp_shard": 2, "tp": 2}}),
     "fsdp": (2, {"strategy": "fsdp"}),
-    "hsdp2x2": (4, {"strategy": "fsdp", "dp": 2, "dp_shard": 2}),
-    "dp2xpp2": (4, {"strategy": "pipeline", "dp": 2, "pp": 2, "micro_batches": 4}),
+    "hsdp2x2": (4, {"strategy": "fsdp", "mesh": {"dp_replicate": 2, "dp_shard": 2}}),
+    "dp2xpp2": (4, {"strategy": "pipeline", "mesh": {"dp_replicate": 2, "pp": 2}, "pipeline": {"micro_batches": 4}}),
 }
 
 # Sharding saves memory where the model's state (weights, gradients, AdamW's two
@@ -84,7 +84,7 @@ MMAP_THRESHOLD = 65536
 MEMORY_CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
     "ddp": (4, {"strategy": "ddp"}),
     "fsdp": (4, {"strategy": "fsdp"}),
-    "hsdp2x2": (4, {"strategy": "fsdp", "dp": 2, "dp_shard": 2}),
+    "hsdp2x2": (4, {"strategy": "fsdp", "mesh": {"dp_replicate": 2, "dp_shard": 2}}),
 }
 
 
@@ -131,8 +131,9 @@ def strategy_rank(rank: int, world_size: int, p: dict) -> dict:
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     shape = p.get("model") or {"model": "transformer", "hidden": [D_MODEL] * LAYERS, "heads": HEADS}
     # The bench measures the pipeline's bubble: timing on (a training run has it off).
-    cfg = TrainingConfig(world_size=world_size, batch_size=p["global_batch"], pipeline_timing=True, **shape,
-                         **p["settings"])
+    settings = dict(p["settings"])
+    settings["pipeline"] = {**settings.get("pipeline", {}), "timing": True}
+    cfg = TrainingConfig(world_size=world_size, batch_size=p["global_batch"], **shape, **settings)
     # The strategy's modules first: importing FSDP2's or DTensor's adds 35-50 MB of RSS,
     # which is code, not what the strategy's training holds.
     strategy = strategy_for(cfg)

@@ -138,7 +138,7 @@ def _measure(rank: int, world_size: int, p: dict) -> dict:
         build_model(manifest, cfg), cfg, rank, world_size, torch.device("cpu"),
         lambda params: torch.optim.Adam(params, lr=cfg.lr),
     )
-    model, opt = parallel.ddp, parallel.optimizer
+    model, opt = parallel.runner, parallel.optimizer
     local = p["global_batch"] // world_size
     n = len(y) - len(y) % local  # every rank takes the same number of steps, whatever its rows
     if n == 0:

@@ -325,6 +325,7 @@ def plan(config, overrides, hosts, cores, gpus, sample_rows, as_json):
                   f"{max(now_groups)} per train shard)")
     table.add_row("stored in", display(manifest_url(r.dataset_dir, manifest.sequence)))
     Console().print(table)
+    click.echo(r.grid)  # plain text: its columns are aligned already
     if not p.target_met:
         console.print(f"  loading cannot reach {p.headroom} × training with {p.max_loader_workers_per_rank} "
                       f"worker(s) per rank: expect the predicted data-wait, or use fewer ranks per machine")

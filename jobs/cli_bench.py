@@ -342,6 +342,39 @@ def bench_strategies(steps, as_json):
                   "the meta device; rank 0 alone holds the plain weights while they are broadcast).")
 
 
+@bench.command("sharding")
+@click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Timed steps per layout (after 1 warm-up step).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
+def bench_sharding(steps, as_json):
+    """Per-rank peak memory and step time of ddp, fsdp, tensor, dp_shard x tp and pp x tp at 4 ranks, one decoder."""
+    from shardline.benchmarks.sharding import COMBINED, WITHIN_FSDP, run as run_bench
+
+    result = _bench(run_bench, as_json, steps=steps)
+    if result is None:
+        return
+    m = result["model"]
+    table = Table(title=f"sharding at {result['world_size']} ranks: decoder d_model {m['d_model']} x {m['layers']} "
+                        f"blocks, vocabulary {m['vocab']} ({m['parameters'] / 1e6:.1f}M weights), AdamW, global "
+                        f"batch {result['global_batch']}, {result['cores']} cores, {result['device']}")
+    table.add_column("", no_wrap=True)
+    for col in ("peak MB per rank", "max", "x fsdp", "x ddp", "step s"):
+        table.add_column(col, justify="right")
+    for name, row in result["layouts"].items():
+        table.add_row(name, " ".join(f"{v:.0f}" for v in row["peak_mb_per_rank"]),
+                      f"{max(row['peak_mb_per_rank']):.0f}", f"{row['peak_vs_fsdp']:.2f}", f"{row['peak_vs_ddp']:.2f}",
+                      f"{row['step_s']:.3f}")
+    Console().print(table)
+    for name in COMBINED:
+        c = result["checks"][name]
+        said = [f"within {WITHIN_FSDP} x fsdp: {'yes' if c[f'within_{WITHIN_FSDP}x_fsdp'] else '[red]no[/]'}",
+                f"below ddp: {'yes' if c['below_ddp'] else '[red]no[/]'}",
+                f"below tensor: {'yes' if c['below_tensor'] else '[red]no[/]'}"]
+        console.print(f"  {name}: " + ", ".join(said))
+    console.print(f"  peak: {result['memory_measure']}, from just before the model is built; step s: the "
+                  "slowest rank's. More ranks than cores share them: step times are not a speed claim.")
+
+
 @bench.command("fsdp-limit")
 @click.option("--budget-mb", type=click.IntRange(min=1), default=1200, show_default=True,
               help="Address space each rank may add once set up (RLIMIT_AS), before the model is built.")

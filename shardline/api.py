@@ -357,6 +357,7 @@ class PlanResult:
     dataset_dir: str
     manifest: ShardManifest  # the version the plan was stored into
     plan: Any  # pipelines.manifest.BandwidthPlan
+    grid: str = ""  # the ranks on the mesh: coordinates, host, stage, tensor shard, files read
 
     def to_dict(self) -> dict:
         return self.plan.model_dump(mode="json")
@@ -369,15 +370,17 @@ def plan(config: Config = None, overrides: Overrides = ()) -> PlanResult:
     shards out by it). Measured in this process."""
     from shardline.training.job import preflight
     from shardline.training.plan import measured_loader, plan_dataset
+    from shardline.training.rank_grid import rank_grid
 
     cfg = resolve_paths(load_config(config, overrides), [])
     check_storage(cfg, writes=(DATASET,))
     t, where = cfg.training, cfg.pipelines.dataset_dir
     checked = preflight(t, where)  # no dataset, bad settings: one line, before measuring
     measured_loader(checked, where, t)  # an epoch too short to time the loader: the same
+    grid = rank_grid(t, checked, engine_class(t.launcher, "training.launcher").hosts_before_launch(t.world_size))
     with stage(f"Measuring {t.model} {t.hidden} and the loader on {where}"):
         measured, p = plan_dataset(t, where, manifest=checked)
-    return PlanResult(where, store_plan(where, measured.version_id, p), p)
+    return PlanResult(where, store_plan(where, measured.version_id, p), p, grid)
 
 
 @dataclass

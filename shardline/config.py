@@ -22,7 +22,7 @@ from shardline.foundation.storage import is_remote, resolve, check_access
 from shardline.serving.config import ServingConfig
 from shardline.training.checkpoints.store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
-from shardline.training.strategy_settings import nest_source, override_path
+from shardline.training.strategy_settings import renamed, renamed_path
 from shardline.training.sweeps.config import SweepConfig
 
 
@@ -64,20 +64,23 @@ def load_config(
             raise ConfigError(f"{p}: invalid TOML: {e}") from None
         except UnicodeDecodeError:
             raise ConfigError(f"{p}: config file is not UTF-8 text") from None
-    # A strategy setting by either name (training.micro_batches, training.pipeline.micro_batches):
-    # one path in the data, so an override replaces the source's whichever name each used.
-    data, seen = nest_source(data, where), {}
+    # A setting's earlier name (training.tp, training.micro_batches) is read as its name now
+    # (training.mesh.tp, training.pipeline.micro_batches), one line saying so: one path in the
+    # data, so an override replaces the source's whichever name each used.
+    # Said once the config is good: a refused one gets its one line only.
+    said: list[str] = []
+    data, seen = _renamed_source(data, where, said), {}
     given: dict[str, str] = {}  # path -> the override that set it, which a mistake there is blamed on
     if isinstance(overrides, Mapping):
         for key, value in overrides.items():
-            path = override_path(str(key).strip(), value, seen)
+            path = _override_path(str(key).strip(), value, seen, said)
             _set(data, path, value, f"{key}={value!r}")
             given[path] = f"overrides[{str(key).strip()!r}]"
     else:
         for item in overrides:
-            given[_apply_override(data, item, seen)] = f"--set {item.strip()}"
+            given[_apply_override(data, item, seen, said)] = f"--set {item.strip()}"
     try:
-        return ShardlineConfig.model_validate(data)
+        cfg = ShardlineConfig.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(x) for x in err["loc"])
@@ -88,6 +91,9 @@ def load_config(
         got = f" (got {err['input']!r})" if scalar else ""
         msg = err["msg"].removeprefix("Value error, ")
         raise ConfigError(f"{blamed}: {field}: {msg}{got}") from None
+    for text in said:
+        report.warn(text)
+    return cfg
 
 
 def _blamed(field: str, given: dict[str, str], where: str) -> str:
@@ -99,7 +105,7 @@ def _blamed(field: str, given: dict[str, str], where: str) -> str:
     return where
 
 
-def _apply_override(data: dict, item: str, seen: dict) -> str:
+def _apply_override(data: dict, item: str, seen: dict, said: list[str]) -> str:
     """Apply one `--set section.field=value`; returns the path it set."""
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
@@ -108,8 +114,45 @@ def _apply_override(data: dict, item: str, seen: dict) -> str:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw  # a bare word is a string: --set training.model=mlp
-    path = override_path(key.strip(), value, seen)
+    path = _override_path(key.strip(), value, seen, said)
     _set(data, path, value, item)
+    return path
+
+
+def _renamed_source(data: dict, where: str, said: list[str]) -> dict:
+    """The source's training settings and searched sweep settings under their names now."""
+    if isinstance(data.get("training"), dict):
+        try:
+            training, lines = renamed(data["training"])
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        data = {**data, "training": training}
+        said += [f"{where}: {text}" for text in lines]
+    space = data.get("sweep", {}).get("space") if isinstance(data.get("sweep"), dict) else None
+    if isinstance(space, dict) and any(renamed_path(k) != k for k in space):
+        for k in [k for k in space if renamed_path(k) != k]:
+            said.append(f"{where}: sweep.space.{k} searches training.{renamed_path(k)}: read as "
+                        f'sweep.space."{renamed_path(k)}" (rename it in your config)')
+        data = {**data, "sweep": {**data["sweep"], "space": {renamed_path(k): v for k, v in space.items()}}}
+    return data
+
+
+def _override_path(key: str, value: Any, seen: dict[str, tuple[str, Any]], said: list[str]) -> str:
+    """The path an override sets, an earlier name's its name now (one line saying so).
+    seen: the overrides so far (path -> (key, value)); one setting overridden by both its
+    names with different values is refused."""
+    section, _, name = key.partition(".")
+    path = key
+    if section == "training" and renamed_path(name) != name:
+        path = f"training.{renamed_path(name)}"
+        said.append(f"{key} is now {path}: read as that (rename it)")
+    earlier = seen.get(path)
+    if earlier is not None and earlier[0] != key and earlier[1] != value:
+        raise ConfigError(
+            f"{earlier[0]} = {earlier[1]!r} and {key} = {value!r} are one setting ({path}) given twice "
+            f"with different values: give {path} only"
+        )
+    seen[path] = (key, value)
     return path
 
 

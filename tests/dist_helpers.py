@@ -20,6 +20,7 @@ from shardline.training.models.builtin import (
 )
 from shardline.training.models.decoder import Decoder
 from shardline.training.strategies import strategy_for
+from shardline.training.strategy_settings import TABLES
 
 MODELS = {
     "mlp": lambda: TabularMLP(5, [4], [16, 8], 3, embedding_dim=3),
@@ -36,6 +37,23 @@ INPUTS = ModelInputs(
     vectors={}, categorical=["c"], cardinalities=[4], inputs={"features": TensorInput(dtype="float32", shape=[6])},
     label=TensorInput(dtype="int64", shape=[]),
 )
+
+
+# A sub-table's field by its own name (micro_batches, tp, servers): unique across the tables.
+_TABLE_OF = {field: table for table, model in TABLES.items() for field in model.model_fields}
+
+
+def training_config(**settings) -> TrainingConfig:
+    """A TrainingConfig of `settings`, a sub-table's field given by its own name
+    (`micro_batches=4, tp=2` for `pipeline={"micro_batches": 4}, mesh={"tp": 2}`), or its table whole."""
+    nested: dict = {}
+    for key, value in settings.items():
+        table = _TABLE_OF.get(key)
+        if table is None:
+            nested[key] = {**nested.get(key, {}), **value} if key in TABLES else value
+        else:
+            nested.setdefault(table, {})[key] = value
+    return TrainingConfig(**nested)
 
 
 def _model(args: dict, cfg: TrainingConfig):
@@ -99,13 +117,13 @@ def train_steps(rank: int, world_size: int, args: dict) -> dict:
     slice data_rank of every global batch. world_size 1 is single-process training.
 
     args: strategy, steps, batch, and optionally model, optimizer ("sgd", the default, or
-    "adamw") and cfg (TrainingConfig fields: precision, activation_checkpointing,
-    grad_compression, dp/tp/pp/dp_shard, ps_*, micro_batches ...).
+    "adamw") and cfg (training_config's settings: precision, activation_checkpointing,
+    grad_compression, dp_replicate/dp_shard/tp/pp, servers, micro_batches ...).
     Returns the plain model's weights after training (every rank: full_state_dict()).
     """
     strategy = args["strategy"] if world_size > 1 else "ddp"
     settings = args.get("cfg", {}) if world_size > 1 else _numerics(args.get("cfg", {}))
-    cfg = TrainingConfig(world_size=world_size, strategy=strategy, batch_size=args["batch"], **settings)
+    cfg = training_config(world_size=world_size, strategy=strategy, batch_size=args["batch"], **settings)
 
     def build():  # seeded: what every rank (or fsdp's rank 0 alone) builds, as the worker does
         torch.manual_seed(0)
@@ -148,7 +166,7 @@ def unsynchronised(args: dict, parts: int) -> dict:
     """Single-process training on only the first of `parts` slices of each global batch:
     what one data-parallel rank computes if its gradients are never combined with the
     others'. A tolerance that accepts this cannot tell a broken strategy from a working one."""
-    cfg = TrainingConfig(world_size=1, batch_size=args["batch"], **_numerics(args.get("cfg", {})))
+    cfg = training_config(world_size=1, batch_size=args["batch"], **_numerics(args.get("cfg", {})))
     torch.manual_seed(0)
     model = _model(args, cfg)
     parallel = strategy_for(cfg).setup(
@@ -171,9 +189,9 @@ def relative_distance(a: dict, b: dict) -> float:
 def resumed(rank: int, world_size: int, args: dict) -> dict:
     """AdamW (moments and step counts a wrong resume would lose) on the transformer:
     4 steps straight, and 2 steps, a resume into a fresh setup (other seed), 2 more.
-    args: strategy, cfg (TrainingConfig fields), directory (for the DCP checkpoint).
+    args: strategy, cfg (training_config's settings), directory (for the DCP checkpoint).
     Returns both runs' plain weights."""
-    cfg = TrainingConfig(world_size=world_size, strategy=args["strategy"], batch_size=8, **args.get("cfg", {}))
+    cfg = training_config(world_size=world_size, strategy=args["strategy"], batch_size=8, **args.get("cfg", {}))
 
     def fresh(seed):
         def build():

@@ -74,7 +74,7 @@ def test_spark_standalone_cluster_runs_the_barrier_stage(prepared, spark_standal
         conf = tomllib.loads(f"conf = {spark_standalone.conf}")["conf"]
         submit = tmp_path / "submitted"
         submit.mkdir()
-        ps = ["--set", "training.strategy='ps'", "--set", "training.ps_servers=2", "--world-size", "4",
+        ps = ["--set", "training.strategy='ps'", "--set", "training.ps.servers=2", "--world-size", "4",
               "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt-ps'}'"]  # not the first job's
         submitted = subprocess.run(
             [str(BIN / "spark-submit"), "--master", spark_standalone.master,

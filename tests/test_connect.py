@@ -87,7 +87,7 @@ def test_run_on_connect_prepares_trains_and_scores(connect_server, connect_cli, 
 
 @pytest.mark.parametrize(
     "strategy, extra",
-    [("ps", {"ps_servers": 1}), ("pipeline", {"micro_batches": 4}), ("tensor", {})],
+    [("ps", {"ps.servers": 1}), ("pipeline", {"pipeline.micro_batches": 4}), ("tensor", {})],
 )
 def test_every_strategy_trains_on_connect(connect_server, connect_cli, connect_dataset, tmp_path, strategy, extra):
     proc = connect_cli.run(

@@ -109,7 +109,7 @@ def test_more_ranks_than_the_servers_slots_are_refused_before_training(connect_s
     proc = connect_cli.run(
         "train", str(QUICKSTART), "--world-size", "3", "--set", f"spark.remote='{connect_server.url}'",
         *absolute_paths(tmp_path), "--set", f"pipelines.dataset_dir='{prepared.dataset_dir}'",
-        "--set", "training.strategy='ps'", "--set", "training.ps_servers=1", "--set", "training.batch_size=256",
+        "--set", "training.strategy='ps'", "--set", "training.ps.servers=1", "--set", "training.batch_size=256",
         "--set", f"training.checkpoint_dir='{tmp_path / 'ckpt'}'", cwd=tmp_path,
     )  # fmt: skip
     line = _one_line_error(proc, 1, tmp_path)

@@ -43,11 +43,11 @@ TOLERANCE = {("sgd", "fp32"): 1e-6, ("adamw", "fp32"): 1e-5, ("sgd", "bf16"): 1e
 # name -> (strategy, world size, settings, data-parallel parts of a batch)
 STRATEGIES = {
     "ddp": ("ddp", 2, {}, 2),
-    "ps-sync": ("ps", 3, {"ps_servers": 1}, 2),
+    "ps-sync": ("ps", 3, {"servers": 1}, 2),
     "tensor": ("tensor", 2, {}, 1),
     "fsdp": ("fsdp", 2, {}, 2),
-    "hsdp": ("fsdp", 4, {"dp": 2}, 4),
-    "dp2xtp2": ("tensor", 4, {"dp": 2, "tp": 2}, 2),
+    "hsdp": ("fsdp", 4, {"dp_replicate": 2}, 4),
+    "dp2xtp2": ("tensor", 4, {"dp_shard": 2, "tp": 2}, 2),
     "pipeline": ("pipeline", 2, {"micro_batches": 4}, 1),
 }
 

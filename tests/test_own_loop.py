@@ -255,7 +255,7 @@ def test_a_loop_given_as_a_function_that_registers_nothing_finishes_cleanly(prep
                       r"in raises; rank 1 the same; traceback in .*/ranks/rank-0\.log\)"),
     ("reads_a_missing_split", "ddp", r"rank 0 on \S+: DataError: ctx.loader: the dataset \S+ has no split "
                                      r"'holdout' \(its splits: train, val, test\)"),
-    ("prepares_a_planless_model", "tensor", r"rank 0 on \S+: ConfigError: training.strategy tensor: ctx.prepare: "
+    ("prepares_a_planless_model", "tensor", r"rank 0 on \S+: ConfigError: training.mesh.tp 2: ctx.prepare: "
                                             r"Planless declares no tensor-parallel plan"),
 ])
 def test_a_loop_that_fails_on_its_ranks_is_one_line(prepared, tmp_path, loop, strategy, said):

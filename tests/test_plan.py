@@ -139,7 +139,7 @@ def test_measuring_gives_the_rules_plan_and_writes_nothing(prepared):
 def test_a_plan_is_per_data_part_for_every_strategy(prepared):
     # 3 ranks = 2 PS workers and a server; 2 ranks = one pipeline: the 2 prepared shards serve both.
     manifest = load_manifest(prepared.dataset_dir)
-    ps = TrainingConfig(strategy="ps", world_size=3, ps_servers=1, batch_size=128)
+    ps = TrainingConfig(strategy="ps", world_size=3, ps={"servers": 1}, batch_size=128)
     pipeline = TrainingConfig(strategy="pipeline", world_size=2, batch_size=128)
     p_ps = plan_from_measurements(manifest, ps, 2_000.0, 1_000.0, cores=6)
     p_pp = plan_from_measurements(manifest, pipeline, 2_000.0, 1_000.0, cores=6)
@@ -178,6 +178,10 @@ def test_cli_plan_stores_the_plan_and_prepare_lays_shards_out_by_it(slow_loading
     for line in ("training (measured)", "loader (measured)", "loader workers per rank",
                  "predicted data-wait", "train shards", "rows per row group"):
         assert line in proc.stdout, proc.stdout
+    # The ranks' grid (training.rank_grid): a row per rank, the train files it reads.
+    grid = proc.stdout[proc.stdout.index("mesh: "):].splitlines()
+    assert grid[1].split()[:2] == ["rank", "dp_replicate"] and len(grid) >= 4, grid  # training.world_size 2
+    assert all("part " in row for row in grid[2:4]), grid
     planned = load_manifest(cfg.dataset_dir)
     p = planned.plan
     assert p is not None and p.train_samples_per_s > 0 and p.loader_samples_per_s_per_worker > 0

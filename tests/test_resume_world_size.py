@@ -34,7 +34,8 @@ from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 from shardline.training.loader.reader import ShardLoader
 from shardline.training.models.builtin import build_model
-from shardline.training.strategies.base import autocast_for, train_step
+from shardline.training.strategies.base import train_step
+from shardline.training.strategies.precision import Precision
 from shardline.training.loop.recipe import lr_factor, make_optimizer
 
 from .conftest import shardline_here, small_pipeline
@@ -42,6 +43,7 @@ from .dist_helpers import relative_distance
 
 TOLERANCE = 1e-5
 COMMON = dict(launcher="local", epochs=2, batch_size=128, hidden=[64, 32], timeout_s=120, keep_checkpoints=100)
+TRANSFORMER = dict(model="transformer", hidden=[16, 16], heads=4)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +127,7 @@ def continued_single_process(head_path: Path, cfg: TrainingConfig, data_world: i
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, cfg.epochs * loaders[0].steps_per_epoch()))
     # Every rank runs the same schedule; a ps worker (rank 0) has none.
     scheduler.load_state_dict(next(r["scheduler"] for r in head["ranks"] if r.get("scheduler")))
-    autocast = autocast_for(torch.device("cpu"), cfg)
+    autocast = Precision.of(cfg).autocast(torch.device("cpu"))
     for epoch in range(head["epoch"], cfg.epochs):
         for parts in zip(*(loader.epoch(epoch) for loader in loaders)):
             x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
@@ -140,27 +142,37 @@ def continued_single_process(head_path: Path, cfg: TrainingConfig, data_world: i
     "first, then",
     [
         (dict(strategy="fsdp", world_size=4, checkpoint_every_steps=5), dict(strategy="fsdp", world_size=2)),
-        (dict(strategy="fsdp", world_size=2), dict(strategy="fsdp", world_size=4, dp=2, dp_shard=2)),
+        (dict(strategy="fsdp", world_size=2), dict(strategy="fsdp", world_size=4, mesh={"dp_replicate": 2, "dp_shard": 2})),
         (dict(strategy="tensor", world_size=2, model="transformer", hidden=[16, 16], heads=4),
-         dict(strategy="tensor", world_size=4, dp=2, tp=2, model="transformer", hidden=[16, 16], heads=4)),
+         dict(strategy="tensor", world_size=4, mesh={"dp_replicate": 2, "tp": 2}, model="transformer", hidden=[16, 16],
+              heads=4)),
         (dict(strategy="ddp", world_size=4), dict(strategy="ddp", world_size=2)),
         (dict(strategy="ddp", world_size=2), dict(strategy="ddp", world_size=4)),
-        (dict(strategy="tensor", world_size=4, dp=2, tp=2), dict(strategy="tensor", world_size=2)),
+        (dict(strategy="tensor", world_size=4, mesh={"dp_shard": 2, "tp": 2}), dict(strategy="tensor", world_size=2)),
         # The mlp's 4 layers, one stage per rank (the first, its feature input, holds no
         # parameters here: that rank has no optimizer and saved no schedule), then two per rank.
         (dict(strategy="pipeline", world_size=4), dict(strategy="pipeline", world_size=2)),
-        (dict(strategy="pipeline", world_size=2), dict(strategy="pipeline", world_size=4, dp=2, pp=2)),
+        (dict(strategy="pipeline", world_size=2), dict(strategy="pipeline", world_size=4, mesh={"dp_replicate": 2, "pp": 2})),
         # 2 servers' shards into 1, and 1 server's into 2.
-        (dict(strategy="ps", world_size=4, ps_servers=2), dict(strategy="ps", world_size=2, ps_servers=1)),
-        (dict(strategy="ps", world_size=2, ps_servers=1), dict(strategy="ps", world_size=4, ps_servers=2)),
+        (dict(strategy="ps", world_size=4, ps={"servers": 2}), dict(strategy="ps", world_size=2, ps={"servers": 1})),
+        (dict(strategy="ps", world_size=2, ps={"servers": 1}), dict(strategy="ps", world_size=4, ps={"servers": 2})),
+        # One checkpoint path for every mesh (#55 item 4): {dp_shard 2, tp 2} resumed without
+        # tensor parallel, without data parallel, and as pipeline stages split by tp.
+        (dict(world_size=4, mesh={"dp_shard": 2, "tp": 2}, **TRANSFORMER), dict(strategy="fsdp", world_size=4,
+                                                                             **TRANSFORMER)),
+        (dict(world_size=4, mesh={"dp_shard": 2, "tp": 2}, **TRANSFORMER), dict(strategy="tensor", world_size=2,
+                                                                             **TRANSFORMER)),
+        (dict(world_size=4, mesh={"dp_shard": 2, "tp": 2}, **TRANSFORMER), dict(world_size=4, mesh={"pp": 2, "tp": 2},
+                                                                             **TRANSFORMER)),
     ],
     ids=["fsdp4-to-2", "fsdp2-to-hsdp2x2", "tp2-to-dp2xtp2", "ddp4-to-2", "ddp2-to-4", "dp2xtp2-to-tp2",
-         "pipeline4-to-2", "pipeline2-to-dp2xpp2", "ps4-to-2", "ps2-to-4"],
+         "pipeline4-to-2", "pipeline2-to-dp2xpp2", "ps4-to-2", "ps2-to-4", "dp_shard2xtp2-to-dp_shard4",
+         "dp_shard2xtp2-to-tp2", "dp_shard2xtp2-to-pp2xtp2"],
 )
 def test_resume_at_another_world_size_matches_single_process_continuation(prepared4, first_runs, tmp_path, first,
                                                                           then):
-    """Full tier only (`make test-all`, marker `slow`): ten pairs of jobs of up to 4 ranks (about 160
-    CPU-s). The quick tier keeps the refusals of a resume that cannot reshard (below), and each
+    """Full tier only (`make test-all`, marker `slow`): thirteen pairs of jobs of up to 4 ranks (about
+    210 CPU-s). The quick tier keeps the refusals of a resume that cannot reshard (below), and each
     strategy's exact resume at the same world size (tests/test_strategy_jobs.py)."""
     from shardline.training.strategies import strategy_for
 
@@ -205,7 +217,7 @@ def _config(tmp: Path, dataset_dir: str, checkpoint_dir: str | Path, training: s
         ({"strategy": "fsdp", "world_size": 4, "checkpoint_every_steps": 5},
          ["training.strategy=fsdp", "training.world_size=2"],
          "written mid-epoch (epoch 1, step 5) by 4 data-parallel ranks, resumed with 2 "
-         "(training.world_size 4 -> 2): the loader's order within an epoch depends on how many ranks"),
+         "(training.world_size 4 -> 2, training.mesh.dp_shard 4 -> 2): the loader's order within an epoch depends on how many ranks"),
         # An earlier shardline's checkpoint: the weights in the small file, no DCP directory.
         ({"strategy": "fsdp", "world_size": 4, "checkpoint_every_steps": 5},
          ["training.strategy=fsdp", "training.world_size=4"],

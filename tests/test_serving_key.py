@@ -32,6 +32,7 @@ def keyed_by_id(dask_client, prepared, tracking_uri, tmp_path_factory):
     import shardline
     from shardline.pipelines.manifest import load_manifest
     from shardline.training.config import TrackingConfig, TrainingConfig
+    from shardline.engines import LocalEngine
     from shardline.training.job import run_training
 
     tmp = tmp_path_factory.mktemp("keyed-by-id")
@@ -47,7 +48,7 @@ def keyed_by_id(dask_client, prepared, tracking_uri, tmp_path_factory):
     prepared_id = shardline.prepare(cfg, client=dask_client)
     trained = run_training(TrainingConfig(**TRAINING), TrackingConfig(experiment="keyed-by-id",
                                                                       registered_model="keyed-by-id"),
-                           prepared_id.dataset_dir)
+                           prepared_id.dataset_dir, LocalEngine())
     return trained.model_uri, rows
 
 

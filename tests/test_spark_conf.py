@@ -230,7 +230,7 @@ def refused_on_the_cluster(prepared, spark_standalone, tmp_path_factory) -> dict
                       "'spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures' = '1', "
                       "'spark.scheduler.barrier.maxConcurrentTasksCheck.interval' = '1s', "
                       f"'spark.executor.extraJavaOptions' = '{spark_standalone.executor_java_opts}'}}",
-            "--set", "training.strategy='ps'", "--set", "training.ps_servers=1", "--world-size", "3",
+            "--set", "training.strategy='ps'", "--set", "training.ps.servers=1", "--world-size", "3",
             *data, "--set", f"training.checkpoint_dir='{tmp / 'ckpt-fewer'}'",
         ],
         "dynamic_allocation": [

@@ -60,7 +60,7 @@ def test_ddp_on_dask_workers_matches_single_process(dask_client):
         # bf16 forward and fp16 gradients round differently on a half and a whole batch
         # (an unsynchronised rank would be 2.4e-2 off: tests/test_equivalence.py).
         ({"cfg": {"precision": "bf16"}}, 2e-3),
-        ({"cfg": {"grad_compression": "fp16"}}, 2e-3),
+        ({"cfg": {"ddp": {"grad_compression": "fp16"}}}, 2e-3),
     ],
 )
 def test_ddp_switches_and_models_match_single_process(variant, atol):
@@ -74,7 +74,7 @@ def test_ddp_switches_and_models_match_single_process(variant, atol):
     cfg = variant.get("cfg", {})
     if cfg.get("precision") == "bf16":
         assert differs(reference)
-    if cfg.get("grad_compression") == "fp16":
+    if cfg.get("ddp", {}).get("grad_compression") == "fp16":
         assert differs(ranks[0])
 
 

@@ -64,7 +64,7 @@ def _dim0_shards(full: torch.Tensor, parts: int) -> list[int]:
     return sizes + [0] * (parts - len(sizes))
 
 
-@pytest.mark.parametrize("settings, world, shard", [({"precision": "bf16"}, 2, 2), ({"dp": 2}, 4, 2)])
+@pytest.mark.parametrize("settings, world, shard", [({"precision": "bf16"}, 2, 2), ({"mesh": {"dp_replicate": 2}}, 4, 2)])
 def test_each_rank_holds_its_shard_of_parameters_gradients_and_optimizer_state(settings, world, shard):
     ranks = launch_local(held, settings, world_size=world, timeout_s=180)
     torch.manual_seed(0)
@@ -93,7 +93,7 @@ def test_each_rank_holds_its_shard_of_parameters_gradients_and_optimizer_state(s
                 assert torch.equal(v, ranks[r + shard]["values"][name]), name
 
 
-@pytest.mark.parametrize("settings, world", [({}, 2), ({"dp": 2}, 4)])
+@pytest.mark.parametrize("settings, world", [({}, 2), ({"mesh": {"dp_replicate": 2}}, 4)])
 def test_resume_from_sharded_checkpoint_continues_exactly(settings, world, tmp_path):
     for got in launch_local(resumed, {"strategy": "fsdp", "cfg": settings, "directory": str(tmp_path / "ckpt")},
                             world_size=world, timeout_s=180):
@@ -104,12 +104,13 @@ def test_resume_from_sharded_checkpoint_continues_exactly(settings, world, tmp_p
 @pytest.mark.parametrize(
     "settings, message",
     [
-        ({"world_size": 4, "dp_shard": 3}, r"^training.dp_shard 3 must divide training.world_size 4$"),
-        ({"world_size": 4, "dp": 3}, r"^training.dp 3 must divide training.world_size 4$"),
-        ({"world_size": 4, "dp": 2, "dp_shard": 3},
-         r"^training.dp 2 x training.dp_shard 3 = 6 must equal training.world_size 4$"),
-        ({"world_size": 2, "tp": 2}, r"^training.tp = 2: strategy 'fsdp' splits the model only by dp_shard"),
-        ({"world_size": 4, "batch_size": 6}, r"^training.batch_size 6 must be a multiple of training.world_size 4"),
+        ({"world_size": 4, "mesh": {"dp_shard": 3}},
+         r"^training.mesh dp_shard 3 = 3 must divide training.world_size 4$"),
+        ({"world_size": 4, "mesh": {"dp_replicate": 3}}, r"^training.mesh dp_replicate 3 = 3 must divide training.world_size 4$"),
+        ({"world_size": 4, "mesh": {"dp_replicate": 2, "dp_shard": 3}},
+         r"^training.mesh dp_replicate 2 x dp_shard 3 = 6 must equal training.world_size 4$"),
+        ({"world_size": 4, "batch_size": 6},
+         r"^training.batch_size 6 must be a multiple of the 4 data-parallel ranks \(training.mesh dp_shard 4\)"),
     ],
 )
 def test_check_refuses_a_mesh_that_does_not_fit_the_ranks(settings, message):
@@ -138,6 +139,6 @@ def units_returning_views(rank: int, world_size: int, _args) -> list[str]:
 
 def test_fsdp_units_returning_views_print_no_warning():
     """#46: torch's "FSDP2-wrapped module (...) returned a view tensor" printed 2-4 times on
-    every fsdp run; shardline turns that one warning off (training/strategies/fsdp.py)."""
+    every fsdp run; shardline turns that one warning off (training/strategies/mesh.py)."""
     for said in launch_local(units_returning_views, None, world_size=2, timeout_s=180):
         assert not [w for w in said if "returned a view tensor" in w], said

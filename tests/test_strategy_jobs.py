@@ -4,6 +4,7 @@ checkpoints that resume exactly, each launcher, and bad settings refused up fron
 from __future__ import annotations
 
 import shutil
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -18,14 +19,15 @@ from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 from shardline.engines.spark.launch import launch_spark_barrier
 from shardline.training.models.builtin import build_model
+from shardline.training.strategies import strategy_for
 
 from .conftest import REPO, shardline_here
 from .dist_helpers import train_steps
 
 # Small versions of each strategy on this 2-core machine; world 3 for a server and 2 workers.
 JOBS = {
-    "ps": dict(strategy="ps", world_size=3, ps_servers=1),
-    "pipeline": dict(strategy="pipeline", world_size=2, micro_batches=4, pipeline_schedule="1f1b"),
+    "ps": dict(strategy="ps", world_size=3, ps={"servers": 1}),
+    "pipeline": dict(strategy="pipeline", world_size=2, pipeline={"micro_batches": 4, "schedule": "1f1b"}),
     "tensor": dict(strategy="tensor", world_size=2, model="transformer", hidden=[16, 16], heads=4),
     "fsdp": dict(strategy="fsdp", world_size=2),
 }
@@ -61,8 +63,15 @@ def test_strategy_job_resumes_exactly_and_its_model_scores(name, prepared, dask_
     # The strategy's own figures (tensor's and fsdp's collectives run inside torch: none).
     own = {"ps": "ps_push_ms", "pipeline": "pipeline_bubble_formula"}.get(name)
     assert own is None or own in run.data.metrics, sorted(run.data.metrics)
-    # A training run does not time its pipeline (training.pipeline_timing): no measured bubble.
+    # A training run does not time its pipeline (training.pipeline.timing): no measured bubble.
     assert "pipeline_bubble" not in run.data.metrics, sorted(run.data.metrics)
+    # The ranks on the mesh, logged with the hosts they reported (training.rank_grid).
+    grid = Path(MlflowClient(tracking_uri).download_artifacts(result.run_id, "mesh.txt", str(tmp_path))).read_text()
+    rows = grid.splitlines()[2:]
+    assert len(rows) == cfg.world_size and all(socket.gethostname() in row for row in rows), grid
+    # MLflow's params name the settings as the config does, the mesh as resolved.
+    shape = strategy_for(cfg).mesh
+    assert shape is None or all(run.data.params[f"mesh.{d}"] == str(getattr(shape, d)) for d in ("tp", "pp", "dp_shard"))
     # Every tensor the job handed to training.collectives passed its device check (here the
     # CPU: a wrong device raises): the worker's metrics and evaluation, and the strategy's own.
     calls = result.collective_calls
@@ -112,7 +121,7 @@ def test_strategy_job_resumes_exactly_and_its_model_scores(name, prepared, dask_
 @pytest.mark.parametrize("name", sorted(JOBS))
 def test_strategy_on_spark_barrier_tasks_matches_single_process(name, spark):
     # Spark's 2 task slots: a 1-worker, 1-server PS.
-    args = {"strategy": name, "steps": 4, "batch": 32, "cfg": {"ps_servers": 1} if name == "ps" else {}}
+    args = {"strategy": name, "steps": 4, "batch": 32, "cfg": {"servers": 1} if name == "ps" else {}}
     if name == "tensor":
         args["model"] = "transformer"
     ranks = launch_spark_barrier(spark, train_steps, args, world_size=2, timeout_s=120)
@@ -125,7 +134,7 @@ def test_strategy_on_spark_barrier_tasks_matches_single_process(name, spark):
 def test_strategy_on_dask_workers_matches_single_process(name, dask_client):
     from shardline.engines.dask.launch import launch_dask
 
-    args = {"strategy": name, "steps": 4, "batch": 32, "cfg": {"ps_servers": 1} if name == "ps" else {}}
+    args = {"strategy": name, "steps": 4, "batch": 32, "cfg": {"servers": 1} if name == "ps" else {}}
     ranks = launch_dask(dask_client, train_steps, args, world_size=2, timeout_s=120)
     reference = train_steps(0, 1, args)
     for k in reference:
@@ -142,37 +151,37 @@ def test_async_ps_reaches_the_accuracy_of_synchronous_training(prepared, tmp_pat
     )
     async_ = run_training(
         TrainingConfig(
-            **common, world_size=3, strategy="ps", ps_mode="async", ps_staleness=1,
+            **common, world_size=3, strategy="ps", ps={"mode": "async", "staleness": 1},
             checkpoint_dir=str(tmp_path / "ps"),
         ),
         tracking, prepared.dataset_dir, LocalEngine(), register=False,
     )
     assert async_.metrics["val_accuracy"] >= sync.metrics["val_accuracy"] - 0.05, (async_.metrics, sync.metrics)
-    # W=2 workers, ps_staleness k=1: at most (W-1)(2k+1) = 3 updates old (training/strategies/ps.py).
+    # W=2 workers, ps.staleness k=1: at most (W-1)(2k+1) = 3 updates old (training/strategies/ps.py).
     assert 1 <= async_.metrics["ps_staleness_max"] <= 3
 
 
 @pytest.mark.parametrize(
     "settings, message",
     [
-        (["training.strategy=tensor", "training.world_size=2", "training.dp=2", "training.tp=2"],
-         "training.dp 2 x training.tp 2 = 4 must equal training.world_size 2"),
+        (["training.strategy=tensor", "training.world_size=2", "training.mesh.dp_replicate=2", "training.mesh.tp=2"],
+         "training.mesh dp_replicate 2 x tp 2 = 4 must equal training.world_size 2"),
         (["training.strategy=tensor", "training.model=transformer", "training.hidden=[16]", "training.heads=4",
-          "training.tp=3", "training.world_size=3", "training.batch_size=510"], "training.tp 3 must divide"),
-        (["training.strategy=pipeline", "training.pp=4", "training.world_size=4", "training.hidden=[8]",
+          "training.mesh.tp=3", "training.world_size=3", "training.batch_size=510"], "training.mesh.tp 3 must divide"),
+        (["training.strategy=pipeline", "training.mesh.pp=4", "training.world_size=4", "training.hidden=[8]",
           "training.batch_size=512"], "more pipeline stages than"),
-        (["training.strategy=pipeline", "training.world_size=3", "training.micro_batches=2"],
-         "training.pipeline_schedule 1f1b with training.pp 3, training.micro_batches 2, 1 stage(s) per rank: "
-         "Number of microbatches (2) must be greater than or equal to the number of stages (3)"),
-        (["training.strategy=ps", "training.ps_servers=2"], "training.ps_servers 2 leaves no worker"),
+        (["training.strategy=pipeline", "training.world_size=3", "training.pipeline.micro_batches=2"],
+         "training.pipeline.schedule 1f1b with training.mesh.pp 3, training.pipeline.micro_batches 2, 1 stage(s) per "
+         "rank: Number of microbatches (2) must be greater than or equal to the number of stages (3)"),
+        (["training.strategy=ps", "training.ps.servers=2"], "training.ps.servers 2 leaves no worker"),
         (["training.strategy=allgather"], "unknown strategy 'allgather' (valid: ddp, fsdp, pipeline, ps, tensor)"),
-        (["training.strategy=tensor", 'training.tp_plan={"1.linear"="colwise","9.linear"="rowwise"}'],
-         "training.tp_plan: module '9.linear' is not in training.model mlp (its Linear layers: 1.linear, "
+        (["training.strategy=tensor", 'training.tensor.plan={"1.linear"="colwise","9.linear"="rowwise"}'],
+         "training.tensor.plan: module '9.linear' is not in training.model mlp (its Linear layers: 1.linear, "
          "2.linear, 3)"),
-        (["training.strategy=fsdp", "training.world_size=4", "training.dp=2", "training.dp_shard=3"],
-         "training.dp 2 x training.dp_shard 3 = 6 must equal training.world_size 4"),
-        (["training.strategy=fsdp", "training.world_size=4", "training.dp_shard=3"],
-         "training.dp_shard 3 must divide training.world_size 4"),
+        (["training.strategy=fsdp", "training.world_size=4", "training.mesh.dp_replicate=2",
+          "training.mesh.dp_shard=3"], "training.mesh dp_replicate 2 x dp_shard 3 = 6 must equal training.world_size 4"),
+        (["training.strategy=fsdp", "training.world_size=4", "training.mesh.dp_shard=3"],
+         "training.mesh dp_shard 3 = 3 must divide training.world_size 4"),
     ],
 )
 def test_cli_refuses_a_bad_mesh_before_any_process(prepared, tmp_path, settings, message):

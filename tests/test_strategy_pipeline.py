@@ -15,14 +15,16 @@ from shardline.foundation.errors import ConfigError
 from shardline.training.config import TrainingConfig
 from shardline.engines.local.launch import launch_local
 from shardline.training.models.builtin import TabularMLP
-from shardline.training.strategies.base import autocast_for, train_step
-from shardline.training.strategies.pipeline import Pipeline, balanced_bounds
+from shardline.training.strategies import strategy_for
+from shardline.training.strategies.base import train_step
+from shardline.training.strategies.pipeline_stages import balanced_bounds, pipeline_layout
+from shardline.training.strategies.precision import Precision
 from shardline.training.strategies.schedule import (
     SCHEDULES, Layout, ReplayStuck, closed_form, grid, in_flight, layout, replay, schedule_bubble,
     unit_timeline,
 )
 
-from .dist_helpers import MODELS, global_batches, train_steps
+from .dist_helpers import MODELS, global_batches, train_steps, training_config
 
 ARGS = {"strategy": "pipeline", "steps": 4, "batch": 32}
 OPTIMIZERS = {
@@ -137,66 +139,65 @@ def test_balanced_bounds_minimise_the_largest_stage():
 
 def test_describe_shows_stages_grid_bubble_and_held_activations():
     model = MODELS["mlp"]()
-    cfg = TrainingConfig(world_size=2, strategy="pipeline", batch_size=32, micro_batches=4)
-    text = Pipeline(cfg).describe(cfg, model)
+    cfg = training_config(world_size=2, strategy="pipeline", batch_size=32, micro_batches=4)
+    text = strategy_for(cfg).describe(cfg, model)
     stage_lines = [line for line in text.splitlines() if line.startswith("  stage ")]
     counts = [int(line.rsplit(", ", 1)[1].split()[0].replace(",", "")) for line in stage_lines]
     assert len(counts) == 2 and sum(counts) == sum(p.numel() for p in model.parameters())
     assert grid(layout("1f1b", 2, 1, 4)).splitlines()[1] in text
     assert "bubble (p-1)/(m+p-1) = 1/5 = 20.0%" in text
     assert "holds at most: stage 0 2, stage 1 1" in text
-    cfg = TrainingConfig(world_size=4, dp=2, strategy="pipeline", batch_size=32, micro_batches=4,
-                         pipeline_schedule="interleaved-1f1b")
-    text = Pipeline(cfg).describe(cfg, model)
-    assert "stage 2 (ranks 0, 2): layer 2 (Dense)" in text and "bubble (p-1)/(v*m+p-1) = 1/9 = 11.1%" in text
-    assert "\n    ranks 1, 3 " in text
+    cfg = training_config(world_size=4, dp_replicate=2, strategy="pipeline", batch_size=32, micro_batches=4,
+                          schedule="interleaved-1f1b")
+    text = strategy_for(cfg).describe(cfg, model)
+    assert "stage 2 (ranks 0-1): layer 2 (Dense)" in text and "bubble (p-1)/(v*m+p-1) = 1/9 = 11.1%" in text
+    assert "\n    ranks 2-3 " in text
 
 
 @pytest.mark.parametrize(
     "settings, message",
     [
-        ({"world_size": 5}, r"training.pp 5: more pipeline stages than the model's 4 layers"),
-        ({"world_size": 3, "pipeline_schedule": "zbv", "micro_batches": 3},
-         r"training.pp 3 x training.pipeline_stages_per_rank 2: more pipeline stages than the model's 4"),
-        ({"world_size": 1}, r"training.pp 1: a pipeline needs at least 2 ranks"),
-        ({"world_size": 4, "dp": 3}, r"training.dp 3 must divide training.world_size 4"),
-        ({"world_size": 2, "tp": 2}, r"training.tp = 2"),
-        ({"pipeline_boundaries": [1, 2]}, r"pipeline_boundaries \[1, 2\]: 2 pipeline stages need 1"),
-        ({"world_size": 3, "pipeline_boundaries": [2, 2]}, r"pipeline_boundaries \[2, 2\] must be increasing"),
-        ({"pipeline_boundaries": [4]}, r"pipeline_boundaries \[4\] must be increasing .* from 1 to 3"),
-        ({"pipeline_boundaries": [0]}, r"pipeline_boundaries \[0\] must be increasing"),
-        ({"pipeline_schedule": "interleaved-1f1b", "pipeline_boundaries": [2]},
-         r"pipeline_boundaries \[2\]: 4 pipeline stages need 3"),
-        ({"world_size": 4, "pp": 2, "batch_size": 31}, r"batch_size 31 must be a multiple of training.dp 2"),
-        ({"batch_size": 30}, r"training.micro_batches 4 must divide each pipeline's batch of 30 rows"),
+        ({"world_size": 5}, r"training.mesh.pp 5: more pipeline stages than the model's 4 layers"),
+        ({"world_size": 3, "schedule": "zbv", "micro_batches": 3},
+         r"training.mesh.pp 3 x training.pipeline.stages_per_rank 2: more pipeline stages than the model's 4"),
+        ({"world_size": 1}, r"training.mesh.pp 1: strategy pipeline needs at least 2 stages"),
+        ({"world_size": 4, "dp_replicate": 3}, r"training.mesh dp_replicate 3 = 3 must divide training.world_size 4"),
+        ({"boundaries": [1, 2]}, r"pipeline.boundaries \[1, 2\]: 2 pipeline stages need 1"),
+        ({"world_size": 3, "boundaries": [2, 2]}, r"pipeline.boundaries \[2, 2\] must be increasing"),
+        ({"boundaries": [4]}, r"pipeline.boundaries \[4\] must be increasing .* from 1 to 3"),
+        ({"boundaries": [0]}, r"pipeline.boundaries \[0\] must be increasing"),
+        ({"schedule": "interleaved-1f1b", "boundaries": [2]},
+         r"pipeline.boundaries \[2\]: 4 pipeline stages need 3"),
+        ({"world_size": 4, "pp": 2, "batch_size": 31}, r"batch_size 31 must be a multiple of the 2 data-parallel ranks"),
+        ({"batch_size": 30}, r"training.pipeline.micro_batches 4 must divide each pipeline's batch of 30 rows"),
         ({"world_size": 3, "micro_batches": 2},
-         r"training.pipeline_schedule 1f1b with training.pp 3, training.micro_batches 2, 1 stage\(s\) per "
+         r"training.pipeline.schedule 1f1b with training.mesh.pp 3, training.pipeline.micro_batches 2, 1 stage\(s\) per "
          r"rank: Number of microbatches \(2\) must be greater than or equal to the number of stages \(3\)"),
-        ({"pipeline_schedule": "interleaved-1f1b", "micro_batches": 5, "batch_size": 30},
-         r"interleaved-1f1b with training.pp 2, training.micro_batches 5, 2 stage\(s\) per rank: .*multiple"),
-        ({"pipeline_stages_per_rank": 2},
-         r"training.pipeline_stages_per_rank 2: training.pipeline_schedule 1f1b runs exactly 1 stages per rank"),
-        ({"pipeline_schedule": "zbv", "pipeline_stages_per_rank": 3, "hidden": [8] * 5},
-         r"pipeline_stages_per_rank 3: training.pipeline_schedule zbv runs exactly 2"),
-        ({"pipeline_schedule": "interleaved-1f1b", "pipeline_stages_per_rank": 1},
-         r"pipeline_stages_per_rank 1: training.pipeline_schedule interleaved-1f1b runs 2 or more"),
+        ({"schedule": "interleaved-1f1b", "micro_batches": 5, "batch_size": 30},
+         r"interleaved-1f1b with training.mesh.pp 2, training.pipeline.micro_batches 5, 2 stage\(s\) per rank: .*multiple"),
+        ({"stages_per_rank": 2},
+         r"training.pipeline.stages_per_rank 2: training.pipeline.schedule 1f1b runs exactly 1 stages per rank"),
+        ({"schedule": "zbv", "stages_per_rank": 3, "hidden": [8] * 5},
+         r"pipeline.stages_per_rank 3: training.pipeline.schedule zbv runs exactly 2"),
+        ({"schedule": "interleaved-1f1b", "stages_per_rank": 1},
+         r"pipeline.stages_per_rank 1: training.pipeline.schedule interleaved-1f1b runs 2 or more"),
     ],
 )
 def test_check_names_the_bad_setting(settings, message):
     hidden = settings.pop("hidden", None)
-    cfg = TrainingConfig(**{"world_size": 2, "strategy": "pipeline", "batch_size": 32, **settings})
     model = TabularMLP(5, [4], hidden, 3) if hidden else MODELS["mlp"]()
     with pytest.raises(ConfigError, match=message):
-        Pipeline(cfg).check(cfg, model)
+        cfg = training_config(**{"world_size": 2, "strategy": "pipeline", "batch_size": 32, **settings})
+        strategy_for(cfg).check(cfg, model)
 
 
 # --- training on real process groups (each launch costs seconds: they are few and shared) ---
 
 def _setup(rank: int, world_size: int, model: nn.Module, optimizer: str = "sgd", **settings):
     # These tests read what the executor did (orders, held activations): timed stages.
-    settings.setdefault("pipeline_timing", True)
-    cfg = TrainingConfig(world_size=world_size, strategy="pipeline", **settings)
-    strategy = Pipeline(cfg)
+    settings.setdefault("timing", True)
+    cfg = training_config(world_size=world_size, strategy="pipeline", **settings)
+    strategy = strategy_for(cfg)
     strategy.check(cfg, model)
     return strategy.setup(model, cfg, rank, world_size, torch.device("cpu"), OPTIMIZERS[optimizer])
 
@@ -226,7 +227,7 @@ def every_combination(rank: int, world_size: int, args: dict) -> dict:
     # A training run's default: no timing (plain stages, no barrier per step). The same
     # weights as the timed run: timing only observes.
     torch.manual_seed(0)
-    untimed = _setup(rank, world_size, MODELS["mlp"](), "adamw", pipeline_timing=False, **settings)
+    untimed = _setup(rank, world_size, MODELS["mlp"](), "adamw", timing=False, **settings)
     _train(untimed, batches)
     out["untimed"] = untimed.full_state_dict()
     out["untimed_stages"] = [type(stage).__name__ for stage in untimed.stages]
@@ -247,14 +248,14 @@ def single_process(args: dict, optimizer: str, precision: str) -> dict:
     torch.manual_seed(0)
     model = MODELS["mlp"]()
     opt = OPTIMIZERS[optimizer](model.parameters())
-    autocast = autocast_for(torch.device("cpu"), TrainingConfig(precision=precision))
+    autocast = Precision.of(TrainingConfig(precision=precision)).autocast(torch.device("cpu"))
     for x, y in global_batches(args["steps"], args["batch"]):
         train_step(model, opt, autocast, x, y)
     return model.state_dict()
 
 
 def _config(name: str) -> TrainingConfig:
-    return TrainingConfig(world_size=2, strategy="pipeline", batch_size=32, pipeline_schedule=name, micro_batches=4)
+    return training_config(world_size=2, strategy="pipeline", batch_size=32, schedule=name, micro_batches=4)
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +263,7 @@ def schedule_runs(tmp_path_factory) -> dict:
     """Every schedule, 2 ranks, 4 micro-batches: one launch each, shared by the tests below."""
     runs = {}
     for name in SCHEDULES:
-        args = {"steps": 3, "batch": 32, "cfg": {"pipeline_schedule": name, "micro_batches": 4},
+        args = {"steps": 3, "batch": 32, "cfg": {"schedule": name, "micro_batches": 4},
                 "directory": str(tmp_path_factory.mktemp(f"ckpt-{name}"))}
         runs[name] = (args, launch_local(every_combination, args, world_size=2, timeout_s=300))
     return runs
@@ -292,11 +293,11 @@ def test_resume_is_bit_exact(name, schedule_runs):
 
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_a_run_is_untimed_unless_asked_and_timing_changes_no_weight(name, schedule_runs):
-    """training.pipeline_timing is off by default: plain PipelineStages (no device sync around
+    """training.pipeline.timing is off by default: plain PipelineStages (no device sync around
     every action, no barrier per step), only the formula's bubble reported; the weights are
     bit-equal to the timed run's."""
     args, ranks = schedule_runs[name]
-    assert not TrainingConfig().pipeline_timing
+    assert not TrainingConfig().pipeline.timing
     for r in ranks:
         assert set(r["untimed_stages"]) == {"PipelineStage"}, r["untimed_stages"]
         assert set(r["untimed_metrics"]) == {"pipeline_bubble_formula"}, r["untimed_metrics"]
@@ -315,7 +316,7 @@ def test_the_schedule_changes_only_the_timing(schedule_runs):
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_the_executor_runs_the_order_the_driver_prints(name, schedule_runs):
-    printed = Pipeline(_config(name)).layout()  # what `describe` draws on the driver, before any process
+    printed = pipeline_layout(_config(name).pipeline, 2)  # what `describe` draws on the driver, before any process
     for r, rank_result in enumerate(schedule_runs[name][1]):
         for precision in ATOL:
             steps = rank_result["orders", precision]
@@ -327,7 +328,7 @@ def test_the_executor_holds_the_activations_its_schedule_implies(name, schedule_
     """Measured on torch's executor (saved-tensor hooks): each stage held exactly as many
     micro-batches as its order has in flight (for 1F1B p - s on stage s, for GPipe all m),
     and nothing a step saved outlived it (zero-bubble's retained graphs included)."""
-    lay = Pipeline(_config(name)).layout()
+    lay = pipeline_layout(_config(name).pipeline, 2)
     expected = in_flight(lay)
     assert expected == {"gpipe": {0: 4, 1: 4}, "1f1b": {0: 2, 1: 1}}.get(name, expected)
     for r, rank_result in enumerate(schedule_runs[name][1]):
@@ -346,10 +347,10 @@ def several(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
     "world_size, variants",
     [
         (2, [{"model": "transformer"},
-             {"model": "transformer", "cfg": {"pipeline_schedule": "interleaved-1f1b"}},
-             {"cfg": {"micro_batches": 1, "pipeline_schedule": "gpipe"}}]),
-        (4, [{"cfg": {"dp": 2, "pp": 2, "micro_batches": 2}},
-             {"cfg": {"dp": 2, "pp": 2, "micro_batches": 2, "pipeline_schedule": "zbv"}}]),
+             {"model": "transformer", "cfg": {"schedule": "interleaved-1f1b"}},
+             {"cfg": {"micro_batches": 1, "schedule": "gpipe"}}]),
+        (4, [{"cfg": {"dp_replicate": 2, "pp": 2, "micro_batches": 2}},
+             {"cfg": {"dp_replicate": 2, "pp": 2, "micro_batches": 2, "schedule": "zbv"}}]),
     ],
 )
 def test_pipeline_variants_match_single_process(world_size, variants):
@@ -387,7 +388,7 @@ def three_ranks(rank: int, world_size: int, args: dict) -> dict:
     out = {"cnn": stage_report(rank, world_size, args)}
     for name in ("gpipe", "1f1b"):
         torch.manual_seed(0)
-        parallel = _setup(rank, world_size, MODELS["mlp"](), pipeline_schedule=name, micro_batches=6, batch_size=36)
+        parallel = _setup(rank, world_size, MODELS["mlp"](), schedule=name, micro_batches=6, batch_size=36)
         _train(parallel, global_batches(2, 36))
         out[name] = [log.held for log in parallel.clock.take()]
     return out
@@ -396,7 +397,7 @@ def three_ranks(rank: int, world_size: int, args: dict) -> dict:
 @pytest.fixture(scope="module")
 def on_three_ranks() -> tuple[dict, list[dict]]:
     # cnn layers: 0 FeatureInput, 1 Channels (no parameters), 2-3 ConvBlock, 4 PoolHead.
-    args = {"model": "cnn", "steps": 3, "batch": 36, "cfg": {"pp": 3, "pipeline_boundaries": [1, 2],
+    args = {"model": "cnn", "steps": 3, "batch": 36, "cfg": {"pp": 3, "boundaries": [1, 2],
                                                             "micro_batches": 3}}
     return args, launch_local(three_ranks, args, world_size=3, timeout_s=300)
 

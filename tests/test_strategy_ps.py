@@ -12,12 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardline.foundation.errors import ConfigError
-from shardline.training.config import TrainingConfig
 from shardline.engines.local.launch import launch_local
 from shardline.training.strategies import strategy_for
 from shardline.training.strategies.ps import shard_names
 
-from .dist_helpers import MODELS, global_batches, train_steps
+from .dist_helpers import MODELS, global_batches, train_steps, training_config
 
 ARGS = {"strategy": "ps", "steps": 8, "batch": 64}
 
@@ -29,7 +28,7 @@ def _assert_close(a: dict, b: dict, atol: float = 1e-5):
 
 
 def _setup(rank: int, world_size: int, settings: dict, momentum: float = 0.0):
-    cfg = TrainingConfig(world_size=world_size, strategy="ps", batch_size=64, **settings)
+    cfg = training_config(world_size=world_size, strategy="ps", batch_size=64, **settings)
     torch.manual_seed(0)
     model = MODELS["mlp"]()
     strategy = strategy_for(cfg)
@@ -60,7 +59,7 @@ def _cloned(state: dict) -> dict:
 
 @pytest.mark.parametrize("servers, world", [(1, 3), (2, 4)])
 def test_sync_matches_single_process(servers, world):
-    args = {**ARGS, "cfg": {"ps_servers": servers}}
+    args = {**ARGS, "cfg": {"servers": servers}}
     ranks = launch_local(train_steps, args, world_size=world, timeout_s=120)
     reference = train_steps(0, 1, args)
     for weights in ranks:  # servers and workers alike get the servers' values
@@ -71,7 +70,7 @@ def test_sync_matches_single_process(servers, world):
 
 def shares_and_resume(rank: int, world_size: int, args: dict) -> dict:
     """Each rank's share, and 4 sync steps straight vs 2, checkpoint, resume, 2."""
-    settings, batches = {"ps_servers": 2}, list(global_batches(4, 64))
+    settings, batches = {"servers": 2}, list(global_batches(4, 64))
     straight = _setup(rank, world_size, settings, momentum=0.9)
     _train(straight, batches)
     straight_weights = _cloned(straight.full_state_dict())
@@ -90,7 +89,9 @@ def shares_and_resume(rank: int, world_size: int, args: dict) -> dict:
         "optimizer": [
             tuple(p.shape) for g in first.optimizer.param_groups for p in g["params"]
         ] if first.optimizer is not None else None,
-        "holds_a_model": any(isinstance(v, nn.Module) for v in vars(first).values()),
+        # A module holding parameters beyond the rank's shard: the whole model (a worker's replica).
+        "holds_a_model": any(isinstance(v, nn.Module) and {n for n, _ in v.named_parameters()} - set(shard or {})
+                             for v in vars(first).values()),
         "straight": straight_weights, "resumed": _cloned(resumed.full_state_dict()),
     }
 
@@ -126,7 +127,7 @@ def test_servers_hold_only_their_shard_and_resume_exactly(tmp_path):
 def async_run(rank: int, world_size: int, args: dict) -> dict:
     """8 async steps; the last worker starts only once worker 0 has finished k steps
     (a file says so), which the bound must allow without it."""
-    k = args["settings"]["ps_staleness"]
+    k = args["settings"]["staleness"]
     parallel = _setup(rank, world_size, args["settings"])
     ahead = Path(args["dir"]) / "worker0_ran_ahead"
     waited_for_worker0 = None
@@ -148,7 +149,7 @@ def async_run(rank: int, world_size: int, args: dict) -> dict:
 @pytest.mark.parametrize("servers, k", [(1, 0), (2, 2)])
 def test_async_staleness_stays_within_its_bound(servers, k, tmp_path):
     workers = 2
-    settings = {"ps_servers": servers, "ps_mode": "async", "ps_staleness": k}
+    settings = {"servers": servers, "mode": "async", "staleness": k}
     args = {"settings": settings, "dir": str(tmp_path)}
     ranks = launch_local(async_run, args, world_size=workers + servers, timeout_s=120)
     # Worker 0 ran k steps ahead of a worker that had not pushed once.
@@ -183,7 +184,7 @@ def _learnable(steps: int, batch: int, seed: int):
 
 
 def async_learns(rank: int, world_size: int, args: dict) -> dict:
-    parallel = _setup(rank, world_size, {"ps_servers": 1, "ps_mode": "async", "ps_staleness": 1})
+    parallel = _setup(rank, world_size, {"servers": 1, "mode": "async", "staleness": 1})
     _train(parallel, _learnable(80, 64, seed=3))
     return _cloned(parallel.full_state_dict())
 
@@ -203,20 +204,20 @@ def test_async_training_lowers_the_loss():
 @pytest.mark.parametrize(
     "settings, model, message",
     [
-        ({"world_size": 2, "ps_servers": 2}, None,
-         r"^training.ps_servers 2 leaves no worker rank \(training.world_size 2\)$"),
+        ({"world_size": 2, "servers": 2}, None,
+         r"^training.ps.servers 2 leaves no worker rank \(training.world_size 2\)$"),
         ({"world_size": 3, "batch_size": 63}, None,
          r"^training.batch_size 63 must be a multiple of the 2 ps workers"),
-        ({"world_size": 3, "tp": 2}, None, r"^training.tp = 2: strategy 'ps'"),
-        ({"world_size": 3, "dp": 3}, None, r"^training.dp 3 must equal the ps workers"),
-        ({"world_size": 4, "ps_servers": 2}, nn.Linear(5, 3, bias=False),
-         r"^training.ps_servers 2 exceeds the model's 1 parameter tensors"),
+        ({"world_size": 3, "tp": 2}, None, r"^training.mesh.tp = 2: strategy 'ps' has no device mesh"),
+        ({"world_size": 3, "dp_replicate": 3}, None, r"^training.mesh.dp_replicate = 3: strategy 'ps' has no device mesh"),
+        ({"world_size": 4, "servers": 2}, nn.Linear(5, 3, bias=False),
+         r"^training.ps.servers 2 exceeds the model's 1 parameter tensors"),
         ({"world_size": 3}, nn.Sequential(nn.Linear(5, 3), nn.BatchNorm1d(3)),
          r"^training.strategy ps: model 'mlp' has buffers"),
     ],
 )
 def test_check_refuses_bad_settings_in_one_line(settings, model, message):
-    cfg = TrainingConfig(**{"strategy": "ps", "batch_size": 64, **settings})
     with pytest.raises(ConfigError, match=message) as err:
+        cfg = training_config(**{"strategy": "ps", "batch_size": 64, **settings})
         strategy_for(cfg).check(cfg, model if model is not None else MODELS["mlp"]())
     assert "\n" not in str(err.value)

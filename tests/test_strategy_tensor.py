@@ -36,7 +36,7 @@ def shard_shapes(rank: int, world_size: int, model_name: str) -> dict:
     """This rank's own (local) weights right after setup, and their kinds."""
     from torch.distributed.tensor import DTensor
 
-    cfg = TrainingConfig(world_size=world_size, strategy="tensor", tp=world_size, batch_size=8)
+    cfg = TrainingConfig(world_size=world_size, strategy="tensor", mesh={"tp": world_size}, batch_size=8)
     torch.manual_seed(0)
     parallel = strategy_for(cfg).setup(
         MODELS[model_name](), cfg, rank, world_size, torch.device("cpu"),
@@ -95,31 +95,31 @@ def _check(model: str, **settings):
 @pytest.mark.parametrize(
     "model, settings, message",
     [
-        ("transformer", {"world_size": 3, "tp": 3, "batch_size": 9},
-         r"^training.tp 3 must divide training.heads 4 \(and d_model 16\)$"),
-        ("mlp", {"world_size": 3, "tp": 3, "batch_size": 9},
-         r"^training.tp 3 must divide training.hidden\[0\] 16$"),
-        ("mlp", {"world_size": 4, "dp": 3, "tp": 2},
-         r"^training.dp 3 x training.tp 2 = 6 must equal training.world_size 4$"),
-        ("mlp", {"world_size": 4, "tp": 2, "batch_size": 9},
-         r"^training.batch_size 9 must be a multiple of training.dp 2$"),
+        ("transformer", {"world_size": 3, "mesh": {"tp": 3}, "batch_size": 9},
+         r"^training.mesh.tp 3 must divide training.heads 4 \(and d_model 16\)$"),
+        ("mlp", {"world_size": 3, "mesh": {"tp": 3}, "batch_size": 9},
+         r"^training.mesh.tp 3 must divide training.hidden\[0\] 16$"),
+        ("mlp", {"world_size": 4, "mesh": {"dp_replicate": 3, "tp": 2}},
+         r"^training.mesh dp_replicate 3 x tp 2 = 6 must equal training.world_size 4$"),
+        ("mlp", {"world_size": 4, "mesh": {"tp": 2}, "batch_size": 9},
+         r"^training.batch_size 9 must be a multiple of the 2 data-parallel ranks \(training.mesh dp_replicate 2 x tp 2\)$"),
         ("cnn", {"world_size": 2},
-         r"^training.strategy tensor: training.model cnn declares no tensor-parallel plan"),
-        ("mlp", {"world_size": 2, "tp_plan": {"1.linear": "colwise", "9.linear": "rowwise"}},
-         r"^training.tp_plan: module '9.linear' is not in training.model mlp \(its Linear layers: "
+         r"^training.mesh.tp 2: training.model cnn declares no tensor-parallel plan"),
+        ("mlp", {"world_size": 2, "tensor": {"plan": {"1.linear": "colwise", "9.linear": "rowwise"}}},
+         r"^training.tensor.plan: module '9.linear' is not in training.model mlp \(its Linear layers: "
          r"1.linear, 2.linear, 3\)$"),
-        ("mlp", {"world_size": 2, "tp_plan": {"1.linear": "colwise", "0": "rowwise"}},
-         r"^training.tp_plan: '0' is a FeatureInput, not a Linear"),
-        ("mlp", {"world_size": 2, "tp_plan": {"2.linear": "rowwise"}},
-         r"^training.tp_plan: rowwise '2.linear' follows no colwise layer"),
-        ("mlp", {"world_size": 2, "tp_plan": {"3": "colwise"}},
-         r"^training.tp_plan: colwise '3' is closed by no rowwise layer"),
-        ("mlp", {"world_size": 2, "tp_plan": {"1.linear": "colwise", "3": "rowwise"}},
-         r"^training.tp_plan: '2.linear' lies between colwise '1.linear' and its rowwise layer"),
-        ("transformer", {"world_size": 2, "tp_plan": {"1.attn.q": "colwise", "1.attn.out": "rowwise"}},
-         r"^training.tp_plan: attention '1.attn' splits q, k and v colwise and out rowwise, or none"),
-        ("mlp", {"world_size": 3, "batch_size": 9, "tp_plan": {"2.linear": "colwise", "3": "rowwise"}},
-         r"^training.tp 3 must divide training.hidden\[1\] 8$"),
+        ("mlp", {"world_size": 2, "tensor": {"plan": {"1.linear": "colwise", "0": "rowwise"}}},
+         r"^training.tensor.plan: '0' is a FeatureInput, not a Linear"),
+        ("mlp", {"world_size": 2, "tensor": {"plan": {"2.linear": "rowwise"}}},
+         r"^training.tensor.plan: rowwise '2.linear' follows no colwise layer"),
+        ("mlp", {"world_size": 2, "tensor": {"plan": {"3": "colwise"}}},
+         r"^training.tensor.plan: colwise '3' is closed by no rowwise layer"),
+        ("mlp", {"world_size": 2, "tensor": {"plan": {"1.linear": "colwise", "3": "rowwise"}}},
+         r"^training.tensor.plan: '2.linear' lies between colwise '1.linear' and its rowwise layer"),
+        ("transformer", {"world_size": 2, "tensor": {"plan": {"1.attn.q": "colwise", "1.attn.out": "rowwise"}}},
+         r"^training.tensor.plan: attention '1.attn' splits q, k and v colwise and out rowwise, or none"),
+        ("mlp", {"world_size": 3, "batch_size": 9, "tensor": {"plan": {"2.linear": "colwise", "3": "rowwise"}}},
+         r"^training.mesh.tp 3 must divide training.hidden\[1\] 8$"),
     ],
 )
 def test_check_refuses_with_one_line(model, settings, message):
@@ -128,12 +128,12 @@ def test_check_refuses_with_one_line(model, settings, message):
 
 
 def test_check_accepts_a_dividing_tp():
-    _check("transformer", world_size=4, tp=4, batch_size=8)
+    _check("transformer", world_size=4, mesh={"tp": 4}, batch_size=8)
 
 
 def test_an_mlp_with_one_hidden_layer_has_nothing_to_split():
     from shardline.training.models.builtin import TabularMLP
 
     cfg = TrainingConfig(strategy="tensor", world_size=2, hidden=[16])
-    with pytest.raises(ConfigError, match=r"^training.strategy tensor: training.hidden \[16\] has no pair"):
+    with pytest.raises(ConfigError, match=r"^training.mesh.tp 2: training.hidden \[16\] has no pair"):
         strategy_for(cfg).check(cfg, TabularMLP(5, [4], [16], 3, embedding_dim=3))

@@ -108,7 +108,7 @@ def test_every_switch_together_trains_the_transformer(prepared, tracking_uri, tm
     cfg = TrainingConfig(
         launcher="local", world_size=2, epochs=2, batch_size=128, model="transformer",
         hidden=[16, 16], heads=4, precision="bf16", activation_checkpointing=True,
-        grad_compression="fp16", lr_schedule="cosine", warmup_steps=20, log_every_steps=5,
+        ddp={"grad_compression": "fp16"}, lr_schedule="cosine", warmup_steps=20, log_every_steps=5,
         checkpoint_dir=str(tmp_path / "ckpt"),
     )
     result = run_training(cfg, TrackingConfig(experiment="switches", registered_model="switches"), prepared.dataset_dir, LocalEngine())

@@ -34,7 +34,7 @@ ALWAYS_LINE = next(i for i, ln in enumerate((Path(PACKAGE) / "faults.py").read_t
                    if "this model always fails" in ln)
 # Every strategy on 2 ranks (ps: a server and a worker), one after the other in one group.
 STRATEGIES = {
-    "ddp": {}, "fsdp": {}, "tensor": {}, "pipeline": {"micro_batches": 4}, "ps": {"ps_servers": 1},
+    "ddp": {}, "fsdp": {}, "tensor": {}, "pipeline": {"micro_batches": 4}, "ps": {"servers": 1},
 }
 TOLERANCE = 1e-6  # SGD in fp32, as tests/test_equivalence.py
 # SGD in bf16 autocast on the named-input model: measured 9.4e-6 (pipeline, torch 2.13 CPU);
@@ -101,7 +101,7 @@ def test_a_job_trains_a_user_model_with_its_loss_and_logs_its_metrics(small_data
 
     # The package found through training.code_paths (the job's folder is not its parent).
     cfg = TrainingConfig(
-        launcher="local", world_size=2, strategy="pipeline", micro_batches=2, batch_size=32, epochs=2,
+        launcher="local", world_size=2, strategy="pipeline", pipeline={"micro_batches": 2}, batch_size=32, epochs=2,
         model=MODEL, model_args={"width": 8, "depth": 2}, loss="usernets.losses:shifted_ce",
         metrics=["usernets.losses:ce", "usernets.losses:top1"], code_paths=[PACKAGE],
         checkpoint_dir=str(tmp_path / "ckpt"), timeout_s=120,
@@ -146,10 +146,10 @@ def test_model_inputs_describe_the_manifest_and_round_trip_through_json(small_da
     "settings, message",
     [
         ({"model": "usernets.nets:plain", "strategy": "pipeline", "world_size": 2},
-         "training.strategy pipeline: training.model usernets.nets:plain is no nn.Sequential and declares no "
+         "training.mesh.pp (a pipeline): training.model usernets.nets:plain is no nn.Sequential and declares no "
          "pipeline_layers()"),
         ({"model": "usernets.nets:plain", "strategy": "tensor", "world_size": 2},
-         "training.strategy tensor: training.model usernets.nets:plain declares no tensor-parallel plan"),
+         "training.mesh.tp 2: training.model usernets.nets:plain declares no tensor-parallel plan"),
         ({"model": "usernets.nets:plain", "activation_checkpointing": True},
          "training.activation_checkpointing: training.model usernets.nets:plain declares no recompute_units()"),
         ({"model": "usernets.nets:wrong_width"},
@@ -308,7 +308,7 @@ def test_a_job_trains_scores_and_predicts_a_model_of_named_inputs(typed_dataset,
     from .serving_helpers import read_scores
 
     cfg = TrainingConfig(
-        launcher="local", world_size=2, strategy="pipeline", micro_batches=2, batch_size=16, epochs=1,
+        launcher="local", world_size=2, strategy="pipeline", pipeline={"micro_batches": 2}, batch_size=16, epochs=1,
         model=TYPED, code_paths=[PACKAGE], checkpoint_dir=str(tmp_path / "ckpt"), timeout_s=120,
     )
     tracking = TrackingConfig(tracking_uri=tracking_uri, experiment="typed-model")

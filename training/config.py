@@ -6,14 +6,13 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
+from pydantic.fields import FieldInfo
 
 from shardline.foundation.section import Section
 from shardline.pipelines.manifest import BandwidthPlan
 
-from .strategy_settings import (
-    DdpSettings, FsdpSettings, PipelineSettings, PsSettings, TensorSettings, nest_flat_names, nest_update,
-)
+from .strategy_settings import DdpSettings, MeshSettings, PipelineSettings, PsSettings, TABLES, TensorSettings
 
 
 class TrainingConfig(Section):
@@ -24,21 +23,17 @@ class TrainingConfig(Section):
     )
     world_size: int = Field(2, ge=1, description="Ranks (processes) that train together.")
     strategy: str = Field(
-        "ddp", description="Parallel strategy: ddp (all-reduce), fsdp (fully sharded; HSDP with "
-        "dp > 1), ps (parameter server), pipeline, tensor (training.strategies).",
+        "ddp", description="Parallel strategy: ddp, fsdp, tensor, pipeline: shorthands for the device "
+        "mesh ([training.mesh]), each naming the dimension that takes what the others leave of "
+        "world_size (ddp: dp_replicate, fsdp: dp_shard, tensor: tp, pipeline: pp); ps: parameter "
+        "servers, no mesh (training.strategies).",
     )
-    dp: int | None = Field(
-        None, ge=1, description="Data-parallel degree of the mesh; unset: what world_size leaves "
-        "after tp, pp or dp_shard (dp x tp, dp x pp or dp x dp_shard must equal world_size). "
-        "fsdp: the replicas (HSDP's replicate degree).",
-    )
-    # Each strategy's own settings (training.strategy_settings); their earlier flat names
-    # (training.tp, training.micro_batches, ...) are accepted too and readable below.
-    ddp: DdpSettings = Field(default_factory=DdpSettings, description="strategy ddp's settings.")
-    fsdp: FsdpSettings = Field(default_factory=FsdpSettings, description="strategy fsdp's settings.")
-    tensor: TensorSettings = Field(default_factory=TensorSettings, description="strategy tensor's settings.")
+    # The device mesh and each strategy's own settings (training.strategy_settings).
+    mesh: MeshSettings = Field(default_factory=MeshSettings, description="The device mesh's dimensions.")
+    ddp: DdpSettings = Field(default_factory=DdpSettings, description="Plain data parallel's settings.")
+    tensor: TensorSettings = Field(default_factory=TensorSettings, description="Tensor parallel's settings.")
     pipeline: PipelineSettings = Field(
-        default_factory=PipelineSettings, description="strategy pipeline's settings."
+        default_factory=PipelineSettings, description="Pipeline parallel's settings."
     )
     ps: PsSettings = Field(default_factory=PsSettings, description="strategy ps's settings.")
     model: str = Field(
@@ -186,31 +181,12 @@ class TrainingConfig(Section):
         "within about this long.",
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _nest_flat_names(cls, data: Any) -> Any:
-        return nest_flat_names(data)
-
-    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> TrainingConfig:
-        # pydantic copies an update's keys into the copy as they are: a flat name would land
-        # under its read-only attribute below and be silently ignored, so it goes to its table.
-        return super().model_copy(update=nest_update(self, update) if update else update, deep=deep)
-
-    # The earlier flat names, read-only: checkpoints' fingerprints read them (getattr over
-    # checkpoints.FINGERPRINT_FIELDS), so a fingerprint is the same for the same settings.
-    grad_compression = property(lambda self: self.ddp.grad_compression)
-    dp_shard = property(lambda self: self.fsdp.dp_shard)
-    tp = property(lambda self: self.tensor.tp)
-    tp_plan = property(lambda self: self.tensor.plan)
-    pp = property(lambda self: self.pipeline.pp)
-    pipeline_schedule = property(lambda self: self.pipeline.schedule)
-    pipeline_stages_per_rank = property(lambda self: self.pipeline.stages_per_rank)
-    micro_batches = property(lambda self: self.pipeline.micro_batches)
-    pipeline_boundaries = property(lambda self: self.pipeline.boundaries)
-    pipeline_timing = property(lambda self: self.pipeline.timing)
-    ps_servers = property(lambda self: self.ps.servers)
-    ps_mode = property(lambda self: self.ps.mode)
-    ps_staleness = property(lambda self: self.ps.staleness)
+    def setting(self, path: str) -> Any:
+        """A setting by its name under `training` ("lr", "pipeline.micro_batches")."""
+        value: Any = self
+        for part in path.split("."):
+            value = getattr(value, part)
+        return value
 
     def loader_workers_for(self, plan: BandwidthPlan | None) -> int:
         """loader_workers if set, else the plan's workers per rank, else 1.
@@ -223,6 +199,12 @@ class TrainingConfig(Section):
         if plan is not None and plan.loader_workers_per_rank:
             return plan.loader_workers_per_rank
         return 1
+
+
+def setting_field(path: str) -> FieldInfo:
+    """The pydantic field of a training setting by its name ("lr", "pipeline.micro_batches")."""
+    table, _, field = path.rpartition(".")
+    return TABLES[table].model_fields[field] if table else TrainingConfig.model_fields[field]
 
 
 class TrackingConfig(Section):

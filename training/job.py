@@ -33,9 +33,10 @@ from shardline.foundation.progress import ProgressListener
 from .checkpoints import fingerprint, sharded
 from .checkpoints.store import CheckpointStore
 from .config import TrackingConfig, TrainingConfig
-from .launchers import DriverGuard
+from .launchers import DriverGuard, announced_hosts
 from .loader.reader import check_world_size, epoch_steps, rows_per_rank
-from .mlflow_outage import replay, tracked_run
+from .mlflow_outage import replay, tracked_run, when_reachable
+from .rank_grid import MESH_GRID, rank_grid
 from .models.check import check_callables, check_model
 from .models.inputs import ModelInputs
 from .models.builtin import build_model
@@ -253,11 +254,17 @@ class TrainingJob:
             run_id = run.info.run_id
             if self.outline:
                 mlflow.log_text(self.outline, f"strategy-{cfg.strategy}.txt")
+            # The ranks on the mesh (training.rank_grid), hosts as the engine knows them before
+            # launch; logged again with the hosts the ranks reported once they ran.
+            before = engine.hosts_before_launch(cfg.world_size)
+            mlflow.log_text(rank_grid(cfg, manifest, before, self.model), MESH_GRID)
             if self.resume is None:
                 # A new job starts over (stale checkpoints would be resumed by its restarts),
                 # never over another job's checkpoints (check() refused those).
                 store.start_over(self.fingerprint)
-                mlflow.log_params(_flat(cfg.model_dump()))
+                # The mesh as resolved (mesh.tp 2 however it was asked for), under the settings' names.
+                mesh = self.strategy.mesh.as_settings() if self.strategy.mesh else {}
+                mlflow.log_params({**_flat(cfg.model_dump()), **{f"mesh.{k}": v for k, v in mesh.items()}})
                 mlflow.log_params({
                     "dataset_dir": self.dataset_dir, "dataset_version": manifest.version_id,
                     "dataset_sequence": manifest.sequence,
@@ -288,6 +295,10 @@ class TrainingJob:
                     f"the job took 0 optimizer steps in {cfg.epochs} epoch(s): the model did not train "
                     "and is not logged or registered"
                 )
+            hosts = announced_hosts(job.ranks_dir, cfg.world_size)
+            if hosts:  # the grid again, with the hosts the ranks ran on
+                when_reachable(lambda: mlflow.log_text(rank_grid(cfg, manifest, hosts, self.model), MESH_GRID),
+                               uri, tracking.outage_wait_s, latest())
             model, version = log_trained(self, result, run_id, register)
         if model is None:  # a user's loop that called no ctx.register
             model_uri = None

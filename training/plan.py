@@ -36,7 +36,8 @@ from .launchers import available_cores
 from .loader.reader import ShardLoader
 from .models.inputs import ModelInputs
 from .strategies import Strategy, strategy_for
-from .strategies.base import autocast_for, train_step
+from .strategies.base import train_step
+from .strategies.precision import Precision
 from .task import loss_for
 from .loop.recipe import make_optimizer, trainable_model
 
@@ -211,7 +212,7 @@ def measure_training(
         model = trainable_model(manifest, cfg, device)
         model.train()
         optimizer = make_optimizer(model.parameters(), cfg)
-        autocast = autocast_for(device, cfg)
+        autocast = Precision.of(cfg).autocast(device)
         loss_fn = loss_for(cfg)
         # A few distinct batches, cycled: realistic inputs without generating one per step.
         batches = [_synthetic_batch(manifest, local_batch, seed) for seed in range(4)]

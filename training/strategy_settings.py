@@ -1,50 +1,68 @@
-"""Each parallel strategy's own settings: a sub-table of `[training]` per strategy.
+"""Each parallel strategy's own settings, and the device mesh: sub-tables of `[training]`.
 
-`[training.pipeline] micro_batches = 8` is the setting's home. The flat names of earlier
-versions (`training.micro_batches`, `training.pipeline_schedule`, `training.tp`, ...) stay
-accepted wherever a config is given (TOML, `--set`, the API's overrides) and readable as
-attributes of TrainingConfig: FLAT_NAMES maps each to its sub-table's field. Checkpoints'
-fingerprints are keyed by the flat names, so they stay the same for the same settings.
+`[training.mesh] tp = 2` and `[training.pipeline] micro_batches = 8` are each setting's one
+name: in TOML, `--set`, the API's overrides, sweeps, checkpoints' fingerprints and MLflow's
+params. The names of earlier versions (`training.tp`, `training.micro_batches`,
+`training.tensor.tp`, `training.dp`, ...) are read by the config reader alone
+(`shardline.config`), each with one line saying its new name (`RENAMED`, `renamed`); a
+registered model's stored settings and an old checkpoint's fingerprint are read through the
+same table, silently (they are no user's typing).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
-from shardline.foundation.section import Section
 from shardline.foundation.errors import ConfigError
+from shardline.foundation.section import Section
 
 # Imported inside the functions that use them: training.config (a cycle: it imports this module).
 
 
-class DdpSettings(Section):
-    """strategy ddp: every rank holds the whole model; gradients are all-reduced.
-    Flat name accepted too: training.grad_compression."""
+class MeshSettings(Section):
+    """The device mesh: dp_replicate x dp_shard x tp x pp ranks, whose product is
+    training.world_size. One torch DeviceMesh per job, ranks laid out pp outermost and tp
+    innermost (a model's tensor-parallel ranks are neighbours: on one host). The strategy
+    name is a shorthand: the dimension it names (ddp: dp_replicate, fsdp: dp_shard, tensor:
+    tp, pipeline: pp) takes what the others leave of world_size (given too: dp_replicate
+    does); any other dimension left unset is 1."""
 
-    grad_compression: Literal["none", "fp16"] = Field(
-        "none", description="fp16: DDP all-reduces gradients in fp16 (half the bytes)."
+    dp_replicate: int | None = Field(
+        None, ge=1, description="Model replicas that each read their own part of every batch and "
+        "average their gradients (DDP alone; with other dimensions FSDP2's replication, HSDP with "
+        "dp_shard). Unset: 1, or what world_size leaves under strategy ddp.",
+    )
+    dp_shard: int | None = Field(
+        None, ge=1, description="Ranks each parameter, its gradient and optimizer state are "
+        "sharded over (FSDP2), each reading its own part of every batch. Unset: 1, or what "
+        "world_size leaves under strategy fsdp.",
+    )
+    tp: int | None = Field(
+        None, ge=1, description="Ranks each planned layer is split over (tensor parallel, the "
+        "model's tp_plan()); they read the same batch. Unset: 1, or what world_size leaves under "
+        "strategy tensor.",
+    )
+    pp: int | None = Field(
+        None, ge=1, description="Pipeline stages: the model's pipeline_layers() cut over pp ranks "
+        "([training.pipeline] says how). Unset: 1, or what world_size leaves under strategy pipeline.",
     )
 
 
-class FsdpSettings(Section):
-    """strategy fsdp: parameters, gradients and optimizer state sharded (FSDP2; HSDP with
-    training.dp > 1). Flat name accepted too: training.dp_shard."""
+class DdpSettings(Section):
+    """Plain data parallel (the mesh's dp_replicate alone): every rank holds the whole
+    model; gradients are all-reduced by DDP."""
 
-    dp_shard: int | None = Field(
-        None, ge=1, description="Ranks each parameter, its gradient and optimizer state are "
-        "sharded over; unset: world_size / dp (plain FSDP shards over every rank).",
+    grad_compression: Literal["none", "fp16"] = Field(
+        "none", description="fp16: DDP all-reduces gradients in fp16 (half the bytes). Only where "
+        "the mesh is dp_replicate alone (DDP's communication hook).",
     )
 
 
 class TensorSettings(Section):
-    """strategy tensor: planned Linear layers split over tp ranks (DTensor). Flat names
-    accepted too: training.tp, training.tp_plan."""
+    """Tensor parallel (the mesh's tp): planned Linear layers split over tp ranks (DTensor)."""
 
-    tp: int | None = Field(
-        None, ge=1, description="Ranks each layer is split over; unset: world_size / dp.",
-    )
     plan: dict[str, Literal["colwise", "rowwise"]] | None = Field(
         None, description="Module path -> colwise (output features split) or rowwise (input "
         "features split, outputs summed), each colwise run closed by a rowwise layer; unset: "
@@ -53,12 +71,9 @@ class TensorSettings(Section):
 
 
 class PipelineSettings(Section):
-    """strategy pipeline: the model's layers cut into stages over pp ranks, run by a
-    torch.distributed.pipelining schedule. Flat names accepted too: training.pp,
-    training.pipeline_schedule, training.pipeline_stages_per_rank, training.micro_batches,
-    training.pipeline_boundaries, training.pipeline_timing."""
+    """Pipeline parallel (the mesh's pp): the model's layers cut into stages over pp ranks,
+    run by a torch.distributed.pipelining schedule."""
 
-    pp: int | None = Field(None, ge=1, description="Pipeline stages; unset: world_size / dp.")
     schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv"] = Field(
         "1f1b", description="gpipe runs all micro-batches forward, then all backward; 1f1b "
         "interleaves them (same bubble, at most pp micro-batches' activations held; needs "
@@ -86,8 +101,7 @@ class PipelineSettings(Section):
 
 
 class PsSettings(Section):
-    """strategy ps: parameter servers. Flat names accepted too: training.ps_servers,
-    training.ps_mode, training.ps_staleness."""
+    """strategy ps: parameter servers (no mesh: servers own whole parameters)."""
 
     servers: int = Field(
         1, ge=1, description="Ranks that hold the parameters (the last ones); the others are workers.",
@@ -102,120 +116,71 @@ class PsSettings(Section):
     )
 
 
-# training.<sub-table> -> its model; the sub-table's name is the strategy's.
+# training.<sub-table> -> its model.
 TABLES: dict[str, type[Section]] = {
-    "ddp": DdpSettings, "fsdp": FsdpSettings, "tensor": TensorSettings, "pipeline": PipelineSettings,
+    "mesh": MeshSettings, "ddp": DdpSettings, "tensor": TensorSettings, "pipeline": PipelineSettings,
     "ps": PsSettings,
 }
 
-# Each earlier flat name -> (sub-table, field): accepted as input, readable as an attribute.
-FLAT_NAMES: dict[str, tuple[str, str]] = {
-    "grad_compression": ("ddp", "grad_compression"),
-    "dp_shard": ("fsdp", "dp_shard"),
-    "tp": ("tensor", "tp"),
-    "tp_plan": ("tensor", "plan"),
-    "pp": ("pipeline", "pp"),
-    "pipeline_schedule": ("pipeline", "schedule"),
-    "pipeline_stages_per_rank": ("pipeline", "stages_per_rank"),
-    "micro_batches": ("pipeline", "micro_batches"),
-    "pipeline_boundaries": ("pipeline", "boundaries"),
-    "pipeline_timing": ("pipeline", "timing"),
-    "ps_servers": ("ps", "servers"),
-    "ps_mode": ("ps", "mode"),
-    "ps_staleness": ("ps", "staleness"),
+# Each earlier name (its path under `training`) -> the setting's name now. `dp` was the
+# replicas of every 2-D strategy (fsdp's HSDP replicas, the pipelines and tensor-parallel
+# groups that average their gradients): the mesh's dp_replicate.
+RENAMED: dict[str, str] = {
+    "dp": "mesh.dp_replicate",
+    "dp_shard": "mesh.dp_shard", "fsdp.dp_shard": "mesh.dp_shard",
+    "tp": "mesh.tp", "tensor.tp": "mesh.tp",
+    "pp": "mesh.pp", "pipeline.pp": "mesh.pp",
+    "grad_compression": "ddp.grad_compression",
+    "tp_plan": "tensor.plan",
+    "pipeline_schedule": "pipeline.schedule",
+    "pipeline_stages_per_rank": "pipeline.stages_per_rank",
+    "micro_batches": "pipeline.micro_batches",
+    "pipeline_boundaries": "pipeline.boundaries",
+    "pipeline_timing": "pipeline.timing",
+    "ps_servers": "ps.servers",
+    "ps_mode": "ps.mode",
+    "ps_staleness": "ps.staleness",
 }
+# Tables of earlier versions that no longer exist once their settings moved out (fsdp's
+# only setting was dp_shard): dropped when left empty.
+_GONE_TABLES = ("fsdp",)
 
 
-def nest_flat_names(data: Any) -> Any:
-    """Raw training settings with every flat name moved into its sub-table; a flat name and
-    its sub-table's field given with different values is refused in one line naming both."""
-    if not isinstance(data, dict) or not any(k in FLAT_NAMES for k in data):
-        return data
-    data = dict(data)
-    for name in [k for k in data if k in FLAT_NAMES]:
-        table, field = FLAT_NAMES[name]
-        value = data.pop(name)
-        sub = data.get(table)
-        if isinstance(sub, BaseModel):  # a settings object: what was set in it
-            sub = sub.model_dump(exclude_unset=True)
-        elif sub is None:
-            sub = {}
-        elif not isinstance(sub, dict):  # not a table: pydantic names it
+def renamed(training: Any) -> tuple[Any, list[str]]:
+    """Raw training settings with every earlier name moved to its name now, and one line
+    per earlier name met, saying the new one. An earlier name and its new one given with
+    different values is refused in one line naming both."""
+    if not isinstance(training, dict):
+        return training, []
+    data, lines = _copy_tables(training), []
+    for old, new in RENAMED.items():
+        table, _, field = old.rpartition(".")
+        holder = data.get(table) if table else data
+        if not isinstance(holder, dict) or field not in holder:
             continue
-        if field in sub and sub[field] != value:
-            raise _twice(name, value, sub[field])
-        data[table] = {**sub, field: value}
-    return data
+        value = holder.pop(field)
+        new_table, _, new_field = new.partition(".")
+        target = data.setdefault(new_table, {})
+        if not isinstance(target, dict):  # not a table: pydantic names it
+            continue
+        if new_field in target and target[new_field] != value:
+            raise ConfigError(
+                f"training.{old} = {value!r} and training.{new} = {target[new_field]!r} are one setting "
+                f"given twice with different values: give training.{new} only"
+            )
+        target[new_field] = value
+        lines.append(f"training.{old} is now training.{new}: read as that (rename it in your config)")
+    for table in _GONE_TABLES:
+        if data.get(table) == {}:
+            del data[table]
+    return data, lines
 
 
-def _twice(name: str, flat: Any, nested: Any) -> ConfigError:
-    table, field = FLAT_NAMES[name]
-    return ConfigError(
-        f"training.{name} = {flat!r} and training.{table}.{field} = {nested!r} are one setting "
-        f"given twice with different values: give training.{table}.{field} only"
-    )
+def renamed_path(path: str) -> str:
+    """A setting's path under `training` (an override's, a sweep's, a fingerprint's key),
+    its earlier name replaced by its name now."""
+    return RENAMED.get(path, path)
 
 
-def nest_source(data: dict[str, Any], where: str) -> dict[str, Any]:
-    """A whole config's sections (a TOML file's, a dict's) with the training section's flat
-    names in their sub-tables: overrides then replace a setting whichever name either used."""
-    if not isinstance(data.get("training"), dict):
-        return data
-    try:
-        return {**data, "training": nest_flat_names(data["training"])}
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
-
-
-def override_path(key: str, value: Any, seen: dict[str, tuple[str, Any]]) -> str:
-    """The path an override `section.field` sets: a flat name's in its sub-table
-    (training.micro_batches -> training.pipeline.micro_batches), so that it replaces what the
-    config holds under either name. seen: the overrides so far (path -> (key, value)); one
-    setting overridden by both its names with different values is refused."""
-    section, _, name = key.partition(".")
-    if section != "training" or name not in FLAT_NAMES:
-        path = key
-    else:
-        path = "training." + ".".join(FLAT_NAMES[name])
-    earlier = seen.get(path)
-    if earlier is not None and earlier[0] != key and earlier[1] != value:
-        (flat, flat_value), nested_value = ((key, value), earlier[1]) if key != path else (earlier, value)
-        raise _twice(flat.partition(".")[2], flat_value, nested_value)
-    seen[path] = (key, value)
-    return path
-
-
-def nest_update(current: Any, update: dict[str, Any]) -> dict[str, Any]:
-    """A model_copy update with each flat name routed into a copy of its sub-table."""
-    update = dict(update)
-    changes: dict[str, dict[str, Any]] = {}
-    for name in [k for k in update if k in FLAT_NAMES]:
-        table, field = FLAT_NAMES[name]
-        changes.setdefault(table, {})[field] = update.pop(name)
-    for table, fields in changes.items():
-        update[table] = update.get(table, getattr(current, table)).model_copy(update=fields)
-    return update
-
-
-def merge_settings(data: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
-    """Dumped training settings (model_dump: every sub-table in full) with `changes` written
-    over them, a flat name into its sub-table: a flat change must not meet its own default
-    as a conflict."""
-    out = dict(data)
-    for name, value in changes.items():
-        if name in FLAT_NAMES:
-            table, field = FLAT_NAMES[name]
-            out[table] = {**out.get(table, {}), field: value}
-        else:
-            out[name] = value
-    return out
-
-
-def setting_field(name: str):
-    """The pydantic FieldInfo of a training setting by its flat name (or a general field's name)."""
-    from .config import TrainingConfig
-
-    if name in FLAT_NAMES:
-        table, field = FLAT_NAMES[name]
-        return TABLES[table].model_fields[field]
-    return TrainingConfig.model_fields[name]
+def _copy_tables(training: dict) -> dict:
+    return {k: dict(v) if isinstance(v, dict) else v for k, v in training.items()}

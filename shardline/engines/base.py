@@ -65,6 +65,13 @@ class Engine(ABC):
         refuses relative paths and notes shared ones by it, before the engine opens."""
 
     @classmethod
+    def hosts_before_launch(cls, world_size: int) -> list[str] | None:
+        """Each rank's host where the engine decides it before launch (the mesh grid of
+        `shardline plan`, training.rank_grid); None where it places ranks at launch (a Spark
+        barrier stage's tasks, the Dask workers a job is given), where the ranks report them."""
+        return None
+
+    @classmethod
     def owns_frame(cls, df) -> bool:
         """`df` is a DataFrame of this engine (`shardline.prepare(source=df)`)."""
         return False

@@ -32,15 +32,19 @@ from shardline.foundation.code_travel import UserCode
 from shardline.foundation.errors import ConfigError, DataError
 
 from ..config import TrainingConfig
+from ..mesh_shape import mesh_of
+from ..strategy_settings import RENAMED
 
-# Settings a checkpoint must agree with to be resumed from: they shape the
-# weights, the optimizer state or the order of batches.
+# Settings a checkpoint must agree with to be resumed from, by their names under `training`:
+# they shape the weights, the optimizer state or the order of batches. The mesh's are its
+# resolved degrees (`mesh_of`): the same mesh however the config spelled it.
 FINGERPRINT_FIELDS = (
     "model", "model_args", "loss", "hidden", "heads", "embedding_dim", "strategy", "world_size", "batch_size", "seed", "epochs",
-    "shuffle_buffer_rows", "remainder", "dp", "tp", "pp", "dp_shard", "tp_plan", "ps_servers", "ps_mode",
-    "micro_batches", "pipeline_boundaries", "pipeline_schedule", "pipeline_stages_per_rank",
+    "shuffle_buffer_rows", "remainder", "mesh.dp_replicate", "mesh.dp_shard", "mesh.tp", "mesh.pp", "tensor.plan",
+    "ps.servers", "ps.mode", "pipeline.micro_batches", "pipeline.boundaries", "pipeline.schedule",
+    "pipeline.stages_per_rank",
     # the optimisation itself: a resume with another lr or schedule would quietly keep the old one
-    "lr", "weight_decay", "lr_schedule", "warmup_steps", "precision", "grad_compression",
+    "lr", "weight_decay", "lr_schedule", "warmup_steps", "precision", "ddp.grad_compression",
 )
 # Fields a resume may change when the user allows it (the rest decide the checkpoint's
 # layout or the order of batches, so a checkpoint cannot carry over to other values).
@@ -48,11 +52,14 @@ CHANGEABLE_FIELDS = ("lr", "weight_decay", "lr_schedule", "warmup_steps", "epoch
 
 # The settings that shape only the mesh (how many ranks, and how the model is laid out on
 # them): a resume may change them, since every checkpoint reshards (training.checkpoints.sharded).
-MESH_FIELDS = ("world_size", "dp", "tp", "pp", "dp_shard", "ps_servers", "tp_plan", "pipeline_boundaries",
-               "pipeline_stages_per_rank")
+LAYOUT_FIELDS = ("world_size", "mesh.dp_replicate", "mesh.dp_shard", "mesh.tp", "mesh.pp", "ps.servers", "tensor.plan",
+                 "pipeline.boundaries", "pipeline.stages_per_rank")
+# The strategy too: its name is a shorthand for a mesh (ps's servers hold plain names as well).
+# It stays in the folder's name (below), as before the mesh.
+MESH_FIELDS = ("strategy", *LAYOUT_FIELDS)
 
 # What a job's own folder (job_dir) leaves out of its name: runs that differ only here share it.
-NOT_IN_FOLDER_NAME = (*CHANGEABLE_FIELDS, *MESH_FIELDS)
+NOT_IN_FOLDER_NAME = (*CHANGEABLE_FIELDS, *LAYOUT_FIELDS)
 
 # Fields that never make a checkpoint "another job's": the same job on re-prepared data or
 # on edited code (a new run there starts over; a resume compares them itself).
@@ -83,10 +90,17 @@ def check_allowed(allowed: list[str] | tuple[str, ...], setting: str = "training
         )
 
 
+def settings(cfg: TrainingConfig, names) -> dict[str, str]:
+    """Each named setting's value as a fingerprint holds it; the mesh's as resolved."""
+    mesh = mesh_of(cfg)
+    degrees = {f"mesh.{k}": v for k, v in (mesh.as_settings() if mesh else {}).items()}
+    return {f: str(degrees[f] if f in degrees else cfg.setting(f)) for f in names}
+
+
 def fingerprint(cfg: TrainingConfig, dataset_version: str, code: UserCode | None = None) -> dict[str, str]:
     """The job's fingerprint; `code`: the user's code as it ships (None leaves `code` out:
     only for reading, a job's own fingerprint always has it)."""
-    fp = {f: str(getattr(cfg, f)) for f in FINGERPRINT_FIELDS}
+    fp = settings(cfg, FINGERPRINT_FIELDS)
     fp.update(loop_fields(cfg))
     fp["dataset_version"] = dataset_version
     if code is not None:
@@ -100,10 +114,17 @@ def loop_fields(cfg: TrainingConfig) -> dict[str, str]:
     return {"loop": str(cfg.loop), "loop_args": str(cfg.loop_args)} if cfg.loop else {}
 
 
+def upgraded(fp: dict) -> dict:
+    """A checkpoint's fingerprint under today's setting names: one written before the mesh
+    and the strategy sub-tables holds the earlier flat names (`dp`, `micro_batches`, ...)."""
+    return {RENAMED.get(k, k): v for k, v in fp.items()}
+
+
 def differences(theirs: dict, ours: dict[str, str], ignore=()) -> list[str]:
     """The keys of `ours` whose value `theirs` (a checkpoint's fingerprint) does not have,
     but for `ignore`, and for `code` when `theirs` has none (written before the code was
     fingerprinted: it cannot be compared)."""
+    theirs = upgraded(theirs)
     return [k for k, v in ours.items()
             if k not in ignore and not (k == "code" and "code" not in theirs) and theirs.get(k) != v]
 
@@ -120,8 +141,13 @@ def job_dir(cfg: TrainingConfig, experiment: str, registered_model: str, dataset
     """The default checkpoint_dir of a job (see the module's docstring)."""
     # Not what a resume may change (--allow-changed lr, another mesh that reshards): the
     # resumed job must find the folder its first run wrote.
-    kept = [f for f in FINGERPRINT_FIELDS if f not in CHANGEABLE_FIELDS and f not in MESH_FIELDS]
-    ident = {f: str(getattr(cfg, f)) for f in kept}
+    # The strategy's name stays in it, as before the mesh: a job's folder is the one it had (a
+    # resume at another strategy name, which reshards, names its checkpoint_dir).
+    kept = [f for f in FINGERPRINT_FIELDS if f not in NOT_IN_FOLDER_NAME]
+    # Hashed under the settings' earlier flat names: a job's folder is the one it had before
+    # they moved into sub-tables, so --resume across the upgrade finds its checkpoints.
+    flat = {new: old for old, new in RENAMED.items() if "." not in old}
+    ident = {flat.get(f, f): v for f, v in settings(cfg, kept).items()}
     ident.update(loop_fields(cfg))
     ident.update(dataset_dir=str(dataset_dir), registered_model=registered_model)
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:10]

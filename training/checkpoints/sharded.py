@@ -1,24 +1,26 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP), for every strategy, and resuming at another mesh.
+"""Checkpoints with torch.distributed.checkpoint (DCP): one path for every mesh and for ps,
+and resuming at another mesh.
 
 Every rank writes what it holds of its state's tensors, in parallel, into one directory
 per checkpoint beside the checkpoint's small file; nothing is gathered to one rank
 (training.checkpoints.state splits a loop's nested state into DCP's tensors and the small
 file's plain values). shardline's own loop keys its state by the plain model's parameter
-names, the same for every strategy (Parallel.checkpoint_parts):
+names, the same for every layout (Parallel.checkpoint_parts: a plain-named module and its
+optimizer):
 
     model.<name>                         a weight (or buffer) of the plain model
     optimizer.state.<name>.<key>         its optimizer state (AdamW: exp_avg, exp_avg_sq, step)
 
-- fsdp, tensor: DTensor shards, through torch's state-dict API.
-- ddp: every rank holds every tensor; DCP writes each once, spread over the ranks.
-- pipeline: a rank holds its stages' weights and their optimizer state.
-- ps: a server holds its shard and its optimizer; workers write nothing (their
-  replicas are the servers' values).
-(training.checkpoints.named for the last two.) The optimizers' hyperparameters are plain
-values: each rank's are in the small file. DCP's load plans the reads for the ranks that
-load, so a checkpoint written by 4 ranks loads on 2 and the reverse, whatever the
-strategy: each rank reads the names it holds now. With no process group at all it reads
-everything (`read_weights`: a checkpoint's plain weights, in one process).
+A tensor is whatever the rank holds: a DTensor where the mesh shards or splits it (FSDP2,
+tensor parallel, both), a plain tensor where it does not (ddp's replicas: DCP writes each
+once, spread over the ranks; a pipeline rank's stages; a parameter server's shard, as a
+module: `module_of`; ps workers write nothing, their replicas are the servers' values).
+The optimizers' hyperparameters are plain values: each rank's are in the small file. DCP's
+load plans the reads for the ranks that load, so a checkpoint written by one mesh loads on
+any other ({dp_shard 2, tp 2} on {dp_shard 4}, on {tp 2}, on {pp 2, tp 2}; 4 ranks on 2):
+each rank reads the pieces of what it holds now. With no process group at all it reads
+everything (`read_weights`: a checkpoint's plain weights, in one process;
+training.checkpoints.state.read_tensors: a plain model and optimizer, in one process).
 
     checkpoint_dir/
       ckpt-000000120-9c0e2b.pt       small: step, epoch, loader position, each rank's plain
@@ -33,11 +35,11 @@ The directory's name (`CheckpointStore.new_dcp_name`) and its pruning with the r
 the checkpoint folder's owner's (`training.checkpoints.store`); this module reads what is in
 it and judges a resume at another mesh.
 
-Resuming at another mesh (`checkpoints.MESH_FIELDS`: world_size, dp, tp, pp, dp_shard,
-ps_servers, the plans): the weights and optimizer state reshard; the loader's order
-within an epoch depends on how many ranks read data, so a checkpoint taken mid-epoch
-resumes only with the same number of them; at an epoch end any number does (the next
-epoch's order is the new world's). `check_resume` says so before anything starts.
+Resuming at another mesh (`fingerprint.MESH_FIELDS`: world_size, the mesh's degrees,
+ps.servers, the plans): the weights and optimizer state reshard; the loader's order within
+an epoch depends on how many ranks read data, so a checkpoint taken mid-epoch resumes only
+with the same number of them; at an epoch end any number does (the next epoch's order is the
+new world's). `check_resume` says so before anything starts.
 
 Storage: the small file goes through `foundation.storage` like every checkpoint (the
 LATEST pointer names it: the commit). The DCP directory goes through it too
@@ -54,7 +56,7 @@ from shardline.foundation import failures, storage
 from shardline.foundation.errors import ConfigError, StorageError, first_line
 
 from .store import CheckpointStore
-from .fingerprint import MESH_FIELDS
+from .fingerprint import MESH_FIELDS, settings, upgraded
 from ..config import TrainingConfig
 
 # Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs);
@@ -66,6 +68,24 @@ LAYOUT = 2
 
 # torch.distributed.checkpoint is imported inside the functions that save or load: with
 # DTensor and sympy it is ~0.6 s, which a driver that only reads the small file never needs.
+
+
+def module_of(params: dict):
+    """A module whose parameters are `params`, each under its dotted name (submodules made
+    along the way): a rank holding parameters of no module of its own (a parameter server's
+    shard) gets one whose state-dict names are the plain model's."""
+    from torch import nn
+
+    root = nn.Module()
+    for name, p in params.items():
+        *path, leaf = name.split(".")
+        node = root
+        for part in path:
+            if not hasattr(node, part):
+                node.add_module(part, nn.Module())
+            node = getattr(node, part)
+        node.register_parameter(leaf, p)
+    return root
 
 
 @contextmanager
@@ -147,17 +167,17 @@ def check_resume(head: dict, cfg: TrainingConfig, data_world: int, where: str) -
             f"not in a .dcp directory beside it), which this version does not resume: train from the "
             f"start (without --resume), or resume it with the shardline that wrote it"
         )
-    saved = head.get("fingerprint", {})
-    changed = [f for f in MESH_FIELDS if f in saved and saved[f] != str(getattr(cfg, f))]
+    saved = upgraded(head.get("fingerprint", {}))
+    ours = settings(cfg, MESH_FIELDS)
+    changed = [f for f in MESH_FIELDS if f in saved and saved[f] != ours[f]]
     if not changed:
         return False
-    was = ", ".join(f"training.{f} {saved[f]}" for f in changed)
-    now = ", ".join(f"{getattr(cfg, f)}" for f in changed)
+    moved = ", ".join(f"training.{f} {saved[f]} -> {ours[f]}" for f in changed)
     saved_world = head.get("loader", {}).get("world_size")
     if head.get("step_in_epoch", 0) != 0 and saved_world != data_world:
         raise ConfigError(
             f"{where}: written mid-epoch ({_epoch_of(head)}step {head['step_in_epoch']}) "
-            f"by {saved_world} data-parallel ranks, resumed with {data_world} ({was} -> {now}): the "
+            f"by {saved_world} data-parallel ranks, resumed with {data_world} ({moved}): the "
             f"loader's order within an epoch depends on how many ranks read data, so resume it with "
             f"the same data-parallel degree, or from a checkpoint taken at an epoch end"
         )

@@ -172,8 +172,23 @@ def _optimizer(opt, path: str, out: Split, modules: dict, where: str):
 
     model = paired_module(opt, modules, where)
     sd = get_optimizer_state_dict(model, opt)
-    out.entries.append(Entry(path, opt, lambda loaded: set_optimizer_state_dict(model, opt, loaded)))
+    own = [list(g["params"]) for g in sd["param_groups"]]
+    out.entries.append(Entry(path, opt, lambda loaded: set_optimizer_state_dict(model, opt, own_groups(loaded, own))))
     return _leaves(sd, path, out)
+
+
+def own_groups(saved: dict, own: list[list[str]]) -> dict:
+    """A saved optimizer state whose param groups name this rank's own parameters, group by
+    group (`own`: each group's parameter names here), as Optimizer.load_state_dict pairs groups
+    by position. Read at another mesh, the plain values are another rank's (loop.state.saved_tree),
+    whose groups name the parameters *it* held (another pipeline stage, another ps shard); torch's
+    state-dict API takes a group's hyperparameters only from a saved group naming one of this
+    rank's parameters, and would leave a group without them (lr, betas). Every rank of a job
+    runs one schedule, so a group's hyperparameters are the same on every rank."""
+    groups = saved.get("param_groups")
+    if not isinstance(groups, list) or len(groups) != len(own):
+        return saved
+    return {**saved, "param_groups": [{**g, "params": names} for g, names in zip(groups, own)]}
 
 
 def paired_module(opt: torch.optim.Optimizer, modules: dict[str, nn.Module], where: str) -> nn.Module:

@@ -53,7 +53,7 @@ from shardline.foundation import report, storage
 from shardline.foundation.errors import DataError, StorageError, first_line
 from shardline.foundation.lease import LEASE_NAME, Lease
 
-from .fingerprint import CheckpointUnreadable, ResumeRefused, allow_hint, differences, job_dir
+from .fingerprint import CheckpointUnreadable, ResumeRefused, allow_hint, differences, job_dir, upgraded
 from .whose import WhoseFolder
 from ..config import TrainingConfig
 
@@ -173,7 +173,7 @@ class CheckpointStore(WhoseFolder):
             raise CheckpointUnreadable(f"{where}: checkpoint not found") from None
         except Exception as e:
             raise CheckpointUnreadable(f"{where}: not a readable shardline checkpoint ({first_line(e, 160, with_type=True)})") from None
-        got = state.get("fingerprint", {})
+        got = upgraded(state.get("fingerprint", {}))
         differ = differences(got, expected or {})
         refused = [k for k in differ if k not in allow_changed]
         if refused:  # only a resume passes `expected`

@@ -9,7 +9,7 @@ from __future__ import annotations
 from shardline.foundation.code_travel import UserCode
 from shardline.foundation.errors import DataError
 
-from .fingerprint import NOT_IN_FOLDER_NAME, SAME_JOB_FIELDS, ResumeRefused, code_refusal, differences
+from .fingerprint import NOT_IN_FOLDER_NAME, SAME_JOB_FIELDS, ResumeRefused, code_refusal, differences, upgraded
 
 
 class WhoseFolder:
@@ -40,6 +40,7 @@ class WhoseFolder:
         theirs = self.owner()
         if not theirs:  # {}: written without a fingerprint, which no job can resume
             return []
+        theirs = upgraded(theirs)
         diff = differences(theirs, fp, ignore=SAME_JOB_FIELDS)
         if self.own and all(k in NOT_IN_FOLDER_NAME for k in diff):
             return [f"{k} {theirs.get(k)}" for k in diff]

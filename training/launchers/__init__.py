@@ -67,6 +67,12 @@ class TrainingFailed(ShardlineError):
                    any(f["permanent"] for f in failures))
 
 
+def announced_hosts(ranks_dir: str, world_size: int) -> list[str] | None:
+    """Each rank's host as it reported it this run (`announced`); None if any did not."""
+    infos = [announced(ranks_dir, r) for r in range(world_size)]
+    return None if any(i is None for i in infos) else [str(i.get("host")) for i in infos]
+
+
 def announced(ranks_dir: str | None, rank: int) -> dict | None:
     """What rank `rank` wrote about itself when this attempt started (ranks/rank-N.json: its
     host and pid, training.loop.runner), if it got that far: a lost rank's launcher names it so."""

@@ -149,16 +149,18 @@ class LoopContext:
         """The job's strategy applied to `model` (collective): the module to train with, and
         with `optimizer_factory` (`params -> optimizer`), `(module, optimizer)`.
 
-        - `ddp`: `DistributedDataParallel` with `[training.ddp]`'s settings (gradient
-          compression hooks);
-        - `fsdp`: FSDP2 `fully_shard` of the model's units (its `fsdp_units()`, else each
-          child of an `nn.Sequential`) then of the whole model, with `[training.fsdp]`'s mesh;
-        - `tensor`: DTensor tensor parallel by the model's `tp_plan()` (or `training.tp_plan`);
-          a model that declares none is refused in one line.
+        The job's mesh (`[training.mesh]`, or a strategy name's: `ddp`, `fsdp`, `tensor`) is
+        applied in training.strategies.parallelize's order: tensor parallel by the model's
+        `tp_plan()` (or `training.tensor.plan`; a model that declares none is refused in one
+        line), activation checkpointing of its `recompute_units()`
+        (`training.activation_checkpointing`), then data parallel: FSDP2 `fully_shard` of its
+        units (its `fsdp_units()`, else each child of an `nn.Sequential`) and of the whole
+        model over `dp_shard` (HSDP with `dp_replicate`), or `DistributedDataParallel` for plain
+        replicas (`[training.ddp]`'s gradient compression).
 
-        Every strategy: the model moved to `ctx.device`; `training.activation_checkpointing`
-        recomputes the model's `recompute_units()`; `training.precision = "bf16"` runs its
-        forward under autocast. `pipeline` and `ps` run their own step: use `ctx.parallel`.
+        The model is moved to `ctx.device`; `training.precision = "bf16"` runs its forward
+        under autocast. A mesh with pipeline stages (`pp` > 1) and `ps` run their own step:
+        use `ctx.parallel`.
         Any of your own wrapping (your own `DistributedDataParallel`) works too: the process
         group is there. Every rank must pass the same (seeded) model.
         """
@@ -317,8 +319,8 @@ class LoopContext:
         if world == self.world_size:  # every rank reads its own part (ddp, fsdp)
             return self.rank, world
         mesh = self._strategy.mesh
-        if mesh is not None and mesh.dp == world:  # the ranks that split one model read the same part
-            return mesh.dp_index(self.rank), world
+        if mesh is not None and mesh.data_world == world:  # the ranks that split one model read the same part
+            return mesh.data_rank(self.rank), world
         # A parameter server's workers read (ranks 0..workers-1); its servers read nothing.
         return (self.rank if self.rank < world else None), world
 

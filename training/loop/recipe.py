@@ -15,16 +15,19 @@ from ..models.builtin import apply_activation_checkpointing, build_model
 
 
 def plain_model(manifest: ShardManifest, cfg: TrainingConfig) -> torch.nn.Module:
-    """The seeded plain model on the default device, recomputing activations if configured."""
-    model = build_model(manifest, cfg)
-    if cfg.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    return model
+    """The seeded plain model on the default device (a strategies.base.ModelBuilder: a
+    mesh that splits the model calls it under torch.device("meta") too). The strategy
+    applies activation checkpointing, in its order (strategies.parallelize)."""
+    return build_model(manifest, cfg)
 
 
 def trainable_model(manifest: ShardManifest, cfg: TrainingConfig, device: torch.device) -> torch.nn.Module:
-    """The plain model on `device`, recomputing activations if configured; a strategy splits it."""
-    return plain_model(manifest, cfg).to(device)
+    """The plain model on `device`, recomputing activations if configured: one process's
+    model as the bandwidth planner measures it (training.plan)."""
+    model = plain_model(manifest, cfg).to(device)
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    return model
 
 
 def make_optimizer(params, cfg: TrainingConfig) -> torch.optim.Optimizer:

@@ -25,7 +25,7 @@ from pathlib import Path
 from shardline.pipelines.manifest import ShardManifest
 
 from ..config import TrainingConfig
-from ..strategy_settings import FLAT_NAMES
+from ..strategy_settings import renamed
 from ..user_code import job_code_folders
 
 # Imported inside the functions that use them: safetensors (with torch); torch (~2 s: only where a model or a
@@ -84,8 +84,10 @@ def read_module(weights: str, module: str):
     manifest = ShardManifest.model_validate(d["manifest"])
     # Settings a later shardline no longer has are left out (they cannot shape the module it
     # builds); code_paths were the training machine's folders, whose code is in the model now.
-    # Models written before the strategy sub-tables hold their settings under the flat names.
-    known = {k: v for k, v in d["training"].items() if k in TrainingConfig.model_fields or k in FLAT_NAMES}
+    # Models written before the mesh and the strategy sub-tables hold their settings under
+    # earlier names: read under today's (no line: nobody typed them).
+    stored, _ = renamed(d["training"])
+    known = {k: v for k, v in stored.items() if k in TrainingConfig.model_fields}
     cfg = TrainingConfig(**{**known, "code_paths": []})
     # build_model seeds torch's generator; a scorer's own random state is none of its business.
     with torch.random.fork_rng(devices=[]):

@@ -1,4 +1,5 @@
-"""Parallel strategies by name: each one small file behind `Strategy` (base.py)."""
+"""Parallel strategies by name, behind `Strategy` (base.py): ddp, fsdp, tensor and pipeline
+are shorthands for one device mesh (mesh.py, applied in parallelize.py's order); ps is its own."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from .base import Strategy
 
 # name -> "module:class"; imported on use, so a strategy's dependencies load only when chosen.
 STRATEGIES: dict[str, str] = {
-    "ddp": "ddp:DataParallel",
-    "fsdp": "fsdp:FullyShardedDataParallel",
+    "ddp": "mesh:MeshStrategy",
+    "fsdp": "mesh:MeshStrategy",
     "ps": "ps:ParameterServer",
-    "pipeline": "pipeline:Pipeline",
-    "tensor": "tensor:TensorParallel",
+    "pipeline": "mesh:MeshStrategy",
+    "tensor": "mesh:MeshStrategy",
 }
 
 

@@ -1,123 +1,42 @@
 """The one interface every parallel strategy implements.
 
 A `Strategy` is resolved once per job from the config (strategies.strategy_for), holding
-its own settings sub-table and its mesh. It checks the config against a model before any
-process starts, and on each rank (inside an initialised process group) turns the plain model into a
-`Parallel`: the rank's share of the model, its optimizer and its step. The
-loop (training.loop.builtin) only ever talks to a `Parallel`, so it runs every
-strategy the same way on every launcher, and the model never knows how it is
-parallelised.
+its own settings and its mesh. It checks the config against a model before any process
+starts, and on each rank (inside an initialised process group) turns the plain model into a
+`Parallel`: the rank's share of the model, its optimizer and its step. The loop
+(training.loop.builtin) only ever talks to a `Parallel`, so it runs every strategy the same
+way on every launcher, and the model never knows how it is parallelised.
+
+A `Parallel`'s checkpoint parts (`checkpoint_parts`: the module and optimizer of what the
+rank holds, under the plain model's names) are the one checkpoint path of every mesh and of
+ps (training.checkpoints.state, .sharded): a loop's checkpoint takes them as its state, and
+`save_checkpoint`/`load_checkpoint` write and read them alone with a directory.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from pydantic import BaseModel
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardline.foundation.errors import ConfigError
 
-from .. import collectives
 from ..batch import Inputs, forward
 from ..checkpoints.state import read_tensors, write_tensors
 from ..config import TrainingConfig
+from ..mesh_shape import MeshShape
 from ..models.inputs import ModelInputs
 from ..task import LossFn, task_loss
+from .grid import RankPlace, mesh_grid
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 # The seeded plain model, on the default device (it seeds itself: the same weights at every
 # call). A strategy whose `builds_model` is True takes one in place of the model and calls it
 # under torch.device("meta") on every rank, and for real where it needs the values (fsdp).
 ModelBuilder = Callable[[], nn.Module]
-
-
-@dataclass(frozen=True)
-class Mesh:
-    """The degrees of a 2-D device mesh: `dp` data-parallel groups of `inner` ranks that
-    split one model (tensor or pipeline). Rank = dp_index * inner + inner_index: the
-    ranks of one model replica are neighbours (on one host, when hosts fill in order),
-    which is also the row-major order `init_device_mesh` lays ranks out in."""
-
-    dp: int
-    inner: int = 1
-    # The inner dimension's name in the DeviceMesh ("tp", "pp"): mesh[name] is its sub-mesh.
-    inner_name: str = "inner"
-
-    def dp_index(self, rank: int) -> int:
-        return rank // self.inner
-
-    def inner_index(self, rank: int) -> int:
-        return rank % self.inner
-
-    def device_mesh(self, device: torch.device) -> DeviceMesh:
-        """torch's DeviceMesh of shape (dp, inner), dimensions named ("dp", inner_name),
-        for `device`'s type: `mesh["dp"]`, `mesh[inner_name]` are the 1-D sub-meshes
-        DTensor, FSDP2 and pipelining take, `.get_group()` their process groups.
-        Collective: every rank builds it, in the same order, as torch.distributed requires."""
-        return init_device_mesh(device.type, (self.dp, self.inner), mesh_dim_names=("dp", self.inner_name))
-
-    def groups(self, rank: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-        """(this rank's dp group, its inner group), None for a dimension of size 1.
-        Collective: every rank creates every group in the same order."""
-        dp_group = inner_group = None
-        for i in range(self.inner):
-            ranks = [d * self.inner + i for d in range(self.dp)]
-            g = dist.new_group(ranks) if self.dp > 1 else None
-            if rank in ranks:
-                dp_group = g
-        for d in range(self.dp):
-            ranks = [d * self.inner + i for i in range(self.inner)]
-            g = dist.new_group(ranks) if self.inner > 1 else None
-            if rank in ranks:
-                inner_group = g
-        return dp_group, inner_group
-
-
-# The degrees a strategy may split (or shard) one model replica by: one per strategy.
-SPLIT_DEGREES = ("tp", "pp", "dp_shard")
-
-
-def mesh_for(cfg: TrainingConfig, inner_setting: str | None) -> Mesh:
-    """The mesh `cfg` asks for: `inner_setting` names the split degree ("tp", "pp" or
-    "dp_shard"; None for strategies with none). An unset degree takes what the others
-    leave; both unset, the whole world splits one replica."""
-    world = cfg.world_size
-    others = [s for s in SPLIT_DEGREES if s != inner_setting and getattr(cfg, s) not in (None, 1)]
-    if others:
-        raise ConfigError(
-            f"training.{others[0]} = {getattr(cfg, others[0])}: strategy '{cfg.strategy}' "
-            f"splits the model only by {inner_setting or 'data'} "
-            "(combinations: dp x tp, dp x pp, dp x dp_shard)"
-        )
-    dp = cfg.dp
-    if inner_setting is None:
-        if dp not in (None, world):
-            raise ConfigError(
-                f"training.dp {dp} must equal training.world_size {world}: strategy "
-                f"'{cfg.strategy}' has no other mesh dimension"
-            )
-        return Mesh(world)
-    inner = getattr(cfg, inner_setting)
-    given = [(name, v) for name, v in (("dp", dp), (inner_setting, inner)) if v is not None]
-    if len(given) == 1 and world % given[0][1]:
-        name, v = given[0]
-        raise ConfigError(f"training.{name} {v} must divide training.world_size {world}")
-    if inner is None:
-        inner = world // (dp or 1)
-    if dp is None:
-        dp = world // inner
-    if dp * inner != world:
-        raise ConfigError(
-            f"training.dp {dp} x training.{inner_setting} {inner} = {dp * inner} must equal "
-            f"training.world_size {world}"
-        )
-    return Mesh(dp, inner, inner_setting)
 
 
 class Parallel:
@@ -157,29 +76,28 @@ class Parallel:
         never gathered on every rank. Collective (its ranks that hold weights)."""
         raise NotImplementedError
 
-    # Checkpoints: every rank writes what it holds with torch.distributed.checkpoint,
-    # keyed by the plain model's names, and reads what it holds now, so every strategy's
-    # checkpoints reshard (training.checkpoints.sharded). A loop's ctx.save takes these
-    # parts (training.loop.state): the one checkpoint path.
+    # Checkpoints: one path for every mesh. Every rank writes what it holds with
+    # torch.distributed.checkpoint, keyed by the plain model's names, and reads what it holds
+    # now, so every layout's checkpoints reshard to every other (training.checkpoints.sharded).
 
-    def checkpoint_parts(self, restoring: bool = False) -> dict[str, object]:
-        """What this rank holds, as checkpoint state: {"model": ..., "optimizer": ...}, each
-        a module or optimizer torch's state-dict API names by the plain model's names, or a
-        Stateful that names them itself (training.checkpoints.named). `restoring`: the parts
+    def checkpoint_parts(self, restoring: bool = False) -> dict[str, Any]:
+        """What this rank holds, as checkpoint state: {"model": a module whose state-dict names
+        are the plain model's (its tensors DTensors where sharded or split), "optimizer": the
+        optimizer over its parameters} (no optimizer: no "optimizer"). `restoring`: the parts
         to read into, where they differ from those written (a ps worker writes nothing and
         reads its whole replica). Default: the rank's `model` and `optimizer`."""
-        parts: dict[str, object] = {"model": self.model}
+        parts: dict[str, Any] = {"model": self.model}
         if self.optimizer is not None:
             parts["optimizer"] = self.optimizer
         return parts
 
     def save_checkpoint(self, directory: str) -> None:
-        """Write this rank's weights and optimizer state (tensors: the hyperparameters are
-        a checkpoint's small file's) into the DCP directory. Collective."""
+        """Write this rank's part (tensors: the optimizers' hyperparameters are a checkpoint's
+        small file's) into the DCP directory. Collective."""
         write_tensors(self.checkpoint_parts(), directory)
 
     def load_checkpoint(self, directory: str) -> None:
-        """Read this rank's weights and optimizer state, whichever ranks wrote them. Collective."""
+        """Read this rank's part, whichever mesh and ranks wrote it. Collective."""
         read_tensors(self.checkpoint_parts(restoring=True), directory)
 
     def epoch_metrics(self) -> dict[str, float]:
@@ -200,7 +118,7 @@ class Strategy:
     # on every rank (fsdp); False: it takes the plain model (`model_for`).
     builds_model: ClassVar[bool] = False
 
-    def __init__(self, settings: BaseModel | None, mesh: Mesh | None, data_world: int):
+    def __init__(self, settings: BaseModel | None, mesh: MeshShape | None, data_world: int):
         self.settings = settings
         # The device mesh's degrees; None where the strategy has no mesh (ps).
         self.mesh = mesh
@@ -216,6 +134,19 @@ class Strategy:
         """What the strategy will do, printed on the driver at start; "" when it has nothing to say."""
         return ""
 
+    def place(self, cfg: TrainingConfig, model: nn.Module, rank: int) -> RankPlace:
+        """Where `rank` sits: its coordinates, what it holds, which data part it reads."""
+        return RankPlace(coordinates={"rank": rank}, data_rank=rank)
+
+    def grid(self, cfg: TrainingConfig, model: nn.Module, manifest, hosts: list[str] | None = None) -> str:
+        """Every rank's place as a table (grid.mesh_grid): `shardline plan` prints it, a run
+        logs it. model: the plain model (on the meta device will do: only its structure is read)."""
+        places = [self.place(cfg, model, r) for r in range(cfg.world_size)]
+        return mesh_grid(cfg, places, self.data_world, manifest, hosts, self.title(cfg))
+
+    def title(self, cfg: TrainingConfig) -> str:
+        return f"{self.name}: {cfg.world_size} rank(s)"
+
     def model_for(self, build: ModelBuilder, device: torch.device) -> nn.Module | ModelBuilder:
         """What `setup` takes: `build` itself where the strategy builds the model (sharded,
         never whole on every rank), else the plain model on `device`."""
@@ -223,10 +154,9 @@ class Strategy:
 
     def prepare_module(self, model: nn.Module, cfg: TrainingConfig, world_size: int,
                        device: torch.device) -> nn.Module:
-        """The strategy applied to a module of a user's own loop (LoopContext.prepare), which
-        then runs its own forward, backward and optimizer step: the module on `device`,
-        wrapped or sharded in place. Collective. Strategies whose step is their own (they
-        split the step itself: pipeline, ps) refuse it, in one line."""
+        """The strategy applied to a module of a user's own loop, which then runs its own
+        forward, backward and optimizer step: the module on `device`, wrapped or sharded in
+        place. Collective. A strategy whose step is its own (ps) refuses it, in one line."""
         raise ConfigError(
             f"ctx.prepare: strategy '{self.name}' runs its own step (it splits the step itself, not "
             "just the module): use ctx.parallel(model, optimizer_factory) and its .step(x, y)"
@@ -246,10 +176,6 @@ class Strategy:
         raise NotImplementedError
 
 
-def autocast_for(device: torch.device, cfg: TrainingConfig) -> torch.autocast:
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
-
-
 def train_step(model, optimizer, autocast, x: Inputs, y: torch.Tensor, loss_fn: LossFn = task_loss):
     """Forward (features, or named tensors as keywords: training.batch), loss (the task's,
     or training.loss: task.loss_for), backward, optimizer step; returns (logits, loss)."""
@@ -260,15 +186,3 @@ def train_step(model, optimizer, autocast, x: Inputs, y: torch.Tensor, loss_fn: 
     loss.backward()
     optimizer.step()
     return logits, loss
-
-
-def average_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | None, degree: int) -> None:
-    """The mean of each gradient over a data-parallel group, in one flat all-reduce: with
-    equal local batches, the mean of the replicas' mean-loss gradients is the global one."""
-    if group is None or not params:
-        return
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-    collectives.all_reduce(flat, group=group)
-    flat /= degree
-    for p, g in zip(params, flat.split([p.numel() for p in params])):
-        p.grad = g.view_as(p)

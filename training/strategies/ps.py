@@ -25,13 +25,17 @@ from torch import nn
 from shardline.foundation.errors import ConfigError
 
 from .. import collectives
-from ..checkpoints.named import NamedOptimizer, NamedTensors
 from ..batch import forward
+from ..checkpoints import sharded
 from ..config import TrainingConfig
+from ..mesh_shape import mesh_of
 from ..models.inputs import ModelInputs
 from ..task import loss_for
 from ..strategy_settings import PsSettings
-from .base import OptimizerFactory, Parallel, Strategy, autocast_for
+from .base import OptimizerFactory, Parallel, Strategy
+from .grid import RankPlace
+from .parallelize import apply_recompute, recompute_paths
+from .precision import Precision
 
 
 class ParameterServer(Strategy):
@@ -39,10 +43,11 @@ class ParameterServer(Strategy):
     settings: PsSettings
 
     def __init__(self, cfg: TrainingConfig):
+        mesh_of(cfg)  # refuses a mesh dimension above 1: servers own whole parameters
         workers = cfg.world_size - cfg.ps.servers
         if workers < 1:
             raise ConfigError(
-                f"training.ps_servers {cfg.ps.servers} leaves no worker rank "
+                f"training.ps.servers {cfg.ps.servers} leaves no worker rank "
                 f"(training.world_size {cfg.world_size})"
             )
         # No device mesh: the workers read the data, the servers hold the parameters.
@@ -50,26 +55,16 @@ class ParameterServer(Strategy):
 
     def check(self, cfg: TrainingConfig, model: nn.Module, inputs: ModelInputs | None = None) -> None:
         workers, servers = self.data_world, self.settings.servers
-        for setting in ("tp", "pp"):
-            if getattr(cfg, setting) not in (None, 1):
-                raise ConfigError(
-                    f"training.{setting} = {getattr(cfg, setting)}: strategy 'ps' splits the "
-                    f"parameters over servers, not by {setting}"
-                )
-        if cfg.dp not in (None, workers):
-            raise ConfigError(
-                f"training.dp {cfg.dp} must equal the ps workers: training.world_size "
-                f"{cfg.world_size} - training.ps_servers {servers} = {workers}"
-            )
         if cfg.batch_size % workers:
             raise ConfigError(
                 f"training.batch_size {cfg.batch_size} must be a multiple of the {workers} ps "
-                f"workers (training.world_size - training.ps_servers)"
+                f"workers (training.world_size - training.ps.servers)"
             )
+        recompute_paths(cfg.activation_checkpointing, model, f"training.model {cfg.model}")
         n_params = len(list(model.parameters()))
         if servers > n_params:
             raise ConfigError(
-                f"training.ps_servers {servers} exceeds the model's {n_params} parameter "
+                f"training.ps.servers {servers} exceeds the model's {n_params} parameter "
                 f"tensors (a server owns whole parameters)"
             )
         if any(True for _ in model.buffers()):
@@ -79,12 +74,25 @@ class ParameterServer(Strategy):
                 f"which parameter servers do not hold"
             )
 
+    def title(self, cfg: TrainingConfig) -> str:
+        return (f"ps: {self.data_world} worker(s), {self.settings.servers} server(s) ({self.settings.mode}); "
+                f"each batch read in {self.data_world} part(s)")
+
+    def place(self, cfg: TrainingConfig, model: nn.Module, rank: int) -> RankPlace:
+        if rank < self.data_world:
+            return RankPlace({"worker": rank, "server": "-"}, "all layers (a replica)", "whole", rank)
+        names = shard_names(model, self.settings.servers)[rank - self.data_world]
+        size = sum(p.numel() for n, p in model.named_parameters() if n in names)
+        return RankPlace({"worker": "-", "server": rank - self.data_world}, "none",
+                         f"{len(names)} parameter tensor(s), {size:,} values", None)
+
     def setup(
         self, model: nn.Module, cfg: TrainingConfig, rank: int, world_size: int,
         device: torch.device, make_optimizer: OptimizerFactory,
     ) -> WorkerRank | ServerRank:
         layout = Layout(model, self.settings, world_size)
         model.to(device)
+        apply_recompute(model, recompute_paths(cfg.activation_checkpointing, model, f"training.model {cfg.model}"))
         if rank < layout.workers:
             return WorkerRank(model, cfg, rank, layout, device)
         return ServerRank(model, cfg, rank, layout, device, make_optimizer)
@@ -166,7 +174,7 @@ class WorkerRank(Parallel):
 
     def __init__(self, model, cfg, rank, layout: Layout, device):
         self.model, self.layout, self.device = model, layout, device
-        self.autocast = autocast_for(device, cfg)
+        self.autocast = Precision.of(cfg).autocast(device)
         self.loss = loss_for(cfg)
         params = dict(model.named_parameters())
         self.shards = [[params[n] for n in names] for names in layout.shards]
@@ -247,13 +255,10 @@ class WorkerRank(Parallel):
                 out[name] = t.cpu()
         return {name: out[name] for name in self.layout.names}
 
-    # A worker writes nothing: its replica is the servers' values, which they write. It
-    # reads every weight back (the servers' values, whichever servers wrote them).
-
-    def checkpoint_parts(self, restoring: bool = False) -> dict[str, object]:
+    def checkpoint_parts(self, restoring: bool = False) -> dict:
         """A worker writes nothing (its replica is the servers' values, maybe a few versions
         behind them) and reads its whole replica from what the servers wrote."""
-        return {"model": NamedTensors(self.model.state_dict())} if restoring else {}
+        return {"model": self.model} if restoring else {}
 
     def epoch_metrics(self) -> dict[str, float]:
         steps = max(self.steps, 1)
@@ -271,6 +276,7 @@ class ServerRank(Parallel):
         params = dict(model.named_parameters())
         self.server = rank - layout.workers
         self.shard = {n: params[n] for n in layout.shards[self.server]}
+        self.shard_module = sharded.module_of(self.shard)  # its state-dict names are the plain model's
         self.size = layout.size(self.server)
         self.optimizer = make_optimizer(list(self.shard.values()))
         self.data_rank, self.data_world, self.reports = None, layout.workers, False
@@ -372,11 +378,11 @@ class ServerRank(Parallel):
     # resumed, every replica starts from these values, so counting both again from 0 is
     # the same state.
 
-    def checkpoint_parts(self, restoring: bool = False) -> dict[str, object]:
-        """This server's shard of the weights and its optimizer's state, by the plain model's names."""
+    def checkpoint_parts(self, restoring: bool = False) -> dict:
+        """This server's shard of the weights (a module of them under the plain model's
+        names) and its optimizer."""
         self._settle()  # every reply sent: the shard is the one the workers were told
-        return {"model": NamedTensors({n: p.detach() for n, p in self.shard.items()}),
-                "optimizer": NamedOptimizer(self.optimizer, list(self.shard))}
+        return {"model": self.shard_module, "optimizer": self.optimizer}
 
     def epoch_metrics(self) -> dict[str, float]:
         out = {

@@ -9,8 +9,8 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from shardline.foundation.section import Section
 
-from ..config import TrainingConfig
-from ..strategy_settings import FLAT_NAMES, TABLES, setting_field
+from ..config import TrainingConfig, setting_field
+from ..strategy_settings import TABLES
 
 # Settings of the job around the model rather than of the model: never searched.
 FIXED = {
@@ -22,9 +22,20 @@ Choice = str | int | float | bool | list[int]
 
 
 def tunable() -> list[str]:
-    # A strategy's settings by their flat names (training.micro_batches), not its sub-table.
+    # A sub-table's settings by their names under `training` ("pipeline.micro_batches",
+    # `[sweep.space."pipeline.micro_batches"]` in TOML), as everywhere else.
     general = [n for n in TrainingConfig.model_fields if n not in FIXED and n not in TABLES]
-    return sorted([*general, *FLAT_NAMES])
+    tables = [f"{t}.{f}" for t, model in TABLES.items() for f in model.model_fields]
+    return sorted([*general, *tables])
+
+
+def with_setting(settings: dict, name: str, value) -> dict:
+    """Training settings (a dict, as model_dump gives) with `name` ("lr",
+    "pipeline.micro_batches") set to `value`, its sub-table copied, not changed in place."""
+    table, _, field = name.rpartition(".")
+    if not table:
+        return {**settings, name: value}
+    return {**settings, table: {**settings.get(table, {}), field: value}}
 
 
 class ParamSpace(Section):
@@ -137,7 +148,7 @@ class SweepConfig(Section):
                     want = "a list" if is_list else "a single value"
                     raise ValueError(f"{name}: training.{name} takes {want}, got {value!r}")
                 try:
-                    TrainingConfig.model_validate({name: value})
+                    TrainingConfig.model_validate(with_setting({}, name, value))
                 except ValidationError as e:
                     msg = e.errors()[0]["msg"]
                     raise ValueError(f"{name}: {value!r} is not a valid training.{name} ({msg})") from None

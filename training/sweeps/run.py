@@ -27,9 +27,8 @@ from shardline.foundation.redact import redact
 
 from ..config import TrackingConfig, TrainingConfig
 from ..job import check_engine, preflight, run_training
-from ..strategy_settings import merge_settings
 from ..task import metric_names, task_of, user_metric_names
-from .config import SweepConfig
+from .config import SweepConfig, with_setting
 from .report import TrialOutcome, fmt_params, log_summary, outcome, register_best
 from .study import (
     PruningReporter,
@@ -103,7 +102,7 @@ def check_sweep(sweep: SweepConfig, training: TrainingConfig, dataset_dir: str) 
     for name, space in sweep.space.items():
         for value in space.values_to_check():
             try:
-                preflight(base.model_copy(update={name: value}), dataset_dir)
+                preflight(TrainingConfig.model_validate(with_setting(base.model_dump(), name, value)), dataset_dir)
             except (ConfigError, DataError) as e:
                 raise ConfigError(f"sweep.space.{name}: {value!r} cannot train: {e}") from None
     if sweep.sampler == "grid":
@@ -262,7 +261,10 @@ def _run_trial(results, number, base, name, params, tracking, dataset_dir, engin
     try:
         # Its own checkpoint directory: a job deletes stale checkpoints in its own at start.
         ckpt = join_url(base.checkpoint_dir, "sweeps", name, f"trial-{number}")
-        cfg = TrainingConfig.model_validate(merge_settings(base.model_dump(), {**params, "checkpoint_dir": ckpt}))
+        settings = base.model_dump()
+        for key, value in {**params, "checkpoint_dir": ckpt}.items():
+            settings = with_setting(settings, key, value)
+        cfg = TrainingConfig.model_validate(settings)
         result = run_training(
             cfg, tracking, dataset_dir, engine, into_run=run_id, register=False, epoch_hook=hook, workers=group,
         )

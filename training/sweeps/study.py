@@ -12,7 +12,7 @@ from typing import get_origin
 from shardline.foundation.errors import ConfigError, ShardlineError, first_line
 from shardline.foundation.redact import redact
 
-from ..strategy_settings import setting_field
+from ..config import setting_field
 from .config import ParamSpace, SweepConfig
 
 # Imported inside the functions that use them: Optuna (only in a sweep).

@@ -3,6 +3,8 @@ training ranks only; prepare and scoring run their tasks on Spark or Dask."""
 
 from __future__ import annotations
 
+import socket
+
 from shardline.training.launchers import available_cores
 
 from ..base import Engine, Slots, ranks_only
@@ -21,6 +23,10 @@ class LocalEngine(Engine):
     @classmethod
     def cluster(cls, cfg, given=None) -> str | None:
         return None
+
+    @classmethod
+    def hosts_before_launch(cls, world_size: int) -> list[str] | None:
+        return [socket.gethostname()] * world_size  # every rank a process of this machine
 
     def listen_address(self) -> str:
         return "127.0.0.1"

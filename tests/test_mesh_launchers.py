@@ -1,0 +1,103 @@
+"""A combined mesh as a job, on every launcher, with restarts (#55 item 7): a `dp_shard 2 x tp 2`
+job whose rank is SIGKILLed mid-training is relaunched from its checkpoint and ends on the
+uninterrupted run's weights, bit for bit, on local processes and on Dask workers; on Spark (a
+barrier stage of 4 tasks) the same job ends on them too, and so does the `pp 2 x tp 2` one's.
+
+Full tier only (`make test-all`, marker `slow`): 4-rank jobs (about 90 CPU-s in all), a Dask
+cluster of 4 workers and a Spark JVM of 4 slots of their own (the session's have 2). The
+quick tier keeps the meshes' match with single-process training (tests/test_mesh.py) and the
+restart machinery on every launcher at 2 ranks (the killed-rank test of tests/test_checkpoints.py
+is full tier too; its resume logic is the quick tier's tests/test_strategy_jobs.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from shardline.engines import DaskEngine, LocalEngine
+from shardline.training.checkpoints import sharded
+from shardline.training.checkpoints.store import CheckpointStore
+from shardline.training.config import TrackingConfig, TrainingConfig
+from shardline.training.job import run_training
+
+from .conftest import shardline
+from .test_checkpoints import _kill_rank_after_first_checkpoint
+
+pytestmark = pytest.mark.slow
+
+# The mlp's Dense pair split by tp (hidden 64 -> 32), each half sharded over 2 data ranks.
+MESH = dict(world_size=4, mesh={"dp_shard": 2, "tp": 2}, epochs=3, batch_size=128, hidden=[64, 32],
+            checkpoint_every_steps=10, keep_checkpoints=100, max_restarts=2, timeout_s=120)
+
+
+def _equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def reference(prepared, tmp_path_factory):
+    """The dp_shard 2 x tp 2 job uninterrupted, on local processes."""
+    cfg = TrainingConfig(launcher="local", checkpoint_dir=str(tmp_path_factory.mktemp("ref") / "ckpt"), **MESH)
+    return run_training(cfg, TrackingConfig(experiment="mesh-ref", registered_model="mesh-ref"),
+                        prepared.dataset_dir, LocalEngine())
+
+
+@pytest.fixture(scope="module")
+def four_dask_workers():
+    from shardline.foundation.engine_config import DaskConfig
+    from shardline.foundation.sessions import dask_client
+
+    client = dask_client(DaskConfig(n_workers=4, memory_limit="2GiB"))
+    yield client
+    cluster = client.cluster
+    client.close()
+    cluster.close()
+
+
+@pytest.mark.parametrize("launcher", ["local", "dask"])
+def test_a_killed_rank_of_a_dp_shard_x_tp_job_resumes_to_the_same_weights(prepared, reference, tmp_path, launcher,
+                                                                         request):
+    engine = DaskEngine(request.getfixturevalue("four_dask_workers")) if launcher == "dask" else LocalEngine()
+    cfg = TrainingConfig(launcher=launcher, checkpoint_dir=str(tmp_path / "ckpt"), **MESH)
+    done, killed = threading.Event(), []
+    watcher = threading.Thread(target=_kill_rank_after_first_checkpoint, args=(tmp_path / "ckpt", 3, done, killed))
+    watcher.start()
+    try:
+        result = run_training(cfg, TrackingConfig(experiment=f"mesh-kill-{launcher}",
+                                                  registered_model=f"mesh-kill-{launcher}"),
+                              prepared.dataset_dir, engine)
+    finally:
+        done.set()
+        watcher.join()
+    assert killed, "the rank was never killed"
+    assert MlflowClient().get_run(result.run_id).data.metrics.get("restarts") == 1, "the kill missed training"
+    _equal(result.weights, reference.weights)
+
+
+def test_meshes_on_a_spark_barrier_stage_of_4_tasks(prepared, reference, tmp_path):
+    """The CLI in a process of its own (a JVM of 4 slots): the dp_shard x tp job ends on the
+    local run's weights, and pp x tp trains too, its stages each split by tp."""
+    config = tmp_path / "job.toml"
+    config.write_text(
+        f"[pipelines]\ndataset_dir = '{prepared.dataset_dir}'\n[spark]\nmaster = 'local[4,1]'\n"
+        "[training]\nlauncher = 'spark'\nworld_size = 4\nepochs = 3\nbatch_size = 128\nhidden = [64, 32]\n"
+        "checkpoint_every_steps = 10\nkeep_checkpoints = 100\ntimeout_s = 120\n"
+    )
+    for name, mesh in (("dp_shard-tp", ["training.mesh.dp_shard=2", "training.mesh.tp=2"]),
+                       ("pp-tp", ["training.mesh.pp=2", "training.mesh.tp=2", "training.model=transformer",
+                                  "training.hidden=[16, 16]"])):
+        ckpt = tmp_path / name
+        sets = [a for s in [*mesh, f"training.checkpoint_dir='{ckpt}'"] for a in ("--set", s)]
+        proc = shardline("train", str(config), *sets, "--set", f"tracking.registered_model='mesh-spark-{name}'",
+                         cwd=tmp_path, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        if name == "dp_shard-tp":  # launchers agree bit for bit (CPU, one thread per rank)
+            latest = CheckpointStore(str(ckpt)).latest()
+            _equal(sharded.read_weights(str(Path(latest))), reference.weights)
