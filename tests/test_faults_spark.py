@@ -25,7 +25,7 @@ from .test_serving_recovery import _assert_exactly_once, _died_between_output_an
 
 JOBS = """
 import sys
-from shardline.pipelines.config import SparkConfig
+from shardline.foundation.engine_config import SparkConfig
 from shardline.foundation.sessions import spark_session
 from shardline.foundation.errors import ShardlineError
 from shardline.foundation.spark_setup import spark_master
