@@ -81,7 +81,8 @@ def _train_rate(manifest, training, device, strategy) -> float:
 
     from shardline.training.plan import _synthetic_batch
     from shardline.training.batch import to_device
-    from shardline.training.strategies.base import autocast_for, train_step
+    from shardline.training.strategies.base import train_step
+    from shardline.training.strategies.precision import Precision
     from shardline.training.task import loss_for
     from shardline.training.loop.recipe import make_optimizer, trainable_model
 
@@ -91,8 +92,8 @@ def _train_rate(manifest, training, device, strategy) -> float:
     try:
         model = trainable_model(manifest, training, device)
         model.train()
-        optimizer, autocast, loss_fn = make_optimizer(model.parameters(), training), autocast_for(device, training), \
-            loss_for(training)
+        optimizer, autocast, loss_fn = make_optimizer(model.parameters(), training), \
+            Precision.of(training).autocast(device), loss_for(training)
         batches = itertools.cycle([_synthetic_batch(manifest, local, seed) for seed in range(4)])
 
         def step():
