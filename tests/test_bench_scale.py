@@ -14,6 +14,8 @@ import pytest
 from shardline.benchmarks import scale, shapes
 from shardline.benchmarks.scale_data import MARKER
 
+from .conftest import shardline
+
 
 def _stage(seconds: float, rows: int, driver: float, ranks: list[float]) -> dict:
     return {"seconds": seconds, "rows": rows, "rows_per_s": rows / seconds, "disk_written_bytes": 0, "cpu_s": seconds,
@@ -60,7 +62,7 @@ def test_bench_scale_at_a_tiny_size(tmp_path):
     """Full tier only: it starts Spark and Dask (1 and 2 cores each), trains and scores on each
     (~3-4 min idle). The quick tier checks the same arithmetic on chosen figures above."""
     data = tmp_path / "data"
-    r = scale.run(rows=40_000, data_dir=str(data), steps=6, progress=lambda _: None)
+    r = _bench_json(tmp_path, "scale", "--rows", "40000", "--data-dir", str(data), "--steps", "6")
     assert {(leg["engine"], leg["cores"], leg["rows"]) for leg in r["legs"]} == {
         (e, c, n) for e in ("spark", "dask") for c, n in ((1, 20_000), (2, 20_000), (2, 40_000))}
     for leg in r["legs"]:
@@ -91,8 +93,8 @@ def test_bench_scale_at_a_tiny_size(tmp_path):
 @pytest.mark.slow
 def test_bench_shapes_at_a_tiny_size(tmp_path):
     """Full tier only: it prepares six inputs on Spark and on Dask (~2 min idle)."""
-    r = shapes.run(files=300, rows_per_file=20, skew_rows=20_000, vector_rows=3_000, width=64,
-                   data_dir=str(tmp_path / "data"), progress=lambda _: None)
+    r = _bench_json(tmp_path, "shapes", "--files", "300", "--rows-per-file", "20", "--skew-rows", "20000",
+                    "--vector-rows", "3000", "--width", "64", "--data-dir", str(tmp_path / "data"))
     f = r["files"]
     assert f["driver"]["files"] == 300 and f["few_files_driver"]["files"] == shapes.FEW_FILES
     assert f["same_shards"] and r["skew"]["same_shards"] and r["vectors"]["same_shards"]
@@ -146,3 +148,12 @@ def test_plan_forecast_on_the_cli_is_stored_and_logged_by_the_next_run(tmp_path,
         params = dict(c.execute("select key, value from params where key like 'forecast_%'").fetchall())
     assert params["forecast_cluster"] == "1 x 2 cores"
     assert float(params["forecast_epoch_s"]) == pytest.approx(f["epoch"]["seconds"], abs=0.05)
+
+
+def _bench_json(tmp_path: Path, *args: str) -> dict:
+    """`shardline bench ARGS --json` in a process of its own, as a user runs it: the bench
+    starts Spark at 1 and 2 cores, stopping the process's session first, which in pytest's
+    process would be the session's own (every later Spark test would fail)."""
+    proc = shardline("bench", *args, "--json", cwd=tmp_path, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
