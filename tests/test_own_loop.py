@@ -286,8 +286,11 @@ def test_a_rank_killed_mid_epoch_in_a_users_loop_ends_on_the_same_weights(
                                args=(tmp_path / launcher, 1, done, killed))
     watcher.start()
     try:
+        # A short pause a step (no effect on the numbers): on a loaded machine the whole job
+        # once ended before the watcher saw its first checkpoint.
         result = shardline.train(None, overrides(prepared, tmp_path, launcher, **{
-            "training.launcher": launcher, "training.max_restarts": 2}), **handles)
+            "training.launcher": launcher, "training.max_restarts": 2,
+            "training.loop_args": {**ARGS, "pause_s": 0.02}}), **handles)
     finally:
         done.set()
         watcher.join()

@@ -77,7 +77,7 @@ def test_a_user_project_with_its_own_training_and_jobs(small_dataset, tmp_path):
     mine, whose, theirs, api = proc.stdout.splitlines()
     assert Path(mine) == project / "training" / "mymodel.py"
     assert whose == "the user"
-    assert project not in Path(theirs).parents and Path(theirs).name == "models.py"
+    assert project not in Path(theirs).parents and Path(theirs).name == "builtin.py"
     assert api == "True"
 
     # The `shardline` command, as installed (its sys.path[0] is its bin folder, not the project).

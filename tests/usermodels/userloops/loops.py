@@ -1,5 +1,7 @@
 """Training loops: functions of one argument, the loop context (shardline.LoopContext)."""
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -44,6 +46,7 @@ def two_models(ctx):
             state["progress"]["losses"] = [*state["progress"]["losses"][-2:], loss]
             if step % a["save_every"] == 0:
                 ctx.save(state, step=step)
+            time.sleep(a.get("pause_s", 0.0))  # a kill test's room to land after a checkpoint
         ctx.log({"loss": loss, "epoch_steps": len(loader)}, step=step)
         if ctx.rank == 0:
             ctx.say(f"epoch {loader.current_epoch} done: loss {loss:.3f}")
