@@ -20,38 +20,15 @@ def scale_rank(rank: int, world_size: int, p: dict) -> dict:
     torch.save bytes of a plain state dict)."""
     import torch
 
-    from shardline.pipelines.manifest import load_manifest
-    from shardline.training.batch import split
-    from shardline.training.config import TrainingConfig
-    from shardline.training.loader.reader import ShardLoader
-    from shardline.training.models.builtin import build_model
-    from shardline.training.strategies import strategy_for
-    from shardline.training.loop.recipe import make_optimizer
-
-    from .train_loops import timed_steps
-
     from shardline.forecasting.sample_engine import reset_peak, rss_mb
+
+    from .train_loops import ddp_rank, timed_steps
 
     # The rank's own memory: its process's high-water mark from here (a Dask worker or a Spark
     # Python worker may hold what earlier tasks left; that is its start, not the rank's growth).
     start_mb = reset_peak()
-    torch.set_num_threads(p["threads"])
-    cfg = TrainingConfig.model_validate(p["training"])
-    manifest = load_manifest(p["dataset_dir"])
-    parallel = strategy_for(cfg).setup(build_model(manifest, cfg), cfg, rank, world_size,
-                                       torch.device("cpu"), lambda params: make_optimizer(params, cfg))
-    loader = ShardLoader(manifest, p["dataset_dir"], "train", rank, world_size, cfg.batch_size // world_size,
-                         cfg.seed, shuffle_buffer_rows=cfg.shuffle_buffer_rows, workers=p["workers"],
-                         prefetch=cfg.prefetch_depth)
-
-    def batches():
-        epoch = 0
-        while True:
-            for batch in loader.epoch(epoch):
-                yield split(batch)
-            epoch += 1
-
-    out = timed_steps(batches(), parallel.step, p["warmup"], p["steps"] - p["warmup"], rank)
+    parallel, batches = ddp_rank(rank, world_size, p)
+    out = timed_steps(batches, parallel.step, p["warmup"], p["steps"] - p["warmup"], rank)
     mine = {"start_mb": start_mb, "peak_mb": rss_mb("VmHWM")}
     every: list = [None] * world_size
     torch.distributed.all_gather_object(every, mine)

@@ -99,6 +99,14 @@ def shardline_rank(rank: int, world_size: int, p: dict) -> dict:
     the manifest and training config), the ddp strategy's step, ShardLoader batches, epoch
     after epoch until warmup + steps. The model stays in this frame (launchers: a model alive
     when a Spark barrier task yields made later jobs hang)."""
+    parallel, batches = ddp_rank(rank, world_size, p)
+    return timed_steps(batches, parallel.step, p["warmup"], p["steps"], rank)
+
+
+def ddp_rank(rank: int, world_size: int, p: dict):
+    """A benchmark rank's strategy (`p["training"]`'s, ddp by default: the model built as
+    training builds it) and its endless ShardLoader batches, epoch after epoch. Each rank
+    runs in a session of its own, as torchrun's (training.launchers.rank_server)."""
     import torch
 
     from shardline.training.batch import split
@@ -107,11 +115,10 @@ def shardline_rank(rank: int, world_size: int, p: dict) -> dict:
     from shardline.training.strategies import strategy_for
     from shardline.training.loop.recipe import make_optimizer
 
-    # Each rank in its own session, as torchrun's: the local launcher does it (shardline.engines.local.launch).
     torch.set_num_threads(p["threads"])
     cfg = TrainingConfig.model_validate(p["training"])
     manifest = load_manifest(p["dataset_dir"])
-    parallel = strategy_for(cfg).setup(build_model(manifest, cfg), cfg, rank, world_size,  # ddp: the default
+    parallel = strategy_for(cfg).setup(build_model(manifest, cfg), cfg, rank, world_size,
                                        torch.device("cpu"), lambda params: make_optimizer(params, cfg))
     loader = ShardLoader(manifest, p["dataset_dir"], "train", rank, world_size, cfg.batch_size // world_size,
                          cfg.seed, shuffle_buffer_rows=cfg.shuffle_buffer_rows, workers=p["workers"],
@@ -124,7 +131,7 @@ def shardline_rank(rank: int, world_size: int, p: dict) -> dict:
                 yield split(batch)
             epoch += 1
 
-    return timed_steps(batches(), parallel.step, p["warmup"], p["steps"], rank)
+    return parallel, batches()
 
 
 def load_average() -> float:
