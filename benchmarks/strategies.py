@@ -172,6 +172,7 @@ def strategy_rank(rank: int, world_size: int, p: dict) -> dict:
     if cuda:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
+    parallel.close()
     figures = parallel.epoch_metrics()
     if cuda:
         peak = total = torch.cuda.max_memory_allocated(device) / 2**20
@@ -185,7 +186,8 @@ def strategy_rank(rank: int, world_size: int, p: dict) -> dict:
 def _measure(name: str, world: int, settings: dict, p: dict, progress) -> dict:
     """One row: `world` ranks of strategy_rank."""
     progress(f"{name}: {world} rank(s), {p['warmup']} warm-up + {p['steps']} timed steps")
-    ranks = launch_local(strategy_rank, {**p, "settings": settings}, world_size=world, timeout_s=900)
+    ranks = launch_local(strategy_rank, {**p, "settings": settings}, world_size=world,
+                         timeout_s=p.get("timeout_s", 900))
     slowest = max(r["elapsed_s"] for r in ranks)
     row = {
         "world_size": world,
@@ -207,13 +209,14 @@ def _measure(name: str, world: int, settings: dict, p: dict, progress) -> dict:
 
 
 def run(progress=print, steps: int = 30, warmup: int = 5, global_batch: int = GLOBAL_BATCH,
-        only: list[str] | None = None, memory_hidden: list[int] | None = None) -> dict:
+        only: list[str] | None = None, memory_hidden: list[int] | None = None, timeout_s: float = 900) -> dict:
     """Every strategy on the transformer; then DDP, FSDP and HSDP on the memory model
     (an mlp of `memory_hidden` widths, MEMORY_HIDDEN by default), peak memory vs DDP's.
-    only: the transformer's rows to run (with `single`); [] runs the memory rows alone."""
+    only: the transformer's rows to run (with `single`); [] runs the memory rows alone.
+    timeout_s: how long a rank may wait in one collective before the row fails."""
     import torch
 
-    p = {"steps": steps, "warmup": warmup, "global_batch": global_batch}
+    p = {"steps": steps, "warmup": warmup, "global_batch": global_batch, "timeout_s": timeout_s}
     names = [n for n in CONFIGS if only is None or n in only or n == "single"] if only != [] else []
     rows = {name: _measure(name, *CONFIGS[name], p, progress) for name in names}
     for row in rows.values():
@@ -221,7 +224,7 @@ def run(progress=print, steps: int = 30, warmup: int = 5, global_batch: int = GL
 
     hidden = memory_hidden or MEMORY_HIDDEN
     mp = {"steps": MEMORY_STEPS, "warmup": MEMORY_WARMUP, "global_batch": MEMORY_BATCH,
-          "model": {"model": "mlp", "hidden": hidden}, "return_freed": True}
+          "model": {"model": "mlp", "hidden": hidden}, "return_freed": True, "timeout_s": timeout_s}
     memory = {name: _measure(f"memory {name}", *MEMORY_CONFIGS[name], mp, progress) for name in MEMORY_CONFIGS}
     ddp_peak = max(memory["ddp"]["peak_mb_per_rank"])
     ddp_total = max(memory["ddp"]["peak_total_mb_per_rank"])

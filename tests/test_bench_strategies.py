@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow
 
 def test_bench_strategies_tiny():
     only = ["pipeline-1f1b", "ps-async", "tensor", "hsdp2x2"]
-    result = run(progress=lambda msg: None, steps=2, warmup=1, global_batch=32, only=only, memory_hidden=[32, 32])
+    result = run(progress=lambda msg: None, steps=2, warmup=1, global_batch=32, only=only, memory_hidden=[32, 32],
+                 timeout_s=120)
     json.dumps(result)  # one JSON object
     rows = result["strategies"]
     assert list(rows) == [n for n in CONFIGS if n in ["single", *only]]

@@ -176,6 +176,35 @@ def test_async_staleness_stays_within_its_bound(servers, k, tmp_path):
     assert any(not torch.allclose(initial[n], ranks[0]["weights"][n]) for n in initial)
 
 
+def async_late_receive(rank: int, world_size: int, args: dict) -> str:
+    """4 async steps and nothing after (no collective that would settle the servers' sends),
+    as a benchmark's or a user's loop ends; the last worker asks for its last reply 2 s late."""
+    from shardline.training.strategies import ps
+
+    parallel = _setup(rank, world_size, {"servers": 1, "mode": "async", "staleness": 1})
+    batches = list(global_batches(4, 64))
+    if parallel.data_rank == parallel.data_world - 1:
+        recv, calls = ps.collectives.recv, []
+
+        def late_recv(*a, **kw):
+            calls.append(1)
+            if len(calls) == len(batches):
+                time.sleep(2.0)
+            return recv(*a, **kw)
+
+        ps.collectives.recv = late_recv
+    _train(parallel, batches)
+    parallel.close()
+    return type(parallel).__name__
+
+
+def test_async_server_leaves_only_once_its_last_replies_are_received():
+    # Before Parallel.close a server dropped its last sends on its way out: the late worker
+    # then waited in its receive, the server in the group's closing barrier, for the timeout.
+    ranks = launch_local(async_late_receive, {}, world_size=3, timeout_s=30)
+    assert ranks == ["WorkerRank", "WorkerRank", "ServerRank"]
+
+
 def _learnable(steps: int, batch: int, seed: int):
     """Labels from a fixed linear rule on the numerics: a task a model can learn."""
     rule = torch.randn(5, 3, generator=torch.Generator().manual_seed(7))

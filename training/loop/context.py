@@ -104,6 +104,7 @@ class LoopContext:
         self._registering = False  # ctx.register was called (once a job)
         # ids of the job's models (ctx.build_model, and Parallels of them): register's default factory
         self._job_models: set[int] = set()
+        self._parallels: list[Parallel] = []  # ctx.parallel's, closed after the loop (finish)
         self._plain: dict[int, nn.Module] = {}  # ctx.prepare's result -> the plain module it wraps
 
     # -- data ---------------------------------------------------------------------------
@@ -287,10 +288,13 @@ class LoopContext:
     # -- internals --------------------------------------------------------------------------
 
     def finish(self) -> list[tuple]:
-        """After the loop returned: the MLflow calls this rank's client could not send yet
+        """After the loop returned: each ctx.parallel closed (Parallel.close: what must complete
+        before the rank leaves); then the MLflow calls this rank's client could not send yet
         (the driver sends them), the last try made first."""
         from .tracking import pending
 
+        for parallel in self._parallels:
+            parallel.close()
         return pending(self)
 
     def _needs(self, what: str, call: str) -> None:

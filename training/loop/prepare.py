@@ -53,6 +53,7 @@ def make_parallel(ctx: LoopContext, model: nn.Module | Callable[[], nn.Module], 
     if loss_fn is not None:
         parallel.loss = loss_fn  # every strategy's step computes its loss through this attribute
     ctx._data = (parallel.data_rank, parallel.data_world)
+    ctx._parallels.append(parallel)
     if job_model:
         ctx._job_models.add(id(parallel))
     return parallel

@@ -100,6 +100,10 @@ class Parallel:
         """Read this rank's part, whichever mesh and ranks wrote it. Collective."""
         read_tensors(self.checkpoint_parts(restoring=True), directory)
 
+    def close(self) -> None:
+        """After this rank's last step, before it leaves the group: what must complete first
+        (a ps server's replies still in flight). Every rank calls it once. Default: nothing."""
+
     def epoch_metrics(self) -> dict[str, float]:
         """The strategy's own figures since the last call (push/pull time, bubble ...),
         this rank's, each named `<strategy>_...`; rank 0 logs every rank's to MLflow."""

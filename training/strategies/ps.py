@@ -365,6 +365,13 @@ class ServerRank(Parallel):
             work.wait()
         self.sending = []
 
+    def close(self) -> None:
+        """The replies of the last step, received before the server leaves: gloo sends only
+        once the worker has posted its receive, so a reply whose Work this rank dropped on
+        its way out (while a loaded worker had not yet asked) never arrived, and the worker
+        waited in its receive, the server in the group's closing barrier, until the timeout."""
+        self._settle()
+
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """Sends this server's shard to rank 0, a tensor at a time; {} here."""
         self._settle()
