@@ -46,17 +46,17 @@ from shardline.foundation.overlap import glob_base
 from shardline.pipelines.manifest import ShardManifest
 from shardline.foundation.report import stage
 from shardline.foundation.storage import resolve
-from shardline.pipelines.manifest import store_plan
 from shardline.serving.inputs import list_units
 from shardline.serving.job import ScoringJob
 from shardline.serving.score import ScoreResult
 from shardline.serving.status import output_status
+from shardline.sizing import ForecastResult, PlanResult, forecast, plan  # sizing a job before it runs
 from shardline.stages import check_prepare, dataset_lease, output_lease, run_prepare, run_train
 from shardline.training.result import TrainResult
 from shardline.training.tracking import check_store
 
 # Imported inside the functions that use them: training.job (imports torch); training.source_steps (imports
-# torch); training.sweeps.run (imports torch); training.plan (imports torch).
+# torch); training.sweeps.run (imports torch).
 
 if TYPE_CHECKING:  # for a type checker; at run time __getattr__ below imports it when asked
     from shardline.training.loop.context import LoopContext
@@ -350,67 +350,3 @@ def sweep(config: Config = None, overrides: Overrides = ()):
         check_parallel(cfg.sweep, trial_base(cfg.sweep, cfg.training), engine)
         with stage(f"Sweep '{cfg.sweep.name}' on {where}"):
             return run_sweep(cfg.sweep, cfg.training, cfg.tracking, cfg.pipelines.dataset_dir, engine)
-
-
-@dataclass
-class PlanResult:
-    dataset_dir: str
-    manifest: ShardManifest  # the version the plan was stored into
-    plan: Any  # pipelines.manifest.BandwidthPlan
-    grid: str = ""  # the ranks on the mesh: coordinates, host, stage, tensor shard, files read
-
-    def to_dict(self) -> dict:
-        return self.plan.model_dump(mode="json")
-
-
-def plan(config: Config = None, overrides: Overrides = ()) -> PlanResult:
-    """Measure the configured model's training rate and the loader's rate on the dataset,
-    choose loader workers, shards per rank and rows per row group so loading keeps ahead of
-    training, and store that plan in the dataset's manifest (`prepare(by_plan=True)` lays
-    shards out by it). Measured in this process."""
-    from shardline.training.job import preflight
-    from shardline.training.plan import measured_loader, plan_dataset
-    from shardline.training.rank_grid import rank_grid
-
-    cfg = resolve_paths(load_config(config, overrides), [])
-    check_storage(cfg, writes=(DATASET,))
-    t, where = cfg.training, cfg.pipelines.dataset_dir
-    checked = preflight(t, where)  # no dataset, bad settings: one line, before measuring
-    measured_loader(checked, where, t)  # an epoch too short to time the loader: the same
-    grid = rank_grid(t, checked, engine_class(t.launcher, "training.launcher").hosts_before_launch(t.world_size))
-    with stage(f"Measuring {t.model} {t.hidden} and the loader on {where}"):
-        measured, p = plan_dataset(t, where, manifest=checked)
-    return PlanResult(where, store_plan(where, measured.version_id, p), p, grid)
-
-
-@dataclass
-class ForecastResult:
-    forecast: Any  # shardline.forecasting.Forecast
-    measured: Any  # shardline.forecasting.Measured: what it was made from
-    stored: str | None  # the dataset folder's forecast file, logged by the next training run
-
-    def to_dict(self) -> dict:
-        from shardline.forecasting import to_json
-
-        return {**to_json(self.forecast, self.measured), "stored": self.stored}
-
-
-def forecast(config: Config = None, overrides: Overrides = (), *, hosts: int, cores: int, gpus: int = 0,
-             sample_rows: int | None = None) -> ForecastResult:
-    """Forecast prepare, an epoch and scoring on `hosts` x `cores` (x `gpus`) for
-    pipelines.engine: per-core rates measured in this process on the first `sample_rows`
-    rows of pipelines.source (seconds), the layout chosen, wall time and memory of each
-    stage. Stored beside the dataset for the next training run's MLflow run. Starts no engine."""
-    from shardline import forecasting as fc
-
-    if min(hosts, cores) < 1 or gpus < 0:
-        raise ConfigError(f"--hosts and --cores are at least 1 and --gpus at least 0 (got {hosts}, {cores}, {gpus})")
-    cfg = resolve_paths(load_config(config, overrides), [], (SOURCE, DATASET))
-    p = cfg.pipelines
-    if p.source.format != "synthetic":
-        check_storage(cfg, reads=(SOURCE,))
-    cluster = fc.Cluster(hosts=hosts, cores=cores, gpus=gpus)
-    with stage(f"Forecast for {hosts} host(s) x {cores} core(s){f' x {gpus} GPU(s)' if gpus else ''} on {p.engine}"):
-        measured = fc.measure(cfg, sample_rows or fc.SAMPLE_ROWS)
-    f = fc.forecast(measured, cfg, cluster, p.engine)
-    return ForecastResult(f, measured, fc.store(f, measured, p.dataset_dir))

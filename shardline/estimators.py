@@ -44,36 +44,11 @@ def plan_fit(
     """
     cfg = load_config(config, overrides)
     f, src = cfg.pipelines.features, cfg.pipelines.source
-    written = f.model_fields_set
     if "format" in src.model_fields_set and src.format != "parquet":
         raise ConfigError(f"pipelines.source.format = {src.format!r}: an estimator's source is the DataFrame "
                           "given to fit (written as Parquet); leave it unset")
-    label = _one("label_col", label_col, "pipelines.features.label", f.label if "label" in written else None) \
-        or "label"
-    _column(label, kinds, "label_col")
-    key = _one("key_col", key_col, "pipelines.features.key", f.key if "key" in written else None)
-    generated = None
-    if key is None and not f.generate_key:
-        generated = key = GENERATED_KEY
-        if key in kinds:
-            raise ConfigError(f"the DataFrame has a column '{key}' already: name its key with key_col")
-    elif key is not None:
-        _column(key, kinds, "key_col")
-    named = {c for c in (label, key) if c}
-    if feature_cols is not None and written & {"numeric", "categorical"}:
-        raise ConfigError("feature_cols and pipelines.features.numeric/categorical both name the features: "
-                          "give them once")
-    update: dict = {}
-    if not written & {"numeric", "categorical"}:
-        cols = list(feature_cols) if feature_cols is not None else \
-            [c for c in kinds if c not in named and c not in f.vectors]
-        for c in cols:
-            _column(c, kinds, "feature_cols")
-            if kinds[c] is None:
-                raise ConfigError(f"column '{c}': its type is neither numeric nor text; leave it out of "
-                                  "feature_cols (or name it in pipelines.features.vectors with its length)")
-        update["pipelines.features.numeric"] = [c for c in cols if kinds[c] == "numeric"]
-        update["pipelines.features.categorical"] = [c for c in cols if kinds[c] == "categorical"]
+    label, key, generated = _label_and_key(f, kinds, label_col, key_col)
+    update = _feature_columns(f, kinds, feature_cols, named={c for c in (label, key) if c})
     features = [*(update.get("pipelines.features.numeric") or f.numeric or []),
                 *(update.get("pipelines.features.categorical") or f.categorical or []), *f.vectors]
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
@@ -93,6 +68,44 @@ def plan_fit(
     cfg = load_config(cfg, update)
     columns = list(dict.fromkeys(c for c in (key, label, *features) if c))
     return FitPlan(cfg, raw, columns, generated)
+
+
+def _label_and_key(f, kinds: dict[str, str | None], label_col: str | None,
+                   key_col: str | None) -> tuple[str, str | None, str | None]:
+    """(label, key, the key column to generate or None): the arguments or the config's."""
+    written = f.model_fields_set
+    label = _one("label_col", label_col, "pipelines.features.label", f.label if "label" in written else None) \
+        or "label"
+    _column(label, kinds, "label_col")
+    key = _one("key_col", key_col, "pipelines.features.key", f.key if "key" in written else None)
+    generated = None
+    if key is None and not f.generate_key:
+        generated = key = GENERATED_KEY
+        if key in kinds:
+            raise ConfigError(f"the DataFrame has a column '{key}' already: name its key with key_col")
+    elif key is not None:
+        _column(key, kinds, "key_col")
+    return label, key, generated
+
+
+def _feature_columns(f, kinds: dict[str, str | None], feature_cols: list[str] | None, named: set[str]) -> dict:
+    """The config update naming the numeric and categorical features, from feature_cols or
+    every column not named otherwise; {} when the config names them."""
+    written = f.model_fields_set
+    if feature_cols is not None and written & {"numeric", "categorical"}:
+        raise ConfigError("feature_cols and pipelines.features.numeric/categorical both name the features: "
+                          "give them once")
+    if written & {"numeric", "categorical"}:
+        return {}
+    cols = list(feature_cols) if feature_cols is not None else \
+        [c for c in kinds if c not in named and c not in f.vectors]
+    for c in cols:
+        _column(c, kinds, "feature_cols")
+        if kinds[c] is None:
+            raise ConfigError(f"column '{c}': its type is neither numeric nor text; leave it out of "
+                              "feature_cols (or name it in pipelines.features.vectors with its length)")
+    return {"pipelines.features.numeric": [c for c in cols if kinds[c] == "numeric"],
+            "pipelines.features.categorical": [c for c in cols if kinds[c] == "categorical"]}
 
 
 def _one(arg: str, given: str | None, setting: str, written: str | None) -> str | None:

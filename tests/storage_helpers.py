@@ -20,8 +20,8 @@ def create_only_race(url: str, writers: int) -> list[str]:
     """`writers` processes race to create `url`, each with its own index as content;
     their answers ("won"/"lost") by index."""
     code = (
-        "import sys; from shardline.foundation import storage; "
-        "print('won' if storage.create_only(sys.argv[1], sys.argv[2].encode()) else 'lost')"
+        "import sys; from shardline.foundation import commit; "
+        "print('won' if commit.create_only(sys.argv[1], sys.argv[2].encode()) else 'lost')"
     )
     procs = [
         subprocess.Popen([sys.executable, "-c", code, url, str(i)], stdout=subprocess.PIPE, text=True)

@@ -440,3 +440,42 @@ def test_dask_estimator_grid_searches_lr_in_a_pipeline_on_arrays(dask_client, tm
     lr = search.best_params_["shardlineestimator__lr"]
     run = MlflowClient(config["tracking"]["tracking_uri"]).get_run(best.trained_.run_id)
     assert float(run.data.params["lr"]) == lr
+
+
+_KINDS = {"x0": "numeric", "color": "categorical", "when": None, "label": "numeric", "id": "numeric"}
+
+
+@pytest.mark.parametrize("written, args, message", [
+    ({"pipelines": {"features": {"label": "y"}}}, {"label_col": "label"},
+     r"^label_col = 'label' but pipelines.features.label = 'y': give it once$"),
+    ({}, {"label_col": "target"}, r"^label_col: the DataFrame has no column 'target' \(its columns: x0, color"),
+    ({}, {"key_col": "row"}, r"^key_col: the DataFrame has no column 'row'"),
+    ({"pipelines": {"features": {"numeric": ["x0"]}}}, {"feature_cols": ["x0"]},
+     r"^feature_cols and pipelines.features.numeric/categorical both name the features: give them once$"),
+    ({}, {"feature_cols": ["when"]}, r"^column 'when': its type is neither numeric nor text"),
+    ({}, {"feature_cols": ["x9"]}, r"^feature_cols: the DataFrame has no column 'x9'"),
+    ({"pipelines": {"source": {"format": "csv"}}}, {},
+     r"^pipelines.source.format = 'csv': an estimator's source is the DataFrame given to fit"),
+])
+def test_a_fit_refuses_columns_named_twice_or_missing_in_one_line(written, args, message, tmp_path):
+    # Checked on the fit's arguments and the config alone, before any engine is asked for.
+    from shardline.estimators import plan_fit
+    from shardline.foundation.errors import ConfigError
+
+    base = {"label_col": None, "feature_cols": None, "key_col": "id"}
+    with pytest.raises(ConfigError, match=message):
+        plan_fit(written, (), _KINDS, **{**base, **args}, raw_dir=str(tmp_path / "raw"), engine="local")
+
+
+def test_a_fit_without_a_key_generates_one_unless_the_frame_has_its_name(tmp_path):
+    from shardline.estimators import GENERATED_KEY, plan_fit
+    from shardline.foundation.errors import ConfigError
+
+    kinds = {"x0": "numeric", "color": "categorical", "label": "numeric"}
+    fit = plan_fit({}, (), kinds, label_col=None, feature_cols=None, key_col=None,
+                   raw_dir=str(tmp_path / "raw"), engine="local")
+    assert fit.generated_key == GENERATED_KEY and fit.columns == [GENERATED_KEY, "label", "x0", "color"]
+    assert fit.cfg.pipelines.features.numeric == ["x0"] and fit.cfg.pipelines.features.categorical == ["color"]
+    with pytest.raises(ConfigError, match=f"^the DataFrame has a column '{GENERATED_KEY}' already: name its key"):
+        plan_fit({}, (), {**kinds, GENERATED_KEY: "numeric"}, label_col=None, feature_cols=None, key_col=None,
+                 raw_dir=str(tmp_path / "raw"), engine="local")

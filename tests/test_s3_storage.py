@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from shardline.foundation import storage
+from shardline.foundation import commit, storage
 from shardline.foundation.errors import LeaseHeld
 from shardline.foundation.lease import LEASE_NAME, Lease, LeaseLost
 
@@ -52,14 +52,14 @@ def test_big_objects_are_spooled_and_uploaded_whole(bucket):
 
 def test_conditional_writes(bucket):
     url = storage.join(bucket, "_manifests", "manifest-000000001.json")
-    tag = storage.create_only(url, b"one")
-    assert tag and storage.create_only(url, b"two") is None
-    assert storage.read_tagged(url) == (b"one", tag)
-    new = storage.replace_if(url, b"three", tag)
-    assert new and storage.replace_if(url, b"four", tag) is None
-    assert not storage.delete_if(url, tag) and storage.delete_if(url, new)
-    assert storage.read_tagged(url) is None
-    assert storage.replace_if(url, b"five", new) is None  # gone: nothing to replace
+    tag = commit.create_only(url, b"one")
+    assert tag and commit.create_only(url, b"two") is None
+    assert commit.read_tagged(url) == (b"one", tag)
+    new = commit.replace_if(url, b"three", tag)
+    assert new and commit.replace_if(url, b"four", tag) is None
+    assert not commit.delete_if(url, tag) and commit.delete_if(url, new)
+    assert commit.read_tagged(url) is None
+    assert commit.replace_if(url, b"five", new) is None  # gone: nothing to replace
 
 
 def test_create_only_has_one_winner_among_processes(bucket):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.foundation import storage
+from shardline.foundation import commit, storage
 from shardline.foundation.errors import ConfigError, LeaseHeld, StorageError
 from shardline.foundation.lease import LEASE_NAME, Lease, LeaseLost
 
@@ -85,14 +85,14 @@ def test_listing_and_deleting(tmp_path):
 
 def test_create_only_and_replace_if(tmp_path):
     url = str(tmp_path / "m" / "manifest-1.json")
-    tag = storage.create_only(url, b"one")
-    assert tag and storage.create_only(url, b"two") is None
-    assert storage.read_tagged(url) == (b"one", tag)
-    new = storage.replace_if(url, b"three", tag)
-    assert new and storage.replace_if(url, b"four", tag) is None  # stale tag
+    tag = commit.create_only(url, b"one")
+    assert tag and commit.create_only(url, b"two") is None
+    assert commit.read_tagged(url) == (b"one", tag)
+    new = commit.replace_if(url, b"three", tag)
+    assert new and commit.replace_if(url, b"four", tag) is None  # stale tag
     assert storage.read_bytes(url) == b"three"
-    assert not storage.delete_if(url, tag) and storage.delete_if(url, new)
-    assert storage.read_tagged(url) is None
+    assert not commit.delete_if(url, tag) and commit.delete_if(url, new)
+    assert commit.read_tagged(url) is None
     assert sorted(os.listdir(tmp_path / "m")) == []
 
 

@@ -23,7 +23,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
-from . import report, storage
+from . import commit, report, storage
 from .errors import LeaseHeld, ShardlineError
 
 LEASE_NAME = "_lease.json"
@@ -86,7 +86,7 @@ class Lease:
 
     @staticmethod
     def holder(url: str) -> Holder | None:
-        got = storage.read_tagged(url)
+        got = commit.read_tagged(url)
         return Holder.parse(got[0]) if got else None
 
     # -- acquire, renew, release -----------------------------------------------------
@@ -97,10 +97,10 @@ class Lease:
         self._made_dirs = _missing_dirs(storage.parent(self.url))
         for _ in range(20):
             expires_at = time.time() + self.ttl_s
-            tag = storage.create_only(self.url, self._body(expires_at))
+            tag = commit.create_only(self.url, self._body(expires_at))
             if tag is not None:
                 return self._held(tag, expires_at)
-            got = storage.read_tagged(self.url)
+            got = commit.read_tagged(self.url)
             if got is None:
                 continue  # released between our two requests: try to create again
             data, tag = got
@@ -114,7 +114,7 @@ class Lease:
                     f"renews it (it does while it runs): wait for it, or stop it"
                 )
             expires_at = time.time() + self.ttl_s
-            new = storage.replace_if(self.url, self._body(expires_at), tag)
+            new = commit.replace_if(self.url, self._body(expires_at), tag)
             if new is not None:
                 self.took_over = (previous, why)
                 return self._held(new, expires_at)
@@ -126,7 +126,7 @@ class Lease:
             return False
         expires_at = time.time() + self.ttl_s
         try:
-            tag = storage.replace_if(self.url, self._body(expires_at), self._tag)
+            tag = commit.replace_if(self.url, self._body(expires_at), self._tag)
         except Exception as e:  # a store hiccup: keep the lease until it would expire
             if time.time() > self._expires_at:
                 self._lost = f"could not renew it before it expired ({e})"
@@ -151,7 +151,7 @@ class Lease:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         if self._tag is not None and not self._lost:
-            storage.delete_if(self.url, self._tag)
+            commit.delete_if(self.url, self._tag)
             for d in self._made_dirs:  # deepest first; one that holds anything stays
                 storage.remove_empty_dir(d)
         self._tag = None
@@ -167,7 +167,7 @@ class Lease:
     def _held(self, tag: str, expires_at: float) -> Lease:
         self._tag, self._expires_at = tag, expires_at
         # Temporaries of a holder killed mid-write; a live contender's lives for milliseconds.
-        storage.remove_stale_temps(self.url, older_than_s=self.ttl_s)
+        commit.remove_stale_temps(self.url, older_than_s=self.ttl_s)
         if self.took_over is not None:
             previous, why = self.took_over
             who = previous.describe() if previous else "an unreadable lease"

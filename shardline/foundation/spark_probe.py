@@ -51,9 +51,30 @@ def check_executors(spark, timeout_s: float | None = None) -> dict | None:
         return _REPORTS[id(spark)]
     if timeout_s is None:
         timeout_s = SparkConfig.model_fields["probe_timeout_s"].default
-    required = REQUIRED
+    df = spark.range(0, 1, numPartitions=1).mapInArrow(_probe(REQUIRED), "report string")
+    try:
+        with _quiet_task_failures(spark):
+            rows = collect_within(
+                spark, df, timeout_s,
+                f"no Spark executor ran shardline's environment probe within {timeout_s:g} s "
+                f"({_where(spark)}): has a worker registered with free cores? (spark.probe_timeout_s)",
+            )
+    except ShardlineError:
+        raise
+    except Exception as e:
+        raise ShardlineError(_probe_failure(spark, spark_error_line(e))) from None
+    report = json.loads(rows[0]["report"])
+    _check_report(spark, report)
+    _REPORTS[id(spark)] = report
+    return report
 
-    def probe(batches):  # pickled by value: it must not need our packages to load
+
+def _probe(required: tuple[str, ...]):
+    """The probe's mapInArrow function: an executor's Python, version, host, and which of
+    `required` it cannot import. A closure, so cloudpickle sends it by value: it must load
+    on an executor that has none of our packages."""
+
+    def probe(batches):
         import importlib.util
         import json
         import socket
@@ -79,19 +100,11 @@ def check_executors(spark, timeout_s: float | None = None) -> dict | None:
         }
         yield pa.RecordBatch.from_pylist([{"report": json.dumps(report)}])
 
-    df = spark.range(0, 1, numPartitions=1).mapInArrow(probe, "report string")
-    try:
-        with _quiet_task_failures(spark):
-            rows = collect_within(
-                spark, df, timeout_s,
-                f"no Spark executor ran shardline's environment probe within {timeout_s:g} s "
-                f"({_where(spark)}): has a worker registered with free cores? (spark.probe_timeout_s)",
-            )
-    except ShardlineError:
-        raise
-    except Exception as e:
-        raise ShardlineError(_probe_failure(spark, spark_error_line(e))) from None
-    report = json.loads(rows[0]["report"])
+    return probe
+
+
+def _check_report(spark, report: dict) -> None:
+    """One line if the executors cannot import what a task needs or run another Python."""
     if report["missing"]:
         raise ShardlineError(
             f"Spark executors cannot import {', '.join(report['missing'])} (their Python is "
@@ -103,8 +116,6 @@ def check_executors(spark, timeout_s: float | None = None) -> dict | None:
             f"Spark executors run Python {'.'.join(map(str, report['version']))} "
             f"({report['python']}), this driver {'.'.join(map(str, ours))}: {_fix(spark)}"
         )
-    _REPORTS[id(spark)] = report
-    return report
 
 
 # Spark's loggers that report a failed task: each prints its Java stack and the Python one.
