@@ -25,7 +25,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from shardline.foundation import storage
+from shardline.foundation import commit, storage
 from .config import FeatureSpec, LayoutConfig, RetentionConfig
 from shardline.foundation.errors import DataError
 from shardline.foundation.lease import LEASE_NAME
@@ -315,7 +315,7 @@ def commit_manifest(
                     f"{storage.display(dataset_dir)}: another prepare committed version "
                     f"{current.version_id} meanwhile; nothing was committed, run prepare again"
                 )
-        if storage.create_only(manifest_url(dataset_dir, newest + 1), data) is not None:
+        if commit.create_only(manifest_url(dataset_dir, newest + 1), data) is not None:
             committed = manifest.model_copy()
             committed._sequence = newest + 1
             if retention is not None:

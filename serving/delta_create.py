@@ -28,7 +28,7 @@ from urllib.parse import quote
 
 import pyarrow as pa
 
-from shardline.foundation import storage
+from shardline.foundation import commit, storage
 
 LOG = "_delta_log"
 FIRST = f"{0:020d}.json"
@@ -78,7 +78,7 @@ def publish_first(root: str, data: bytes) -> bool:
     or ours whose answer was lost); the caller reads the table to tell which."""
     clear_dead_log(root)
     if storage.is_remote(root):
-        return storage.create_only(storage.join(root, LOG, FIRST), data) is not None
+        return commit.create_only(storage.join(root, LOG, FIRST), data) is not None
     folder = storage.local_path(root)
     os.makedirs(folder, exist_ok=True)
     stage = os.path.join(folder, storage.temp_name(LOG))
