@@ -22,9 +22,9 @@ from .sources import display, list_files, open_raw
 from shardline.foundation import storage
 from . import synthetic
 from .images import check_image, class_names, path_keys, read_images
+from .problems import typed_problem
+from .shard_counts import usable_plan
 from .tensors import parse_tensor
-
-# Imported inside the functions that use them: pipelines.prepare (a cycle: it imports this module).
 
 
 @dataclass
@@ -48,8 +48,6 @@ def check_prepare(cfg: PipelineConfig, append: bool = False, refit: bool = False
     through the engine): its columns are checked once the engine has it (pipelines.frames).
     reads_tables: pipelines.engine reads Spark catalog tables and SQL (the API asks the
     engine's class: shardline.engines.base.Engine.reads_tables)."""
-    from .prepare import usable_plan
-
     root = storage.resolve(cfg.dataset_dir, "pipelines.dataset_dir")
     previous = load_manifest(root) if has_manifest(root) else None
     plan = usable_plan(previous, cfg, root) if by_plan else None
@@ -135,8 +133,6 @@ def _check_first_image(spec: FeatureSpec, folder: RawFile) -> None:
     """The folder's first image decoded on the driver: a declared shape that is not the
     images' size, or an unreadable image, is one line before an engine starts (the tasks
     check every image; this catches the common case in seconds)."""
-    from .prepare import _typed_problem
-
     col = next(iter(spec.images))
     first = folder.files[0]
     data = read_images(folder.url, (first,), ["image"]).column("image")[0].as_py()
@@ -145,15 +141,13 @@ def _check_first_image(spec: FeatureSpec, folder: RawFile) -> None:
         key = int(path_keys([first[len(folder.url) + 1 :]])[0])
         value = "<no file>" if data is None else f"<{len(data)} bytes>"
         raise DataError(f"{display(first)}: column '{col}', key {key}: value {value!r}: "
-                        f"{_typed_problem(kind, col, spec)}")
+                        f"{typed_problem(kind, col, spec)}")
 
 
 def _check_first_tensors(spec: FeatureSpec, first: RawFile, rows: int = 1024) -> None:
     """The first file's first rows of every tensor column parsed on the driver: a shape,
     dtype or token id the declaration refuses is one line before an engine starts, worded
     as the tasks word it (they check every row; this catches the common case in seconds)."""
-    from .prepare import _typed_problem
-
     keyed = spec.key is not None and spec.key in first.schema.names
     with open_raw(first.url) as f:
         columns = [*([spec.key] if keyed else []), *spec.tensors]
@@ -163,7 +157,7 @@ def _check_first_tensors(spec: FeatureSpec, first: RawFile, rows: int = 1024) ->
     for col, t in spec.tensors.items():
         _, problems = parse_tensor(batch.column(col), t, spec.null_values)
         for kind, mask in problems.items():
-            what = _typed_problem(kind, col, spec)
+            what = typed_problem(kind, col, spec)
             if what is not None and mask.any():
                 i = int(mask.argmax())
                 value = batch.column(col)[i].as_py()
