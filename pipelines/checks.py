@@ -50,18 +50,9 @@ def check_prepare(cfg: PipelineConfig, append: bool = False, refit: bool = False
     engine's class: shardline.engines.base.Engine.reads_tables)."""
     root = storage.resolve(cfg.dataset_dir, "pipelines.dataset_dir")
     previous = load_manifest(root) if has_manifest(root) else None
-    plan = usable_plan(previous, cfg, root) if by_plan else None
-    if plan is not None and append and not refit:
-        raise DataError(f"{root}: a plan lays every shard out anew; use it with --append --refit")
-    if append and previous is None:
-        raise DataError(f"{root}: --append needs an existing dataset; run prepare first")
+    plan = _check_modes(cfg, root, previous, append, refit, by_plan)
     src = cfg.source
     spec = cfg.features
-    if spec.task == "next_token" and src.format in ("synthetic", "images"):
-        raise ConfigError(
-            f"pipelines.features.task = 'next_token' reads a column of token ids; the {src.format} source "
-            "has none (use parquet, csv or json input)"
-        )
     if append:
         spec = _fill(spec, previous.feature_spec)  # unset settings: the dataset's
     if frame or src.format in SPARK_FORMATS:
@@ -79,15 +70,7 @@ def check_prepare(cfg: PipelineConfig, append: bool = False, refit: bool = False
         spec, notes = _resolve(spec, names, _kinds(RawFile(ti.where, "parquet", ti.schema), ",", []), ti.where)
         check_columns(spec, ti)
     elif src.format == "synthetic":
-        have = synthetic.check_target(src.synthetic, storage.resolve(src.path, "pipelines.source.path")) and list_files(src)
-        if have:
-            files = describe(have, src.format, src.csv_delimiter)
-        generated = synthetic.columns(src.synthetic)
-        spec = _fill(spec, generated)
-        kinds = {c: "numeric" for c in generated.numeric} | {c: "text" for c in generated.categorical}
-        names = [generated.key, *kinds, generated.label]
-        where = f"the synthetic source ({src.path})"
-        notes = _inferred(cfg.features, spec, where) if not append else []
+        files, names, spec, notes = _synthetic_input(cfg, spec, append)
     elif src.format == "images":
         files = describe(list_files(src), src.format, src.csv_delimiter)
         spec, notes = _images_spec(spec, files[0], src.path)
@@ -108,6 +91,42 @@ def check_prepare(cfg: PipelineConfig, append: bool = False, refit: bool = False
             f"{root}: pipelines.features differ from the dataset's; append needs the same spec"
         )
     return CheckedInput(spec, files, previous, plan, notes, sources, pinned)
+
+
+def _check_modes(cfg: PipelineConfig, root: str, previous: ShardManifest | None, append: bool, refit: bool,
+                 by_plan: bool) -> BandwidthPlan | None:
+    """The plan to lay shards out by (with by_plan); DataError/ConfigError for a way of
+    preparing that the dataset there or the source cannot take."""
+    plan = usable_plan(previous, cfg, root) if by_plan else None
+    if plan is not None and append and not refit:
+        raise DataError(f"{root}: a plan lays every shard out anew; use it with --append --refit")
+    if append and previous is None:
+        raise DataError(f"{root}: --append needs an existing dataset; run prepare first")
+    src = cfg.source
+    if cfg.features.task == "next_token" and src.format in ("synthetic", "images"):
+        raise ConfigError(
+            f"pipelines.features.task = 'next_token' reads a column of token ids; the {src.format} source "
+            "has none (use parquet, csv or json input)"
+        )
+    return plan
+
+
+def _synthetic_input(cfg: PipelineConfig, spec: FeatureSpec,
+                     append: bool) -> tuple[list[RawFile], list[str], FeatureSpec, list[str]]:
+    """The synthetic source's files (none until generated), columns, spec and notes: its
+    columns are those the generator writes."""
+    src = cfg.source
+    files: list[RawFile] = []
+    have = synthetic.check_target(src.synthetic, storage.resolve(src.path, "pipelines.source.path")) and list_files(src)
+    if have:
+        files = describe(have, src.format, src.csv_delimiter)
+    generated = synthetic.columns(src.synthetic)
+    spec = _fill(spec, generated)
+    kinds = {c: "numeric" for c in generated.numeric} | {c: "text" for c in generated.categorical}
+    names = [generated.key, *kinds, generated.label]
+    where = f"the synthetic source ({src.path})"
+    notes = _inferred(cfg.features, spec, where) if not append else []
+    return files, names, spec, notes
 
 
 def _images_spec(spec: FeatureSpec, folder: RawFile, path: str) -> tuple[FeatureSpec, list[str]]:
