@@ -208,7 +208,7 @@ class TrainingJob:
         """Train, track, log and register (after `check`, and `check_capacity` on `engine`).
         engine: training.launcher's (shardline.engines.base.Engine): the job asks it for its
         listen_address and to launch_ranks, nothing else. The keywords are for sweeps
-        (training.sweeps.run): into_run reports into an existing (child) run; register=False
+        (training.sweeps.trials): into_run reports into an existing (child) run; register=False
         logs the model without registering it; epoch_hook: see RankJob.epoch_hook;
         workers: where the ranks run (a trial's group of the engine's Slots.workers). The
         folder's hold: the caller's if it holds it already (the API takes it first), else
