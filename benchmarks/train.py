@@ -2,7 +2,7 @@
 
 One run, one prepared synthetic dataset, one model (an MLP, `HIDDEN`), two ranks on
 gloo. Every figure comes from the same rank function, `ddp_rank`: it reads its
-shards (training.loader.reader.rank_shards) with pyarrow into tensors, builds the model
+shards (training.loader.shards.rank_shards) with pyarrow into tensors, builds the model
 with training.models.builtin.build_model, wraps it with the "ddp" strategy and times a
 fixed number of optimizer steps. Only the launcher around it changes:
 
@@ -66,7 +66,7 @@ from shardline.training.config import TrainingConfig
 from shardline.training.launchers import free_port
 
 # Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs);
-# training.loader.reader (imports torch); training.models.builtin (imports torch); training.strategies
+# training.loader.shards (imports torch); training.models.builtin (imports torch); training.strategies
 # (imports torch); pyspark (only with a Spark session: Dask and local jobs never import it); pipelines.prepare
 # (imports pandas).
 
@@ -109,7 +109,7 @@ def env_rank(p: dict) -> dict:
 def _rank_data(p: dict, rank: int, world_size: int):
     import torch
 
-    from shardline.training.loader.reader import rank_shards
+    from shardline.training.loader.shards import rank_shards
 
     manifest = load_manifest(p["dataset_dir"])
     label = manifest.feature_spec.label

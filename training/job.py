@@ -35,7 +35,8 @@ from .checkpoints import fingerprint, sharded
 from .checkpoints.store import CheckpointStore
 from .config import TrackingConfig, TrainingConfig
 from .launchers import DriverGuard, announced_hosts
-from .loader.reader import check_world_size, epoch_steps, rows_per_rank
+from .loader.reader import epoch_steps
+from .loader.shards import check_world_size, rows_per_rank
 from .mlflow_outage import replay, tracked_run, when_reachable
 from .rank_grid import MESH_GRID, rank_grid
 from .models.check import check_callables, check_model
