@@ -219,13 +219,7 @@ def run(rows: int, workdir: str | None = None, progress=print, petastorm: bool =
     cores = len(os.sched_getaffinity(0))
     defaults = {k: p.default for k, p in inspect.signature(ShardLoader).parameters.items()
                 if k in ("shuffle_buffer_rows", "workers", "prefetch")}
-    info: dict = {"status": "skipped", "reason": "not asked for (petastorm=False)"}
-    python = None
-    if petastorm:
-        try:
-            python = petastorm_venv(progress)
-        except (RuntimeError, OSError) as e:
-            info = {"status": "unavailable", "reason": first_line(e, 100_000)}
+    python, info = _petastorm_python(petastorm, progress)
 
     root = Path(tempfile.mkdtemp(prefix="shardline-bench-loader-", dir=workdir))
     threads = torch.get_num_threads()
@@ -245,15 +239,8 @@ def run(rows: int, workdir: str | None = None, progress=print, petastorm: bool =
             "raw_pyarrow": lambda: raw_pyarrow_batches(paths, feature, label, width, BATCH_SIZE),
             "ours": lambda: ours_batches(manifest, cfg.dataset_dir, BATCH_SIZE, SEED),
         }
-        samples: dict[str, int] = {}
-        seconds: dict[str, float] = {}
         # Best of REPEATS epochs, alternating, for the methods the targets compare.
-        for attempt in range(REPEATS):
-            for name, batches in methods.items():
-                progress(f"{name}: epoch {attempt + 1} of {REPEATS}")
-                n, s = timed_epoch(batches(), width, BATCH_SIZE)
-                if name not in seconds or s < seconds[name]:
-                    samples[name], seconds[name] = n, s
+        samples, seconds = _best_epochs(methods, width, progress)
         if python is not None:
             progress(f"petastorm: {REPEATS} epochs in its venv")
             try:
@@ -277,6 +264,38 @@ def run(rows: int, workdir: str | None = None, progress=print, petastorm: bool =
         torch.set_num_threads(threads)
         shutil.rmtree(root, ignore_errors=True)
 
+    return _figures(rows, n_train, width, cores, defaults, samples, seconds, info)
+
+
+
+def _petastorm_python(wanted: bool, progress) -> tuple[Path | None, dict]:
+    """petastorm's venv's python (made if need be) when `wanted`, and what the result says of
+    petastorm unless it is measured."""
+    info: dict = {"status": "skipped", "reason": "not asked for (petastorm=False)"}
+    if not wanted:
+        return None, info
+    try:
+        return petastorm_venv(progress), info
+    except (RuntimeError, OSError) as e:
+        return None, {"status": "unavailable", "reason": first_line(e, 100_000)}
+
+
+def _best_epochs(methods: dict, width: int, progress) -> tuple[dict[str, int], dict[str, float]]:
+    """Each method's epoch REPEATS times, the methods alternating: (samples, seconds) of its fastest."""
+    samples: dict[str, int] = {}
+    seconds: dict[str, float] = {}
+    for attempt in range(REPEATS):
+        for name, batches in methods.items():
+            progress(f"{name}: epoch {attempt + 1} of {REPEATS}")
+            n, s = timed_epoch(batches(), width, BATCH_SIZE)
+            if name not in seconds or s < seconds[name]:
+                samples[name], seconds[name] = n, s
+    return samples, seconds
+
+
+def _figures(rows: int, n_train: int, width: int, cores: int, defaults: dict, samples: dict[str, int],
+             seconds: dict[str, float], info: dict) -> dict:
+    """The benchmark's one JSON object: samples/s of every method measured and ours against each."""
     sps = {k: samples[k] / seconds[k] for k in seconds}
     ratios = {f"vs_{k}": sps["ours"] / sps[k] for k in ("raw_pyarrow", "petastorm", "naive") if k in sps}
     return {

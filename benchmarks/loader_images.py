@@ -169,6 +169,35 @@ def _du(paths) -> int:
     return sum(Path(p).stat().st_size for p in paths)
 
 
+def _best_epochs(methods: dict, shape, batch: int, repeats: int,
+                 progress) -> tuple[dict[str, int], dict[str, float], dict[str, float]]:
+    """Each method's epoch `repeats` times, the methods alternating: (samples, best wall
+    seconds, best CPU seconds) per method."""
+    samples: dict[str, int] = {}
+    wall: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    for attempt in range(repeats):
+        for name, batches in methods.items():
+            progress(f"{name}: epoch {attempt + 1} of {repeats}")
+            n, w, c = timed_epoch(batches(), shape, batch)
+            samples[name] = n
+            wall[name] = min(w, wall.get(name, w))
+            # A clock tick (10 ms) can read 0 on a tiny epoch: never below a microsecond.
+            cpu[name] = max(1e-6, min(c, cpu.get(name, c)))
+    return samples, wall, cpu
+
+
+def _ratios(ips: dict[str, float], per_core: dict[str, float], many: int) -> dict[str, float]:
+    """Ours (1 thread) per core against Pillow's, from files and from memory; ours with `many`
+    threads per core against Pillow's; and the scaling from 1 thread to `many`."""
+    return {
+        "vs_pillow": significant(per_core["ours_1"] / per_core["pillow"]),
+        "vs_pillow_in_memory": significant(per_core["ours_1"] / per_core["pillow_in_memory"]),
+        f"vs_pillow_{many}_threads": significant(per_core[f"ours_{many}"] / per_core["pillow"]),
+        "threads_scaling": significant(ips[f"ours_{many}"] / ips["ours_1"]),
+    }
+
+
 def run(n_images: int = 512, workdir: str | None = None, progress=print, shape=SHAPE,
         batch_size: int = BATCH_SIZE, repeats: int = REPEATS) -> dict:
     import torch
@@ -190,35 +219,19 @@ def run(n_images: int = 512, workdir: str | None = None, progress=print, shape=S
 
         blobs = [f.read_bytes() for f in files]
         torch.set_num_threads(1)  # one process, one torch thread; ours adds its decoding threads
-        methods = {
+        samples, wall, cpu = _best_epochs({
             "pillow": lambda: pillow_batches(files, shape, batch),
             "pillow_in_memory": lambda: pillow_batches(blobs, shape, batch),
             "ours_1": lambda: ours_batches(manifest, str(dataset), batch, 1),
             f"ours_{many}": lambda: ours_batches(manifest, str(dataset), batch, many),
-        }
-        samples: dict[str, int] = {}
-        wall: dict[str, float] = {}
-        cpu: dict[str, float] = {}
-        for attempt in range(repeats):
-            for name, batches in methods.items():
-                progress(f"{name}: epoch {attempt + 1} of {repeats}")
-                n, w, c = timed_epoch(batches(), shape, batch)
-                samples[name] = n
-                wall[name] = min(w, wall.get(name, w))
-                # A clock tick (10 ms) can read 0 on a tiny epoch: never below a microsecond.
-                cpu[name] = max(1e-6, min(c, cpu.get(name, c)))
+        }, shape, batch, repeats, progress)
     finally:
         torch.set_num_threads(threads)
         shutil.rmtree(root, ignore_errors=True)
 
     ips = {k: significant(samples[k] / wall[k]) for k in wall}
     per_core = {k: significant(samples[k] / cpu[k]) for k in cpu}
-    ratio = {
-        "vs_pillow": significant(per_core["ours_1"] / per_core["pillow"]),
-        "vs_pillow_in_memory": significant(per_core["ours_1"] / per_core["pillow_in_memory"]),
-        f"vs_pillow_{many}_threads": significant(per_core[f"ours_{many}"] / per_core["pillow"]),
-        "threads_scaling": significant(ips[f"ours_{many}"] / ips["ours_1"]),
-    }
+    ratio = _ratios(ips, per_core, many)
     bytes_per_image = {"raw": significant(raw_bytes / n_images), "shards": significant(shard_bytes / n_train)}
     return {
         "benchmark": "loader-images",

@@ -77,12 +77,7 @@ def run(rows: int, rounds: int = 1, workdir: str | None = None, progress=print, 
         # charged to the measured runs. Never more rows than the measured runs have: a
         # tiny run's warm-up would otherwise be most of its time.
         progress("warming up both engines")
-        if rows <= WARM_ROWS:  # the measured input itself
-            warm = parquet
-        else:
-            warm = bench_config(root / "warm", WARM_ROWS)
-            generate(dask, warm.source.synthetic, warm.source.path)
-            warm = warm.model_copy(update={"source": warm.source.model_copy(update={"format": "parquet"})})
+        warm = _warm_input(dask, root, rows, parquet)
         for name in JOBS:
             job(name, root / "warm" / f"out-{name}", warm)()
 
@@ -102,6 +97,28 @@ def run(rows: int, rounds: int = 1, workdir: str | None = None, progress=print, 
             cluster.close()
         shutil.rmtree(root, ignore_errors=True)
 
+    return _figures(rows, rounds, mb, seconds)
+
+
+def native_dask_on(client, source: str, out: str, cfg: PipelineConfig) -> None:
+    """native_dask on `client`: a user's dask.dataframe code runs on the default client,
+    which need not be the one given to `run`."""
+    with client.as_current():
+        native_dask(source, out, cfg)
+
+
+def _warm_input(dask: DaskEngine, root: Path, rows: int, parquet: PipelineConfig) -> PipelineConfig:
+    """The warm-up's input: the measured one when it has at most WARM_ROWS rows, else
+    WARM_ROWS rows generated beside it."""
+    if rows <= WARM_ROWS:  # the measured input itself
+        return parquet
+    warm = bench_config(root / "warm", WARM_ROWS)
+    generate(dask, warm.source.synthetic, warm.source.path)
+    return warm.model_copy(update={"source": warm.source.model_copy(update={"format": "parquet"})})
+
+
+def _figures(rows: int, rounds: int, mb: float, seconds: dict[str, list[float]]) -> dict:
+    """The benchmark's one JSON object: each job's best round, as MB/s and as ratios."""
     best = {k: min(v) for k, v in seconds.items()}
     mbps = {k: mb / v for k, v in best.items()}
     return {
@@ -118,13 +135,6 @@ def run(rows: int, rounds: int = 1, workdir: str | None = None, progress=print, 
         "ratio_vs_pyarrow": {k: round(mbps[k] / mbps["pyarrow"], 4) for k in JOBS if k != "pyarrow"},
         "cores": len(os.sched_getaffinity(0)),
     }
-
-
-def native_dask_on(client, source: str, out: str, cfg: PipelineConfig) -> None:
-    """native_dask on `client`: a user's dask.dataframe code runs on the default client,
-    which need not be the one given to `run`."""
-    with client.as_current():
-        native_dask(source, out, cfg)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -13,7 +13,7 @@ One run, one dataset, one model, the train split of a prepared synthetic dataset
   engine can pass; the ratio to it isolates what the engine and shardline cost.
 - predict_batch_udf: `pyspark.ml.functions.predict_batch_udf` on the same Spark
   session over the same shards, the model's torch module loaded as batch scoring loads it,
-  written as Parquet with the same columns.
+  written as Parquet with the same columns (benchmarks.score_udf).
 
 Engine start-up and the first model load are excluded: each engine method scores
 the train split once unmeasured, then again measured. The warm-up must be the same
@@ -42,6 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shardline.benchmarks import significant, synthetic_pipeline
+from shardline.benchmarks.score_udf import predict_batch_udf_job
 from shardline.engines import DaskEngine, ENGINES, LocalEngine
 from shardline.foundation.engine_config import DaskConfig, SparkConfig
 from shardline.foundation.sessions import dask_client as make_dask_client, spark_session
@@ -199,66 +200,6 @@ def plain_processes(target, args_per_process: list[tuple]) -> tuple[int, float]:
                 p.kill()
 
 
-def predict_batch_udf_job(spark, model_uri: str, tracking_uri: str, width: int):
-    """(the udf, a function that scores shard files into a directory); one udf, so its
-    per-worker model cache survives from the warm-up to the measured run."""
-    from pyspark.sql import functions as F
-
-    def make_predict_fn():
-        import mlflow
-        import torch
-
-        mlflow.set_tracking_uri(tracking_uri)
-        model = load_torch_model(model_uri).eval()
-
-        def predict(x: np.ndarray) -> dict:
-            with torch.inference_mode():
-                p = torch.softmax(model(torch.from_numpy(x.astype(np.float32, copy=False))), 1).numpy()
-            return {"prediction": p.argmax(1).astype(np.int64), "probabilities": p}
-
-        return predict
-
-    udf = probabilities_udf(make_predict_fn, [[width]])
-
-    def run(paths: list[str], out: Path, model_name: str, model_version: str) -> None:
-        frame = spark.read.parquet(*paths)
-        write_udf_scores(frame.select(F.col("key").cast("long").alias("key"), udf("features").alias("p")),
-                         out, model_name, model_version)
-
-    return run
-
-
-def probabilities_udf(make_predict_fn, input_tensor_shapes: list):
-    """predict_batch_udf returning the struct (prediction, probabilities), in batches of BATCH_SIZE."""
-    from pyspark.ml.functions import predict_batch_udf
-    from pyspark.sql.types import ArrayType, FloatType, LongType, StructField, StructType
-
-    return predict_batch_udf(
-        make_predict_fn,
-        return_type=StructType([
-            StructField("prediction", LongType()),
-            StructField("probabilities", ArrayType(FloatType())),
-        ]),
-        batch_size=BATCH_SIZE,
-        input_tensor_shapes=input_tensor_shapes,
-    )
-
-
-def write_udf_scores(frame, out: Path, model_name: str, model_version: str) -> None:
-    """`frame` (key, the udf's struct p) as Parquet with the batch job's columns."""
-    from pyspark.sql import functions as F
-
-    p = F.col("p")
-    frame.select(
-        "key",
-        p["prediction"].alias("prediction"),
-        p["probabilities"].alias("probabilities"),
-        F.lit(model_name).alias("model_name"),
-        F.lit(model_version).alias("model_version"),
-        F.lit(datetime.now(timezone.utc)).alias("scored_at"),
-    ).write.mode("overwrite").parquet(str(out))
-
-
 def run(rows: int, workdir: str | None = None, progress=print, *, spark=None, dask_client=None,
         dataset_dir: str | None = None, model_uri: str | None = None,
         tracking_uri: str | None = None, rounds: int = 5) -> dict:
@@ -269,9 +210,6 @@ def run(rows: int, workdir: str | None = None, progress=print, *, spark=None, da
     if rounds < 1:
         raise ValueError(f"bench score: rounds must be at least 1, not {rounds}")
     import mlflow
-    import torch
-
-    from shardline.training.job import run_training
 
     root = Path(tempfile.mkdtemp(prefix="shardline-bench-score-", dir=workdir))
     previous_uri = mlflow.get_tracking_uri()
@@ -286,69 +224,19 @@ def run(rows: int, workdir: str | None = None, progress=print, *, spark=None, da
             prepare(DaskEngine(client), cfg)
             dataset_dir = cfg.dataset_dir
         manifest = load_manifest(dataset_dir)
-        rows = sum(s.rows for s in manifest.splits.values())
-        dataset = Path(dataset_dir).resolve()
-        train_paths = [str(dataset / s.path) for s in manifest.split("train").shards]
-        n_train = manifest.splits["train"].rows
-        width = manifest.tensors["features"].shape[0]
-
         if model_uri is None:
-            progress("training a small model (1 epoch, local)")
-            tracking_uri = f"sqlite:///{root / 'mlflow.db'}"
-            # The model's artifacts beside its database, in the scratch directory: with a
-            # sqlite store MLflow would put them in ./mlruns, left behind in the user's folder.
-            mlflow.set_tracking_uri(tracking_uri)
-            mlflow.create_experiment("bench", artifact_location=(root / "mlruns").as_uri())
-            model_uri = run_training(
-                TrainingConfig(launcher="local", world_size=1, epochs=1, batch_size=1024,
-                               checkpoint_dir=str(root / "ckpt")),
-                TrackingConfig(tracking_uri=tracking_uri, experiment="bench", registered_model="bench-score"),
-                dataset_dir, LocalEngine(),
-            ).model_uri
+            model_uri, tracking_uri = _train_model(root, dataset_dir, progress)
         resolved = resolve_model(model_uri, tracking_uri)
-        model_uri, model_name, model_version = resolved.pinned_uri, resolved.name, resolved.version
         if spark is None:
             progress("starting Spark")
             spark = spark_session(SparkConfig())
-
-        jobs = {name: score_measure(name, handle, model_uri, tracking_uri, dataset_dir, split="train")
-                for name, handle in (("spark", spark), ("dask", client))}
-        for name, measure in jobs.items():
-            progress(f"{name}: score train once unmeasured (the warm-up)")
-            measure(root / f"warm-{name}")
-        progress("predict_batch_udf: score train once unmeasured (the warm-up)")
-        pbu = udf_measure(predict_batch_udf_job(spark, model_uri, tracking_uri, width), train_paths,
-                          model_name, model_version)
-        pbu(root / "warm-pbu")
-
-        mlflow.set_tracking_uri(tracking_uri)
-        model = load_torch_model(model_uri).eval()
-
-        def limit_measure(out: Path) -> tuple[int, float]:
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                start = time.perf_counter()
-                n = limit_loop(model, train_paths, out, width, model_name, model_version)
-                return n, time.perf_counter() - start
-            finally:
-                torch.set_num_threads(threads)
-
         cores = len(os.sched_getaffinity(0))
-        seconds, scored, runs = measure_rounds({
-            **jobs,
-            "predict_batch_udf": pbu,
-            # the single-process torch loop, one thread
-            "limit_single_process": limit_measure,
-            # the same loop in one plain process per core, all at once
-            "processes": lambda out: limit_processes(cores, model_uri, tracking_uri, train_paths, out, width,
-                                                     model_name, model_version),
-        }, root / "runs", rounds, progress)
+        prepared = _measure_prepared(spark, client, resolved, tracking_uri, manifest, dataset_dir, root, cores,
+                                     rounds, progress)
 
         from shardline.benchmarks import score_raw
 
-        raw_seconds, raw_scored, raw_runs, n_raw = score_raw.measure(
-            spark, client, resolved, tracking_uri, manifest, root, cores, rounds, progress)
+        raw = score_raw.measure(spark, client, resolved, tracking_uri, manifest, root, cores, rounds, progress)
     finally:
         if own_client is not None:
             cluster = own_client.cluster
@@ -356,7 +244,83 @@ def run(rows: int, workdir: str | None = None, progress=print, *, spark=None, da
             cluster.close()
         mlflow.set_tracking_uri(previous_uri)
         shutil.rmtree(root, ignore_errors=True)
+    return _figures(manifest, cores, rounds, prepared, raw)
 
+
+def _train_model(root: Path, dataset_dir: str, progress) -> tuple[str, str]:
+    """A small model trained on the dataset (1 epoch, local) and registered in a tracking
+    store in `root`: (its model URI, the store's URI)."""
+    import mlflow
+
+    from shardline.training.job import run_training
+
+    progress("training a small model (1 epoch, local)")
+    tracking_uri = f"sqlite:///{root / 'mlflow.db'}"
+    # The model's artifacts beside its database, in the scratch directory: with a
+    # sqlite store MLflow would put them in ./mlruns, left behind in the user's folder.
+    mlflow.set_tracking_uri(tracking_uri)
+    mlflow.create_experiment("bench", artifact_location=(root / "mlruns").as_uri())
+    model_uri = run_training(
+        TrainingConfig(launcher="local", world_size=1, epochs=1, batch_size=1024,
+                       checkpoint_dir=str(root / "ckpt")),
+        TrackingConfig(tracking_uri=tracking_uri, experiment="bench", registered_model="bench-score"),
+        dataset_dir, LocalEngine(),
+    ).model_uri
+    return model_uri, tracking_uri
+
+
+def _measure_prepared(spark, client, resolved, tracking_uri: str, manifest, dataset_dir: str, root: Path,
+                      cores: int, rounds: int, progress):
+    """The prepared train split scored by every method: each engine's job and predict_batch_udf
+    once unmeasured (the warm-up), then all of them `rounds` times (`measure_rounds`)."""
+    import mlflow
+    import torch
+
+    model_uri, model_name, model_version = resolved.pinned_uri, resolved.name, resolved.version
+    dataset = Path(dataset_dir).resolve()
+    train_paths = [str(dataset / s.path) for s in manifest.split("train").shards]
+    width = manifest.tensors["features"].shape[0]
+    jobs = {name: score_measure(name, handle, model_uri, tracking_uri, dataset_dir, split="train")
+            for name, handle in (("spark", spark), ("dask", client))}
+    for name, measure in jobs.items():
+        progress(f"{name}: score train once unmeasured (the warm-up)")
+        measure(root / f"warm-{name}")
+    progress("predict_batch_udf: score train once unmeasured (the warm-up)")
+    pbu = udf_measure(predict_batch_udf_job(spark, model_uri, tracking_uri, width), train_paths,
+                      model_name, model_version)
+    pbu(root / "warm-pbu")
+
+    mlflow.set_tracking_uri(tracking_uri)
+    model = load_torch_model(model_uri).eval()
+
+    def limit_measure(out: Path) -> tuple[int, float]:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            start = time.perf_counter()
+            n = limit_loop(model, train_paths, out, width, model_name, model_version)
+            return n, time.perf_counter() - start
+        finally:
+            torch.set_num_threads(threads)
+
+    return measure_rounds({
+        **jobs,
+        "predict_batch_udf": pbu,
+        # the single-process torch loop, one thread
+        "limit_single_process": limit_measure,
+        # the same loop in one plain process per core, all at once
+        "processes": lambda out: limit_processes(cores, model_uri, tracking_uri, train_paths, out, width,
+                                                 model_name, model_version),
+    }, root / "runs", rounds, progress)
+
+
+def _figures(manifest, cores: int, rounds: int, prepared: tuple, raw: tuple) -> dict:
+    """The benchmark's one JSON object from the prepared and raw measurements, every method
+    having scored every row it was given (else RuntimeError)."""
+    seconds, scored, runs = prepared
+    raw_seconds, raw_scored, raw_runs, n_raw = raw
+    rows = sum(s.rows for s in manifest.splits.values())
+    n_train = manifest.splits["train"].rows
     for name, n in scored.items():
         if n != n_train:
             raise RuntimeError(f"bench score: {name} scored {n} rows, the train split has {n_train}")

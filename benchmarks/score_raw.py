@@ -24,7 +24,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shardline.benchmarks.score import measure_rounds, plain_processes, probabilities_udf, score_measure, scores_batch, udf_measure
+from shardline.benchmarks.score import measure_rounds, plain_processes, score_measure, scores_batch, udf_measure
+from shardline.benchmarks.score_udf import probabilities_udf, write_udf_scores
 from shardline.pipelines.config import FeatureSpec
 from shardline.pipelines.manifest import FittedStatistics
 from shardline.pipelines.transform import features_matrix
@@ -135,8 +136,6 @@ def predict_batch_udf_raw_job(spark, model_uri: str, tracking_uri: str, spec_jso
     udf = probabilities_udf(make_predict_fn, [[spec.vectors[c]] if c in spec.vectors else None for c in columns])
 
     def run(paths: list[str], out: Path, model_name: str, model_version: str) -> None:
-        from shardline.benchmarks.score import write_udf_scores
-
         frame = spark.read.parquet(*paths)
         write_udf_scores(frame.select(F.col(spec.key).cast("long").alias("key"), udf(*columns).alias("p")),
                          out, model_name, model_version)

@@ -120,6 +120,19 @@ def return_freed_memory() -> None:
     ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
 
 
+def _peak_mb(device, rss_before: float) -> tuple[float, float]:
+    """(growth, total) of this rank's peak memory in MB: CUDA's allocated peak on a GPU (both
+    the same), else the process's peak RSS since `reset_peak_rss` and its growth over `rss_before`."""
+    import torch
+
+    if device.type == "cuda":
+        peak = total = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        total = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # VmHWM, since the reset
+        peak = max(0.0, total - rss_before)
+    return peak, total
+
+
 def strategy_rank(rank: int, world_size: int, p: dict) -> dict:
     import torch
 
@@ -174,11 +187,7 @@ def strategy_rank(rank: int, world_size: int, p: dict) -> dict:
     elapsed = time.perf_counter() - start
     parallel.close()
     figures = parallel.epoch_metrics()
-    if cuda:
-        peak = total = torch.cuda.max_memory_allocated(device) / 2**20
-    else:
-        total = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # VmHWM, since the reset
-        peak = max(0.0, total - rss_before)
+    peak, total = _peak_mb(device, rss_before)
     return {"rank": rank, "elapsed_s": elapsed, "peak_mb": peak, "peak_total_mb": total,
             "base_mb": rss_before, "figures": figures}
 

@@ -2,7 +2,7 @@
 
 One run, one prepared synthetic dataset, one model (an MLP, `HIDDEN`), two ranks on
 gloo. Every figure comes from the same rank function, `ddp_rank`: it reads its
-shards (training.loader.reader.rank_shards) with pyarrow into tensors, builds the model
+shards (training.loader.shards.rank_shards) with pyarrow into tensors, builds the model
 with training.models.builtin.build_model, wraps it with the "ddp" strategy and times a
 fixed number of optimizer steps. Only the launcher around it changes:
 
@@ -66,7 +66,7 @@ from shardline.training.config import TrainingConfig
 from shardline.training.launchers import free_port
 
 # Imported inside the functions that use them: torch (~2 s: only where a model or a rank runs);
-# training.loader.reader (imports torch); training.models.builtin (imports torch); training.strategies
+# training.loader.shards (imports torch); training.models.builtin (imports torch); training.strategies
 # (imports torch); pyspark (only with a Spark session: Dask and local jobs never import it); pipelines.prepare
 # (imports pandas).
 
@@ -109,7 +109,7 @@ def env_rank(p: dict) -> dict:
 def _rank_data(p: dict, rank: int, world_size: int):
     import torch
 
-    from shardline.training.loader.reader import rank_shards
+    from shardline.training.loader.shards import rank_shards
 
     manifest = load_manifest(p["dataset_dir"])
     label = manifest.feature_spec.label
@@ -306,28 +306,42 @@ def run(rows: int = 100_000, workdir: str | None = None, progress=print, *, step
         }
         launch = {**payload, "steps": LAUNCH_STEPS, "warmup": 0, "measure_comm": False}
 
-        # ABBA order over the rounds: a neighbour's load on a shared machine hits both alike.
-        runs: dict[str, list[dict]] = {"spark": [], "torchrun": []}
-        for i in range(rounds):
-            for name in (("spark", "torchrun") if i % 2 == 0 else ("torchrun", "spark")):
-                progress(f"round {i + 1}/{rounds}: {name} DDP, {steps} steps"
-                         + (", then all-reduce timing" if name == "spark" else ""))
-                if name == "spark":
-                    runs[name].append(run_spark(spark, payload)[0])
-                else:
-                    r, started = run_torchrun({**payload, "measure_comm": False})
-                    runs[name].append({**r, "launch_s": r["first_step_at"] - started})
-
-        launch_s: dict[str, float] = {}
-        for name, fn in (("spark", lambda: run_spark(spark, launch)),
-                         ("torch_distributor", lambda: run_torch_distributor(spark, launch))):
-            progress(f"launch to first step: {name}")
-            r, started = fn()
-            launch_s[name] = r["first_step_at"] - started
-        launch_s["torchrun"] = min(r["launch_s"] for r in runs["torchrun"])
+        runs, launch_s = _rounds(spark, payload, launch, rounds, progress)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
+    return _figures(runs, launch_s, payload, rows, train_rows, world_size, rounds)
+
+
+def _rounds(spark, payload: dict, launch: dict, rounds: int,
+            progress) -> tuple[dict[str, list[dict]], dict[str, float]]:
+    """Both DDP legs `rounds` times (`payload`), then each launcher's seconds from launch to
+    first step (`launch`): (every round's figures per leg, launch seconds per launcher)."""
+    # ABBA order over the rounds: a neighbour's load on a shared machine hits both alike.
+    runs: dict[str, list[dict]] = {"spark": [], "torchrun": []}
+    for i in range(rounds):
+        for name in (("spark", "torchrun") if i % 2 == 0 else ("torchrun", "spark")):
+            progress(f"round {i + 1}/{rounds}: {name} DDP, {payload['steps']} steps"
+                     + (", then all-reduce timing" if name == "spark" else ""))
+            if name == "spark":
+                runs[name].append(run_spark(spark, payload)[0])
+            else:
+                r, started = run_torchrun({**payload, "measure_comm": False})
+                runs[name].append({**r, "launch_s": r["first_step_at"] - started})
+
+    launch_s: dict[str, float] = {}
+    for name, fn in (("spark", lambda: run_spark(spark, launch)),
+                     ("torch_distributor", lambda: run_torch_distributor(spark, launch))):
+        progress(f"launch to first step: {name}")
+        r, started = fn()
+        launch_s[name] = r["first_step_at"] - started
+    launch_s["torchrun"] = min(r["launch_s"] for r in runs["torchrun"])
+    return runs, launch_s
+
+
+def _figures(runs: dict[str, list[dict]], launch_s: dict[str, float], payload: dict, rows: int, train_rows: int,
+             world_size: int, rounds: int) -> dict:
+    """The benchmark's one JSON object, from the rounds run with `payload`."""
     # The least disturbed round of each: contention only ever adds time.
     step_s = {k: min(r["step_s"] for r in v) for k, v in runs.items()}
     # Floors keep a degenerate timing from turning into an infinite bytes/s (not JSON).
@@ -342,11 +356,11 @@ def run(rows: int = 100_000, workdir: str | None = None, progress=print, *, step
         "rows": rows,
         "train_rows": train_rows,
         "world_size": world_size,
-        "threads_per_rank": threads,
+        "threads_per_rank": payload["threads"],
         "model": {"name": "mlp", "hidden": payload["hidden"], "grad_bytes": grad_bytes},
         "global_batch": GLOBAL_BATCH,
-        "steps": steps,
-        "warmup_steps": warmup,
+        "steps": payload["steps"],
+        "warmup_steps": payload["warmup"],
         "steps_timed": runs["spark"][0]["steps_timed"],
         "rounds": rounds,
         "step_s": {k: significant(v) for k, v in step_s.items()},
@@ -364,7 +378,7 @@ def run(rows: int = 100_000, workdir: str | None = None, progress=print, *, step
             "raw_allreduce_s": significant(raw_s),
             "ddp_bytes_per_s": significant(ddp_bps),
             "raw_bytes_per_s": significant(raw_bps),
-            "raw_iters": allreduce_iters,
+            "raw_iters": payload["allreduce_iters"],
         },
         "allreduce_ratio": significant(ddp_bps / raw_bps),
     }

@@ -99,6 +99,7 @@ def images_needed(global_batch: int, steps: int, warmup: int) -> int:
 def run(n_images: int | None = None, workdir: str | None = None, progress=print, *, steps: int = STEPS,
         warmup: int = WARMUP, global_batch: int = GLOBAL_BATCH, num_workers=NUM_WORKERS,
         rounds: int = ROUNDS, spark=None) -> dict:
+    # One sequence on purpose: prepare, plan, ABBA rounds and figures share a dozen values made on the way.
     from shardline.pipelines.prepare import prepare
     from shardline.training.plan import plan_dataset
 

@@ -121,7 +121,7 @@ def _read_rank_rows(dataset_dir: str, rank: int, world: int):
     import torch
 
     from shardline.pipelines.manifest import load_manifest
-    from shardline.training.loader.reader import rank_shards
+    from shardline.training.loader.shards import rank_shards
     from shardline.training.models.inputs import ModelInputs
 
     manifest = load_manifest(dataset_dir)

@@ -85,6 +85,7 @@ def write_tokens(root: Path, rows: int) -> tuple[Path, Path]:
 
 def run(rows: int | None = None, workdir: str | None = None, progress=print, *, steps: int = STEPS,
         warmup: int = WARMUP, global_batch: int = GLOBAL_BATCH, rounds: int = ROUNDS, spark=None) -> dict:
+    # One sequence on purpose: prepare, plan, ABBA rounds and figures share a dozen values made on the way.
     from shardline.pipelines.prepare import prepare
     from shardline.training.plan import plan_dataset
 

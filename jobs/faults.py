@@ -51,7 +51,8 @@ from shardline.pipelines.manifest import load_manifest
 from shardline.training.checkpoints.store import CheckpointStore
 
 # Imported inside the functions that use them: training.job (imports torch); torch (~2 s: only where a model
-# or a rank runs); training.loader.reader (imports torch); training.strategies (imports torch).
+# or a rank runs); training.loader.reader and training.loader.shards (import torch); training.strategies (imports
+# torch).
 
 
 def _train(cfg, ckpt: str, engine, **changes):
@@ -199,7 +200,8 @@ def checkpoints_planned(cfg) -> tuple[int, int, str]:
     """(written, kept, how) for the reference run, from the config and the dataset's
     manifest alone: an epoch-end checkpoint per epoch, one every checkpoint_every_steps
     optimizer steps, the newest keep_checkpoints kept; `how` says where the figures came from."""
-    from shardline.training.loader.reader import epoch_steps, rows_per_rank
+    from shardline.training.loader.reader import epoch_steps
+    from shardline.training.loader.shards import rows_per_rank
     from shardline.training.strategies import strategy_for
 
     t = cfg.training

@@ -22,9 +22,9 @@ from .sources import display, list_files, open_raw
 from shardline.foundation import storage
 from . import synthetic
 from .images import check_image, class_names, path_keys, read_images
+from .problems import typed_problem
+from .shard_counts import usable_plan
 from .tensors import parse_tensor
-
-# Imported inside the functions that use them: pipelines.prepare (a cycle: it imports this module).
 
 
 @dataclass
@@ -48,22 +48,11 @@ def check_prepare(cfg: PipelineConfig, append: bool = False, refit: bool = False
     through the engine): its columns are checked once the engine has it (pipelines.frames).
     reads_tables: pipelines.engine reads Spark catalog tables and SQL (the API asks the
     engine's class: shardline.engines.base.Engine.reads_tables)."""
-    from .prepare import usable_plan
-
     root = storage.resolve(cfg.dataset_dir, "pipelines.dataset_dir")
     previous = load_manifest(root) if has_manifest(root) else None
-    plan = usable_plan(previous, cfg, root) if by_plan else None
-    if plan is not None and append and not refit:
-        raise DataError(f"{root}: a plan lays every shard out anew; use it with --append --refit")
-    if append and previous is None:
-        raise DataError(f"{root}: --append needs an existing dataset; run prepare first")
+    plan = _check_modes(cfg, root, previous, append, refit, by_plan)
     src = cfg.source
     spec = cfg.features
-    if spec.task == "next_token" and src.format in ("synthetic", "images"):
-        raise ConfigError(
-            f"pipelines.features.task = 'next_token' reads a column of token ids; the {src.format} source "
-            "has none (use parquet, csv or json input)"
-        )
     if append:
         spec = _fill(spec, previous.feature_spec)  # unset settings: the dataset's
     if frame or src.format in SPARK_FORMATS:
@@ -81,15 +70,7 @@ def check_prepare(cfg: PipelineConfig, append: bool = False, refit: bool = False
         spec, notes = _resolve(spec, names, _kinds(RawFile(ti.where, "parquet", ti.schema), ",", []), ti.where)
         check_columns(spec, ti)
     elif src.format == "synthetic":
-        have = synthetic.check_target(src.synthetic, storage.resolve(src.path, "pipelines.source.path")) and list_files(src)
-        if have:
-            files = describe(have, src.format, src.csv_delimiter)
-        generated = synthetic.columns(src.synthetic)
-        spec = _fill(spec, generated)
-        kinds = {c: "numeric" for c in generated.numeric} | {c: "text" for c in generated.categorical}
-        names = [generated.key, *kinds, generated.label]
-        where = f"the synthetic source ({src.path})"
-        notes = _inferred(cfg.features, spec, where) if not append else []
+        files, names, spec, notes = _synthetic_input(cfg, spec, append)
     elif src.format == "images":
         files = describe(list_files(src), src.format, src.csv_delimiter)
         spec, notes = _images_spec(spec, files[0], src.path)
@@ -110,6 +91,42 @@ def check_prepare(cfg: PipelineConfig, append: bool = False, refit: bool = False
             f"{root}: pipelines.features differ from the dataset's; append needs the same spec"
         )
     return CheckedInput(spec, files, previous, plan, notes, sources, pinned)
+
+
+def _check_modes(cfg: PipelineConfig, root: str, previous: ShardManifest | None, append: bool, refit: bool,
+                 by_plan: bool) -> BandwidthPlan | None:
+    """The plan to lay shards out by (with by_plan); DataError/ConfigError for a way of
+    preparing that the dataset there or the source cannot take."""
+    plan = usable_plan(previous, cfg, root) if by_plan else None
+    if plan is not None and append and not refit:
+        raise DataError(f"{root}: a plan lays every shard out anew; use it with --append --refit")
+    if append and previous is None:
+        raise DataError(f"{root}: --append needs an existing dataset; run prepare first")
+    src = cfg.source
+    if cfg.features.task == "next_token" and src.format in ("synthetic", "images"):
+        raise ConfigError(
+            f"pipelines.features.task = 'next_token' reads a column of token ids; the {src.format} source "
+            "has none (use parquet, csv or json input)"
+        )
+    return plan
+
+
+def _synthetic_input(cfg: PipelineConfig, spec: FeatureSpec,
+                     append: bool) -> tuple[list[RawFile], list[str], FeatureSpec, list[str]]:
+    """The synthetic source's files (none until generated), columns, spec and notes: its
+    columns are those the generator writes."""
+    src = cfg.source
+    files: list[RawFile] = []
+    have = synthetic.check_target(src.synthetic, storage.resolve(src.path, "pipelines.source.path")) and list_files(src)
+    if have:
+        files = describe(have, src.format, src.csv_delimiter)
+    generated = synthetic.columns(src.synthetic)
+    spec = _fill(spec, generated)
+    kinds = {c: "numeric" for c in generated.numeric} | {c: "text" for c in generated.categorical}
+    names = [generated.key, *kinds, generated.label]
+    where = f"the synthetic source ({src.path})"
+    notes = _inferred(cfg.features, spec, where) if not append else []
+    return files, names, spec, notes
 
 
 def _images_spec(spec: FeatureSpec, folder: RawFile, path: str) -> tuple[FeatureSpec, list[str]]:
@@ -135,8 +152,6 @@ def _check_first_image(spec: FeatureSpec, folder: RawFile) -> None:
     """The folder's first image decoded on the driver: a declared shape that is not the
     images' size, or an unreadable image, is one line before an engine starts (the tasks
     check every image; this catches the common case in seconds)."""
-    from .prepare import _typed_problem
-
     col = next(iter(spec.images))
     first = folder.files[0]
     data = read_images(folder.url, (first,), ["image"]).column("image")[0].as_py()
@@ -145,15 +160,13 @@ def _check_first_image(spec: FeatureSpec, folder: RawFile) -> None:
         key = int(path_keys([first[len(folder.url) + 1 :]])[0])
         value = "<no file>" if data is None else f"<{len(data)} bytes>"
         raise DataError(f"{display(first)}: column '{col}', key {key}: value {value!r}: "
-                        f"{_typed_problem(kind, col, spec)}")
+                        f"{typed_problem(kind, col, spec)}")
 
 
 def _check_first_tensors(spec: FeatureSpec, first: RawFile, rows: int = 1024) -> None:
     """The first file's first rows of every tensor column parsed on the driver: a shape,
     dtype or token id the declaration refuses is one line before an engine starts, worded
     as the tasks word it (they check every row; this catches the common case in seconds)."""
-    from .prepare import _typed_problem
-
     keyed = spec.key is not None and spec.key in first.schema.names
     with open_raw(first.url) as f:
         columns = [*([spec.key] if keyed else []), *spec.tensors]
@@ -163,7 +176,7 @@ def _check_first_tensors(spec: FeatureSpec, first: RawFile, rows: int = 1024) ->
     for col, t in spec.tensors.items():
         _, problems = parse_tensor(batch.column(col), t, spec.null_values)
         for kind, mask in problems.items():
-            what = _typed_problem(kind, col, spec)
+            what = typed_problem(kind, col, spec)
             if what is not None and mask.any():
                 i = int(mask.argmax())
                 value = batch.column(col)[i].as_py()

@@ -6,7 +6,8 @@ unit and reports counts, problems and train-split statistics (no rows move); pas
 shards, finding repeated keys on the way (a key's rows all reach one shard). An
 engine (shardline.engines: Spark's, Dask's) only runs tasks and the shuffle; parsing,
 statistics, the transform and the shard files are the same code on both (raw,
-rows, tasks, transform, shards).
+rows, tasks, transform, shards). What the passes' results refuse is worded in
+pipelines.problems; how many shards each split gets, in pipelines.shard_counts.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from .config import FeatureSpec, PipelineConfig
 from shardline.foundation.errors import DataError, StorageError
 from shardline.foundation.lease import LEASE_NAME, Lease
 from .manifest import (
-    BandwidthPlan,
     FittedStatistics,
     NumericStats,
     RejectsInfo,
@@ -41,8 +41,9 @@ from .manifest import (
     sequences,
 )
 from shardline.foundation.progress import Counted, ProgressListener
-from .raw import Unit, describe, plan_units
-from .rows import BAD_KINDS, INVALID
+from .problems import check_report, check_repeats
+from .shard_counts import shard_parts
+from .raw import RawFile, Unit, describe, plan_units
 from .shards import SHARD_META_SCHEMA, write_parts
 from .source_config import SPARK_FORMATS
 from .sources import display, list_files
@@ -53,12 +54,10 @@ from .tasks import (
     Parts,
     PrepareTask,
     existing_rows,
-    first_problem,
     imputed_values,
     merge_reports,
     transport_schema,
 )
-from .tensors import row_bytes as tensor_bytes
 from .transform import feature_width
 
 
@@ -130,103 +129,43 @@ def prepare(
         # is read again at the version checked first: the driver pins it once.
         pinned = cfg.source.model_copy(update=checked.pinned) if checked is not None else cfg.source
         checked = check_prepare(cfg.model_copy(update={"source": pinned}), append, refit, by_plan)
-    spec, previous, plan = checked.spec, checked.previous, checked.plan
-    src = cfg.source
-    if src.format == "synthetic":
-        synthetic.generate(engine, src.synthetic, storage.resolve(src.path, "pipelines.source.path"))
-    files = checked.files or describe(list_files(src), src.format, src.csv_delimiter)
-    # Read again by --append --refit: the path itself, not display's masked text.
-    sources = checked.sources or [{"format": src.format, "path": storage.local_path(f.url)} for f in files]
-    if append and refit:
-        old, kept = previous_inputs(previous.sources, src, src.csv_delimiter)
-        files, sources = old + files, kept + sources
+    return _prepare_files(engine, cfg, checked, root, lease, append, refit)
+
+
+def _prepare_files(engine: PrepareEngine, cfg: PipelineConfig, checked: CheckedInput, root: str, lease: Lease,
+                   append: bool, refit: bool) -> ShardManifest:
+    """`prepare` of files, once checked with the lease held: pass 1, the statistics and shard
+    counts, pass 2 into a new version directory, the manifest committed (the directory removed
+    on any failure)."""
+    spec, previous = checked.spec, checked.previous
+    files, sources = _inputs(engine, cfg, checked, append, refit)
     units = plan_units(files)
 
     frozen = append and not refit  # statistics and existing shards stay as they are
     task = PrepareTask(
         spec=spec,
         split=cfg.split,
-        drop_bad=src.on_bad_rows == "drop",
+        drop_bad=cfg.source.on_bad_rows == "drop",
         num_classes=declared_classes(spec, previous, frozen),
-        delimiter=src.csv_delimiter,
+        delimiter=cfg.source.csv_delimiter,
         rejects_per_unit=rejects.per_unit(len(units)),
     )
     groups = group_units(units)  # a task per group: 100,000 small files are not 100,000 tasks
-    with _listener(engine) as progress, progress.stage("prepare pass 1", len(units), "units read") as read:
-        report = merge_reports(engine.run(
-            CountedUnits(partial(report_group, task=task, cap=rejects.CAP), progress.address, read.key), groups))
-    _check(report, cfg, spec, task.num_classes, frozen)
+    report = _report(engine, task, groups, len(units))
+    check_report(report, cfg, spec, task.num_classes, frozen)
 
     stats = previous.statistics if frozen else _fit(report, spec)
-    rows = max(1, sum(report["rows"]))
-    row_bytes = 4 * feature_width(spec) + 16 + sum(tensor_bytes(t) for t in spec.tensors.values()) \
-        + report["payload"] // rows
-    counts = {s: _shard_count(n, row_bytes, cfg) for s, n in zip(SPLITS, report["rows"])}
-    layout = cfg.layout
-    if plan is not None:
-        # Only train is laid out for loading bandwidth: val and test are read once per
-        # epoch for evaluation, so they keep the size rule (and get the row groups).
-        counts["train"] = _planned_train_shards(report["rows"][0], plan, cfg)
-        layout = layout.model_copy(update={"rows_per_row_group": plan.rows_per_row_group})
-    parts = Parts(tuple(counts[s] for s in SPLITS))
+    parts, layout = shard_parts(report, spec, cfg, checked.plan)
     offsets = {s: len(previous.splits[s].shards) for s in SPLITS} if frozen else {}
     existing = [storage.join(root, s.path) for info in previous.splits.values() for s in info.shards] if frozen else []
 
     version_id, version_dir = new_version_dir(root)
     try:
-        inputs = groups + [(i - len(existing), url) for i, url in enumerate(existing)]
-        with (
-            _listener(engine) as progress,
-            progress.stage("prepare pass 2", len(units) + len(existing), "units read and routed") as routed,
-            progress.stage("prepare write", parts.total, "shards written") as shards_out,
-        ):
-            metas = engine.shuffle_write(
-                sources=inputs,
-                read=CountedUnits(partial(group_rows, task=task, stats=stats, parts=parts, existing=partial(
-                    _existing_rows, task=task, parts=parts)), progress.address, routed.key),
-                schema=transport_schema(spec),
-                parts=parts.total,
-                # A permanent failure (a full disk) comes back as a row: no engine retries it.
-                # Counted inside: a write that failed is not counted as a shard written.
-                write=failure_rows(Counted(
-                    partial(
-                        write_parts,
-                        parts=parts,
-                        dataset_dir=root,
-                        version_dir_name=storage.name(version_dir),
-                        spec=spec,
-                        rows_per_row_group=layout.rows_per_row_group,
-                        shard_offsets=offsets,
-                        drop_repeats=task.drop_bad,
-                    ),
-                    progress.address,
-                    shards_out.key,
-                ), SHARD_META_SCHEMA),
-                out_schema=SHARD_META_SCHEMA,
-            )
-            # One write call per part with rows (a part's rows meet in one partition); one
-            # that failed is a part too: "4/6 shards written", then the error.
-            shards_out.total = sum(1 for m in metas if m["path"] or m.get("error"))
-        failed = next((m["error"] for m in metas if m.get("error")), None)
-        if failed:
-            raise StorageError(f"pipelines.dataset_dir: {failed} (not retried: trying again cannot fix it)")
-        _check_repeats(metas, units, existing, spec)
-        written = [m for m in metas if m["path"]]
-        if not written:
-            raise DataError(f"{display(src.path)}: no rows left to write")
-        splits = {s: _split_info(written, s) for s in SPLITS}
-        dropped = report["dropped"] + sum(m["repeated"] or 0 for m in metas)
-        imputed = imputed_values(report, spec, previous.imputed_values if frozen else {})
-        kept = rejects.collect(report["rejects"], metas, units, spec.key)
-        rejects_path = rejects.write(version_dir, kept)
-        if frozen:
-            splits = {
-                s: SplitInfo(
-                    rows=previous.splits[s].rows + splits[s].rows,
-                    shards=previous.splits[s].shards + splits[s].shards,
-                )
-                for s in SPLITS
-            }
+        metas = _shuffle_write(engine, task, stats, parts, groups, existing, len(units), root, version_dir,
+                               layout.rows_per_row_group, offsets)
+        written = _written(metas, units, existing, spec, cfg.source.path)
+        splits = _splits(written, previous if frozen else None)
+        accounts = _dropped(report, metas, units, spec, previous.imputed_values if frozen else {}, version_dir)
         manifest = ShardManifest(
             version_id=version_id,
             created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -242,18 +181,120 @@ def prepare(
             layout=layout,
             splits=splits,
             # A plain append keeps the existing shards, so their plan still describes them.
-            plan=plan if plan is not None else (previous.plan if frozen else None),
-            dropped_rows=dropped,
-            imputed_values=imputed,
-            rejects=RejectsInfo(
-                path=f"{storage.name(version_dir)}/{rejects_path}", rows=len(kept), total=dropped, cap=rejects.CAP,
-            ) if rejects_path else None,
+            plan=checked.plan if checked.plan is not None else (previous.plan if frozen else None),
+            **accounts,
         )
         lease.check()  # a prepare that stalled past its lease must not commit over another's
         return commit_manifest(root, manifest, based_on=previous, retention=cfg.retention)
     except BaseException:
         storage.delete_tree(version_dir)
         raise
+
+
+def _inputs(engine: PrepareEngine, cfg: PipelineConfig, checked: CheckedInput, append: bool,
+            refit: bool) -> tuple[list[RawFile], list[dict]]:
+    """The files to read (a synthetic source generated first) and the manifest's records of them;
+    with append + refit, the dataset's earlier sources first."""
+    src = cfg.source
+    if src.format == "synthetic":
+        synthetic.generate(engine, src.synthetic, storage.resolve(src.path, "pipelines.source.path"))
+    files = checked.files or describe(list_files(src), src.format, src.csv_delimiter)
+    # Read again by --append --refit: the path itself, not display's masked text.
+    sources = checked.sources or [{"format": src.format, "path": storage.local_path(f.url)} for f in files]
+    if append and refit:
+        old, kept = previous_inputs(checked.previous.sources, src, src.csv_delimiter)
+        files, sources = old + files, kept + sources
+    return files, sources
+
+
+def _report(engine: PrepareEngine, task: PrepareTask, groups: list, units: int) -> dict:
+    """Pass 1: every group's report, merged in unit order (no rows move)."""
+    with _listener(engine) as progress, progress.stage("prepare pass 1", units, "units read") as read:
+        return merge_reports(engine.run(
+            CountedUnits(partial(report_group, task=task, cap=rejects.CAP), progress.address, read.key), groups))
+
+
+def _shuffle_write(engine: PrepareEngine, task: PrepareTask, stats: FittedStatistics, parts: Parts, groups: list,
+                   existing: list[str], units: int, root: str, version_dir: str, rows_per_row_group: int,
+                   offsets: dict[str, int]) -> list[dict]:
+    """Pass 2: the units (and on an append, the existing shards' keys) read again, routed to
+    their part and written as shards into `version_dir`; the written shards' metadata rows."""
+    inputs = groups + [(i - len(existing), url) for i, url in enumerate(existing)]
+    with (
+        _listener(engine) as progress,
+        progress.stage("prepare pass 2", units + len(existing), "units read and routed") as routed,
+        progress.stage("prepare write", parts.total, "shards written") as shards_out,
+    ):
+        metas = engine.shuffle_write(
+            sources=inputs,
+            read=CountedUnits(partial(group_rows, task=task, stats=stats, parts=parts, existing=partial(
+                _existing_rows, task=task, parts=parts)), progress.address, routed.key),
+            schema=transport_schema(task.spec),
+            parts=parts.total,
+            # A permanent failure (a full disk) comes back as a row: no engine retries it.
+            # Counted inside: a write that failed is not counted as a shard written.
+            write=failure_rows(Counted(
+                partial(
+                    write_parts,
+                    parts=parts,
+                    dataset_dir=root,
+                    version_dir_name=storage.name(version_dir),
+                    spec=task.spec,
+                    rows_per_row_group=rows_per_row_group,
+                    shard_offsets=offsets,
+                    drop_repeats=task.drop_bad,
+                ),
+                progress.address,
+                shards_out.key,
+            ), SHARD_META_SCHEMA),
+            out_schema=SHARD_META_SCHEMA,
+        )
+        # One write call per part with rows (a part's rows meet in one partition); one
+        # that failed is a part too: "4/6 shards written", then the error.
+        shards_out.total = sum(1 for m in metas if m["path"] or m.get("error"))
+    return metas
+
+
+def _written(metas: list[dict], units: list[Unit], existing: list[str], spec: FeatureSpec,
+             path: str) -> list[dict]:
+    """Pass 2's shards written, or the error that stops the commit: a failed write, a
+    repeated key, no rows left."""
+    failed = next((m["error"] for m in metas if m.get("error")), None)
+    if failed:
+        raise StorageError(f"pipelines.dataset_dir: {failed} (not retried: trying again cannot fix it)")
+    check_repeats(metas, units, existing, spec)
+    written = [m for m in metas if m["path"]]
+    if not written:
+        raise DataError(f"{display(path)}: no rows left to write")
+    return written
+
+
+def _splits(written: list[dict], kept: ShardManifest | None) -> dict[str, SplitInfo]:
+    """Each split's rows and shards: those written, after the ones `kept` (a plain append's dataset)."""
+    splits = {s: _split_info(written, s) for s in SPLITS}
+    if kept is None:
+        return splits
+    return {
+        s: SplitInfo(rows=kept.splits[s].rows + splits[s].rows, shards=kept.splits[s].shards + splits[s].shards)
+        for s in SPLITS
+    }
+
+
+def _dropped(report: dict, metas: list[dict], units: list[Unit], spec: FeatureSpec, imputed_before: dict[str, int],
+             version_dir: str) -> dict:
+    """The manifest's account of rows not kept as they came: dropped, imputed, and the
+    rejects file (written into `version_dir`)."""
+    dropped = report["dropped"] + sum(m["repeated"] or 0 for m in metas)
+    imputed = imputed_values(report, spec, imputed_before)
+    kept = rejects.collect(report["rejects"], metas, units, spec.key)
+    rejects_path = rejects.write(version_dir, kept)
+    return {
+        "dropped_rows": dropped,
+        "imputed_values": imputed,
+        "rejects": RejectsInfo(
+            path=f"{storage.name(version_dir)}/{rejects_path}", rows=len(kept), total=dropped, cap=rejects.CAP,
+        ) if rejects_path else None,
+    }
 
 
 def tensor_specs(spec: FeatureSpec) -> dict[str, TensorSpec]:
@@ -294,86 +335,6 @@ def _existing_rows(source: tuple[int, str], task: PrepareTask, parts: Parts):
     return existing_rows(url, index, task.spec, parts, task.split)
 
 
-_WHAT = {
-    "bad": "value does not parse as the column's type (pipelines.source.on_bad_rows = 'drop' skips such rows)",
-    "null_key": "key is null",
-    "null_label": "label is null",
-    "negative_label": "class label is negative (classes are 0..K-1)",
-    INVALID: "feature is NaN, inf or null (pipelines.features.on_invalid_features = 'impute' fills it)",
-    "bad_image": "not a decodable PNG or JPEG image",
-}
-_DROP = " (pipelines.source.on_bad_rows = 'drop' skips such rows)"
-
-
-def _typed_problem(kind: str, col: str, spec: FeatureSpec) -> str | None:
-    """What is wrong with a tensor or image value, from its declaration."""
-    if col in spec.tensors:
-        t = spec.tensors[col]
-        if kind == "bad_shape":
-            return f"tensor's shape differs from the declared {t.shape}{_DROP}"
-        if kind == "bad_dtype":
-            return f"tensor's values do not fit the declared dtype {t.dtype}{_DROP}"
-        if kind == "out_of_vocab":
-            return f"token id outside the vocabulary 0..{t.vocab_size - 1} (vocab_size = {t.vocab_size}){_DROP}"
-    if col in spec.images:
-        c, h, w = spec.images[col].shape
-        if kind == "bad_image":
-            return f"{_WHAT[kind]}{_DROP}"
-        if kind == "image_size":
-            return (f"image is not {h}x{w} (height x width) and pipelines.features.images.{col}.resize "
-                    f"is off{_DROP}")
-    return None
-
-
-def _check(report: dict, cfg: PipelineConfig, spec: FeatureSpec, num_classes: int | None, frozen: bool) -> None:
-    """The first problem in file and row order, of the kinds the settings make fatal."""
-    if "error" in report:
-        raise DataError(report["error"])
-    kinds = list(BAD_KINDS) if cfg.source.on_bad_rows == "fail" else []
-    if spec.on_invalid_features == "fail":
-        kinds.append(INVALID)
-    first = first_problem(report, kinds)
-    if first is not None:
-        kind, col, p = first
-        if kind == "unknown_label":
-            what = (
-                f"label is not one of the classes {spec.class_names}" if spec.class_names is not None
-                else f"label is outside the dataset's {num_classes} classes 0..{num_classes - 1}" if frozen
-                and spec.classes is None
-                else f"label is outside pipelines.features.classes = {num_classes} (0..{num_classes - 1})"
-            )
-        else:
-            what = _typed_problem(kind, col, spec) or _WHAT[kind]
-        raise DataError(
-            f"{display(p['file'])}: column '{col}', key {p['key']!r}: value {p['value']!r}: "
-            f"{what} ({report['fatal_rows']} bad row(s) in all)"
-        )
-    total = sum(report["rows"])
-    if total == 0:
-        extra = f" after dropping {report['dropped']} bad row(s)" if report["dropped"] else ""
-        raise DataError(f"{display(cfg.source.path)}: input has no rows{extra}")
-    if report["rows"][0] == 0:
-        raise DataError(f"{display(cfg.source.path)}: no row falls in the train split")
-
-
-def _check_repeats(metas: list[dict], units: list[Unit], existing: list[str], spec: FeatureSpec) -> None:
-    """A key seen twice (with on_bad_rows = 'fail'): the repeat met first in unit and row order."""
-    repeats = [m for m in metas if m["repeat_key"] is not None]
-    if not repeats:
-        return
-    m = min(repeats, key=lambda m: m["repeat_pos"])
-
-    def file_of(pos: int) -> str:
-        index = pos >> 32
-        return display(units[index].url if index >= 0 else existing[index])
-
-    files = sorted({file_of(m["first_pos"]), file_of(m["repeat_pos"])})
-    raise DataError(
-        f"{', '.join(files)}: duplicate key {m['repeat_key']} in column '{spec.key}' "
-        f"(pipelines.source.on_bad_rows = 'drop' keeps its first row)"
-    )
-
-
 def _fit(report: dict, spec: FeatureSpec) -> FittedStatistics:
     numeric = {}
     for c in spec.numeric:
@@ -403,39 +364,6 @@ def _fit(report: dict, spec: FeatureSpec) -> FittedStatistics:
     return FittedStatistics(
         numeric=numeric, categorical=categorical, cardinality=cardinality, num_classes=classes, label=label
     )
-
-
-def _shard_count(rows: int, row_bytes: int, cfg: PipelineConfig) -> int:
-    if rows == 0:
-        return 0
-    w = cfg.layout.world_size
-    wanted = max(1, math.ceil(rows * row_bytes / cfg.layout.target_shard_bytes))
-    return w * math.ceil(wanted / w)
-
-
-def usable_plan(previous: ShardManifest | None, cfg: PipelineConfig, root: str) -> BandwidthPlan:
-    if previous is None or previous.plan is None:
-        raise DataError(f"{root}: no bandwidth plan to lay shards out by; run `shardline plan` first")
-    plan = previous.plan
-    if not (plan.shards_per_rank and plan.rows_per_row_group and plan.world_size):
-        raise DataError(f"{root}: the manifest's plan is incomplete; run `shardline plan` again")
-    if plan.world_size != cfg.layout.world_size:
-        raise DataError(
-            f"{root}: the plan is for {plan.world_size} ranks but pipelines.layout.world_size "
-            f"is {cfg.layout.world_size}; set training.world_size to match and run `shardline plan` again"
-        )
-    return plan
-
-
-def _planned_train_shards(rows: int, plan: BandwidthPlan, cfg: PipelineConfig) -> int:
-    wanted = plan.shards_per_rank * cfg.layout.world_size
-    if rows < wanted:
-        # Hash assignment would leave shards empty and the count off a multiple of world size.
-        raise DataError(
-            f"{display(cfg.source.path)}: the plan wants {wanted} train shards but the train "
-            f"split has {rows} rows; run `shardline plan` on this data again"
-        )
-    return wanted
 
 
 def _split_info(metas: list[dict], split: str) -> SplitInfo:

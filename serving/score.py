@@ -227,33 +227,51 @@ def execute(
         ):
             # The user's code as it is now (one snapshot for the whole job), on the engine's workers.
             code = engine.ship_code(snapshot(user_code)) if p.todo else None
-            tasks = [
-                UnitTask(
-                    unit=u,
-                    output_dir=p.dir,
-                    output_name=output_name(u.unit_id),
-                    model_uri=model.pinned_uri,
-                    allow_pickled=model.pickled,  # the driver allowed it (serving.allow_pickled_models)
-                    tracking_uri=p.tracking_uri,
-                    model_name=model.name,
-                    model_version=model.version,
-                    transform=p.transform,
-                    batch_size=batch_size,
-                    threads=threads_per_task,
-                    scored_at=scored_at,
-                    progress_addr=listener.address,
-                    progress_key=scored.key,
-                    code=code,
-                    key_column=p.key_column,
-                )
-                for u in p.todo
-            ]
+            tasks = _tasks(p, batch_size, threads_per_task, scored_at, code, listener.address, scored.key)
             entries = engine.run_units(tasks) if tasks else []
         held.check()  # say so if another job took the output over while this one stalled
         # Every unit is committed now; a temp file left is an attempt that died mid-unit
         # (a killed worker) and was retried elsewhere. Still under the lock: no job writes.
         remove_orphans(p.dir, read_ledger(p.dir))
         p.publish()  # Delta output: the committed units appended in one transaction
+    _check_entries(entries)
+    return ScoreResult(
+        storage.display(p.table.root if p.table is not None else p.out), storage.display(p.dir),
+        sum(e["rows"] for e in entries), len(entries), len(p.skipped), len(p.left), model.uri, model.name,
+        model.version, engine.name, discarded=p.describe_discard(),
+    )
+
+
+def _tasks(p: ScorePlan, batch_size: int, threads: int, scored_at: str, code, progress_addr: str,
+           progress_key: str) -> list[UnitTask]:
+    """One task per unit to score: what a worker needs to score it into its output name."""
+    model = p.model
+    return [
+        UnitTask(
+            unit=u,
+            output_dir=p.dir,
+            output_name=output_name(u.unit_id),
+            model_uri=model.pinned_uri,
+            allow_pickled=model.pickled,  # the driver allowed it (serving.allow_pickled_models)
+            tracking_uri=p.tracking_uri,
+            model_name=model.name,
+            model_version=model.version,
+            transform=p.transform,
+            batch_size=batch_size,
+            threads=threads,
+            scored_at=scored_at,
+            progress_addr=progress_addr,
+            progress_key=progress_key,
+            code=code,
+            key_column=p.key_column,
+        )
+        for u in p.todo
+    ]
+
+
+def _check_entries(entries: list[dict]) -> None:
+    """A failed unit as the job's error: a permanent failure first (what failed the others too),
+    else the first; the units that did not fail were committed."""
     errors = [e for e in entries if "error" in e]
     if errors:
         done = len(entries) - len(errors)
@@ -262,11 +280,6 @@ def execute(
             raise StorageError(f"{permanent['error']} (not retried: trying again cannot fix it; "
                                f"{done} file(s) were scored and committed)")
         raise DataError(f"{errors[0]['error']} ({done} other file(s) were scored and committed)")
-    return ScoreResult(
-        storage.display(p.table.root if p.table is not None else p.out), storage.display(p.dir),
-        sum(e["rows"] for e in entries), len(entries), len(p.skipped), len(p.left), model.uri, model.name,
-        model.version, engine.name, discarded=p.describe_discard(),
-    )
 
 
 def check_owner(out: str, found: list[Scores], name: str) -> None:

@@ -15,7 +15,8 @@ import torch
 from shardline.foundation.errors import ConfigError, DataError
 from shardline.pipelines.manifest import ShardInfo, load_manifest
 from shardline.pipelines.prepare import prepare
-from shardline.training.loader.reader import ShardLoader, check_world_size, rank_shards
+from shardline.training.loader.reader import ShardLoader
+from shardline.training.loader.shards import check_world_size, rank_shards
 
 from .conftest import small_pipeline
 

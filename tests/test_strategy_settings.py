@@ -173,7 +173,7 @@ def test_a_sweep_searches_a_sub_table_setting_by_its_name():
     assert sweep.space["pipeline.micro_batches"].choices == [2, 4]
     with pytest.raises(ValueError, match=r"pipeline.micro_batches: 0 is not a valid training.pipeline.micro_batches"):
         SweepConfig(space={"pipeline.micro_batches": {"type": "categorical", "choices": [0, 4]}})
-    # A trial's config: the base's full dump with the trial's values over it (sweeps.run._run_trial).
+    # A trial's config: the base's full dump with the trial's values over it (sweeps.trials._run_trial).
     base = TrainingConfig(strategy="pipeline", pipeline={"micro_batches": 4, "schedule": "gpipe"})
     settings = with_setting(with_setting(base.model_dump(), "pipeline.micro_batches", 8), "lr", 0.1)
     trial = TrainingConfig.model_validate(settings)

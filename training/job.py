@@ -14,7 +14,8 @@ nothing: a refused job leaves every byte and every MLflow run as it was.
 per folder), the MLflow run opened (or continued), the folder started over (a new job),
 the ranks launched (relaunched from the latest checkpoint when one is lost: training.
 restarts), the trained weights loaded into the model the checks built, logged and
-registered.
+registered. What the driver writes about the job itself (a resume's lines, a new job's
+params) is training.job_records'.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from .checkpoints import fingerprint, sharded
 from .checkpoints.store import CheckpointStore
 from .config import TrackingConfig, TrainingConfig
 from .launchers import DriverGuard, announced_hosts
-from .loader.reader import check_world_size, epoch_steps, rows_per_rank
+from .loader.reader import epoch_steps
+from .loader.shards import check_world_size, rows_per_rank
 from .mlflow_outage import replay, tracked_run, when_reachable
 from .rank_grid import MESH_GRID, rank_grid
 from .models.check import check_callables, check_model
@@ -43,8 +45,9 @@ from .models.builtin import build_model
 from .restarts import launch_with_restarts
 from .result import TrainResult
 from .trained import log_trained
+from .job_records import announce_resume, continue_run, log_changed, log_new_job
 from .strategies import strategy_for
-from .tracking import check_store, log_dataset_input, log_forecast, open_experiment, run_name
+from .tracking import check_store, open_experiment, run_name
 from .loop.function import LoopFunction, resolve as resolve_loop
 from .loop.runner import RankJob
 from .user_code import check_driver_imports, job_code_folders, refresh_driver_code
@@ -208,7 +211,7 @@ class TrainingJob:
         """Train, track, log and register (after `check`, and `check_capacity` on `engine`).
         engine: training.launcher's (shardline.engines.base.Engine): the job asks it for its
         listen_address and to launch_ranks, nothing else. The keywords are for sweeps
-        (training.sweeps.run): into_run reports into an existing (child) run; register=False
+        (training.sweeps.trials): into_run reports into an existing (child) run; register=False
         logs the model without registering it; epoch_hook: see RankJob.epoch_hook;
         workers: where the ranks run (a trial's group of the engine's Slots.workers). The
         folder's hold: the caller's if it holds it already (the API takes it first), else
@@ -228,23 +231,13 @@ class TrainingJob:
     def _run(self, engine, guard, into_run, register, epoch_hook, workers) -> TrainResult:
         import mlflow
 
-        cfg, tracking, manifest, uri, store, code = (self.cfg, self.tracking, self.manifest, self.tracking_uri,
-                                                     self.store, self.code)
+        cfg, tracking, manifest, uri, store = self.cfg, self.tracking, self.manifest, self.tracking_uri, self.store
         run_id, code_changes = into_run, []
         if self.resume:
-            head = self.resume.head
-            code_changes = code.changes(head.get("code_files") or {}) if "code" in self.resume.changed else []
-            report.line(f"[shardline] resuming from {storage.display(self.resume.url)} (step "
-                        f"{head.get('global_step')}, epoch {head.get('epoch')} of {cfg.epochs} done)"
-                        + "".join(f"; {k} {old} -> {new}" if k != "code" else f"; code changed: {', '.join(code_changes)}"
-                                  for k, (old, new) in self.resume.changed.items()))
-            if code.files and "code" not in head.get("fingerprint", {}):
-                report.line(f"[shardline] {storage.display(self.resume.url)} was written before checkpoints kept the "
-                            "code's digest: this job's code cannot be compared with the one that wrote it")
-            run_id = head["run_id"] or None
+            run_id, code_changes = announce_resume(self.resume, self.code, cfg.epochs)
         open_experiment(uri, tracking.experiment)
         if run_id:
-            run_id = _continue_run(run_id)
+            run_id = continue_run(run_id)
         if self.outline:
             report.line(self.outline)
 
@@ -264,41 +257,10 @@ class TrainingJob:
                 store.start_over(self.fingerprint)
                 # The mesh as resolved (mesh.tp 2 however it was asked for), under the settings' names.
                 mesh = self.strategy.mesh.as_settings() if self.strategy.mesh else {}
-                mlflow.log_params({**_flat(cfg.model_dump()), **{f"mesh.{k}": v for k, v in mesh.items()}})
-                mlflow.log_params({
-                    "dataset_dir": self.dataset_dir, "dataset_version": manifest.version_id,
-                    "dataset_sequence": manifest.sequence,
-                    **{f"rows_{s}": info.rows for s, info in manifest.splits.items()},
-                    # Values prepare filled in (on_invalid_features = impute), per column in the manifest.
-                    "imputed_values": sum(manifest.imputed_values.values()),
-                    # Which code trained it (the fingerprint's `code`): a user's model only.
-                    **({"code_digest": code.digest} if code.files else {}),
-                })
-                log_dataset_input(manifest, self.dataset_dir)
-                log_forecast(self.dataset_dir)  # `shardline plan --hosts`'s, when it made one
+                log_new_job(cfg, mesh, manifest, self.dataset_dir, self.code)
             elif self.resume.changed:
-                _log_changed(self.resume.changed, self.resume.head.get("global_step", 0), code_changes)
-            job = RankJob(
-                cfg=cfg, dataset_dir=self.dataset_dir, dataset_sequence=manifest.sequence, tracking_uri=uri,
-                strategy=self.strategy, run_id=run_id, fingerprint=self.fingerprint, code=self.code,
-                resume_from=self.resume.url if self.resume else None, epoch_hook=epoch_hook, loop=self.loop,
-            )
-            # Ranks' progress lines reach this process's reporter wherever they run (foundation.progress).
-            with ProgressListener(engine.listen_address()) as listener:
-                job.progress_addr = listener.address
-                result = launch_with_restarts(job, store, engine, workers, guard)
-            # What the server was down for, sent now (waiting for it a while, else one line).
-            replay(uri, result.get("mlflow_pending", []), tracking.outage_wait_s, latest())
-            if result.get("steps") == 0:
-                # check_steps refuses this; a model that never took a step must not be registered.
-                raise ShardlineError(
-                    f"the job took 0 optimizer steps in {cfg.epochs} epoch(s): the model did not train "
-                    "and is not logged or registered"
-                )
-            hosts = announced_hosts(job.ranks_dir, cfg.world_size)
-            if hosts:  # the grid again, with the hosts the ranks ran on
-                when_reachable(lambda: mlflow.log_text(rank_grid(cfg, manifest, hosts, self.model), MESH_GRID),
-                               uri, tracking.outage_wait_s, latest())
+                log_changed(self.resume.changed, self.resume.head.get("global_step", 0), code_changes)
+            result = self._train(engine, run_id, epoch_hook, workers, guard)
             model, version = log_trained(self, result, run_id, register)
         if model is None:  # a user's loop that called no ctx.register
             model_uri = None
@@ -310,6 +272,35 @@ class TrainingJob:
             cfg.launcher, result.get("stopped_early", False), model.state_dict() if model is not None else {},
             result.get("collective_calls", {}),
         )
+
+    def _train(self, engine, run_id: str, epoch_hook, workers, guard) -> dict:
+        """The ranks launched (and relaunched when one is lost) into the open run `run_id`; what
+        the server missed meanwhile sent; the grid logged with the hosts the ranks ran on."""
+        import mlflow
+
+        cfg, manifest, uri, latest = self.cfg, self.manifest, self.tracking_uri, self.store.latest
+        job = RankJob(
+            cfg=cfg, dataset_dir=self.dataset_dir, dataset_sequence=manifest.sequence, tracking_uri=uri,
+            strategy=self.strategy, run_id=run_id, fingerprint=self.fingerprint, code=self.code,
+            resume_from=self.resume.url if self.resume else None, epoch_hook=epoch_hook, loop=self.loop,
+        )
+        # Ranks' progress lines reach this process's reporter wherever they run (foundation.progress).
+        with ProgressListener(engine.listen_address()) as listener:
+            job.progress_addr = listener.address
+            result = launch_with_restarts(job, self.store, engine, workers, guard)
+        # What the server was down for, sent now (waiting for it a while, else one line).
+        replay(uri, result.get("mlflow_pending", []), self.tracking.outage_wait_s, latest())
+        if result.get("steps") == 0:
+            # check_steps refuses this; a model that never took a step must not be registered.
+            raise ShardlineError(
+                f"the job took 0 optimizer steps in {cfg.epochs} epoch(s): the model did not train "
+                "and is not logged or registered"
+            )
+        hosts = announced_hosts(job.ranks_dir, cfg.world_size)
+        if hosts:  # the grid again, with the hosts the ranks ran on
+            when_reachable(lambda: mlflow.log_text(rank_grid(cfg, manifest, hosts, self.model), MESH_GRID),
+                           uri, self.tracking.outage_wait_s, latest())
+        return result
 
 
 def run_training(
@@ -372,19 +363,6 @@ def check_steps(cfg: TrainingConfig, manifest: ShardManifest, data_world: int) -
     )
 
 
-def _log_changed(changed: dict[str, tuple], step: int, code_changes: list[str] = ()) -> None:
-    """A resume's allowed changes (--allow-changed lr) in the run: MLflow params cannot
-    change, so each new value is a param of its own (`lr.from_step_120`) and a tag says
-    what changed, from when. The code's: its digest, and a tag naming the files."""
-    import mlflow
-
-    mlflow.log_params({f"{k}.from_step_{step}": new for k, (_, new) in changed.items()})
-    for k, (old, new) in changed.items():
-        mlflow.set_tag(f"shardline.resume_changed.{k}", f"{old} -> {new} from step {step}")
-    if code_changes:
-        mlflow.set_tag("shardline.resume_changed.code_files", ", ".join(code_changes)[:5000])
-
-
 def _version_of(store: CheckpointStore, checkpoint: str, dataset_dir: str, newest: ShardManifest) -> ShardManifest:
     """The dataset version a checkpoint was written on, if retention still keeps it: a
     resumed job goes on reading what it started on (else the fingerprint check refuses)."""
@@ -398,26 +376,3 @@ def _version_of(store: CheckpointStore, checkpoint: str, dataset_dir: str, newes
                         f"the checkpoint was written on; the newest is {newest.version_id}")
             return m
     return newest
-
-
-def _continue_run(run_id: str) -> str | None:
-    """Resume into the checkpoint's own run (and experiment), if this store has it."""
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    try:
-        run = mlflow.get_run(run_id)
-    except MlflowException:
-        return None  # another tracking store: the resumed job gets a new run
-    mlflow.set_experiment(experiment_id=run.info.experiment_id)
-    return run_id
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out

@@ -79,14 +79,9 @@ def choose_layout(
       at most `max_workers_per_rank` (the cores of a rank); when the cap cannot meet
       the target, `target_met` is False and `required_loader_workers` says what it needed.
       Assumes loading grows linearly with workers; the headroom absorbs part of the shortfall.
-    - rows per row group: ROW_GROUP_BATCHES local batches, rounded up to 1,024 and
-      clamped to 16,384..65,536: from 16,384 rows a row group's fixed cost (Parquet
-      headers, a loader round-trip) no longer shows, up to 65,536 the row groups in
-      flight per worker stay small and the default 65,536-row shuffle buffer still mixes
-      several; then at most a rank's rows / workers, so every worker has one to decode.
-      The per-worker figure was measured on the current row groups: re-run the planner
-      after `prepare --plan` to confirm the plan on the new layout. `decoded` (image
-      columns): DECODED_ROW_GROUP_BATCHES local batches, no 16,384-row floor.
+    - rows per row group: ROW_GROUP_BATCHES local batches within 16,384..65,536
+      (`decoded`, image columns: DECODED_ROW_GROUP_BATCHES, no floor), at most a rank's
+      rows / workers; `_row_group_rows` says why.
     - shards per rank: at least the workers, so each worker can stream its own file, and
       at least `min_shards_per_rank` (the dataset's size rule, pipelines.layout.target_shard_bytes);
       at most a rank's rows / MIN_SHARD_ROWS (hash balance), and at least 1.
@@ -103,12 +98,7 @@ def choose_layout(
     loading = workers * loader_samples_per_s_per_worker
 
     rows_per_rank = max(1, train_rows // world_size)
-    if decoded:
-        group = DECODED_ROW_GROUP_BATCHES * local_batch
-    else:
-        group = ROW_GROUP_ROUND * math.ceil(ROW_GROUP_BATCHES * local_batch / ROW_GROUP_ROUND)
-        group = min(max(group, MIN_ROW_GROUP), MAX_ROW_GROUP)
-    group = max(1, min(group, rows_per_rank // workers))
+    group = _row_group_rows(local_batch, rows_per_rank, workers, decoded)
 
     shards = max(workers, min_shards_per_rank)
     shards = max(1, min(shards, rows_per_rank // MIN_SHARD_ROWS))
@@ -128,6 +118,23 @@ def choose_layout(
         target_met=loading >= needed,
         predicted_data_wait=max(0.0, 1.0 - loading / train_samples_per_s),
     )
+
+
+def _row_group_rows(local_batch: int, rows_per_rank: int, workers: int, decoded: bool) -> int:
+    """Rows per row group: ROW_GROUP_BATCHES local batches, rounded up to 1,024 and
+    clamped to 16,384..65,536: from 16,384 rows a row group's fixed cost (Parquet
+    headers, a loader round-trip) no longer shows, up to 65,536 the row groups in
+    flight per worker stay small and the default 65,536-row shuffle buffer still mixes
+    several; then at most a rank's rows / workers, so every worker has one to decode.
+    The per-worker figure was measured on the current row groups: re-run the planner
+    after `prepare --plan` to confirm the plan on the new layout. `decoded` (image
+    columns): DECODED_ROW_GROUP_BATCHES local batches, no 16,384-row floor."""
+    if decoded:
+        group = DECODED_ROW_GROUP_BATCHES * local_batch
+    else:
+        group = ROW_GROUP_ROUND * math.ceil(ROW_GROUP_BATCHES * local_batch / ROW_GROUP_ROUND)
+        group = min(max(group, MIN_ROW_GROUP), MAX_ROW_GROUP)
+    return max(1, min(group, rows_per_rank // workers))
 
 
 def plan_dataset(

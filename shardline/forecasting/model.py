@@ -101,7 +101,7 @@ def forecast(m: Measured, cfg, cluster: Cluster, engine: str, steps: int = 2000)
 
 
 def _shard_count(rows: int, row_bytes: float, world: int, target: int) -> int:
-    """pipelines.prepare's size rule: shards of about `target` bytes, a multiple of `world`."""
+    """pipelines.shard_counts' size rule: shards of about `target` bytes, a multiple of `world`."""
     if rows == 0:
         return 0
     wanted = max(1, math.ceil(rows * row_bytes / target))

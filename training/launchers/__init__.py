@@ -123,8 +123,6 @@ def run_in_group(
     A payload with a `ranks_dir` (a RankJob's) is where a bug's full traceback is written
     (`ranks/rank-N.log`), for the driver's one line to name (launchers.rank_errors).
     """
-    import torch.distributed as dist
-
     from .. import collectives, placement
     from .network import socket_interface
 
@@ -137,20 +135,7 @@ def run_in_group(
         with socket_interface(getattr(payload, "socket_ifname", None)):
             if getattr(payload, "group_from_env", False):
                 return _joining_itself(fn, rank, world_size, init_method, payload, slot)
-            dist.init_process_group(
-                collectives.backend(),
-                init_method=init_method,
-                rank=rank,
-                world_size=world_size,
-                timeout=dt.timedelta(seconds=timeout_s),
-                **placement.group_device(device),
-            )
-            try:
-                result = fn(rank, world_size, payload)
-                collectives.barrier()
-                return result
-            finally:
-                dist.destroy_process_group()
+            return _in_group(fn, rank, world_size, init_method, payload, timeout_s, device)
     except Exception as e:
         error = RankError.of(rank, e, getattr(payload, "ranks_dir", None))
         if not is_permanent(e):
@@ -162,6 +147,30 @@ def run_in_group(
     finally:
         if stop_guard is not None:
             stop_guard.set()
+
+
+def _in_group(fn: RankFn, rank: int, world_size: int, init_method: str, payload: Any, timeout_s: float,
+              device) -> Any:
+    """`fn` in the process group, joined on `device` and left (barrier, destroy) before returning
+    (run_in_group says why)."""
+    import torch.distributed as dist
+
+    from .. import collectives, placement
+
+    dist.init_process_group(
+        collectives.backend(),
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=dt.timedelta(seconds=timeout_s),
+        **placement.group_device(device),
+    )
+    try:
+        result = fn(rank, world_size, payload)
+        collectives.barrier()
+        return result
+    finally:
+        dist.destroy_process_group()
 
 
 def _joining_itself(fn: RankFn, rank: int, world_size: int, init_method: str, payload: Any, slot: Slot) -> Any:

@@ -1,7 +1,7 @@
 """Streaming, shuffled, exactly resumable batches from a prepared dataset's shards.
 
-Sharding: rank r of w reads shards r, r+w, r+2w, ... of a split, a disjoint and
-complete cover; nothing else is opened.
+Sharding (training.loader.shards): rank r of w reads shards r, r+w, r+2w, ... of a
+split, a disjoint and complete cover; nothing else is opened.
 
 Equal samples per rank: every rank must run the same number of steps (DDP would
 hang otherwise), so every rank yields the same number of samples per epoch, set
@@ -50,28 +50,24 @@ into batches. With CUDA present, batches come in pinned memory so the trainer's
 
 from __future__ import annotations
 
-import hashlib
 import math
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
-from shardline.foundation import storage
 from shardline.foundation.errors import ConfigError, DataError
-from shardline.pipelines.manifest import ShardInfo, ShardManifest, TensorSpec
+from shardline.pipelines.manifest import ShardManifest
 
 from .. import collectives
 from .batches import ShuffleBuffer, cut_batches
-from .columns import decode_column, held_dtype, label_pad_id, label_tokens, to_torch
-from shardline.pipelines.tensors import decode_raw
+from .shards import ShardReader, check_world_size, rank_shards, rows_per_rank
+from .columns import to_torch
 
 REMAINDER_POLICIES = ("drop", "pad")
 _STATE_VERSION = 1
@@ -85,25 +81,6 @@ BUFFER_BYTES = 1 << 30
 # `warm`), then grows towards shuffle_buffer_rows as it reads: an epoch's first batch waits
 # for 8 batches' rows, not 65,536 rows (a rank's whole epoch of images, decoded first).
 WARM_BATCHES = 8
-
-
-def rank_shards(shards: list[ShardInfo], rank: int, world_size: int) -> list[ShardInfo]:
-    return shards[rank::world_size]
-
-
-def check_world_size(manifest: ShardManifest, split: str, world_size: int) -> None:
-    n = len(manifest.split(split).shards)
-    if world_size > n:
-        raise DataError(
-            f"world size {world_size} is greater than the {n} shard(s) of split '{split}': "
-            f"re-prepare with pipelines.layout.world_size = {world_size}"
-        )
-
-
-def rows_per_rank(manifest: ShardManifest, split: str, world_size: int) -> list[int]:
-    """The rows each rank of `world_size` reads from `split` (from the manifest alone)."""
-    shards = manifest.split(split).shards
-    return [sum(s.rows for s in rank_shards(shards, r, world_size)) for r in range(world_size)]
 
 
 def epoch_steps(per_rank: list[int], local_batch: int, remainder: str) -> int:
@@ -149,68 +126,17 @@ class ShardLoader:
         self.workers, self.prefetch = workers, prefetch
         # Pinning needs CUDA; without it there is no device copy to speed up.
         self.pin_memory = torch.cuda.is_available() and pin_memory is not False
-        self._label = manifest.tensors["label"].column
-        self._y_spec = manifest.tensors["label"]
-        # next_token's label: its token ids as int64 (label_tokens); else the label's own dtype.
-        self._y_dtype = np.dtype(np.int64) if self._y_spec.encoding == "raw" else held_dtype(self._y_spec)
-        self._y_ignore = label_pad_id(manifest)
-        # (mean, std): the label comes out standardised (training.task.label_scale).
-        self._label_scale = label_scale
         self._typed = manifest.feature_spec.typed
-        # The inputs in shard column order, then the label: the columns of every chunk.
-        self._inputs: list[tuple[str, TensorSpec]] = [(n, t) for n, t in manifest.tensors.items() if n != "label"]
-        self._images = manifest.feature_spec.images
-        self._layout = [(tuple(t.shape), held_dtype(t)) for _, t in self._inputs] + [
-            (tuple(self._y_spec.shape), self._y_dtype)]
-        row_bytes = sum(d.itemsize * math.prod(s) for s, d in self._layout)
+        mine = rank_shards(manifest.split(split).shards, rank, world_size)
+        self._shards = ShardReader(manifest, dataset_dir, mine, verify=verify, label_scale=label_scale)
+        self._groups = self._shards.groups  # rows per row group, per shard
         # Capped by memory, not by chance: the cap depends on the manifest alone, so the
         # order (and a saved state's shuffle_buffer_rows) is the same on every run.
-        self.shuffle_buffer_rows = min(shuffle_buffer_rows, max(1, BUFFER_BYTES // row_bytes))
-
-        shards = manifest.split(split).shards
-        mine = rank_shards(shards, rank, world_size)
-        # Shards open through storage: a local file or ranged reads of an object (pyarrow.fs).
-        self._paths = [storage.join(str(dataset_dir), s.path) for s in mine]
-        self._meta = [self._open(path, s, verify) for path, s in zip(self._paths, mine)]
-        # Open files per decoding thread: opening one per row group costs ~10% of an epoch.
-        self._files = threading.local()
-        # Rows per row group, per shard, from the Parquet footers.
-        self._groups = [[m.row_group(g).num_rows for g in range(m.num_row_groups)] for m in self._meta]
+        self.shuffle_buffer_rows = min(shuffle_buffer_rows, max(1, BUFFER_BYTES // self._shards.row_bytes))
         self.rows = sum(s.rows for s in mine)
         self._steps = epoch_steps(rows_per_rank(manifest, split, world_size), local_batch, remainder)
         self._position = (0, 0)  # (epoch, batches delivered in it)
         self._produced, self._busy = 0, 0.0
-
-    @staticmethod
-    def _open(url: str, shard: ShardInfo, verify: bool):
-        path = storage.display(url)
-        if verify:
-            digest = hashlib.sha256()
-            try:
-                with storage.open_stream(url, compression=None) as f:
-                    for chunk in iter(lambda: f.read(1 << 20), b""):
-                        digest.update(chunk)
-            except FileNotFoundError:
-                raise DataError(f"{path}: shard named by the manifest is missing") from None
-            if digest.hexdigest() != shard.sha256:
-                raise DataError(
-                    f"{path}: sha256 {digest.hexdigest()[:12]}... differs from the manifest's "
-                    f"{shard.sha256[:12]}...: the shard changed after prepare; re-prepare the dataset"
-                )
-        try:
-            with storage.open_input(url) as f:
-                meta = pq.ParquetFile(f).metadata
-        except FileNotFoundError:
-            raise DataError(f"{path}: shard named by the manifest is missing") from None
-        except Exception as e:  # pyarrow raises several types for a damaged file
-            raise DataError(f"{path}: not a readable Parquet shard ({e})") from None
-        if meta.num_rows != shard.rows:
-            raise DataError(f"{path}: {meta.num_rows} rows, the manifest says {shard.rows}")
-        if meta.num_row_groups != shard.row_groups:
-            raise DataError(
-                f"{path}: {meta.num_row_groups} row groups, the manifest says {shard.row_groups}"
-            )
-        return meta
 
     # -- the public surface --------------------------------------------------
 
@@ -320,7 +246,7 @@ class ShardLoader:
         units = [(si, g, n) for si, groups in enumerate(self._groups) for g, n in enumerate(groups)]
         pool = ThreadPoolExecutor(self.workers) if self.workers else None
         try:
-            chunks = self._decoded(units, pool)
+            chunks = self._shards.decoded(units, pool, self.workers)
             for group in cut_batches(chunks, batch_size, self.rows, partial=True):
                 for cols in group:
                     # A view of decoded Arrow memory is read-only; torch wants writable arrays.
@@ -368,7 +294,7 @@ class ShardLoader:
         largest = max(n for _, _, n in units)
         # It never holds more than capacity + one row group, nor more than the pass.
         slots = min(self.shuffle_buffer_rows + largest, self.rows)
-        buf = ShuffleBuffer(self.shuffle_buffer_rows, slots, self._layout, warm=WARM_BATCHES * self.local_batch)
+        buf = ShuffleBuffer(self.shuffle_buffer_rows, slots, self._shards.layout, warm=WARM_BATCHES * self.local_batch)
         first = 0  # the first row group to decode live
         if skip:
             # Replay the draws on row ids alone until the stream passes `skip`.
@@ -386,7 +312,7 @@ class ShardLoader:
                 ids = buf.emit_ids(buf.draw(rng, final=True))
                 pending, first = ids[skip - emitted :], len(units)
             yield from self._materialise(buf, pending, units, offsets, pool)
-        for chunk in self._decoded(units[first:], pool):
+        for chunk in self._shards.decoded(units[first:], pool, self.workers):
             buf.add_rows(chunk)
             take = buf.draw(rng)
             if take is not None:
@@ -400,7 +326,7 @@ class ShardLoader:
         which = np.searchsorted(offsets, need, side="right") - 1
         wanted = np.unique(which)
         out = tuple(np.empty((len(pending), *c.shape[1:]), c.dtype) for c in buf.cols)
-        for p, chunk in zip(wanted, self._decoded([units[p] for p in wanted], pool)):
+        for p, chunk in zip(wanted, self._shards.decoded([units[p] for p in wanted], pool, self.workers)):
             slots = np.flatnonzero(which[: buf.n] == p)
             rows = buf.ids[slots] - offsets[p]
             rest = np.flatnonzero(which[buf.n :] == p)
@@ -413,66 +339,10 @@ class ShardLoader:
 
     # -- reading -----------------------------------------------------------------
 
-    def _decoded(self, units, pool) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """(x, y) of each row group, in the order given; `pool` decodes ahead in threads."""
-        if pool is None:
-            for u in units:
-                yield self._decode(u)
-            return
-        window: deque = deque()
-        # One row group in flight and one done per worker keeps every worker busy; more
-        # only holds memory (a row group of wide features is tens of MB), and measured
-        # no faster than 2 per worker.
-        ahead = 2 * self.workers
-        try:
-            for u in units:
-                window.append(pool.submit(self._decode, u))
-                if len(window) > ahead:
-                    yield window.popleft().result()
-            while window:
-                yield window.popleft().result()
-        finally:
-            for f in window:
-                f.cancel()
-
-    def _decode(self, unit: tuple[int, int, int]) -> tuple[np.ndarray, ...]:
-        """One row group as its chunk: every input column decoded, then the label."""
-        si, g, rows = unit
-        path = storage.display(self._paths[si])
-        # Each column once: a next_token label is its input's column.
-        columns = list(dict.fromkeys([t.column for _, t in self._inputs] + [self._label]))
-        try:
-            table = self._file(si).read_row_group(g, columns=columns, use_threads=False)
-        except Exception as e:
-            raise DataError(f"{path}: row group {g} cannot be read ({e})") from None
-        labels = table.column(self._label).combine_chunks()
-        if self._y_spec.encoding == "raw":  # next_token: the token ids, pads marked ignored
-            y = label_tokens(decode_raw(labels, self._y_spec.dtype, self._y_spec.shape), self._y_ignore)
-        else:
-            y = np.asarray(labels.to_numpy(zero_copy_only=False), dtype=self._y_dtype)
-        if len(y) != rows:
-            raise DataError(f"{path}: row group {g} holds {len(y)} rows; the manifest says {rows}")
-        if self._label_scale is not None:
-            mean, std = self._label_scale
-            y = ((y.astype(np.float64) - mean) / std).astype(self._y_dtype)
-        chunk = [decode_column(table.column(t.column), t, self._images, rows, f"{path}: row group {g}")
-                 for _, t in self._inputs]
-        return (*chunk, y)
-
-    def _file(self, si: int) -> pq.ParquetFile:
-        files = self._files.__dict__.setdefault("by_shard", {})
-        if si not in files:
-            url = self._paths[si]
-            # pre_buffer on object stores: one coalesced ranged read per row group, not one per column.
-            files[si] = pq.ParquetFile(
-                storage.open_input(url), metadata=self._meta[si], pre_buffer=storage.is_remote(url)
-            )
-        return files[si]
-
     def _to_torch(self, cols: tuple[np.ndarray, ...]):
         if not self._typed and not self.pin_memory:  # tabular on the CPU: two tensors, nothing else
             return torch.from_numpy(cols[0]), torch.from_numpy(cols[1])
-        return to_torch(cols, self._inputs, self._typed, self.pin_memory)
+        return to_torch(cols, self._shards.inputs, self._typed, self.pin_memory)
 
     # -- the background producer -------------------------------------------------
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from shardline.pipelines.manifest import ShardManifest
 
 from ..config import TrainingConfig
-from ..loader.reader import rank_shards
+from ..loader.shards import rank_shards
 
 # Files named per rank before the rest are counted: a rank of a big dataset reads hundreds.
 _FILES_SHOWN = 3
@@ -47,7 +47,7 @@ def mesh_grid(cfg: TrainingConfig, places: list[RankPlace], data_world: int, man
 
 
 def _reads(shards, data_rank: int | None, data_world: int) -> str:
-    """The data part and its files (rank r of w reads shards r, r+w, ...: loader.reader)."""
+    """The data part and its files (rank r of w reads shards r, r+w, ...: loader.shards)."""
     if data_rank is None:
         return "nothing (holds parameters)"
     mine = rank_shards(shards, data_rank, data_world)

@@ -16,30 +16,19 @@ metrics keep their 0-based epoch as step, like any training run.
 from __future__ import annotations
 
 import math
-import queue
-import threading
 from dataclasses import dataclass
 
-from shardline.foundation import report
-from shardline.foundation.storage import join as join_url, resolve as resolve_path
-from shardline.foundation.errors import ConfigError, DataError, ShardlineError, first_line
+from shardline.foundation.storage import resolve as resolve_path
+from shardline.foundation.errors import ConfigError, DataError, ShardlineError
 from shardline.foundation.redact import redact
 
 from ..config import TrackingConfig, TrainingConfig
-from ..job import check_engine, preflight, run_training
+from ..job import check_engine, preflight
 from ..task import metric_names, task_of, user_metric_names
 from .config import SweepConfig, with_setting
-from .report import TrialOutcome, fmt_params, log_summary, outcome, register_best
-from .study import (
-    PruningReporter,
-    decode,
-    distribution,
-    grid,
-    make_pruner,
-    make_sampler,
-    open_storage,
-    resolve_storage,
-)
+from .report import TrialOutcome, log_summary, outcome, register_best
+from .study import distribution, grid, make_pruner, make_sampler, open_storage, resolve_storage
+from .trials import Trials, close_interrupted, counts, run_trials, say
 from ..tracking import open_experiment
 
 # Imported inside the functions that use them: Optuna (only in a sweep); MLflow (~2.5 s: only where MLflow is
@@ -140,7 +129,6 @@ def run_sweep(
 ) -> SweepResult:
     """Run (or resume) the sweep `sweep.name` until it holds `sweep.trials` finished trials,
     each a training job on `engine` (sweep.engine's, else training.launcher's)."""
-    import optuna
     from mlflow.tracking import MlflowClient
 
     dataset_dir = resolve_path(dataset_dir, "pipelines.dataset_dir")
@@ -158,6 +146,29 @@ def run_sweep(
     searched = sweep.space.get("epochs")
     max_epochs = max([base.epochs, *(int(v) for v in searched.values_to_check())] if searched else [base.epochs])
 
+    storage, study = _open_study(sweep, storage_url, direction, max_epochs)
+    parent = _parent_run(client, study, experiment_id, sweep, direction, storage_url, dataset_dir)
+    close_interrupted(study, storage, client, parent)
+
+    dists = {name: distribution(s) for name, s in sweep.space.items()}
+    todo = _to_run(study, sweep, base, storage_url)
+    trials = Trials(sweep, base, tracking, dataset_dir, engine, client, experiment_id, parent, storage_url,
+                    max_epochs)
+    try:
+        started = run_trials(study, dists, todo, groups, trials)
+    except KeyboardInterrupt:
+        # Close the running trials now, as a resume would (their processes end with this one).
+        close_interrupted(study, storage, client, parent)
+        client.set_terminated(parent, "KILLED")
+        say(f"sweep '{sweep.name}' interrupted: run it again with the same name to resume")
+        raise
+    return _finish(study, client, parent, sweep, tracking, direction, storage_url, started)
+
+
+def _open_study(sweep: SweepConfig, storage_url: str, direction: str, max_epochs: int):
+    """The sweep's Optuna storage and study, created or loaded (a resume), with a sampler."""
+    import optuna
+
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = open_storage(storage_url)
     study = optuna.create_study(
@@ -170,72 +181,33 @@ def run_sweep(
     _check_same_study(study, sweep, direction)
     # A fresh seed per resume: the same seed would propose the first trials again.
     study.sampler = make_sampler(sweep, sweep.seed + len(study.trials))
-    parent = _parent_run(client, study, experiment_id, sweep, direction, storage_url, dataset_dir)
-    _close_interrupted(study, storage, client, parent)
+    return storage, study
 
-    dists = {name: distribution(s) for name, s in sweep.space.items()}
+
+def _to_run(study, sweep: SweepConfig, base: TrainingConfig, storage_url: str) -> int:
+    """How many trials this call runs: sweep.trials (at most the grid's points) less those done; said."""
     target = sweep.trials
     if sweep.sampler == "grid":
         size = math.prod(len(v) for v in grid(sweep.space).values())
         if target > size:
-            _say(f"the grid has {size} points: sweep.trials {target} capped to {size}")
+            say(f"the grid has {size} points: sweep.trials {target} capped to {size}")
             target = size
-    done = sum(1 for t in study.get_trials(deepcopy=False) if _counts(t))
+    done = sum(1 for t in study.get_trials(deepcopy=False) if counts(t))
     todo = max(0, target - done)
-    _say(
+    say(
         f"sweep '{sweep.name}': {done} trial(s) done, {todo} to run, {sweep.parallel} at a time "
         f"on {base.launcher} ({base.world_size} rank(s) each); study in {redact(storage_url)}"
     )
+    return todo
 
-    results: queue.Queue = queue.Queue()
-    running: dict[int, tuple] = {}
-    free_groups = list(groups) if groups is not None else None
-    started = 0
-    try:
-        while started < todo or running:
-            while started < todo and len(running) < sweep.parallel:
-                trial = study.ask(dists)
-                run_id = client.create_run(
-                    experiment_id,
-                    run_name=f"sweep {sweep.name} trial {trial.number}",
-                    tags={
-                        "mlflow.parentRunId": parent,
-                        "shardline.sweep": sweep.name,
-                        "trial_number": str(trial.number),
-                        "trial_state": "running",
-                    },
-                ).info.run_id
-                trial.set_user_attr("mlflow_run_id", run_id)
-                group = free_groups.pop() if free_groups is not None else None
-                hook = PruningReporter(
-                    storage_url, sweep.name, trial._trial_id, sweep.objective, sweep, max_epochs
-                )
-                params = {n: decode(n, v) for n, v in trial.params.items()}
-                _say(f"trial {trial.number} started: {fmt_params(params)}")
-                threading.Thread(
-                    target=_run_trial,
-                    args=(results, trial.number, base, sweep.name, params, tracking, dataset_dir,
-                          engine, run_id, hook, group),
-                    name=f"trial-{trial.number}",
-                    daemon=True,  # Ctrl-C ends the sweep now; the study marks the trial interrupted
-                ).start()
-                running[trial.number] = (trial, run_id, group)
-                started += 1
-            number, result, error = results.get()
-            trial, run_id, group = running.pop(number)
-            if group is not None:
-                free_groups.append(group)
-            _tell(study, trial, run_id, result, error, sweep.objective, client)
-    except KeyboardInterrupt:
-        # Close the running trials now, as a resume would (their processes end with this one).
-        _close_interrupted(study, storage, client, parent)
-        client.set_terminated(parent, "KILLED")
-        _say(f"sweep '{sweep.name}' interrupted: run it again with the same name to resume")
-        raise
 
+def _finish(study, client, parent: str, sweep: SweepConfig, tracking: TrackingConfig, direction: str,
+            storage_url: str, started: int) -> SweepResult:
+    """The sweep's outcome: the best trial's model registered, the summary logged, the parent run ended
+    (FAILED, and ShardlineError, when every trial counted failed)."""
     trials = study.get_trials(deepcopy=False)
     outcomes = [outcome(t) for t in trials]
-    counted = [o for t, o in zip(trials, outcomes) if _counts(t)]
+    counted = [o for t, o in zip(trials, outcomes) if counts(t)]
     complete = [t for t in outcomes if t.state == "complete"]
     best = version = model_uri = None
     if complete:
@@ -254,58 +226,6 @@ def run_sweep(
         sweep.name, storage_url, parent, sweep.objective, direction, outcomes, started, best,
         model_uri, version,
     )
-
-
-def _run_trial(results, number, base, name, params, tracking, dataset_dir, engine, run_id, hook, group) -> None:
-    """A driver thread: one training job; whatever happens goes back through `results`."""
-    try:
-        # Its own checkpoint directory: a job deletes stale checkpoints in its own at start.
-        ckpt = join_url(base.checkpoint_dir, "sweeps", name, f"trial-{number}")
-        settings = base.model_dump()
-        for key, value in {**params, "checkpoint_dir": ckpt}.items():
-            settings = with_setting(settings, key, value)
-        cfg = TrainingConfig.model_validate(settings)
-        result = run_training(
-            cfg, tracking, dataset_dir, engine, into_run=run_id, register=False, epoch_hook=hook, workers=group,
-        )
-        results.put((number, result, None))
-    except BaseException as e:  # recorded as a failed trial; the sweep goes on
-        results.put((number, None, e))
-
-
-def _tell(study, trial, run_id, result, error, objective, client) -> None:
-    from optuna.trial import TrialState
-
-    if error is None and result.stopped_early:
-        study.tell(trial, state=TrialState.PRUNED)
-        client.set_tag(run_id, "trial_state", "pruned")
-        epochs = len(study.get_trials(deepcopy=False)[trial.number].intermediate_values)
-        _say(f"trial {trial.number} pruned after epoch {epochs}")
-        return
-    if error is None and objective not in result.metrics:
-        error = ShardlineError(f"training logged no '{objective}'")
-    if error is None:
-        value = result.metrics[objective]
-        study.tell(trial, value)
-        client.set_tag(run_id, "trial_state", "complete")
-        _say(f"trial {trial.number} complete: {objective} {value:.4g}")
-        return
-    reason = _reason(error)
-    trial.set_user_attr("error", reason)
-    study.tell(trial, state=TrialState.FAIL)
-    client.set_tag(run_id, "trial_state", "failed")
-    client.set_tag(run_id, "trial_error", reason)
-    client.set_terminated(run_id, "FAILED")  # also when it failed before training opened it
-    _say(f"trial {trial.number} failed: {reason}")
-
-
-def _reason(e: BaseException) -> str:
-    return first_line(e, 500, with_type=not isinstance(e, ShardlineError))
-
-
-def _counts(t) -> bool:
-    """A finished trial counts toward sweep.trials; an interrupted one is run again."""
-    return t.state.is_finished() and not t.user_attrs.get("interrupted")
 
 
 def _check_same_study(study, sweep: SweepConfig, direction: str) -> None:
@@ -359,40 +279,3 @@ def _params(d: dict):
     from mlflow.entities import Param
 
     return [Param(k, str(v)) for k, v in d.items()]
-
-
-def _close_interrupted(study, storage, client, parent: str) -> None:
-    """Trials left running by an interrupted sweep: failed (interrupted), their params queued again."""
-    from mlflow.exceptions import MlflowException
-    from optuna.trial import TrialState
-
-    # The sweep may have died between creating a child run and recording its id in the
-    # study: find the parent's children still running by their trial number too.
-    open_children = {}
-    try:
-        experiment_id = client.get_run(parent).info.experiment_id
-        query = f"tags.mlflow.parentRunId = '{parent}' and attributes.status = 'RUNNING'"
-        for r in client.search_runs([experiment_id], query):
-            open_children[r.data.tags.get("trial_number")] = r.info.run_id
-    except MlflowException:
-        pass  # another tracking store
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        run_id = t.user_attrs.get("mlflow_run_id") or open_children.get(str(t.number))
-        if run_id and "mlflow_run_id" not in t.user_attrs:
-            storage.set_trial_user_attr(t._trial_id, "mlflow_run_id", run_id)
-        storage.set_trial_user_attr(t._trial_id, "interrupted", True)
-        storage.set_trial_user_attr(t._trial_id, "error", "interrupted: the sweep stopped while it ran")
-        study.tell(t.number, state=TrialState.FAIL)
-        study.enqueue_trial(t.params)
-        if run_id:
-            try:
-                client.set_tag(run_id, "trial_state", "failed")
-                client.set_tag(run_id, "trial_error", "interrupted")
-                client.set_terminated(run_id, "KILLED")
-            except MlflowException:
-                pass  # another tracking store
-        _say(f"trial {t.number} was interrupted: it runs again")
-
-
-def _say(msg: str) -> None:
-    report.line(f"[shardline] {msg}")
