@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import resource
 import time
+from functools import partial
 from typing import Any
 
 from .strategies import reset_peak_rss, return_freed_memory
@@ -63,6 +64,7 @@ def sharding_rank(rank: int, world_size: int, p: dict) -> dict:
     from shardline.training.config import TrainingConfig
     from shardline.training.models.decoder import Decoder
     from shardline.training.strategies import strategy_for
+    from shardline.training.task import batch_sums
 
     torch.set_num_threads(1)
     cuda = torch.cuda.is_available()
@@ -88,8 +90,9 @@ def sharding_rank(rank: int, world_size: int, p: dict) -> dict:
     part = slice(parallel.data_rank * local, (parallel.data_rank + 1) * local)
 
     def run(batches) -> None:
-        for x, y in batches:
-            parallel.step({k: v[part].to(device) for k, v in x.items()}, y[part].to(device))
+        for x, y in batches:  # as the built-in loop steps: the figures' sums, not the outputs, kept
+            parallel.step_sums({k: v[part].to(device) for k, v in x.items()}, y[part].to(device),
+                               partial(batch_sums, "next_token"))
 
     run(_tokens(p["warmup"], p["global_batch"], m, seed=1))
     start = time.perf_counter()

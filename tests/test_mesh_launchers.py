@@ -92,7 +92,7 @@ def test_meshes_on_a_spark_barrier_stage_of_4_tasks(prepared, reference, tmp_pat
     )
     for name, mesh in (("dp_shard-tp", ["training.mesh.dp_shard=2", "training.mesh.tp=2"]),
                        ("pp-tp", ["training.mesh.pp=2", "training.mesh.tp=2", "training.model=transformer",
-                                  "training.hidden=[16, 16]"])):
+                                  "training.hidden=[16, 16]", "training.epochs=1"])):  # trains: 1 epoch says so
         ckpt = tmp_path / name
         sets = [a for s in [*mesh, f"training.checkpoint_dir='{ckpt}'"] for a in ("--set", s)]
         proc = shardline("train", str(config), *sets, "--set", f"tracking.registered_model='mesh-spark-{name}'",

@@ -383,6 +383,42 @@ def stage_report(rank: int, world_size: int, args: dict) -> dict:
     }
 
 
+def sums_of_the_first_steps(rank: int, world_size: int, args: dict) -> dict:
+    """The built-in loop's steps (step_sums) from the start: the plain weights before each step
+    and what the last stage returned."""
+    from functools import partial
+
+    from shardline.training.task import batch_sums
+
+    torch.manual_seed(0)
+    parallel = _setup(rank, world_size, MODELS["mlp"](), micro_batches=4, batch_size=36)
+    steps = []
+    for x, y in global_batches(2, 36):
+        before = parallel.full_state_dict()
+        out, sums = parallel.step_sums(x, y, partial(batch_sums, "classification"))
+        steps.append({"before": before, "out": out, "sums": sums})
+    return {"steps": steps, "last": parallel.last}
+
+
+def test_step_sums_adds_up_the_micro_batches_as_the_whole_batch_and_keeps_no_outputs():
+    # The first step calls the loss once more before its micro-batches (torch infers the
+    # backward's shapes): its sums must not count. Against the plain model's batch, per step.
+    from shardline.training.task import batch_sums
+
+    ranks = launch_local(sums_of_the_first_steps, {}, world_size=2, timeout_s=120)
+    assert [r["last"] for r in ranks] == [False, True]
+    assert all(s["out"] is None and s["sums"] is None for s in ranks[0]["steps"])
+    for (x, y), step in zip(global_batches(2, 36), ranks[1]["steps"]):
+        model = MODELS["mlp"]()
+        model.load_state_dict(step["before"])
+        with torch.no_grad():
+            logits = model(x)
+        expected = batch_sums("classification", logits, y, F.cross_entropy(logits, y))
+        torch.testing.assert_close(step["sums"], expected, rtol=1e-5, atol=1e-5)
+        outputs, loss = step["out"]
+        assert outputs is None and loss == pytest.approx(F.cross_entropy(logits, y).item(), rel=1e-5)
+
+
 def three_ranks(rank: int, world_size: int, args: dict) -> dict:
     """The cnn cut by configured boundaries; the mlp's held activations under GPipe and 1F1B."""
     out = {"cnn": stage_report(rank, world_size, args)}

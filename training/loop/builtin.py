@@ -147,7 +147,7 @@ def train_epoch(ctx: LoopContext, run: Run, epoch: int) -> None:
         waited += time.perf_counter() - t
         # Features or named tensors (training.batch); None on a rank that reads no data.
         x, y = split_batch(batch)
-        out = parallel.step(ctx.to_device(x), ctx.to_device(y))
+        out, sums = parallel.step_sums(ctx.to_device(x), ctx.to_device(y), partial(task.batch_sums, run.kind))
         if run.scheduler:
             run.scheduler.step()
         # A step's time: waiting for its batch plus computing on it (not logging or checkpoints).
@@ -155,8 +155,8 @@ def train_epoch(ctx: LoopContext, run: Run, epoch: int) -> None:
         run.step += 1
         steps_run += 1
         seen += len(y) if y is not None else 0
-        if out is not None:
-            run.sums += task.batch_sums(run.kind, out[0], y, out[1])
+        if sums is not None:
+            run.sums += sums
         if run.step % cfg.log_every_steps == 0:
             log_step(ctx, run, out)
         if cfg.checkpoint_every_steps and run.step % cfg.checkpoint_every_steps == 0:

@@ -180,6 +180,10 @@ class LoopContext:
         say which part of each batch this rank reads (`ctx.loader` follows them from now on;
         `data_rank` None: this rank reads none). A Parallel goes into `ctx.save`'s state as a
         whole (its model and optimizer state) and `ctx.register` takes it.
+        `.step_sums(x, y, sums)` is the same step returning `((output, loss), sums(output, y, loss))`
+        as the built-in loop counts its figures (`training.task.batch_sums`): a pipeline's last
+        stage then adds them up a micro-batch at a time and keeps no outputs (output None), where
+        `.step` holds the whole batch's.
         """
         from .prepare import make_parallel
 

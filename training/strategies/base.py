@@ -37,6 +37,8 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 # call). A strategy whose `builds_model` is True takes one in place of the model and calls it
 # under torch.device("meta") on every rank, and for real where it needs the values (fsdp).
 ModelBuilder = Callable[[], nn.Module]
+# (outputs, labels, mean loss) -> the batch's sums (training.task.batch_sums for the job's task).
+BatchSums = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Parallel:
@@ -60,6 +62,15 @@ class Parallel:
         batch where `reports`, else None. x is the features tensor or the named tensors
         (training.batch); x, y are None where data_rank is None."""
         raise NotImplementedError
+
+    def step_sums(self, x: Inputs | None, y: torch.Tensor | None, sums: BatchSums
+                  ) -> tuple[tuple[torch.Tensor | None, torch.Tensor] | None, torch.Tensor | None]:
+        """`step`, and `sums(outputs, y, mean loss)` of its batch (training.task.batch_sums: what
+        the epoch's figures add up) where `reports`, else None. A strategy that sees the batch a
+        micro-batch at a time (pipeline) sums each as it comes and keeps no outputs: its
+        (outputs, loss) then has outputs None."""
+        out = self.step(x, y)
+        return out, (sums(out[0], y, out[1]) if out is not None and y is not None else None)
 
     def forward_eval(self, x: Inputs) -> torch.Tensor:
         """Where `evaluates_sharded`: the sharded model's outputs. Collective: every rank

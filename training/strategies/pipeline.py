@@ -35,7 +35,7 @@ from .. import collectives
 from ..batch import as_args, as_kwargs, names
 from ..config import TrainingConfig
 from ..task import loss_for
-from .base import ModelBuilder, OptimizerFactory, Parallel
+from .base import BatchSums, ModelBuilder, OptimizerFactory, Parallel
 from .parallelize import Plans, materialise, parallelize, plain_replicas, shape_of
 from .pipeline_stages import model_layers, pipeline_layout, stage_bounds
 from .pipeline_timing import RankClock, StepLog, TimedStage, step_bubbles
@@ -152,12 +152,39 @@ class PipelineRank(Parallel):
         formula = closed_form(lay)  # exact where a formula exists; else the replay's
         self.bubble_formula = formula[1] / formula[2] if formula else schedule_bubble(lay)
         self.steps_run = 0
+        # The step's outputs (or their sums: step_sums) while it runs, where this rank returns them (_keep).
+        self.keeping, self.parts = False, []
+        self.summing: BatchSums | None = None
+        self.step_total: torch.Tensor | None = None
 
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = self.loss(logits, y)
+        if self.keeping:
+            self._keep(logits.detach(), y, loss.detach())
         if self.clock is not None:
             self.clock.extend_last_forward()
         return loss
+
+    def _keep(self, logits: torch.Tensor, y: torch.Tensor, loss: torch.Tensor) -> None:
+        """A micro-batch's outputs for the step's return, or (step_sums) only their sums."""
+        if self.summing is not None:
+            self.parts.append(self.summing(logits, y, loss))
+        else:
+            self.parts.append(logits)
+
+    def step_sums(self, x, y, sums: BatchSums):
+        """The batch's sums added up a micro-batch at a time, and no outputs kept: the last
+        stage would otherwise hold the whole batch's logits through the step (torch's
+        return_outputs keeps each micro-batch's, then concatenates them), its largest extra
+        over an FSDP rank (a quarter of the batch each) on a wide vocabulary (`shardline bench
+        sharding`). Per micro-batch, a batch with pads counts each one's mean loss by its own
+        tokens."""
+        self.summing = sums
+        try:
+            out = self.step(x, y)
+        finally:
+            self.summing = None
+        return out, self.step_total
 
     def step(self, x, y):
         for stage in self.stages:
@@ -175,7 +202,18 @@ class PipelineRank(Parallel):
                     stage.submod.input_names = names(x)
         args = as_args(x) if self.first else ()
         losses: list[torch.Tensor] = []  # each micro-batch's mean loss, on the last stage
-        logits = self.schedule.step(*args, target=y if self.last else None, losses=losses)
+        # Outputs kept only where returned (the last stage's reporting rank); the last len(losses) of
+        # them are the micro-batches' (the first step calls the loss once more before them, on
+        # a forward of its own, to infer the backward's shapes).
+        self.keeping, self.parts = self.last and self.reports, []
+        self.schedule.step(*args, target=y if self.last else None, losses=losses, return_outputs=False)
+        parts = self.parts[-len(losses):] if self.keeping else []
+        self.keeping, self.parts = False, []
+        logits = self.step_total = None
+        if parts and self.summing is not None:
+            self.step_total = torch.stack(parts).sum(0)
+        elif parts:
+            logits = torch.cat(parts)
         if self.clock is not None:
             self.clock.end()
         self.steps_run += 1
@@ -185,7 +223,7 @@ class PipelineRank(Parallel):
         if self.optimizer is not None:
             self.optimizer.step()
         if self.last and self.reports:
-            return logits.detach(), torch.stack(losses).detach().mean()
+            return logits, torch.stack(losses).detach().mean()
         return None
 
     def checkpoint_parts(self, restoring: bool = False) -> dict:
