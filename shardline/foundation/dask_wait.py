@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-POLL_S = 0.2  # how often the states are read: nothing is sent to the scheduler for it
+POLL_S = 0.05  # how often the states are read (attributes the client's loop updates: nothing is sent); a fit waits twice
 ASK_EVERY_S = 2.0  # how often `give_up` is asked (it may ask the scheduler)
 
 
