@@ -12,6 +12,9 @@ is full tier too; its resume logic is the quick tier's tests/test_strategy_jobs.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -25,7 +28,6 @@ from shardline.training.checkpoints.store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 
-from .conftest import shardline
 from .test_checkpoints import _kill_rank_after_first_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -81,23 +83,46 @@ def test_a_killed_rank_of_a_dp_shard_x_tp_job_resumes_to_the_same_weights(prepar
     _equal(result.weights, reference.weights)
 
 
+# Both Spark jobs in one process of their own, on one SparkSession of 4 slots: a second JVM
+# and Python start would cost ~15 s and check nothing more (the CLI's Spark path is the
+# quick tier's tests/test_quickstart.py).
+SPARK_JOBS = """
+import sys
+import shardline
+from shardline.foundation.engine_config import SparkConfig
+from shardline.foundation.sessions import spark_session
+
+config, jobs = sys.argv[1], sys.argv[2:]
+spark = spark_session(SparkConfig(master="local[4,1]"))
+try:
+    for job in jobs:
+        shardline.train(config, job.split(";"), spark=spark)
+finally:
+    spark.stop()
+"""
+
+
 def test_meshes_on_a_spark_barrier_stage_of_4_tasks(prepared, reference, tmp_path):
-    """The CLI in a process of its own (a JVM of 4 slots): the dp_shard x tp job ends on the
-    local run's weights, and pp x tp trains too, its stages each split by tp."""
+    """A process of its own (a JVM of 4 slots): the dp_shard x tp job ends on the local run's
+    weights, and pp x tp trains too, its stages each split by tp."""
     config = tmp_path / "job.toml"
     config.write_text(
-        f"[pipelines]\ndataset_dir = '{prepared.dataset_dir}'\n[spark]\nmaster = 'local[4,1]'\n"
+        f"[pipelines]\ndataset_dir = '{prepared.dataset_dir}'\n"
         "[training]\nlauncher = 'spark'\nworld_size = 4\nepochs = 3\nbatch_size = 128\nhidden = [64, 32]\n"
         "checkpoint_every_steps = 10\nkeep_checkpoints = 100\ntimeout_s = 120\n"
+        f"[tracking]\ntracking_uri = 'sqlite:///{tmp_path / 'mlflow.db'}'\n"
     )
-    for name, mesh in (("dp_shard-tp", ["training.mesh.dp_shard=2", "training.mesh.tp=2"]),
-                       ("pp-tp", ["training.mesh.pp=2", "training.mesh.tp=2", "training.model=transformer",
-                                  "training.hidden=[16, 16]", "training.epochs=1"])):  # trains: 1 epoch says so
-        ckpt = tmp_path / name
-        sets = [a for s in [*mesh, f"training.checkpoint_dir='{ckpt}'"] for a in ("--set", s)]
-        proc = shardline("train", str(config), *sets, "--set", f"tracking.registered_model='mesh-spark-{name}'",
-                         cwd=tmp_path, timeout=900)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        if name == "dp_shard-tp":  # launchers agree bit for bit (CPU, one thread per rank)
-            latest = CheckpointStore(str(ckpt)).latest()
-            _equal(sharded.read_weights(str(Path(latest))), reference.weights)
+    jobs = {"dp_shard-tp": ["training.mesh.dp_shard=2", "training.mesh.tp=2"],
+            "pp-tp": ["training.mesh.pp=2", "training.mesh.tp=2", "training.model=transformer",
+                      "training.hidden=[16, 16]", "training.epochs=1"]}  # trains: 1 epoch says so
+    args = [";".join([*mesh, f"training.checkpoint_dir='{tmp_path / name}'",
+                      f"tracking.registered_model='mesh-spark-{name}'"]) for name, mesh in jobs.items()]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    proc = subprocess.run([sys.executable, "-c", SPARK_JOBS, str(config), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("✓ Training") == 2, proc.stderr[-3000:]
+    # launchers agree bit for bit (CPU, one thread per rank)
+    latest = CheckpointStore(str(tmp_path / "dp_shard-tp")).latest()
+    _equal(sharded.read_weights(str(Path(latest))), reference.weights)
+    assert CheckpointStore(str(tmp_path / "pp-tp")).latest() is not None
