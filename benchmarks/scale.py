@@ -40,7 +40,7 @@ STAGES = ("prepare", "train", "score")
 
 def run(rows: int = DEFAULT_ROWS, data_dir: str = "shardline-data/bench-scale", steps: int = 2000,
         engines: tuple[str, ...] = ("spark", "dask"), one_core: bool = True, sample_rows: int | None = None,
-        progress=print) -> dict:
+        warm_up: bool = True, progress=print) -> dict:
     from shardline import forecasting as fc
     from shardline.config import load_config
 
@@ -48,7 +48,7 @@ def run(rows: int = DEFAULT_ROWS, data_dir: str = "shardline-data/bench-scale", 
     small = max(rows // GROWTH, WARM_ROWS)
     check_disk(data, rows)
     raw = {n: quickstart_csv(data, n, progress) for n in sorted({small, rows})}
-    warm = quickstart_csv(data, WARM_ROWS, progress)
+    warm = quickstart_csv(data, WARM_ROWS, progress) if warm_up else None
     work = data / "work"
     shutil.rmtree(work, ignore_errors=True)
     tracking = f"sqlite:///{work / 'mlflow.db'}"
@@ -64,8 +64,11 @@ def run(rows: int = DEFAULT_ROWS, data_dir: str = "shardline-data/bench-scale", 
             for cores in ((1, 2) if one_core else (2,)):
                 handle = ENGINES[engine].open(cores)
                 try:
-                    progress(f"{engine} on {cores} core(s): warming up on {WARM_ROWS:,} rows (not reported)")
-                    run_leg(warm, work / "warm", engine, cores, handle, tracking, 4, 1, lambda _: None)
+                    # The first job on a fresh engine pays for imports and JIT the legs would
+                    # otherwise charge to their first stage; --no-warm-up keeps that cost in.
+                    if warm is not None:
+                        progress(f"{engine} on {cores} core(s): warming up on {WARM_ROWS:,} rows (not reported)")
+                        run_leg(warm, work / "warm", engine, cores, handle, tracking, 4, 1, lambda _: None)
                     for n in (sorted(raw) if cores == 2 else [small]):
                         cfg = load_config(leg_config(raw[n], work / "leg", engine, cores, tracking, "x"))
                         f = fc.forecast(measured[n], cfg, fc.Cluster(hosts=1, cores=cores), engine, steps)
@@ -78,7 +81,7 @@ def run(rows: int = DEFAULT_ROWS, data_dir: str = "shardline-data/bench-scale", 
                     ENGINES[engine].close(handle)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return summarize(rows, small, steps, raw, measured, legs)
+    return {**summarize(rows, small, steps, raw, measured, legs), "warm_up": warm_up}
 
 
 # Disk a row takes at the peak of a leg: its raw CSV (~83 bytes, kept), its shards and the

@@ -328,7 +328,7 @@ def bench_fsdp_limit(budget_mb, as_json):
 @bench.command("scale")
 @scale_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
-def bench_scale(rows, data_dir, steps, engines, one_core, as_json):
+def bench_scale(rows, data_dir, steps, engines, one_core, warm_up, as_json):
     """A large dataset on Spark and Dask: prepare, ddp steps, scoring; wall, rows/s, peak RSS of every
     process, disk written; growth over 1/100 of the rows; the forecast checked at 1 and 2 cores."""
     from shardline.benchmarks.scale import run as run_bench
@@ -336,7 +336,7 @@ def bench_scale(rows, data_dir, steps, engines, one_core, as_json):
     from .cli_bench_scale import print_scale
 
     result = _bench(run_bench, as_json, rows=rows, data_dir=data_dir, steps=steps,
-                    engines=tuple(engines) or ("spark", "dask"), one_core=one_core)
+                    engines=tuple(engines) or ("spark", "dask"), one_core=one_core, warm_up=warm_up)
     if result is not None:
         print_scale(result)
 

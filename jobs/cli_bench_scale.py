@@ -64,6 +64,9 @@ def scale_options(fn):
                       help="Engines to run [default: both].")(fn)
     fn = click.option("--no-one-core", "one_core", is_flag=True, default=True, flag_value=False,
                       help="Skip the 1-core legs that check the forecast at 1 core.")(fn)
+    fn = click.option("--no-warm-up", "warm_up", is_flag=True, default=True, flag_value=False,
+                      help="Skip each engine's unreported warm-up job: the first leg's figures then include "
+                           "the engine's first-job costs (imports, JIT).")(fn)
     return fn
 
 

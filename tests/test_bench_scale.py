@@ -60,10 +60,13 @@ def test_the_summary_is_its_figures_arithmetic():
 @pytest.mark.slow
 def test_bench_scale_at_a_tiny_size(tmp_path):
     """Full tier only: it starts Spark and Dask (2 cores each), trains and scores on each at two
-    sizes (~1 min idle). The 1-core legs (--no-one-core skips them) run the same code with
-    another core count; the quick tier checks the arithmetic on chosen figures above."""
+    sizes (~30 s idle). The 1-core legs (--no-one-core skips them) and the warm-up job on each
+    engine (--no-warm-up) run the same code with another core count or unreported; the quick
+    tier checks the arithmetic on chosen figures above."""
     data = tmp_path / "data"
-    r = _bench_json(tmp_path, "scale", "--rows", "40000", "--data-dir", str(data), "--steps", "6", "--no-one-core")
+    r = _bench_json(tmp_path, "scale", "--rows", "40000", "--data-dir", str(data), "--steps", "6", "--no-one-core",
+                    "--no-warm-up")
+    assert r["warm_up"] is False
     assert {(leg["engine"], leg["cores"], leg["rows"]) for leg in r["legs"]} == {
         (e, 2, n) for e in ("spark", "dask") for n in (20_000, 40_000)}
     for leg in r["legs"]:
