@@ -1,8 +1,8 @@
 # `make run`: create .venv and run the quickstart on the embedded engines.
 # `make test`: create .venv and run the quick tier (every test not marked slow, cluster or
 #   multihost; under 10 minutes on 2 cores), what a contributor runs before a commit.
-# `make test-all`: create .venv and run the whole suite, the quick tier then the rest, each
-#   timed (tests/tiers.sh); what CI runs. It installs Chromium if missing (as root, apt-get).
+# `make test-all`: create .venv and run the whole suite in one pytest, the quick tier's tests
+#   then the rest, each tier timed (tests/tiers.sh); what CI runs. It installs Chromium if missing (as root, apt-get).
 #   PYTEST_ARGS go to pytest in both, e.g. make test PYTEST_ARGS=-x
 # `make docs` / `make docs-serve`: build (strict) / serve the documentation site (mkdocs.yml).
 # `make docs-ref`: regenerate docs/reference/ from the code (config models, CLI, bad-input catalog).

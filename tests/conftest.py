@@ -49,11 +49,23 @@ FULL_TIER_FIXTURES = {
 }
 
 
+FULL_TIER_MARKERS = ("slow", "cluster", "multihost")
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects on the markers
 def pytest_collection_modifyitems(items):
     for item in items:
         for fixture in FULL_TIER_FIXTURES.keys() & set(item.fixturenames):
             item.add_marker(FULL_TIER_FIXTURES[fixture])
+    # `tests/tiers.sh all` runs both tiers in one pytest: the quick tier's tests first, then
+    # the rest, each in its files' order, so the session's engines, servers and datasets
+    # start once for both (a second pytest spent ~20 s starting and collecting them again).
+    # Each test's tier is in the JUnit file (tests/tier_times.py reads it).
+    for item in items:
+        full = any(item.get_closest_marker(m) for m in FULL_TIER_MARKERS)
+        item.user_properties.append(("tier", "full-only" if full else "quick"))
+    if os.environ.get("SHARDLINE_TIERS") == "all":
+        items.sort(key=lambda item: dict(item.user_properties)["tier"] == "full-only")  # stable
 
 
 # The class archive being written in the background (see jvm_class_archive).

@@ -2,16 +2,16 @@
 # The suite's two tiers; a test's tier is its marker (pyproject.toml).
 #
 #   tests/tiers.sh quick [pytest args]   # `make test`: every test not marked slow, cluster or multihost
-#   tests/tiers.sh all [pytest args]     # `make test-all`: the quick tier, then the tests only the full
-#                                        # tier runs (each test once), each timed, then both tiers'
-#                                        # durations and the 15 slowest tests of the two
+#   tests/tiers.sh all [pytest args]     # `make test-all`: one pytest, the quick tier's tests first,
+#                                        # then the tests only the full tier runs (each test once);
+#                                        # then both tiers' durations and the 15 slowest tests
 #   PYTHON=/path/to/python tests/tiers.sh quick -x
 #
 # What the full tier needs beyond the README's Python 3.11 and Java 17 is settled, or said,
 # before the first test: Chromium (tests/test_ui.py; installed here as root with apt-get)
 # and root (the multi-host bed's network namespaces; skipped with its reason otherwise).
-# Both runs always run; the exit status is the first non-zero one (pytest's 5, nothing
-# collected, included).
+# The exit status is pytest's, or tests/tier_times.py's when a tier collected no test (5, as
+# pytest says for nothing collected).
 set -u
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -41,17 +41,13 @@ if [ "$(id -u)" != 0 ]; then
     echo "test-all: not root: the multi-host bed (tests/test_multihost.py, network namespaces) will be skipped"
 fi
 
-status=0
-run_tier() {  # NAME [pytest args]: one timed pytest run, its results in $OUT/NAME.xml
-    local name=$1 start code
-    shift
-    start=$(date +%s)
-    "$PYTHON" -m pytest --junitxml="$OUT/$name.xml" "$@"
-    code=$?
-    echo "test-all: $name: pytest exit $code in $(( $(date +%s) - start )) s"
-    [ "$status" -ne 0 ] || status=$code
-}
-run_tier quick -m "$QUICK" "$@"
-run_tier full-only -m "not ($QUICK)" "$@"
-"$PYTHON" tests/tier_times.py "$OUT/quick.xml" "$OUT/full-only.xml"
+# One pytest for both tiers: the session's engines, servers and datasets start once
+# (tests/conftest.py puts the quick tier's tests first and writes each test's tier).
+start=$(date +%s)
+SHARDLINE_TIERS=all "$PYTHON" -m pytest --junitxml="$OUT/all.xml" "$@"
+status=$?
+echo "test-all: pytest exit $status in $(( $(date +%s) - start )) s"
+"$PYTHON" tests/tier_times.py "$OUT/all.xml"
+times=$?
+[ "$status" -ne 0 ] || status=$times
 exit "$status"
