@@ -68,6 +68,19 @@ def pytest_collection_modifyitems(items):
         items.sort(key=lambda item: dict(item.user_properties)["tier"] == "full-only")  # stable
 
 
+@pytest.fixture(autouse=True)
+def _sys_path_as_found():
+    """Each test leaves sys.path as it found it (what the session's fixtures added before it
+    stays). `mlflow.pyfunc.load_model` puts the model's code folder first on sys.path and
+    leaves it there, and a shardline model's folder holds a copy of shardline's engine
+    packages: a process that multiprocessing starts later imports from the parent's path, so
+    after the quick tier's tests, in the same pytest, bench score's processes imported that
+    copy ("No module named 'shardline.benchmarks'")."""
+    before = list(sys.path)
+    yield
+    sys.path[:] = before
+
+
 # The class archive being written in the background (see jvm_class_archive).
 _ARCHIVE: dict = {}
 

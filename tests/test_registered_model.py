@@ -66,6 +66,27 @@ def test_the_registered_model_holds_safetensors_and_json_not_a_pickle(prepared, 
         assert (v == result.weights[k]).all(), k
 
 
+def test_logging_a_model_leaves_sys_path_as_it_found_it(prepared, tracking_uri):
+    """MLflow loads a logged model back to check its input example and leaves the model's code
+    folder, with its copy of shardline's engine packages, first on sys.path; a process started
+    from the driver afterwards (multiprocessing, a rank server) imported shardline from it."""
+    import mlflow
+
+    from shardline.training.config import TrainingConfig
+    from shardline.training.models.builtin import build_model
+    from shardline.training.models.registered import log_raw_model
+
+    manifest = load_manifest(prepared.dataset_dir)
+    cfg = TrainingConfig(model="mlp", hidden=[4])
+    before = list(sys.path)
+    mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_experiment("model-path-test")
+    with mlflow.start_run():
+        log_raw_model(build_model(manifest, cfg).eval(), manifest, cfg, None, pip_requirements=["torch"])
+    # The folder the job runs from may be added (a user's project is importable: user_code).
+    assert [p for p in sys.path if p not in before and p != os.getcwd()] == []
+
+
 USER_FACTORY = '''
 from torch import nn
 

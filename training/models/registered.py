@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import zipfile
 from pathlib import Path
@@ -266,23 +267,31 @@ def log_raw_model(model, manifest: ShardManifest, cfg, registered_name: str | No
         }))
         io = io_of(loop_model)
         own = bool(io)
-        with registry_said_nothing():  # "Successfully registered model 'm'." and its like
-            return mlflow.pyfunc.log_model(
-                name="model",
-                python_model=str(ENTRY),
-                artifacts={WEIGHTS: weights, MODULE: module, TRANSFORM: transform},
-                # Named tensors: by name, any type (no MLflow type says "uint8 [3, 8, 8]": module docstring).
-                signature=(loop_signature(spec, stats, io, tensors) if own
-                           else typed_signature(spec, stats, tensors) if spec.typed else signature(spec, stats)),
-                input_example=None if spec.typed or own else example_rows(spec, stats),
-                # What batch scoring needs to know before it loads the model (serving.models.ResolvedModel).
-                metadata={"shardline_io": io} if io else None,
-                # Each folder lands in the model's code/ by its own name: code/shardline, and the
-                # user's packages beside it, importable as they were in training.
-                code_paths=[os.path.join(code_dir, "shardline"), *user_code],
-                registered_model_name=registered_name,
-                **kwargs,
-            )
+        # MLflow loads the model back to check its input example, which puts the model's code
+        # folder (its copy of shardline's engine packages) first on sys.path and leaves it
+        # there: a process this one starts later (multiprocessing, a rank server) would import
+        # shardline from that copy. The path is put back as it was.
+        path = list(sys.path)
+        try:
+            with registry_said_nothing():  # "Successfully registered model 'm'." and its like
+                return mlflow.pyfunc.log_model(
+                    name="model",
+                    python_model=str(ENTRY),
+                    artifacts={WEIGHTS: weights, MODULE: module, TRANSFORM: transform},
+                    # Named tensors: by name, any type (no MLflow type says "uint8 [3, 8, 8]": module docstring).
+                    signature=(loop_signature(spec, stats, io, tensors) if own
+                               else typed_signature(spec, stats, tensors) if spec.typed else signature(spec, stats)),
+                    input_example=None if spec.typed or own else example_rows(spec, stats),
+                    # What batch scoring needs to know before it loads the model (serving.models.ResolvedModel).
+                    metadata={"shardline_io": io} if io else None,
+                    # Each folder lands in the model's code/ by its own name: code/shardline, and the
+                    # user's packages beside it, importable as they were in training.
+                    code_paths=[os.path.join(code_dir, "shardline"), *user_code],
+                    registered_model_name=registered_name,
+                    **kwargs,
+                )
+        finally:
+            sys.path[:] = path
 
 
 def _unpacked(code, folder: str) -> list[str]:
