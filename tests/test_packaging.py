@@ -44,12 +44,9 @@ def _not_shipped(venv: Path) -> list[str]:
     the 97,000 files here; unpacking costs about a second per 2,500 files, twice per
     application). The entries are found from the installed metadata, not listed by hand."""
     import importlib.metadata as md
-    import re
 
     from packaging.requirements import Requirement
-
-    def name(n: str) -> str:
-        return re.sub(r"[-_.]+", "-", n).lower()
+    from packaging.utils import canonicalize_name as name
 
     dists = {name(d.metadata["Name"]): d for d in md.distributions(path=[str(p) for p in venv.glob("lib/python*/site-packages")])}
     needed, todo = set(), [("shardline", frozenset())]
@@ -74,17 +71,17 @@ def _not_shipped(venv: Path) -> list[str]:
     return sorted(str(top) for top, shipped_by in owners.items() if shipped_by == {False})
 
 
-def pack_venv(venv: Path, out: Path) -> subprocess.Popen:
+def pack_venv(venv: Path, out: Path, left_out: list[str]) -> subprocess.Popen:
     """docs/deploy.md's command, started (the caller waits; its errors go to `out`.log),
     its `gzip -1` stage replaced by STORE. -h: Spark refuses archive entries that are symlinks
     leading outside the archive (bin/python is one); .tar.gz: Spark unpacks it with `tar`,
     which keeps the executable bits (a plain .tar lost them here). The editable install of
     shardline stays out: shardline ships its own packages. pyspark's jars stay out too (462 MB of
     the 2.5 GB): an executor's JVM is its worker's own Spark, and the Python workers it
-    starts need no jars (this test shows it). So do the extras' packages (_not_shipped):
-    a worker needs shardline's requirements only."""
+    starts need no jars (this test shows it). So do the extras' packages (`left_out`,
+    _not_shipped's): a worker needs shardline's requirements only."""
     entries = [e.name for e in venv.iterdir() if e.name != "lib64"]
-    Path(f"{out}.exclude").write_text("".join(f"{e}\n" for e in _not_shipped(venv)))
+    Path(f"{out}.exclude").write_text("".join(f"{e}\n" for e in left_out))
     with open(f"{out}.log", "wb") as errors:
         return subprocess.Popen(
             f"set -o pipefail; tar -h --exclude='__editable__*' --exclude='shardline-*.dist-info' "
@@ -94,9 +91,9 @@ def pack_venv(venv: Path, out: Path) -> subprocess.Popen:
         )
 
 
-def _unpacked_bytes(venv: Path) -> int:
+def _unpacked_bytes(venv: Path, left_out: list[str]) -> int:
     """What pack_venv's archive holds once unpacked (symlinks followed, as tar -h does)."""
-    skip = {venv / "lib64", *venv.glob("lib/python*/site-packages/pyspark/jars"), *(venv / e for e in _not_shipped(venv))}
+    skip = {venv / "lib64", *venv.glob("lib/python*/site-packages/pyspark/jars"), *(venv / e for e in left_out)}
     total = 0
     for root, dirs, files in os.walk(venv, followlinks=True):
         dirs[:] = [d for d in dirs if Path(root, d) not in skip]
@@ -123,14 +120,15 @@ def packed_cluster(tmp_path_factory):
     # worker's folder); stored, not compressed, the archive and each copy are as big as what
     # they unpack to. Short of room, tar fails file by file deep in a JVM's stack trace: say
     # so first, instead.
-    need = 5 * _unpacked_bytes(VENV) + 2**30
+    left_out = _not_shipped(VENV)  # ~2 s: read once, for the room needed and for tar
+    need = 5 * _unpacked_bytes(VENV, left_out) + 2**30
     free = shutil.disk_usage(tmp).free
     assert free > need, f"{tmp}: {free / 2**30:.1f} GB free, this test needs {need / 2**30:.1f} GB"
     archive = tmp / "env.tar.gz"
     cluster = packing = None
     try:
         # Packing (tens of seconds: 2 GB read and written) and the cluster's start (two JVMs) overlap.
-        packing = pack_venv(VENV, archive)
+        packing = pack_venv(VENV, archive, left_out)
         port, webui = free_port(), free_port()
         log = tmp / "spark.log"
         # PYTHONPATH emptied: the workers must not see this checkout either. One worker, one

@@ -24,14 +24,15 @@ def main(path: str) -> int:
     tests, tiers = [], {t: {"time": 0.0, "tests": 0, "failed": 0, "errors": 0, "skipped": 0} for t in TIERS}
     for case in ET.parse(path).getroot().iter("testcase"):
         props = {p.get("name"): p.get("value") for p in case.iter("property")}
-        tier = tiers.setdefault(props.get("tier", "unknown"), dict.fromkeys(tiers["quick"], 0))
+        tier_name = props.get("tier", "unknown")
+        tier = tiers.setdefault(tier_name, dict.fromkeys(tiers["quick"], 0))
         seconds = float(case.get("time", 0))
         tier["time"] += seconds
         tier["tests"] += 1
         for tag, key in (("failure", "failed"), ("error", "errors"), ("skipped", "skipped")):
             tier[key] += case.find(tag) is not None
         name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
-        tests.append((seconds, props.get("tier", "unknown"), name))
+        tests.append((seconds, tier_name, name))
     print("test-all: tiers")
     for name, t in tiers.items():
         print(f"  {name:<10} {t['time']:7.1f} s  {t['tests']} tests, {t['failed']} failed, {t['errors']} errors, "
