@@ -12,10 +12,13 @@ is full tier too; its resume logic is the quick tier's tests/test_strategy_jobs.
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -23,12 +26,12 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from shardline.engines import DaskEngine, LocalEngine
+from shardline.foundation.lease import process_alive, process_start_ticks
 from shardline.training.checkpoints import sharded
 from shardline.training.checkpoints.store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 
-from .test_checkpoints import _kill_rank_after_first_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -63,13 +66,49 @@ def four_dask_workers():
     cluster.close()
 
 
+def _ranks_of(ckpt: Path, world_size: int) -> dict[int, tuple[int, str | None]]:
+    """Each rank's process as it announced itself (ranks/rank-N.json), with its start time."""
+    said = {}
+    for rank in range(world_size):
+        try:
+            pid = json.loads((ckpt / "ranks" / f"rank-{rank}.json").read_text())["pid"]
+        except (FileNotFoundError, ValueError):
+            continue
+        said[rank] = (pid, process_start_ticks(pid))
+    return said
+
+
+def _kill_and_watch_the_relaunch(ckpt: Path, rank: int, world_size: int, done: threading.Event,
+                                 seen: dict) -> None:
+    """SIGKILL `rank` once a checkpoint exists; then, the moment every rank of the relaunch has
+    announced itself, note which processes of the killed attempt still run. None may: a
+    survivor sharing a process with the new group is how a relaunch mixes two meshes. (This
+    test's one failure, [1, 8] against [2, 8] in materialise, was seen while Dask ranks still
+    ran inside their workers' processes; each rank is a process of its own since.)"""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not done.is_set():
+        first = _ranks_of(ckpt, world_size)
+        if CheckpointStore(str(ckpt)).paths() and len(first) == world_size:
+            os.kill(first[rank][0], signal.SIGKILL)
+            seen["killed"], seen["first"] = first[rank][0], first
+            break
+        time.sleep(0.005)
+    old = {pid for pid, _ in seen.get("first", {}).values()}
+    while old and time.monotonic() < deadline and not done.is_set():
+        now = _ranks_of(ckpt, world_size)
+        if len(now) == world_size and not {pid for pid, _ in now.values()} & old:
+            seen["alive"] = [pid for pid, start in seen["first"].values() if start and process_alive(pid, start)]
+            return
+        time.sleep(0.005)
+
+
 @pytest.mark.parametrize("launcher", ["local", "dask"])
 def test_a_killed_rank_of_a_dp_shard_x_tp_job_resumes_to_the_same_weights(prepared, reference, tmp_path, launcher,
                                                                          request):
     engine = DaskEngine(request.getfixturevalue("four_dask_workers")) if launcher == "dask" else LocalEngine()
     cfg = TrainingConfig(launcher=launcher, checkpoint_dir=str(tmp_path / "ckpt"), **MESH)
-    done, killed = threading.Event(), []
-    watcher = threading.Thread(target=_kill_rank_after_first_checkpoint, args=(tmp_path / "ckpt", 3, done, killed))
+    done, seen = threading.Event(), {}
+    watcher = threading.Thread(target=_kill_and_watch_the_relaunch, args=(tmp_path / "ckpt", 3, 4, done, seen))
     watcher.start()
     try:
         result = run_training(cfg, TrackingConfig(experiment=f"mesh-kill-{launcher}",
@@ -78,8 +117,10 @@ def test_a_killed_rank_of_a_dp_shard_x_tp_job_resumes_to_the_same_weights(prepar
     finally:
         done.set()
         watcher.join()
-    assert killed, "the rank was never killed"
+    assert "killed" in seen, "the rank was never killed"
     assert MlflowClient().get_run(result.run_id).data.metrics.get("restarts") == 1, "the kill missed training"
+    # No rank of the killed attempt outlives it into the relaunch's group.
+    assert seen.get("alive") == [], seen
     _equal(result.weights, reference.weights)
 
 
