@@ -87,6 +87,50 @@ def test_logging_a_model_leaves_sys_path_as_it_found_it(prepared, tracking_uri):
     assert [p for p in sys.path if p not in before and p != os.getcwd()] == []
 
 
+def _shardline_here(rank, world_size, payload) -> str:
+    import shardline
+
+    return shardline.__file__
+
+
+def test_a_rank_server_started_after_loading_a_model_runs_this_shardline(prepared, tracking_uri, tmp_path):
+    """MLflow's load_model (a notebook's, a Dask worker's scoring task) leaves the model's code
+    folder, with the copy of shardline's engine packages it was logged with, first on sys.path;
+    a rank server started afterwards imported shardline from that partial, older copy."""
+    import mlflow
+    import shardline
+
+    from shardline.training.config import TrainingConfig
+    from shardline.training.launchers import free_port
+    from shardline.training.launchers.rank_call import RankCall, write_call
+    from shardline.training.launchers.rank_process import RankServer
+    from shardline.training.models.builtin import build_model
+    from shardline.training.models.registered import log_raw_model
+
+    manifest = load_manifest(prepared.dataset_dir)
+    cfg = TrainingConfig(model="mlp", hidden=[4])
+    mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_experiment("model-path-test")
+    with mlflow.start_run():
+        info = log_raw_model(build_model(manifest, cfg).eval(), manifest, cfg, None, pip_requirements=["torch"])
+    mlflow.pyfunc.load_model(info.model_uri)
+    ours = os.path.realpath(os.path.dirname(shardline.__file__))
+    copies = [p for p in sys.path if os.path.isfile(os.path.join(p, "shardline", "__init__.py"))
+              and os.path.realpath(os.path.join(p, "shardline")) != ours]
+    assert copies, "load_model left no copy of shardline on sys.path: nothing here to check"
+    server = RankServer()
+    try:
+        assert server.wait_ready(120)
+        write_call(str(tmp_path / "call"), RankCall(_shardline_here, 0, 1, f"tcp://127.0.0.1:{free_port()}", None, 60),
+                   None)
+        rank = server.start(str(tmp_path / "call"), str(tmp_path / "result"))
+        assert rank.wait(120) == 0, rank.outcome()
+        said, where = rank.outcome()
+        assert said == "ok" and os.path.realpath(os.path.dirname(where)) == ours, (where, copies)
+    finally:
+        server.stop()
+
+
 USER_FACTORY = '''
 from torch import nn
 

@@ -55,7 +55,27 @@ class RankCall:
 
 def setup_here() -> dict:
     """This process's environment, folder and import path: what its rank process gets."""
-    return {"env": dict(os.environ), "cwd": os.getcwd(), "sys_path": [p or os.getcwd() for p in sys.path]}
+    return {"env": dict(os.environ), "cwd": os.getcwd(), "sys_path": import_path()}
+
+
+def import_path() -> list[str]:
+    """This process's sys.path for a process it starts (a rank, its server), each entry
+    absolute, less any folder that holds a copy of shardline other than the one running here.
+    MLflow's `load_model` of a shardline model (a notebook's, a Dask worker's scoring task)
+    leaves the model's code folder, with the copy of shardline's engine packages it was logged
+    with, first on sys.path: this process keeps the shardline it imported, but a process
+    started from it would import the model's partial, older copy instead."""
+    import shardline
+
+    ours = os.path.realpath(os.path.dirname(shardline.__file__))
+    path = []
+    for entry in sys.path:
+        entry = entry or os.getcwd()
+        copy = os.path.join(entry, "shardline")
+        if os.path.isfile(os.path.join(copy, "__init__.py")) and os.path.realpath(copy) != ours:
+            continue
+        path.append(entry)
+    return path
 
 
 def write_call(path: str, call: RankCall | bytes, code: UserCode | None, setup: dict | None = None) -> None:

@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any
 
-from .rank_call import read_result
+from .rank_call import import_path, read_result
 from .rank_server import FDS_PER_REQUEST, HEADER
 
 # The server's first lines: its sys.path is the launcher's (a test's modules, a Dask
@@ -100,11 +100,12 @@ class RankProcess:
 
 class RankServer:
     """A rank server started by this process: a fresh interpreter with this one's flags and
-    sys.path (training.launchers.rank_server), its stdout and stderr this process's of now."""
+    sys.path (rank_call.import_path: less another copy of shardline) (training.launchers.rank_server),
+    its stdout and stderr this process's of now."""
 
     def __init__(self):
         ours, theirs = socket.socketpair()
-        env = {**os.environ, "SHARDLINE_RANK_SERVER_PATH": json.dumps([p or os.getcwd() for p in sys.path])}
+        env = {**os.environ, "SHARDLINE_RANK_SERVER_PATH": json.dumps(import_path())}
         # The interpreter's own flags (-S on a Dask CLI worker that runs without site-packages'
         # .pth files, -X options): the ones multiprocessing passes its spawned children.
         flags = subprocess._args_from_interpreter_flags()
