@@ -13,6 +13,7 @@ from shardline.pipelines.config import PipelineConfig
 from shardline.foundation.engine_config import SparkConfig
 
 from .cli_inprocess import run_cli
+from .mlflow_store import env_without_store
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -258,7 +259,7 @@ def absolute_paths(root: Path) -> list[str]:
 
 def shardline(*args: str, cwd: Path, env: dict | None = None, timeout: int = 600):
     """Run the real CLI in a subprocess, as a user would: default store is cwd/mlflow.db."""
-    base = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    base = env_without_store()
     return subprocess.run(
         [sys.executable, "-m", "shardline.jobs.cli", *args],
         cwd=cwd,

@@ -16,6 +16,7 @@ from shardline.foundation.lease import process_alive
 from shardline.training.checkpoints.store import CheckpointStore
 
 from .conftest import REPO
+from .mlflow_store import env_without_store
 
 QUICKSTART = REPO / "jobs" / "configs" / "quickstart.toml"
 # A loaded 2-core machine starts a driver and its ranks in minutes, not seconds.
@@ -41,7 +42,7 @@ def start_driver(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
     """`shardline ARGS` in its own session: the test can SIGKILL the driver alone, and
     its cleanup can stop the whole group (ranks included) if they outlived it."""
     cwd.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env = env_without_store()
     with open(log, "wb") as sink:
         return subprocess.Popen([sys.executable, "-m", "shardline.jobs.cli", *args], cwd=cwd, env=env,
                                 stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)

@@ -13,12 +13,19 @@ a store made in its own folder would have.
 from __future__ import annotations
 
 import atexit
+import os
 import shutil
 import sqlite3
 import tempfile
 from pathlib import Path
 
 _TEMPLATE: list[Path] = []
+
+
+def env_without_store() -> dict[str, str]:
+    """This process's environment less the session's MLflow store (MLFLOW_TRACKING_URI, set by
+    conftest for in-process jobs): for a subprocess that must choose its own, as a user's would."""
+    return {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
 
 
 def template() -> Path:

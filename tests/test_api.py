@@ -16,6 +16,7 @@ import shardline
 from .conftest import shardline as shardline_cli
 from .conftest import shardline_here
 from .defaults_helpers import FEATURES, ROWS, small_dataset  # noqa: F401 (a fixture)
+from .mlflow_store import env_without_store
 
 
 def _dask_run_config(root: Path) -> Path:
@@ -73,7 +74,7 @@ def test_run_on_dask_starts_no_spark(tmp_path, new_store):
     # The control runs beside the job (each is mostly one busy core), in a folder of its own.
     (tmp_path / "control").mkdir()
     control_cfg = _dask_run_config(tmp_path / "control")
-    base = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # as conftest.shardline
+    base = env_without_store()  # as conftest.shardline
     control = subprocess.Popen(
         [sys.executable, "-m", "shardline.jobs.cli", "prepare", str(control_cfg), "--engine", "spark"],
         cwd=tmp_path / "control", env={**base, **no_java}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -14,7 +14,7 @@ import pytest
 
 from .conftest import REPO, shardline_here
 from .faults_helpers import stop_group, wait_for
-from .mlflow_store import empty_store
+from .mlflow_store import empty_store, env_without_store
 
 BIN = Path(sys.executable).parent
 QUICKSTART = REPO / "jobs" / "configs" / "quickstart.toml"
@@ -38,7 +38,7 @@ def _shardline_in_background(*args: str, cwd: Path, env: dict) -> tuple[subproce
     """The real CLI as conftest.shardline runs it (default store cwd/mlflow.db), not waited
     for: its stderr goes to a file the test reads while the job runs. Its own session, so
     that stop_group ends its ranks with it."""
-    base = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    base = env_without_store()
     stderr = cwd / "shardline.stderr"
     with open(cwd / "shardline.stdout", "wb") as out, open(stderr, "wb") as err:
         proc = subprocess.Popen([sys.executable, "-m", "shardline.jobs.cli", *args], cwd=cwd, env={**base, **env},

@@ -30,7 +30,7 @@ from shardline.training.checkpoints.store import CheckpointStore
 
 from .conftest import REPO
 from .faults_helpers import alive, cpu_hogs, rank_pids, start_driver, stop_group, train_args, wait_for
-from .mlflow_store import empty_store
+from .mlflow_store import empty_store, env_without_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -84,7 +84,7 @@ def test_ctrl_c_under_spark_submit_is_aborted_and_exits_130(prepared, spark_stan
            "--driver-java-options", f"-Dlog4j2.configurationFile=file:{LOG4J}",
            str(REPO / "jobs" / "spark_submit.py"),
            *train_args(prepared.dataset_dir, ckpt, **{"training.launcher": "'spark'", "training.epochs": "400"})]
-    env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, **spark_standalone.env}
+    env = {**env_without_store(), **spark_standalone.env}
     empty_store(tmp_path)
     with cpu_hogs(2):
         with open(log, "wb") as sink:

@@ -32,6 +32,7 @@ from shardline.training.checkpoints.store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
 
+from .mlflow_store import env_without_store
 
 pytestmark = pytest.mark.slow
 
@@ -158,7 +159,7 @@ def test_meshes_on_a_spark_barrier_stage_of_4_tasks(prepared, reference, tmp_pat
                       "training.hidden=[16, 16]", "training.epochs=1"]}  # trains: 1 epoch says so
     args = [";".join([*mesh, f"training.checkpoint_dir='{tmp_path / name}'",
                       f"tracking.registered_model='mesh-spark-{name}'"]) for name, mesh in jobs.items()]
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env = env_without_store()
     proc = subprocess.run([sys.executable, "-c", SPARK_JOBS, str(config), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

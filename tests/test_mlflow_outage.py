@@ -24,6 +24,7 @@ from shardline.training.job import run_training
 from .cli_inprocess import forget_tracking_uri
 from .conftest import REPO, absolute_paths, shardline_here
 from .fixtures_s3 import NO_JOB_RUNNER, free_port, stop_group, wait_until
+from .mlflow_store import env_without_store
 from .storage_helpers import hold_until_exists
 from .test_checkpoints import _cfg, _equal
 
@@ -49,7 +50,7 @@ class _Heard(report.Reporter):
 
 
 def _start_server(root: Path, port: int) -> subprocess.Popen:
-    env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, **NO_JOB_RUNNER}
+    env = {**env_without_store(), **NO_JOB_RUNNER}
     with open(root / "server.log", "a") as log:
         return subprocess.Popen(
             [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",

@@ -22,6 +22,7 @@ VAL_METRICS = ("val_loss", "val_accuracy")  # what a classification run with a v
 from shardline.training.sweeps.config import SweepConfig
 
 from .conftest import shardline_here
+from .mlflow_store import env_without_store
 
 
 def sweep_config(name: str, space: dict, **kw) -> SweepConfig:
@@ -301,7 +302,7 @@ def test_killed_sweep_resumes_without_rerunning_completed_trials_and_best_scores
     cfg = write_config(tmp_path, prepared, LR_SPACE)
     db = tmp_path / "mlflow-optuna.db"  # beside the default tracking store, ./mlflow.db
     cmd = [sys.executable, "-m", "shardline.jobs.cli", "sweep", str(cfg), "--trials", "2", "--parallel", "1", "--name", "resume"]
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env = env_without_store()
     log = tmp_path / "sweep.log"
     import optuna
 

@@ -9,7 +9,6 @@ processes of their own, and the cluster tests on the session's clusters.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from .defaults_helpers import FEATURES, small_dataset  # noqa: F401 (a fixture)
+from .mlflow_store import env_without_store
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +61,7 @@ def _project(root: Path) -> Path:
 
 
 def _env() -> dict:
-    return {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    return env_without_store()
 
 
 def test_a_user_project_with_its_own_training_and_jobs(small_dataset, tmp_path):  # noqa: F811
