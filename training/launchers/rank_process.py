@@ -99,9 +99,9 @@ class RankProcess:
 
 
 class RankServer:
-    """A rank server started by this process: a fresh interpreter with this one's flags and
-    sys.path (rank_call.import_path: less another copy of shardline) (training.launchers.rank_server),
-    its stdout and stderr this process's of now."""
+    """A rank server started by this process (training.launchers.rank_server): a fresh
+    interpreter with this one's flags and sys.path (less any other copy of shardline:
+    rank_call.import_path), its stdout and stderr this process's of now."""
 
     def __init__(self):
         ours, theirs = socket.socketpair()
