@@ -131,6 +131,23 @@ def test_a_rank_server_started_after_loading_a_model_runs_this_shardline(prepare
         server.stop()
 
 
+def test_only_a_models_code_folder_is_left_off_a_ranks_path(tmp_path, monkeypatch):
+    """Another checkout of shardline on the path stays (a Dask worker runs shardline from its
+    client's zip, started in a user's folder that holds one and the user's own modules): the
+    first rule here, any other copy left out, lost a worker's folder and the ranks could not
+    import the tests' functions."""
+    from shardline.training.launchers.rank_call import import_path
+
+    model, checkout = tmp_path / "model", tmp_path / "checkout"
+    for folder in (model / "code", checkout):
+        (folder / "shardline").mkdir(parents=True)
+        (folder / "shardline" / "__init__.py").write_text("")
+    (model / "MLmodel").write_text("flavors: {}\n")
+    monkeypatch.setattr(sys, "path", [str(model / "code"), str(checkout), *sys.path])
+    path = import_path()
+    assert str(model / "code") not in path and path[0] == str(checkout)
+
+
 USER_FACTORY = '''
 from torch import nn
 

@@ -60,19 +60,19 @@ def setup_here() -> dict:
 
 def import_path() -> list[str]:
     """This process's sys.path for a process it starts (a rank, its server), each entry
-    absolute, less any folder that holds a copy of shardline other than the one running here.
-    MLflow's `load_model` of a shardline model (a notebook's, a Dask worker's scoring task)
-    leaves the model's code folder, with the copy of shardline's engine packages it was logged
-    with, first on sys.path: this process keeps the shardline it imported, but a process
-    started from it would import the model's partial, older copy instead."""
-    import shardline
-
-    ours = os.path.realpath(os.path.dirname(shardline.__file__))
+    absolute, less any MLflow model's code folder that holds a copy of shardline. MLflow's
+    `load_model` of a shardline model (a notebook's, a Dask worker's scoring task) leaves the
+    model's code folder (`<model>/code`, beside its `MLmodel`), with the copy of shardline's
+    engine packages it was logged with, first on sys.path: this process keeps the shardline it
+    imported, but a process started from it would import that partial, older copy instead.
+    Only a model's folder is left out: a Dask worker runs shardline from the zip its client
+    shipped, beside a folder of the user's (its working folder) that may hold another
+    checkout of shardline and the user's own modules."""
     path = []
     for entry in sys.path:
         entry = entry or os.getcwd()
-        copy = os.path.join(entry, "shardline")
-        if os.path.isfile(os.path.join(copy, "__init__.py")) and os.path.realpath(copy) != ours:
+        in_a_model = os.path.isfile(os.path.join(os.path.dirname(os.path.normpath(entry)), "MLmodel"))
+        if in_a_model and os.path.isfile(os.path.join(entry, "shardline", "__init__.py")):
             continue
         path.append(entry)
     return path

@@ -100,7 +100,7 @@ class RankProcess:
 
 class RankServer:
     """A rank server started by this process (training.launchers.rank_server): a fresh
-    interpreter with this one's flags and sys.path (less any other copy of shardline:
+    interpreter with this one's flags and sys.path (less a model's copy of shardline:
     rank_call.import_path), its stdout and stderr this process's of now."""
 
     def __init__(self):
