@@ -100,7 +100,7 @@ def _kill_and_watch_the_relaunch(ckpt: Path, rank: int, world_size: int, done: t
         if len(now) == world_size and not {pid for pid, _ in now.values()} & old:
             seen["alive"] = [pid for pid, start in seen["first"].values() if start and process_alive(pid, start)]
             return
-        time.sleep(0.005)
+        time.sleep(0.02)  # four files and their /proc entries a look: the ranks share two cores
 
 
 @pytest.mark.parametrize("launcher", ["local", "dask"])

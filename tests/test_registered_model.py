@@ -66,37 +66,20 @@ def test_the_registered_model_holds_safetensors_and_json_not_a_pickle(prepared, 
         assert (v == result.weights[k]).all(), k
 
 
-def test_logging_a_model_leaves_sys_path_as_it_found_it(prepared, tracking_uri):
-    """MLflow loads a logged model back to check its input example and leaves the model's code
-    folder, with its copy of shardline's engine packages, first on sys.path; a process started
-    from the driver afterwards (multiprocessing, a rank server) imported shardline from it."""
-    import mlflow
-
-    from shardline.training.config import TrainingConfig
-    from shardline.training.models.builtin import build_model
-    from shardline.training.models.registered import log_raw_model
-
-    manifest = load_manifest(prepared.dataset_dir)
-    cfg = TrainingConfig(model="mlp", hidden=[4])
-    before = list(sys.path)
-    mlflow.set_tracking_uri(tracking_uri)
-    mlflow.set_experiment("model-path-test")
-    with mlflow.start_run():
-        log_raw_model(build_model(manifest, cfg).eval(), manifest, cfg, None, pip_requirements=["torch"])
-    # The folder the job runs from may be added (a user's project is importable: user_code).
-    assert [p for p in sys.path if p not in before and p != os.getcwd()] == []
-
-
 def _shardline_here(rank, world_size, payload) -> str:
     import shardline
 
     return shardline.__file__
 
 
-def test_a_rank_server_started_after_loading_a_model_runs_this_shardline(prepared, tracking_uri, tmp_path):
-    """MLflow's load_model (a notebook's, a Dask worker's scoring task) leaves the model's code
-    folder, with the copy of shardline's engine packages it was logged with, first on sys.path;
-    a rank server started afterwards imported shardline from that partial, older copy."""
+def test_a_model_leaves_no_copy_of_shardline_on_the_paths_of_the_processes_started_after(prepared, tracking_uri,
+                                                                                         tmp_path):
+    """MLflow puts a model's code folder, with the copy of shardline's engine packages it was
+    logged with, first on sys.path and leaves it there: when `log_model` loads the model back to
+    check its input example, and in `load_model` (a notebook's, a Dask worker's scoring task).
+    A process started from the driver afterwards (multiprocessing, a rank server) imported
+    shardline from that partial, older copy. Logging now puts the path back; a rank server
+    started after a load leaves the model's folder off its path."""
     import mlflow
     import shardline
 
@@ -111,8 +94,12 @@ def test_a_rank_server_started_after_loading_a_model_runs_this_shardline(prepare
     cfg = TrainingConfig(model="mlp", hidden=[4])
     mlflow.set_tracking_uri(tracking_uri)
     mlflow.set_experiment("model-path-test")
+    before = list(sys.path)
     with mlflow.start_run():
         info = log_raw_model(build_model(manifest, cfg).eval(), manifest, cfg, None, pip_requirements=["torch"])
+    # The folder the job runs from may be added (a user's project is importable: user_code).
+    assert [p for p in sys.path if p not in before and p != os.getcwd()] == []
+
     mlflow.pyfunc.load_model(info.model_uri)
     ours = os.path.realpath(os.path.dirname(shardline.__file__))
     copies = [p for p in sys.path if os.path.isfile(os.path.join(p, "shardline", "__init__.py"))
