@@ -12,7 +12,6 @@ is full tier too; its resume logic is the quick tier's tests/test_strategy_jobs.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -31,6 +30,7 @@ from shardline.training.checkpoints import sharded
 from shardline.training.checkpoints.store import CheckpointStore
 from shardline.training.config import TrackingConfig, TrainingConfig
 from shardline.training.job import run_training
+from shardline.training.launchers import announced
 
 from .mlflow_store import env_without_store
 
@@ -69,14 +69,8 @@ def four_dask_workers():
 
 def _ranks_of(ckpt: Path, world_size: int) -> dict[int, tuple[int, str | None]]:
     """Each rank's process as it announced itself (ranks/rank-N.json), with its start time."""
-    said = {}
-    for rank in range(world_size):
-        try:
-            pid = json.loads((ckpt / "ranks" / f"rank-{rank}.json").read_text())["pid"]
-        except (FileNotFoundError, ValueError):
-            continue
-        said[rank] = (pid, process_start_ticks(pid))
-    return said
+    said = {rank: announced(str(ckpt / "ranks"), rank) for rank in range(world_size)}
+    return {rank: (info["pid"], process_start_ticks(info["pid"])) for rank, info in said.items() if info}
 
 
 def _kill_and_watch_the_relaunch(ckpt: Path, rank: int, world_size: int, done: threading.Event,
